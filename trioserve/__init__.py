@@ -1,0 +1,79 @@
+"""trioserve: a streaming LLM inference server and library on Trio.
+
+Each request opens a nursery with a producer (inference in a worker thread, with an
+abort check that reaches into llama.cpp) and a consumer, linked by a zero-capacity
+channel; cancelling that one scope — client disconnect, deadline, shutdown, or your own
+cancel scope — tears every layer down deterministically.
+
+The public API is everything listed in ``__all__``; modules starting with ``_`` are
+private.
+"""
+
+from ._backends import (
+    Backend,
+    GenerationProgress,
+    LlamaBackend,
+    LlamaSettings,
+    ModelInfo,
+    PreparedPrompt,
+    ScriptedBackend,
+    ThreadedBackend,
+)
+from ._engine import Engine, EventStream, StreamTimings
+from ._exceptions import (
+    AuthenticationError,
+    BackendError,
+    ContextLengthError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    MethodNotAllowedError,
+    NotFoundError,
+    OverloadedError,
+    PayloadTooLargeError,
+    ServiceUnavailableError,
+    TrioserveError,
+    UnsupportedMediaTypeError,
+)
+from ._http import HTTPSettings, ServerState, create_app
+from ._models import default_model_path
+from ._server import Server, ServerSettings, serve_until_signalled
+from ._types import EndCause, Finished, GenerationRequest, SamplingParams, TextDelta, Usage
+
+__all__ = [
+    "AuthenticationError",
+    "Backend",
+    "BackendError",
+    "ContextLengthError",
+    "DeadlineExceededError",
+    "EndCause",
+    "Engine",
+    "EventStream",
+    "Finished",
+    "GenerationProgress",
+    "GenerationRequest",
+    "HTTPSettings",
+    "InvalidRequestError",
+    "LlamaBackend",
+    "LlamaSettings",
+    "MethodNotAllowedError",
+    "ModelInfo",
+    "NotFoundError",
+    "OverloadedError",
+    "PayloadTooLargeError",
+    "PreparedPrompt",
+    "SamplingParams",
+    "ScriptedBackend",
+    "Server",
+    "ServerSettings",
+    "ServerState",
+    "ServiceUnavailableError",
+    "StreamTimings",
+    "TextDelta",
+    "ThreadedBackend",
+    "TrioserveError",
+    "UnsupportedMediaTypeError",
+    "Usage",
+    "create_app",
+    "default_model_path",
+    "serve_until_signalled",
+]

@@ -1,0 +1,90 @@
+"""Admission: a fixed number of slots and a bounded FIFO queue in front of them.
+
+A request either gets a slot, waits in the queue (first come, first served), or is
+refused at once with :class:`OverloadedError` — never queued without bound. Waiting is
+an ordinary Trio wait, so a queued request that is cancelled (client gone, deadline,
+shutdown) leaves the queue at that instant; nothing polls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+from ._exceptions import OverloadedError
+
+__all__ = ["Admission"]
+
+
+class Admission:
+    """``slots`` concurrent holders; at most ``max_queue`` waiting, served in order.
+
+    Args:
+        slots: how many requests may hold a slot at once (≥ 1).
+        max_queue: how many may wait for one (≥ 0); beyond that, requests are refused.
+        expected_service_time: a rough seconds-per-request estimate used for
+            ``Retry-After`` and for refusing requests whose deadline cannot be met
+            while they would still be queued.
+    """
+
+    def __init__(self, slots: int, max_queue: int, *, expected_service_time: float = 1.0) -> None:
+        if slots < 1:
+            raise ValueError("slots must be at least 1")
+        if max_queue < 0:
+            raise ValueError("max_queue must be at least 0")
+        self.slots = slots
+        self.max_queue = max_queue
+        self.expected_service_time = expected_service_time
+        # trio's Semaphore wakes waiters in FIFO order (its ParkingLot is a FIFO).
+        self._semaphore = trio.Semaphore(slots)
+        self.queued = 0
+
+    @property
+    def in_use(self) -> int:
+        return self.slots - self._semaphore.value
+
+    def retry_after(self) -> float:
+        """Seconds a refused client should wait before trying again."""
+        backlog = (self.queued + self.in_use) / self.slots
+        return max(1.0, math.ceil(backlog * self.expected_service_time))
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Hold one slot for the body of the ``async with``.
+
+        Raises:
+            OverloadedError: the queue is full, or the caller's deadline (the effective
+                deadline of its cancel scopes) will pass before a slot frees up.
+
+        Cancellation: if cancelled while queued, the request leaves the queue at once
+        and no slot is taken. The slot is released when the block exits, however it exits.
+        """
+        if self._semaphore.value == 0:
+            if self.queued >= self.max_queue:
+                raise OverloadedError(
+                    f"server is at capacity ({self.slots} running, {self.queued} queued); "
+                    "retry later",
+                    retry_after=self.retry_after(),
+                )
+            ahead = self.queued + 1
+            expected_wait = ahead * self.expected_service_time / self.slots
+            if trio.current_time() + expected_wait > trio.current_effective_deadline():
+                raise OverloadedError(
+                    f"the request's deadline would pass while it is queued "
+                    f"({ahead} ahead, about {expected_wait:.1f} s); retry later or allow "
+                    "more time",
+                    retry_after=self.retry_after(),
+                    code="deadline_unreachable",
+                )
+        self.queued += 1
+        try:
+            await self._semaphore.acquire()
+        finally:
+            self.queued -= 1
+        try:
+            yield
+        finally:
+            self._semaphore.release()

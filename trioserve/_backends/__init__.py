@@ -1,0 +1,17 @@
+"""Backends: what makes tokens. The engine sees only :class:`Backend`."""
+
+from ._base import Backend, GenerationProgress, ModelInfo, PreparedPrompt
+from ._llama import LlamaBackend, LlamaSettings
+from ._scripted import ScriptedBackend
+from ._threaded import ThreadedBackend
+
+__all__ = [
+    "Backend",
+    "GenerationProgress",
+    "LlamaBackend",
+    "LlamaSettings",
+    "ModelInfo",
+    "PreparedPrompt",
+    "ScriptedBackend",
+    "ThreadedBackend",
+]

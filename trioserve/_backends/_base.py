@@ -1,0 +1,128 @@
+"""The backend interface: the one seam between the engine and whatever makes tokens.
+
+A backend turns a prepared prompt into a stream of token *bytes* sent on a Trio memory
+channel, and returns why it stopped. The engine owns everything else (admission, the
+per-request nursery, text assembly, stop sequences, deadlines), so a backend stays
+small. Three shapes fit it:
+
+* a local model driven from a worker thread (:class:`ThreadedBackend`: llama.cpp,
+  the scripted backend),
+* an upstream OpenAI-compatible server read with an async HTTP client (later),
+* a batched scheduler that multiplexes many sequences over one context (later).
+
+Contract for :meth:`Backend.generate`:
+
+* ``send`` is the producer end of the request's channel. ``await send.send(piece)``
+  blocks while the consumer is not reading: that is the backpressure. The engine
+  closes ``send`` when ``generate`` returns or raises.
+* If the surrounding cancel scope is cancelled, ``generate`` must stop generating
+  promptly (well under one decode step), leave its model state as a fresh request would
+  find it, and raise ``trio.Cancelled``.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import trio
+
+from .._types import GenerationRequest
+
+__all__ = ["Backend", "GenerationProgress", "ModelInfo", "PreparedPrompt"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelInfo:
+    id: str
+    context_length: int
+    #: A Jinja chat template from the model's metadata, if it has one.
+    chat_template: str | None = None
+    #: The model architecture (``general.architecture``), for the chat fallback.
+    architecture: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PreparedPrompt:
+    """A request after tokenization and validation: ready to run, nothing left to refuse."""
+
+    request: GenerationRequest
+    tokens: Sequence[int]
+    #: ``max_tokens`` resolved against the context: how many tokens may be generated.
+    max_new_tokens: int
+
+
+class GenerationProgress:
+    """Counters one generation updates as it runs (read by the engine for usage/metrics).
+
+    Written only by the producer (its thread), read by the engine after the producer
+    has finished, so no lock is needed.
+    """
+
+    __slots__ = ("completion_tokens", "prefill_seconds", "prompt_tokens")
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.prefill_seconds = 0.0
+
+
+class Backend(ABC):
+    """What makes tokens. See the module docstring for the cancellation contract."""
+
+    @property
+    @abstractmethod
+    def info(self) -> ModelInfo: ...
+
+    @property
+    @abstractmethod
+    def slots(self) -> int:
+        """How many generations may run at once."""
+
+    @abstractmethod
+    async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
+        """Tokenize and validate. Raises :class:`InvalidRequestError` subclasses."""
+
+    @abstractmethod
+    async def generate(
+        self,
+        prompt: PreparedPrompt,
+        send: trio.MemorySendChannel[bytes],
+        progress: GenerationProgress,
+    ) -> Literal["stop", "length"]:
+        """Generate into ``send`` until end-of-sequence (``"stop"``) or the token limit
+        (``"length"``). Cancellation: see the module docstring."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release the model. Called once, when the engine closes."""
+
+
+class ActiveThreads:
+    """Counts inference threads that are inside a generation right now.
+
+    Tests and the health endpoint use it to prove that a cancelled request's thread has
+    really returned, not merely been abandoned.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self.total_started = 0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self._count += 1
+            self.total_started += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._lock:
+            self._count -= 1
+
+    @property
+    def count(self) -> int:
+        return self._count

@@ -1,0 +1,134 @@
+"""A scripted backend: deterministic tokens at a set pace, for tests and benchmarks.
+
+It behaves like the llama.cpp backend where the engine can tell: it runs in a worker
+thread, "prefills" for a time proportional to the prompt, emits one piece per
+``token_interval``, and checks for cancellation at the same points (between tokens, and
+every millisecond inside prefill and inside a decode step, as llama.cpp's abort callback
+does between graph nodes). Its tokenizer is UTF-8 bytes: one token per byte.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Literal
+
+import trio
+
+from .._exceptions import ContextLengthError, InvalidRequestError
+from .._types import GenerationRequest
+from ._base import GenerationProgress, ModelInfo, PreparedPrompt
+from ._threaded import Emit, ThreadedBackend
+
+__all__ = ["ScriptedBackend"]
+
+#: granularity of the abort check inside a simulated prefill or decode step
+_ABORT_CHECK_INTERVAL = 0.001
+
+
+def _default_script() -> list[bytes]:
+    return [f" tok{i}".encode() for i in range(100_000)]
+
+
+class ScriptedBackend(ThreadedBackend):
+    """Emits ``script`` one piece at a time, then end-of-sequence.
+
+    Args:
+        script: the pieces (bytes, so tests can split UTF-8 characters across pieces).
+            Default: `` tok0``, `` tok1``, … (long enough never to end on its own).
+        token_interval: seconds per decode step.
+        prefill_seconds_per_token: seconds of simulated prompt processing per prompt byte.
+        slots: concurrent generations.
+        context_length: the simulated context size.
+        model_id: the name ``/v1/models`` reports.
+    """
+
+    def __init__(
+        self,
+        script: Sequence[bytes] | None = None,
+        *,
+        token_interval: float = 0.0,
+        prefill_seconds_per_token: float = 0.0,
+        slots: int = 1,
+        context_length: int = 4096,
+        model_id: str = "scripted",
+    ) -> None:
+        super().__init__()
+        self.script = list(script) if script is not None else _default_script()
+        self.token_interval = token_interval
+        self.prefill_seconds_per_token = prefill_seconds_per_token
+        self._slots = slots
+        self._info = ModelInfo(id=model_id, context_length=context_length, architecture="scripted")
+        #: per finished or cancelled generation: how many pieces it emitted
+        self.completed_runs: list[int] = []
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def slots(self) -> int:
+        return self._slots
+
+    async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
+        if isinstance(request.prompt, str):
+            tokens: Sequence[int] = list(request.prompt.encode())
+        else:
+            tokens = list(request.prompt)
+        if not tokens:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        n_ctx = self._info.context_length
+        if len(tokens) >= n_ctx:
+            raise ContextLengthError(
+                f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}; "
+                f"shorten it to at most {n_ctx - 1} tokens",
+                param="prompt",
+            )
+        room = n_ctx - len(tokens)
+        max_new = room if request.max_tokens is None else request.max_tokens
+        if max_new > room:
+            raise ContextLengthError(
+                f"max_tokens is {max_new} but only {room} tokens fit after the "
+                f"{len(tokens)}-token prompt (context {n_ctx})",
+                param="max_tokens",
+            )
+        return PreparedPrompt(request=request, tokens=tokens, max_new_tokens=max_new)
+
+    async def generate(
+        self,
+        prompt: PreparedPrompt,
+        send: trio.MemorySendChannel[bytes],
+        progress: GenerationProgress,
+    ) -> Literal["stop", "length"]:
+        return await self.run_in_thread(self._infer, prompt, send, progress)
+
+    def _infer(
+        self, prompt: PreparedPrompt, emit: Emit, progress: GenerationProgress
+    ) -> Literal["stop", "length"]:
+        emitted = 0
+        try:
+            started = time.perf_counter()
+            _busy_wait(len(prompt.tokens) * self.prefill_seconds_per_token)
+            progress.prefill_seconds = time.perf_counter() - started
+            for piece in self.script:
+                if emitted >= prompt.max_new_tokens:
+                    return "length"
+                _busy_wait(self.token_interval)
+                progress.completion_tokens += 1
+                emit(piece)
+                emitted += 1
+            return "stop"
+        finally:
+            self.completed_runs.append(emitted)
+
+
+def _busy_wait(seconds: float) -> None:
+    """Sleep ``seconds`` in small steps, checking for cancellation at each one."""
+    check_cancelled = trio.from_thread.check_cancelled
+    check_cancelled()
+    if seconds <= 0:
+        return
+    deadline = time.perf_counter() + seconds
+    while (remaining := deadline - time.perf_counter()) > 0:
+        time.sleep(min(remaining, _ABORT_CHECK_INTERVAL))
+        check_cancelled()

@@ -1,0 +1,179 @@
+"""``trioserve serve``: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from ._backends import Backend, LlamaBackend, LlamaSettings, ScriptedBackend
+from ._http import HTTPSettings
+from ._server import Server, ServerSettings, serve_until_signalled
+
+__all__ = ["main"]
+
+logger = logging.getLogger("trioserve")
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trioserve", description="A streaming LLM server where stop really stops."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve a GGUF model over an OpenAI-compatible API")
+    model = serve.add_argument_group("model")
+    model.add_argument("--model", type=Path, help="path to a GGUF file (default: Gemma 3 270M, from PyPI)")
+    model.add_argument("--model-id", help="the model name clients use (default: the file name)")
+    model.add_argument("--ctx-size", type=int, default=4096, help="context length per slot (default: 4096)")
+    model.add_argument(
+        "--threads", type=int, default=None, help="CPU threads per decode (default: all cores)"
+    )
+    model.add_argument("--batch-size", type=int, default=512, help="prompt tokens per prefill step (default: 512)")
+    model.add_argument(
+        "--scripted",
+        action="store_true",
+        help="serve the scripted test backend instead of a model (for benchmarking the stack)",
+    )
+    model.add_argument(
+        "--scripted-interval", type=float, default=0.01, help="seconds per scripted token (default: 0.01)"
+    )
+    net = serve.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    net.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
+    admission = serve.add_argument_group("admission and limits")
+    admission.add_argument("--slots", type=int, default=1, help="generations at once (default: 1)")
+    admission.add_argument("--max-queue", type=int, default=16, help="requests waiting for a slot (default: 16)")
+    admission.add_argument(
+        "--default-timeout", type=_positive_float, default=None,
+        help="seconds a request may take when it sends no X-Request-Timeout (default: none)",
+    )
+    admission.add_argument(
+        "--max-timeout", type=_positive_float, default=600.0, help="cap on X-Request-Timeout (default: 600)"
+    )
+    admission.add_argument(
+        "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="request body limit (default: 4 MiB)"
+    )
+    admission.add_argument(
+        "--shutdown-grace", type=float, default=10.0,
+        help="seconds in-flight streams get to finish on SIGTERM before they are cancelled (default: 10)",
+    )
+    logs = serve.add_argument_group("logging")
+    logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    logs.add_argument("--log-format", default="human", choices=["human", "json"])
+    return parser
+
+
+class _JSONFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(
+            {
+                "time": self.formatTime(record),
+                "level": record.levelname.lower(),
+                "logger": record.name,
+                "message": record.getMessage(),
+            }
+        )
+
+
+def _configure_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JSONFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    logging.getLogger("trioserve").setLevel(level.upper())
+
+
+def _loader(args: argparse.Namespace) -> tuple[str, functools.partial[object]]:
+    if args.scripted:
+        backend = ScriptedBackend(token_interval=args.scripted_interval, slots=args.slots, context_length=args.ctx_size)
+
+        async def scripted() -> Backend:
+            return backend
+
+        return "scripted backend", functools.partial(scripted)
+    if args.model is None:
+        from ._models import default_model_path
+
+        path = default_model_path(progress=sys.stderr.isatty())
+    else:
+        path = args.model
+    settings = LlamaSettings(
+        path,
+        n_ctx=args.ctx_size,
+        n_threads=args.threads,
+        n_batch=args.batch_size,
+        slots=args.slots,
+        model_id=args.model_id,
+    )
+    description = (
+        f"model {path} (context {settings.n_ctx}, {settings.n_threads} threads, {settings.slots} slot(s))"
+    )
+    return description, functools.partial(LlamaBackend.aload, settings)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _configure_logging(args.log_level, args.log_format)
+    try:
+        description, load = _loader(args)
+    except (RuntimeError, FileNotFoundError) as exc:
+        logger.error("%s", exc)
+        return 2
+    if args.model is not None and not args.scripted and not Path(args.model).is_file():
+        logger.error("model file not found: %s", args.model)
+        return 2
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        max_queue=args.max_queue,
+        shutdown_grace=args.shutdown_grace,
+        http=HTTPSettings(
+            max_body_bytes=args.max_body_bytes,
+            default_timeout=args.default_timeout,
+            max_timeout=args.max_timeout,
+        ),
+    )
+    server = Server(load, settings)  # type: ignore[arg-type]
+    logger.info("trioserve %s (pid %d): loading %s", _version(), os.getpid(), description)
+    started = time.perf_counter()
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(serve_until_signalled, server)
+            logger.info("listening on %s", ", ".join(binds))
+
+    trio.run(run)
+    logger.info("exited after %.1f s", time.perf_counter() - started)
+    return 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trioserve")
+    except PackageNotFoundError:
+        return "dev"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

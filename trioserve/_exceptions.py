@@ -1,0 +1,140 @@
+"""The error tree. Foreign errors are mapped to these once, at each boundary.
+
+::
+
+    TrioserveError
+    ├── InvalidRequestError        400  the request cannot be served as written
+    │   └── ContextLengthError     400  prompt (+ max_tokens) does not fit the context
+    ├── AuthenticationError        401  missing or wrong API key
+    ├── NotFoundError              404  unknown path or model
+    ├── MethodNotAllowedError      405
+    ├── PayloadTooLargeError       413
+    ├── UnsupportedMediaTypeError  415
+    ├── OverloadedError            429  queue full, or the deadline cannot be met
+    ├── ServiceUnavailableError    503  model loading, or shutting down
+    ├── DeadlineExceededError      504  the request's deadline passed before a byte
+    └── BackendError               500  the inference backend failed
+
+Each error knows its HTTP status and renders the OpenAI error body
+``{"error": {"message", "type", "param", "code"}}``, so the HTTP layer maps errors in
+exactly one place.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+__all__ = [
+    "AuthenticationError",
+    "BackendError",
+    "ContextLengthError",
+    "DeadlineExceededError",
+    "InvalidRequestError",
+    "MethodNotAllowedError",
+    "NotFoundError",
+    "OverloadedError",
+    "PayloadTooLargeError",
+    "ServiceUnavailableError",
+    "TrioserveError",
+    "UnsupportedMediaTypeError",
+]
+
+
+class TrioserveError(Exception):
+    """Base of every error trioserve raises on purpose."""
+
+    status: ClassVar[int] = 500
+    error_type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str | None] = None
+
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+
+    def to_dict(self) -> dict[str, object]:
+        """The OpenAI-style error body."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequestError(TrioserveError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthError(InvalidRequestError):
+    default_code = "context_length_exceeded"
+
+
+class AuthenticationError(TrioserveError):
+    status = 401
+    error_type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class NotFoundError(TrioserveError):
+    status = 404
+    error_type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class MethodNotAllowedError(TrioserveError):
+    status = 405
+    error_type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+
+class PayloadTooLargeError(TrioserveError):
+    status = 413
+    error_type = "invalid_request_error"
+    default_code = "payload_too_large"
+
+
+class UnsupportedMediaTypeError(TrioserveError):
+    status = 415
+    error_type = "invalid_request_error"
+    default_code = "unsupported_media_type"
+
+
+class OverloadedError(TrioserveError):
+    """Refused at admission. ``retry_after`` (seconds) goes into ``Retry-After``."""
+
+    status = 429
+    error_type = "overloaded_error"
+    default_code = "overloaded"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+
+class ServiceUnavailableError(TrioserveError):
+    status = 503
+    error_type = "service_unavailable"
+    default_code = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+
+class DeadlineExceededError(TrioserveError):
+    status = 504
+    error_type = "timeout_error"
+    default_code = "deadline_exceeded"
+
+
+class BackendError(TrioserveError):
+    status = 500
+    error_type = "server_error"
+    default_code = "backend_error"

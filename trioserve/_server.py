@@ -1,0 +1,178 @@
+"""Serving: hypercorn's trio worker, model loading, and the shutdown sequence.
+
+The server owns the shutdown trigger rather than leaving it to hypercorn, because
+hypercorn gives the application no notice before its ``graceful_timeout`` cancel (the
+client just sees a truncated body). Shutdown, in order:
+
+1. ``/health`` turns 503 and new generation requests get 503 (``shutting_down``);
+2. hypercorn stops accepting connections;
+3. in-flight requests get ``shutdown_grace`` seconds to finish on their own;
+4. then each is cancelled with cause ``shutdown``: its inference thread stops and the
+   client receives a final event saying so, then ``[DONE]``;
+5. the backend is closed and ``serve`` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import hypercorn
+import hypercorn.trio
+import trio
+
+from ._backends._base import Backend
+from ._engine import Engine
+from ._http import FINAL_EVENT_TIMEOUT, HTTPSettings, ServerState, create_app
+
+__all__ = ["Server", "ServerSettings", "serve_until_signalled"]
+
+logger = logging.getLogger("trioserve.server")
+
+BackendLoader = Callable[[], Awaitable[Backend]]
+
+
+@dataclass(kw_only=True)
+class ServerSettings:
+    """Where and how to serve.
+
+    Attributes:
+        host, port: the address to bind (port 0 picks a free port).
+        max_queue: requests that may wait for a slot before new ones get 429.
+        shutdown_grace: seconds in-flight requests get to finish after a shutdown
+            request before they are cancelled.
+        http: limits and defaults of the HTTP surface.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queue: int = 16
+    shutdown_grace: float = 10.0
+    http: HTTPSettings = field(default_factory=HTTPSettings)
+
+
+class Server:
+    """A trioserve HTTP server. Run it with ``await nursery.start(server.run)``.
+
+    Args:
+        load_backend: an async function returning the backend; called once, after the
+            socket is listening (so ``/health`` can say "loading" meanwhile).
+        settings: address, queue and shutdown settings.
+    """
+
+    def __init__(self, load_backend: BackendLoader, settings: ServerSettings | None = None) -> None:
+        self.settings = settings or ServerSettings()
+        self.state = ServerState(settings=self.settings.http)
+        self.app = create_app(self.state)
+        self._load_backend = load_backend
+        self._stop_accepting = trio.Event()
+        self._shutdown_requested = trio.Event()
+        self.engine: Engine | None = None
+
+    def shutdown(self) -> None:
+        """Begin a graceful shutdown (idempotent; safe from any Trio task)."""
+        self._shutdown_requested.set()
+
+    def _hypercorn_config(self) -> hypercorn.Config:
+        config = hypercorn.Config()
+        config.bind = [f"{self.settings.host}:{self.settings.port}"]
+        config.accesslog = None  # one line per request comes from trioserve itself
+        config.errorlog = logging.getLogger("trioserve.hypercorn")
+        # hypercorn's own cancel must come after ours (grace + time for final events)
+        config.graceful_timeout = self.settings.shutdown_grace + 2.0
+        config.keep_alive_timeout = 75.0
+        return config
+
+    async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until :meth:`shutdown` is called (or this task is cancelled).
+
+        ``task_status.started`` reports the bound URLs as soon as the socket listens;
+        the model loads afterwards. Cancellation: cancelling this task skips the grace
+        period — in-flight requests are cancelled at once and the backend is closed.
+        """
+        async with trio.open_nursery() as nursery:
+            binds: list[str] = await nursery.start(
+                lambda task_status: hypercorn.trio.serve(
+                    self.app,  # type: ignore[arg-type]
+                    self._hypercorn_config(),
+                    shutdown_trigger=self._stop_accepting.wait,
+                    task_status=task_status,
+                )
+            )
+            task_status.started(binds)
+            nursery.start_soon(self._load, binds)
+            try:
+                await self._shutdown_requested.wait()
+                # not shielded: a second signal (a cancel) cuts the grace period short
+                await self._drain(self.settings.shutdown_grace)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._drain(0.0)
+                nursery.cancel_scope.cancel()
+        if self.engine is not None:
+            with trio.CancelScope(shield=True):
+                await self.engine.__aexit__(None, None, None)
+        logger.info("stopped")
+
+    async def _load(self, binds: list[str]) -> None:
+        try:
+            backend = await self._load_backend()
+        except Exception as exc:
+            logger.exception("the model failed to load")
+            self.state.load_error = str(exc)
+            return
+        self.engine = Engine(backend, max_queue=self.settings.max_queue)
+        self.state.set_engine(self.engine)
+        info = backend.info
+        logger.info(
+            "ready: model %s (context %d, %d slot(s)) at %s",
+            info.id,
+            info.context_length,
+            backend.slots,
+            ", ".join(binds),
+        )
+
+    async def _drain(self, grace: float) -> None:
+        """Stop accepting, give in-flight requests ``grace`` seconds, then cancel them
+        with cause ``shutdown`` and wait (bounded) for their final events to go out."""
+        state = self.state
+        if not state.shutting_down:
+            state.shutting_down = True
+            self._stop_accepting.set()
+            logger.info(
+                "shutting down: %d request(s) in flight, grace %.1f s", len(state.requests), grace
+            )
+        with trio.move_on_after(grace):
+            await state.wait_idle()
+        if state.requests:
+            logger.info("cancelling %d request(s) still in flight", len(state.requests))
+            state.cancel_all("shutdown")
+            with trio.move_on_after(FINAL_EVENT_TIMEOUT + 1.0):
+                await state.wait_idle()
+
+
+async def serve_until_signalled(
+    server: Server, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run ``server``; SIGINT or SIGTERM starts a graceful shutdown, a second signal
+    cuts the grace period short."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def run_server(task_status: trio.TaskStatus[list[str]]) -> None:
+                await server.run(task_status=task_status)
+                nursery.cancel_scope.cancel()  # served out: stop listening for signals
+
+            binds = await nursery.start(run_server)
+            task_status.started(binds)
+            received = 0
+            async for signum in signals:
+                received += 1
+                if received == 1:
+                    logger.info("%s: shutting down gracefully", signal.Signals(signum).name)
+                    server.shutdown()
+                else:
+                    logger.warning("%s again: stopping now", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()

@@ -1,0 +1,119 @@
+"""Text assembly, sans-IO: token bytes in, safe text deltas out.
+
+Two problems sit between a token stream and the text a client may see:
+
+* A token is a run of *bytes*, not characters. Byte-level BPE splits one CJK character
+  or emoji across two or three tokens; decoding each token on its own produces U+FFFD
+  garbage. :class:`Utf8Assembler` holds back an incomplete trailing sequence until the
+  bytes that complete it arrive.
+* A stop sequence can straddle tokens (``"\\n\\n"`` arriving as ``"\\n"`` + ``"\\n"``).
+  :class:`StopMatcher` holds back any tail that could still become a stop sequence, and
+  never lets the stop sequence itself through.
+
+:class:`TextAssembler` chains both. It is the per-token hot path, so the common case
+(no stop sequences, a complete ASCII piece) is one incremental decode and no copies.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+
+__all__ = ["StopMatcher", "TextAssembler", "Utf8Assembler"]
+
+
+class Utf8Assembler:
+    """Incremental UTF-8 decoding that never emits a broken character.
+
+    Invalid bytes (which a random-weight model can produce) become U+FFFD, exactly as
+    the non-streaming path would decode them.
+    """
+
+    __slots__ = ("_decoder",)
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, piece: bytes) -> str:
+        """Return the text completed by ``piece`` (possibly ``""``)."""
+        return self._decoder.decode(piece)
+
+    def flush(self) -> str:
+        """End of stream: an incomplete trailing sequence becomes U+FFFD."""
+        return self._decoder.decode(b"", final=True)
+
+
+class StopMatcher:
+    """Finds the first stop sequence in a text stream fed in arbitrary pieces.
+
+    ``feed`` returns the text that is safe to emit and whether a stop sequence was hit.
+    After a hit, the text before the stop sequence has been returned, the stop sequence
+    and everything after it are dropped, and the matcher must not be fed again.
+    """
+
+    __slots__ = ("_held", "_max_hold", "_stops")
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(stop for stop in stops if stop)
+        self._max_hold = max((len(stop) for stop in self._stops), default=1) - 1
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self._stops:
+            return text, False
+        buffer = self._held + text
+        first = -1
+        for stop in self._stops:
+            index = buffer.find(stop)
+            if index != -1 and (first == -1 or index < first):
+                first = index
+        if first != -1:
+            self._held = ""
+            return buffer[:first], True
+        hold = self._hold_length(buffer)
+        if hold:
+            self._held = buffer[-hold:]
+            return buffer[:-hold], False
+        self._held = ""
+        return buffer, False
+
+    def flush(self) -> str:
+        """End of stream without a stop: the held tail was not a stop after all."""
+        held, self._held = self._held, ""
+        return held
+
+    def _hold_length(self, buffer: str) -> int:
+        # Longest suffix of buffer that is a proper prefix of some stop sequence.
+        for length in range(min(self._max_hold, len(buffer)), 0, -1):
+            tail = buffer[-length:]
+            if any(stop.startswith(tail) for stop in self._stops):
+                return length
+        return 0
+
+
+class TextAssembler:
+    """Token bytes → text deltas, UTF-8 safe and stop-sequence aware."""
+
+    __slots__ = ("_stop", "_utf8", "stopped")
+
+    def __init__(self, stops: Sequence[str] = ()) -> None:
+        self._utf8 = Utf8Assembler()
+        self._stop = StopMatcher(stops)
+        #: True once a stop sequence has been seen; feed nothing more after that.
+        self.stopped = False
+
+    def feed(self, piece: bytes) -> str:
+        text = self._utf8.feed(piece)
+        if not text:
+            return ""
+        text, self.stopped = self._stop.feed(text)
+        return text
+
+    def flush(self) -> str:
+        """End of stream (length, EOS): release whatever was held back."""
+        text = self._utf8.flush()
+        if text:
+            text, self.stopped = self._stop.feed(text)
+            if self.stopped:
+                return text
+        return text + self._stop.flush()
