@@ -25,12 +25,13 @@ class Admission:
     Args:
         slots: how many requests may hold a slot at once (≥ 1).
         max_queue: how many may wait for one (≥ 0); beyond that, requests are refused.
-        expected_service_time: a rough seconds-per-request estimate used for
-            ``Retry-After`` and for refusing requests whose deadline cannot be met
-            while they would still be queued.
+        expected_service_time: a seconds-per-request estimate (the engine keeps it
+            updated from measurements) used for ``Retry-After`` and for refusing
+            requests whose deadline would pass while they are still queued; 0 means
+            unknown, and then nothing is refused on that ground.
     """
 
-    def __init__(self, slots: int, max_queue: int, *, expected_service_time: float = 1.0) -> None:
+    def __init__(self, slots: int, max_queue: int, *, expected_service_time: float = 0.0) -> None:
         if slots < 1:
             raise ValueError("slots must be at least 1")
         if max_queue < 0:

@@ -503,6 +503,7 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
             status = "error" if state.load_error else "loading"
             return _json_response({"status": status, "error": state.load_error}, 503, {"Retry-After": "1"})
         engine = state.engine
+        threads = getattr(engine.backend, "active_threads", None)
         return _json_response(
             {
                 "status": "ok",
@@ -511,6 +512,8 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
                 "slots_in_use": engine.admission.in_use,
                 "queued": engine.admission.queued,
                 "active_streams": engine.active_streams,
+                "inference_threads": threads.count if threads is not None else None,
+                "requests_in_flight": len(state.requests),
             }
         )
 

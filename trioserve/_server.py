@@ -60,10 +60,21 @@ class Server:
         load_backend: an async function returning the backend; called once, after the
             socket is listening (so ``/health`` can say "loading" meanwhile).
         settings: address, queue and shutdown settings.
+        close_backend: close the backend when the server stops (turn off to share one
+            loaded backend between servers, as the tests do).
     """
 
-    def __init__(self, load_backend: BackendLoader, settings: ServerSettings | None = None) -> None:
+    def __init__(
+        self,
+        load_backend: BackendLoader,
+        settings: ServerSettings | None = None,
+        *,
+        close_backend: bool = True,
+    ) -> None:
         self.settings = settings or ServerSettings()
+        self._close_backend = close_backend
+        #: set once the model has loaded (or failed to: see ``state.load_error``)
+        self.ready = trio.Event()
         self.state = ServerState(settings=self.settings.http)
         self.app = create_app(self.state)
         self._load_backend = load_backend
@@ -111,9 +122,9 @@ class Server:
                 with trio.CancelScope(shield=True):
                     await self._drain(0.0)
                 nursery.cancel_scope.cancel()
-        if self.engine is not None:
+        if self.engine is not None and self._close_backend:
             with trio.CancelScope(shield=True):
-                await self.engine.__aexit__(None, None, None)
+                await self.engine.backend.aclose()
         logger.info("stopped")
 
     async def _load(self, binds: list[str]) -> None:
@@ -122,9 +133,11 @@ class Server:
         except Exception as exc:
             logger.exception("the model failed to load")
             self.state.load_error = str(exc)
+            self.ready.set()
             return
         self.engine = Engine(backend, max_queue=self.settings.max_queue)
         self.state.set_engine(self.engine)
+        self.ready.set()
         info = backend.info
         logger.info(
             "ready: model %s (context %d, %d slot(s)) at %s",

@@ -25,8 +25,10 @@ __all__ = ["StopMatcher", "TextAssembler", "Utf8Assembler"]
 class Utf8Assembler:
     """Incremental UTF-8 decoding that never emits a broken character.
 
-    Invalid bytes (which a random-weight model can produce) become U+FFFD, exactly as
-    the non-streaming path would decode them.
+    Invalid bytes (which a random-weight model can produce) become U+FFFD. A character
+    left incomplete when generation ends (the token limit can fall between the bytes of
+    one character) is dropped: it is not a character, and a U+FFFD would only be noise.
+    The streamed and the non-streamed text go through this same code, so they agree.
     """
 
     __slots__ = ("_decoder",)
@@ -39,8 +41,9 @@ class Utf8Assembler:
         return self._decoder.decode(piece)
 
     def flush(self) -> str:
-        """End of stream: an incomplete trailing sequence becomes U+FFFD."""
-        return self._decoder.decode(b"", final=True)
+        """End of stream: drop an incomplete trailing sequence (see the class doc)."""
+        self._decoder.reset()
+        return ""
 
 
 class StopMatcher:

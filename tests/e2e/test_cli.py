@@ -1,0 +1,62 @@
+"""``trioserve serve`` as a process: startup logs, Ctrl-C and SIGTERM exit cleanly."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from .._helpers import ServerProcess
+
+pytestmark = pytest.mark.model
+
+
+def test_startup_logs_and_ctrl_c_exits_zero() -> None:
+    with ServerProcess("--threads", "2", "--ctx-size", "2048") as server:
+        url = server.wait_ready()
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+        exit_code = server.stop(signal.SIGINT)
+    log = "".join(server.log)
+    assert "gemma-3-270m" in log
+    assert "context 2048" in log
+    assert "2 threads" in log
+    assert url.startswith("http://127.0.0.1:")
+    assert exit_code == 0
+    assert "stopped" in "".join(server.log)
+
+
+def test_sigterm_with_a_stream_in_flight_ends_it_with_a_final_event() -> None:
+    with ServerProcess("--threads", "2", "--shutdown-grace", "0.5") as server:
+        url = server.wait_ready()
+        _stream_then_sigterm(server, url)
+
+
+def _stream_then_sigterm(server: ServerProcess, url: str) -> None:
+    parts = urlsplit(url)
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 3000, "stream": True}).encode()
+    with socket.create_connection((parts.hostname, parts.port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        received = b""
+        while received.count(b"data: ") < 3:
+            received += sock.recv(65536)
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        sock.settimeout(10)
+        while chunk := sock.recv(65536):
+            received += chunk
+            if received.endswith(b"0\r\n\r\n"):  # the end of the chunked body
+                break
+    assert server.process.wait(timeout=10) == 0
+    elapsed = time.monotonic() - started
+    assert b'"finish_reason":"shutdown"' in received
+    assert b"data: [DONE]" in received
+    assert elapsed < 0.5 + 1.0 + 0.5  # grace + 1 s (+ slack for process start-up noise)

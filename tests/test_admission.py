@@ -1,0 +1,108 @@
+"""Admission: slots, a bounded FIFO queue, early refusal, cancel frees the place."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from trioserve import OverloadedError
+from trioserve._admission import Admission
+
+
+async def test_queue_full_is_refused_with_retry_after() -> None:
+    admission = Admission(slots=1, max_queue=1)
+    async with trio.open_nursery() as nursery:
+        holding = trio.Event()
+        release = trio.Event()
+
+        async def hold() -> None:
+            async with admission.slot():
+                holding.set()
+                await release.wait()
+
+        async def wait_in_queue() -> None:
+            async with admission.slot():
+                pass
+
+        nursery.start_soon(hold)
+        await holding.wait()
+        nursery.start_soon(wait_in_queue)
+        await trio.testing.wait_all_tasks_blocked()
+        assert admission.queued == 1
+        with pytest.raises(OverloadedError) as info:
+            async with admission.slot():
+                pass  # pragma: no cover
+        assert info.value.retry_after >= 1
+        assert info.value.status == 429
+        release.set()
+    assert admission.in_use == 0
+    assert admission.queued == 0
+
+
+async def test_fifo_order() -> None:
+    admission = Admission(slots=1, max_queue=10)
+    order: list[int] = []
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+
+        async def holder() -> None:
+            async with admission.slot():
+                await release.wait()
+
+        async def waiter(i: int) -> None:
+            async with admission.slot():
+                order.append(i)
+
+        nursery.start_soon(holder)
+        await trio.testing.wait_all_tasks_blocked()
+        for i in range(5):
+            nursery.start_soon(waiter, i)
+            await trio.testing.wait_all_tasks_blocked()
+        release.set()
+    assert order == [0, 1, 2, 3, 4]
+
+
+async def test_cancel_while_queued_frees_the_place_at_once() -> None:
+    admission = Admission(slots=1, max_queue=1)
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+
+        async def holder() -> None:
+            async with admission.slot():
+                await release.wait()
+
+        nursery.start_soon(holder)
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.CancelScope() as queued_scope:
+
+            async def cancel_soon() -> None:
+                await trio.testing.wait_all_tasks_blocked()
+                assert admission.queued == 1
+                queued_scope.cancel()
+
+            nursery.start_soon(cancel_soon)
+            async with admission.slot():
+                pytest.fail("should have been cancelled while queued")
+        assert admission.queued == 0
+        assert admission.in_use == 1
+        release.set()
+    assert admission.in_use == 0
+
+
+async def test_deadline_that_cannot_be_met_is_refused_early(autojump_clock: trio.abc.Clock) -> None:
+    admission = Admission(slots=1, max_queue=5, expected_service_time=10.0)
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+
+        async def holder() -> None:
+            async with admission.slot():
+                await release.wait()
+
+        nursery.start_soon(holder)
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.move_on_after(1.0), pytest.raises(OverloadedError) as info:
+            async with admission.slot():
+                pass  # pragma: no cover
+        assert info.value.code == "deadline_unreachable"
+        release.set()

@@ -1,0 +1,59 @@
+"""Chat prompt rendering: the GGUF template when there is one, else a fallback."""
+
+from __future__ import annotations
+
+import pytest
+
+from trioserve import InvalidRequestError
+from trioserve._chat import ChatMLFormat, GemmaFormat, JinjaFormat, chat_format_for
+from trioserve._openai import ChatMessage
+
+
+def _messages(*pairs: tuple[str, str]) -> list[ChatMessage]:
+    return [ChatMessage(role=role, content=content) for role, content in pairs]  # type: ignore[arg-type]
+
+
+def test_gemma_fallback_merges_system_into_first_user_turn() -> None:
+    prompt = GemmaFormat().render(
+        _messages(("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye"))
+    )
+    assert prompt.text == (
+        "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello!<end_of_turn>\n"
+        "<start_of_turn>user\nBye<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+    assert "<end_of_turn>" in prompt.stops
+
+
+def test_chatml_fallback() -> None:
+    prompt = ChatMLFormat().render(_messages(("user", "Hi")))
+    assert prompt.text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_format_choice() -> None:
+    assert chat_format_for(template=None, architecture="gemma3").name == "gemma"
+    assert chat_format_for(template=None, architecture="llama").name == "chatml"
+    assert chat_format_for(template="{{ bos_token }}", architecture="gemma3").name == "gguf-template"
+
+
+def test_jinja_template_from_gguf() -> None:
+    template = (
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    prompt = JinjaFormat(template, bos_token="<s>", eos_token="</s>").render(_messages(("user", "Hi")))
+    assert prompt.text == "<s>[user]Hi[assistant]"
+    assert prompt.has_bos
+    assert prompt.stops == ("</s>",)
+
+
+def test_template_raise_exception_becomes_a_400() -> None:
+    fmt = JinjaFormat("{{ raise_exception('roles must alternate') }}", bos_token="", eos_token="")
+    with pytest.raises(InvalidRequestError, match="roles must alternate"):
+        fmt.render(_messages(("user", "Hi")))
+
+
+def test_a_user_message_is_required() -> None:
+    with pytest.raises(InvalidRequestError, match="at least one user message"):
+        GemmaFormat().render(_messages(("system", "x")))
