@@ -21,10 +21,10 @@ class RunningServer:
     def client(self, **kwargs: object) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, timeout=60, **kwargs)  # type: ignore[arg-type]
 
-    async def wait_idle(self, timeout: float = 10.0) -> dict[str, object]:
+    async def wait_idle(self, limit: float = 10.0) -> dict[str, object]:
         """Wait until the server reports no thread, slot or stream in use; return /health."""
         async with self.client() as client:
-            with trio.fail_after(timeout):
+            with trio.fail_after(limit):
                 while True:
                     health: dict[str, object] = (await client.get("/health")).json()
                     if (
@@ -57,8 +57,6 @@ async def start_server(
     return RunningServer(server, binds[0])
 
 
-
-
 class RawStream:
     """A minimal HTTP/1.1 client on a raw trio socket, for tests that must control the
     connection exactly: read some events, then close, half-close or stop reading."""
@@ -75,7 +73,8 @@ class RawStream:
         from urllib.parse import urlsplit
 
         parts = urlsplit(url)
-        assert parts.hostname is not None and parts.port is not None
+        assert parts.hostname is not None
+        assert parts.port is not None
         stream = await trio.open_tcp_stream(parts.hostname, parts.port)
         payload = json.dumps(body).encode()
         head = (

@@ -75,7 +75,9 @@ async def test_utf8_split_across_pieces_is_never_broken() -> None:
 
 
 async def test_stop_sequence_across_pieces_is_not_leaked_and_generation_stops() -> None:
-    backend = ScriptedBackend([b"one ", b"tw", b"o S", b"TO", b"P three", *[b" more"] * 1000], token_interval=0.001)
+    backend = ScriptedBackend(
+        [b"one ", b"tw", b"o S", b"TO", b"P three", *[b" more"] * 1000], token_interval=0.001
+    )
     engine = Engine(backend)
     texts, final = await collect(engine, GenerationRequest(prompt="p", max_tokens=2000, stop=["STOP"]))
     assert "".join(texts) == "one two "
@@ -214,5 +216,6 @@ async def test_backend_failure_becomes_a_finished_error_event() -> None:
     texts, final = await collect(engine, GenerationRequest(prompt="p", max_tokens=5))
     assert texts == ["partial"]
     assert final.reason == "error"
-    assert final.message is not None and "GPU caught fire" in final.message
+    assert final.message is not None
+    assert "GPU caught fire" in final.message
     assert engine.admission.in_use == 0

@@ -7,7 +7,12 @@ import json
 import pytest
 
 from trioserve import InvalidRequestError, Usage
-from trioserve._openai import ChunkEncoder, decode_chat_request, decode_completion_request, non_stream_response
+from trioserve._openai import (
+    ChunkEncoder,
+    decode_chat_request,
+    decode_completion_request,
+    non_stream_response,
+)
 
 
 def test_minimal_completion_request_defaults() -> None:
@@ -20,12 +25,24 @@ def test_minimal_completion_request_defaults() -> None:
 
 def test_fields_people_use_are_honoured_and_unknown_ignored() -> None:
     body = {
-        "model": "m", "prompt": ["one"], "max_tokens": 5, "temperature": 0, "top_p": 0.5,
-        "stop": "\n", "seed": 7, "logit_bias": {"42": -100, "7": 3.5}, "stream": True,
-        "stream_options": {"include_usage": True}, "n": 1, "frequency_penalty": 0, "user": "x",
+        "model": "m",
+        "prompt": ["one"],
+        "max_tokens": 5,
+        "temperature": 0,
+        "top_p": 0.5,
+        "stop": "\n",
+        "seed": 7,
+        "logit_bias": {"42": -100, "7": 3.5},
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "n": 1,
+        "frequency_penalty": 0,
+        "user": "x",
     }
     request, generation = decode_completion_request(json.dumps(body).encode())
-    assert request.stream and request.stream_options and request.stream_options.include_usage
+    assert request.stream
+    assert request.stream_options is not None
+    assert request.stream_options.include_usage
     assert generation.prompt == "one"
     assert generation.max_tokens == 5
     assert generation.stop == ("\n",)
@@ -72,7 +89,10 @@ def test_bad_completion_requests_name_the_problem(body: bytes, param: str | None
     [
         (b'{"messages": []}', "at least one message"),
         (b'{"messages": [{"role": "wizard", "content": "x"}]}', "Invalid enum value 'wizard'"),
-        (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "'image_url' are not supported"),
+        (
+            b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+            "'image_url' are not supported",
+        ),
         (b'{"messages": "hello"}', "Expected `array`, got `str`"),
     ],
 )
@@ -84,7 +104,8 @@ def test_bad_chat_requests(body: bytes, fragment: str) -> None:
 
 def test_chat_content_parts_are_joined() -> None:
     request = decode_chat_request(
-        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}'
+        b'{"messages": [{"role": "user", "content": '
+        b'[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}'
     )
     assert request.messages[0].text() == "ab"
 

@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trioserve._sse import DONE, HEARTBEAT, ServerSentEvent, SSEDecoder, encode_comment, encode_data, encode_event
+from trioserve._sse import (
+    DONE,
+    HEARTBEAT,
+    ServerSentEvent,
+    SSEDecoder,
+    encode_comment,
+    encode_data,
+    encode_event,
+)
 
 
 @pytest.mark.parametrize(
@@ -25,9 +33,14 @@ def test_encode_data_is_byte_exact(payload: bytes, expected: bytes) -> None:
 
 
 def test_encode_event_fields_and_injection() -> None:
-    assert encode_event(b"x", event="ping", id="7", retry=1500) == b"id: 7\nevent: ping\nretry: 1500\ndata: x\n\n"
+    assert (
+        encode_event(b"x", event="ping", id="7", retry=1500)
+        == b"id: 7\nevent: ping\nretry: 1500\ndata: x\n\n"
+    )
     # a newline in id/event must not start a new field
-    assert encode_event(b"x", event="a\ndata: evil", id="1\r\n2") == b"id: 12\nevent: adata: evil\ndata: x\n\n"
+    assert (
+        encode_event(b"x", event="a\ndata: evil", id="1\r\n2") == b"id: 12\nevent: adata: evil\ndata: x\n\n"
+    )
 
 
 def test_constants() -> None:

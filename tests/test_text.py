@@ -82,7 +82,9 @@ def _run(stops: list[str], pieces: list[str]) -> tuple[str, bool]:
         (["ab"], ["a"], ("a", False)),  # held, then released at the end
     ],
 )
-def test_stop_sequences_across_pieces(stops: list[str], pieces: list[str], expected: tuple[str, bool]) -> None:
+def test_stop_sequences_across_pieces(
+    stops: list[str], pieces: list[str], expected: tuple[str, bool]
+) -> None:
     assert _run(stops, pieces) == expected
 
 

@@ -66,8 +66,7 @@ class Admission:
         if self._semaphore.value == 0:
             if self.queued >= self.max_queue:
                 raise OverloadedError(
-                    f"server is at capacity ({self.slots} running, {self.queued} queued); "
-                    "retry later",
+                    f"server is at capacity ({self.slots} running, {self.queued} queued); retry later",
                     retry_after=self.retry_after(),
                 )
             ahead = self.queued + 1

@@ -88,7 +88,9 @@ class JinjaFormat(ChatFormat):
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
-            raise InvalidRequestError(f"the model's chat template refused the messages: {message}", param="messages")
+            raise InvalidRequestError(
+                f"the model's chat template refused the messages: {message}", param="messages"
+            )
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception

@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import trio
@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--threads", type=int, default=None, help="CPU threads per decode (default: all cores)"
     )
-    model.add_argument("--batch-size", type=int, default=512, help="prompt tokens per prefill step (default: 512)")
+    model.add_argument(
+        "--batch-size", type=int, default=512, help="prompt tokens per prefill step (default: 512)"
+    )
     model.add_argument(
         "--scripted",
         action="store_true",
@@ -57,9 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     net.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
     admission = serve.add_argument_group("admission and limits")
     admission.add_argument("--slots", type=int, default=1, help="generations at once (default: 1)")
-    admission.add_argument("--max-queue", type=int, default=16, help="requests waiting for a slot (default: 16)")
     admission.add_argument(
-        "--default-timeout", type=_positive_float, default=None,
+        "--max-queue", type=int, default=16, help="requests waiting for a slot (default: 16)"
+    )
+    admission.add_argument(
+        "--default-timeout",
+        type=_positive_float,
+        default=None,
         help="seconds a request may take when it sends no X-Request-Timeout (default: none)",
     )
     admission.add_argument(
@@ -69,7 +75,9 @@ def _parser() -> argparse.ArgumentParser:
         "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="request body limit (default: 4 MiB)"
     )
     admission.add_argument(
-        "--shutdown-grace", type=float, default=10.0,
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
         help="seconds in-flight streams get to finish on SIGTERM before they are cancelled (default: 10)",
     )
     logs = serve.add_argument_group("logging")
@@ -102,9 +110,11 @@ def _configure_logging(level: str, fmt: str) -> None:
     logging.getLogger("trioserve").setLevel(level.upper())
 
 
-def _loader(args: argparse.Namespace) -> tuple[str, functools.partial[object]]:
+def _loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backend]]]:
     if args.scripted:
-        backend = ScriptedBackend(token_interval=args.scripted_interval, slots=args.slots, context_length=args.ctx_size)
+        backend = ScriptedBackend(
+            token_interval=args.scripted_interval, slots=args.slots, context_length=args.ctx_size
+        )
 
         async def scripted() -> Backend:
             return backend
@@ -152,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_timeout=args.max_timeout,
         ),
     )
-    server = Server(load, settings)  # type: ignore[arg-type]
+    server = Server(load, settings)
     logger.info("trioserve %s (pid %d): loading %s", _version(), os.getpid(), description)
     started = time.perf_counter()
 

@@ -204,9 +204,7 @@ class Engine:
         return await self.backend.prepare(request)
 
     @asynccontextmanager
-    async def stream(
-        self, request: GenerationRequest | PreparedPrompt
-    ) -> AsyncIterator[EventStream]:
+    async def stream(self, request: GenerationRequest | PreparedPrompt) -> AsyncIterator[EventStream]:
         """Run one generation; the body consumes its events.
 
         Raises:
@@ -256,8 +254,8 @@ class Engine:
                     pass
                 except Exception as exc:
                     logger.exception("backend failed")
-                    events.backend_error = exc if isinstance(exc, BackendError) else BackendError(
-                        f"inference failed: {exc}"
+                    events.backend_error = (
+                        exc if isinstance(exc, BackendError) else BackendError(f"inference failed: {exc}")
                     )
 
     def _record_service_time(self, timings: StreamTimings) -> None:

@@ -47,9 +47,7 @@ class TrioserveError(Exception):
     error_type: ClassVar[str] = "server_error"
     default_code: ClassVar[str | None] = None
 
-    def __init__(
-        self, message: str, *, param: str | None = None, code: str | None = None
-    ) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param

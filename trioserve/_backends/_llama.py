@@ -329,9 +329,7 @@ class LlamaBackend(ThreadedBackend):
         # Admission guarantees at most `slots` generations, so a context is free.
         context = self._free_contexts.pop()
         try:
-            return await self.run_in_thread(
-                functools.partial(self._infer, context), prompt, send, progress
-            )
+            return await self.run_in_thread(functools.partial(self._infer, context), prompt, send, progress)
         finally:
             self._free_contexts.append(context)
 
@@ -339,7 +337,6 @@ class LlamaBackend(ThreadedBackend):
         self, context: _Context, prompt: PreparedPrompt, emit: Emit, progress: GenerationProgress
     ) -> Literal["stop", "length"]:
         lib = self.lib
-        check_cancelled = trio.from_thread.check_cancelled
         sampler = self._sampler(prompt.request.sampling)
         lib.llama_memory_clear(context.memory, True)
         try:
@@ -421,4 +418,3 @@ class LlamaBackend(ThreadedBackend):
             seed = params.seed if params.seed is not None else random.getrandbits(32)
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed & 0xFFFFFFFF))
         return chain
-

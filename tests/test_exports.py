@@ -1,0 +1,16 @@
+"""The public API is exactly ``trioserve.__all__``, sorted, and every name exists."""
+
+from __future__ import annotations
+
+import trioserve
+
+
+def test_all_is_sorted_and_complete() -> None:
+    assert list(trioserve.__all__) == sorted(trioserve.__all__)
+    for name in trioserve.__all__:
+        assert hasattr(trioserve, name), name
+
+
+def test_no_private_module_leaks_into_the_namespace() -> None:
+    public = {name for name in vars(trioserve) if not name.startswith("_")}
+    assert public == set(trioserve.__all__)
