@@ -101,16 +101,26 @@ class HTTPSettings:
 class RequestControl:
     """The cancel handle of one in-flight request: its scope and why it was cancelled."""
 
-    __slots__ = ("cause", "scope")
+    __slots__ = ("cancelled_at", "cause", "scope")
 
     def __init__(self, scope: trio.CancelScope) -> None:
         self.scope = scope
         self.cause: EndCause | None = None
+        #: ``time.perf_counter()`` when the cancel was requested
+        self.cancelled_at: float | None = None
 
     def cancel(self, cause: EndCause) -> None:
         if self.cause is None:
             self.cause = cause
+            self.cancelled_at = time.perf_counter()
         self.scope.cancel()
+
+    def note_deadline(self) -> None:
+        """The scope's deadline fired: record it as the cause, dated when it passed."""
+        if self.cause is None:
+            self.cause = "deadline"
+            late = max(0.0, trio.current_time() - self.scope.deadline)
+            self.cancelled_at = time.perf_counter() - late
 
 
 @dataclass(kw_only=True)
@@ -334,8 +344,10 @@ class GenerationHandler:
         if outcome.get("finished"):
             return  # the last byte went out before any cancel could matter
         if request_scope.cancelled_caught or control.cause is not None:
+            control.note_deadline()  # no-op if another cause came first
             cause: EndCause = control.cause or "deadline"
             outcome["cause"] = cause
+            outcome["control"] = control
             await self._cancelled(exchange, encoder if exchange.started else None, cause, outcome)
 
     def _engine(self) -> Engine:
@@ -460,9 +472,16 @@ class GenerationHandler:
         usage = events.usage if events is not None else None
         timings = events.timings if events is not None else None
         ttft = timings.ttft_seconds if timings is not None else None
+        control = outcome.get("control")
+        cancel_ms = ""
+        if control is not None and events is not None and control.cancelled_at is not None:
+            ended = events.progress.inference_ended
+            if ended is not None:
+                # cause → inference thread out of llama.cpp (0 if it had already ended)
+                cancel_ms = f" cancel_latency_ms={max(0.0, ended - control.cancelled_at) * 1000:.2f}"
         request_logger.info(
             "request %s %s status=%s cause=%s prompt_tokens=%s completion_tokens=%s "
-            "ttft_ms=%s duration_ms=%.1f%s",
+            "ttft_ms=%s duration_ms=%.1f%s%s",
             exchange.request_id,
             scope["path"],
             exchange.status or "-",
@@ -471,6 +490,7 @@ class GenerationHandler:
             usage.completion_tokens if usage else "-",
             f"{ttft * 1000:.1f}" if ttft is not None else "-",
             (time.perf_counter() - started) * 1000,
+            cancel_ms,
             f" error={outcome['error']!r}" if outcome.get("error") else "",
         )
 

@@ -64,12 +64,15 @@ class GenerationProgress:
     has finished, so no lock is needed.
     """
 
-    __slots__ = ("completion_tokens", "prefill_seconds", "prompt_tokens")
+    __slots__ = ("completion_tokens", "inference_ended", "prefill_seconds", "prompt_tokens")
 
     def __init__(self, prompt_tokens: int) -> None:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.prefill_seconds = 0.0
+        #: ``time.perf_counter()`` when inference returned (its thread left the model);
+        #: with the time a cancel was requested, this gives the cancel latency
+        self.inference_ended: float | None = None
 
 
 class Backend(ABC):

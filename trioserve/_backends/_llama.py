@@ -15,9 +15,11 @@ on one context, in one Trio worker thread:
 Cancellation reaches the thread three ways, all driven by the request's cancel scope:
 
 * llama.cpp calls the context's **abort callback** between graph nodes (~400 times per
-  decode step for Gemma 3 270M, also during prefill); it asks
-  ``trio.from_thread.check_cancelled()`` and returns true once the request is cancelled,
-  so ``llama_decode`` returns 2 (aborted) within a fraction of a millisecond;
+  decode step for Gemma 3 270M, also during prefill). It is a C function
+  (``trioserve/_abort.c``) that reads one byte, the context's abort flag; a Trio task
+  in the request's scope raises that flag when the scope is cancelled
+  (:func:`_raise_on_cancel`). So ``llama_decode`` returns 2 (aborted) within a
+  fraction of a millisecond, without taking the GIL 400 times per token;
 * ``check_cancelled()`` between prefill chunks and decode steps;
 * ``emit`` itself (``trio.from_thread.run``) raises ``Cancelled`` when the thread is
   blocked on a slow reader.
@@ -59,26 +61,53 @@ _DECODE_ABORTED = 2
 
 
 def _abort_requested(_data: object) -> bool:
-    """llama.cpp's abort callback: true once the request running on this thread is
-    cancelled. Called from C, on the thread that called ``llama_decode``; it must never
-    raise."""
+    """The pure-Python abort callback, used only if the C one (``_abort.c``) was not
+    built: true once the request running on this thread is cancelled. Called from C on
+    the thread that called ``llama_decode``; it must never raise."""
     try:
         trio.from_thread.check_cancelled()
     except trio.Cancelled:
         return True
     except RuntimeError:
-        # not a Trio worker thread (warm-up): nothing can cancel it
-        return False
+        return False  # not a Trio worker thread: nothing can cancel it
     return False
+
+
+def _make_abort_callback(lib: Any) -> tuple[Any, bool]:
+    """The abort callback, and whether it is the C one that reads a flag."""
+    try:
+        from .._abort import ABORT_CHECK_ADDRESS
+    except ImportError:  # pragma: no cover - the extension is built on install
+        logger.warning(
+            "trioserve._abort (C) is not built: using a Python abort callback, which "
+            "costs ~10%% of decode speed; reinstall trioserve with a C compiler"
+        )
+        return lib.ggml_abort_callback(_abort_requested), False
+    return lib.ggml_abort_callback(ABORT_CHECK_ADDRESS), True
+
+
+async def _raise_on_cancel(flag: ctypes.c_ubyte) -> None:
+    """Sleep until cancelled, then raise the context's abort flag.
+
+    This is how a cancel reaches *inside* ``llama_decode``: Trio delivers the request's
+    cancellation to this task, which sets the byte that the C abort callback reads
+    between graph nodes. Nothing polls; the event loop is not involved in the decode.
+    """
+    try:
+        await trio.sleep_forever()
+    finally:
+        flag.value = 1
 
 
 _llama_cpp_logger = logging.getLogger("trioserve.llama_cpp")
 
 
 def _forward_log(level: int, text: bytes, _data: object) -> None:
-    """llama.cpp's log lines → Python logging. Its info and warnings (many per load,
-    one per cleared KV cache) go to DEBUG; its errors to WARNING."""
-    if level == 4:  # GGML_LOG_LEVEL_ERROR (ggml.h: NONE, DEBUG, INFO, WARN, ERROR, CONT)
+    """llama.cpp's log lines → Python logging, at DEBUG — except errors while a model
+    loads, which go to WARNING (they say why a GGUF cannot be used). After loading,
+    llama.cpp's errors come back as return codes, which trioserve reports itself (an
+    aborted decode logs three error lines that are not errors here)."""
+    if level == 4 and _LazyLogCallback.loading:  # GGML_LOG_LEVEL_ERROR (NONE, DEBUG, INFO, WARN, ERROR, CONT)
         _llama_cpp_logger.warning("%s", text.decode("utf-8", errors="replace").rstrip())
     elif _llama_cpp_logger.isEnabledFor(logging.DEBUG):
         _llama_cpp_logger.debug("%s", text.decode("utf-8", errors="replace").rstrip())
@@ -92,6 +121,7 @@ def _make_log_callback() -> Any:
 
 class _LazyLogCallback:
     callback: Any = None
+    loading = 0
 
 
 class LlamaSettings:
@@ -147,9 +177,10 @@ class _Context:
         for i in range(settings.n_batch):
             self.batch.n_seq_id[i] = 1
             self.batch.seq_id[i][0] = 0
-        # The callback object must outlive the context: keep a reference.
-        self._abort_callback = lib.ggml_abort_callback(_abort_requested)
-        lib.llama_set_abort_callback(ctx, self._abort_callback, None)
+        # The callback object and its flag must outlive the context: keep references.
+        self.abort_flag = ctypes.c_ubyte(0)
+        self._abort_callback, self.abort_flag_used = _make_abort_callback(lib)
+        lib.llama_set_abort_callback(ctx, self._abort_callback, ctypes.addressof(self.abort_flag))
 
     def free(self, lib: Any) -> None:
         lib.llama_batch_free(self.batch)
@@ -196,12 +227,16 @@ class LlamaBackend(ThreadedBackend):
             _LazyLogCallback.callback = _make_log_callback()
         llama_cpp.llama_log_set(_LazyLogCallback.callback, None)
         llama_cpp.llama_backend_init()
-        model = llama_cpp.llama_model_load_from_file(
-            str(settings.model_path).encode(), llama_cpp.llama_model_default_params()
-        )
-        if not model:
-            raise BackendError(f"llama.cpp could not load {settings.model_path}")
-        return cls(settings, llama_cpp, model)
+        _LazyLogCallback.loading += 1
+        try:
+            model = llama_cpp.llama_model_load_from_file(
+                str(settings.model_path).encode(), llama_cpp.llama_model_default_params()
+            )
+            if not model:
+                raise BackendError(f"llama.cpp could not load {settings.model_path}")
+            return cls(settings, llama_cpp, model)
+        finally:
+            _LazyLogCallback.loading -= 1
 
     @classmethod
     async def aload(cls, settings: LlamaSettings) -> LlamaBackend:
@@ -328,8 +363,17 @@ class LlamaBackend(ThreadedBackend):
     ) -> Literal["stop", "length"]:
         # Admission guarantees at most `slots` generations, so a context is free.
         context = self._free_contexts.pop()
+        context.abort_flag.value = 0
         try:
-            return await self.run_in_thread(functools.partial(self._infer, context), prompt, send, progress)
+            async with trio.open_nursery() as nursery:
+                if context.abort_flag_used:
+                    nursery.start_soon(_raise_on_cancel, context.abort_flag)
+                try:
+                    return await self.run_in_thread(
+                        functools.partial(self._infer, context), prompt, send, progress
+                    )
+                finally:
+                    nursery.cancel_scope.cancel()  # inference is over: stop the flag task
         finally:
             self._free_contexts.append(context)
 
@@ -393,8 +437,10 @@ class LlamaBackend(ThreadedBackend):
 
     def _decode_failed(self, result: int) -> None:
         if result == _DECODE_ABORTED:
-            # the abort callback fired: the request was cancelled; raise its Cancelled
+            # The abort callback fired: the request was cancelled; raise its Cancelled.
+            # (Trio marks this thread's task cancelled before the flag task runs.)
             trio.from_thread.check_cancelled()
+            raise BackendError("llama_decode was aborted, but the request was not cancelled")
         raise BackendError(f"llama_decode failed with code {result}")
 
     def _sampler(self, params: SamplingParams) -> Any:

@@ -15,6 +15,7 @@ The bridge is deliberately thin:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Literal
 
@@ -55,6 +56,9 @@ class ThreadedBackend(Backend):
 
         def in_thread() -> Literal["stop", "length"]:
             with self.active_threads:
-                return infer(prompt, emit, progress)
+                try:
+                    return infer(prompt, emit, progress)
+                finally:
+                    progress.inference_ended = time.perf_counter()
 
         return await trio.to_thread.run_sync(in_thread)

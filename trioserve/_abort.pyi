@@ -1,0 +1,1 @@
+ABORT_CHECK_ADDRESS: int
