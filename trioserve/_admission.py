@@ -16,7 +16,23 @@ import trio
 
 from ._exceptions import OverloadedError
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "SlotLease"]
+
+
+class SlotLease:
+    """One held slot. :meth:`release` is idempotent, so the holder can give the slot
+    back as soon as inference ends, while the ``async with`` guarantees it at exit."""
+
+    __slots__ = ("_admission", "released")
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._admission._semaphore.release()
 
 
 class Admission:
@@ -53,8 +69,9 @@ class Admission:
         return max(1.0, math.ceil(backlog * self.expected_service_time))
 
     @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Hold one slot for the body of the ``async with``.
+    async def slot(self) -> AsyncIterator[SlotLease]:
+        """Hold one slot for the body of the ``async with`` (or until the lease is
+        released, if that comes first).
 
         Raises:
             OverloadedError: the queue is full, or the caller's deadline (the effective
@@ -84,7 +101,8 @@ class Admission:
             await self._semaphore.acquire()
         finally:
             self.queued -= 1
+        lease = SlotLease(self)
         try:
-            yield
+            yield lease
         finally:
-            self._semaphore.release()
+            lease.release()

@@ -31,7 +31,7 @@ from typing import Literal, Self
 
 import trio
 
-from ._admission import Admission
+from ._admission import Admission, SlotLease
 from ._backends._base import Backend, GenerationProgress, PreparedPrompt
 from ._exceptions import BackendError
 from ._text import TextAssembler
@@ -218,7 +218,7 @@ class Engine:
         """
         timings = StreamTimings(created=time.perf_counter())
         prepared = request if isinstance(request, PreparedPrompt) else await self.prepare(request)
-        async with self.admission.slot():
+        async with self.admission.slot() as lease:
             timings.admitted = time.perf_counter()
             self.active_streams += 1
             try:
@@ -227,7 +227,9 @@ class Engine:
                 producer_scope = trio.CancelScope()
                 events = EventStream(prepared, receive, progress, producer_scope, timings)
                 async with trio.open_nursery() as nursery, receive:
-                    nursery.start_soon(self._produce, prepared, send, progress, producer_scope, events)
+                    nursery.start_soon(
+                        self._produce, prepared, send, progress, producer_scope, events, lease
+                    )
                     try:
                         yield events
                     finally:
@@ -244,7 +246,10 @@ class Engine:
         progress: GenerationProgress,
         producer_scope: trio.CancelScope,
         events: EventStream,
+        lease: SlotLease,
     ) -> None:
+        # The slot is inference capacity: it is given back the moment inference ends,
+        # even if the consumer is still stuck sending to a client that stopped reading.
         async with send:  # closing it is how the consumer learns the end: no sentinel
             with producer_scope:
                 try:
@@ -257,6 +262,8 @@ class Engine:
                     events.backend_error = (
                         exc if isinstance(exc, BackendError) else BackendError(f"inference failed: {exc}")
                     )
+                finally:
+                    lease.release()
 
     def _record_service_time(self, timings: StreamTimings) -> None:
         if timings.admitted is None:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import hypercorn
-import hypercorn.trio
 import trio
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
 
 from ._backends._base import Backend
 from ._engine import Engine
@@ -30,6 +32,31 @@ from ._http import FINAL_EVENT_TIMEOUT, HTTPSettings, ServerState, create_app
 __all__ = ["Server", "ServerSettings", "serve_until_signalled"]
 
 logger = logging.getLogger("trioserve.server")
+
+# Linux values; the socket module does not name them all
+_TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
+_TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
+
+
+def tune_listening_socket(sock: socket.socket, settings: ServerSettings) -> None:
+    """Socket options that accepted connections inherit from the listening socket.
+
+    hypercorn's trio worker sends inside a *shielded* cancel scope, so no cancel can
+    interrupt a send to a client that has stopped reading. The kernel can: with
+    ``TCP_USER_TIMEOUT``, a connection whose peer accepts no data for that long
+    (zero window included) is reset, the blocked send fails, and the request sees a
+    disconnect. ``TCP_NOTSENT_LOWAT`` bounds the bytes waiting in the kernel to be sent,
+    so a slow reader pauses inference after a few KiB instead of after megabytes of
+    autotuned send buffer.
+    """
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, settings.send_buffer_bytes)
+        if settings.stall_timeout is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_USER_TIMEOUT, int(settings.stall_timeout * 1000))
+    except OSError as exc:  # pragma: no cover - not Linux
+        logger.warning("could not set flow-control socket options: %s", exc)
 
 BackendLoader = Callable[[], Awaitable[Backend]]
 
@@ -43,6 +70,11 @@ class ServerSettings:
         max_queue: requests that may wait for a slot before new ones get 429.
         shutdown_grace: seconds in-flight requests get to finish after a shutdown
             request before they are cancelled.
+        stall_timeout: a client that accepts no bytes for this long while the server
+            has bytes for it is disconnected (``TCP_USER_TIMEOUT``); ``None``: never.
+        send_buffer_bytes: bound on bytes queued in the kernel, not yet sent, per
+            connection (``TCP_NOTSENT_LOWAT``): past it, the server's send waits, the
+            consumer waits, and so does inference.
         http: limits and defaults of the HTTP surface.
     """
 
@@ -50,6 +82,8 @@ class ServerSettings:
     port: int = 8000
     max_queue: int = 16
     shutdown_grace: float = 10.0
+    stall_timeout: float | None = 30.0
+    send_buffer_bytes: int = 16 * 1024
     http: HTTPSettings = field(default_factory=HTTPSettings)
 
 
@@ -104,10 +138,15 @@ class Server:
         period — in-flight requests are cancelled at once and the backend is closed.
         """
         async with trio.open_nursery() as nursery:
+            config = self._hypercorn_config()
+            sockets = config.create_sockets()
+            for sock in sockets.insecure_sockets:
+                tune_listening_socket(sock, self.settings)
             binds: list[str] = await nursery.start(
-                lambda task_status: hypercorn.trio.serve(
-                    self.app,  # type: ignore[arg-type]
-                    self._hypercorn_config(),
+                lambda task_status: worker_serve(
+                    wrap_app(self.app, config.wsgi_max_body_size, "asgi"),  # type: ignore[arg-type]
+                    config,
+                    sockets=sockets,
                     shutdown_trigger=self._stop_accepting.wait,
                     task_status=task_status,
                 )
