@@ -142,6 +142,7 @@ class Server:
             sockets = config.create_sockets()
             for sock in sockets.insecure_sockets:
                 tune_listening_socket(sock, self.settings)
+                sock.listen(config.backlog)  # worker_serve listens only on sockets it made
             binds: list[str] = await nursery.start(
                 lambda task_status: worker_serve(
                     wrap_app(self.app, config.wsgi_max_body_size, "asgi"),  # type: ignore[arg-type]
