@@ -227,9 +227,7 @@ class Engine:
                 producer_scope = trio.CancelScope()
                 events = EventStream(prepared, receive, progress, producer_scope, timings)
                 async with trio.open_nursery() as nursery, receive:
-                    nursery.start_soon(
-                        self._produce, prepared, send, progress, producer_scope, events, lease
-                    )
+                    nursery.start_soon(self._produce, prepared, send, progress, producer_scope, events, lease)
                     try:
                         yield events
                     finally:

@@ -58,6 +58,7 @@ def tune_listening_socket(sock: socket.socket, settings: ServerSettings) -> None
     except OSError as exc:  # pragma: no cover - not Linux
         logger.warning("could not set flow-control socket options: %s", exc)
 
+
 BackendLoader = Callable[[], Awaitable[Backend]]
 
 
