@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import httpx
 import trio
 
 from trioserve import Backend, Engine, HTTPSettings, Server, ServerSettings
+
+
+async def wait_for(predicate: Callable[[], object], limit: float = 10.0, step: float = 0.005) -> None:
+    """Wait until ``predicate()`` is true. Tests observe the server's state from the
+    outside, so they poll it; the server itself never polls."""
+    with trio.fail_after(limit):
+        while not predicate():  # noqa: ASYNC110 - see the docstring
+            await trio.sleep(step)
 
 
 class RunningServer:
@@ -67,15 +78,28 @@ class RawStream:
 
     @classmethod
     async def post(
-        cls, url: str, path: str, body: dict[str, object], headers: dict[str, str] | None = None
+        cls,
+        url: str,
+        path: str,
+        body: dict[str, object],
+        headers: dict[str, str] | None = None,
+        *,
+        receive_buffer: int | None = None,
     ) -> RawStream:
+        """Send a POST. ``receive_buffer``: a small SO_RCVBUF, set before connecting so
+        the advertised window stays small (a client that reads slowly or not at all)."""
         import json
+        import socket
         from urllib.parse import urlsplit
 
         parts = urlsplit(url)
         assert parts.hostname is not None
         assert parts.port is not None
-        stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+        sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if receive_buffer is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        await sock.connect((parts.hostname, parts.port))
+        stream = trio.SocketStream(sock)
         payload = json.dumps(body).encode()
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
@@ -97,6 +121,18 @@ class RawStream:
 
     async def read_to_eof(self) -> bytes:
         while chunk := await self.stream.receive_some(65536):
+            self.received += chunk
+        return self.received
+
+    async def read_to_eof_or(self, end: bytes) -> bytes:
+        """Read until the connection closes or the data ends with ``end``."""
+        while not self.received.endswith(end):
+            try:
+                chunk = await self.stream.receive_some(65536)
+            except trio.BrokenResourceError:  # reset by the server
+                break
+            if not chunk:
+                break
             self.received += chunk
         return self.received
 
@@ -160,3 +196,93 @@ class ServerProcess:
         self.process.wait()
         if self.process.stderr is not None:
             self.process.stderr.close()
+
+
+class H2Stream:
+    """One request on an HTTP/2 (prior knowledge, cleartext) connection, driven by the
+    ``h2`` state machine over a raw trio socket, so a test can reset the stream."""
+
+    def __init__(self, stream: trio.SocketStream, connection: object, stream_id: int) -> None:
+        self.stream = stream
+        self.connection = connection
+        self.stream_id = stream_id
+        self.data = b""
+        self.headers: dict[bytes, bytes] = {}
+        self.ended = False
+
+    @classmethod
+    async def post(
+        cls,
+        url: str,
+        path: str,
+        body: dict[str, object],
+        headers: dict[str, str] | None = None,
+        window: int | None = None,
+    ) -> H2Stream:
+        """Send the request. ``window``: the flow-control window the client grants
+        (a small one makes the server block once it is full)."""
+        import json
+        from urllib.parse import urlsplit
+
+        import h2.config
+        import h2.connection
+        import h2.settings
+
+        parts = urlsplit(url)
+        assert parts.hostname is not None
+        assert parts.port is not None
+        stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+        connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        connection.initiate_connection()
+        if window is not None:
+            connection.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
+        payload = json.dumps(body).encode()
+        stream_id = connection.get_next_available_stream_id()
+        connection.send_headers(
+            stream_id,
+            [
+                (":method", "POST"),
+                (":path", path),
+                (":scheme", "http"),
+                (":authority", parts.netloc),
+                ("content-type", "application/json"),
+                ("content-length", str(len(payload))),
+                *((k.lower(), v) for k, v in (headers or {}).items()),
+            ],
+        )
+        connection.send_data(stream_id, payload, end_stream=True)
+        await stream.send_all(connection.data_to_send())
+        return cls(stream, connection, stream_id)
+
+    async def read_until(self, marker: bytes, count: int = 1, *, acknowledge: bool = True) -> bytes:
+        """Read until ``marker`` appears ``count`` times in the body (or the stream ends).
+        ``acknowledge=False`` withholds WINDOW_UPDATEs, like a client that stops reading."""
+        import h2.events
+
+        connection: Any = self.connection
+        while self.data.count(marker) < count and not self.ended:
+            chunk = await self.stream.receive_some(65536)
+            if not chunk:
+                break
+            for event in connection.receive_data(chunk):
+                if isinstance(event, h2.events.ResponseReceived):
+                    self.headers = dict(event.headers)
+                elif isinstance(event, h2.events.DataReceived) and event.stream_id == self.stream_id:
+                    self.data += event.data
+                    if acknowledge:
+                        connection.acknowledge_received_data(event.flow_controlled_length, self.stream_id)
+                elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                    self.ended = True
+            await self.stream.send_all(connection.data_to_send())
+        return self.data
+
+    async def reset(self) -> None:
+        """RST_STREAM (CANCEL) for this request; the connection stays open."""
+        import h2.errors
+
+        connection: Any = self.connection
+        connection.reset_stream(self.stream_id, h2.errors.ErrorCodes.CANCEL)
+        await self.stream.send_all(connection.data_to_send())
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()

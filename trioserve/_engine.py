@@ -179,11 +179,15 @@ class Engine:
             with :class:`OverloadedError`.
     """
 
+    @property
+    def active_streams(self) -> int:
+        return len(self.streams)
+
     def __init__(self, backend: Backend, *, max_queue: int = 16) -> None:
         self.backend = backend
         self.admission = Admission(backend.slots, max_queue)
-        #: streams between admission and teardown (for health checks and tests)
-        self.active_streams = 0
+        #: streams between admission and teardown (for health checks, metrics, tests)
+        self.streams: set[EventStream] = set()
         self._ewma_service_seconds: float | None = None
 
     async def __aenter__(self) -> Self:
@@ -220,12 +224,12 @@ class Engine:
         prepared = request if isinstance(request, PreparedPrompt) else await self.prepare(request)
         async with self.admission.slot() as lease:
             timings.admitted = time.perf_counter()
-            self.active_streams += 1
+            send, receive = trio.open_memory_channel[bytes](0)
+            progress = GenerationProgress(len(prepared.tokens))
+            producer_scope = trio.CancelScope()
+            events = EventStream(prepared, receive, progress, producer_scope, timings)
+            self.streams.add(events)
             try:
-                send, receive = trio.open_memory_channel[bytes](0)
-                progress = GenerationProgress(len(prepared.tokens))
-                producer_scope = trio.CancelScope()
-                events = EventStream(prepared, receive, progress, producer_scope, timings)
                 async with trio.open_nursery() as nursery, receive:
                     nursery.start_soon(self._produce, prepared, send, progress, producer_scope, events, lease)
                     try:
@@ -234,7 +238,7 @@ class Engine:
                         # However the body ended, the producer has no reader any more.
                         producer_scope.cancel()
             finally:
-                self.active_streams -= 1
+                self.streams.discard(events)
                 self._record_service_time(timings)
 
     async def _produce(

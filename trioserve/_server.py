@@ -110,6 +110,8 @@ class Server:
         self._close_backend = close_backend
         #: set once the model has loaded (or failed to: see ``state.load_error``)
         self.ready = trio.Event()
+        #: set when :meth:`run` has finished: every request and the backend are closed
+        self.stopped = trio.Event()
         self.state = ServerState(settings=self.settings.http)
         self.app = create_app(self.state)
         self._load_backend = load_backend
@@ -167,6 +169,7 @@ class Server:
             with trio.CancelScope(shield=True):
                 await self.engine.backend.aclose()
         logger.info("stopped")
+        self.stopped.set()
 
     async def _load(self, binds: list[str]) -> None:
         try:

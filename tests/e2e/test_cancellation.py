@@ -1,0 +1,301 @@
+"""Cancellation, proven: every cause × every phase, against a real hypercorn server on a
+real socket, with real llama.cpp inference on the default model.
+
+For every cell the test asserts:
+
+* what the client saw (nothing more / a final event + ``[DONE]`` / a status code);
+* that the inference thread left llama.cpp promptly (the logged cancel latency, and
+  ``/health``'s ``inference_threads``);
+* that the slot, the queue place, the stream and the request are all gone;
+* that the next request on the same context gives the text a fresh server gives;
+* that the end was recorded with its cause (the request's log line).
+
+Causes: TCP close, half-close, HTTP/2 stream reset, close during a non-streaming
+request, deadline (``X-Request-Timeout``), server shutdown. (The caller's own cancel
+scope, for library use, is in ``test_library_cancellation.py``.)
+Phases: queued (the only slot busy), prefill (a ~1,700-token prompt), decode, and
+blocked on a slow consumer (the client stops reading; its receive buffer is tiny).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import trio
+
+from trioserve import HTTPSettings, LlamaBackend
+
+from .._helpers import H2Stream, RawStream, RunningServer, start_server, wait_for
+
+pytestmark = pytest.mark.model
+
+CAUSES = ["close", "half_close", "h2_reset", "non_stream_close", "deadline", "shutdown"]
+PHASES = ["queued", "prefill", "decode", "blocked"]
+STALL_TIMEOUT = 2.0
+LONG_PROMPT = "The history of the city is long and varied. " * 170  # ~1,700 tokens, ~2 s prefill
+REFERENCE = {"prompt": "The capital of France is", "max_tokens": 40, "temperature": 0}
+#: a cancel must reach the thread well within this (measured: ~1 ms; the bound is generous)
+CANCEL_LATENCY_BOUND_MS = 250.0
+
+
+@pytest.fixture(scope="module")
+def reference_text(llama_backend: LlamaBackend) -> str:
+    """What a fresh server answers to REFERENCE (computed on a fresh engine)."""
+
+    async def fresh() -> str:
+        async with trio.open_nursery() as nursery:
+            running = await start_server(nursery, llama_backend)
+            async with running.client() as client:
+                response = await client.post("/v1/completions", json=REFERENCE)
+                text: str = response.json()["choices"][0]["text"]
+            running.server.shutdown()
+        return text
+
+    return trio.run(fresh)
+
+
+@pytest.fixture
+async def server(llama_backend: LlamaBackend, nursery: trio.Nursery) -> AsyncIterator[RunningServer]:
+    running = await start_server(
+        nursery,
+        llama_backend,
+        max_queue=4,
+        shutdown_grace=0.0,
+        stall_timeout=STALL_TIMEOUT,
+        send_buffer_bytes=4096,
+        http=HTTPSettings(),
+    )
+    yield running
+    running.server.shutdown()
+
+
+class Victim:
+    """The request that gets cancelled, over the transport the cause needs."""
+
+    def __init__(self, cause: str, phase: str) -> None:
+        self.cause = cause
+        self.phase = phase
+        self.request_id = uuid.uuid4().hex
+        self.raw: RawStream | None = None
+        self.h2: H2Stream | None = None
+        self.body: dict[str, Any] = {
+            "prompt": LONG_PROMPT if phase == "prefill" else "Once upon a time",
+            "max_tokens": 40 if phase == "prefill" else 3000,
+            "temperature": 0,
+            "stream": cause != "non_stream_close",
+        }
+        self.headers = {"X-Request-Id": self.request_id}
+        if cause == "deadline":
+            self.headers["X-Request-Timeout"] = {
+                "queued": "0.5",
+                "prefill": "0.3",
+                "decode": "1.0",
+                "blocked": "3.0",
+            }[phase]
+
+    async def send(self, url: str) -> None:
+        if self.cause == "h2_reset":
+            window = 256 if self.phase == "blocked" else None
+            self.h2 = await H2Stream.post(url, "/v1/completions", self.body, self.headers, window=window)
+        else:
+            self.raw = await RawStream.post(
+                url,
+                "/v1/completions",
+                self.body,
+                self.headers,
+                receive_buffer=1024 if self.phase == "blocked" else None,
+            )
+
+    async def read_events(self, count: int) -> None:
+        if self.h2 is not None:
+            await self.h2.read_until(b"data: ", count, acknowledge=self.phase != "blocked")
+        else:
+            assert self.raw is not None
+            await self.raw.read_until(b"data: ", count)
+
+    async def apply_disconnect(self) -> None:
+        if self.cause == "h2_reset":
+            assert self.h2 is not None
+            await self.h2.reset()
+        elif self.cause == "half_close":
+            assert self.raw is not None
+            await self.raw.stream.send_eof()
+        else:
+            assert self.raw is not None
+            await self.raw.aclose()
+
+    async def received(self) -> bytes:
+        """Everything the client got, reading to the end of the response."""
+        if self.h2 is not None:
+            with trio.move_on_after(STALL_TIMEOUT + 3):
+                await self.h2.read_until(b"data: [DONE]")
+            return self.h2.data
+        assert self.raw is not None
+        with trio.fail_after(STALL_TIMEOUT + 5):
+            return await self.raw.read_to_eof_or(b"0\r\n\r\n")
+
+    async def aclose(self) -> None:
+        for transport in (self.raw, self.h2):
+            if transport is not None:
+                with trio.CancelScope(shield=True):
+                    await transport.aclose()
+
+
+async def _occupy_the_slot(server: RunningServer) -> RawStream:
+    occupier = await RawStream.post(
+        server.url, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True}
+    )
+    await occupier.read_until(b"data: ", 2)
+    return occupier
+
+
+async def _wait_queued(server: RunningServer, count: int = 1) -> None:
+    await wait_for(lambda: server.engine.admission.queued >= count)
+
+
+async def _wait_inference_paused(server: RunningServer) -> int:
+    """Wait until the only stream's token count stops moving (the producer is blocked
+    on the slow client); return that count."""
+    await wait_for(lambda: server.engine.streams)
+    with trio.fail_after(30):
+        (stream,) = server.engine.streams
+        last, since = -1, trio.current_time()
+        while True:
+            now = stream.progress.completion_tokens
+            if now != last:
+                last, since = now, trio.current_time()
+            elif trio.current_time() - since > 0.5 and now > 0:
+                return now
+            await trio.sleep(0.02)
+
+
+def _log_line(caplog: pytest.LogCaptureFixture, request_id: str) -> str:
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "trioserve.requests" and request_id in r.getMessage()
+    ]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _events(data: bytes) -> list[dict[str, Any] | str]:
+    out: list[dict[str, Any] | str] = []
+    for match in re.finditer(rb"data: (.*?)\n\n", data, re.S):
+        payload = match.group(1)
+        out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return out
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("cause", CAUSES)
+async def test_cancel_cell(
+    cause: str,
+    phase: str,
+    server: RunningServer,
+    llama_backend: LlamaBackend,
+    reference_text: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    if cause == "non_stream_close" and phase == "blocked":
+        pytest.skip("not a cell: a non-streaming response sends nothing until it is complete")
+    caplog.set_level(logging.INFO, logger="trioserve.requests")
+    occupier = await _occupy_the_slot(server) if phase == "queued" else None
+    threads_started = llama_backend.active_threads.total_started
+    victim = Victim(cause, phase)
+    await victim.send(server.url)
+    try:
+        # --- bring the victim into its phase
+        if phase == "queued":
+            await _wait_queued(server)
+        elif phase == "prefill":
+            await wait_for(lambda: llama_backend.active_threads.count)  # inference started
+            if cause != "deadline":  # (its 0.3 s deadline is already ticking)
+                await trio.sleep(0.3)  # well inside the ~2 s prompt evaluation
+        elif phase == "decode":
+            if victim.body["stream"]:
+                await victim.read_events(3)
+            else:
+                await trio.sleep(0.5)
+        elif phase == "blocked":
+            await victim.read_events(1)
+            paused_at = await _wait_inference_paused(server)
+            assert paused_at < 3000, "the producer must be paused by the slow client"
+
+        # --- apply the cause
+        if cause == "deadline":
+            pass  # it is already ticking
+        elif cause == "shutdown":
+            server.server.shutdown()
+        else:
+            await victim.apply_disconnect()
+
+        # --- what the client saw
+        if cause in ("deadline", "shutdown") and phase != "blocked":
+            data = await victim.received()
+            _check_final_event(victim, data)
+        if occupier is not None and cause != "shutdown":
+            await occupier.aclose()
+            occupier = None
+
+        # --- everything released
+        if cause == "shutdown":
+            with trio.fail_after(5):
+                await server.server.stopped.wait()
+        else:
+            health = await server.wait_idle(limit=STALL_TIMEOUT + 3 if phase == "blocked" else 3.0)
+            assert health["status"] == "ok"
+        assert llama_backend.active_threads.count == 0
+        assert server.engine.admission.in_use == 0
+        assert server.engine.admission.queued == 0
+        assert not server.engine.streams
+        if phase == "queued":
+            # the victim never reached inference: only the occupier's thread ran
+            assert llama_backend.active_threads.total_started == threads_started
+    finally:
+        if occupier is not None:
+            await occupier.aclose()
+        await victim.aclose()
+
+    # --- recorded with its cause; the thread left llama.cpp promptly
+    line = _log_line(caplog, victim.request_id)
+    expected_cause = {"deadline": "deadline", "shutdown": "shutdown"}.get(cause, "disconnect")
+    assert f"cause={expected_cause}" in line
+    if phase != "queued":
+        latency = re.search(r"cancel_latency_ms=([\d.]+)", line)
+        assert latency is not None, line
+        assert float(latency.group(1)) < CANCEL_LATENCY_BOUND_MS, line
+    if phase == "prefill":
+        assert "completion_tokens=0" in line, "cancelled during prefill: no token yet"
+
+    # --- the next request matches a fresh server
+    async with trio.open_nursery() as nursery:
+        after = server if cause != "shutdown" else await start_server(nursery, llama_backend)
+        async with after.client() as client:
+            text = (await client.post("/v1/completions", json=REFERENCE)).json()["choices"][0]["text"]
+        if after is not server:
+            after.server.shutdown()
+    assert text == reference_text
+
+
+def _check_final_event(victim: Victim, data: bytes) -> None:
+    """Deadline and shutdown: the client is told why its request ended."""
+    cause = victim.cause
+    if victim.phase == "queued":
+        # nothing was sent yet: an HTTP error status instead of a stream
+        status = victim.h2.headers.get(b":status") if victim.h2 else data.split(b" ", 2)[1]
+        assert status == (b"504" if cause == "deadline" else b"503"), data[:200]
+        assert b'"error"' in data
+        return
+    events = _events(data)
+    assert events[-1] == "[DONE]", data[-300:]
+    final = events[-2]
+    assert isinstance(final, dict)
+    assert final["choices"][0]["finish_reason"] == cause
+    assert final["trioserve"]["end_cause"] == cause
