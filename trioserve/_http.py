@@ -110,6 +110,8 @@ class RequestControl:
         self.cancelled_at: float | None = None
 
     def cancel(self, cause: EndCause) -> None:
+        if self.cause is None and trio.current_time() >= self.scope.deadline:
+            self.note_deadline()  # the deadline came first; this cancel is its echo
         if self.cause is None:
             self.cause = cause
             self.cancelled_at = time.perf_counter()
@@ -133,6 +135,8 @@ class ServerState:
     chat_format: ChatFormat | None = None
     load_error: str | None = None
     shutting_down: bool = False
+    #: the server's stall timeout, to tell a stalled reader from a disconnect
+    stall_timeout: float | None = None
     requests: set[RequestControl] = field(default_factory=set[RequestControl])
     _idle: trio.Event = field(default_factory=trio.Event)
 
@@ -174,13 +178,16 @@ class ServerState:
 class _Exchange:
     """The response side of one ASGI HTTP exchange: knows whether headers went out."""
 
-    __slots__ = ("request_id", "send", "started", "status")
+    __slots__ = ("request_id", "send", "sending_since", "started", "status")
 
     def __init__(self, send: Send, request_id: str) -> None:
         self.send = send
         self.request_id = request_id
         self.started = False
         self.status = 0
+        #: when the send in progress began (``None``: not sending); a disconnect that
+        #: arrives while a send has been stuck this long is a stalled reader
+        self.sending_since: float | None = None
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
@@ -194,7 +201,9 @@ class _Exchange:
         )
 
     async def body(self, data: bytes, *, more: bool = True) -> None:
+        self.sending_since = time.perf_counter()
         await self.send({"type": "http.response.body", "body": data, "more_body": more})
+        self.sending_since = None
 
     async def json(self, status: int, body: bytes, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
         await self.start(status, [*JSON_HEADERS, *extra_headers])
@@ -270,13 +279,25 @@ def _request_timeout(scope: Scope, settings: HTTPSettings) -> float | None:
     return timeout
 
 
-async def _watch_disconnect(receive: Receive, control: RequestControl) -> None:
+async def _watch_disconnect(
+    receive: Receive, control: RequestControl, exchange: _Exchange, stall_timeout: float | None
+) -> None:
     """Wait for the client to go away, then cancel the request. No polling: after the
-    body, the next ASGI message is ``http.disconnect``."""
+    body, the next ASGI message is ``http.disconnect``.
+
+    A disconnect that comes while a send has been stuck for the stall timeout is the
+    kernel cutting off a client that stopped reading (``TCP_USER_TIMEOUT``): cause
+    ``stall``."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            control.cancel("disconnect")
+            stuck_since = exchange.sending_since
+            stalled = (
+                stall_timeout is not None
+                and stuck_since is not None
+                and time.perf_counter() - stuck_since >= 0.9 * stall_timeout
+            )
+            control.cancel("stall" if stalled else "disconnect")
             return
 
 
@@ -298,6 +319,13 @@ class GenerationHandler:
             await self._serve(scope, receive, exchange, kind, outcome)
         except _ClientGone:
             outcome["cause"] = "disconnect"
+        except BaseException as exc:
+            # Cancelled from outside the request's scope (hypercorn closing connections
+            # at the end of a shutdown: a group of Cancelled), or a bug: record, re-raise.
+            control = outcome.get("control")
+            fallback: EndCause = "error" if isinstance(exc, Exception) else "shutdown"
+            outcome["cause"] = outcome["cause"] or (control and control.cause) or fallback
+            raise
         except TrioserveError as exc:
             outcome["cause"] = outcome["cause"] or "error"
             outcome["error"] = exc.message
@@ -326,11 +354,12 @@ class GenerationHandler:
         encoder = ChunkEncoder(kind, model, include_usage=include_usage)
         with trio.CancelScope(deadline=deadline) as request_scope:
             control = RequestControl(request_scope)
+            outcome["control"] = control
             state.add_request(control)
             try:
                 prepared = await engine.prepare(generation)
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_watch_disconnect, receive, control)
+                    nursery.start_soon(_watch_disconnect, receive, control, exchange, state.stall_timeout)
                     async with engine.stream(prepared) as events:
                         outcome["events"] = events
                         if stream:
@@ -347,7 +376,6 @@ class GenerationHandler:
             control.note_deadline()  # no-op if another cause came first
             cause: EndCause = control.cause or "deadline"
             outcome["cause"] = cause
-            outcome["control"] = control
             await self._cancelled(exchange, encoder if exchange.started else None, cause, outcome)
 
     def _engine(self) -> Engine:
@@ -449,7 +477,7 @@ class GenerationHandler:
         self, exchange: _Exchange, encoder: ChunkEncoder | None, cause: EndCause, outcome: dict[str, Any]
     ) -> None:
         """Tell the client why its request ended early (unless it is the one who left)."""
-        if cause == "disconnect":
+        if cause in ("disconnect", "stall"):
             return
         events = outcome.get("events")
         with trio.move_on_after(FINAL_EVENT_TIMEOUT, shield=True):

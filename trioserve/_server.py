@@ -28,6 +28,7 @@ from hypercorn.utils import wrap_app
 from ._backends._base import Backend
 from ._engine import Engine
 from ._http import FINAL_EVENT_TIMEOUT, HTTPSettings, ServerState, create_app
+from ._hypercorn_patches import patch_hypercorn_h2_backpressure
 
 __all__ = ["Server", "ServerSettings", "serve_until_signalled"]
 
@@ -112,7 +113,7 @@ class Server:
         self.ready = trio.Event()
         #: set when :meth:`run` has finished: every request and the backend are closed
         self.stopped = trio.Event()
-        self.state = ServerState(settings=self.settings.http)
+        self.state = ServerState(settings=self.settings.http, stall_timeout=self.settings.stall_timeout)
         self.app = create_app(self.state)
         self._load_backend = load_backend
         self._stop_accepting = trio.Event()
@@ -141,6 +142,7 @@ class Server:
         period — in-flight requests are cancelled at once and the backend is closed.
         """
         async with trio.open_nursery() as nursery:
+            patch_hypercorn_h2_backpressure()
             config = self._hypercorn_config()
             sockets = config.create_sockets()
             for sock in sockets.insecure_sockets:

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.model
 
 CAUSES = ["close", "half_close", "h2_reset", "non_stream_close", "deadline", "shutdown"]
 PHASES = ["queued", "prefill", "decode", "blocked"]
-STALL_TIMEOUT = 2.0
+STALL_TIMEOUT = 4.0
 LONG_PROMPT = "The history of the city is long and varied. " * 170  # ~1,700 tokens, ~2 s prefill
 REFERENCE = {"prompt": "The capital of France is", "max_tokens": 40, "temperature": 0}
 #: a cancel must reach the thread well within this (measured: ~1 ms; the bound is generous)
@@ -193,8 +193,12 @@ def _events(data: bytes) -> list[dict[str, Any] | str]:
     return out
 
 
-@pytest.mark.parametrize("phase", PHASES)
-@pytest.mark.parametrize("cause", CAUSES)
+#: every cell but one: a non-streaming response sends nothing until it is complete, so
+#: it cannot be blocked on a slow reader
+CELLS = [(c, p) for c in CAUSES for p in PHASES if (c, p) != ("non_stream_close", "blocked")]
+
+
+@pytest.mark.parametrize(("cause", "phase"), CELLS, ids=[f"{c}-{p}" for c, p in CELLS])
 async def test_cancel_cell(
     cause: str,
     phase: str,
@@ -203,8 +207,6 @@ async def test_cancel_cell(
     reference_text: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    if cause == "non_stream_close" and phase == "blocked":
-        pytest.skip("not a cell: a non-streaming response sends nothing until it is complete")
     caplog.set_level(logging.INFO, logger="trioserve.requests")
     occupier = await _occupy_the_slot(server) if phase == "queued" else None
     threads_started = llama_backend.active_threads.total_started
