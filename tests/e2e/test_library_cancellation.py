@@ -1,0 +1,114 @@
+"""The caller's own cancel scope, when the engine is used as a library: every phase,
+real llama.cpp inference on the default model.
+
+Same guarantees as over HTTP: when ``engine.stream()`` has exited, the inference thread
+has left llama.cpp (promptly), the slot and queue place are free, and the next request
+gives the text a fresh engine gives.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+
+from trioserve import Engine, GenerationRequest, LlamaBackend, SamplingParams, TextDelta
+
+from .._helpers import wait_for
+
+pytestmark = pytest.mark.model
+
+GREEDY = SamplingParams(temperature=0)
+REFERENCE = GenerationRequest(prompt="The capital of France is", max_tokens=40, sampling=GREEDY)
+LONG = GenerationRequest(
+    prompt="The history of the city is long and varied. " * 170, max_tokens=40, sampling=GREEDY
+)
+ENDLESS = GenerationRequest(prompt="Once upon a time", max_tokens=3000, sampling=GREEDY)
+
+
+async def _text(engine: Engine, request: GenerationRequest) -> str:
+    parts = []
+    async with engine.stream(request) as events:
+        async for event in events:
+            if isinstance(event, TextDelta):
+                parts.append(event.text)
+    return "".join(parts)
+
+
+@pytest.fixture(scope="module")
+def reference_text(llama_backend: LlamaBackend) -> str:
+    return trio.run(_text, Engine(llama_backend), REFERENCE)
+
+
+def _assert_released(engine: Engine, backend: LlamaBackend) -> None:
+    assert backend.active_threads.count == 0
+    assert engine.admission.in_use == 0
+    assert engine.admission.queued == 0
+    assert not engine.streams
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode", "blocked"])
+async def test_caller_cancel_scope(phase: str, llama_backend: LlamaBackend, reference_text: str) -> None:
+    engine = Engine(llama_backend)
+    request = LONG if phase == "prefill" else ENDLESS
+    cancelled_at = 0.0
+    progress = None
+    with trio.CancelScope() as scope:
+        async with engine.stream(request) as events:
+            progress = events.progress
+            if phase == "prefill":
+                await wait_for(lambda: llama_backend.active_threads.count)
+                await trio.sleep(0.3)  # well inside the ~2 s prompt evaluation
+            else:
+                seen = 0
+                async for event in events:
+                    seen += isinstance(event, TextDelta)
+                    if seen == 3:
+                        break
+                if phase == "blocked":
+                    # stop reading: the producer blocks in its channel send
+                    tokens = progress.completion_tokens
+                    await trio.sleep(0.3)
+                    assert progress.completion_tokens <= tokens + 1
+            cancelled_at = time.perf_counter()
+            scope.cancel()
+            await trio.sleep_forever()
+    assert scope.cancelled_caught
+    _assert_released(engine, llama_backend)
+    assert progress is not None
+    assert progress.inference_ended is not None
+    assert progress.inference_ended - cancelled_at < 0.25  # measured: ~1 ms
+    if phase == "prefill":
+        assert progress.completion_tokens == 0
+    assert await _text(engine, REFERENCE) == reference_text
+
+
+async def test_caller_cancel_scope_while_queued(llama_backend: LlamaBackend, reference_text: str) -> None:
+    engine = Engine(llama_backend, max_queue=2)
+    started = llama_backend.active_threads.total_started
+    async with trio.open_nursery() as nursery:
+        occupying = trio.Event()
+
+        async def occupy() -> None:
+            async with engine.stream(ENDLESS) as events:
+                async for _ in events:
+                    occupying.set()
+
+        nursery.start_soon(occupy)
+        await occupying.wait()
+        with trio.CancelScope() as scope:
+
+            async def cancel_when_queued() -> None:
+                await wait_for(lambda: engine.admission.queued == 1)
+                scope.cancel()
+
+            nursery.start_soon(cancel_when_queued)
+            async with engine.stream(REFERENCE):
+                pytest.fail("the slot is busy: this request must still be queued")
+        assert scope.cancelled_caught
+        assert engine.admission.queued == 0  # the place was freed at once
+        nursery.cancel_scope.cancel()
+    _assert_released(engine, llama_backend)
+    assert llama_backend.active_threads.total_started == started + 1  # only the occupier ran
+    assert await _text(engine, REFERENCE) == reference_text
