@@ -68,6 +68,28 @@ class Admission:
         backlog = (self.queued + self.in_use) / self.slots
         return max(1.0, math.ceil(backlog * self.expected_service_time))
 
+    def check(self) -> None:
+        """Raise :class:`OverloadedError` if a request arriving now would be refused.
+
+        ``slot()`` runs the same check; calling it first lets a caller refuse before it
+        commits to a response (the HTTP layer sends stream headers only after it)."""
+        if self._semaphore.value > 0:
+            return
+        if self.queued >= self.max_queue:
+            raise OverloadedError(
+                f"server is at capacity ({self.slots} running, {self.queued} queued); retry later",
+                retry_after=self.retry_after(),
+            )
+        ahead = self.queued + 1
+        expected_wait = ahead * self.expected_service_time / self.slots
+        if trio.current_time() + expected_wait > trio.current_effective_deadline():
+            raise OverloadedError(
+                f"the request's deadline would pass while it is queued "
+                f"({ahead} ahead, about {expected_wait:.1f} s); retry later or allow more time",
+                retry_after=self.retry_after(),
+                code="deadline_unreachable",
+            )
+
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[SlotLease]:
         """Hold one slot for the body of the ``async with`` (or until the lease is
@@ -80,22 +102,7 @@ class Admission:
         Cancellation: if cancelled while queued, the request leaves the queue at once
         and no slot is taken. The slot is released when the block exits, however it exits.
         """
-        if self._semaphore.value == 0:
-            if self.queued >= self.max_queue:
-                raise OverloadedError(
-                    f"server is at capacity ({self.slots} running, {self.queued} queued); retry later",
-                    retry_after=self.retry_after(),
-                )
-            ahead = self.queued + 1
-            expected_wait = ahead * self.expected_service_time / self.slots
-            if trio.current_time() + expected_wait > trio.current_effective_deadline():
-                raise OverloadedError(
-                    f"the request's deadline would pass while it is queued "
-                    f"({ahead} ahead, about {expected_wait:.1f} s); retry later or allow "
-                    "more time",
-                    retry_after=self.retry_after(),
-                    code="deadline_unreachable",
-                )
+        self.check()
         self.queued += 1
         try:
             await self._semaphore.acquire()

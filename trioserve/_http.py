@@ -22,7 +22,8 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -52,6 +53,7 @@ from ._openai import (
     encode_json,
     non_stream_response,
 )
+from ._sse import HEARTBEAT
 from ._types import EndCause, Finished, GenerationRequest, TextDelta, Usage
 
 __all__ = ["HTTPSettings", "ServerState", "create_app"]
@@ -89,10 +91,13 @@ class HTTPSettings:
         default_timeout: seconds a request may take (queue + prefill + decode) when it
             does not say; ``None``: no limit.
         max_timeout: the cap on ``X-Request-Timeout``; ``None``: no cap.
+        heartbeat_interval: a stream silent this long (queued, in a long prefill) gets
+            an SSE comment line; ``None`` or 0: no heartbeats.
         model_aliases: other names accepted in the ``model`` field.
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
+    heartbeat_interval: float | None = 15.0
     default_timeout: float | None = None
     max_timeout: float | None = 600.0
     model_aliases: tuple[str, ...] = ()
@@ -178,7 +183,15 @@ class ServerState:
 class _Exchange:
     """The response side of one ASGI HTTP exchange: knows whether headers went out."""
 
-    __slots__ = ("request_id", "send", "sending_since", "started", "status")
+    __slots__ = (
+        "last_sent",
+        "longest_send_seconds",
+        "request_id",
+        "send",
+        "sending_since",
+        "started",
+        "status",
+    )
 
     def __init__(self, send: Send, request_id: str) -> None:
         self.send = send
@@ -188,10 +201,16 @@ class _Exchange:
         #: when the send in progress began (``None``: not sending); a disconnect that
         #: arrives while a send has been stuck this long is a stalled reader
         self.sending_since: float | None = None
+        #: when the last body bytes went out (for heartbeats)
+        self.last_sent = 0.0
+        #: the longest any send took: the reset that ends a stalled send lets the next
+        #: sends return at once, so the stall shows in the history, not the last send
+        self.longest_send_seconds = 0.0
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
         self.status = status
+        self.last_sent = time.perf_counter()
         await self.send(
             {
                 "type": "http.response.start",
@@ -201,9 +220,12 @@ class _Exchange:
         )
 
     async def body(self, data: bytes, *, more: bool = True) -> None:
-        self.sending_since = time.perf_counter()
+        self.sending_since = began = time.perf_counter()
         await self.send({"type": "http.response.body", "body": data, "more_body": more})
         self.sending_since = None
+        self.last_sent = time.perf_counter()
+        if self.last_sent - began > self.longest_send_seconds:
+            self.longest_send_seconds = self.last_sent - began
 
     async def json(self, status: int, body: bytes, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
         await self.start(status, [*JSON_HEADERS, *extra_headers])
@@ -292,13 +314,49 @@ async def _watch_disconnect(
         message = await receive()
         if message["type"] == "http.disconnect":
             stuck_since = exchange.sending_since
-            stalled = (
-                stall_timeout is not None
-                and stuck_since is not None
-                and time.perf_counter() - stuck_since >= 0.9 * stall_timeout
-            )
+            stuck_now = time.perf_counter() - stuck_since if stuck_since is not None else 0.0
+            stuck = max(stuck_now, exchange.longest_send_seconds)
+            # A send blocks only once TCP_NOTSENT_LOWAT bytes wait behind the closed
+            # window, a little after the kernel's stall clock started: hence the half.
+            stalled = stall_timeout is not None and stuck >= 0.5 * stall_timeout
             control.cancel("stall" if stalled else "disconnect")
             return
+
+
+@contextmanager
+def _unwrapping_errors() -> Iterator[None]:
+    """Let one error of ours out of a nursery as itself, not in an ExceptionGroup, so
+    it maps to its status code (a 429 from admission, say). Anything else — several
+    errors, or a group of Cancelled — propagates unchanged."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        errors = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
+        if len(errors) == 1 and isinstance(errors[0], TrioserveError):
+            raise errors[0] from None
+        raise
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
+async def _heartbeat(exchange: _Exchange, interval: float) -> None:
+    """Send an SSE comment whenever the stream has been silent for ``interval`` seconds
+    (queued, long prefill), so proxies and clients see a live connection. A timer, not
+    a poll: it sleeps until the next moment a heartbeat could be due."""
+    while True:
+        due = exchange.last_sent + interval
+        now = time.perf_counter()
+        if now >= due and exchange.sending_since is None:
+            await exchange.send({"type": "http.response.body", "body": HEARTBEAT, "more_body": True})
+            exchange.last_sent = time.perf_counter()
+        else:
+            await trio.sleep(max(due - now, 0.001))
 
 
 class GenerationHandler:
@@ -319,6 +377,16 @@ class GenerationHandler:
             await self._serve(scope, receive, exchange, kind, outcome)
         except _ClientGone:
             outcome["cause"] = "disconnect"
+        except TrioserveError as exc:
+            outcome["cause"] = outcome["cause"] or "error"
+            outcome["error"] = exc.message
+            if not exchange.started:
+                await exchange.error(exc)
+            elif (encoder := outcome.get("encoder")) is not None:
+                # the stream had started (e.g. refused by a race for the last queue place)
+                with trio.move_on_after(FINAL_EVENT_TIMEOUT, shield=True):
+                    usage = Usage(prompt_tokens=0, completion_tokens=0)
+                    await exchange.body(encoder.final("error", usage, exc.message), more=False)
         except BaseException as exc:
             # Cancelled from outside the request's scope (hypercorn closing connections
             # at the end of a shutdown: a group of Cancelled), or a bug: record, re-raise.
@@ -326,11 +394,6 @@ class GenerationHandler:
             fallback: EndCause = "error" if isinstance(exc, Exception) else "shutdown"
             outcome["cause"] = outcome["cause"] or (control and control.cause) or fallback
             raise
-        except TrioserveError as exc:
-            outcome["cause"] = outcome["cause"] or "error"
-            outcome["error"] = exc.message
-            if not exchange.started:
-                await exchange.error(exc)
         finally:
             self._log(scope, exchange, kind, started, outcome)
 
@@ -352,21 +415,33 @@ class GenerationHandler:
         deadline = math.inf if timeout is None else trio.current_time() + timeout
 
         encoder = ChunkEncoder(kind, model, include_usage=include_usage)
+        outcome["encoder"] = encoder
         with trio.CancelScope(deadline=deadline) as request_scope:
             control = RequestControl(request_scope)
             outcome["control"] = control
             state.add_request(control)
             try:
                 prepared = await engine.prepare(generation)
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_watch_disconnect, receive, control, exchange, state.stall_timeout)
-                    async with engine.stream(prepared) as events:
-                        outcome["events"] = events
+                with _unwrapping_errors():
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_watch_disconnect, receive, control, exchange, state.stall_timeout)
                         if stream:
-                            await self._stream(exchange, encoder, events, outcome)
-                        else:
-                            await self._collect(exchange, kind, model, events, outcome)
-                    nursery.cancel_scope.cancel()  # the watcher: this request is done
+                            # Refuse (429) while a status code can still say so; then start
+                            # the stream, so heartbeats can flow while queued and in prefill.
+                            engine.admission.check()
+                            await exchange.start(200, SSE_HEADERS)
+                            if encoder.kind == "chat":
+                                await exchange.body(encoder.role())
+                            interval = state.settings.heartbeat_interval
+                            if interval:
+                                nursery.start_soon(_heartbeat, exchange, interval)
+                        async with engine.stream(prepared) as events:
+                            outcome["events"] = events
+                            if stream:
+                                await self._stream(exchange, encoder, events, outcome)
+                            else:
+                                await self._collect(exchange, kind, model, events, outcome)
+                        nursery.cancel_scope.cancel()  # the watcher: this request is done
             finally:
                 state.remove_request(control)
 
@@ -434,10 +509,7 @@ class GenerationHandler:
     async def _stream(
         self, exchange: _Exchange, encoder: ChunkEncoder, events: Any, outcome: dict[str, Any]
     ) -> None:
-        await exchange.start(200, SSE_HEADERS)
         body = exchange.body
-        if encoder.kind == "chat":
-            await body(encoder.role())
         delta = encoder.delta
         async for event in events:
             if type(event) is TextDelta:
