@@ -74,6 +74,25 @@ def _parser() -> argparse.ArgumentParser:
     admission.add_argument(
         "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="request body limit (default: 4 MiB)"
     )
+    flow = serve.add_argument_group("flow control")
+    flow.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=30.0,
+        help="disconnect a client that accepts no data for this many seconds (default: 30; 0: never)",
+    )
+    flow.add_argument(
+        "--send-buffer-bytes",
+        type=int,
+        default=16 * 1024,
+        help="bytes a connection may queue in the kernel unsent (TCP_NOTSENT_LOWAT; default: 16384)",
+    )
+    flow.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=15.0,
+        help="SSE comment after this many silent seconds (queued, long prefill; default: 15; 0: off)",
+    )
     admission.add_argument(
         "--shutdown-grace",
         type=float,
@@ -156,7 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         port=args.port,
         max_queue=args.max_queue,
         shutdown_grace=args.shutdown_grace,
+        stall_timeout=args.stall_timeout or None,
+        send_buffer_bytes=args.send_buffer_bytes,
         http=HTTPSettings(
+            heartbeat_interval=args.heartbeat_interval or None,
             max_body_bytes=args.max_body_bytes,
             default_timeout=args.default_timeout,
             max_timeout=args.max_timeout,
