@@ -127,6 +127,7 @@ class IdleResult:
     latency_s: float | None  # idle start − cause; None: no quiet window within the cap
     cpu_s: float  # CPU time from the cause to the idle start (to the cap on a timeout)
     samples: int
+    cpu_at_cause: float  # the process's CPU time at the first sample
 
 
 def wait_cpu_idle(pid: int, t_cause: float, args: argparse.Namespace) -> IdleResult:
@@ -143,11 +144,11 @@ def wait_cpu_idle(pid: int, t_cause: float, args: argparse.Namespace) -> IdleRes
             if k == len(times):
                 break
             if cpus[k] - cpus[i] < quiet:
-                return IdleResult(max(0.0, times[i] - t_cause), cpus[i] - cpus[0], len(times))
+                return IdleResult(max(0.0, times[i] - t_cause), cpus[i] - cpus[0], len(times), cpus[0])
             i += 1
         now = time.perf_counter()
         if now - t_cause > args.idle_cap + args.window:
-            return IdleResult(None, cpus[-1] - cpus[0], len(times))
+            return IdleResult(None, cpus[-1] - cpus[0], len(times), cpus[0])
         time.sleep(max(0.0, next_t - now))
         next_t = max(next_t + args.sample_interval, time.perf_counter())
         times.append(time.perf_counter())
@@ -450,6 +451,7 @@ class Sample:
     idle_ms: float | None = None  # black-box; None: not idle within --idle-cap (or not measured)
     idle_timed_out: bool = False
     cpu_after_cause_ms: float | None = None
+    cpu_before_cause_ms: float | None = None  # from sending the request to the cause
     events_before_cause: int = 0
     done_ms: float | None = None  # deadline: send → [DONE]
     finish_reason: str | None = None
@@ -487,6 +489,7 @@ def run_job(server: ServerProcess, scenario: str, round_: int, args: argparse.Na
     rid = str(uuid.uuid4())  # llama_cpp.server answers 400 to an X-Request-Id that is not a UUID
     sample = Sample(server.name, scenario, round_, rid)
     headers = {"X-Request-Id": rid}
+    cpu_at_send = cpu_seconds(server.pid)
     if scenario == DECODE:
         stream = SSEStream(server.address, decode_body(2000), headers)
         got = stream.read_until(lambda: stream.data_events() >= args.events, stream.sent_at + 60)
@@ -520,6 +523,7 @@ def run_job(server: ServerProcess, scenario: str, round_: int, args: argparse.Na
         sample.idle_timed_out = idle.latency_s is None
         sample.idle_ms = None if idle.latency_s is None else idle.latency_s * 1e3
         sample.cpu_after_cause_ms = idle.cpu_s * 1e3
+        sample.cpu_before_cause_ms = (idle.cpu_at_cause - cpu_at_send) * 1e3
     if server.name == TRIOSERVE:
         line = trioserve_log_line(server, rid)
         sample.cancel_latency_ms = _number(line.get("cancel_ms"))

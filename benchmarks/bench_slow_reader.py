@@ -37,7 +37,12 @@ Measured on the *server* process, all its threads together, sampled at t = 0, 1,
   seconds 0–1 (prefill, the first burst) and 1–10 (steady state), plus **quiet from**: the
   first whole second from which every later 1-s interval stays ≤ ``--cpu-bar`` (5 %) — when
   the producer stopped; "> 10" if it never did.
-* **RSS growth**: ``VmRSS`` from ``/proc/<pid>/status`` at t = 10 minus at t = 0, in KB.
+* **RSS growth**: ``VmRSS`` from ``/proc/<pid>/status`` at t = 10 minus at t = 0, in KB;
+  also from t = 1 to t = 10, which leaves out what a request allocates as it starts
+  (llama-server's RSS grows ~3 MB in the first second of every request, tokens or not).
+* **other load**: the CPU time of everything else on the machine (``/proc/stat`` busy time
+  minus the server and this process) over the read, in % of one core. The server competes
+  with it for the cores; above ``--other-load-warn`` (20 %) a note says so: rerun.
 
 And where the bytes went, at t = 10 before the client closes:
 
@@ -50,7 +55,9 @@ And where the bytes went, at t = 10 before the client closes:
 * **events**: SSE ``data:`` events among the bytes read plus the client's buffer (the
   buffer is drained after the t = 10 measurement to count them) — about one per token.
 
-Sum of the first three = everything the server handed to the kernel. What this shows:
+Their sum is everything the server handed to the kernel. A server Send-Q that is not 0
+means the client's window is closed: its buffer is full, and the server's send is what
+waits. What this shows:
 trioserve bounds *its* buffers — the channel holds no token, the unsent kernel queue about
 16 KiB — but the client's kernel receive buffer is the client's. On loopback the default
 buffer takes on the order of 100–200 KB (~500–1,000 events of ~200 bytes) before the

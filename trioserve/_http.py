@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import trio
+from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response
 from quart_trio import QuartTrio
 
+from ._backends._base import GenerationProgress
 from ._chat import ChatFormat, chat_format_for
 from ._engine import Engine
 from ._exceptions import (
@@ -38,11 +40,13 @@ from ._exceptions import (
     InvalidRequestError,
     MethodNotAllowedError,
     NotFoundError,
+    OverloadedError,
     PayloadTooLargeError,
     ServiceUnavailableError,
     TrioserveError,
     UnsupportedMediaTypeError,
 )
+from ._metrics import Metrics
 from ._openai import (
     ChatCompletionRequest,
     ChunkEncoder,
@@ -106,11 +110,14 @@ class HTTPSettings:
 class RequestControl:
     """The cancel handle of one in-flight request: its scope and why it was cancelled."""
 
-    __slots__ = ("cancelled_at", "cause", "scope")
+    __slots__ = ("cancelled_at", "cause", "progress", "scope", "tokens_at_cancel")
 
     def __init__(self, scope: trio.CancelScope) -> None:
         self.scope = scope
         self.cause: EndCause | None = None
+        #: the generation's counters, once it has started (for "wasted" tokens)
+        self.progress: GenerationProgress | None = None
+        self.tokens_at_cancel: int | None = None
         #: ``time.perf_counter()`` when the cancel was requested
         self.cancelled_at: float | None = None
 
@@ -120,6 +127,8 @@ class RequestControl:
         if self.cause is None:
             self.cause = cause
             self.cancelled_at = time.perf_counter()
+            if self.progress is not None:
+                self.tokens_at_cancel = self.progress.completion_tokens
         self.scope.cancel()
 
     def note_deadline(self) -> None:
@@ -143,6 +152,7 @@ class ServerState:
     #: the server's stall timeout, to tell a stalled reader from a disconnect
     stall_timeout: float | None = None
     requests: set[RequestControl] = field(default_factory=set[RequestControl])
+    metrics: Metrics = field(default_factory=Metrics)
     _idle: trio.Event = field(default_factory=trio.Event)
 
     def add_request(self, control: RequestControl) -> None:
@@ -169,6 +179,7 @@ class ServerState:
             eos_token=info.eos_token,
         )
         self.engine = engine
+        self.metrics.bind_engine(engine)
 
     def model_names(self) -> tuple[str, ...]:
         if self.engine is None:
@@ -378,6 +389,10 @@ class GenerationHandler:
         except _ClientGone:
             outcome["cause"] = "disconnect"
         except TrioserveError as exc:
+            if isinstance(exc, OverloadedError):
+                outcome["cause"] = "overloaded"
+            elif isinstance(exc, ServiceUnavailableError) and self.state.shutting_down:
+                outcome["cause"] = "shutdown"
             outcome["cause"] = outcome["cause"] or "error"
             outcome["error"] = exc.message
             if not exchange.started:
@@ -437,6 +452,7 @@ class GenerationHandler:
                                 nursery.start_soon(_heartbeat, exchange, interval)
                         async with engine.stream(prepared) as events:
                             outcome["events"] = events
+                            control.progress = events.progress
                             if stream:
                                 await self._stream(exchange, encoder, events, outcome)
                             else:
@@ -511,14 +527,23 @@ class GenerationHandler:
     ) -> None:
         body = exchange.body
         delta = encoder.delta
+        observe_gap = self.state.metrics.inter_token_latency.observe
+        perf_counter = time.perf_counter
+        previous = 0.0
         async for event in events:
             if type(event) is TextDelta:
+                now = perf_counter()
+                if previous:
+                    observe_gap(now - previous)
+                previous = now
                 await body(delta(event.text))
             else:
                 assert isinstance(event, Finished)
                 outcome["cause"] = event.reason
-                await body(encoder.final(event.reason, event.usage, event.message), more=False)
+                # Finished before the last send: hypercorn reports the end of the
+                # response as a disconnect, and that must not rewrite why it ended.
                 outcome["finished"] = True
+                await body(encoder.final(event.reason, event.usage, event.message), more=False)
 
     async def _collect(
         self,
@@ -537,13 +562,13 @@ class GenerationHandler:
                 outcome["cause"] = event.reason
                 if event.reason == "error":
                     raise _BackendFailed(event.message or "inference failed")
+                outcome["finished"] = True  # (see _stream)
                 await exchange.json(
                     200,
                     non_stream_response(
                         kind, model=model, text="".join(parts), cause=event.reason, usage=event.usage
                     ),
                 )
-                outcome["finished"] = True
 
     async def _cancelled(
         self, exchange: _Exchange, encoder: ChunkEncoder | None, cause: EndCause, outcome: dict[str, Any]
@@ -568,29 +593,52 @@ class GenerationHandler:
     def _log(
         self, scope: Scope, exchange: _Exchange, kind: str, started: float, outcome: dict[str, Any]
     ) -> None:
+        """The request's one log line, and its metrics."""
+        metrics = self.state.metrics
+        duration = time.perf_counter() - started
         events = outcome.get("events")
         usage = events.usage if events is not None else None
         timings = events.timings if events is not None else None
         ttft = timings.ttft_seconds if timings is not None else None
+        cause = outcome.get("cause")
         control = outcome.get("control")
-        cancel_ms = ""
-        if control is not None and events is not None and control.cancelled_at is not None:
+        cancel_latency = None
+        cut_short = not outcome.get("finished")  # (after the end, a "disconnect" is just the end)
+        if cut_short and control is not None and events is not None and control.cancelled_at is not None:
             ended = events.progress.inference_ended
             if ended is not None:
-                # cause → inference thread out of llama.cpp (0 if it had already ended)
-                cancel_ms = f" cancel_latency_ms={max(0.0, ended - control.cancelled_at) * 1000:.2f}"
+                # cause → inference thread out of the model (0 if it had already ended)
+                cancel_latency = max(0.0, ended - control.cancelled_at)
+                metrics.cancel_latency.labels(cause=control.cause or "unknown").observe(cancel_latency)
+            if control.tokens_at_cancel is not None:
+                metrics.wasted_tokens.inc(
+                    max(0, events.progress.completion_tokens - control.tokens_at_cancel)
+                )
+        metrics.requests.labels(endpoint=scope["path"], status=str(exchange.status or 0)).inc()
+        metrics.stream_ends.labels(cause=cause or "unknown").inc()
+        metrics.request_duration.observe(duration)
+        if events is not None and usage is not None and timings is not None:
+            metrics.prompt_tokens.inc(usage.prompt_tokens)
+            metrics.completion_tokens.inc(usage.completion_tokens)
+            if timings.queue_seconds is not None:
+                metrics.queue_wait.observe(timings.queue_seconds)
+            if ttft is not None:
+                metrics.time_to_first_token.observe(ttft)
+            if events.progress.prefill_seconds:
+                metrics.prefill.observe(events.progress.prefill_seconds)
         request_logger.info(
-            "request %s %s status=%s cause=%s prompt_tokens=%s completion_tokens=%s "
+            "request %s %s model=%s status=%s cause=%s prompt_tokens=%s completion_tokens=%s "
             "ttft_ms=%s duration_ms=%.1f%s%s",
             exchange.request_id,
             scope["path"],
+            outcome.get("model", "-"),
             exchange.status or "-",
-            outcome.get("cause"),
+            cause,
             usage.prompt_tokens if usage else "-",
             usage.completion_tokens if usage else "-",
             f"{ttft * 1000:.1f}" if ttft is not None else "-",
-            (time.perf_counter() - started) * 1000,
-            cancel_ms,
+            duration * 1000,
+            f" cancel_latency_ms={cancel_latency * 1000:.2f}" if cancel_latency is not None else "",
             f" error={outcome['error']!r}" if outcome.get("error") else "",
         )
 
@@ -658,6 +706,10 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
                 "requests_in_flight": len(state.requests),
             }
         )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), content_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> Response:
