@@ -57,18 +57,27 @@ And where the bytes went, at t = 10 before the client closes:
 
 Their sum is everything the server handed to the kernel. A server Send-Q that is not 0
 means the client's window is closed: its buffer is full, and the server's send is what
-waits. What this shows:
-trioserve bounds *its* buffers — the channel holds no token, the unsent kernel queue about
-16 KiB — but the client's kernel receive buffer is the client's. On loopback the default
-buffer takes on the order of 100–200 KB (~500–1,000 events of ~200 bytes) before the
-window closes and the server's send blocks; until then the producer runs at full speed,
-which at tens of tokens/s lasts several seconds or more. So with ``default`` the CPU is
-expected to stay high for part or all of the 10 s even though nothing inside trioserve
-buffers; with ``16384`` (32 KiB effective) the window closes after ~100 events and the
-producer should stop within the first second or two. The issue's bar for trioserve —
-CPU over seconds 1–10 ≤ 5 % of one core and RSS growth ≤ 1 MB (``--cpu-bar``,
-``--rss-bar-kb``) — is printed per case; it can only hold when the client's buffer fills
-within the first second, i.e. it measures the server under a small client buffer.
+waits.
+
+What to expect, and why the two buffer settings differ: trioserve bounds *its* buffers —
+the channel holds no token, the kernel's unsent queue for the socket holds at most ~16 KiB
+(``TCP_NOTSENT_LOWAT``, about 80 events of ~200 bytes) — but the client's kernel receive
+buffer belongs to the client, and bytes in it have left the server: the server's send
+cannot block until the client's window closes. With ``default`` the buffer on Linux
+loopback takes well over 100 KB (~600 events; receive autotuning may even grow it while
+the client reads), so at tens of tokens/s the producer runs at full speed for 10 s or more
+and the CPU stays high for the whole read, though nothing inside trioserve buffers a
+token: the bytes are in the client's buffer (see the columns). With ``16384`` (32 KiB
+effective, ~20 KB of window) the window closes after ~100 events, the server's Send-Q
+fills to ~16 KiB, and the producer stops after ~200 events (~40 KB) in all: a few
+seconds in, at the decode rates of a 2-core machine. The issue's bar for trioserve — CPU
+over seconds 1–10 ≤ 5 % of one core and RSS growth ≤ 1 MB (``--cpu-bar``,
+``--rss-bar-kb``) — is judged per case; "quiet from" and the per-second CPU
+(``--markdown``) show when the producer stopped, which is what the bar is about: it can
+only be met when the client's buffer plus the 16 KiB fill within the first second.
+llama-server has no such bound of its own: uvicorn queues up to 64 KiB in user space
+above an autotuned kernel send buffer (up to ``net.ipv4.tcp_wmem``'s maximum) before its
+send waits.
 
 After the client closes (an orderly ``close()``; its buffer was drained, so a FIN, not a
 RST) the benchmark waits for the server to go idle before the next case, and records how

@@ -19,6 +19,24 @@ find_python() {
     return 1
 }
 
+ensure_system_packages() {
+    # $@: commands that must exist, as "command:debian-package"
+    local wanted missing="" entry
+    for entry in "$@"; do
+        command -v "${entry%%:*}" >/dev/null 2>&1 || missing="$missing ${entry##*:}"
+    done
+    [ -z "$missing" ] && return 0
+    if ! command -v apt-get >/dev/null 2>&1; then
+        echo "error: missing system packages:$missing (no apt-get to install them)" >&2
+        return 1
+    fi
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    echo "installing system packages:$missing" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    $sudo apt-get update -qq && $sudo apt-get install -y -qq $missing >/dev/null
+}
+
 ensure_venv() {
     # $1: the extras to install, e.g. "test"
     local extras="$1"

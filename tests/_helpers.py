@@ -163,6 +163,7 @@ class ServerProcess:
 
         assert self.process.stderr is not None
         deadline = time.monotonic() + timeout
+        ready = False
         while time.monotonic() < deadline:
             line = self.process.stderr.readline()
             if not line:
@@ -170,7 +171,8 @@ class ServerProcess:
             self.log.append(line)
             if match := re.search(r"listening on (http://\S+)", line):
                 self.url = match.group(1)
-            if "ready:" in line:
+            ready = ready or "ready:" in line
+            if ready and self.url:  # (the two lines come in either order)
                 return self.url
         raise TimeoutError("the server did not get ready:\n" + "".join(self.log))
 

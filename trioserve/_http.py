@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any, Literal
 
 import trio
@@ -706,6 +707,12 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
                 "requests_in_flight": len(state.requests),
             }
         )
+
+    page = (resources.files("trioserve") / "static" / "index.html").read_bytes()
+
+    @app.get("/")
+    async def index() -> Response:
+        return Response(page, content_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
