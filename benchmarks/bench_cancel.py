@@ -39,8 +39,12 @@ at the cause. Samples ``s_0, s_1, …`` are (time, CPU seconds). The **idle star
 first sample ``s_i`` whose following window is quiet: the first sample ``s_k`` taken at
 least ``--window`` (100 ms) after ``s_i`` shows less than ``--idle-fraction`` (5 %) of one
 core's time in that window (under 5 ms of CPU for 100 ms). With 10 ms ticks that means the
-CPU-time counter did not move at all. **Latency = t(s_i) − t(cause)**: 0 for a server that
-was already idle. If no quiet window starts within ``--idle-cap`` (15 s), the run reads
+CPU-time counter did not move at all. And the process must not have been starved: its
+threads' run-queue wait (time runnable but not running, summed from
+``/proc/<pid>/task/*/schedstat``) must also grow by less than that in the window. Without
+this guard, a busy server on a loaded machine can go 100+ ms without getting a core and
+pass for idle (seen here while another benchmark ran). **Latency = t(s_i) − t(cause)**: 0
+for a server that was already idle. If no quiet window starts within ``--idle-cap`` (15 s), the run reads
 "> 15 s". Resolution: the kernel's counter is the exact run time truncated to whole ticks,
 so the last tick can be counted up to one tick of CPU (10 ms ÷ busy threads) before the
 work really ends — black-box figures can read low by that much — and high by up to one
@@ -103,6 +107,7 @@ PREFILL_SENTENCE = "The history of the city is long and varied. "
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAUSE_S = 0.1  # after a server passed the idle checks, before the next job
 LOG_WAIT_S = 5.0  # how long a trioserve log line may take to appear
+NO_WORK_MS = 50.0  # a prefill run with less CPU than this before and after the close did no prefill
 
 LOG_LINE = re.compile(
     r"request (?P<id>\S+) (?P<path>\S+) status=(?P<status>\S+) cause=(?P<cause>\S+) "
@@ -122,6 +127,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15
 
 
+def runqueue_wait_seconds(pid: int) -> float:
+    """Time the process's live threads have spent runnable but not running (second field
+    of ``/proc/<pid>/task/<tid>/schedstat``, ns); 0 where the kernel lacks schedstat."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass  # the thread exited meanwhile, or no schedstat
+    return total / 1e9
+
+
 @dataclass
 class IdleResult:
     latency_s: float | None  # idle start − cause; None: no quiet window within the cap
@@ -135,6 +157,7 @@ def wait_cpu_idle(pid: int, t_cause: float, args: argparse.Namespace) -> IdleRes
     quiet = args.idle_fraction * args.window  # CPU seconds allowed in one window
     times = [time.perf_counter()]
     cpus = [cpu_seconds(pid)]
+    waits = [runqueue_wait_seconds(pid)]
     i = k = 0  # candidate idle start; first sample >= window after it
     next_t = times[0] + args.sample_interval
     while True:
@@ -143,7 +166,7 @@ def wait_cpu_idle(pid: int, t_cause: float, args: argparse.Namespace) -> IdleRes
                 k += 1
             if k == len(times):
                 break
-            if cpus[k] - cpus[i] < quiet:
+            if cpus[k] - cpus[i] < quiet and waits[k] - waits[i] < quiet:
                 return IdleResult(max(0.0, times[i] - t_cause), cpus[i] - cpus[0], len(times), cpus[0])
             i += 1
         now = time.perf_counter()
@@ -153,6 +176,7 @@ def wait_cpu_idle(pid: int, t_cause: float, args: argparse.Namespace) -> IdleRes
         next_t = max(next_t + args.sample_interval, time.perf_counter())
         times.append(time.perf_counter())
         cpus.append(cpu_seconds(pid))
+        waits.append(runqueue_wait_seconds(pid))
 
 
 # ---------------------------------------------------------------------- raw HTTP + SSE
@@ -452,6 +476,7 @@ class Sample:
     idle_timed_out: bool = False
     cpu_after_cause_ms: float | None = None
     cpu_before_cause_ms: float | None = None  # from sending the request to the cause
+    excluded: str | None = None  # why the run is left out of the summary (see exclusion())
     events_before_cause: int = 0
     done_ms: float | None = None  # deadline: send → [DONE]
     finish_reason: str | None = None
@@ -536,6 +561,7 @@ def run_job(server: ServerProcess, scenario: str, round_: int, args: argparse.Na
         sample.prompt_tokens = None if prompt_tokens is None else int(prompt_tokens)
         sample.completion_tokens = None if completion_tokens is None else int(completion_tokens)
         sample.log_ttft_ms = _number(line.get("ttft_ms"))
+    sample.excluded = exclusion(sample)
     return sample
 
 
@@ -635,7 +661,7 @@ def summarize(samples: list[Sample], args: argparse.Namespace) -> dict[str, Any]
     """Per server and scenario: distributions (timeouts count as +inf) and the decode step."""
     summary: dict[str, Any] = {}
     for name in SERVERS:
-        mine = [s for s in samples if s.server == name]
+        mine = [s for s in samples if s.server == name and not s.excluded]
         gaps = [g for s in mine if s.scenario == DECODE for g in s.step_gaps_ms]
         per: dict[str, Any] = {
             "decode_step_ms": statistics_median(gaps),
@@ -678,19 +704,30 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def exclusion(s: Sample) -> str | None:
+    """Why a prefill run did not measure a cancel mid-prefill (``None``: it did)."""
+    if s.scenario != PREFILL:
+        return None
+    if s.events_before_cause:
+        return f"{s.events_before_cause} token(s) arrived before the close: the prefill was over"
+    if s.log_ttft_ms is not None:
+        return f"trioserve logged a first token (ttft {s.log_ttft_ms} ms): the prefill was over"
+    before, after = s.cpu_before_cause_ms, s.cpu_after_cause_ms
+    if before is not None and after is not None and before < NO_WORK_MS and after < NO_WORK_MS:
+        return (
+            f"the server used {before:.0f} ms of CPU before the close and {after:.0f} ms after: "
+            "the prefill never started (the disconnect came first)"
+        )
+    return None
+
+
 def result_notes(samples: list[Sample], args: argparse.Namespace) -> list[str]:
     """Runs that did not measure what they claim to."""
     notes = []
     for s in samples:
         where = f"{s.server} {s.scenario} round {s.round} ({s.request_id})"
-        if s.scenario == PREFILL and s.events_before_cause:
-            notes.append(
-                f"{where}: {s.events_before_cause} token(s) arrived before the close: not mid-prefill"
-            )
-        if s.scenario == PREFILL and s.server == TRIOSERVE and s.log_ttft_ms is not None:
-            notes.append(
-                f"{where}: the server logged a first token (ttft {s.log_ttft_ms} ms): not mid-prefill"
-            )
+        if s.excluded:
+            notes.append(f"{where}: left out of the summary: {s.excluded}")
         if s.idle_timed_out:
             notes.append(f"{where}: CPU not idle within {args.idle_cap:g} s")
         if s.server == TRIOSERVE:
@@ -815,12 +852,14 @@ def samples_table(samples: list[Sample], args: argparse.Namespace) -> str:
             "server",
             "cause",
             "events",
+            "CPU before ms",
             "CPU idle ms",
             "CPU after ms",
             "log cancel ms",
             "[DONE] ms",
             "log cause",
             "finish",
+            "counted",
         ]
     ]
     for s in samples:
@@ -830,12 +869,14 @@ def samples_table(samples: list[Sample], args: argparse.Namespace) -> str:
                 s.server,
                 s.scenario,
                 str(s.events_before_cause),
+                _fmt(s.cpu_before_cause_ms, ".0f"),
                 f"> {args.idle_cap:g} s" if s.idle_timed_out else _fmt(s.idle_ms),
                 _fmt(s.cpu_after_cause_ms, ".0f"),
                 _fmt(s.cancel_latency_ms, ".2f"),
                 _fmt(s.done_ms),
                 str(s.log_cause or "—"),
                 str(s.finish_reason or "—"),
+                "no" if s.excluded else "yes",
             ]
         )
     return markdown_table(rows)

@@ -98,7 +98,9 @@ async def test_a_client_that_never_reads_is_cut_off_after_the_stall_timeout(
 ) -> None:
     caplog.set_level(logging.INFO, logger="trioserve.requests")
     stall = 1.5
-    server = await start_server(nursery, llama_backend, stall_timeout=stall, send_buffer_bytes=4096)
+    # a small unsent-bytes bound, so the server's send blocks soon after the client's
+    # window closes, even when a loaded machine generates slowly
+    server = await start_server(nursery, llama_backend, stall_timeout=stall, send_buffer_bytes=512)
     client = await RawStream.post(
         server.url,
         "/v1/completions",
