@@ -109,11 +109,9 @@ PAUSE_S = 0.1  # after a server passed the idle checks, before the next job
 LOG_WAIT_S = 5.0  # how long a trioserve log line may take to appear
 NO_WORK_MS = 50.0  # a prefill run with less CPU than this before and after the close did no prefill
 
-LOG_LINE = re.compile(
-    r"request (?P<id>\S+) (?P<path>\S+) status=(?P<status>\S+) cause=(?P<cause>\S+) "
-    r"prompt_tokens=(?P<prompt_tokens>\S+) completion_tokens=(?P<completion_tokens>\S+) "
-    r"ttft_ms=(?P<ttft_ms>\S+) duration_ms=(?P<duration_ms>\S+)(?: cancel_latency_ms=(?P<cancel_ms>\S+))?"
-)
+#: trioserve's request log line: ``request <id> <path> key=value ...`` (fields may be added)
+LOG_LINE = re.compile(r"trioserve\.requests: request (?P<id>\S+) (?P<path>\S+) (?P<fields>.*)")
+LOG_FIELD = re.compile(r"(\w+)=(\S+)")
 
 
 # ---------------------------------------------------------------------- CPU time
@@ -431,7 +429,7 @@ def trioserve_log_line(server: ServerProcess, request_id: str) -> dict[str, str]
     while True:
         for match in LOG_LINE.finditer(server.log_text()):
             if match["id"] == request_id:
-                return {k: v for k, v in match.groupdict().items() if v is not None}
+                return dict(LOG_FIELD.findall(match["fields"].split(" error=")[0]))
         if time.monotonic() > give_up:
             return {}
         time.sleep(0.02)
@@ -551,7 +549,7 @@ def run_job(server: ServerProcess, scenario: str, round_: int, args: argparse.Na
         sample.cpu_before_cause_ms = (idle.cpu_at_cause - cpu_at_send) * 1e3
     if server.name == TRIOSERVE:
         line = trioserve_log_line(server, rid)
-        sample.cancel_latency_ms = _number(line.get("cancel_ms"))
+        sample.cancel_latency_ms = _number(line.get("cancel_latency_ms"))
         sample.log_cause = line.get("cause")
         sample.log_status = line.get("status")
         prompt_tokens, completion_tokens = (
@@ -852,6 +850,7 @@ def samples_table(samples: list[Sample], args: argparse.Namespace) -> str:
             "server",
             "cause",
             "events",
+            "step ms",
             "CPU before ms",
             "CPU idle ms",
             "CPU after ms",
@@ -869,6 +868,7 @@ def samples_table(samples: list[Sample], args: argparse.Namespace) -> str:
                 s.server,
                 s.scenario,
                 str(s.events_before_cause),
+                _fmt(statistics_median(s.step_gaps_ms)),
                 _fmt(s.cpu_before_cause_ms, ".0f"),
                 f"> {args.idle_cap:g} s" if s.idle_timed_out else _fmt(s.idle_ms),
                 _fmt(s.cpu_after_cause_ms, ".0f"),

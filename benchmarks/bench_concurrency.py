@@ -43,12 +43,16 @@ Measured per stream, with ``time.perf_counter`` in its own thread:
   the same prompt should not depend on what else runs; a mismatch is reported.
 
 Per group of N: **total tok/s** = the streams' tokens summed ÷ wall time (first request
-sent → last stream ended), its ratio to N = 1 of the same configuration, and the server
-process's CPU use over the wall time (``utime + stime`` of all its threads, from
-``/proc/<pid>/stat``, in % of one core: 200 % = both cores) and its runnable threads
-(threads in state R in ``/proc/<pid>/task/*/stat``, sampled every 0.1 s; mean and max). The
-clients run in this process on the same cores; their parsing cost is part of the numbers.
-Servers are terminated after their configuration, also on error, Ctrl-C and SIGTERM.
+sent → last stream ended), and its ratio to N = 1 of the same configuration. Over the same
+wall time, CPU use in % of one core (200 % = both cores of a 2-core machine): the
+**server**'s (``utime + stime`` of all its threads, ``/proc/<pid>/stat`` fields 14 and 15),
+the **client**'s (this process: the stream threads, on the same cores, so their parsing
+cost is part of the numbers) and **other** (``/proc/stat`` busy time minus both: everything
+else on the machine; above ``--other-load-warn``, 20 %, a note says to rerun). And the
+server's **runnable threads**: threads in state R in ``/proc/<pid>/task/*/stat``, sampled
+every 0.1 s, mean and max — llama.cpp's compute threads spin while they wait for each
+other, so with 4 slots × 2 threads up to 8 want the 2 cores at once. Servers are
+terminated after their configuration, also on error, Ctrl-C and SIGTERM.
 
 Run ``python benchmarks/bench_concurrency.py --help`` for the options.
 """
@@ -449,7 +453,8 @@ def run_group(
         total_tps=tokens / wall,
         server_cpu_pct=100.0 * (cpu_after[0] - cpu_before[0]) / wall,
         client_cpu_pct=100.0 * (cpu_after[1] - cpu_before[1]) / wall,
-        other_cpu_pct=100.0 * (cpu_after[2] - cpu_before[2]) / wall,
+        # three counters rounded to ticks: "other" can come out a little below 0
+        other_cpu_pct=max(0.0, 100.0 * (cpu_after[2] - cpu_before[2]) / wall),
         runnable_threads_mean=statistics.mean(counts),
         runnable_threads_max=max(counts),
     )

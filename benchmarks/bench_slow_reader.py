@@ -517,7 +517,8 @@ def run_case(
         status_line=status_line,
         cpu_pct_first_s=cpu_pct(samples, 0, 1),
         cpu_pct_after_first_s=cpu_pct(samples, 1, len(samples) - 1),
-        other_cpu_pct=cpu_pct(samples, 0, len(samples) - 1, "other_cpu_s"),
+        # three counters rounded to ticks: "other" can come out a little below 0
+        other_cpu_pct=max(0.0, cpu_pct(samples, 0, len(samples) - 1, "other_cpu_s")),
         quiet_from_s=quiet_from(per_second, args.cpu_bar),
         rss_growth_kb=int(rss[-1] - rss[0]),
         rss_growth_after_first_s_kb=int(rss[-1] - rss[1]),

@@ -99,6 +99,35 @@ def _parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds in-flight streams get to finish on SIGTERM before they are cancelled (default: 10)",
     )
+    access = serve.add_argument_group("access")
+    access.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (repeatable; also "
+        "TRIOSERVE_API_KEYS=key1,key2)",
+    )
+    access.add_argument("--api-key-file", type=Path, help="a file with one API key per line")
+    access.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="allow browsers on this origin to call the API (repeatable; '*' for any; default: off)",
+    )
+    admission.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="longest prompt accepted (default: the context)"
+    )
+    admission.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="largest max_tokens accepted (default: the context)",
+    )
+    admission.add_argument(
+        "--max-header-bytes", type=int, default=16 * 1024, help="request head limit (default: 16 KiB)"
+    )
     logs = serve.add_argument_group("logging")
     logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     logs.add_argument("--log-format", default="human", choices=["human", "json"])
@@ -159,6 +188,14 @@ def _loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backe
     return description, functools.partial(LlamaBackend.aload, settings)
 
 
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    keys = list(args.api_key)
+    keys += [k.strip() for k in os.environ.get("TRIOSERVE_API_KEYS", "").split(",") if k.strip()]
+    if args.api_key_file is not None:
+        keys += [line.strip() for line in args.api_key_file.read_text().splitlines() if line.strip()]
+    return tuple(keys)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _configure_logging(args.log_level, args.log_format)
@@ -176,16 +213,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_queue=args.max_queue,
         shutdown_grace=args.shutdown_grace,
         stall_timeout=args.stall_timeout or None,
+        api_keys=_api_keys(args),
+        cors_origins=tuple(args.cors_origin),
         send_buffer_bytes=args.send_buffer_bytes,
         http=HTTPSettings(
             heartbeat_interval=args.heartbeat_interval or None,
             max_body_bytes=args.max_body_bytes,
+            max_header_bytes=args.max_header_bytes,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_tokens_limit=args.max_tokens_limit,
             default_timeout=args.default_timeout,
             max_timeout=args.max_timeout,
         ),
     )
     server = Server(load, settings)
     logger.info("trioserve %s (pid %d): loading %s", _version(), os.getpid(), description)
+    if settings.api_keys:
+        logger.info("API keys required on /v1/* and /metrics (%d key(s))", len(settings.api_keys))
     started = time.perf_counter()
 
     async def run() -> None:

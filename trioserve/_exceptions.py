@@ -9,6 +9,7 @@
     ├── NotFoundError              404  unknown path or model
     ├── MethodNotAllowedError      405
     ├── PayloadTooLargeError       413
+    ├── HeadersTooLargeError       431
     ├── UnsupportedMediaTypeError  415
     ├── OverloadedError            429  queue full, or the deadline cannot be met
     ├── ServiceUnavailableError    503  model loading, or shutting down
@@ -29,6 +30,7 @@ __all__ = [
     "BackendError",
     "ContextLengthError",
     "DeadlineExceededError",
+    "HeadersTooLargeError",
     "InvalidRequestError",
     "MethodNotAllowedError",
     "NotFoundError",
@@ -96,6 +98,12 @@ class PayloadTooLargeError(TrioserveError):
     status = 413
     error_type = "invalid_request_error"
     default_code = "payload_too_large"
+
+
+class HeadersTooLargeError(TrioserveError):
+    status = 431
+    error_type = "invalid_request_error"
+    default_code = "headers_too_large"
 
 
 class UnsupportedMediaTypeError(TrioserveError):

@@ -33,11 +33,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response
 from quart_trio import QuartTrio
 
-from ._backends._base import GenerationProgress
+from ._access import AccessPolicy, with_access_control
+from ._backends._base import GenerationProgress, PreparedPrompt
 from ._chat import ChatFormat, chat_format_for
 from ._engine import Engine
 from ._exceptions import (
+    ContextLengthError,
     DeadlineExceededError,
+    HeadersTooLargeError,
     InvalidRequestError,
     MethodNotAllowedError,
     NotFoundError,
@@ -93,6 +96,9 @@ class HTTPSettings:
 
     Attributes:
         max_body_bytes: request bodies larger than this get 413.
+        max_header_bytes: requests whose headers add up to more get 431.
+        max_prompt_tokens: prompts longer than this get 400 (``None``: the context).
+        max_tokens_limit: ``max_tokens`` above this gets 400 (``None``: the context).
         default_timeout: seconds a request may take (queue + prefill + decode) when it
             does not say; ``None``: no limit.
         max_timeout: the cap on ``X-Request-Timeout``; ``None``: no cap.
@@ -102,6 +108,9 @@ class HTTPSettings:
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
+    max_header_bytes: int = 16 * 1024
+    max_prompt_tokens: int | None = None
+    max_tokens_limit: int | None = None
     heartbeat_interval: float | None = 15.0
     default_timeout: float | None = None
     max_timeout: float | None = 600.0
@@ -335,6 +344,24 @@ async def _watch_disconnect(
             return
 
 
+def _check_limits(prepared: PreparedPrompt, settings: HTTPSettings) -> None:
+    """The server's own limits, on top of what fits the context."""
+    limit = settings.max_prompt_tokens
+    if limit is not None and len(prepared.tokens) > limit:
+        raise ContextLengthError(
+            f"the prompt has {len(prepared.tokens)} tokens; this server accepts at most {limit}",
+            param="prompt",
+        )
+    limit = settings.max_tokens_limit
+    if limit is not None and prepared.max_new_tokens > limit:
+        asked = prepared.request.max_tokens
+        raise InvalidRequestError(
+            f"max_tokens may be at most {limit} on this server"
+            + (f"; got {asked}" if asked is not None else "; set max_tokens"),
+            param="max_tokens",
+        )
+
+
 @contextmanager
 def _unwrapping_errors() -> Iterator[None]:
     """Let one error of ours out of a nursery as itself, not in an ExceptionGroup, so
@@ -438,6 +465,7 @@ class GenerationHandler:
             state.add_request(control)
             try:
                 prepared = await engine.prepare(generation)
+                _check_limits(prepared, state.settings)
                 with _unwrapping_errors():
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(_watch_disconnect, receive, control, exchange, state.stall_timeout)
@@ -650,21 +678,30 @@ class _BackendFailed(TrioserveError):
     default_code = "backend_error"
 
 
-def create_app(state: ServerState) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    """The ASGI app: generation endpoints at the ASGI level, the rest in quart-trio."""
+def create_app(
+    state: ServerState, access: AccessPolicy | None = None
+) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """The ASGI app: generation endpoints at the ASGI level, the rest in quart-trio,
+    behind the access policy (API keys, CORS) if one is given."""
     quart: Any = _create_quart_app(state)  # its ASGI types are narrower than ours
     generation = GenerationHandler(state)
 
+    header_limit = state.settings.max_header_bytes
+
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            if sum(len(name) + len(value) for name, value in scope["headers"]) > header_limit:
+                error = HeadersTooLargeError(f"the request headers exceed the limit of {header_limit} bytes")
+                await _Exchange(send, uuid.uuid4().hex).error(error)
+                return
             kind = GENERATION_PATHS.get(scope["path"].rstrip("/") or "/")
             if kind is not None:
                 await generation(scope, receive, send, kind)
                 return
         await quart(scope, receive, send)
 
-    app.quart = quart  # type: ignore[attr-defined]
-    app.state = state  # type: ignore[attr-defined]
+    if access is not None and (access.requires_key or access.cors_origins):
+        return with_access_control(app, access)
     return app
 
 

@@ -110,6 +110,10 @@ def _decode[T](decoder: msgspec.json.Decoder[T], body: bytes) -> T:
         raise InvalidRequestError(message, param=param or None) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(
+            f"the request body is not valid UTF-8: byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"
+        ) from None
 
 
 def _check_common(request: _CommonFields) -> None:

@@ -25,6 +25,7 @@ import trio
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
+from ._access import AccessPolicy
 from ._backends._base import Backend
 from ._engine import Engine
 from ._http import FINAL_EVENT_TIMEOUT, HTTPSettings, ServerState, create_app
@@ -77,6 +78,8 @@ class ServerSettings:
         send_buffer_bytes: bound on bytes queued in the kernel, not yet sent, per
             connection (``TCP_NOTSENT_LOWAT``): past it, the server's send waits, the
             consumer waits, and so does inference.
+        api_keys: bearer keys for ``/v1/*`` and ``/metrics`` (none: open).
+        cors_origins: browser origins allowed to call the API (``*``: any; none: CORS off).
         http: limits and defaults of the HTTP surface.
     """
 
@@ -86,6 +89,8 @@ class ServerSettings:
     shutdown_grace: float = 10.0
     stall_timeout: float | None = 30.0
     send_buffer_bytes: int = 16 * 1024
+    api_keys: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
     http: HTTPSettings = field(default_factory=HTTPSettings)
 
 
@@ -114,7 +119,7 @@ class Server:
         #: set when :meth:`run` has finished: every request and the backend are closed
         self.stopped = trio.Event()
         self.state = ServerState(settings=self.settings.http, stall_timeout=self.settings.stall_timeout)
-        self.app = create_app(self.state)
+        self.app = create_app(self.state, AccessPolicy(self.settings.api_keys, self.settings.cors_origins))
         self._load_backend = load_backend
         self._stop_accepting = trio.Event()
         self._shutdown_requested = trio.Event()
@@ -132,6 +137,9 @@ class Server:
         # hypercorn's own cancel must come after ours (grace + time for final events)
         config.graceful_timeout = self.settings.shutdown_grace + 2.0
         config.keep_alive_timeout = 75.0
+        # hypercorn bounds what it buffers of a head; the app checks complete heads
+        config.h11_max_incomplete_size = self.settings.http.max_header_bytes
+        config.h2_max_header_list_size = self.settings.http.max_header_bytes
         return config
 
     async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:

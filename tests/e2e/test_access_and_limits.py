@@ -1,0 +1,142 @@
+"""API keys, CORS and the server's limits, over a real socket (scripted backend)."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import openai
+import pytest
+import trio
+
+from trioserve import HTTPSettings, ScriptedBackend
+
+from .._helpers import RunningServer, start_server
+
+KEYS = ("sk-first-5b0f3c9e", "sk-second-77d1aa02")
+#: valid for both endpoints (each ignores the other's field)
+BODY = {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.fixture
+async def keyed(nursery: trio.Nursery) -> RunningServer:
+    backend = ScriptedBackend([b"ok"], slots=1)
+    return await start_server(nursery, backend, close_backend=True, api_keys=KEYS)
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+        ("GET", "/metrics"),
+    ],
+)
+async def test_without_a_valid_key_the_api_answers_401(keyed: RunningServer, method: str, path: str) -> None:
+    async with httpx.AsyncClient(base_url=keyed.url) as client:
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": f"Basic {KEYS[0]}"}):
+            response = await client.request(method, path, json=BODY, headers=headers)
+            assert response.status_code == 401
+            assert response.headers["www-authenticate"] == "Bearer"
+            error = response.json()["error"]
+            assert error["type"] == "authentication_error"
+            assert error["code"] == "invalid_api_key"
+            assert KEYS[0] not in response.text
+        for key in KEYS:
+            response = await client.request(
+                method, path, json=BODY, headers={"Authorization": f"Bearer {key}"}
+            )
+            assert response.status_code == 200
+
+
+async def test_health_and_the_page_stay_open(keyed: RunningServer) -> None:
+    async with httpx.AsyncClient(base_url=keyed.url) as client:
+        assert (await client.get("/health")).status_code == 200
+        page = await client.get("/")
+        assert page.status_code == 200
+        assert "<title>trioserve</title>" in page.text
+
+
+async def test_keys_never_reach_the_logs(keyed: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with httpx.AsyncClient(base_url=keyed.url) as client:
+        await client.post(
+            "/v1/completions", json={"prompt": "x"}, headers={"Authorization": f"Bearer {KEYS[1]}"}
+        )
+        await client.post(
+            "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer sk-guess"}
+        )
+        await client.post("/v1/completions", json={"prompt": KEYS[0]})  # even as a prompt: no key, 401
+    text = "\n".join(record.getMessage() for record in caplog.records)
+    assert "request " in text  # the request lines are there
+    for secret in (*KEYS, "sk-guess"):
+        assert secret not in text
+
+
+def test_the_openai_sdk_with_and_without_a_key() -> None:
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            server = await start_server(nursery, ScriptedBackend([b"hi"]), close_backend=True, api_keys=KEYS)
+
+            def call(key: str) -> str:
+                with openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0) as sdk:
+                    return sdk.completions.create(model="scripted", prompt="x").choices[0].text
+
+            assert await trio.to_thread.run_sync(call, KEYS[0]) == "hi"
+            with pytest.raises(openai.AuthenticationError):
+                await trio.to_thread.run_sync(call, "sk-nope")
+            server.server.shutdown()
+
+    trio.run(run)
+
+
+async def test_cors_is_off_by_default_and_answers_allowed_origins(nursery: trio.Nursery) -> None:
+    closed = await start_server(nursery, ScriptedBackend([b"ok"]), close_backend=True)
+    opened = await start_server(
+        nursery, ScriptedBackend([b"ok"]), close_backend=True, cors_origins=("https://app.example",)
+    )
+    origin = {"Origin": "https://app.example"}
+    preflight = {
+        **origin,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type",
+    }
+    async with httpx.AsyncClient() as client:
+        response = await client.post(closed.url + "/v1/completions", json={"prompt": "x"}, headers=origin)
+        assert "access-control-allow-origin" not in response.headers
+        answer = await client.options(opened.url + "/v1/completions", headers=preflight)
+        assert answer.status_code == 204
+        assert answer.headers["access-control-allow-origin"] == "https://app.example"
+        assert "POST" in answer.headers["access-control-allow-methods"]
+        assert "x-request-timeout" in answer.headers["access-control-allow-headers"]
+        response = await client.post(opened.url + "/v1/completions", json={"prompt": "x"}, headers=origin)
+        assert response.status_code == 200
+        assert response.headers["access-control-allow-origin"] == "https://app.example"
+        other = await client.post(
+            opened.url + "/v1/completions", json={"prompt": "x"}, headers={"Origin": "https://evil.example"}
+        )
+        assert "access-control-allow-origin" not in other.headers
+
+
+async def test_server_limits_on_prompt_tokens_max_tokens_and_headers(nursery: trio.Nursery) -> None:
+    server = await start_server(
+        nursery,
+        ScriptedBackend([b"ok"]),
+        close_backend=True,
+        http=HTTPSettings(max_prompt_tokens=10, max_tokens_limit=50, max_header_bytes=4096),
+    )
+    async with server.client() as client:
+        long = await client.post("/v1/completions", json={"prompt": "x" * 11})
+        assert long.status_code == 400
+        assert long.json()["error"]["message"] == "the prompt has 11 tokens; this server accepts at most 10"
+        assert long.json()["error"]["code"] == "context_length_exceeded"
+        many = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 51})
+        assert many.status_code == 400
+        assert "max_tokens may be at most 50" in many.json()["error"]["message"]
+        assert (
+            await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 50})
+        ).status_code == 200
+        huge = await client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Padding": "p" * 8000})
+        assert huge.status_code == 431
+        assert huge.json()["error"]["code"] == "headers_too_large"

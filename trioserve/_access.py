@@ -1,0 +1,148 @@
+"""Access control, as one ASGI layer in front of everything: API keys and CORS.
+
+* **API keys**: with one or more keys configured, every ``/v1/…`` endpoint and
+  ``/metrics`` needs ``Authorization: Bearer <key>``; without a valid one the answer is
+  401 with an OpenAI-style error. ``/health`` and the page (``/``) stay open, so load
+  balancers and browsers can reach them. Keys are compared in constant time (each
+  configured key's SHA-256 against the presented key's, with ``hmac.compare_digest``,
+  always over all keys) and are never logged.
+* **CORS** (off by default): for the configured origins (or ``*``), preflight
+  ``OPTIONS`` requests are answered here, and responses carry
+  ``Access-Control-Allow-Origin``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import Any
+
+from ._exceptions import AuthenticationError
+from ._openai import encode_json
+
+__all__ = ["AccessPolicy", "with_access_control"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+ASGIApp = Callable[
+    [Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]
+]
+
+_OPEN_PATHS = frozenset({"/", "/health", "/index.html", "/favicon.ico"})
+
+
+class AccessPolicy:
+    """Which API keys are valid and which origins may call from a browser."""
+
+    def __init__(self, api_keys: Iterable[str] = (), cors_origins: Iterable[str] = ()) -> None:
+        self._digests = [hashlib.sha256(key.encode()).digest() for key in api_keys if key]
+        self.cors_origins = frozenset(cors_origins)
+
+    @property
+    def requires_key(self) -> bool:
+        return bool(self._digests)
+
+    def key_is_valid(self, presented: str) -> bool:
+        digest = hashlib.sha256(presented.encode()).digest()
+        valid = False
+        for known in self._digests:  # no early exit: the time does not depend on which
+            valid |= hmac.compare_digest(digest, known)
+        return valid
+
+    def check(self, scope: Scope) -> None:
+        """Raise :class:`AuthenticationError` unless the request may proceed."""
+        if not self._digests or scope["path"] in _OPEN_PATHS:
+            return
+        if not (scope["path"].startswith("/v1/") or scope["path"] == "/metrics"):
+            return
+        authorization = _header(scope, b"authorization")
+        if authorization is None:
+            raise AuthenticationError(
+                "no API key: send it as 'Authorization: Bearer <key>' (in the openai SDK: api_key=...)"
+            )
+        scheme, _, presented = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not self.key_is_valid(presented.strip()):
+            raise AuthenticationError("the API key is not valid for this server")
+
+    def allowed_origin(self, scope: Scope) -> str | None:
+        """The value for ``Access-Control-Allow-Origin``, if this request gets one."""
+        if not self.cors_origins:
+            return None
+        origin = _header(scope, b"origin")
+        if origin is None:
+            return None
+        if "*" in self.cors_origins:
+            return "*"
+        return origin if origin in self.cors_origins else None
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def with_access_control(app: ASGIApp, policy: AccessPolicy) -> ASGIApp:
+    """Wrap ``app`` so every HTTP request passes ``policy`` first."""
+
+    async def guarded(
+        scope: Scope, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
+    ) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        origin = policy.allowed_origin(scope)
+        cors_headers: list[tuple[bytes, bytes]] = []
+        if origin is not None:
+            cors_headers = [
+                (b"access-control-allow-origin", origin.encode()),
+                (b"access-control-expose-headers", b"x-request-id, retry-after"),
+                (b"vary", b"origin"),
+            ]
+            if scope["method"] == "OPTIONS" and _header(scope, b"access-control-request-method"):
+                await _respond(
+                    send,
+                    204,
+                    b"",
+                    [
+                        *cors_headers,
+                        (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                        (
+                            b"access-control-allow-headers",
+                            b"authorization, content-type, x-request-timeout, x-request-id",
+                        ),
+                        (b"access-control-max-age", b"600"),
+                    ],
+                )
+                return
+        try:
+            policy.check(scope)
+        except AuthenticationError as exc:
+            await _respond(
+                send,
+                exc.status,
+                encode_json(exc.to_dict()),
+                [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"), *cors_headers],
+            )
+            return
+        if not cors_headers:
+            await app(scope, receive, send)
+            return
+
+        async def send_with_cors(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *cors_headers]}
+            await send(message)
+
+        await app(scope, receive, send_with_cors)
+
+    return guarded
+
+
+async def _respond(
+    send: Callable[[Message], Awaitable[None]], status: int, body: bytes, headers: list[tuple[bytes, bytes]]
+) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
