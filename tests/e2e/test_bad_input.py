@@ -1,0 +1,329 @@
+"""Bad input gets a clear OpenAI-style error with the right status, and disturbs
+nothing. Each row of BAD_INPUTS is a test, and the table in docs/bad-input.md is
+checked against it, so the documentation cannot drift from the behaviour."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from trioserve import HTTPSettings, ScriptedBackend
+
+from .._helpers import RunningServer, start_server
+
+J = {"content-type": "application/json"}
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+
+
+def user(content: object = "hi") -> dict[str, object]:
+    return {"role": "user", "content": content}
+
+
+# (name, method, path, request kwargs, status, error code, a fragment of the message)
+BAD_INPUTS: list[tuple[str, str, str, dict[str, Any], int, str | None, str]] = [
+    (
+        "body is not JSON",
+        "POST",
+        COMP,
+        {"content": b"{prompt: hi", "headers": J},
+        400,
+        None,
+        "not valid JSON",
+    ),
+    ("JSON is not an object", "POST", COMP, {"json": ["hi"]}, 400, None, "must be a JSON object"),
+    (
+        "invalid UTF-8 in the body",
+        "POST",
+        COMP,
+        {"content": b'{"prompt": "\xff"}', "headers": J},
+        400,
+        None,
+        "not valid UTF-8",
+    ),
+    (
+        "missing prompt",
+        "POST",
+        COMP,
+        {"json": {"max_tokens": 5}},
+        400,
+        None,
+        "missing required field `prompt`",
+    ),
+    (
+        "missing messages",
+        "POST",
+        CHAT,
+        {"json": {"max_tokens": 5}},
+        400,
+        None,
+        "missing required field `messages`",
+    ),
+    (
+        "prompt of the wrong type",
+        "POST",
+        COMP,
+        {"json": {"prompt": 42}},
+        400,
+        None,
+        "Expected `str | array`, got `int`",
+    ),
+    (
+        "max_tokens of the wrong type",
+        "POST",
+        COMP,
+        {"json": {"prompt": "hi", "max_tokens": "5"}},
+        400,
+        None,
+        "Expected `int | null`, got `str`",
+    ),
+    (
+        "stream of the wrong type",
+        "POST",
+        COMP,
+        {"json": {"prompt": "hi", "stream": "yes"}},
+        400,
+        None,
+        "Expected `bool`, got `str`",
+    ),
+    ("empty prompt", "POST", COMP, {"json": {"prompt": ""}}, 400, None, "prompt must not be empty"),
+    (
+        "a batch of prompts",
+        "POST",
+        COMP,
+        {"json": {"prompt": ["a", "b"]}},
+        400,
+        None,
+        "batches of prompts are not supported",
+    ),
+    ("empty messages", "POST", CHAT, {"json": {"messages": []}}, 400, None, "at least one message"),
+    (
+        "invalid role",
+        "POST",
+        CHAT,
+        {"json": {"messages": [{"role": "wizard", "content": "hi"}]}},
+        400,
+        None,
+        "Invalid enum value 'wizard'",
+    ),
+    (
+        "no user message",
+        "POST",
+        CHAT,
+        {"json": {"messages": [{"role": "system", "content": "hi"}]}},
+        400,
+        None,
+        "at least one user message",
+    ),
+    (
+        "image content part",
+        "POST",
+        CHAT,
+        {"json": {"messages": [user([{"type": "image_url"}])]}},
+        400,
+        None,
+        "'image_url' are not supported",
+    ),
+    (
+        "unknown model",
+        "POST",
+        COMP,
+        {"json": {"prompt": "hi", "model": "gpt-9"}},
+        404,
+        "model_not_found",
+        "does not exist on this server",
+    ),
+    (
+        "max_tokens 0",
+        "POST",
+        COMP,
+        {"json": {"prompt": "hi", "max_tokens": 0}},
+        400,
+        None,
+        "Expected `int` >= 1",
+    ),
+    (
+        "max_tokens negative",
+        "POST",
+        COMP,
+        {"json": {"prompt": "hi", "max_tokens": -3}},
+        400,
+        None,
+        "Expected `int` >= 1",
+    ),
+    (
+        "max_tokens beyond the context",
+        "POST",
+        COMP,
+        {"json": {"prompt": "hi", "max_tokens": 9000}},
+        400,
+        "context_length_exceeded",
+        "only 4094 tokens fit",
+    ),
+    (
+        "prompt longer than the context",
+        "POST",
+        COMP,
+        {"json": {"prompt": "x" * 5000}},
+        400,
+        "context_length_exceeded",
+        "the prompt has 5000 tokens but the context holds 4096",
+    ),
+    ("n > 1", "POST", COMP, {"json": {"prompt": "hi", "n": 3}}, 400, None, "n=3 is not supported"),
+    (
+        "negative temperature",
+        "POST",
+        COMP,
+        {"json": {"prompt": "hi", "temperature": -0.5}},
+        400,
+        None,
+        "Expected `float` >= 0.0",
+    ),
+    (
+        "huge temperature",
+        "POST",
+        COMP,
+        {"json": {"prompt": "hi", "temperature": 1e30}},
+        400,
+        None,
+        "Expected `float` <= 2.0",
+    ),
+    ("top_p 0", "POST", COMP, {"json": {"prompt": "hi", "top_p": 0}}, 400, None, "Expected `float` > 0.0"),
+    (
+        "logit_bias key not a number",
+        "POST",
+        COMP,
+        {"json": {"prompt": "hi", "logit_bias": {"hello": 5}}},
+        400,
+        None,
+        "keys must be token ids",
+    ),
+    (
+        "logit_bias value out of range",
+        "POST",
+        COMP,
+        {"json": {"prompt": "hi", "logit_bias": {"5": 500}}},
+        400,
+        None,
+        "Expected `float` <= 100.0",
+    ),
+    (
+        "five stop sequences",
+        "POST",
+        COMP,
+        {"json": {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}},
+        400,
+        None,
+        "at most 4 stop sequences",
+    ),
+    (
+        "X-Request-Timeout not a number",
+        "POST",
+        COMP,
+        {"json": {"prompt": "hi"}, "headers": {"X-Request-Timeout": "soon"}},
+        400,
+        None,
+        "must be a number of seconds",
+    ),
+    (
+        "X-Request-Timeout negative",
+        "POST",
+        COMP,
+        {"json": {"prompt": "hi"}, "headers": {"X-Request-Timeout": "-1"}},
+        400,
+        None,
+        "positive, finite",
+    ),
+    (
+        "wrong Content-Type",
+        "POST",
+        COMP,
+        {"content": b'{"prompt": "hi"}', "headers": {"content-type": "text/plain"}},
+        415,
+        "unsupported_media_type",
+        "Content-Type must be application/json",
+    ),
+    (
+        "body over the size limit",
+        "POST",
+        COMP,
+        {"json": {"prompt": "x" * 70_000}},
+        413,
+        "payload_too_large",
+        "the limit is 65536",
+    ),
+    (
+        "headers over the size limit",
+        "POST",
+        COMP,
+        {"json": {"prompt": "hi"}, "headers": {"X-Big": "x" * 20_000}},
+        431,
+        "headers_too_large",
+        "exceed the limit",
+    ),
+    ("wrong method on an endpoint", "GET", COMP, {}, 405, "method_not_allowed", "accepts POST only"),
+    ("wrong method on /health", "DELETE", "/health", {}, 405, "method_not_allowed", "does not accept DELETE"),
+    ("unknown path", "GET", "/v2/everything", {}, 404, "not_found", "no route for GET /v2/everything"),
+]
+IDS = [row[0] for row in BAD_INPUTS]
+SCRIPT = [f" w{i}".encode() for i in range(400)]
+
+
+@pytest.fixture
+async def server(nursery: trio.Nursery) -> RunningServer:
+    backend = ScriptedBackend(SCRIPT, token_interval=0.001, slots=2)
+    return await start_server(nursery, backend, close_backend=True, http=HTTPSettings(max_body_bytes=65536))
+
+
+async def _check(
+    client: httpx.AsyncClient, row: tuple[str, str, str, dict[str, Any], int, str | None, str]
+) -> None:
+    _name, method, path, kwargs, status, code, fragment = row
+    response = await client.request(method, path, **kwargs)
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert fragment in error["message"], error["message"]
+    assert error["code"] == code
+    assert error["type"]
+    assert "Traceback" not in response.text
+
+
+@pytest.mark.parametrize("row", BAD_INPUTS, ids=IDS)
+async def test_bad_input_gets_a_clear_error(server: RunningServer, row: Any) -> None:
+    async with server.client() as client:
+        await _check(client, row)
+
+
+async def test_bad_input_never_disturbs_a_stream_in_flight(server: RunningServer) -> None:
+    expected = b"".join(SCRIPT[:300]).decode()
+    async with server.client() as client:
+        received: list[str] = []
+
+        async def stream() -> None:
+            body = {"prompt": "p", "max_tokens": 300, "stream": True}
+            async with client.stream("POST", COMP, json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        received.append(json.loads(line[6:])["choices"][0]["text"])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream)
+            for row in BAD_INPUTS:
+                await _check(client, row)
+    assert "".join(received) == expected
+    await server.wait_idle()
+
+
+def test_the_documented_table_matches() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "bad-input.md").read_text()
+    rows = re.findall(r"^\| ([^|]+?) \| (\d{3}) \| `?([^|`]+?)`? \|", doc, re.M)
+    documented = {name: (int(status), None if code == "—" else code) for name, status, code in rows}
+    assert documented == {name: (status, code) for name, _m, _p, _k, status, code, _f in BAD_INPUTS}
