@@ -25,8 +25,10 @@ socket so the benchmark decides exactly when and how the connection ends):
     repeated ``--prefill-repeats`` times, behind a per-run tag so llama-server cannot reuse a
     cached prefix), ``max_tokens`` 5; the connection is closed ``--prefill-delay`` (0.3 s)
     after the request was sent — mid-prefill: the warm-up's time to first token for this
-    prompt (second table) is the whole prefill, seconds on 2 cores. A run that received a
-    token before the close, or that trioserve logs with a first token, is flagged.
+    prompt (second table) is the whole prefill, seconds on 2 cores. A run that did not
+    cancel a prefill is left out of the summary, with a note: a token arrived before the
+    close, trioserve logged a first token, or the server used under 50 ms of CPU both
+    before and after the close (the disconnect came before the prefill started).
 ``deadline``, trioserve only
     the ``decode`` request with ``X-Request-Timeout: 0.5``, read to the end; measured: from
     sending the request to the ``[DONE]`` after the final event (whose ``finish_reason``
