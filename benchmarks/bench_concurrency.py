@@ -580,7 +580,7 @@ def summary_table(configs: list[ServerConfig], groups: list[Group], samples: lis
                     "/".join(str(g.tokens) for g in gs),
                     "/".join(f"{g.wall_s:.2f}" for g in gs),
                     _spread([g.total_tps for g in gs], ".1f"),
-                    f"{total / base_tps:.2f}",
+                    f"{total / base_tps:.2f}" if base else "—",
                     _spread([g.server_cpu_pct for g in gs], ".0f"),
                     _spread([g.client_cpu_pct for g in gs], ".0f"),
                     _spread([g.other_cpu_pct for g in gs], ".0f"),

@@ -38,8 +38,10 @@ Measured on the *server* process, all its threads together, sampled at t = 0, 1,
   first whole second from which every later 1-s interval stays ≤ ``--cpu-bar`` (5 %) — when
   the producer stopped; "> 10" if it never did.
 * **RSS growth**: ``VmRSS`` from ``/proc/<pid>/status`` at t = 10 minus at t = 0, in KB;
-  also from t = 1 to t = 10, which leaves out what a request allocates as it starts
-  (llama-server's RSS grows ~3 MB in the first second of every request, tokens or not).
+  also from t = 1 to t = 10, which leaves out what a request allocates as it starts:
+  llama-server's RSS grows ~3 MB in the first second of every request, trioserve's in
+  some runs in its first case — about one vocabulary-sized sampling array (Gemma 3:
+  262,144 entries × 12 bytes), likely, not buffered bytes; it does not grow after that.
 * **other load**: the CPU time of everything else on the machine (``/proc/stat`` busy time
   minus the server and this process) over the read, in % of one core. The server competes
   with it for the cores; above ``--other-load-warn`` (20 %) a note says so: rerun.

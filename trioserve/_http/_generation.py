@@ -1,4 +1,4 @@
-"""The HTTP surface: an ASGI app for hypercorn's trio worker.
+"""The generation endpoints: one request's whole life in one cancel scope.
 
 The generation endpoints (``POST /v1/completions``, ``POST /v1/chat/completions``) are
 handled at the ASGI level, because that is where one request's whole life fits in one
@@ -22,57 +22,52 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any, Literal
 
 import trio
-from prometheus_client import CONTENT_TYPE_LATEST
-from quart import Response
-from quart_trio import QuartTrio
 
-from ._access import AccessPolicy, with_access_control
-from ._backends._base import GenerationProgress, PreparedPrompt
-from ._chat import ChatFormat, chat_format_for
-from ._engine import Engine
-from ._exceptions import (
+from .._backends._base import PreparedPrompt
+from .._engine import Engine
+from .._exceptions import (
     ContextLengthError,
     DeadlineExceededError,
-    HeadersTooLargeError,
     InvalidRequestError,
     MethodNotAllowedError,
     NotFoundError,
     OverloadedError,
-    PayloadTooLargeError,
     ServiceUnavailableError,
     TrioserveError,
-    UnsupportedMediaTypeError,
 )
-from ._metrics import Metrics
-from ._openai import (
+from .._openai import (
     ChatCompletionRequest,
     ChunkEncoder,
     CompletionRequest,
     chat_generation,
     decode_chat_request,
     decode_completion_request,
-    encode_json,
     non_stream_response,
 )
-from ._sse import HEARTBEAT
-from ._types import EndCause, Finished, GenerationRequest, TextDelta, Usage
+from .._sse import HEARTBEAT
+from .._types import EndCause, Finished, GenerationRequest, TextDelta, Usage
+from ._exchange import (
+    Receive,
+    Scope,
+    Send,
+    _check_content_type,
+    _ClientGone,
+    _Exchange,
+    _header,
+    _read_body,
+    _request_timeout,
+)
+from ._state import HTTPSettings, RequestControl, ServerState
 
-__all__ = ["HTTPSettings", "ServerState", "create_app"]
+__all__ = ["FINAL_EVENT_TIMEOUT", "GENERATION_PATHS", "GenerationHandler"]
 
 logger = logging.getLogger("trioserve.http")
 request_logger = logging.getLogger("trioserve.requests")
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 GENERATION_PATHS: dict[str, Literal["text", "chat"]] = {
     "/v1/completions": "text",
@@ -84,242 +79,9 @@ SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-JSON_HEADERS = [(b"content-type", b"application/json")]
 
 #: how long the final event of a cancelled stream may take to send (shielded)
 FINAL_EVENT_TIMEOUT = 1.0
-
-
-@dataclass(kw_only=True)
-class HTTPSettings:
-    """Limits and defaults of the HTTP surface.
-
-    Attributes:
-        max_body_bytes: request bodies larger than this get 413.
-        max_header_bytes: requests whose headers add up to more get 431.
-        max_prompt_tokens: prompts longer than this get 400 (``None``: the context).
-        max_tokens_limit: ``max_tokens`` above this gets 400 (``None``: the context).
-        default_timeout: seconds a request may take (queue + prefill + decode) when it
-            does not say; ``None``: no limit.
-        max_timeout: the cap on ``X-Request-Timeout``; ``None``: no cap.
-        heartbeat_interval: a stream silent this long (queued, in a long prefill) gets
-            an SSE comment line; ``None`` or 0: no heartbeats.
-        model_aliases: other names accepted in the ``model`` field.
-    """
-
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_header_bytes: int = 16 * 1024
-    max_prompt_tokens: int | None = None
-    max_tokens_limit: int | None = None
-    heartbeat_interval: float | None = 15.0
-    default_timeout: float | None = None
-    max_timeout: float | None = 600.0
-    model_aliases: tuple[str, ...] = ()
-
-
-class RequestControl:
-    """The cancel handle of one in-flight request: its scope and why it was cancelled."""
-
-    __slots__ = ("cancelled_at", "cause", "progress", "scope", "tokens_at_cancel")
-
-    def __init__(self, scope: trio.CancelScope) -> None:
-        self.scope = scope
-        self.cause: EndCause | None = None
-        #: the generation's counters, once it has started (for "wasted" tokens)
-        self.progress: GenerationProgress | None = None
-        self.tokens_at_cancel: int | None = None
-        #: ``time.perf_counter()`` when the cancel was requested
-        self.cancelled_at: float | None = None
-
-    def cancel(self, cause: EndCause) -> None:
-        if self.cause is None and trio.current_time() >= self.scope.deadline:
-            self.note_deadline()  # the deadline came first; this cancel is its echo
-        if self.cause is None:
-            self.cause = cause
-            self.cancelled_at = time.perf_counter()
-            if self.progress is not None:
-                self.tokens_at_cancel = self.progress.completion_tokens
-        self.scope.cancel()
-
-    def note_deadline(self) -> None:
-        """The scope's deadline fired: record it as the cause, dated when it passed."""
-        if self.cause is None:
-            self.cause = "deadline"
-            late = max(0.0, trio.current_time() - self.scope.deadline)
-            self.cancelled_at = time.perf_counter() - late
-
-
-@dataclass(kw_only=True)
-class ServerState:
-    """What the HTTP layer shares with the server: the engine once loaded, and the
-    in-flight requests (so that shutdown can reach each one)."""
-
-    settings: HTTPSettings = field(default_factory=HTTPSettings)
-    engine: Engine | None = None
-    chat_format: ChatFormat | None = None
-    load_error: str | None = None
-    shutting_down: bool = False
-    #: the server's stall timeout, to tell a stalled reader from a disconnect
-    stall_timeout: float | None = None
-    requests: set[RequestControl] = field(default_factory=set[RequestControl])
-    metrics: Metrics = field(default_factory=Metrics)
-    _idle: trio.Event = field(default_factory=trio.Event)
-
-    def add_request(self, control: RequestControl) -> None:
-        self.requests.add(control)
-        if self._idle.is_set():
-            self._idle = trio.Event()
-
-    def remove_request(self, control: RequestControl) -> None:
-        self.requests.discard(control)
-        if not self.requests:
-            self._idle.set()
-
-    async def wait_idle(self) -> None:
-        """Return once no request is in flight."""
-        if self.requests:
-            await self._idle.wait()
-
-    def set_engine(self, engine: Engine) -> None:
-        info = engine.backend.info
-        self.chat_format = chat_format_for(
-            template=info.chat_template,
-            architecture=info.architecture,
-            bos_token=info.bos_token,
-            eos_token=info.eos_token,
-        )
-        self.engine = engine
-        self.metrics.bind_engine(engine)
-
-    def model_names(self) -> tuple[str, ...]:
-        if self.engine is None:
-            return ()
-        return (self.engine.backend.info.id, *self.settings.model_aliases)
-
-    def cancel_all(self, cause: EndCause) -> None:
-        for control in list(self.requests):
-            control.cancel(cause)
-
-
-class _Exchange:
-    """The response side of one ASGI HTTP exchange: knows whether headers went out."""
-
-    __slots__ = (
-        "last_sent",
-        "longest_send_seconds",
-        "request_id",
-        "send",
-        "sending_since",
-        "started",
-        "status",
-    )
-
-    def __init__(self, send: Send, request_id: str) -> None:
-        self.send = send
-        self.request_id = request_id
-        self.started = False
-        self.status = 0
-        #: when the send in progress began (``None``: not sending); a disconnect that
-        #: arrives while a send has been stuck this long is a stalled reader
-        self.sending_since: float | None = None
-        #: when the last body bytes went out (for heartbeats)
-        self.last_sent = 0.0
-        #: the longest any send took: the reset that ends a stalled send lets the next
-        #: sends return at once, so the stall shows in the history, not the last send
-        self.longest_send_seconds = 0.0
-
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.started = True
-        self.status = status
-        self.last_sent = time.perf_counter()
-        await self.send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [*headers, (b"x-request-id", self.request_id.encode())],
-            }
-        )
-
-    async def body(self, data: bytes, *, more: bool = True) -> None:
-        self.sending_since = began = time.perf_counter()
-        await self.send({"type": "http.response.body", "body": data, "more_body": more})
-        self.sending_since = None
-        self.last_sent = time.perf_counter()
-        if self.last_sent - began > self.longest_send_seconds:
-            self.longest_send_seconds = self.last_sent - began
-
-    async def json(self, status: int, body: bytes, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
-        await self.start(status, [*JSON_HEADERS, *extra_headers])
-        await self.body(body, more=False)
-
-    async def error(self, exc: TrioserveError) -> None:
-        headers: list[tuple[bytes, bytes]] = []
-        retry_after = getattr(exc, "retry_after", None)
-        if retry_after is not None:
-            headers.append((b"retry-after", str(math.ceil(retry_after)).encode()))
-        await self.json(exc.status, encode_json(exc.to_dict()), headers)
-
-
-class _ClientGone(Exception):
-    """The client disconnected before the request body was complete."""
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return str(value.decode("latin-1"))
-    return None
-
-
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    declared = _header(scope, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(f"the request body is {declared} bytes; the limit is {limit}")
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLargeError(f"the request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def _check_content_type(scope: Scope) -> None:
-    content_type = _header(scope, b"content-type")
-    if content_type is None:
-        return  # curl -d without -H: be lenient, the body is still parsed as JSON
-    media_type = content_type.split(";", 1)[0].strip().lower()
-    if media_type != "application/json":
-        raise UnsupportedMediaTypeError(
-            f"Content-Type must be application/json, got {media_type!r}; "
-            "send the body as JSON with 'Content-Type: application/json'"
-        )
-
-
-def _request_timeout(scope: Scope, settings: HTTPSettings) -> float | None:
-    raw = _header(scope, b"x-request-timeout")
-    timeout = settings.default_timeout
-    if raw is not None:
-        try:
-            timeout = float(raw)
-        except ValueError:
-            raise InvalidRequestError(
-                f"X-Request-Timeout must be a number of seconds, got {raw!r}", param="X-Request-Timeout"
-            ) from None
-        if not timeout > 0 or math.isinf(timeout):
-            raise InvalidRequestError(
-                f"X-Request-Timeout must be a positive, finite number of seconds, got {raw!r}",
-                param="X-Request-Timeout",
-            )
-    if timeout is not None and settings.max_timeout is not None:
-        timeout = min(timeout, settings.max_timeout)
-    return timeout
 
 
 async def _watch_disconnect(
@@ -676,122 +438,3 @@ class _BackendFailed(TrioserveError):
     status = 500
     error_type = "server_error"
     default_code = "backend_error"
-
-
-def create_app(
-    state: ServerState, access: AccessPolicy | None = None
-) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    """The ASGI app: generation endpoints at the ASGI level, the rest in quart-trio,
-    behind the access policy (API keys, CORS) if one is given."""
-    quart: Any = _create_quart_app(state)  # its ASGI types are narrower than ours
-    generation = GenerationHandler(state)
-
-    header_limit = state.settings.max_header_bytes
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            if sum(len(name) + len(value) for name, value in scope["headers"]) > header_limit:
-                error = HeadersTooLargeError(f"the request headers exceed the limit of {header_limit} bytes")
-                await _Exchange(send, uuid.uuid4().hex).error(error)
-                return
-            kind = GENERATION_PATHS.get(scope["path"].rstrip("/") or "/")
-            if kind is not None:
-                await generation(scope, receive, send, kind)
-                return
-        await quart(scope, receive, send)
-
-    if access is not None and (access.requires_key or access.cors_origins):
-        return with_access_control(app, access)
-    return app
-
-
-def _json_response(
-    body: dict[str, object], status: int = 200, headers: dict[str, str] | None = None
-) -> Response:
-    return Response(encode_json(body), status=status, content_type="application/json", headers=headers)
-
-
-def _error_response(exc: TrioserveError) -> Response:
-    headers = {}
-    retry_after = getattr(exc, "retry_after", None)
-    if retry_after is not None:
-        headers["Retry-After"] = str(math.ceil(retry_after))
-    return _json_response(exc.to_dict(), exc.status, headers)
-
-
-def _create_quart_app(state: ServerState) -> QuartTrio:
-    app = QuartTrio("trioserve")
-    app.config["MAX_CONTENT_LENGTH"] = state.settings.max_body_bytes
-
-    @app.get("/health")
-    async def health() -> Response:
-        if state.shutting_down:
-            return _json_response({"status": "shutting_down"}, 503, {"Retry-After": "1"})
-        if state.engine is None:
-            status = "error" if state.load_error else "loading"
-            return _json_response({"status": status, "error": state.load_error}, 503, {"Retry-After": "1"})
-        engine = state.engine
-        threads = getattr(engine.backend, "active_threads", None)
-        return _json_response(
-            {
-                "status": "ok",
-                "model": engine.backend.info.id,
-                "slots": engine.admission.slots,
-                "slots_in_use": engine.admission.in_use,
-                "queued": engine.admission.queued,
-                "active_streams": engine.active_streams,
-                "inference_threads": threads.count if threads is not None else None,
-                "requests_in_flight": len(state.requests),
-            }
-        )
-
-    page = (resources.files("trioserve") / "static" / "index.html").read_bytes()
-
-    @app.get("/")
-    async def index() -> Response:
-        return Response(page, content_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), content_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        engine = state.engine
-        if engine is None:
-            return _error_response(ServiceUnavailableError("the model is still loading", code="loading"))
-        info = engine.backend.info
-        created = int(time.time())
-        return _json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": name,
-                        "object": "model",
-                        "created": created,
-                        "owned_by": "trioserve",
-                        "context_length": info.context_length,
-                    }
-                    for name in state.model_names()
-                ],
-            }
-        )
-
-    @app.errorhandler(404)
-    async def not_found(_error: Exception) -> Response:
-        from quart import request
-
-        return _error_response(NotFoundError(f"no route for {request.method} {request.path}"))
-
-    @app.errorhandler(405)
-    async def method_not_allowed(_error: Exception) -> Response:
-        from quart import request
-
-        return _error_response(MethodNotAllowedError(f"{request.path} does not accept {request.method}"))
-
-    @app.errorhandler(413)
-    async def too_large(_error: Exception) -> Response:
-        return _error_response(PayloadTooLargeError("the request body is too large"))
-
-    return app

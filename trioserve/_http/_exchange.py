@@ -1,0 +1,147 @@
+"""One ASGI HTTP exchange, and the request-side helpers: body, headers, timeout."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from .._exceptions import (
+    InvalidRequestError,
+    PayloadTooLargeError,
+    TrioserveError,
+    UnsupportedMediaTypeError,
+)
+from .._openai import encode_json
+from ._state import HTTPSettings
+
+__all__ = ["Message", "Receive", "Scope", "Send"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+class _Exchange:
+    """The response side of one ASGI HTTP exchange: knows whether headers went out."""
+
+    __slots__ = (
+        "last_sent",
+        "longest_send_seconds",
+        "request_id",
+        "send",
+        "sending_since",
+        "started",
+        "status",
+    )
+
+    def __init__(self, send: Send, request_id: str) -> None:
+        self.send = send
+        self.request_id = request_id
+        self.started = False
+        self.status = 0
+        #: when the send in progress began (``None``: not sending); a disconnect that
+        #: arrives while a send has been stuck this long is a stalled reader
+        self.sending_since: float | None = None
+        #: when the last body bytes went out (for heartbeats)
+        self.last_sent = 0.0
+        #: the longest any send took: the reset that ends a stalled send lets the next
+        #: sends return at once, so the stall shows in the history, not the last send
+        self.longest_send_seconds = 0.0
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        self.status = status
+        self.last_sent = time.perf_counter()
+        await self.send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [*headers, (b"x-request-id", self.request_id.encode())],
+            }
+        )
+
+    async def body(self, data: bytes, *, more: bool = True) -> None:
+        self.sending_since = began = time.perf_counter()
+        await self.send({"type": "http.response.body", "body": data, "more_body": more})
+        self.sending_since = None
+        self.last_sent = time.perf_counter()
+        if self.last_sent - began > self.longest_send_seconds:
+            self.longest_send_seconds = self.last_sent - began
+
+    async def json(self, status: int, body: bytes, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
+        await self.start(status, [*JSON_HEADERS, *extra_headers])
+        await self.body(body, more=False)
+
+    async def error(self, exc: TrioserveError) -> None:
+        headers: list[tuple[bytes, bytes]] = []
+        retry_after = getattr(exc, "retry_after", None)
+        if retry_after is not None:
+            headers.append((b"retry-after", str(math.ceil(retry_after)).encode()))
+        await self.json(exc.status, encode_json(exc.to_dict()), headers)
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the request body was complete."""
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    declared = _header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"the request body is {declared} bytes; the limit is {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"the request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _check_content_type(scope: Scope) -> None:
+    content_type = _header(scope, b"content-type")
+    if content_type is None:
+        return  # curl -d without -H: be lenient, the body is still parsed as JSON
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise UnsupportedMediaTypeError(
+            f"Content-Type must be application/json, got {media_type!r}; "
+            "send the body as JSON with 'Content-Type: application/json'"
+        )
+
+
+def _request_timeout(scope: Scope, settings: HTTPSettings) -> float | None:
+    raw = _header(scope, b"x-request-timeout")
+    timeout = settings.default_timeout
+    if raw is not None:
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise InvalidRequestError(
+                f"X-Request-Timeout must be a number of seconds, got {raw!r}", param="X-Request-Timeout"
+            ) from None
+        if not timeout > 0 or math.isinf(timeout):
+            raise InvalidRequestError(
+                f"X-Request-Timeout must be a positive, finite number of seconds, got {raw!r}",
+                param="X-Request-Timeout",
+            )
+    if timeout is not None and settings.max_timeout is not None:
+        timeout = min(timeout, settings.max_timeout)
+    return timeout
