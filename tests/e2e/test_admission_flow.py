@@ -97,7 +97,7 @@ async def test_a_client_that_never_reads_is_cut_off_after_the_stall_timeout(
     llama_backend: LlamaBackend, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="trioserve.requests")
-    stall = 1.5
+    stall = 3.0
     # a small unsent-bytes bound, so the server's send blocks soon after the client's
     # window closes, even when a loaded machine generates slowly
     server = await start_server(nursery, llama_backend, stall_timeout=stall, send_buffer_bytes=512)

@@ -99,9 +99,11 @@ async def _watch_disconnect(
             stuck_since = exchange.sending_since
             stuck_now = time.perf_counter() - stuck_since if stuck_since is not None else 0.0
             stuck = max(stuck_now, exchange.longest_send_seconds)
-            # A send blocks only once TCP_NOTSENT_LOWAT bytes wait behind the closed
-            # window, a little after the kernel's stall clock started: hence the half.
-            stalled = stall_timeout is not None and stuck >= 0.5 * stall_timeout
+            # The kernel's stall clock starts when the client's window closes; our send
+            # blocks only later, once the client's buffer (loopback coalesces small
+            # segments, so it holds more than SO_RCVBUF says) and TCP_NOTSENT_LOWAT are
+            # full: measured ~1 s later. A quarter of the timeout tells the two apart.
+            stalled = stall_timeout is not None and stuck >= 0.25 * stall_timeout
             control.cancel("stall" if stalled else "disconnect")
             return
 
