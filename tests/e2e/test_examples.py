@@ -87,3 +87,30 @@ def test_openai_stream_example_against_a_server() -> None:
         )
         assert server.stop() == 0
     assert result.stdout.rstrip().endswith("[deadline]")
+
+
+def test_two_generations_under_one_deadline() -> None:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "two_generations.py"), "--deadline", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "--- story (" in result.stdout
+    assert "--- recipe (" in result.stdout
+    assert "the deadline cancelled both; inference threads still running: 0" in result.stdout
+
+
+def test_embed_server_serves_both_apps_and_stops() -> None:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "embed_server.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "your route: hello from your own app" in result.stdout
+    assert "trioserve health: ok" in result.stdout
+    assert "completion: hi there!" in result.stdout
+    assert result.stdout.rstrip().endswith("stopped cleanly")

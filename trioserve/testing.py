@@ -1,0 +1,77 @@
+"""Helpers for testing your own code against trioserve, in pytest-trio suites.
+
+::
+
+    import pytest
+    from trioserve.testing import open_test_server
+
+    @pytest.fixture
+    async def llm():
+        async with open_test_server(script=[b"Hello", b" world"]) as server:
+            yield server
+
+    async def test_my_client(llm):
+        text = await my_client.complete(base_url=llm.url + "/v1", prompt="Hi")
+        assert text == "Hello world"
+
+The server is real (hypercorn on 127.0.0.1, a free port); the backend is the scripted
+one unless you pass another, so tests are fast and deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+
+from ._backends import Backend, ScriptedBackend
+from ._engine import Engine
+from ._server import Server, ServerSettings
+
+__all__ = ["TestServer", "open_test_server"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TestServer:
+    """A running test server: ``url`` (``http://127.0.0.1:PORT``), the ``server`` and
+    its ``engine`` (for assertions on slots, queue and streams)."""
+
+    __test__ = False  # not a pytest test class
+
+    url: str
+    server: Server
+    engine: Engine
+
+
+@asynccontextmanager
+async def open_test_server(
+    backend: Backend | None = None,
+    *,
+    script: Sequence[bytes] | None = None,
+    token_interval: float = 0.0,
+    settings: ServerSettings | None = None,
+) -> AsyncIterator[TestServer]:
+    """Serve ``backend`` (default: a :class:`ScriptedBackend` emitting ``script``, one
+    piece per ``token_interval`` seconds) on a free port for the body of the block.
+
+    Cancellation: leaving the block — normally or by a cancel — shuts the server down
+    with no grace period: in-flight requests are cancelled and get their final event.
+    """
+    chosen = backend or ScriptedBackend(script, token_interval=token_interval)
+
+    async def load() -> Backend:
+        return chosen
+
+    settings = settings or ServerSettings()
+    settings.host, settings.port, settings.shutdown_grace = "127.0.0.1", 0, 0.0
+    server = Server(load, settings)
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(server.run)
+        await server.ready.wait()
+        assert server.engine is not None, server.state.load_error
+        try:
+            yield TestServer(url=binds[0], server=server, engine=server.engine)
+        finally:
+            server.shutdown()
