@@ -18,6 +18,8 @@ from ._backends import (
     PreparedPrompt,
     ScriptedBackend,
     ThreadedBackend,
+    UpstreamBackend,
+    UpstreamState,
 )
 from ._engine import Engine, EventStream, StreamTimings
 from ._exceptions import (
@@ -74,6 +76,8 @@ __all__ = [
     "ThreadedBackend",
     "TrioserveError",
     "UnsupportedMediaTypeError",
+    "UpstreamBackend",
+    "UpstreamState",
     "Usage",
     "create_app",
     "default_model_path",

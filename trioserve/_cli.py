@@ -14,7 +14,7 @@ from pathlib import Path
 
 import trio
 
-from ._backends import Backend, LlamaBackend, LlamaSettings, ScriptedBackend
+from ._backends import Backend, LlamaBackend, LlamaSettings, ScriptedBackend, UpstreamBackend
 from ._http import HTTPSettings
 from ._server import Server, ServerSettings, serve_until_signalled
 
@@ -54,11 +54,33 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--scripted-interval", type=float, default=0.01, help="seconds per scripted token (default: 0.01)"
     )
+    upstream = serve.add_argument_group("upstream (serve a model that runs on other servers)")
+    upstream.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="forward generation to this OpenAI-compatible server (vLLM, llama-server, "
+        "llama-cpp-python, trioserve) instead of loading a model; repeatable: requests go to "
+        "the least busy one, and one that fails is skipped for a while. --slots is then the "
+        "capacity per upstream (default: 8); TRIOSERVE_UPSTREAM_API_KEY is sent as its bearer key",
+    )
+    upstream.add_argument(
+        "--upstream-cooldown",
+        type=_positive_float,
+        default=5.0,
+        help="seconds a failed upstream is skipped before a request probes it again (default: 5)",
+    )
     net = serve.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     net.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
     admission = serve.add_argument_group("admission and limits")
-    admission.add_argument("--slots", type=int, default=1, help="generations at once (default: 1)")
+    admission.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="generations at once (default: 1); with --upstream, per upstream (default: 8)",
+    )
     admission.add_argument(
         "--max-queue", type=int, default=16, help="requests waiting for a slot (default: 16)"
     )
@@ -159,6 +181,21 @@ def _configure_logging(level: str, fmt: str) -> None:
 
 
 def _loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backend]]]:
+    if args.upstream:
+        if args.scripted or args.model is not None:
+            raise RuntimeError("--upstream serves a model that runs elsewhere: drop --model / --scripted")
+        slots = args.slots or 8
+        load = functools.partial(
+            UpstreamBackend.aload,
+            args.upstream,
+            model_id=args.model_id,
+            slots_per_upstream=slots,
+            cooldown=args.upstream_cooldown,
+            api_key=os.environ.get("TRIOSERVE_UPSTREAM_API_KEY") or None,
+        )
+        return f"upstream(s) {', '.join(args.upstream)} ({slots} slot(s) each)", load
+    if args.slots is None:
+        args.slots = 1
     if args.scripted:
         backend = ScriptedBackend(
             token_interval=args.scripted_interval, slots=args.slots, context_length=args.ctx_size

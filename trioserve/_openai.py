@@ -202,15 +202,17 @@ def decode_chat_request(body: bytes) -> ChatCompletionRequest:
 
 
 def chat_generation(
-    request: ChatCompletionRequest, prompt: str, extra_stops: Sequence[str]
+    request: ChatCompletionRequest, prompt: str, extra_stops: Sequence[str], *, add_bos: bool = True
 ) -> GenerationRequest:
+    """The generation for a chat request whose messages were rendered to ``prompt``
+    (``add_bos=False`` when the template already wrote the BOS token)."""
     max_tokens = request.max_completion_tokens or request.max_tokens
     return GenerationRequest(
         prompt=prompt,
         max_tokens=max_tokens,  # None: until the context is full
         sampling=_sampling(request),
         stop=_stops(request.stop) + tuple(extra_stops),
-        add_bos=True,
+        add_bos=add_bos,
     )
 
 

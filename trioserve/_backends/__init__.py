@@ -4,6 +4,7 @@ from ._base import Backend, GenerationProgress, ModelInfo, PreparedPrompt
 from ._llama import LlamaBackend, LlamaSettings
 from ._scripted import ScriptedBackend
 from ._threaded import ThreadedBackend
+from ._upstream import UpstreamBackend, UpstreamState
 
 __all__ = [
     "Backend",
@@ -14,4 +15,6 @@ __all__ = [
     "PreparedPrompt",
     "ScriptedBackend",
     "ThreadedBackend",
+    "UpstreamBackend",
+    "UpstreamState",
 ]

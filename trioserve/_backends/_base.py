@@ -30,9 +30,10 @@ from typing import Literal
 
 import trio
 
+from .._exceptions import ContextLengthError, InvalidRequestError
 from .._types import GenerationRequest
 
-__all__ = ["Backend", "GenerationProgress", "ModelInfo", "PreparedPrompt"]
+__all__ = ["Backend", "GenerationProgress", "ModelInfo", "PreparedPrompt", "fit_to_context"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,6 +56,29 @@ class PreparedPrompt:
     tokens: Sequence[int]
     #: ``max_tokens`` resolved against the context: how many tokens may be generated.
     max_new_tokens: int
+
+
+def fit_to_context(request: GenerationRequest, tokens: Sequence[int], n_ctx: int) -> PreparedPrompt:
+    """Check that the prompt and ``max_tokens`` fit a context of ``n_ctx`` tokens, and
+    resolve ``max_tokens=None`` to the room left. Raises :class:`ContextLengthError`
+    with the numbers a user needs to fix the request."""
+    if not tokens:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    if len(tokens) >= n_ctx:
+        raise ContextLengthError(
+            f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}; "
+            f"shorten it to at most {n_ctx - 1} tokens",
+            param="prompt",
+        )
+    room = n_ctx - len(tokens)
+    max_new = room if request.max_tokens is None else request.max_tokens
+    if max_new > room:
+        raise ContextLengthError(
+            f"max_tokens is {max_new} but only {room} tokens fit after the "
+            f"{len(tokens)}-token prompt (context {n_ctx}); lower max_tokens or shorten the prompt",
+            param="max_tokens",
+        )
+    return PreparedPrompt(request=request, tokens=tokens, max_new_tokens=max_new)
 
 
 class GenerationProgress:

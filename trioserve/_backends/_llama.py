@@ -45,9 +45,9 @@ from typing import Any, Literal
 
 import trio
 
-from .._exceptions import BackendError, ContextLengthError, InvalidRequestError
+from .._exceptions import BackendError, InvalidRequestError
 from .._types import GenerationRequest, SamplingParams
-from ._base import GenerationProgress, ModelInfo, PreparedPrompt
+from ._base import GenerationProgress, ModelInfo, PreparedPrompt, fit_to_context
 from ._threaded import Emit, ThreadedBackend
 
 __all__ = ["LlamaBackend", "LlamaSettings"]
@@ -328,30 +328,13 @@ class LlamaBackend(ThreadedBackend):
                 raise InvalidRequestError(
                     f"prompt token ids must be in [0, {self.n_vocab}); got {bad[0]}", param="prompt"
                 )
-        if not tokens:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
         for token in request.sampling.logit_bias:
             if token >= self.n_vocab:
                 raise InvalidRequestError(
                     f"logit_bias key {token} is not a token id of this model (vocabulary: {self.n_vocab})",
                     param="logit_bias",
                 )
-        n_ctx = self.settings.n_ctx
-        if len(tokens) >= n_ctx:
-            raise ContextLengthError(
-                f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}; "
-                f"shorten it to at most {n_ctx - 1} tokens",
-                param="prompt",
-            )
-        room = n_ctx - len(tokens)
-        max_new = room if request.max_tokens is None else request.max_tokens
-        if max_new > room:
-            raise ContextLengthError(
-                f"max_tokens is {max_new} but only {room} tokens fit after the "
-                f"{len(tokens)}-token prompt (context {n_ctx}); lower max_tokens or shorten the prompt",
-                param="max_tokens",
-            )
-        return PreparedPrompt(request=request, tokens=tokens, max_new_tokens=max_new)
+        return fit_to_context(request, tokens, self.settings.n_ctx)
 
     # ------------------------------------------------------------ inference
 

@@ -15,9 +15,8 @@ from typing import Literal
 
 import trio
 
-from .._exceptions import ContextLengthError, InvalidRequestError
 from .._types import GenerationRequest
-from ._base import GenerationProgress, ModelInfo, PreparedPrompt
+from ._base import GenerationProgress, ModelInfo, PreparedPrompt, fit_to_context
 from ._threaded import Emit, ThreadedBackend
 
 __all__ = ["ScriptedBackend"]
@@ -75,24 +74,7 @@ class ScriptedBackend(ThreadedBackend):
             tokens: Sequence[int] = list(request.prompt.encode())
         else:
             tokens = list(request.prompt)
-        if not tokens:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        n_ctx = self._info.context_length
-        if len(tokens) >= n_ctx:
-            raise ContextLengthError(
-                f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}; "
-                f"shorten it to at most {n_ctx - 1} tokens",
-                param="prompt",
-            )
-        room = n_ctx - len(tokens)
-        max_new = room if request.max_tokens is None else request.max_tokens
-        if max_new > room:
-            raise ContextLengthError(
-                f"max_tokens is {max_new} but only {room} tokens fit after the "
-                f"{len(tokens)}-token prompt (context {n_ctx})",
-                param="max_tokens",
-            )
-        return PreparedPrompt(request=request, tokens=tokens, max_new_tokens=max_new)
+        return fit_to_context(request, tokens, self._info.context_length)
 
     async def generate(
         self,

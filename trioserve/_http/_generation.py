@@ -287,15 +287,7 @@ class GenerationHandler:
                     "the model is still loading; retry shortly", retry_after=1, code="loading"
                 )
             rendered = self.state.chat_format.render(chat.messages)
-            generation = chat_generation(chat, rendered.text, rendered.stops)
-            if rendered.has_bos:
-                generation = GenerationRequest(
-                    prompt=generation.prompt,
-                    max_tokens=generation.max_tokens,
-                    sampling=generation.sampling,
-                    stop=generation.stop,
-                    add_bos=False,
-                )
+            generation = chat_generation(chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos)
             request = chat
         model = self._model(request.model)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)

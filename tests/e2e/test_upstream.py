@@ -1,0 +1,399 @@
+"""trioserve in front of real upstream servers on 127.0.0.1 (:class:`UpstreamBackend`).
+
+* llama-cpp-python's own server as the upstream: completions pass through, a client
+  that leaves makes the upstream's CPU go idle, a deadline ends the stream;
+* two scripted trioserve processes as upstreams, behind ``trioserve serve --upstream``:
+  least-outstanding balancing, and one upstream killed mid-run;
+* backpressure: a client that stops reading stops the upstream's tokens;
+* errors: upstream 4xx, an unreachable upstream, token-id prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from trioserve import (
+    BackendError,
+    ContextLengthError,
+    GenerationProgress,
+    GenerationRequest,
+    ModelInfo,
+    ScriptedBackend,
+    ServiceUnavailableError,
+    UpstreamBackend,
+    default_model_path,
+)
+from trioserve._sse import SSEDecoder
+
+from .._helpers import RawStream, RunningServer, ServerProcess, start_server, wait_for
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _cpu_ticks(pid: int) -> int:
+    """utime + stime of the whole process, in clock ticks (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # fields 14 and 15; the list starts at field 3
+
+
+async def _seconds_until_idle(pid: int, since: float, quiet: float = 0.3, limit: float = 15.0) -> float:
+    """Seconds from ``since`` (``time.perf_counter()``) to the last time the process used
+    CPU, once it has used none for ``quiet`` seconds. Resolution: one clock tick (10 ms)."""
+    ticks = _cpu_ticks(pid)
+    last_change = since
+    with trio.fail_after(limit):
+        while True:
+            await trio.sleep(0.005)
+            now = time.perf_counter()
+            current = _cpu_ticks(pid)
+            if current != ticks:
+                ticks, last_change = current, now
+            elif now - last_change >= quiet:
+                return last_change - since
+
+
+def _events(data: bytes) -> list[Any]:
+    """The SSE events of a (raw or decoded) response body: JSON chunks, then ``"[DONE]"``."""
+    if b"\r\n" in data.split(b"\r\n\r\n", 1)[0]:  # a raw HTTP/1.1 response: keep the body
+        data = data.split(b"\r\n\r\n", 1)[1]
+    out: list[Any] = []
+    for event in SSEDecoder().feed(data):
+        out.append(event.data if event.data == "[DONE]" else json.loads(event.data))
+    return out
+
+
+async def _stream(
+    client: httpx.AsyncClient, body: dict[str, object], **kwargs: Any
+) -> tuple[str, dict[str, Any]]:
+    """A streaming completion: (text, final chunk)."""
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}, **kwargs) as response:
+        assert response.status_code == 200, await response.aread()
+        data = await response.aread()
+    events = _events(data)
+    assert events[-1] == "[DONE]", data[-300:]
+    chunks = events[:-1]
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"]), chunks[-1]
+
+
+# ------------------------------------------------------------ llama-cpp-python upstream
+
+
+class LlamaUpstream:
+    def __init__(self, url: str, pid: int) -> None:
+        self.url = url
+        self.pid = pid
+
+
+@pytest.fixture(scope="module")
+def llama_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaUpstream]:
+    """llama-cpp-python's server on the default model, in a subprocess (always ended)."""
+    port = _free_port()
+    log_path: Path = tmp_path_factory.mktemp("llama-upstream") / "server.log"
+    with open(log_path, "w") as log:
+        model = str(default_model_path(progress=False))
+        process = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "llama_cpp.server", "--model", model, "--n_threads", "2"),
+                *("--n_ctx", "2048", "--host", "127.0.0.1", "--port", str(port)),
+                *("--interrupt_requests", "False"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError("llama_cpp.server exited:\n" + log_path.read_text())
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("llama_cpp.server did not start:\n" + log_path.read_text())
+            time.sleep(0.1)
+        yield LlamaUpstream(url, process.pid)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture
+async def llama_front(llama_upstream: LlamaUpstream, nursery: trio.Nursery) -> RunningServer:
+    # repeat_penalty 1.0 (llama-cpp-python's default is 1.1) to compare with direct requests
+    backend = await UpstreamBackend.aload([llama_upstream.url], extra_body={"repeat_penalty": 1.0})
+    return await start_server(nursery, backend, close_backend=True)
+
+
+#: Gemma 3's end-of-sequence and end-of-turn tokens, banned so that streams run long
+_NO_EOS = {"1": -100.0, "106": -100.0}
+
+
+@pytest.mark.model
+async def test_completions_pass_through_to_llama_cpp_python(
+    llama_upstream: LlamaUpstream, llama_front: RunningServer
+) -> None:
+    body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0.0}
+    async with httpx.AsyncClient(base_url=llama_upstream.url, timeout=60) as direct:
+        reference = (await direct.post("/v1/completions", json={**body, "repeat_penalty": 1.0})).json()
+    expected = reference["choices"][0]["text"]
+    assert expected
+
+    async with llama_front.client() as client:
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        result = response.json()
+        assert result["choices"][0]["text"] == expected
+        assert result["choices"][0]["finish_reason"] == "length"
+        # no usage chunk from this upstream: text chunks are counted as tokens
+        assert 0 < result["usage"]["completion_tokens"] <= 12
+
+        text, final = await _stream(client, {**body, "stream_options": {"include_usage": True}})
+        assert text == expected
+        assert final["usage"]["completion_tokens"] > 0
+        models = (await client.get("/v1/models")).json()
+        assert models["data"][0]["id"] == reference["model"]  # the upstream's model id
+    await llama_front.wait_idle()
+
+
+@pytest.mark.model
+async def test_client_disconnect_makes_the_upstream_go_idle(
+    llama_upstream: LlamaUpstream, llama_front: RunningServer
+) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 1500, "stream": True, "logit_bias": _NO_EOS}
+    client = await RawStream.post(llama_front.url, "/v1/completions", body)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.read_to_eof)  # a client that keeps reading
+            await wait_for(lambda: client.received.count(b"data: ") >= 8, limit=60)
+            before = _cpu_ticks(llama_upstream.pid)
+            await trio.sleep(0.3)
+            busy_ticks = _cpu_ticks(llama_upstream.pid) - before
+            nursery.cancel_scope.cancel()
+    finally:
+        await client.aclose()
+    closed = time.perf_counter()
+    assert busy_ticks >= 3, f"the upstream was not generating before the disconnect ({busy_ticks} ticks)"
+
+    idle_after = await _seconds_until_idle(llama_upstream.pid, closed)
+    print(f"\nllama-cpp-python upstream idle {idle_after * 1000:.0f} ms after the client disconnected")
+    # llama-cpp-python stops after the token in progress (~30-60 ms here); generous for a
+    # shared machine, but far below the seconds that the remaining tokens would take
+    assert idle_after < 1.0, (
+        f"the upstream kept using CPU for {idle_after * 1000:.0f} ms after the client "
+        "disconnected from trioserve: the upstream request was not closed"
+    )
+    health = await llama_front.wait_idle()
+    assert health["inference_threads"] == 0  # no upstream request left open
+
+
+@pytest.mark.model
+async def test_deadline_ends_the_stream_and_the_upstream_request(
+    llama_upstream: LlamaUpstream, llama_front: RunningServer
+) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 1500, "logit_bias": _NO_EOS}
+    async with llama_front.client() as client:
+        started = time.perf_counter()
+        text, final = await _stream(client, body, headers={"X-Request-Timeout": "1.0"})
+        ended = time.perf_counter()
+    assert text
+    assert final["choices"][0]["finish_reason"] == "deadline"
+    assert 0.9 < ended - started < 5.0
+    idle_after = await _seconds_until_idle(llama_upstream.pid, ended)
+    print(f"\nllama-cpp-python upstream idle {idle_after * 1000:.0f} ms after the deadline's final event")
+    assert idle_after < 1.0, f"the upstream kept using CPU for {idle_after * 1000:.0f} ms after the deadline"
+    await llama_front.wait_idle()
+
+
+# ------------------------------------------------------- two scripted trioserve upstreams
+
+
+async def _health(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
+    health: dict[str, Any] = (await client.get(url + "/health")).json()
+    return health
+
+
+async def test_two_upstreams_balance_and_survive_one_killed() -> None:
+    scripted = ("--scripted", "--scripted-interval", "0.02", "--slots", "4")
+    with ServerProcess(*scripted) as first, ServerProcess(*scripted) as second:
+        a = await trio.to_thread.run_sync(first.wait_ready)
+        b = await trio.to_thread.run_sync(second.wait_ready)
+        front_args = ("--upstream", a, "--upstream", b + "/v1", "--slots", "4", "--upstream-cooldown", "0.5")
+        with ServerProcess(*front_args) as front:
+            url = await trio.to_thread.run_sync(front.wait_ready)
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                health = await _health(client, url)
+                assert health["slots"] == 8  # 4 per upstream
+                assert (await client.get("/v1/models")).json()["data"][0]["id"] == "scripted"
+
+                # four concurrent streams: least outstanding puts two on each upstream
+                results: list[tuple[str, dict[str, Any]]] = []
+                seen = [0] * 4
+
+                async def one(i: int) -> None:
+                    body = {"prompt": "hi", "max_tokens": 100, "stream": True}
+                    async with client.stream("POST", "/v1/completions", json=body) as response:
+                        data = b""
+                        async for chunk in response.aiter_bytes():
+                            data += chunk
+                            seen[i] = data.count(b"data: ")
+                    events = _events(data)
+                    text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+                    results.append((text, events[-2]))
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(4):
+                        nursery.start_soon(one, i)
+                    await wait_for(lambda: min(seen) >= 3, limit=30)  # every stream has text
+                    counts = [(await _health(client, u))["active_streams"] for u in (a, b)]
+                    assert counts == [2, 2], f"streams per upstream: {counts}"
+                    first.process.kill()  # SIGKILL, mid-stream
+                finals = [final for _, final in results]
+                reasons = sorted(f["choices"][0]["finish_reason"] for f in finals)
+                assert reasons == ["error", "error", "length", "length"], finals
+                for final in finals:
+                    if final["choices"][0]["finish_reason"] == "error":
+                        assert a in final["trioserve"]["message"]  # names the upstream
+                        assert "broke off" in final["trioserve"]["message"]
+
+                # new requests are served by the survivor, in and after the cooldown
+                async def short() -> None:
+                    response = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+                    assert response.status_code == 200, response.text
+                    assert response.json()["choices"][0]["text"] == " tok0 tok1 tok2 tok3 tok4"
+
+                async with trio.open_nursery() as nursery:
+                    for _ in range(6):
+                        nursery.start_soon(short)
+                await trio.sleep(0.6)  # the cooldown is over: the dead one is probed again
+                for _ in range(3):
+                    await short()
+            assert front.stop() == 0
+    log = "".join(front.log)
+    assert "retrying on another upstream" in log  # a probe of the dead upstream, retried
+    assert f"cannot reach upstream {a}" in log
+
+
+# -------------------------------------------------------------------------- backpressure
+
+
+async def test_a_client_that_stops_reading_stops_the_upstream(nursery: trio.Nursery) -> None:
+    upstream = await start_server(nursery, ScriptedBackend(token_interval=0.001, context_length=10**7))
+    front = await start_server(nursery, await UpstreamBackend.aload([upstream.url]), close_backend=True)
+
+    def upstream_tokens() -> int:
+        streams = list(upstream.engine.streams)
+        return streams[0].progress.completion_tokens if streams else -1
+
+    body = {"prompt": "hi", "max_tokens": 5_000_000, "stream": True}
+    client = await RawStream.post(
+        front.url, "/v1/completions", body, {"X-Request-Timeout": "60"}, receive_buffer=4096
+    )
+    try:
+        await client.read_until(b"data: ", 5)
+        # the deadline went upstream with the request
+        (control,) = upstream.server.state.requests
+        assert 40 < control.scope.deadline - trio.current_time() <= 60.001
+
+        # the client reads nothing more: the upstream's generation must stop advancing
+        previous = -2
+        with trio.fail_after(30):
+            while (current := upstream_tokens()) != previous:
+                previous = current
+                await trio.sleep(0.5)
+        await trio.sleep(1.0)
+        assert upstream_tokens() == previous, "the upstream kept generating for a client that stopped reading"
+        async with upstream.client() as probe:
+            health = (await probe.get("/health")).json()
+        assert health["slots_in_use"] == 1
+        assert health["inference_threads"] == 1  # paused in emit(), not finished
+        read = client.received.count(b"data: ")
+        print(f"\nupstream paused after {previous} tokens; the client had read {read} events")
+        assert previous < 20_000  # bounded: a few KiB in each buffer, not megabytes
+
+        # reading again resumes the upstream
+        await client.read_until(b"data: ", read + 2000)
+        await wait_for(lambda: upstream_tokens() > previous, limit=10)
+    finally:
+        await client.aclose()
+    closed = time.perf_counter()
+    await wait_for(lambda: not upstream.server.state.requests, limit=10)
+    print(f"upstream request ended {(time.perf_counter() - closed) * 1000:.0f} ms after the client left")
+    await front.wait_idle()
+    await upstream.wait_idle()
+
+
+# -------------------------------------------------------------------------------- errors
+
+
+async def test_errors_are_mapped_once(nursery: trio.Nursery) -> None:
+    upstream = await start_server(nursery, ScriptedBackend(context_length=4096))
+    backend = await UpstreamBackend.aload([upstream.url])
+    front = await start_server(nursery, backend, close_backend=True)
+    async with front.client() as client:
+        # token ids: refused here, before any upstream is asked
+        response = await client.post("/v1/completions", json={"prompt": [1, 2, 3]})
+        assert response.status_code == 400
+        assert "token-id prompts are not supported" in response.json()["error"]["message"]
+
+        # the upstream's 400 reaches the client with the upstream's message
+        _, final = await _stream(client, {"prompt": "hi", "max_tokens": 5000})
+        assert final["choices"][0]["finish_reason"] == "error"
+        assert "max_tokens is 5000 but only" in final["trioserve"]["message"]
+
+    # ... and the backend raises it as the matching trioserve error
+    prepared = await backend.prepare(GenerationRequest(prompt="hi", max_tokens=5000))
+    send, receive = trio.open_memory_channel[bytes](0)
+    async with send, receive:
+        with pytest.raises(ContextLengthError, match="max_tokens is 5000 but only"):
+            await backend.generate(prepared, send, GenerationProgress(0))
+    assert backend.upstreams[0].failures == 0  # a refused request is not a failed upstream
+
+    # an upstream that cannot be reached: BackendError naming it, then a cooldown (503)
+    dead = f"http://127.0.0.1:{_free_port()}"
+    unreachable = UpstreamBackend([dead], info=ModelInfo(id="m", context_length=100), cooldown=30)
+    try:
+        prepared = await unreachable.prepare(GenerationRequest(prompt="hi"))
+        send, receive = trio.open_memory_channel[bytes](0)
+        async with send, receive:
+            with pytest.raises(BackendError, match=f"cannot reach upstream {dead}"):
+                await unreachable.generate(prepared, send, GenerationProgress(0))
+        with pytest.raises(ServiceUnavailableError, match="every upstream failed recently"):
+            await unreachable.prepare(GenerationRequest(prompt="hi"))
+    finally:
+        await unreachable.aclose()
+    with pytest.raises(BackendError, match="no upstream answered"):
+        await UpstreamBackend.aload([dead], load_timeout=0.5)
+    await front.wait_idle()
+
+
+def test_cli_refuses_upstream_with_a_local_model() -> None:
+    command = [sys.executable, "-m", "trioserve", "serve", "--upstream", "http://127.0.0.1:1", "--scripted"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "drop --model / --scripted" in done.stderr
