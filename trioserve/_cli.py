@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--model-id", help="the model name clients use (default: the file name)")
     model.add_argument("--ctx-size", type=int, default=4096, help="context length per slot (default: 4096)")
     model.add_argument(
-        "--threads", type=int, default=None, help="CPU threads per decode (default: all cores)"
+        "--threads", type=int, default=None, help="CPU threads per decode (default: cores / slots)"
     )
     model.add_argument(
         "--batch-size", type=int, default=512, help="prompt tokens per prefill step (default: 512)"

@@ -130,7 +130,7 @@ class LlamaSettings:
     Args:
         model_path: path to a GGUF file.
         n_ctx: context length per slot (tokens).
-        n_threads: threads per decode; default: the number of CPU cores.
+        n_threads: threads per decode; default: the CPU cores divided among the slots.
         n_batch: prompt tokens per ``llama_decode`` call during prefill.
         slots: contexts, i.e. generations that can run at once.
         model_id: the name clients use; default: the file name without ``.gguf``.
@@ -148,7 +148,10 @@ class LlamaSettings:
     ) -> None:
         self.model_path = Path(model_path)
         self.n_ctx = n_ctx
-        self.n_threads = n_threads or os.cpu_count() or 1
+        # Default: share the cores between the slots. llama.cpp's threads spin while they
+        # wait for each other, so more threads than cores makes every decode slower
+        # (measured: 4 slots x 2 threads on 2 cores gave 68 tok/s in total, 4 x 1 gave 89).
+        self.n_threads = n_threads or max(1, (os.cpu_count() or 1) // slots)
         self.n_batch = n_batch
         self.slots = slots
         self.model_id = model_id or self.model_path.name.removesuffix(".gguf")
