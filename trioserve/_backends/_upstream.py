@@ -46,8 +46,8 @@ import logging
 import math
 import socket
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -131,8 +131,10 @@ class UpstreamBackend(Backend):
             accepted).
         info: the model as clients see it (the id goes in each upstream request's
             ``model`` when the upstream's own id is unknown).
-        slots_per_upstream: requests each upstream may run at once; ``slots`` is this
-            times the number of upstreams. trioserve queues the rest (``--max-queue``).
+        slots_per_upstream: the capacity each upstream adds: ``slots`` (what runs at
+            once; trioserve queues the rest, ``--max-queue``) is this times the number
+            of upstreams. Not a per-upstream cap: while one upstream is down, the others
+            take its share (their own queues absorb it).
         cooldown: seconds a failed upstream is skipped before one request probes it.
         connect_timeout: seconds to open a connection to an upstream.
         read_timeout: seconds an upstream may stay silent mid-request (queueing and
@@ -182,7 +184,10 @@ class UpstreamBackend(Backend):
             limits=httpx.Limits(
                 max_connections=None,  # admission bounds concurrency, not the pool
                 max_keepalive_connections=slots_per_upstream * len(urls),
-                keepalive_expiry=30.0,
+                # below the upstreams' own idle timeout (uvicorn's, so vLLM's and
+                # llama-cpp-python's: 5 s), so a request does not race a server closing an
+                # idle connection (which would look like a failed upstream)
+                keepalive_expiry=4.0,
             ),
             socket_options=socket_options,
         )
@@ -192,6 +197,8 @@ class UpstreamBackend(Backend):
                 connect=connect_timeout, read=read_timeout, write=connect_timeout, pool=connect_timeout
             ),
             follow_redirects=False,
+            # no HTTP_PROXY from the environment: a proxy that buffers SSE would break
+            # backpressure, and one that keeps upstream connections open, cancellation
             trust_env=False,
         )
         self._closed = False
@@ -479,40 +486,34 @@ class UpstreamBackend(Backend):
             except httpx.TransportError as exc:
                 message = f"cannot reach upstream {upstream.url}: {_describe_error(exc)}"
                 raise self._failed(upstream, message) from None
-            try:
+            async with _body(response) as chunks:
                 if response.status_code != 200:
-                    await self._refused(upstream, response)
+                    await self._refused(upstream, response.status_code, chunks)
                 self._healthy(upstream)
-                return await self._relay(upstream, response, relay)
-            finally:
-                # After a cancel httpcore has already closed the connection (the
-                # response was not complete); closing again is cheap, and bounded.
-                with trio.move_on_after(_CLOSE_TIMEOUT, shield=True):
-                    await response.aclose()
+                return await self._relay(upstream, chunks, relay)
         finally:
             upstream.outstanding -= 1
             if probing:
                 upstream.probing = False
 
     async def _relay(
-        self, upstream: UpstreamState, response: httpx.Response, relay: _Relay
+        self, upstream: UpstreamState, chunks: AsyncIterator[bytes], relay: _Relay
     ) -> Literal["stop", "length"]:
         decoder = SSEDecoder()
         state = _StreamState()
         try:
-            async with aclosing(_raw_chunks(response)) as chunks:
-                async for chunk in chunks:
-                    for event in decoder.feed(chunk):
-                        if event.data == "[DONE]":
-                            state.done = True
-                            break
-                        await self._event(upstream, event.data, state, relay)
-                    if state.done:
-                        # read the (empty) rest so the connection can be reused
-                        with trio.move_on_after(_TAIL_TIMEOUT):
-                            async for _ in chunks:
-                                pass
+            async for chunk in chunks:
+                for event in decoder.feed(chunk):
+                    if event.data == "[DONE]":
+                        state.done = True
                         break
+                    await self._event(upstream, event.data, state, relay)
+                if state.done:
+                    # read the (empty) rest, so the connection can be reused
+                    with trio.move_on_after(_TAIL_TIMEOUT):
+                        async for _ in chunks:
+                            pass
+                    break
         except httpx.TransportError as exc:
             if state.finish_reason is None:
                 raise self._failed(
@@ -575,17 +576,15 @@ class UpstreamBackend(Backend):
         )
         return "stop"
 
-    async def _refused(self, upstream: UpstreamState, response: httpx.Response) -> None:
+    async def _refused(self, upstream: UpstreamState, status: int, chunks: AsyncIterator[bytes]) -> None:
         """Map a non-200 answer to our error (always raises)."""
-        status = response.status_code
         data = b""
         try:
             with trio.move_on_after(_TAIL_TIMEOUT):
-                async with aclosing(_raw_chunks(response)) as chunks:
-                    async for chunk in chunks:
-                        data += chunk
-                        if len(data) >= _MAX_ERROR_BODY:
-                            break
+                async for chunk in chunks:
+                    data += chunk
+                    if len(data) >= _MAX_ERROR_BODY:
+                        break
         except httpx.TransportError:
             pass
         message, param, code = _error_fields(data, status)
@@ -646,9 +645,28 @@ class _Relay:
         self.sent = True
 
 
-def _raw_chunks(response: httpx.Response) -> AsyncGenerator[bytes]:
-    """The body as it arrives: one chunk per read, nothing read ahead."""
-    return response.aiter_raw()  # type: ignore[return-value]  # an async generator, typed as an iterator
+@asynccontextmanager
+async def _body(response: httpx.Response) -> AsyncIterator[AsyncIterator[bytes]]:
+    """The response body as it arrives (one chunk per read, nothing read ahead); on the
+    way out, however it is left, the response is closed.
+
+    A response left unfinished (a cancel, an error) has its connection closed by
+    httpcore, never pooled: that close is what tells the upstream to stop. httpx's body
+    iterator is a chain of nested async generators that are not closed when iteration
+    stops early (encode/httpx#3686), and Trio warns when such a generator is collected;
+    so after closing the response, the chain is run to its end: on a closed connection
+    it raises at once (or ends with the bytes already buffered)."""
+    chunks = response.aiter_raw()
+    try:
+        yield chunks
+    finally:
+        with trio.move_on_after(_CLOSE_TIMEOUT, shield=True):
+            await response.aclose()
+            try:
+                async for _ in chunks:
+                    pass
+            except Exception:  # the expected end: a read on a closed stream
+                pass
 
 
 def _base_url(url: str) -> str:
