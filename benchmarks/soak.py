@@ -307,7 +307,7 @@ class Snapshot:
     fds: int
     rss_mib: float
     thread_names: list[str]
-    fd_targets: list[str]  # with a TCP socket's state: "socket:[123] CLOSE_WAIT"
+    fd_targets: list[str]  # with a socket's state: "socket:[123] CLOSE_WAIT"
 
     @property
     def busy_threads(self) -> int:
@@ -319,16 +319,21 @@ class Snapshot:
         names = proc_threads(pid)
         fds = proc_fds(pid)
         states = proc_socket_states(pid)
-        fds = [f"{fd} {states[fd]}" if fd in states else fd for fd in fds]
+        fds = [f"{fd} {states.get(fd, 'GONE')}" if fd.startswith("socket:") else fd for fd in fds]
         return cls(len(names), idle_trio_threads(names), len(fds), proc_rss_mib(pid), names, fds)
 
     def extra_fds(self, baseline: Snapshot) -> list[str]:
         """Descriptors open now that were not open at the baseline."""
         return sorted((Counter(self.fd_targets) - Counter(baseline.fd_targets)).elements())
 
-    def close_wait(self, baseline: Snapshot) -> int:
-        """Extra sockets whose client has closed, that the server has not closed yet."""
-        return sum(fd.endswith(" CLOSE_WAIT") for fd in self.extra_fds(baseline))
+    def peer_closed(self, baseline: Snapshot) -> int:
+        """Extra sockets whose client has closed (CLOSE_WAIT) or reset them (GONE: in no
+        kernel table any more), that the server has not closed yet."""
+        return sum(peer_closed(fd) for fd in self.extra_fds(baseline))
+
+
+def peer_closed(fd: str) -> bool:
+    return fd.endswith((" CLOSE_WAIT", " GONE"))
 
 
 class LogWatcher:
@@ -820,10 +825,11 @@ class Traffic:
 
 @dataclass
 class Linger:
-    """Sockets in CLOSE_WAIT after the settle time, and when they were closed (None:
+    """Sockets closed by their client, not by the server, after the settle time, and
+    when the server closed them (None:
     not waited for, or still open)."""
 
-    close_wait: int = 0
+    peer_closed: int = 0
     waited: float = 0.0
     released_after: float | None = None
 
@@ -854,10 +860,10 @@ class Result:
         leaks = {
             "threads": max(0, self.after.threads - self.baseline.busy_threads),
             "busy_threads": max(0, self.after.busy_threads - self.baseline.busy_threads),
-            # sockets in CLOSE_WAIT are counted apart: hypercorn closes them at its
-            # keep-alive timeout (see ``settle``)
-            "fds": sum(not fd.endswith(" CLOSE_WAIT") for fd in extra),
-            "close_wait": sum(fd.endswith(" CLOSE_WAIT") for fd in extra),
+            # sockets that the client closed are counted apart: hypercorn closes them
+            # at its keep-alive timeout (see ``settle``)
+            "fds": sum(not peer_closed(fd) for fd in extra),
+            "peer_closed": sum(peer_closed(fd) for fd in extra),
         }
         for gauge in HEALTH_GAUGES:
             value = self.health.get(gauge)
@@ -993,10 +999,10 @@ async def wait_health_idle(client: httpx.AsyncClient, limit: float) -> dict[str,
 
 async def settle(pid: int, baseline: Snapshot, limit: float, linger: float) -> tuple[Snapshot, Linger]:
     """Wait (up to ``limit``) until threads — Trio's idle cache included — and fds are
-    back to the baseline. If the only fds left over are sockets in CLOSE_WAIT (clients
-    gone, the server not yet closed: hypercorn closes such a connection only at its
-    keep-alive timeout, 75 s), wait up to ``linger`` more for them. Return the last
-    snapshot and what lingered."""
+    back to the baseline. If sockets are left over that their client has closed (CLOSE_WAIT)
+    or reset (GONE) but the server has not — hypercorn closes an idle keep-alive
+    connection only at its keep-alive timeout, 75 s — wait up to ``linger`` more for
+    them. Return the last snapshot and what lingered."""
     deadline = trio.current_time() + limit
     while True:
         now = Snapshot.take(pid)
@@ -1005,15 +1011,15 @@ async def settle(pid: int, baseline: Snapshot, limit: float, linger: float) -> t
         ) or trio.current_time() > deadline:
             break
         await trio.sleep(0.1)
-    linger_state = Linger(close_wait=now.close_wait(baseline))
-    if linger_state.close_wait and linger > 0:
+    linger_state = Linger(peer_closed=now.peer_closed(baseline))
+    if linger_state.peer_closed and linger > 0:
         started = trio.current_time()
         with trio.move_on_after(linger):
-            while now.close_wait(baseline):
+            while now.peer_closed(baseline):
                 await trio.sleep(0.5)
                 now = Snapshot.take(pid)
         linger_state.waited = trio.current_time() - started
-        if not now.close_wait(baseline):
+        if not now.peer_closed(baseline):
             linger_state.released_after = linger_state.waited + limit
     return now, linger_state
 
@@ -1160,13 +1166,13 @@ async def _soak(cfg: SoakConfig, server: SoakServer, plan: list[Job], started: f
     )
     problems = result.problems
     for name, leaked in result.leaks.items():
-        if leaked and name != "close_wait":
+        if leaked and name != "peer_closed":
             problems.append(f"leak: {name} {leaked} (see 'after' in the result)")
-    if linger.close_wait:
+    if linger.peer_closed:
         lingered = (
-            f"{linger.close_wait} server socket(s) in CLOSE_WAIT {cfg.settle:.0f} s after the traffic "
-            "(clients gone; hypercorn closes an idle keep-alive connection only at its keep-alive "
-            "timeout, 75 s in trioserve)"
+            f"{linger.peer_closed} server socket(s) still open {cfg.settle:.0f} s after the traffic, "
+            "their clients gone (CLOSE_WAIT or reset; hypercorn closes an idle keep-alive "
+            "connection only at its keep-alive timeout, 75 s in trioserve)"
         )
         if linger.released_after is not None:
             result.warnings.append(f"{lingered}; all closed {linger.released_after:.0f} s after the traffic")
@@ -1179,7 +1185,7 @@ async def _soak(cfg: SoakConfig, server: SoakServer, plan: list[Job], started: f
     if result.leaks["threads"]:
         extra = Counter(after.thread_names) - Counter(baseline.thread_names)
         problems.append(f"threads not back to the baseline after {cfg.settle:.0f} s: {dict(extra)}")
-    if result.leaks["fds"] or (result.leaks["close_wait"] and cfg.linger > 0):
+    if result.leaks["fds"] or (result.leaks["peer_closed"] and cfg.linger > 0):
         problems.append(f"fds not back to the baseline: {after.extra_fds(baseline)}")
     if result.rss_growth_mib > cfg.max_rss_growth_mib:
         problems.append(f"RSS grew {result.rss_growth_mib:.1f} MiB (bound {cfg.max_rss_growth_mib:.0f} MiB)")
@@ -1248,8 +1254,8 @@ def leaks_table(result: Result) -> str:
         ["check", "baseline", "after", "leaked"],
         ["threads", str(b.busy_threads), str(a.threads), str(leaks["threads"])],
         ["… not idle in Trio's cache", str(b.busy_threads), str(a.busy_threads), str(leaks["busy_threads"])],
-        ["open fds (not CLOSE_WAIT)", str(b.fds), str(a.fds - leaks["close_wait"]), str(leaks["fds"])],
-        ["sockets in CLOSE_WAIT", "0", str(result.linger.close_wait), str(leaks["close_wait"])],
+        ["open fds (other)", str(b.fds), str(a.fds - leaks["peer_closed"]), str(leaks["fds"])],
+        ["sockets closed by the client only", "0", str(result.linger.peer_closed), str(leaks["peer_closed"])],
     ]
     for gauge in HEALTH_GAUGES:
         rows.append([f"/health {gauge}", "0", str(result.health.get(gauge)), str(leaks[gauge])])
@@ -1357,7 +1363,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SoakConfig, argparse.Name
         "--linger",
         type=float,
         default=90.0,
-        help="more seconds to wait for sockets left in CLOSE_WAIT (default: 90; 0: report them only)",
+        help="more seconds to wait for sockets closed by the client only (default: 90; 0: report them only)",
     )
     p.add_argument(
         "--max-rss-growth-mib", type=float, help="RSS growth allowed (default: 64 scripted, 160 model)"

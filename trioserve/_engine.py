@@ -33,7 +33,7 @@ import trio
 
 from ._admission import Admission, SlotLease
 from ._backends._base import Backend, GenerationProgress, PreparedPrompt
-from ._exceptions import BackendError
+from ._exceptions import BackendError, TrioserveError
 from ._text import TextAssembler
 from ._types import Finished, GenerationRequest, TextDelta, Usage
 
@@ -261,8 +261,9 @@ class Engine:
                     pass
                 except Exception as exc:
                     logger.exception("backend failed")
+                    # our own errors keep their type (an upstream's 400 stays a 400)
                     events.backend_error = (
-                        exc if isinstance(exc, BackendError) else BackendError(f"inference failed: {exc}")
+                        exc if isinstance(exc, TrioserveError) else BackendError(f"inference failed: {exc}")
                     )
                 finally:
                     lease.release()

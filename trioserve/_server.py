@@ -149,37 +149,40 @@ class Server:
         the model loads afterwards. Cancellation: cancelling this task skips the grace
         period — in-flight requests are cancelled at once and the backend is closed.
         """
-        async with trio.open_nursery() as nursery:
-            patch_hypercorn_h2_backpressure()
-            config = self._hypercorn_config()
-            sockets = config.create_sockets()
-            for sock in sockets.insecure_sockets:
-                tune_listening_socket(sock, self.settings)
-                sock.listen(config.backlog)  # worker_serve listens only on sockets it made
-            binds: list[str] = await nursery.start(
-                lambda task_status: worker_serve(
-                    wrap_app(self.app, config.wsgi_max_body_size, "asgi"),  # type: ignore[arg-type]
-                    config,
-                    sockets=sockets,
-                    shutdown_trigger=self._stop_accepting.wait,
-                    task_status=task_status,
+        try:
+            async with trio.open_nursery() as nursery:
+                patch_hypercorn_h2_backpressure()
+                config = self._hypercorn_config()
+                sockets = config.create_sockets()
+                for sock in sockets.insecure_sockets:
+                    tune_listening_socket(sock, self.settings)
+                    sock.listen(config.backlog)  # worker_serve listens only on sockets it made
+                binds: list[str] = await nursery.start(
+                    lambda task_status: worker_serve(
+                        wrap_app(self.app, config.wsgi_max_body_size, "asgi"),  # type: ignore[arg-type]
+                        config,
+                        sockets=sockets,
+                        shutdown_trigger=self._stop_accepting.wait,
+                        task_status=task_status,
+                    )
                 )
-            )
-            task_status.started(binds)
-            nursery.start_soon(self._load, binds)
-            try:
-                await self._shutdown_requested.wait()
-                # not shielded: a second signal (a cancel) cuts the grace period short
-                await self._drain(self.settings.shutdown_grace)
-            finally:
+                task_status.started(binds)
+                nursery.start_soon(self._load, binds)
+                try:
+                    await self._shutdown_requested.wait()
+                    # not shielded: a second signal (a cancel) cuts the grace period short
+                    await self._drain(self.settings.shutdown_grace)
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self._drain(0.0)
+                    nursery.cancel_scope.cancel()
+        finally:
+            # also when this task is cancelled from outside: the model must be freed
+            if self.engine is not None and self._close_backend:
                 with trio.CancelScope(shield=True):
-                    await self._drain(0.0)
-                nursery.cancel_scope.cancel()
-        if self.engine is not None and self._close_backend:
-            with trio.CancelScope(shield=True):
-                await self.engine.backend.aclose()
-        logger.info("stopped")
-        self.stopped.set()
+                    await self.engine.backend.aclose()
+            logger.info("stopped")
+            self.stopped.set()
 
     async def _load(self, binds: list[str]) -> None:
         try:

@@ -7,7 +7,7 @@ small. Three shapes fit it:
 
 * a local model driven from a worker thread (:class:`ThreadedBackend`: llama.cpp,
   the scripted backend),
-* an upstream OpenAI-compatible server read with an async HTTP client (later),
+* an upstream OpenAI-compatible server read with an async HTTP client (``_upstream.py``),
 * a batched scheduler that multiplexes many sequences over one context (later).
 
 Contract for :meth:`Backend.generate`:

@@ -346,6 +346,9 @@ class GenerationHandler:
                 assert isinstance(event, Finished)
                 outcome["cause"] = event.reason
                 if event.reason == "error":
+                    failure = events.backend_error
+                    if isinstance(failure, TrioserveError):
+                        raise failure  # its own status: a 400 from an upstream stays a 400
                     raise _BackendFailed(event.message or "inference failed")
                 outcome["finished"] = True  # (see _stream)
                 await exchange.json(
