@@ -169,7 +169,7 @@ class ServerProcess:
             if not line:
                 raise RuntimeError("the server exited:\n" + "".join(self.log))
             self.log.append(line)
-            if match := re.search(r"listening on (http://\S+)", line):
+            if match := re.search(r"listening on (http://[\w.\[\]:]+:\d+)", line):
                 self.url = match.group(1)
             ready = ready or "ready:" in line
             if ready and self.url:  # (the two lines come in either order)

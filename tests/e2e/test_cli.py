@@ -60,3 +60,21 @@ def _stream_then_sigterm(server: ServerProcess, url: str) -> None:
     assert b'"finish_reason":"shutdown"' in received
     assert b"data: [DONE]" in received
     assert elapsed < 0.5 + 1.0 + 0.5  # grace + 1 s (+ slack for process start-up noise)
+
+
+def test_json_logs_have_one_line_per_request_with_its_id() -> None:
+    with ServerProcess("--scripted", "--log-format", "json") as server:
+        url = server.wait_ready()
+        response = httpx.post(
+            url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, headers={"X-Request-Id": "req-42"}
+        )
+        assert response.headers["x-request-id"] == "req-42"
+        assert server.stop() == 0
+    records = [json.loads(line) for line in "".join(server.log).splitlines() if line.startswith("{")]
+    assert records, server.log
+    assert {"time", "level", "logger", "message"} <= set(records[0])
+    lines = [r["message"] for r in records if r["logger"] == "trioserve.requests"]
+    assert len(lines) == 1
+    assert "request req-42 /v1/completions" in lines[0]
+    assert "cause=length" in lines[0]
+    assert "completion_tokens=3" in lines[0]
