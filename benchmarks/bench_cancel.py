@@ -82,13 +82,10 @@ import itertools
 import json
 import math
 import os
-import platform
 import re
-import signal
 import socket
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -100,13 +97,32 @@ from typing import Any
 
 import httpx
 
-TRIOSERVE, LLAMA_SERVER = "trioserve", "llama-server"
-SERVERS = (TRIOSERVE, LLAMA_SERVER)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    CLK_TCK,
+    LLAMA_SERVER,
+    SERVERS,
+    TRIOSERVE,
+    ServerProcess,
+    add_ready_timeout,
+    add_threads,
+    argument_parser,
+    bench_main,
+    completion_request,
+    cpu_seconds,
+    environment,
+    log,
+    markdown_table,
+    resolve_model,
+    start_servers,
+    stopping,
+    thread_ids,
+)
+
 DECODE, PREFILL, DEADLINE = "decode", "prefill", "deadline"
 SCENARIOS = (DECODE, PREFILL, DEADLINE)
 DECODE_PROMPT = "Once upon a time"
 PREFILL_SENTENCE = "The history of the city is long and varied. "
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAUSE_S = 0.1  # after a server passed the idle checks, before the next job
 LOG_WAIT_S = 5.0  # how long a trioserve log line may take to appear
 NO_WORK_MS = 50.0  # a prefill run with less CPU than this before and after the close did no prefill
@@ -119,23 +135,11 @@ LOG_FIELD = re.compile(r"(\w+)=(\S+)")
 # ---------------------------------------------------------------------- CPU time
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of the whole process (all threads, also those that exited)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    fields = stat[stat.rindex(b")") + 2 :].split()  # fields 3… (comm may hold spaces)
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15
-
-
 def runqueue_wait_seconds(pid: int) -> float:
     """Time the process's live threads have spent runnable but not running (second field
     of ``/proc/<pid>/task/<tid>/schedstat``, ns); 0 where the kernel lacks schedstat."""
     total = 0
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0.0
-    for tid in tids:
+    for tid in thread_ids(pid):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
                 total += int(f.read().split()[1])
@@ -188,19 +192,10 @@ class SSEStream:
 
     def __init__(self, base: tuple[str, int], body: dict[str, Any], headers: dict[str, str]) -> None:
         host, port = base
-        payload = json.dumps(body).encode()
-        head = [
-            "POST /v1/completions HTTP/1.1",
-            f"Host: {host}:{port}",
-            "Content-Type: application/json",
-            "Accept: text/event-stream",
-            f"Content-Length: {len(payload)}",
-            "Connection: close",
-            *(f"{name}: {value}" for name, value in headers.items()),
-        ]
+        request = completion_request(host, port, body, headers)
         self.sock = socket.create_connection((host, port), timeout=10.0)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
+        self.sock.sendall(request)
         self.sent_at = time.perf_counter()
         self.status: int | None = None
         self.events: list[tuple[float, str]] = []  # (perf_counter at arrival, data)
@@ -308,121 +303,6 @@ def last_finish_reason(stream: SSEStream) -> str | None:
 
 
 # ---------------------------------------------------------------------- servers
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def trioserve_command(model: Path, port: int, args: argparse.Namespace) -> list[str]:
-    exe = Path(sys.executable).with_name("trioserve")
-    launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "trioserve._cli"]
-    return [
-        *launcher,
-        "serve",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--threads",
-        str(args.threads),
-        "--ctx-size",
-        str(args.ctx_size),
-        "--log-level",
-        "info",
-    ]
-
-
-def llama_server_command(model: Path, port: int, args: argparse.Namespace) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--n_ctx",
-        str(args.ctx_size),
-        "--n_threads",
-        str(args.threads),
-        "--n_threads_batch",
-        str(args.threads),
-        "--flash_attn",
-        "True",
-        "--logits_all",
-        "False",
-        "--verbose",
-        "False",
-    ]
-
-
-class ServerProcess:
-    """A server subprocess with its log file; :meth:`stop` always leaves it dead."""
-
-    def __init__(self, name: str, command: list[str], port: int, ready_path: str, log_dir: Path) -> None:
-        self.name = name
-        self.command = command
-        self.address = ("127.0.0.1", port)
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.ready_url = self.base_url + ready_path
-        self.log_path = log_dir / f"{name}.log"
-        self.log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT
-        )
-        self.pid = self.proc.pid
-
-    def wait_ready(self, client: httpx.Client, timeout_s: float) -> None:
-        """Poll ``ready_url`` until it answers 200 (the model is loaded)."""
-        give_up = time.monotonic() + timeout_s
-        while time.monotonic() < give_up:
-            self.check_alive()
-            try:
-                if client.get(self.ready_url, timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-
-    def log_text(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def log_tail(self, lines: int = 20) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        self.log.close()
-
-
-def start_servers(model: Path, args: argparse.Namespace, log_dir: Path, servers: list[ServerProcess]) -> None:
-    """Launch both servers (appended to ``servers`` at once, so the caller can stop them)."""
-    port = free_port()
-    servers.append(ServerProcess(TRIOSERVE, trioserve_command(model, port, args), port, "/health", log_dir))
-    port = free_port()
-    servers.append(
-        ServerProcess(LLAMA_SERVER, llama_server_command(model, port, args), port, "/v1/models", log_dir)
-    )
 
 
 def trioserve_log_line(server: ServerProcess, request_id: str) -> dict[str, str]:
@@ -751,15 +631,6 @@ def _fmt(value: float | None, spec: str = ".1f", cap: float | None = None) -> st
     return f"{value:{spec}}"
 
 
-def markdown_table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) + " |" for row in rows
-    ]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
-
-
 def summary_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
     causes = {
         DECODE: "disconnect in decode",
@@ -888,9 +759,8 @@ def samples_table(samples: list[Sample], args: argparse.Namespace) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--model", type=Path, help="GGUF file (default: trioserve's default, Gemma 3 270M)")
-    p.add_argument("--threads", type=int, default=2, help="threads for decode and prefill (default: 2)")
+    p = argument_parser(__doc__)
+    add_threads(p)
     p.add_argument("--ctx-size", type=int, default=4096, help="context size (default: 4096)")
     p.add_argument("--reps", type=int, default=20, help="decode and deadline runs per server (default: 20)")
     p.add_argument(
@@ -932,7 +802,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, help="write config, every sample and the summary to this JSON file")
     p.add_argument("--markdown", action="store_true", help="also print every sample as a markdown table")
-    p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds a server may take to load")
+    add_ready_timeout(p)
     args = p.parse_args(argv)
     if args.prefill_reps is None:
         args.prefill_reps = (args.reps + 1) // 2
@@ -941,26 +811,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def resolve_model(args: argparse.Namespace) -> Path:
-    if args.model is None:
-        from trioserve import default_model_path
-
-        return default_model_path(progress=False)
-    model: Path = args.model.resolve()
-    if not model.is_file():
-        raise SystemExit(f"model file not found: {model}")
-    return model
-
-
 def config(args: argparse.Namespace, model: Path) -> dict[str, Any]:
-    from importlib.metadata import version
-
-    import llama_cpp
-
     return {
         "model": str(model),
         "threads": args.threads,
@@ -977,11 +828,7 @@ def config(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         "idle_fraction": args.idle_fraction,
         "idle_cap_s": args.idle_cap,
         "clk_tck": CLK_TCK,
-        "llama_cpp_python": llama_cpp.__version__,
-        "trioserve": version("trioserve"),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "loadavg_start": os.getloadavg(),
+        **environment(),
     }
 
 
@@ -991,20 +838,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log(f"config: {json.dumps(cfg)}")
     servers: list[ServerProcess] = []
     warnings: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="bench-cancel-") as log_dir, httpx.Client() as client:
-        try:
-            start_servers(model, args, Path(log_dir), servers)
-            for server in servers:
-                server.wait_ready(client, args.ready_timeout)
-            log("servers ready: " + ", ".join(f"{s.name} {s.base_url} pid {s.pid}" for s in servers))
-            samples, reference = run_rounds(servers, client, args, warnings)
-        except BaseException:
-            for server in servers:
-                log(f"--- {server.name} log (tail) ---\n{server.log_tail()}")
-            raise
-        finally:
-            for server in servers:
-                server.stop()
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-cancel-") as log_dir,
+        httpx.Client() as client,
+        stopping(servers),
+    ):
+        start_servers(
+            servers,
+            model,
+            Path(log_dir),
+            threads=args.threads,
+            ctx_size=args.ctx_size,
+            trioserve_extra=("--log-level", "info"),
+        )
+        for server in servers:
+            server.wait_ready(client, args.ready_timeout)
+        log("servers ready: " + ", ".join(f"{s.name} {s.base_url} pid {s.pid}" for s in servers))
+        samples, reference = run_rounds(servers, client, args, warnings)
     cfg["loadavg_end"] = os.getloadavg()
     return {
         "config": cfg,
@@ -1015,19 +865,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _sigterm(_signo: int, _frame: object) -> None:
-    raise SystemExit(143)  # unwind through the finally blocks: the servers get stopped
-
-
-def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _sigterm)
-    args = parse_args(argv)
-    started = time.perf_counter()
-    result = run(args)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(_finite(result), indent=2) + "\n")
-        log(f"wrote {args.out}")
+def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     cfg = result["config"]
     if args.markdown:
         print(samples_table([Sample(**s) for s in result["samples"]], args) + "\n")
@@ -1040,10 +878,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(summary_table(result["summary"], args) + "\n")
     print(reference_table(result["summary"], result["reference"]))
-    for note in result["notes"]:
-        print(f"\nnote: {note}")
-    log(f"done in {time.perf_counter() - started:.0f} s")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main(argv, parse_args, run, report, to_json=_finite)
 
 
 if __name__ == "__main__":

@@ -62,65 +62,51 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-TRIOSERVE, LLAMA_SERVER = "trioserve", "llama-server"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    LLAMA_SERVER,
+    READY_PATHS,
+    TRIOSERVE,
+    ServerProcess,
+    TimedStream,
+    add_ready_timeout,
+    add_request_timeout,
+    argument_parser,
+    bench_main,
+    cpu_seconds,
+    environment,
+    free_port,
+    http_stream,
+    llama_server_command,
+    log,
+    markdown_table,
+    resolve_model,
+    stopping,
+    system_busy_seconds,
+    thread_ids,
+    trioserve_command,
+)
+
 DEFAULT_PROMPTS = (
     "Once upon a time",
     "The capital of France is",
     "In a distant galaxy",
     "The recipe begins with",
 )
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------------- streaming
-
-
-@dataclass
-class Chunk:
-    text: str = ""
-    finish_reason: str | None = None
-    completion_tokens: int | None = None  # from a usage chunk
-
-
-def http_stream(client: httpx.Client, url: str, body: dict[str, Any], deadline_s: float) -> Iterator[Chunk]:
-    """Stream one ``/v1/completions`` request; parse SSE ``data:`` lines."""
-    give_up = time.monotonic() + deadline_s
-    with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            response.read()
-            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-        for line in response.iter_lines():
-            if time.monotonic() > give_up:
-                raise TimeoutError(f"no end of stream after {deadline_s:.0f} s")
-            if not line.startswith("data:"):
-                continue  # blank separators, ": ping" comments
-            data = line[5:].strip()
-            if data == "[DONE]":
-                return
-            event = json.loads(data)
-            usage = event.get("usage") or {}
-            for choice in event.get("choices") or [{}]:
-                yield Chunk(
-                    text=choice.get("text") or "",
-                    finish_reason=choice.get("finish_reason"),
-                    completion_tokens=usage.get("completion_tokens"),
-                )
 
 
 @dataclass
@@ -147,31 +133,15 @@ def measure_stream(
     client: httpx.Client, url: str, body: dict[str, Any], args: argparse.Namespace
 ) -> tuple[float, StreamSample]:
     """Run one stream; return its start time and its sample (``config``, ``group`` etc. blank)."""
-    t_first = t_last = None
-    texts: list[str] = []
-    finish_reason = usage_tokens = None
     error = None
-    t_call = time.perf_counter()
+    stream = TimedStream()
     try:
-        for chunk in http_stream(client, url, body, args.request_timeout):
-            now = time.perf_counter()
-            if chunk.text:
-                if t_first is None:
-                    t_first = now
-                t_last = now
-                texts.append(chunk.text)
-            finish_reason = chunk.finish_reason or finish_reason
-            if chunk.completion_tokens is not None:
-                usage_tokens = chunk.completion_tokens
+        stream.read(http_stream(client, url, body, args.request_timeout, where="", body_chars=300))
     except Exception as exc:  # recorded per stream: one failure must not hide the others
         error = f"{type(exc).__name__}: {exc}"
-    t_end = time.perf_counter()
-    if usage_tokens is not None:
-        tokens, source = usage_tokens, "usage"
-    elif finish_reason == "length":
-        tokens, source = body["max_tokens"], "finish_reason=length"
-    else:
-        tokens, source = len(texts), "text chunks"
+    stream.end()
+    t_call, t_first, t_last, t_end = stream.t_call, stream.t_first, stream.t_last, stream.t_end
+    tokens, source = stream.tokens(body["max_tokens"])
     if t_first is None and error is None:
         error = "the stream carried no text"
     span = (t_last - t_first) if t_first is not None and t_last is not None else 0.0
@@ -189,29 +159,14 @@ def measure_stream(
         total_s=t_end - t_call,
         tokens=tokens,
         token_source=source,
-        finish_reason=finish_reason,
-        text="".join(texts),
+        finish_reason=stream.finish_reason,
+        text="".join(stream.texts),
         error=error,
     )
     return t_call, sample
 
 
 # ---------------------------------------------------------------------- /proc
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid``, all threads (fields 14 and 15 of its stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        stat = f.read()
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def system_busy_seconds() -> float:
-    """CPU time all cores spent busy (not idle, not waiting for I/O), from ``/proc/stat``."""
-    with open("/proc/stat") as f:
-        values = [int(v) for v in f.readline().split()[1:9]]
-    return (sum(values) - values[3] - values[4]) / CLK_TCK
 
 
 def cpu_snapshot(server_pid: int) -> tuple[float, float, float]:
@@ -222,11 +177,7 @@ def cpu_snapshot(server_pid: int) -> tuple[float, float, float]:
 
 def runnable_threads(pid: int) -> int:
     count = 0
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0
-    for tid in tids:
+    for tid in thread_ids(pid):
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 stat = f.read()
@@ -262,13 +213,6 @@ class ThreadSampler:
 # ---------------------------------------------------------------------- servers
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @dataclass
 class ServerConfig:
     name: str  # label in the tables
@@ -278,86 +222,11 @@ class ServerConfig:
 
 
 def server_command(cfg: ServerConfig, model: Path, port: int, args: argparse.Namespace) -> list[str]:
-    common = ["--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
     if cfg.kind == TRIOSERVE:
-        exe = Path(sys.executable).with_name("trioserve")
-        launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "trioserve._cli"]
-        return [
-            *launcher,
-            "serve",
-            *common,
-            "--threads",
-            str(cfg.threads),
-            "--ctx-size",
-            str(args.ctx_size),
-            "--slots",
-            str(cfg.slots),
-            "--max-queue",
-            str(args.max_queue),
-        ]
-    return [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        *common,
-        "--n_ctx",
-        str(args.ctx_size),
-        "--n_threads",
-        str(cfg.threads),
-        "--n_threads_batch",
-        str(cfg.threads),
-        "--flash_attn",
-        "True",
-        "--logits_all",
-        "False",
-        "--interrupt_requests",
-        str(args.llama_interrupt_requests == "true"),
-        "--verbose",
-        "False",
-    ]
-
-
-class ServerProcess:
-    """A server subprocess with its log file; :meth:`stop` always leaves it dead."""
-
-    def __init__(self, name: str, command: list[str], base_url: str, ready_path: str, log_dir: Path) -> None:
-        self.name = name
-        self.command = command
-        self.base_url = base_url
-        self.ready_url = base_url + ready_path
-        self.log_path = log_dir / f"{name}.log"
-        self.log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT
-        )
-
-    def wait_ready(self, client: httpx.Client, timeout_s: float) -> None:
-        """Poll ``ready_url`` until it answers 200 (the model is loaded)."""
-        give_up = time.monotonic() + timeout_s
-        while time.monotonic() < give_up:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if client.get(self.ready_url, timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 20) -> str:
-        self.log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        self.log.close()
+        slots = ("--slots", str(cfg.slots), "--max-queue", str(args.max_queue))
+        return trioserve_command(model, port, cfg.threads, args.ctx_size, *slots)
+    interrupt = ("--interrupt_requests", str(args.llama_interrupt_requests == "true"))
+    return llama_server_command(model, port, cfg.threads, args.ctx_size, *interrupt)
 
 
 # ---------------------------------------------------------------------- groups
@@ -470,12 +339,11 @@ def run_config(
 ) -> tuple[list[Group], list[StreamSample]]:
     """Start the server, warm up, run every prompt solo, then the concurrent groups."""
     port = free_port()
-    ready_path = "/health" if cfg.kind == TRIOSERVE else "/v1/models"
     command = server_command(cfg, model, port, args)
-    server = ServerProcess(cfg.name, command, f"http://127.0.0.1:{port}", ready_path, log_dir)
+    server = ServerProcess(cfg.name, command, port, READY_PATHS[cfg.kind], log_dir)
     groups: list[Group] = []
     samples: list[StreamSample] = []
-    try:
+    with stopping([server]):
         with httpx.Client(timeout=http_timeout(args)) as client:
             server.wait_ready(client, args.ready_timeout)
             url = server.base_url + "/v1/completions"
@@ -502,11 +370,6 @@ def run_config(
                 )
                 groups.append(group)
                 samples.extend(mine)
-    except BaseException:
-        log(f"--- {server.name} log (tail) ---\n{server.log_tail()}")
-        raise
-    finally:
-        server.stop()
     return groups, samples
 
 
@@ -521,15 +384,6 @@ def describe(s: StreamSample) -> str:
 
 
 # ---------------------------------------------------------------------- summary
-
-
-def markdown_table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) + " |" for row in rows
-    ]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
 
 
 def _spread(values: list[float], fmt: str) -> str:
@@ -683,8 +537,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--model", type=Path, help="GGUF file (default: trioserve's default, Gemma 3 270M)")
+    p = argument_parser(__doc__)
     p.add_argument("--streams", default="1,2,4", help="concurrent stream counts (default: 1,2,4)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per completion (default: 128)")
     p.add_argument(
@@ -720,10 +573,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=1, help="rounds over --streams (default: 1)")
     p.add_argument("--out", type=Path, help="write config, groups and every stream to this JSON file")
     p.add_argument("--markdown", action="store_true", help="also print every stream as a markdown table")
-    p.add_argument(
-        "--request-timeout", type=float, default=300.0, help="seconds one completion may take (default: 300)"
-    )
-    p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds a server may take to load")
+    add_request_timeout(p)
+    add_ready_timeout(p)
     args = p.parse_args(argv)
     args.stream_counts = _int_list(args.streams)
     args.trioserve_thread_list = _int_list(args.trioserve_threads)
@@ -733,21 +584,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.prompt_list or min(args.trioserve_thread_list, default=1) < 1 or args.llama_threads < 0:
         p.error("need a prompt, --trioserve-threads >= 1 each, --llama-threads >= 0")
     return args
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def resolve_model(args: argparse.Namespace) -> Path:
-    if args.model is None:
-        from trioserve import default_model_path
-
-        return default_model_path(progress=False)
-    model: Path = args.model.resolve()
-    if not model.is_file():
-        raise SystemExit(f"model file not found: {model}")
-    return model
 
 
 def server_configs(args: argparse.Namespace) -> list[ServerConfig]:
@@ -761,10 +597,6 @@ def server_configs(args: argparse.Namespace) -> list[ServerConfig]:
 
 
 def config(args: argparse.Namespace, model: Path, configs: list[ServerConfig]) -> dict[str, Any]:
-    from importlib.metadata import version
-
-    import llama_cpp
-
     return {
         "model": str(model),
         "prompts": args.prompt_list,
@@ -775,11 +607,7 @@ def config(args: argparse.Namespace, model: Path, configs: list[ServerConfig]) -
         "reps": args.reps,
         "servers": [asdict(c) for c in configs],
         "llama_interrupt_requests": args.llama_interrupt_requests,
-        "llama_cpp_python": llama_cpp.__version__,
-        "trioserve": version("trioserve"),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "loadavg_start": os.getloadavg(),
+        **environment(),
     }
 
 
@@ -806,19 +634,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _sigterm(_signo: int, _frame: object) -> None:
-    raise SystemExit(143)  # unwind through the finally blocks: the server gets stopped
-
-
-def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _sigterm)
-    args = parse_args(argv)
-    started = time.perf_counter()
-    result = run(args)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        log(f"wrote {args.out}")
+def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     cfg = result["config"]
     configs = [ServerConfig(**c) for c in cfg["servers"]]
     groups = [Group(**g) for g in result["groups"]]
@@ -837,10 +653,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print("\nevery stream:\n")
         print(streams_table(samples))
-    for note in result["notes"]:
-        print(f"\nnote: {note}")
-    log(f"done in {time.perf_counter() - started:.0f} s")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main(argv, parse_args, run, report)
 
 
 if __name__ == "__main__":

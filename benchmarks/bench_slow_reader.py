@@ -106,11 +106,8 @@ import argparse
 import fcntl
 import json
 import os
-import platform
-import signal
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
 import termios
@@ -121,29 +118,29 @@ from typing import Any
 
 import httpx
 
-TRIOSERVE, LLAMA_SERVER = "trioserve", "llama-server"
-SERVERS = (TRIOSERVE, LLAMA_SERVER)
-DEFAULT_PROMPT = "Once upon a time"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    DEFAULT_PROMPT,
+    LLAMA_SERVER,
+    SERVERS,
+    TRIOSERVE,
+    ServerProcess,
+    add_ready_timeout,
+    add_threads,
+    argument_parser,
+    bench_main,
+    completion_request,
+    cpu_seconds,
+    environment,
+    log,
+    markdown_table,
+    resolve_model,
+    start_servers,
+    stopping,
+    system_busy_seconds,
+)
 
 # ---------------------------------------------------------------------- /proc
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid``, all threads, in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        stat = f.read()
-    fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces; skip it
-    # fields[0] is field 3 (state); utime and stime are fields 14 and 15
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def system_busy_seconds() -> float:
-    """CPU time all cores spent busy (not idle, not waiting for I/O), from ``/proc/stat``."""
-    with open("/proc/stat") as f:
-        values = [int(v) for v in f.readline().split()[1:9]]
-    return (sum(values) - values[3] - values[4]) / CLK_TCK
 
 
 def rss_kb(pid: int) -> int:
@@ -203,121 +200,6 @@ def wait_cpu_idle(pid: int, t_from: float, args: argparse.Namespace) -> IdleResu
 # ---------------------------------------------------------------------- servers
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def trioserve_command(model: Path, port: int, args: argparse.Namespace) -> list[str]:
-    exe = Path(sys.executable).with_name("trioserve")
-    launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "trioserve._cli"]
-    return [
-        *launcher,
-        "serve",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--threads",
-        str(args.threads),
-        "--ctx-size",
-        str(args.ctx_size),
-    ]
-
-
-def llama_server_command(model: Path, port: int, args: argparse.Namespace) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--n_ctx",
-        str(args.ctx_size),
-        "--n_threads",
-        str(args.threads),
-        "--n_threads_batch",
-        str(args.threads),
-        "--flash_attn",
-        "True",
-        "--logits_all",
-        "False",
-        "--verbose",
-        "False",
-    ]
-
-
-class ServerProcess:
-    """A server subprocess with its log file; :meth:`stop` always leaves it dead."""
-
-    def __init__(self, name: str, command: list[str], port: int, ready_path: str, log_dir: Path) -> None:
-        self.name = name
-        self.command = command
-        self.port = port
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.ready_url = self.base_url + ready_path
-        self.log_path = log_dir / f"{name}.log"
-        self.log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def wait_ready(self, client: httpx.Client, timeout_s: float) -> None:
-        """Poll ``ready_url`` until it answers 200 (the model is loaded)."""
-        give_up = time.monotonic() + timeout_s
-        while time.monotonic() < give_up:
-            self.check_alive()
-            try:
-                if client.get(self.ready_url, timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 20) -> str:
-        self.log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        self.log.close()
-
-
-def start_servers(model: Path, args: argparse.Namespace, log_dir: Path, servers: list[ServerProcess]) -> None:
-    """Launch the ``--servers`` (each appended at once, so the caller can stop them)."""
-    if TRIOSERVE in args.server_list:
-        port = free_port()
-        command = trioserve_command(model, port, args)
-        servers.append(ServerProcess(TRIOSERVE, command, port, "/health", log_dir))
-    if LLAMA_SERVER in args.server_list:
-        port = free_port()
-        command = llama_server_command(model, port, args)
-        servers.append(ServerProcess(LLAMA_SERVER, command, port, "/v1/models", log_dir))
-
-
 def trioserve_health(server: ServerProcess, client: httpx.Client) -> dict[str, Any]:
     response = client.get(server.base_url + "/health", timeout=5.0)
     health: dict[str, Any] = response.json()
@@ -369,13 +251,7 @@ def request_bytes(server: ServerProcess, args: argparse.Namespace) -> bytes:
     }
     if server.name == LLAMA_SERVER:
         body["repeat_penalty"] = 1.0  # its default is 1.1
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
-        f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-    )
-    return head.encode() + payload
+    return completion_request("127.0.0.1", server.port, body)
 
 
 @dataclass
@@ -556,15 +432,6 @@ def warm_up(server: ServerProcess, client: httpx.Client, args: argparse.Namespac
 # ---------------------------------------------------------------------- summary
 
 
-def markdown_table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) + " |" for row in rows
-    ]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
-
-
 def _s(value: float | None, spec: str = ".1f", none: str = "—") -> str:
     return none if value is None else f"{value:{spec}}"
 
@@ -672,9 +539,8 @@ def result_notes(cases: list[Case], args: argparse.Namespace) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--model", type=Path, help="GGUF file (default: trioserve's default, Gemma 3 270M)")
-    p.add_argument("--threads", type=int, default=2, help="threads for decode and prefill (default: 2)")
+    p = argument_parser(__doc__)
+    add_threads(p)
     p.add_argument("--ctx-size", type=int, default=4096, help="context size (default: 4096)")
     p.add_argument("--max-tokens", type=int, default=3000, help="tokens requested (default: 3000)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"prompt (default: {DEFAULT_PROMPT!r})")
@@ -709,7 +575,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--connect-timeout", type=float, default=10.0, help="seconds to connect and send (default: 10)"
     )
-    p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds a server may take to load")
+    add_ready_timeout(p)
     p.add_argument("--out", type=Path, help="write config, every case and its samples to this JSON file")
     p.add_argument("--markdown", action="store_true", help="also print per-second CPU %% as a markdown table")
     args = p.parse_args(argv)
@@ -721,26 +587,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def resolve_model(args: argparse.Namespace) -> Path:
-    if args.model is None:
-        from trioserve import default_model_path
-
-        return default_model_path(progress=False)
-    model: Path = args.model.resolve()
-    if not model.is_file():
-        raise SystemExit(f"model file not found: {model}")
-    return model
-
-
 def config(args: argparse.Namespace, model: Path) -> dict[str, Any]:
-    from importlib.metadata import version
-
-    import llama_cpp
-
     def sysctl(name: str) -> str | None:
         try:
             return Path("/proc/sys/" + name.replace(".", "/")).read_text().strip()
@@ -760,12 +607,7 @@ def config(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         "servers": args.server_list,
         "net.ipv4.tcp_rmem": sysctl("net.ipv4.tcp_rmem"),
         "net.ipv4.tcp_wmem": sysctl("net.ipv4.tcp_wmem"),
-        "llama_cpp_python": llama_cpp.__version__,
-        "trioserve": version("trioserve"),
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "cpu_count": os.cpu_count(),
-        "loadavg_start": os.getloadavg(),
+        **environment(kernel=True),
     }
 
 
@@ -789,44 +631,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory(prefix="bench-") as log_dir,
         httpx.Client(timeout=httpx.Timeout(10.0, read=120.0)) as client,
+        stopping(servers),
     ):
-        try:
-            start_servers(model, args, Path(log_dir), servers)
-            for server in servers:
-                server.wait_ready(client, args.ready_timeout)
-            log("servers ready: " + ", ".join(f"{s.name} {s.base_url}" for s in servers))
-            for server in servers:
-                warm_up(server, client, args)
-                idle = wait_idle(server, client, time.perf_counter(), args)
-                log(f"{server.name}: warmed up, idle after {_s(idle.cpu_idle_after_s, '.2f', '?')} s")
-                for rcvbuf in (None, args.rcvbuf):
-                    case = run_case(server, rcvbuf, client, args)
-                    cases.append(case)
-                    log(describe(case))
-        except BaseException:
-            for server in servers:
-                log(f"--- {server.name} log (tail) ---\n{server.log_tail()}")
-            raise
-        finally:
-            for server in servers:
-                server.stop()
+        start_servers(
+            servers,
+            model,
+            Path(log_dir),
+            threads=args.threads,
+            ctx_size=args.ctx_size,
+            names=[name for name in SERVERS if name in args.server_list],
+        )
+        for server in servers:
+            server.wait_ready(client, args.ready_timeout)
+        log("servers ready: " + ", ".join(f"{s.name} {s.base_url}" for s in servers))
+        for server in servers:
+            warm_up(server, client, args)
+            idle = wait_idle(server, client, time.perf_counter(), args)
+            log(f"{server.name}: warmed up, idle after {_s(idle.cpu_idle_after_s, '.2f', '?')} s")
+            for rcvbuf in (None, args.rcvbuf):
+                case = run_case(server, rcvbuf, client, args)
+                cases.append(case)
+                log(describe(case))
     cfg["loadavg_end"] = os.getloadavg()
     return {"config": cfg, "notes": result_notes(cases, args), "cases": [asdict(c) for c in cases]}
 
 
-def _sigterm(_signo: int, _frame: object) -> None:
-    raise SystemExit(143)  # unwind through the finally blocks: the servers get stopped
-
-
-def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _sigterm)
-    args = parse_args(argv)
-    started = time.perf_counter()
-    result = run(args)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        log(f"wrote {args.out}")
+def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     cfg = result["config"]
     cases = [Case(**{**c, "idle": IdleWait(**c["idle"]) if c["idle"] else None}) for c in result["cases"]]
     print(
@@ -840,10 +670,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print("\nserver CPU % of one core, per second of the read:\n")
         print(per_second_table(cases))
-    for note in result["notes"]:
-        print(f"\nnote: {note}")
-    log(f"done in {time.perf_counter() - started:.0f} s")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main(argv, parse_args, run, report)
 
 
 if __name__ == "__main__":

@@ -52,14 +52,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -67,22 +62,34 @@ from typing import Any
 
 import httpx
 
-RAW, TRIOSERVE, LLAMA_SERVER = "raw", "trioserve", "llama-server"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    DEFAULT_PROMPT,
+    LLAMA_SERVER,
+    TRIOSERVE,
+    Chunk,
+    ServerProcess,
+    TimedStream,
+    add_ready_timeout,
+    add_request_timeout,
+    add_threads,
+    argument_parser,
+    bench_main,
+    environment,
+    http_stream,
+    log,
+    markdown_table,
+    resolve_model,
+    start_servers,
+    stopping,
+)
+
+RAW = "raw"
 CONTESTANTS = (RAW, TRIOSERVE, LLAMA_SERVER)
 METRICS = ("ttft_ms", "decode_tps", "e2e_tps")
-DEFAULT_PROMPT = "Once upon a time"
 
 
 # ---------------------------------------------------------------------- measuring
-
-
-@dataclass
-class Chunk:
-    """One streamed event, whatever the contestant."""
-
-    text: str = ""
-    finish_reason: str | None = None
-    completion_tokens: int | None = None  # from a usage chunk
 
 
 @dataclass
@@ -102,30 +109,14 @@ class Sample:
 
 def measure(contestant: str, round_: int, max_tokens: int, start: Callable[[], Iterator[Chunk]]) -> Sample:
     """Time one streamed completion; ``start`` makes the call and yields its chunks."""
-    t_first = t_last = None
-    texts: list[str] = []
-    finish_reason = None
-    usage_tokens = None
-    t_call = time.perf_counter()
-    for chunk in start():
-        now = time.perf_counter()
-        if chunk.text:
-            if t_first is None:
-                t_first = now
-            t_last = now
-            texts.append(chunk.text)
-        finish_reason = chunk.finish_reason or finish_reason
-        if chunk.completion_tokens is not None:
-            usage_tokens = chunk.completion_tokens
-    t_end = time.perf_counter()
+    stream = TimedStream()
+    stream.read(start())
+    stream.end()
+    t_call, t_first, t_last, t_end = stream.t_call, stream.t_first, stream.t_last, stream.t_end
     if t_first is None or t_last is None:
         raise RuntimeError(f"{contestant}: the stream carried no text")
-    if usage_tokens is not None:
-        tokens, source = usage_tokens, "usage"
-    elif finish_reason == "length":
-        tokens, source = max_tokens, "finish_reason=length"
-    else:
-        tokens, source = len(texts), "text chunks"
+    tokens, source = stream.tokens(max_tokens)
+    texts = stream.texts
     decode_span = t_last - t_first
     return Sample(
         contestant=contestant,
@@ -137,7 +128,7 @@ def measure(contestant: str, round_: int, max_tokens: int, start: Callable[[], I
         tokens=tokens,
         token_source=source,
         text_chunks=len(texts),
-        finish_reason=finish_reason,
+        finish_reason=stream.finish_reason,
         text="".join(texts),
     )
 
@@ -150,129 +141,6 @@ def raw_stream(llm: Any, prompt: str, max_tokens: int) -> Iterator[Chunk]:
     for event in llm.create_completion(prompt, max_tokens=max_tokens, temperature=0, stream=True):
         choice = event["choices"][0]
         yield Chunk(text=choice.get("text") or "", finish_reason=choice.get("finish_reason"))
-
-
-def http_stream(client: httpx.Client, url: str, body: dict[str, Any], deadline_s: float) -> Iterator[Chunk]:
-    """Stream one ``/v1/completions`` request; parse SSE ``data:`` lines."""
-    give_up = time.monotonic() + deadline_s
-    with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            response.read()
-            raise RuntimeError(f"POST {url}: HTTP {response.status_code}: {response.text[:500]}")
-        for line in response.iter_lines():
-            if time.monotonic() > give_up:
-                raise TimeoutError(f"POST {url}: no end of stream after {deadline_s:.0f} s")
-            if not line.startswith("data:"):
-                continue  # blank separators, ": ping" comments
-            data = line[5:].strip()
-            if data == "[DONE]":
-                return
-            event = json.loads(data)
-            usage = event.get("usage") or {}
-            for choice in event.get("choices") or [{}]:
-                yield Chunk(
-                    text=choice.get("text") or "",
-                    finish_reason=choice.get("finish_reason"),
-                    completion_tokens=usage.get("completion_tokens"),
-                )
-
-
-# ---------------------------------------------------------------------- servers
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def trioserve_command(model: Path, port: int, args: argparse.Namespace) -> list[str]:
-    exe = Path(sys.executable).with_name("trioserve")
-    launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "trioserve._cli"]
-    return [
-        *launcher,
-        "serve",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--threads",
-        str(args.threads),
-        "--ctx-size",
-        str(args.ctx_size),
-    ]
-
-
-def llama_server_command(model: Path, port: int, args: argparse.Namespace) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--n_ctx",
-        str(args.ctx_size),
-        "--n_threads",
-        str(args.threads),
-        "--n_threads_batch",
-        str(args.threads),
-        "--flash_attn",
-        str(args.flash_attn == "on"),
-        "--logits_all",
-        "False",
-        "--verbose",
-        "False",
-    ]
-
-
-class ServerProcess:
-    """A server subprocess with its log file; :meth:`stop` always leaves it dead."""
-
-    def __init__(self, name: str, command: list[str], base_url: str, ready_path: str, log_dir: Path) -> None:
-        self.name = name
-        self.command = command
-        self.base_url = base_url
-        self.ready_url = base_url + ready_path
-        self.log_path = log_dir / f"{name}.log"
-        self.log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT
-        )
-
-    def wait_ready(self, client: httpx.Client, timeout_s: float) -> None:
-        """Poll ``ready_url`` until it answers 200 (the model is loaded)."""
-        give_up = time.monotonic() + timeout_s
-        while time.monotonic() < give_up:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if client.get(self.ready_url, timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 20) -> str:
-        self.log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        self.log.close()
 
 
 # ---------------------------------------------------------------------- summary
@@ -329,15 +197,6 @@ def _spread(stat: dict[str, float], fmt: str) -> str:
     return f"{stat['median']:{fmt}} ({stat['min']:{fmt}}–{stat['max']:{fmt}})"
 
 
-def markdown_table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) + " |" for row in rows
-    ]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
-
-
 def summary_table(summary: dict[str, Any]) -> str:
     rows = [
         [
@@ -389,9 +248,8 @@ def samples_table(samples: list[Sample]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--model", type=Path, help="GGUF file (default: trioserve's default, Gemma 3 270M)")
-    p.add_argument("--threads", type=int, default=2, help="threads for decode and prefill (default: 2)")
+    p = argument_parser(__doc__)
+    add_threads(p)
     p.add_argument("--ctx-size", type=int, default=2048, help="context size (default: 2048)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per completion (default: 256)")
     p.add_argument("--reps", type=int, default=5, help="measured rounds after the warm-up (default: 5)")
@@ -404,25 +262,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="on",
         help="flash attention for raw and llama-server (default: on, as trioserve's llama.cpp default)",
     )
-    p.add_argument(
-        "--request-timeout", type=float, default=300.0, help="seconds one completion may take (default: 300)"
-    )
-    p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds a server may take to load")
+    add_request_timeout(p)
+    add_ready_timeout(p)
     args = p.parse_args(argv)
     if args.max_tokens < 2 or args.reps < 1 or args.threads < 1:
         p.error("need --max-tokens >= 2, --reps >= 1, --threads >= 1")
     return args
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def config(args: argparse.Namespace, model: Path) -> dict[str, Any]:
-    from importlib.metadata import version
-
-    import llama_cpp
-
     return {
         "model": str(model),
         "prompt": args.prompt,
@@ -431,11 +279,7 @@ def config(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "reps": args.reps,
         "flash_attn_raw_and_llama_server": args.flash_attn,
-        "llama_cpp_python": llama_cpp.__version__,
-        "trioserve": version("trioserve"),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "loadavg_start": os.getloadavg(),
+        **environment(),
     }
 
 
@@ -447,27 +291,6 @@ def check_warmup(warm: dict[str, Sample], max_tokens: int) -> None:
             f"not every contestant ran to --max-tokens {max_tokens} ({'; '.join(short)}): "
             "choose another --prompt (or fewer --max-tokens) so none of them hits EOS"
         )
-
-
-def resolve_model(args: argparse.Namespace) -> Path:
-    if args.model is None:
-        from trioserve import default_model_path
-
-        return default_model_path(progress=False)
-    model: Path = args.model.resolve()
-    if not model.is_file():
-        raise SystemExit(f"model file not found: {model}")
-    return model
-
-
-def start_servers(model: Path, args: argparse.Namespace, log_dir: Path, servers: list[ServerProcess]) -> None:
-    """Launch both servers (appended to ``servers`` at once, so the caller can stop them)."""
-    port = free_port()
-    command = trioserve_command(model, port, args)
-    servers.append(ServerProcess(TRIOSERVE, command, f"http://127.0.0.1:{port}", "/health", log_dir))
-    port = free_port()
-    command = llama_server_command(model, port, args)
-    servers.append(ServerProcess(LLAMA_SERVER, command, f"http://127.0.0.1:{port}", "/v1/models", log_dir))
 
 
 def load_raw(model: Path, args: argparse.Namespace) -> Any:
@@ -533,22 +356,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log(f"config: {json.dumps(cfg)}")
     timeout = httpx.Timeout(10.0, read=60.0)  # read: the longest gap allowed between two chunks
     servers: list[ServerProcess] = []
-    with tempfile.TemporaryDirectory(prefix="bench-") as log_dir, httpx.Client(timeout=timeout) as client:
-        try:
-            start_servers(model, args, Path(log_dir), servers)
-            llm = load_raw(model, args)  # while the servers load
-            for server in servers:
-                server.wait_ready(client, args.ready_timeout)
-            log("servers ready: " + ", ".join(f"{s.name} {s.base_url}" for s in servers))
-            starts = stream_starters(llm, {s.name: s for s in servers}, client, args)
-            samples = run_rounds(starts, args)
-        except BaseException:
-            for server in servers:
-                log(f"--- {server.name} log (tail) ---\n{server.log_tail()}")
-            raise
-        finally:
-            for server in servers:
-                server.stop()
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-") as log_dir,
+        httpx.Client(timeout=timeout) as client,
+        stopping(servers),
+    ):
+        start_servers(
+            servers,
+            model,
+            Path(log_dir),
+            threads=args.threads,
+            ctx_size=args.ctx_size,
+            flash_attn=args.flash_attn == "on",
+        )
+        llm = load_raw(model, args)  # while the servers load
+        for server in servers:
+            server.wait_ready(client, args.ready_timeout)
+        log("servers ready: " + ", ".join(f"{s.name} {s.base_url}" for s in servers))
+        starts = stream_starters(llm, {s.name: s for s in servers}, client, args)
+        samples = run_rounds(starts, args)
     cfg["loadavg_end"] = os.getloadavg()
     return {
         "config": cfg,
@@ -558,19 +384,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _sigterm(_signo: int, _frame: object) -> None:
-    raise SystemExit(143)  # unwind through the finally blocks: the servers get stopped
-
-
-def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _sigterm)
-    args = parse_args(argv)
-    started = time.perf_counter()
-    result = run(args)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        log(f"wrote {args.out}")
+def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     cfg = result["config"]
     if args.markdown:
         print(samples_table([Sample(**s) for s in result["samples"]]) + "\n")
@@ -582,10 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         f"→{cfg['loadavg_end'][0]:.2f}; median (min–max)\n"
     )
     print(summary_table(result["summary"]))
-    for note in result["notes"]:
-        print(f"\nnote: {note}")
-    log(f"done in {time.perf_counter() - started:.0f} s")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main(argv, parse_args, run, report)
 
 
 if __name__ == "__main__":
