@@ -1,0 +1,104 @@
+"""A soak in CI: mixed traffic against ``trioserve serve`` — normal completions, clients
+that leave at random points, deadlines, bad input, overload bursts, slow readers — then
+proof that nothing leaked and that every request ended with a recorded cause.
+
+The same code as ``benchmarks/soak.py`` (loaded from its file), with fewer requests: the
+benchmark runs thousands and also waits for the sockets described in
+``_assert_soak_was_clean`` to close.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+
+def _load_soak() -> ModuleType:
+    name = "trioserve_benchmarks_soak"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+soak = _load_soak()
+
+
+def _plan_covers_every_kind(config: Any) -> None:
+    """The seed is chosen so that the plan has every kind of request (the plan is
+    deterministic; only the timing is not)."""
+    kinds = {job.kind for job in soak.make_plan(soak.resolved(config))}
+    assert kinds == set(soak.KINDS), kinds
+
+
+def _assert_soak_was_clean(result: Any) -> None:
+    assert not result.problems, "\n".join(result.problems)
+    sent = [r for r in result.records if r.kind != "warmup"]
+    assert len(sent) == result.config["requests"]
+    # every request: exactly one log line, with a cause, consistent with what the
+    # client saw and with its kind (run_soak checks the details; these are the sums)
+    assert all(r.lines == 1 for r in result.records)
+    assert not [r for r in result.records if r.cause in (None, "None", "unknown")]
+    assert not [r for r in result.records if r.cause not in r.expected]
+    log_causes = Counter(r.cause for r in result.records)
+    assert result.stream_ends == {cause: float(n) for cause, n in log_causes.items()}
+    assert not result.error_lines
+    assert not result.unknown_lines
+    # nothing leaked: threads (Trio's idle cache drained), tasks, slots
+    leaks = result.leaks
+    assert leaks["threads"] == 0, (result.baseline.thread_names, result.after.thread_names)
+    assert leaks["busy_threads"] == 0
+    for gauge in soak.HEALTH_GAUGES:
+        assert result.health[gauge] == 0, result.health
+    # File descriptors: none left, except — a known gap — sockets whose client has
+    # closed or reset them while idle after an early response (400, 429, 504): hypercorn
+    # closes those only at its keep-alive timeout (75 s). The benchmark (--linger) waits
+    # for them and fails if any is still open after that.
+    assert leaks["fds"] == 0, result.after.extra_fds(result.baseline)
+    assert leaks["peer_closed"] == result.linger.peer_closed
+    assert result.rss_growth_mib < result.config["max_rss_growth_mib"]
+    assert result.exit_code == 0
+
+
+async def test_scripted_soak_leaves_nothing_behind() -> None:
+    config = soak.SoakConfig(
+        scripted=True, requests=400, concurrency=8, seed=3, max_slow=3, linger=0, verbose=False
+    )
+    _plan_covers_every_kind(config)
+    result = await soak.run_soak(config)
+    _assert_soak_was_clean(result)
+    causes = Counter(r.cause for r in result.records)
+    # each kind of trouble happened, and ended the way it should
+    for cause in ("length", "disconnect", "deadline", "error", "overloaded", "stall"):
+        assert causes[cause] > 0, causes
+    assert any(r.kind == "overload" and r.status == 429 for r in result.records)
+    slow = [r for r in result.records if r.kind == "slow"]
+    assert all(r.cause in ("stall", "overloaded") for r in slow), [(r.cause, r.note) for r in slow]
+    assert result.traffic_seconds < 120
+
+
+@pytest.mark.model
+async def test_model_soak_leaves_nothing_behind() -> None:
+    config = soak.SoakConfig(
+        scripted=False, requests=40, concurrency=3, seed=2, max_slow=1, linger=0, verbose=False
+    )
+    _plan_covers_every_kind(config)
+    result = await soak.run_soak(config)
+    _assert_soak_was_clean(result)
+    causes = Counter(r.cause for r in result.records)
+    assert causes["stop"] + causes["length"] > 0, causes
+    for cause in ("disconnect", "error", "overloaded"):
+        assert causes[cause] > 0, causes
+    assert result.traffic_seconds < 180
