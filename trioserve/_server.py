@@ -136,7 +136,9 @@ class Server:
         config.errorlog = logging.getLogger("trioserve.hypercorn")
         # hypercorn's own cancel must come after ours (grace + time for final events)
         config.graceful_timeout = self.settings.shutdown_grace + 2.0
-        config.keep_alive_timeout = 75.0
+        # hypercorn holds a closed-by-peer socket until its keep-alive timer ends;
+        # keep it short (its default; httpx's pool expires idle connections at 5 s too)
+        config.keep_alive_timeout = 5.0
         # hypercorn bounds what it buffers of a head; the app checks complete heads
         config.h11_max_incomplete_size = self.settings.http.max_header_bytes
         config.h2_max_header_list_size = self.settings.http.max_header_bytes

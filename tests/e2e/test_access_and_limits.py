@@ -140,3 +140,32 @@ async def test_server_limits_on_prompt_tokens_max_tokens_and_headers(nursery: tr
         huge = await client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Padding": "p" * 8000})
         assert huge.status_code == 431
         assert huge.json()["error"]["code"] == "headers_too_large"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_http_1_0_and_connection_close_get_their_connection_closed(
+    nursery: trio.Nursery, stream: bool
+) -> None:
+    """Regression: the disconnect watcher used to cancel hypercorn's own end-of-response
+    work (hypercorn reports the end as a disconnect from inside the last send), so an
+    HTTP/1.0 client — which needs the close to know the stream ended — hung."""
+    server = await start_server(nursery, ScriptedBackend([b"a", b"b"]), close_backend=True)
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    body = b'{"prompt": "x", "max_tokens": 2, "stream": %s}' % (b"true" if stream else b"false")
+    for head in (
+        b"POST /v1/completions HTTP/1.0\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nConnection: close\r\n",
+    ):
+        connection = await trio.open_tcp_stream(host, int(port))
+        await connection.send_all(
+            head
+            + b"Host: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+            + body
+        )
+        received = b""
+        with trio.fail_after(5):  # the server closes: EOF
+            while chunk := await connection.receive_some(65536):
+                received += chunk
+        await connection.aclose()
+        assert b" 200 " in received.split(b"\r\n", 1)[0]
+        assert (b"data: [DONE]" in received) if stream else (b'"finish_reason":"stop"' in received)

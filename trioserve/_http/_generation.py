@@ -85,7 +85,11 @@ FINAL_EVENT_TIMEOUT = 1.0
 
 
 async def _watch_disconnect(
-    receive: Receive, control: RequestControl, exchange: _Exchange, stall_timeout: float | None
+    receive: Receive,
+    control: RequestControl,
+    exchange: _Exchange,
+    stall_timeout: float | None,
+    watch_scope: trio.CancelScope,
 ) -> None:
     """Wait for the client to go away, then cancel the request. No polling: after the
     body, the next ASGI message is ``http.disconnect``.
@@ -93,6 +97,13 @@ async def _watch_disconnect(
     A disconnect that comes while a send has been stuck for the stall timeout is the
     kernel cutting off a client that stopped reading (``TCP_USER_TIMEOUT``): cause
     ``stall``."""
+    with watch_scope:
+        await _wait_and_cancel(receive, control, exchange, stall_timeout)
+
+
+async def _wait_and_cancel(
+    receive: Receive, control: RequestControl, exchange: _Exchange, stall_timeout: float | None
+) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
@@ -232,7 +243,11 @@ class GenerationHandler:
                 _check_limits(prepared, state.settings)
                 with _unwrapping_errors():
                     async with trio.open_nursery() as nursery:
-                        nursery.start_soon(_watch_disconnect, receive, control, exchange, state.stall_timeout)
+                        watch_scope = trio.CancelScope()
+                        outcome["watch_scope"] = watch_scope
+                        nursery.start_soon(
+                            _watch_disconnect, receive, control, exchange, state.stall_timeout, watch_scope
+                        )
                         if stream:
                             # Refuse (429) while a status code can still say so; then start
                             # the stream, so heartbeats can flow while queued and in prefill.
@@ -328,6 +343,11 @@ class GenerationHandler:
                 # Finished before the last send: hypercorn reports the end of the
                 # response as a disconnect, and that must not rewrite why it ended.
                 outcome["finished"] = True
+                # Stop watching before the last send: hypercorn delivers http.disconnect
+                # from inside it, and cancelling the request then would cancel hypercorn's
+                # own end-of-response work (closing HTTP/1.0 and Connection: close
+                # connections, starting the keep-alive timer).
+                outcome["watch_scope"].cancel()
                 await body(encoder.final(event.reason, event.usage, event.message), more=False)
 
     async def _collect(
@@ -351,6 +371,7 @@ class GenerationHandler:
                         raise failure  # its own status: a 400 from an upstream stays a 400
                     raise _BackendFailed(event.message or "inference failed")
                 outcome["finished"] = True  # (see _stream)
+                outcome["watch_scope"].cancel()
                 await exchange.json(
                     200,
                     non_stream_response(
