@@ -106,3 +106,35 @@ async def test_deadline_that_cannot_be_met_is_refused_early(autojump_clock: trio
                 pass  # pragma: no cover
         assert info.value.code == "deadline_unreachable"
         release.set()
+
+
+async def test_a_reservation_holds_its_place_until_the_queue_takes_it() -> None:
+    admission = Admission(slots=1, max_queue=1)
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+
+        async def holder() -> None:
+            async with admission.slot():
+                await release.wait()
+
+        nursery.start_soon(holder)
+        await trio.testing.wait_all_tasks_blocked()
+        reservation = admission.reserve()  # the one queue place
+        with pytest.raises(OverloadedError):
+            admission.check()  # nobody else can take it meanwhile
+        entered = trio.Event()
+
+        async def reserved_request() -> None:
+            async with admission.slot(reservation):
+                entered.set()
+
+        nursery.start_soon(reserved_request)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (admission.queued, admission.reserved) == (1, 0)
+        release.set()
+        await entered.wait()
+    assert (admission.in_use, admission.queued, admission.reserved) == (0, 0, 0)
+    unused = admission.reserve()
+    unused.release()
+    unused.release()  # idempotent
+    assert admission.reserved == 0

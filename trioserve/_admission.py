@@ -16,7 +16,23 @@ import trio
 
 from ._exceptions import OverloadedError
 
-__all__ = ["Admission", "SlotLease"]
+__all__ = ["Admission", "Reservation", "SlotLease"]
+
+
+class Reservation:
+    """A place held between :meth:`Admission.reserve` and :meth:`Admission.slot`.
+    :meth:`release` is idempotent."""
+
+    __slots__ = ("_admission", "released")
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._admission.reserved -= 1
 
 
 class SlotLease:
@@ -58,6 +74,8 @@ class Admission:
         # trio's Semaphore wakes waiters in FIFO order (its ParkingLot is a FIFO).
         self._semaphore = trio.Semaphore(slots)
         self.queued = 0
+        #: places held by requests between the check and the queue (see reserve())
+        self.reserved = 0
 
     @property
     def in_use(self) -> int:
@@ -69,18 +87,19 @@ class Admission:
         return max(1.0, math.ceil(backlog * self.expected_service_time))
 
     def check(self) -> None:
-        """Raise :class:`OverloadedError` if a request arriving now would be refused.
-
-        ``slot()`` runs the same check; calling it first lets a caller refuse before it
-        commits to a response (the HTTP layer sends stream headers only after it)."""
-        if self._semaphore.value > 0:
-            return
-        if self.queued >= self.max_queue:
+        """Raise :class:`OverloadedError` if a request arriving now would be refused:
+        ``slots`` running plus ``max_queue`` waiting (and reserved) are taken, or the
+        caller's deadline would pass while it waits."""
+        taken = self.in_use + self.queued + self.reserved
+        if taken >= self.slots + self.max_queue:
             raise OverloadedError(
-                f"server is at capacity ({self.slots} running, {self.queued} queued); retry later",
+                f"server is at capacity ({self.in_use} running, {self.queued + self.reserved} queued); "
+                "retry later",
                 retry_after=self.retry_after(),
             )
-        ahead = self.queued + 1
+        ahead = taken - self.slots + 1
+        if ahead <= 0:
+            return
         expected_wait = ahead * self.expected_service_time / self.slots
         if trio.current_time() + expected_wait > trio.current_effective_deadline():
             raise OverloadedError(
@@ -90,19 +109,33 @@ class Admission:
                 code="deadline_unreachable",
             )
 
+    def reserve(self) -> Reservation:
+        """Check, and hold a place until :meth:`slot` takes it (or it is released).
+
+        For callers that must commit to something between the check and the wait — the
+        HTTP layer sends a stream's headers there — so that no other request can take
+        the place meanwhile."""
+        self.check()
+        self.reserved += 1
+        return Reservation(self)
+
     @asynccontextmanager
-    async def slot(self) -> AsyncIterator[SlotLease]:
+    async def slot(self, reservation: Reservation | None = None) -> AsyncIterator[SlotLease]:
         """Hold one slot for the body of the ``async with`` (or until the lease is
         released, if that comes first).
 
         Raises:
             OverloadedError: the queue is full, or the caller's deadline (the effective
-                deadline of its cancel scopes) will pass before a slot frees up.
+                deadline of its cancel scopes) will pass before a slot frees up — unless
+                ``reservation`` already holds a place.
 
         Cancellation: if cancelled while queued, the request leaves the queue at once
         and no slot is taken. The slot is released when the block exits, however it exits.
         """
-        self.check()
+        if reservation is None:
+            self.check()
+        else:
+            reservation.release()  # becomes a queue place, with no checkpoint in between
         self.queued += 1
         try:
             await self._semaphore.acquire()

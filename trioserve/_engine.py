@@ -31,7 +31,7 @@ from typing import Literal, Self
 
 import trio
 
-from ._admission import Admission, SlotLease
+from ._admission import Admission, Reservation, SlotLease
 from ._backends._base import Backend, GenerationProgress, PreparedPrompt
 from ._exceptions import BackendError, TrioserveError
 from ._text import TextAssembler
@@ -208,8 +208,14 @@ class Engine:
         return await self.backend.prepare(request)
 
     @asynccontextmanager
-    async def stream(self, request: GenerationRequest | PreparedPrompt) -> AsyncIterator[EventStream]:
+    async def stream(
+        self, request: GenerationRequest | PreparedPrompt, *, reservation: Reservation | None = None
+    ) -> AsyncIterator[EventStream]:
         """Run one generation; the body consumes its events.
+
+        Args:
+            request: what to generate.
+            reservation: a place taken earlier with ``engine.admission.reserve()``.
 
         Raises:
             InvalidRequestError: (and subclasses) the request cannot be served.
@@ -222,7 +228,7 @@ class Engine:
         """
         timings = StreamTimings(created=time.perf_counter())
         prepared = request if isinstance(request, PreparedPrompt) else await self.prepare(request)
-        async with self.admission.slot() as lease:
+        async with self.admission.slot(reservation) as lease:
             timings.admitted = time.perf_counter()
             send, receive = trio.open_memory_channel[bytes](0)
             progress = GenerationProgress(len(prepared.tokens))

@@ -248,17 +248,20 @@ class GenerationHandler:
                         nursery.start_soon(
                             _watch_disconnect, receive, control, exchange, state.stall_timeout, watch_scope
                         )
+                        reservation = None
                         if stream:
-                            # Refuse (429) while a status code can still say so; then start
-                            # the stream, so heartbeats can flow while queued and in prefill.
-                            engine.admission.check()
+                            # Refuse (429) while a status code can still say so, and hold the
+                            # place; then start the stream, so heartbeats can flow while queued
+                            # and in prefill.
+                            reservation = engine.admission.reserve()
+                            outcome["reservation"] = reservation
                             await exchange.start(200, SSE_HEADERS)
                             if encoder.kind == "chat":
                                 await exchange.body(encoder.role())
                             interval = state.settings.heartbeat_interval
                             if interval:
                                 nursery.start_soon(_heartbeat, exchange, interval)
-                        async with engine.stream(prepared) as events:
+                        async with engine.stream(prepared, reservation=reservation) as events:
                             outcome["events"] = events
                             control.progress = events.progress
                             if stream:
@@ -268,6 +271,8 @@ class GenerationHandler:
                         nursery.cancel_scope.cancel()  # the watcher: this request is done
             finally:
                 state.remove_request(control)
+                if (reservation := outcome.get("reservation")) is not None:
+                    reservation.release()  # never reached the queue (idempotent)
 
         if outcome.get("finished"):
             return  # the last byte went out before any cancel could matter
