@@ -169,3 +169,21 @@ async def test_http_1_0_and_connection_close_get_their_connection_closed(
         await connection.aclose()
         assert b" 200 " in received.split(b"\r\n", 1)[0]
         assert (b"data: [DONE]" in received) if stream else (b'"finish_reason":"stop"' in received)
+
+
+async def test_a_431_on_a_generation_endpoint_is_logged_with_its_id(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="trioserve.requests")
+    server = await start_server(
+        nursery, ScriptedBackend([b"ok"]), close_backend=True, http=HTTPSettings(max_header_bytes=4096)
+    )
+    async with server.client() as client:
+        response = await client.post(
+            "/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "big-head", "X-Pad": "p" * 8000}
+        )
+    assert response.status_code == 431
+    assert response.headers["x-request-id"] == "big-head"
+    lines = [r.getMessage() for r in caplog.records if "big-head" in r.getMessage()]
+    assert len(lines) == 1
+    assert "status=431 cause=error" in lines[0]

@@ -115,6 +115,10 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
+def headers_too_large(scope: Scope, limit: int) -> bool:
+    return sum(len(name) + len(value) for name, value in scope["headers"]) > limit
+
+
 def _check_content_type(scope: Scope) -> None:
     content_type = _header(scope, b"content-type")
     if content_type is None:

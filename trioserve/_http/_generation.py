@@ -33,6 +33,7 @@ from .._engine import Engine
 from .._exceptions import (
     ContextLengthError,
     DeadlineExceededError,
+    HeadersTooLargeError,
     InvalidRequestError,
     MethodNotAllowedError,
     NotFoundError,
@@ -61,6 +62,7 @@ from ._exchange import (
     _header,
     _read_body,
     _request_timeout,
+    headers_too_large,
 )
 from ._state import HTTPSettings, RequestControl, ServerState
 
@@ -186,6 +188,9 @@ class GenerationHandler:
         started = time.perf_counter()
         outcome: dict[str, Any] = {"cause": None}
         try:
+            limit = self.state.settings.max_header_bytes
+            if headers_too_large(scope, limit):
+                raise HeadersTooLargeError(f"the request headers exceed the limit of {limit} bytes")
             if scope["method"] != "POST":
                 raise MethodNotAllowedError(f"{scope['path']} accepts POST only, not {scope['method']}")
             await self._serve(scope, receive, exchange, kind, outcome)

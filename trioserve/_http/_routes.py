@@ -24,7 +24,7 @@ from .._exceptions import (
     TrioserveError,
 )
 from .._openai import encode_json
-from ._exchange import Receive, Scope, Send, _Exchange
+from ._exchange import Receive, Scope, Send, _Exchange, headers_too_large
 from ._generation import GENERATION_PATHS, GenerationHandler
 from ._state import ServerState
 
@@ -43,13 +43,13 @@ def create_app(
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            if sum(len(name) + len(value) for name, value in scope["headers"]) > header_limit:
-                error = HeadersTooLargeError(f"the request headers exceed the limit of {header_limit} bytes")
-                await _Exchange(send, uuid.uuid4().hex).error(error)
-                return
             kind = GENERATION_PATHS.get(scope["path"].rstrip("/") or "/")
             if kind is not None:
-                await generation(scope, receive, send, kind)
+                await generation(scope, receive, send, kind)  # checks headers, logs, counts
+                return
+            if headers_too_large(scope, header_limit):
+                error = HeadersTooLargeError(f"the request headers exceed the limit of {header_limit} bytes")
+                await _Exchange(send, uuid.uuid4().hex).error(error)
                 return
         await quart(scope, receive, send)
 
