@@ -11,7 +11,7 @@ import trio
 
 from trioserve import HTTPSettings, ScriptedBackend
 
-from .._helpers import RunningServer, start_server
+from .._helpers import RunningServer, start_server, wait_for
 
 KEYS = ("sk-first-5b0f3c9e", "sk-second-77d1aa02")
 #: valid for both endpoints (each ignores the other's field)
@@ -184,6 +184,8 @@ async def test_a_431_on_a_generation_endpoint_is_logged_with_its_id(
         )
     assert response.status_code == 431
     assert response.headers["x-request-id"] == "big-head"
+    # the line is written once the handler returns, just after the client has its answer
+    await wait_for(lambda: any("big-head" in r.getMessage() for r in caplog.records), limit=2)
     lines = [r.getMessage() for r in caplog.records if "big-head" in r.getMessage()]
     assert len(lines) == 1
     assert "status=431 cause=error" in lines[0]
