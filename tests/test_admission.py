@@ -10,6 +10,12 @@ from trioserve import OverloadedError
 from trioserve._admission import Admission
 
 
+async def hold_slot(admission: Admission, release: trio.Event) -> None:
+    """Occupy one slot until ``release`` is set."""
+    async with admission.slot():
+        await release.wait()
+
+
 async def test_queue_full_is_refused_with_retry_after() -> None:
     admission = Admission(slots=1, max_queue=1)
     async with trio.open_nursery() as nursery:
@@ -67,12 +73,7 @@ async def test_cancel_while_queued_frees_the_place_at_once() -> None:
     admission = Admission(slots=1, max_queue=1)
     release = trio.Event()
     async with trio.open_nursery() as nursery:
-
-        async def holder() -> None:
-            async with admission.slot():
-                await release.wait()
-
-        nursery.start_soon(holder)
+        nursery.start_soon(hold_slot, admission, release)
         await trio.testing.wait_all_tasks_blocked()
         with trio.CancelScope() as queued_scope:
 
@@ -94,12 +95,7 @@ async def test_deadline_that_cannot_be_met_is_refused_early(autojump_clock: trio
     admission = Admission(slots=1, max_queue=5, expected_service_time=10.0)
     release = trio.Event()
     async with trio.open_nursery() as nursery:
-
-        async def holder() -> None:
-            async with admission.slot():
-                await release.wait()
-
-        nursery.start_soon(holder)
+        nursery.start_soon(hold_slot, admission, release)
         await trio.testing.wait_all_tasks_blocked()
         with trio.move_on_after(1.0), pytest.raises(OverloadedError) as info:
             async with admission.slot():
@@ -112,12 +108,7 @@ async def test_a_reservation_holds_its_place_until_the_queue_takes_it() -> None:
     admission = Admission(slots=1, max_queue=1)
     release = trio.Event()
     async with trio.open_nursery() as nursery:
-
-        async def holder() -> None:
-            async with admission.slot():
-                await release.wait()
-
-        nursery.start_soon(holder)
+        nursery.start_soon(hold_slot, admission, release)
         await trio.testing.wait_all_tasks_blocked()
         reservation = admission.reserve()  # the one queue place
         with pytest.raises(OverloadedError):

@@ -44,6 +44,19 @@ async def collect(engine: Engine, request: GenerationRequest) -> tuple[list[str]
     return texts, final
 
 
+async def occupy(engine: Engine, nursery: trio.Nursery) -> None:
+    """Start a long generation in ``nursery`` and return once it streams (its slot is held)."""
+    running = trio.Event()
+
+    async def hold() -> None:
+        async with engine.stream(GenerationRequest(prompt="p", max_tokens=4000)) as events:
+            async for _ in events:
+                running.set()
+
+    nursery.start_soon(hold)
+    await running.wait()
+
+
 def scripted(script: Sequence[bytes] | None = None, **kwargs: object) -> Engine:
     return Engine(ScriptedBackend(script, **kwargs))  # type: ignore[arg-type]
 
@@ -149,15 +162,7 @@ async def test_slow_consumer_pauses_the_producer() -> None:
 async def test_caller_cancel_while_queued_frees_the_place() -> None:
     engine = Engine(ScriptedBackend(token_interval=0.001), max_queue=4)
     async with trio.open_nursery() as nursery:
-        holder_running = trio.Event()
-
-        async def holder() -> None:
-            async with engine.stream(GenerationRequest(prompt="p", max_tokens=4000)) as events:
-                async for _ in events:
-                    holder_running.set()
-
-        nursery.start_soon(holder)
-        await holder_running.wait()
+        await occupy(engine, nursery)
         # a cancel with no deadline (like a client disconnect) while queued
         with trio.CancelScope() as scope:
 
@@ -178,15 +183,7 @@ async def test_caller_cancel_while_queued_frees_the_place() -> None:
 async def test_queue_full_raises_overloaded() -> None:
     engine = Engine(ScriptedBackend(token_interval=0.001), max_queue=0)
     async with trio.open_nursery() as nursery:
-        running = trio.Event()
-
-        async def holder() -> None:
-            async with engine.stream(GenerationRequest(prompt="p", max_tokens=4000)) as events:
-                async for _ in events:
-                    running.set()
-
-        nursery.start_soon(holder)
-        await running.wait()
+        await occupy(engine, nursery)
         with pytest.raises(OverloadedError):
             async with engine.stream(GenerationRequest(prompt="q", max_tokens=5)):
                 pass  # pragma: no cover
