@@ -11,6 +11,8 @@ private.
 
 from ._backends import (
     Backend,
+    BatchedLlamaBackend,
+    BatchedLlamaSettings,
     GenerationProgress,
     LlamaBackend,
     LlamaSettings,
@@ -46,6 +48,8 @@ __all__ = [
     "AuthenticationError",
     "Backend",
     "BackendError",
+    "BatchedLlamaBackend",
+    "BatchedLlamaSettings",
     "ContextLengthError",
     "DeadlineExceededError",
     "EndCause",

@@ -1,6 +1,7 @@
 """Backends: what makes tokens. The engine sees only :class:`Backend`."""
 
 from ._base import Backend, GenerationProgress, ModelInfo, PreparedPrompt
+from ._batched import BatchedLlamaBackend, BatchedLlamaSettings
 from ._llama import LlamaBackend, LlamaSettings
 from ._scripted import ScriptedBackend
 from ._threaded import ThreadedBackend
@@ -8,6 +9,8 @@ from ._upstream import UpstreamBackend, UpstreamState
 
 __all__ = [
     "Backend",
+    "BatchedLlamaBackend",
+    "BatchedLlamaSettings",
     "GenerationProgress",
     "LlamaBackend",
     "LlamaSettings",

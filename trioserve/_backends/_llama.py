@@ -41,16 +41,16 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import trio
 
 from .._exceptions import BackendError, InvalidRequestError
 from .._types import GenerationRequest, SamplingParams
-from ._base import GenerationProgress, ModelInfo, PreparedPrompt, fit_to_context
+from ._base import Backend, GenerationProgress, ModelInfo, PreparedPrompt, fit_to_context
 from ._threaded import Emit, ThreadedBackend
 
-__all__ = ["LlamaBackend", "LlamaSettings"]
+__all__ = ["LlamaBackend", "LlamaModel", "LlamaSettings"]
 
 logger = logging.getLogger("trioserve.llama")
 
@@ -134,6 +134,8 @@ class LlamaSettings:
         n_batch: prompt tokens per ``llama_decode`` call during prefill.
         slots: contexts, i.e. generations that can run at once.
         model_id: the name clients use; default: the file name without ``.gguf``.
+        repack: let llama.cpp repack weights for this CPU's SIMD kernels
+            (``use_extra_bufts``); the batched backend turns it off in batch-invariant mode.
     """
 
     def __init__(
@@ -145,22 +147,28 @@ class LlamaSettings:
         n_batch: int = 512,
         slots: int = 1,
         model_id: str | None = None,
+        repack: bool = True,
     ) -> None:
         self.model_path = Path(model_path)
+        self.repack = repack
         self.n_ctx = n_ctx
         # Default: share the cores between the slots. llama.cpp's threads spin while they
         # wait for each other, so more threads than cores makes every decode slower
         # (measured: 4 slots x 2 threads on 2 cores gave 68 tok/s in total, 4 x 1 gave 89).
-        self.n_threads = n_threads or max(1, (os.cpu_count() or 1) // slots)
+        self.n_threads = n_threads or self._default_threads(slots)
         self.n_batch = n_batch
         self.slots = slots
         self.model_id = model_id or self.model_path.name.removesuffix(".gguf")
+
+    @staticmethod
+    def _default_threads(slots: int) -> int:
+        return max(1, (os.cpu_count() or 1) // slots)
 
 
 class _Context:
     """One llama context with its batch and scratch buffer. Used by one thread at a time."""
 
-    def __init__(self, backend: LlamaBackend) -> None:
+    def __init__(self, backend: LlamaModel) -> None:
         lib = backend.lib
         settings = backend.settings
         params = lib.llama_context_default_params()
@@ -190,8 +198,11 @@ class _Context:
         lib.llama_free(self.ctx)
 
 
-class LlamaBackend(ThreadedBackend):
-    """llama.cpp inference. Create it with :meth:`load` (blocking) or :meth:`aload`."""
+class LlamaModel(Backend):
+    """What both llama.cpp backends share: the loaded model, its vocabulary, metadata,
+    tokenizing, validation and sampler chains. Subclasses own the contexts and the
+    inference loop (:class:`LlamaBackend`: one context per slot; ``BatchedLlamaBackend``:
+    one context, many sequences)."""
 
     def __init__(self, settings: LlamaSettings, lib: Any, model: Any) -> None:
         super().__init__()
@@ -203,8 +214,6 @@ class LlamaBackend(ThreadedBackend):
         self._bos: int = lib.llama_vocab_bos(self.vocab)
         self._piece_cache: dict[int, bytes] = {}
         self._piece_lock = threading.Lock()
-        self._contexts = [_Context(self) for _ in range(settings.slots)]
-        self._free_contexts = list(self._contexts)
         train_ctx = lib.llama_model_n_ctx_train(model)
         if settings.n_ctx > train_ctx:
             logger.warning("n_ctx %d exceeds the model's training context %d", settings.n_ctx, train_ctx)
@@ -216,11 +225,19 @@ class LlamaBackend(ThreadedBackend):
             bos_token=self._token_text(self._bos),
             eos_token=self._token_text(lib.llama_vocab_eos(self.vocab)),
         )
+        self._create_contexts()
+
+    def _create_contexts(self) -> None:
+        """Create the llama contexts (called once the model and vocabulary are ready)."""
+        raise NotImplementedError
+
+    def _free_contexts_and_model(self) -> None:
+        raise NotImplementedError
 
     # ----------------------------------------------------------------- loading
 
     @classmethod
-    def load(cls, settings: LlamaSettings) -> LlamaBackend:
+    def load(cls, settings: LlamaSettings) -> Self:
         """Load the model and create the contexts (blocking: seconds for big models)."""
         import llama_cpp
 
@@ -232,9 +249,9 @@ class LlamaBackend(ThreadedBackend):
         llama_cpp.llama_backend_init()
         _LazyLogCallback.loading += 1
         try:
-            model = llama_cpp.llama_model_load_from_file(
-                str(settings.model_path).encode(), llama_cpp.llama_model_default_params()
-            )
+            params = llama_cpp.llama_model_default_params()
+            params.use_extra_bufts = settings.repack
+            model = llama_cpp.llama_model_load_from_file(str(settings.model_path).encode(), params)
             if not model:
                 raise BackendError(f"llama.cpp could not load {settings.model_path}")
             return cls(settings, llama_cpp, model)
@@ -242,7 +259,7 @@ class LlamaBackend(ThreadedBackend):
             _LazyLogCallback.loading -= 1
 
     @classmethod
-    async def aload(cls, settings: LlamaSettings) -> LlamaBackend:
+    async def aload(cls, settings: LlamaSettings) -> Self:
         """:meth:`load` in a worker thread. Cancellation: waits for the load to finish,
         then frees the model."""
         return await trio.to_thread.run_sync(cls.load, settings)
@@ -251,10 +268,7 @@ class LlamaBackend(ThreadedBackend):
         await trio.to_thread.run_sync(self._free)
 
     def _free(self) -> None:
-        for context in self._contexts:
-            context.free(self.lib)
-        self._contexts = []
-        self._free_contexts = []
+        self._free_contexts_and_model()
         self.lib.llama_model_free(self.model)
 
     # ------------------------------------------------------------- metadata
@@ -338,6 +352,43 @@ class LlamaBackend(ThreadedBackend):
                     param="logit_bias",
                 )
         return fit_to_context(request, tokens, self.settings.n_ctx)
+
+    def _sampler(self, params: SamplingParams) -> Any:
+        lib = self.lib
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        if params.logit_bias:
+            biases = (lib.llama_logit_bias * len(params.logit_bias))()
+            for i, (token, bias) in enumerate(params.logit_bias.items()):
+                biases[i].token = token
+                # OpenAI: -100 bans a token, +100 forces it
+                biases[i].bias = -math.inf if bias <= -100 else bias
+            lib.llama_sampler_chain_add(
+                chain, lib.llama_sampler_init_logit_bias(self.n_vocab, len(params.logit_bias), biases)
+            )
+        if params.temperature == 0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+        else:
+            if params.top_p < 1.0:
+                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(params.top_p, 1))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(params.temperature))
+            seed = params.seed if params.seed is not None else random.getrandbits(32)
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        return chain
+
+
+class LlamaBackend(LlamaModel, ThreadedBackend):
+    """llama.cpp inference, one context per slot, each generation in its own worker
+    thread. Create it with :meth:`load` (blocking) or :meth:`aload`."""
+
+    def _create_contexts(self) -> None:
+        self._contexts = [_Context(self) for _ in range(self.settings.slots)]
+        self._free_contexts = list(self._contexts)
+
+    def _free_contexts_and_model(self) -> None:
+        for context in self._contexts:
+            context.free(self.lib)
+        self._contexts = []
+        self._free_contexts = []
 
     # ------------------------------------------------------------ inference
 
@@ -428,25 +479,3 @@ class LlamaBackend(ThreadedBackend):
             trio.from_thread.check_cancelled()
             raise BackendError("llama_decode was aborted, but the request was not cancelled")
         raise BackendError(f"llama_decode failed with code {result}")
-
-    def _sampler(self, params: SamplingParams) -> Any:
-        lib = self.lib
-        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-        if params.logit_bias:
-            biases = (lib.llama_logit_bias * len(params.logit_bias))()
-            for i, (token, bias) in enumerate(params.logit_bias.items()):
-                biases[i].token = token
-                # OpenAI: -100 bans a token, +100 forces it
-                biases[i].bias = -math.inf if bias <= -100 else bias
-            lib.llama_sampler_chain_add(
-                chain, lib.llama_sampler_init_logit_bias(self.n_vocab, len(params.logit_bias), biases)
-            )
-        if params.temperature == 0:
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
-        else:
-            if params.top_p < 1.0:
-                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(params.top_p, 1))
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(params.temperature))
-            seed = params.seed if params.seed is not None else random.getrandbits(32)
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return chain

@@ -1,0 +1,598 @@
+"""The batched llama.cpp backend: many sequences, one context, one decode per step.
+
+llama.cpp can decode tokens of many sequences in one ``llama_decode`` call (each batch
+entry carries a sequence id), which on a CPU costs far less than one call per sequence:
+the weights are read once per step instead of once per sequence. This backend keeps the
+product's shape around that:
+
+::
+
+    request (its own nursery)                     scheduler thread (one per backend)
+    ───────────────────────────                   ──────────────────────────────────
+    producer task: generate()                     loop:
+      submit(sequence) ──────── inbox ──────────▶   admit new sequences (seq ids)
+      async for piece in sequence:  ◀── deliver ─   drop cancelled ones: seq_rm, free
+        await send.send(piece)        (one           build the batch: one token per
+        consumed += 1                 run_sync_soon   decoding sequence that is not
+      on cancel: cancel(sequence),    per step)       paused + a prefill chunk
+        wait (shielded) until the                   llama_decode(batch)   ← abort flag
+        scheduler has removed it                    sample each sequence's chain
+    consumer (engine): receive, text                 hand the step's pieces to Trio
+
+* **Per-request structure is unchanged.** Each request keeps its nursery, producer and
+  consumer; the producer relays its sequence's pieces into the request's zero-capacity
+  channel. The scheduler thread never waits for Trio: a step's pieces go to the event
+  loop with one ``TrioToken.run_sync_soon`` call.
+* **Cancellation.** A cancelled producer marks its sequence cancelled and waits
+  (shielded, bounded by one step) until the scheduler has taken it out of the batch and
+  cleared its KV cells (``llama_memory_seq_rm``); only then does ``generate`` return and
+  the admission slot come free. If the cancelled sequences own at least half of the
+  tokens of the ``llama_decode`` call in flight (a lone stream; a long prefill chunk),
+  the cancel also raises the context's abort flag, so the call stops within one graph
+  node; the surviving sequences' cells written by the aborted call are removed and
+  their entries are decoded again in the next step — their text does not change.
+* **Backpressure per sequence.** A sequence runs at most ``_WINDOW`` pieces ahead of
+  its client; beyond that it is *paused*: skipped when the batch is built, so the
+  others go on at full speed. When every sequence is paused or none is left, the
+  thread sleeps on a condition variable: no polling.
+* **Prefill interleaving.** While other sequences decode, a new prompt is prefilled in
+  chunks of ``prefill_chunk`` tokens, one chunk per step, so a long prompt delays the
+  others' next token by one chunk's time instead of the whole prompt's.
+* **Batch invariance (optional).** llama.cpp's CPU kernels are not batch-invariant:
+  a token decoded in a call of 8 columns goes through a different matrix-multiply
+  kernel (llamafile's tinyBLAS) than the same token decoded alone, and greedy decoding
+  turns the last-bit difference into a different text after some tokens. With
+  ``batch_invariant=True`` the backend measures at load the widest call whose numerics
+  equal a lone sequence's on this machine (:func:`_probe_invariant_width`), splits each
+  decode step into calls no wider than that, and never mixes a prefill chunk with other
+  tokens — so at temperature 0 every stream's text equals what the request gives alone,
+  whatever else runs. It costs throughput at high concurrency (docs/benchmarks.md).
+
+KV cells: the context is created with ``n_seq_max = slots`` and a non-unified KV cache
+(``kv_unified = false``): every sequence owns ``n_ctx`` cells of its own, so admission
+counting sequences is counting cells, and attention never reads another sequence's
+cells.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import trio
+
+from .._exceptions import BackendError
+from ._base import ActiveThreads, GenerationProgress, PreparedPrompt
+from ._llama import LlamaModel, LlamaSettings, _make_abort_callback
+
+__all__ = ["BatchedLlamaBackend", "BatchedLlamaSettings"]
+
+logger = logging.getLogger("trioserve.batched")
+
+#: how many pieces a sequence may run ahead of its client before it is paused
+_WINDOW = 8
+_DECODE_ABORTED = 2
+
+Reason = Literal["stop", "length"]
+#: the result of a sequence dropped because its request was cancelled
+_CANCELLED: Literal["cancelled"] = "cancelled"
+
+
+class BatchedLlamaSettings(LlamaSettings):
+    """Settings of :class:`BatchedLlamaBackend`; see :class:`LlamaSettings`.
+
+    Args:
+        slots: sequences decoded together (each with ``n_ctx`` KV cells).
+        n_threads: threads of the one context; default: all cores.
+        prefill_chunk: prompt tokens per step while other sequences are decoding
+            (a prompt prefills ``n_batch`` tokens per step when nothing else runs).
+        batch_invariant: make every stream's numerics independent of what else runs
+            (see the module docstring); turns off weight repacking.
+    """
+
+    def __init__(
+        self,
+        model_path: Any,
+        *,
+        slots: int = 8,
+        prefill_chunk: int = 64,
+        batch_invariant: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if batch_invariant:
+            kwargs["repack"] = False
+        super().__init__(model_path, slots=slots, **kwargs)
+        if not 1 <= prefill_chunk <= self.n_batch:
+            raise ValueError(f"prefill_chunk must be in [1, n_batch={self.n_batch}]")
+        self.prefill_chunk = prefill_chunk
+        self.batch_invariant = batch_invariant
+
+    @staticmethod
+    def _default_threads(slots: int) -> int:
+        return os.cpu_count() or 1  # one context: all cores decode every step
+
+
+class _Sequence:
+    """One request inside the batch. Fields are written by one side only:
+
+    * Trio side: ``consumed``, ``cancelled``;
+    * scheduler thread: everything else until it hands the sequence back.
+    """
+
+    __slots__ = (
+        "cancelled",
+        "consumed",
+        "first_chunk_at",
+        "generated",
+        "max_new",
+        "next_token",
+        "pos",
+        "prefilled",
+        "progress",
+        "prompt",
+        "receive",
+        "removed",
+        "result",
+        "sampler",
+        "send",
+        "seq_id",
+        "stalled",
+        "token",
+    )
+
+    def __init__(self, prompt: PreparedPrompt, progress: GenerationProgress, sampler: Any) -> None:
+        self.prompt: Sequence[int] = prompt.tokens
+        self.max_new = prompt.max_new_tokens
+        self.progress = progress
+        self.sampler = sampler
+        self.token = trio.lowlevel.current_trio_token()
+        # unbounded, but never holds more than _WINDOW pieces: the scheduler pauses first
+        self.send, self.receive = trio.open_memory_channel[bytes](math.inf)
+        self.removed = trio.Event()
+        self.result: Reason | Literal["cancelled"] | BaseException | None = None
+        self.cancelled = False
+        self.consumed = 0
+        self.seq_id = -1
+        self.prefilled = 0
+        self.pos = 0
+        self.generated = 0
+        self.next_token = -1
+        self.stalled = False
+        self.first_chunk_at = 0.0
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.prompt)
+
+
+Items = list[tuple[_Sequence, bytes | None]]
+
+
+def _deliver(items: Items) -> None:
+    """Runs on the Trio thread: one step's pieces (``None``: the sequence has left the
+    batch; its ``result`` is set)."""
+    for sequence, piece in items:
+        if piece is not None:
+            # BrokenResourceError: its producer has gone (cancelled); it is dropped next step
+            with contextlib.suppress(trio.BrokenResourceError):
+                sequence.send.send_nowait(piece)
+        else:
+            sequence.send.close()
+            sequence.removed.set()
+
+
+def _seq_id(sequence: _Sequence) -> int:
+    return sequence.seq_id
+
+
+def _post(out: dict[trio.lowlevel.TrioToken, Items]) -> None:
+    """Hand items to their Trio runs without waiting for them."""
+    for token, items in out.items():
+        try:
+            token.run_sync_soon(_deliver, items)
+        except trio.RunFinishedError:  # pragma: no cover - its run ended without waiting
+            logger.warning("a sequence outlived its Trio run")
+
+
+class _Scheduler:
+    """The thread that owns the context: admits, batches, decodes, samples, removes."""
+
+    def __init__(self, backend: BatchedLlamaBackend) -> None:
+        self._backend = backend
+        lib = backend.lib
+        settings = backend.settings
+        params = lib.llama_context_default_params()
+        params.n_ctx = settings.n_ctx * settings.slots
+        params.n_batch = settings.n_batch
+        params.n_ubatch = settings.n_batch
+        params.n_seq_max = settings.slots
+        params.kv_unified = False
+        params.n_threads = settings.n_threads
+        params.n_threads_batch = settings.n_threads
+        ctx = lib.llama_init_from_model(backend.model, params)
+        if not ctx:
+            raise BackendError(
+                f"llama.cpp could not create a context for {settings.slots} sequences "
+                f"of {settings.n_ctx} tokens"
+            )
+        self.ctx = ctx
+        self.memory = lib.llama_get_memory(ctx)
+        self.batch = lib.llama_batch_init(settings.n_batch, 0, 1)
+        for i in range(settings.n_batch):
+            self.batch.n_seq_id[i] = 1
+        self.abort_flag = ctypes.c_ubyte(0)
+        self._abort_callback, self.abort_flag_used = _make_abort_callback(lib)
+        lib.llama_set_abort_callback(ctx, self._abort_callback, ctypes.addressof(self.abort_flag))
+        self._condition = threading.Condition()
+        self._inbox: deque[_Sequence] = deque()
+        self._active: list[_Sequence] = []
+        self._free_ids = list(range(settings.slots - 1, -1, -1))
+        #: the sequences of the llama_decode call in flight, with their token counts
+        self._in_flight: dict[_Sequence, int] = {}
+        self._in_flight_tokens = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self.steps = 0
+        self.aborted_calls = 0
+        #: widest decode call whose numerics equal a lone sequence's (batch-invariant mode)
+        self.max_call_width = settings.slots
+        if settings.batch_invariant:
+            self.max_call_width = _probe_invariant_width(backend, self)
+            logger.info("batch-invariant mode: decode calls of at most %d sequences", self.max_call_width)
+
+    # ------------------------------------------------------------ Trio side
+
+    def submit(self, sequence: _Sequence) -> None:
+        if self._failure is not None:
+            raise BackendError(f"the batch scheduler has failed: {self._failure}")
+        with self._condition:
+            if self._stopping:
+                raise BackendError("the backend is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="trioserve-batch", daemon=True)
+                self._thread.start()
+            self._inbox.append(sequence)
+            self._condition.notify()
+
+    def cancel(self, sequence: _Sequence) -> None:
+        """Ask the scheduler to drop ``sequence``; abort the call in flight if most of
+        its work is for cancelled sequences."""
+        with self._condition:
+            sequence.cancelled = True
+            if sequence in self._in_flight:
+                wasted = sum(n for s, n in self._in_flight.items() if s.cancelled)
+                if 2 * wasted >= self._in_flight_tokens:
+                    self.abort_flag.value = 1
+            self._condition.notify()
+
+    def wake(self) -> None:
+        with self._condition:
+            self._condition.notify()
+
+    def stop(self) -> threading.Thread | None:
+        with self._condition:
+            self._stopping = True
+            self.abort_flag.value = 1
+            self._condition.notify()
+        return self._thread
+
+    def free(self) -> None:
+        lib = self._backend.lib
+        lib.llama_batch_free(self.batch)
+        lib.llama_free(self.ctx)
+
+    # ------------------------------------------------------- scheduler thread
+
+    def _runnable(self) -> bool:
+        if self._inbox:
+            return True
+        for sequence in self._active:
+            if sequence.cancelled or not sequence.decoding:
+                return True
+            if sequence.generated - sequence.consumed < _WINDOW:
+                return True
+        return False
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._condition:
+                    while not self._stopping and not self._runnable():
+                        self._condition.wait()
+                    if self._stopping:
+                        break
+                    while self._inbox and self._free_ids:
+                        sequence = self._inbox.popleft()
+                        sequence.seq_id = self._free_ids.pop()
+                        self._active.append(sequence)
+                self._step()
+        except BaseException as exc:  # pragma: no cover - a bug or a llama.cpp failure
+            logger.exception("the batch scheduler failed")
+            self._failure = exc
+        finally:
+            failure = self._failure or BackendError("the server is shutting down")
+            with self._condition:
+                leaving = self._active + list(self._inbox)
+                self._active = []
+                self._inbox.clear()
+            for sequence in leaving:
+                self._remove(sequence, failure)
+
+    def _release(self, sequence: _Sequence, result: Reason | Literal["cancelled"] | BaseException) -> None:
+        """Take ``sequence`` out of the context: clear its KV cells, free its id and
+        sampler. The caller hands it back to Trio with a ``(sequence, None)`` item."""
+        lib = self._backend.lib
+        if sequence in self._active:
+            self._active.remove(sequence)
+        if sequence.seq_id >= 0:
+            lib.llama_memory_seq_rm(self.memory, sequence.seq_id, -1, -1)
+            self._free_ids.append(sequence.seq_id)
+            sequence.seq_id = -1
+        lib.llama_sampler_free(sequence.sampler)
+        sequence.sampler = None
+        sequence.result = result
+        sequence.progress.inference_ended = time.perf_counter()
+
+    def _remove(self, sequence: _Sequence, result: Reason | Literal["cancelled"] | BaseException) -> None:
+        self._release(sequence, result)
+        _post({sequence.token: [(sequence, None)]})
+
+    def _step(self) -> None:
+        # 1. drop cancelled sequences
+        active = self._active
+        for sequence in [s for s in active if s.cancelled]:
+            self._remove(sequence, _CANCELLED)
+        # 2. plan the calls of this step
+        decoders: list[_Sequence] = []
+        prefillers: list[_Sequence] = []
+        for s in active:
+            if not s.decoding:
+                prefillers.append(s)
+            elif s.generated - s.consumed < _WINDOW:
+                s.stalled = False
+                decoders.append(s)
+            else:
+                s.stalled = True  # paused: its client is not reading
+        # Decode calls list their sequences in seq-id order: llama.cpp splits a
+        # multi-sequence batch into equal-length ubatches, and out-of-order ids cost a
+        # second graph run (measured: 89 ms instead of 43 ms per step for 8 sequences).
+        # A prompt chunk gets a call of its own: mixing it into the decode call buys
+        # nothing here (the split separates them anyway), and alone its numerics never
+        # depend on the load.
+        settings = self._backend.settings
+        decoders.sort(key=_seq_id)
+        width = self.max_call_width
+        calls: list[list[tuple[_Sequence, int]]] = [
+            [(s, 0) for s in decoders[i : i + width]] for i in range(0, len(decoders), width)
+        ]
+        if prefillers:
+            first = prefillers[0]
+            chunk = settings.prefill_chunk if decoders or settings.batch_invariant else settings.n_batch
+            calls.append([(first, min(chunk, len(first.prompt) - first.prefilled))])
+        # 3. run them
+        out: dict[trio.lowlevel.TrioToken, Items] = {}
+        for call in calls:
+            self._decode_call(call, out)
+        _post(out)
+        self.steps += 1
+
+    def _decode_call(
+        self, call: list[tuple[_Sequence, int]], out: dict[trio.lowlevel.TrioToken, Items]
+    ) -> None:
+        """One ``llama_decode`` call; its pieces and finished sequences go to ``out``."""
+        backend = self._backend
+        lib = backend.lib
+        batch = self.batch
+        tokens = batch.token
+        positions = batch.pos
+        seq_ids = batch.seq_id
+        logits = batch.logits
+        n = 0
+        outputs: list[tuple[_Sequence, int]] = []  # (sequence, batch index of its logits)
+        for sequence, count in call:
+            seq_id = sequence.seq_id
+            if count == 0:  # decode one token
+                tokens[n] = sequence.next_token
+                positions[n] = sequence.pos
+                seq_ids[n][0] = seq_id
+                logits[n] = 1
+                outputs.append((sequence, n))
+                n += 1
+            else:
+                if sequence.prefilled == 0:
+                    sequence.first_chunk_at = time.perf_counter()
+                start = sequence.prefilled
+                prompt = sequence.prompt
+                for i in range(count):
+                    tokens[n] = prompt[start + i]
+                    positions[n] = start + i
+                    seq_ids[n][0] = seq_id
+                    logits[n] = 0
+                    n += 1
+                if start + count == len(prompt):
+                    logits[n - 1] = 1
+                    outputs.append((sequence, n - 1))
+        batch.n_tokens = n
+        with self._condition:
+            if any(s.cancelled for s, _ in call) or self._stopping:
+                return  # dropped at the next step
+            self.abort_flag.value = 0
+            self._in_flight = {s: (c or 1) for s, c in call}
+            self._in_flight_tokens = n
+        result = lib.llama_decode(self.ctx, batch)
+        with self._condition:
+            self._in_flight = {}
+        if result == _DECODE_ABORTED:
+            # Cells this call wrote stay in memory: remove them; survivors redo the call.
+            self.aborted_calls += 1
+            for sequence, count in call:
+                start = sequence.pos if count == 0 else sequence.prefilled
+                lib.llama_memory_seq_rm(self.memory, sequence.seq_id, start, -1)
+            return
+        if result != 0:
+            error = BackendError(f"llama_decode failed with code {result}")
+            for sequence, _ in call:
+                self._release(sequence, error)
+                out.setdefault(sequence.token, []).append((sequence, None))
+            return
+        now = time.perf_counter()
+        for sequence, count in call:
+            if count:
+                sequence.prefilled += count
+                sequence.pos = sequence.prefilled
+                if sequence.decoding:
+                    sequence.progress.prefill_seconds = now - sequence.first_chunk_at
+            else:
+                sequence.pos += 1
+        sample = lib.llama_sampler_sample
+        is_eog = lib.llama_vocab_is_eog
+        vocab = backend.vocab
+        piece = backend.piece
+        ctx = self.ctx
+        for sequence, index in outputs:
+            token = sample(sequence.sampler, ctx, index)
+            items = out.setdefault(sequence.token, [])
+            if is_eog(vocab, token):
+                self._release(sequence, "stop")
+                items.append((sequence, None))
+                continue
+            sequence.generated += 1
+            sequence.progress.completion_tokens += 1
+            items.append((sequence, piece(token)))
+            if sequence.generated == sequence.max_new:
+                self._release(sequence, "length")
+                items.append((sequence, None))  # after its last piece: order is kept
+                continue
+            sequence.next_token = token
+
+
+def _probe_invariant_width(backend: BatchedLlamaBackend, scheduler: _Scheduler) -> int:
+    """The widest decode call (in sequences) whose logits equal a lone sequence's,
+    bit for bit, on this machine's kernels. Runs once at load (a few decode calls)."""
+    lib = backend.lib
+    settings = backend.settings
+    prompt = backend.tokenize("The quick brown fox jumps over the lazy dog. Batch invariance probe:")
+    n_vocab = backend.n_vocab
+    batch = scheduler.batch
+    memory = scheduler.memory
+    ctx = scheduler.ctx
+    widest = min(settings.slots, settings.n_batch)
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> None:
+        for i, (seq_id, token, pos, want) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.seq_id[i][0] = seq_id
+            batch.logits[i] = want
+        batch.n_tokens = len(entries)
+        if lib.llama_decode(ctx, batch) != 0:
+            raise BackendError("llama_decode failed while probing batch invariance")
+
+    def row(index: int) -> bytes:
+        return ctypes.string_at(lib.llama_get_logits_ith(ctx, index), 4 * n_vocab)
+
+    try:
+        last = len(prompt) - 1
+        for seq_id in range(widest):
+            decode([(seq_id, t, i, False) for i, t in enumerate(prompt[:last])])
+        decode([(0, prompt[last], last, True)])
+        alone = row(0)
+        lib.llama_memory_seq_rm(memory, 0, last, -1)
+        width = 1
+        for w in range(2, widest + 1):
+            decode([(seq_id, prompt[last], last, True) for seq_id in range(w)])
+            same = all(row(i) == alone for i in range(w))
+            for seq_id in range(w):
+                lib.llama_memory_seq_rm(memory, seq_id, last, -1)
+            if not same:
+                break
+            width = w
+        return width
+    finally:
+        lib.llama_memory_clear(memory, True)
+
+
+class BatchedLlamaBackend(LlamaModel):
+    """llama.cpp inference with many sequences decoded together in one context.
+
+    Create it with :meth:`load` / :meth:`aload` and :class:`BatchedLlamaSettings`.
+    ``active_threads`` counts the generations inside the scheduler (submitted and not
+    yet removed with their KV cells cleared): the batched counterpart of a running
+    inference thread, and what a cancel must bring back to zero.
+    """
+
+    settings: BatchedLlamaSettings
+
+    def __init__(self, settings: LlamaSettings, lib: Any, model: Any) -> None:
+        if not isinstance(settings, BatchedLlamaSettings):
+            raise TypeError("BatchedLlamaBackend needs BatchedLlamaSettings")
+        self.active_threads = ActiveThreads()
+        super().__init__(settings, lib, model)
+
+    def _create_contexts(self) -> None:
+        self._scheduler = _Scheduler(self)
+
+    @property
+    def max_call_width(self) -> int:
+        """The widest ``llama_decode`` call (sequences) the scheduler makes."""
+        return self._scheduler.max_call_width
+
+    @property
+    def steps(self) -> int:
+        return self._scheduler.steps
+
+    @property
+    def aborted_calls(self) -> int:
+        """Decode calls stopped by the abort flag (a cancel that owned most of a call)."""
+        return self._scheduler.aborted_calls
+
+    def _stop_scheduler(self) -> None:
+        thread = self._scheduler.stop()
+        if thread is not None:
+            thread.join()
+
+    def _free_contexts_and_model(self) -> None:
+        self._stop_scheduler()
+        self._scheduler.free()
+
+    async def generate(
+        self,
+        prompt: PreparedPrompt,
+        send: trio.MemorySendChannel[bytes],
+        progress: GenerationProgress,
+    ) -> Reason:
+        scheduler = self._scheduler
+        sequence = _Sequence(prompt, progress, self._sampler(prompt.request.sampling))
+        with self.active_threads:
+            try:
+                scheduler.submit(sequence)
+            except BaseException:
+                self.lib.llama_sampler_free(sequence.sampler)
+                raise
+            try:
+                async with sequence.receive:
+                    async for piece in sequence.receive:
+                        await send.send(piece)
+                        sequence.consumed += 1
+                        if sequence.stalled:
+                            scheduler.wake()
+            finally:
+                if not sequence.removed.is_set():
+                    scheduler.cancel(sequence)
+                    with trio.CancelScope(shield=True):
+                        await sequence.removed.wait()
+        result = sequence.result
+        if isinstance(result, BaseException):
+            raise result
+        if result == "stop" or result == "length":
+            return result
+        raise BackendError("the sequence was dropped, but its request was not cancelled")
