@@ -14,7 +14,15 @@ from pathlib import Path
 
 import trio
 
-from ._backends import Backend, LlamaBackend, LlamaSettings, ScriptedBackend, UpstreamBackend
+from ._backends import (
+    Backend,
+    BatchedLlamaBackend,
+    BatchedLlamaSettings,
+    LlamaBackend,
+    LlamaSettings,
+    ScriptedBackend,
+    UpstreamBackend,
+)
 from ._http import HTTPSettings
 from ._server import Server, ServerSettings, serve_until_signalled
 
@@ -45,6 +53,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     model.add_argument(
         "--batch-size", type=int, default=512, help="prompt tokens per prefill step (default: 512)"
+    )
+    model.add_argument(
+        "--batch",
+        action="store_true",
+        help="decode all running requests together in one context (batched backend): "
+        "--slots is then the number of sequences (default: 8) and --threads defaults to all cores",
+    )
+    model.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=64,
+        help="with --batch: prompt tokens per step while other requests decode (default: 64)",
+    )
+    model.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="with --batch: make each request's numerics independent of the others, so a "
+        "temperature-0 text equals the request's text alone (costs throughput at high concurrency)",
     )
     model.add_argument(
         "--scripted",
@@ -79,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
         "--slots",
         type=int,
         default=None,
-        help="generations at once (default: 1); with --upstream, per upstream (default: 8)",
+        help="generations at once (default: 1; with --batch: 8); with --upstream, per upstream (default: 8)",
     )
     admission.add_argument(
         "--max-queue", type=int, default=16, help="requests waiting for a slot (default: 16)"
@@ -194,8 +220,10 @@ def _loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backe
             api_key=os.environ.get("TRIOSERVE_UPSTREAM_API_KEY") or None,
         )
         return f"upstream(s) {', '.join(args.upstream)} ({slots} slot(s) each)", load
+    if (args.prefill_chunk != 64 or args.batch_invariant) and not args.batch:
+        raise RuntimeError("--prefill-chunk and --batch-invariant need --batch")
     if args.slots is None:
-        args.slots = 1
+        args.slots = 8 if args.batch else 1
     if args.scripted:
         backend = ScriptedBackend(
             token_interval=args.scripted_interval, slots=args.slots, context_length=args.ctx_size
@@ -211,6 +239,22 @@ def _loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backe
         path = default_model_path(progress=sys.stderr.isatty())
     else:
         path = args.model
+    if args.batch:
+        batched = BatchedLlamaSettings(
+            path,
+            n_ctx=args.ctx_size,
+            n_threads=args.threads,
+            n_batch=args.batch_size,
+            slots=args.slots,
+            model_id=args.model_id,
+            prefill_chunk=args.prefill_chunk,
+            batch_invariant=args.batch_invariant,
+        )
+        description = (
+            f"model {path} (batched: {batched.slots} sequences of {batched.n_ctx} tokens, "
+            f"{batched.n_threads} threads{', batch-invariant' if batched.batch_invariant else ''})"
+        )
+        return description, functools.partial(BatchedLlamaBackend.aload, batched)
     settings = LlamaSettings(
         path,
         n_ctx=args.ctx_size,
