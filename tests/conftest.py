@@ -13,7 +13,13 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import trio
 
-from trioserve import LlamaBackend, LlamaSettings, default_model_path
+from trioserve import (
+    BatchedLlamaBackend,
+    BatchedLlamaSettings,
+    LlamaBackend,
+    LlamaSettings,
+    default_model_path,
+)
 
 from ._helpers import RunningServer, start_server
 
@@ -28,6 +34,37 @@ def model_path() -> str:
 @pytest.fixture(scope="session")
 def llama_backend(model_path: str) -> Iterator[LlamaBackend]:
     backend = LlamaBackend.load(LlamaSettings(model_path, n_ctx=4096, n_threads=THREADS, slots=1))
+    yield backend
+    backend._free()
+
+
+@pytest.fixture(scope="session")
+def batched_backend(model_path: str) -> Iterator[BatchedLlamaBackend]:
+    """The batched backend with two sequences: the cancellation matrix runs against it
+    (the queued phase occupies both)."""
+    backend = BatchedLlamaBackend.load(
+        BatchedLlamaSettings(model_path, n_ctx=4096, n_threads=THREADS, slots=2)
+    )
+    yield backend
+    backend._free()
+
+
+@pytest.fixture(scope="session")
+def batched8_backend(model_path: str) -> Iterator[BatchedLlamaBackend]:
+    """The batched backend with eight sequences, throughput mode."""
+    backend = BatchedLlamaBackend.load(
+        BatchedLlamaSettings(model_path, n_ctx=1024, n_threads=THREADS, slots=8)
+    )
+    yield backend
+    backend._free()
+
+
+@pytest.fixture(scope="session")
+def invariant_backend(model_path: str) -> Iterator[BatchedLlamaBackend]:
+    """The batched backend with eight sequences in batch-invariant mode."""
+    backend = BatchedLlamaBackend.load(
+        BatchedLlamaSettings(model_path, n_ctx=1024, n_threads=THREADS, slots=8, batch_invariant=True)
+    )
     yield backend
     backend._free()
 

@@ -10,6 +10,10 @@ For every cell the test asserts:
 * that the next request on the same context gives the text a fresh server gives;
 * that the end was recorded with its cause (the request's log line).
 
+Every cell runs against both llama.cpp backends: one context per slot
+(:class:`LlamaBackend`) and the batched one (:class:`BatchedLlamaBackend`, two sequences
+in one context; "inference thread" is then "sequence in the batch").
+
 Causes: TCP close, half-close, HTTP/2 stream reset, close during a non-streaming
 request, deadline (``X-Request-Timeout``), server shutdown. (The caller's own cancel
 scope, for library use, is in ``test_library_cancellation.py``.)
@@ -30,7 +34,7 @@ from typing import Any
 import pytest
 import trio
 
-from trioserve import HTTPSettings, LlamaBackend
+from trioserve import BatchedLlamaBackend, HTTPSettings, LlamaBackend
 
 from .._helpers import H2Stream, RawStream, RunningServer, start_server, wait_for
 
@@ -45,8 +49,19 @@ REFERENCE = {"prompt": "The capital of France is", "max_tokens": 40, "temperatur
 CANCEL_LATENCY_BOUND_MS = 250.0
 
 
+@pytest.fixture(scope="module", params=["contexts", "batched"])
+def llama_backend(
+    request: pytest.FixtureRequest, llama_backend: LlamaBackend
+) -> LlamaBackend | BatchedLlamaBackend:
+    """This module's backend: each test runs against both."""
+    if request.param == "batched":
+        backend: BatchedLlamaBackend = request.getfixturevalue("batched_backend")
+        return backend
+    return llama_backend
+
+
 @pytest.fixture(scope="module")
-def reference_text(llama_backend: LlamaBackend) -> str:
+def reference_text(llama_backend: LlamaBackend | BatchedLlamaBackend) -> str:
     """What a fresh server answers to REFERENCE (computed on a fresh engine)."""
 
     async def fresh() -> str:
@@ -62,7 +77,9 @@ def reference_text(llama_backend: LlamaBackend) -> str:
 
 
 @pytest.fixture
-async def server(llama_backend: LlamaBackend, nursery: trio.Nursery) -> AsyncIterator[RunningServer]:
+async def server(
+    llama_backend: LlamaBackend | BatchedLlamaBackend, nursery: trio.Nursery
+) -> AsyncIterator[RunningServer]:
     running = await start_server(
         nursery,
         llama_backend,
@@ -148,12 +165,15 @@ class Victim:
                     await transport.aclose()
 
 
-async def _occupy_the_slot(server: RunningServer) -> RawStream:
-    occupier = await RawStream.post(
-        server.url, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True}
-    )
-    await occupier.read_until(b"data: ", 2)
-    return occupier
+async def _occupy_the_slots(server: RunningServer) -> list[RawStream]:
+    occupiers = []
+    for _ in range(server.engine.backend.slots):
+        occupier = await RawStream.post(
+            server.url, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True}
+        )
+        occupiers.append(occupier)
+        await occupier.read_until(b"data: ", 2)
+    return occupiers
 
 
 async def _wait_queued(server: RunningServer, count: int = 1) -> None:
@@ -204,12 +224,12 @@ async def test_cancel_cell(
     cause: str,
     phase: str,
     server: RunningServer,
-    llama_backend: LlamaBackend,
+    llama_backend: LlamaBackend | BatchedLlamaBackend,
     reference_text: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="trioserve.requests")
-    occupier = await _occupy_the_slot(server) if phase == "queued" else None
+    occupiers = await _occupy_the_slots(server) if phase == "queued" else []
     threads_started = llama_backend.active_threads.total_started
     victim = Victim(cause, phase)
     await victim.send(server.url)
@@ -243,9 +263,10 @@ async def test_cancel_cell(
         if cause in ("deadline", "shutdown") and phase != "blocked":
             data = await victim.received()
             _check_final_event(victim, data)
-        if occupier is not None and cause != "shutdown":
-            await occupier.aclose()
-            occupier = None
+        if cause != "shutdown":
+            for occupier in occupiers:
+                await occupier.aclose()
+            occupiers = []
 
         # --- everything released
         if cause == "shutdown":
@@ -259,10 +280,10 @@ async def test_cancel_cell(
         assert server.engine.admission.queued == 0
         assert not server.engine.streams
         if phase == "queued":
-            # the victim never reached inference: only the occupier's thread ran
+            # the victim never reached inference: only the occupiers' threads ran
             assert llama_backend.active_threads.total_started == threads_started
     finally:
-        if occupier is not None:
+        for occupier in occupiers:
             await occupier.aclose()
         await victim.aclose()
 

@@ -1,9 +1,11 @@
 """The caller's own cancel scope, when the engine is used as a library: every phase,
 real llama.cpp inference on the default model.
 
-Same guarantees as over HTTP: when ``engine.stream()`` has exited, the inference thread
-has left llama.cpp (promptly), the slot and queue place are free, and the next request
-gives the text a fresh engine gives.
+Every test runs against both llama.cpp backends (one context per slot, and the batched
+one with two sequences). Same guarantees as over HTTP: when ``engine.stream()`` has
+exited, the inference thread (the batched backend: the sequence) has left llama.cpp
+(promptly), the slot and queue place are free, and the next request gives the text a
+fresh engine gives.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import time
 import pytest
 import trio
 
-from trioserve import Engine, GenerationRequest, LlamaBackend, SamplingParams, TextDelta
+from trioserve import BatchedLlamaBackend, Engine, GenerationRequest, LlamaBackend, SamplingParams, TextDelta
+from trioserve._backends._batched import _WINDOW
 
 from .._helpers import wait_for
 
@@ -36,12 +39,24 @@ async def _text(engine: Engine, request: GenerationRequest) -> str:
     return "".join(parts)
 
 
+Backend = LlamaBackend | BatchedLlamaBackend
+
+
+@pytest.fixture(scope="module", params=["contexts", "batched"])
+def llama_backend(request: pytest.FixtureRequest, llama_backend: LlamaBackend) -> Backend:
+    """This module's backend: each test runs against both."""
+    if request.param == "batched":
+        backend: BatchedLlamaBackend = request.getfixturevalue("batched_backend")
+        return backend
+    return llama_backend
+
+
 @pytest.fixture(scope="module")
-def reference_text(llama_backend: LlamaBackend) -> str:
+def reference_text(llama_backend: Backend) -> str:
     return trio.run(_text, Engine(llama_backend), REFERENCE)
 
 
-def _assert_released(engine: Engine, backend: LlamaBackend) -> None:
+def _assert_released(engine: Engine, backend: Backend) -> None:
     assert backend.active_threads.count == 0
     assert engine.admission.in_use == 0
     assert engine.admission.queued == 0
@@ -49,7 +64,7 @@ def _assert_released(engine: Engine, backend: LlamaBackend) -> None:
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode", "blocked"])
-async def test_caller_cancel_scope(phase: str, llama_backend: LlamaBackend, reference_text: str) -> None:
+async def test_caller_cancel_scope(phase: str, llama_backend: Backend, reference_text: str) -> None:
     engine = Engine(llama_backend)
     request = LONG if phase == "prefill" else ENDLESS
     cancelled_at = 0.0
@@ -67,10 +82,12 @@ async def test_caller_cancel_scope(phase: str, llama_backend: LlamaBackend, refe
                     if seen == 3:
                         break
                 if phase == "blocked":
-                    # stop reading: the producer blocks in its channel send
+                    # stop reading: the producer blocks in its channel send (the batched
+                    # backend's sequence runs at most its window ahead, then is paused)
                     tokens = progress.completion_tokens
                     await trio.sleep(0.3)
-                    assert progress.completion_tokens <= tokens + 1
+                    ahead = _WINDOW + 1 if isinstance(llama_backend, BatchedLlamaBackend) else 1
+                    assert progress.completion_tokens <= tokens + ahead
             cancelled_at = time.perf_counter()
             scope.cancel()
             await trio.sleep_forever()
@@ -84,19 +101,20 @@ async def test_caller_cancel_scope(phase: str, llama_backend: LlamaBackend, refe
     assert await _text(engine, REFERENCE) == reference_text
 
 
-async def test_caller_cancel_scope_while_queued(llama_backend: LlamaBackend, reference_text: str) -> None:
+async def test_caller_cancel_scope_while_queued(llama_backend: Backend, reference_text: str) -> None:
     engine = Engine(llama_backend, max_queue=2)
     started = llama_backend.active_threads.total_started
     async with trio.open_nursery() as nursery:
-        occupying = trio.Event()
 
-        async def occupy() -> None:
+        async def occupy(occupying: trio.Event) -> None:
             async with engine.stream(ENDLESS) as events:
                 async for _ in events:
                     occupying.set()
 
-        nursery.start_soon(occupy)
-        await occupying.wait()
+        for _ in range(llama_backend.slots):  # every slot busy
+            occupying = trio.Event()
+            nursery.start_soon(occupy, occupying)
+            await occupying.wait()
         with trio.CancelScope() as scope:
 
             async def cancel_when_queued() -> None:
@@ -110,5 +128,6 @@ async def test_caller_cancel_scope_while_queued(llama_backend: LlamaBackend, ref
         assert engine.admission.queued == 0  # the place was freed at once
         nursery.cancel_scope.cancel()
     _assert_released(engine, llama_backend)
-    assert llama_backend.active_threads.total_started == started + 1  # only the occupier ran
+    # only the occupiers ran
+    assert llama_backend.active_threads.total_started == started + llama_backend.slots
     assert await _text(engine, REFERENCE) == reference_text

@@ -1,0 +1,195 @@
+"""The batched backend: many sequences decoded together in one llama.cpp context.
+
+Real inference on the default model. What these tests prove (the cancellation matrix in
+``test_cancellation.py`` also runs against the batched backend):
+
+* at temperature 0, in batch-invariant mode, eight concurrent streams each give exactly
+  the text the same request gives alone — and keep giving it when one of the eight is
+  cancelled mid-decode (over HTTP, by closing its socket);
+* in throughput mode the eight streams really share decode steps (far fewer steps than
+  tokens) and all run at once in the scheduler;
+* a sequence whose client stops reading is paused after a few tokens while another one
+  runs to its end, and leaves the batch (KV cells cleared) when it is cancelled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import trio
+
+from trioserve import BatchedLlamaBackend, Engine, Finished, GenerationRequest, SamplingParams, TextDelta
+from trioserve._backends._batched import _WINDOW
+
+from .._helpers import RawStream, start_server, wait_for
+
+pytestmark = pytest.mark.model
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, there was a",
+    "def fibonacci(n):",
+    "The three laws of robotics are",
+    "In 1969, the first",
+    "My favourite recipe for pancakes:",
+    "Water boils at",
+    "The quick brown fox",
+]
+MAX_TOKENS = 40
+
+
+def _request(prompt: str, max_tokens: int = MAX_TOKENS) -> GenerationRequest:
+    return GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=SamplingParams(temperature=0))
+
+
+async def _generate(engine: Engine, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[str, Finished]:
+    parts: list[str] = []
+    async with engine.stream(_request(prompt, max_tokens)) as events:
+        async for event in events:
+            if isinstance(event, TextDelta):
+                parts.append(event.text)
+            else:
+                return "".join(parts), event
+    raise AssertionError("the stream ended without a Finished event")
+
+
+async def _concurrently(engine: Engine, prompts: list[str]) -> list[tuple[str, Finished]]:
+    results: dict[int, tuple[str, Finished]] = {}
+
+    async def one(index: int, prompt: str) -> None:
+        results[index] = await _generate(engine, prompt)
+
+    async with trio.open_nursery() as nursery:
+        for index, prompt in enumerate(prompts):
+            nursery.start_soon(one, index, prompt)
+    return [results[i] for i in range(len(prompts))]
+
+
+async def test_eight_streams_equal_their_solo_texts_in_batch_invariant_mode(
+    invariant_backend: BatchedLlamaBackend,
+) -> None:
+    engine = Engine(invariant_backend, max_queue=8)
+    solo = [await _generate(engine, prompt) for prompt in PROMPTS]
+    steps = invariant_backend.steps
+    together = await _concurrently(engine, PROMPTS)
+    for (text, final), (solo_text, solo_final) in zip(together, solo, strict=True):
+        assert text == solo_text
+        assert final.reason == solo_final.reason
+        assert final.usage == solo_final.usage
+    tokens = sum(final.usage.completion_tokens for _, final in together)
+    # batched for real: a step decodes several sequences (calls of at most max_call_width)
+    assert invariant_backend.steps - steps < tokens / 3
+    assert invariant_backend.active_threads.count == 0
+
+
+async def test_throughput_mode_decodes_all_eight_in_shared_steps(
+    batched8_backend: BatchedLlamaBackend,
+) -> None:
+    engine = Engine(batched8_backend, max_queue=8)
+    steps = batched8_backend.steps
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, batched8_backend.active_threads.count)
+            await trio.sleep(0.01)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        together = await _concurrently(engine, PROMPTS)
+        nursery.cancel_scope.cancel()
+    assert peak == 8, "all eight sequences were in the scheduler at once"
+    for text, final in together:
+        assert final.reason in ("length", "stop")
+        assert text
+        if final.reason == "length":
+            assert final.usage.completion_tokens == MAX_TOKENS
+    tokens = sum(final.usage.completion_tokens for _, final in together)
+    assert batched8_backend.steps - steps < tokens / 4
+    assert batched8_backend.active_threads.count == 0
+    assert engine.admission.in_use == 0
+
+
+async def test_a_paused_sequence_does_not_hold_back_the_others(batched8_backend: BatchedLlamaBackend) -> None:
+    engine = Engine(batched8_backend, max_queue=8)
+    reader_done = trio.Event()
+    stalled_tokens: list[int] = []
+
+    async def stalled_client() -> None:
+        async with engine.stream(_request("Once upon a time", max_tokens=900)) as events:
+            async for _ in events:
+                # read one event, then stop reading until the other stream has finished
+                await reader_done.wait()
+                stalled_tokens.append(events.progress.completion_tokens)
+                break  # leaving the block cancels this generation
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stalled_client)
+        await wait_for(lambda: batched8_backend.active_threads.count == 1)
+        _, final = await _generate(engine, "The capital of France is", max_tokens=120)
+        reader_done.set()
+    assert final.usage.completion_tokens == 120 or final.reason == "stop"
+    # the stalled one ran at most its window ahead of its reader, plus the pieces in hand
+    assert stalled_tokens
+    assert stalled_tokens[0] <= _WINDOW + 3
+    assert batched8_backend.active_threads.count == 0
+    assert engine.admission.in_use == 0
+
+
+def _text_of(data: bytes) -> str:
+    text = []
+    for match in re.finditer(rb"data: (.*?)\n\n", data, re.S):
+        payload = match.group(1)
+        if payload != b"[DONE]":
+            event = json.loads(payload)
+            if event.get("choices"):
+                text.append(event["choices"][0]["text"])
+    return "".join(text)
+
+
+async def test_cancelling_one_of_eight_mid_decode_leaves_the_others_unchanged(
+    invariant_backend: BatchedLlamaBackend, nursery: trio.Nursery
+) -> None:
+    running = await start_server(nursery, invariant_backend, max_queue=8)
+    others = PROMPTS[1:]
+    async with running.client() as client:
+        solo = []
+        for prompt in others:
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+            solo.append((await client.post("/v1/completions", json=body)).json()["choices"][0]["text"])
+
+    results: dict[int, str] = {}
+
+    async def reader(index: int, prompt: str) -> None:
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+        stream = await RawStream.post(running.url, "/v1/completions", body)
+        with trio.fail_after(60):
+            data = await stream.read_to_eof_or(b"0\r\n\r\n")
+        await stream.aclose()
+        results[index] = _text_of(data)
+
+    async with trio.open_nursery() as clients:
+        victim = await RawStream.post(
+            running.url,
+            "/v1/completions",
+            {"prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0, "stream": True},
+        )
+        for index, prompt in enumerate(others):
+            clients.start_soon(reader, index, prompt)
+        await wait_for(lambda: invariant_backend.active_threads.count == 8)
+        await victim.read_until(b"data: ", 5)  # mid-decode, the others decoding beside it
+        await victim.aclose()
+        await wait_for(lambda: invariant_backend.active_threads.count <= 7)
+    assert [results[i] for i in range(len(others))] == solo
+    health = await running.wait_idle(limit=5.0)
+    assert health["inference_threads"] == 0
+    running.server.shutdown()
+
+
+def test_batch_invariant_mode_measured_its_call_width(invariant_backend: BatchedLlamaBackend) -> None:
+    # the probe found the widest call whose numerics equal a lone sequence's (7 on the
+    # development machine: llama.cpp switches to another matmul kernel at 8 columns)
+    assert 1 <= invariant_backend.max_call_width <= invariant_backend.slots
