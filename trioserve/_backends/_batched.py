@@ -144,7 +144,6 @@ class _Sequence:
         "sampler",
         "send",
         "seq_id",
-        "stalled",
         "token",
     )
 
@@ -165,7 +164,6 @@ class _Sequence:
         self.pos = 0
         self.generated = 0
         self.next_token = -1
-        self.stalled = False
         self.first_chunk_at = 0.0
 
     @property
@@ -358,10 +356,9 @@ class _Scheduler:
             if not s.decoding:
                 prefillers.append(s)
             elif s.generated - s.consumed < _WINDOW:
-                s.stalled = False
                 decoders.append(s)
-            else:
-                s.stalled = True  # paused: its client is not reading
+            # else paused: its client is not reading; its producer wakes us when it
+            # takes a piece (generated - consumed drops below the window)
         # Decode calls list their sequences in seq-id order: llama.cpp splits a
         # multi-sequence batch into equal-length ubatches, and out-of-order ids cost a
         # second graph run (measured: 89 ms instead of 43 ms per step for 8 sequences).
@@ -583,7 +580,9 @@ class BatchedLlamaBackend(LlamaModel):
                     async for piece in sequence.receive:
                         await send.send(piece)
                         sequence.consumed += 1
-                        if sequence.stalled:
+                        # just dropped below the window: the scheduler may be paused on
+                        # it (it only ever reaches the window, never passes it)
+                        if sequence.generated - sequence.consumed == _WINDOW - 1:
                             scheduler.wake()
             finally:
                 if not sequence.removed.is_set():
