@@ -762,6 +762,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argument_parser(__doc__)
     add_threads(p)
     p.add_argument("--ctx-size", type=int, default=4096, help="context size (default: 4096)")
+    p.add_argument(
+        "--trioserve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for `trioserve serve`, repeatable (e.g. --trioserve-arg=--batch)",
+    )
     p.add_argument("--reps", type=int, default=20, help="decode and deadline runs per server (default: 20)")
     p.add_argument(
         "--prefill-reps",
@@ -849,7 +856,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             Path(log_dir),
             threads=args.threads,
             ctx_size=args.ctx_size,
-            trioserve_extra=("--log-level", "info"),
+            trioserve_extra=("--log-level", "info", *args.trioserve_arg),
         )
         for server in servers:
             server.wait_ready(client, args.ready_timeout)

@@ -186,6 +186,11 @@ async def test_cancelling_one_of_eight_mid_decode_leaves_the_others_unchanged(
     assert [results[i] for i in range(len(others))] == solo
     health = await running.wait_idle(limit=5.0)
     assert health["inference_threads"] == 0
+    batch = health["batch"]
+    assert isinstance(batch, dict)
+    assert batch["sequences"] == 0
+    assert batch["batch_invariant"] is True
+    assert batch["max_call_width"] == invariant_backend.max_call_width
     running.server.shutdown()
 
 
@@ -193,3 +198,38 @@ def test_batch_invariant_mode_measured_its_call_width(invariant_backend: Batched
     # the probe found the widest call whose numerics equal a lone sequence's (7 on the
     # development machine: llama.cpp switches to another matmul kernel at 8 columns)
     assert 1 <= invariant_backend.max_call_width <= invariant_backend.slots
+
+
+async def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(
+    batched8_backend: BatchedLlamaBackend,
+) -> None:
+    """A ~800-token prompt arriving while a stream decodes: the running stream keeps
+    getting tokens during the new prompt's prefill (one 64-token chunk per step),
+    instead of waiting ~1 s for the whole prompt."""
+    engine = Engine(batched8_backend, max_queue=8)
+    long_prompt = "The history of the city is long and varied. " * 80
+    progress_during: list[int] = []
+
+    async with trio.open_nursery() as nursery:
+        running = trio.Event()
+
+        async def runner() -> None:
+            async with engine.stream(_request("Once upon a time", max_tokens=900)) as events:
+                async for _ in events:
+                    running.set()
+                    if len(progress_during) == 2:
+                        break
+
+        nursery.start_soon(runner)
+        await running.wait()
+        (stream,) = engine.streams
+        async with engine.stream(_request(long_prompt, max_tokens=3)) as events:
+            progress_during.append(stream.progress.completion_tokens)
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    progress_during.append(stream.progress.completion_tokens)
+                    break
+    assert len(progress_during) == 2
+    # ~13 chunks of 64 tokens: the running stream got a token after (nearly) each
+    assert progress_during[1] - progress_during[0] >= 8, progress_during
+    assert batched8_backend.active_threads.count == 0

@@ -187,6 +187,23 @@ def _deliver(items: Items) -> None:
             sequence.removed.set()
 
 
+def _split(decoders: list[_Sequence], width: int) -> list[list[_Sequence]]:
+    """``decoders`` in as few calls of at most ``width`` as possible, of near-equal
+    sizes: 8 sequences with width 7 decode as 4 + 4 (measured: 62 ms per step) rather
+    than 7 + 1 (67 ms)."""
+    if not decoders:
+        return []
+    calls = -(-len(decoders) // width)
+    size, extra = divmod(len(decoders), calls)
+    groups = []
+    start = 0
+    for i in range(calls):
+        end = start + size + (i < extra)
+        groups.append(decoders[start:end])
+        start = end
+    return groups
+
+
 def _seq_id(sequence: _Sequence) -> int:
     return sequence.seq_id
 
@@ -291,7 +308,7 @@ class _Scheduler:
     # ------------------------------------------------------- scheduler thread
 
     def _runnable(self) -> bool:
-        if self._inbox:
+        if self._inbox and (self._free_ids or any(s.cancelled for s in self._inbox)):
             return True
         for sequence in self._active:
             if sequence.cancelled or not sequence.decoding:
@@ -308,10 +325,16 @@ class _Scheduler:
                         self._condition.wait()
                     if self._stopping:
                         break
+                    # cancelled before it got a sequence id: nothing to clear
+                    gone = [s for s in self._inbox if s.cancelled]
+                    for sequence in gone:
+                        self._inbox.remove(sequence)
                     while self._inbox and self._free_ids:
                         sequence = self._inbox.popleft()
                         sequence.seq_id = self._free_ids.pop()
                         self._active.append(sequence)
+                for sequence in gone:
+                    self._remove(sequence, _CANCELLED)
                 self._step()
         except BaseException as exc:  # pragma: no cover - a bug or a llama.cpp failure
             logger.exception("the batch scheduler failed")
@@ -367,9 +390,8 @@ class _Scheduler:
         # depend on the load.
         settings = self._backend.settings
         decoders.sort(key=_seq_id)
-        width = self.max_call_width
         calls: list[list[tuple[_Sequence, int]]] = [
-            [(s, 0) for s in decoders[i : i + width]] for i in range(0, len(decoders), width)
+            [(s, 0) for s in group] for group in _split(decoders, self.max_call_width)
         ]
         if prefillers:
             first = prefillers[0]
@@ -552,6 +574,22 @@ class BatchedLlamaBackend(LlamaModel):
         """Decode calls stopped by the abort flag (a cancel that owned most of a call)."""
         return self._scheduler.aborted_calls
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the scheduler thread stopped serving, if it failed (then every request
+        fails and ``/health`` says so)."""
+        return self._scheduler._failure
+
+    def stats(self) -> dict[str, object]:
+        """For ``/health``: the batch's shape and counters."""
+        return {
+            "sequences": self.active_threads.count,
+            "max_call_width": self.max_call_width,
+            "batch_invariant": self.settings.batch_invariant,
+            "steps": self.steps,
+            "aborted_calls": self.aborted_calls,
+        }
+
     def _stop_scheduler(self) -> None:
         thread = self._scheduler.stop()
         if thread is not None:
@@ -567,6 +605,8 @@ class BatchedLlamaBackend(LlamaModel):
         send: trio.MemorySendChannel[bytes],
         progress: GenerationProgress,
     ) -> Reason:
+        if prompt.max_new_tokens <= 0:
+            return "length"  # as the per-context backend: nothing to generate
         scheduler = self._scheduler
         sequence = _Sequence(prompt, progress, self._sampler(prompt.request.sampling))
         with self.active_threads:
