@@ -108,12 +108,18 @@ def _decode[T](decoder: msgspec.json.Decoder[T], body: bytes) -> T:
         if message.startswith("Expected `object`, got") and param is None:
             message = "the request body must be a JSON object; " + message[0].lower() + message[1:]
         raise InvalidRequestError(message, param=param or None) from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # msgspec < 0.23 raises UnicodeDecodeError for bad UTF-8, 0.23 a DecodeError
+        # ("Invalid UTF-8 encoded string"): find the offending byte ourselves (only on
+        # this error path), so the message is the same with either.
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            byte = bad.object[bad.start]
+            raise InvalidRequestError(
+                f"the request body is not valid UTF-8: byte 0x{byte:02x} at offset {bad.start}"
+            ) from None
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise InvalidRequestError(
-            f"the request body is not valid UTF-8: byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"
-        ) from None
 
 
 def _check_common(request: _CommonFields) -> None:
