@@ -21,6 +21,7 @@ def main() -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--temperature", type=float, default=None, help="0: greedy, reproducible")
     args = parser.parse_args()
     headers = {"X-Request-Timeout": str(args.timeout)} if args.timeout else None
     with OpenAI(base_url=args.url, api_key="unused") as client:
@@ -29,6 +30,7 @@ def main() -> None:
             messages=[{"role": "user", "content": args.message}],
             max_tokens=args.max_tokens,
             stream=True,
+            **({"temperature": args.temperature} if args.temperature is not None else {}),
             extra_headers=headers,
         )
         finish = None

@@ -72,13 +72,16 @@ def test_openai_stream_example_against_a_server() -> None:
             [
                 sys.executable,
                 str(EXAMPLES / "openai_stream.py"),
-                "Hello",
+                "Tell me a very long story about a dragon.",
                 "--url",
                 url + "/v1",
                 "--max-tokens",
                 "2000",
                 "--timeout",
                 "0.5",
+                # greedy: a random sample could reach end-of-sequence before the deadline
+                "--temperature",
+                "0",
             ],
             capture_output=True,
             text=True,

@@ -595,7 +595,7 @@ class BatchedLlamaBackend(LlamaModel):
         if thread is not None:
             thread.join()
 
-    def _free_contexts_and_model(self) -> None:
+    def _release_contexts(self) -> None:
         self._stop_scheduler()
         self._scheduler.free()
 
@@ -631,7 +631,9 @@ class BatchedLlamaBackend(LlamaModel):
                         await sequence.removed.wait()
         result = sequence.result
         if isinstance(result, BaseException):
-            raise result
+            # one error object can end several sequences (a failed call, a dead
+            # scheduler): give each request its own
+            raise BackendError(str(result)) from None
         if result == "stop" or result == "length":
             return result
         raise BackendError("the sequence was dropped, but its request was not cancelled")

@@ -231,7 +231,8 @@ class LlamaModel(Backend):
         """Create the llama contexts (called once the model and vocabulary are ready)."""
         raise NotImplementedError
 
-    def _free_contexts_and_model(self) -> None:
+    def _release_contexts(self) -> None:
+        """Free the contexts (the model is freed after them)."""
         raise NotImplementedError
 
     # ----------------------------------------------------------------- loading
@@ -268,7 +269,7 @@ class LlamaModel(Backend):
         await trio.to_thread.run_sync(self._free)
 
     def _free(self) -> None:
-        self._free_contexts_and_model()
+        self._release_contexts()
         self.lib.llama_model_free(self.model)
 
     # ------------------------------------------------------------- metadata
@@ -384,7 +385,7 @@ class LlamaBackend(LlamaModel, ThreadedBackend):
         self._contexts = [_Context(self) for _ in range(self.settings.slots)]
         self._free_contexts = list(self._contexts)
 
-    def _free_contexts_and_model(self) -> None:
+    def _release_contexts(self) -> None:
         for context in self._contexts:
             context.free(self.lib)
         self._contexts = []
