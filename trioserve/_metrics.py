@@ -99,6 +99,21 @@ class Metrics:
         )
         self.slots_in_use = Gauge("trioserve_slots_in_use", "Slots held.", registry=registry)
         self.slots_total = Gauge("trioserve_slots", "Slots (capacity).", registry=registry)
+        self.batch_sequences = Gauge(
+            "trioserve_batch_sequences",
+            "Batched backend: sequences in the scheduler (submitted, not yet removed).",
+            registry=registry,
+        )
+        self.batch_steps = Gauge(
+            "trioserve_batch_steps",
+            "Batched backend: decode steps run since start (a counter read at scrape time).",
+            registry=registry,
+        )
+        self.batch_aborted_calls = Gauge(
+            "trioserve_batch_aborted_calls",
+            "Batched backend: llama_decode calls stopped by a cancel that owned most of the call.",
+            registry=registry,
+        )
         # Every label value exists from the start, so dashboards see zeros, not gaps.
         for cause in CANCEL_CAUSES:
             self.cancel_latency.labels(cause=cause)
@@ -112,6 +127,11 @@ class Metrics:
         self.queued_requests.set_function(lambda: admission.queued)
         self.slots_in_use.set_function(lambda: admission.in_use)
         self.slots_total.set_function(lambda: admission.slots)
+        stats = getattr(engine.backend, "stats", None)
+        if stats is not None:  # the batched backend
+            self.batch_sequences.set_function(lambda: stats()["sequences"])
+            self.batch_steps.set_function(lambda: stats()["steps"])
+            self.batch_aborted_calls.set_function(lambda: stats()["aborted_calls"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

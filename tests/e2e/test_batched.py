@@ -191,6 +191,12 @@ async def test_cancelling_one_of_eight_mid_decode_leaves_the_others_unchanged(
     assert batch["sequences"] == 0
     assert batch["batch_invariant"] is True
     assert batch["max_call_width"] == invariant_backend.max_call_width
+    async with running.client() as client:
+        metrics = (await client.get("/metrics")).text
+    assert "trioserve_batch_sequences 0.0" in metrics
+    steps = re.search(r"^trioserve_batch_steps (\S+)$", metrics, re.M)
+    assert steps is not None
+    assert float(steps.group(1)) == invariant_backend.steps > 0
     running.server.shutdown()
 
 
