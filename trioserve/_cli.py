@@ -282,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args.log_level, args.log_format)
     try:
         description, load = _loader(args)
-    except (RuntimeError, FileNotFoundError) as exc:
+    except (RuntimeError, FileNotFoundError, ValueError) as exc:
         logger.error("%s", exc)
         return 2
     if args.model is not None and not args.scripted and not Path(args.model).is_file():

@@ -78,3 +78,35 @@ def test_json_logs_have_one_line_per_request_with_its_id() -> None:
     assert "request req-42 /v1/completions" in lines[0]
     assert "cause=length" in lines[0]
     assert "completion_tokens=3" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prefill-chunk", "32"], "--prefill-chunk and --batch-invariant need --batch"),
+        (["--batch-invariant"], "--prefill-chunk and --batch-invariant need --batch"),
+        (["--batch", "--prefill-chunk", "0"], "prefill_chunk must be in [1, n_batch=512]"),
+    ],
+)
+def test_batch_flags_that_cannot_work_exit_2_with_the_reason(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trioserve._cli import main
+
+    assert main(["serve", "--port", "0", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_batch_serves_and_reports_the_batch_in_health() -> None:
+    with ServerProcess("--batch", "--slots", "4", "--threads", "2", "--ctx-size", "1024") as server:
+        url = server.wait_ready()
+        body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        health = httpx.get(url + "/health").json()
+        exit_code = server.stop(signal.SIGINT)
+    assert answer["usage"]["completion_tokens"] == 8
+    assert health["slots"] == 4
+    assert health["batch"]["sequences"] == 0
+    assert health["batch"]["max_call_width"] == 4
+    assert "batched: 4 sequences of 1024 tokens" in "".join(server.log)
+    assert exit_code == 0
