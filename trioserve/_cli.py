@@ -239,30 +239,23 @@ def _loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backe
         path = default_model_path(progress=sys.stderr.isatty())
     else:
         path = args.model
+    common = {
+        "n_ctx": args.ctx_size,
+        "n_threads": args.threads,
+        "n_batch": args.batch_size,
+        "slots": args.slots,
+        "model_id": args.model_id,
+    }
     if args.batch:
         batched = BatchedLlamaSettings(
-            path,
-            n_ctx=args.ctx_size,
-            n_threads=args.threads,
-            n_batch=args.batch_size,
-            slots=args.slots,
-            model_id=args.model_id,
-            prefill_chunk=args.prefill_chunk,
-            batch_invariant=args.batch_invariant,
+            path, prefill_chunk=args.prefill_chunk, batch_invariant=args.batch_invariant, **common
         )
         description = (
             f"model {path} (batched: {batched.slots} sequences of {batched.n_ctx} tokens, "
             f"{batched.n_threads} threads{', batch-invariant' if batched.batch_invariant else ''})"
         )
         return description, functools.partial(BatchedLlamaBackend.aload, batched)
-    settings = LlamaSettings(
-        path,
-        n_ctx=args.ctx_size,
-        n_threads=args.threads,
-        n_batch=args.batch_size,
-        slots=args.slots,
-        model_id=args.model_id,
-    )
+    settings = LlamaSettings(path, **common)
     description = (
         f"model {path} (context {settings.n_ctx}, {settings.n_threads} threads, {settings.slots} slot(s))"
     )

@@ -7,6 +7,7 @@ observed once per request, and the gauges are read from the engine only when
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -127,11 +128,15 @@ class Metrics:
         self.queued_requests.set_function(lambda: admission.queued)
         self.slots_in_use.set_function(lambda: admission.in_use)
         self.slots_total.set_function(lambda: admission.slots)
-        stats = getattr(engine.backend, "stats", None)
-        if stats is not None:  # the batched backend
-            self.batch_sequences.set_function(lambda: stats()["sequences"])
-            self.batch_steps.set_function(lambda: stats()["steps"])
-            self.batch_aborted_calls.set_function(lambda: stats()["aborted_calls"])
+        backend = engine.backend
+        if backend.stats() is not None:  # the batched backend
+
+            def stat(name: str) -> Callable[[], float]:
+                return lambda: float(backend.stats()[name])  # type: ignore[index, arg-type]
+
+            self.batch_sequences.set_function(stat("sequences"))
+            self.batch_steps.set_function(stat("steps"))
+            self.batch_aborted_calls.set_function(stat("aborted_calls"))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -239,3 +239,57 @@ async def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(
     # ~13 chunks of 64 tokens: the running stream got a token after (nearly) each
     assert progress_during[1] - progress_during[0] >= 8, progress_during
     assert batched8_backend.active_threads.count == 0
+
+
+async def test_a_cancel_that_aborts_a_shared_call_leaves_the_other_sequence_unchanged(
+    invariant_backend: BatchedLlamaBackend,
+) -> None:
+    """Two streams decode in one call; cancelling one owns half of it, so the call is
+    aborted mid-graph. The survivor's cells written by the aborted call are removed and
+    its entry decoded again: its text must equal its solo text. Repeated until a cancel
+    has landed inside a call (the abort counter moves), at most 10 times."""
+    engine = Engine(invariant_backend, max_queue=8)
+    survivor_prompt = "The capital of France is"
+    solo, _ = await _generate(engine, survivor_prompt, max_tokens=60)
+    aborted = invariant_backend.aborted_calls
+    texts: list[str] = []
+
+    async def survivor() -> None:
+        text, _ = await _generate(engine, survivor_prompt, max_tokens=60)
+        texts.append(text)
+
+    for _ in range(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(survivor)
+            with trio.CancelScope() as victim_scope:
+                async with engine.stream(_request("Once upon a time", max_tokens=900)) as events:
+                    seen = 0
+                    async for event in events:
+                        seen += isinstance(event, TextDelta)
+                        if seen == 5:
+                            victim_scope.cancel()
+        if invariant_backend.aborted_calls > aborted:
+            break
+    assert invariant_backend.aborted_calls > aborted, "no cancel landed inside a shared call"
+    assert texts
+    assert all(text == solo for text in texts)
+    assert invariant_backend.active_threads.count == 0
+
+
+async def test_health_is_503_once_the_scheduler_has_failed(
+    batched8_backend: BatchedLlamaBackend, nursery: trio.Nursery
+) -> None:
+    running = await start_server(nursery, batched8_backend)
+    scheduler = batched8_backend._scheduler
+    scheduler.failure = RuntimeError("llama_decode crashed")  # what _run records
+    try:
+        async with running.client() as client:
+            response = await client.get("/health")
+            body = {"prompt": "Hi", "max_tokens": 2}
+            completion = await client.post("/v1/completions", json=body)
+    finally:
+        scheduler.failure = None
+    assert response.status_code == 503
+    assert response.json() == {"status": "error", "error": "llama_decode crashed"}
+    assert completion.status_code >= 500  # every request would fail: it is refused
+    running.server.shutdown()

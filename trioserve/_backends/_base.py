@@ -128,6 +128,17 @@ class Backend(ABC):
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release the model. Called once, when the engine closes."""
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the backend can no longer serve, if it broke (``/health`` then answers
+        503). Default: never."""
+        return None
+
+    def stats(self) -> dict[str, object] | None:
+        """Backend-specific figures for ``/health`` (the batched backend: its batch).
+        Default: none."""
+        return None
+
 
 class ActiveThreads:
     """Counts inference threads that are inside a generation right now.

@@ -71,7 +71,7 @@ import trio
 
 from .._exceptions import BackendError
 from ._base import ActiveThreads, GenerationProgress, PreparedPrompt
-from ._llama import LlamaModel, LlamaSettings, _make_abort_callback
+from ._llama import LlamaModel, LlamaSettings, _Context
 
 __all__ = ["BatchedLlamaBackend", "BatchedLlamaSettings"]
 
@@ -222,30 +222,12 @@ class _Scheduler:
 
     def __init__(self, backend: BatchedLlamaBackend) -> None:
         self._backend = backend
-        lib = backend.lib
         settings = backend.settings
-        params = lib.llama_context_default_params()
-        params.n_ctx = settings.n_ctx * settings.slots
-        params.n_batch = settings.n_batch
-        params.n_ubatch = settings.n_batch
-        params.n_seq_max = settings.slots
-        params.kv_unified = False
-        params.n_threads = settings.n_threads
-        params.n_threads_batch = settings.n_threads
-        ctx = lib.llama_init_from_model(backend.model, params)
-        if not ctx:
-            raise BackendError(
-                f"llama.cpp could not create a context for {settings.slots} sequences "
-                f"of {settings.n_ctx} tokens"
-            )
-        self.ctx = ctx
-        self.memory = lib.llama_get_memory(ctx)
-        self.batch = lib.llama_batch_init(settings.n_batch, 0, 1)
-        for i in range(settings.n_batch):
-            self.batch.n_seq_id[i] = 1
-        self.abort_flag = ctypes.c_ubyte(0)
-        self._abort_callback, self.abort_flag_used = _make_abort_callback(lib)
-        lib.llama_set_abort_callback(ctx, self._abort_callback, ctypes.addressof(self.abort_flag))
+        self.context = _Context(backend, sequences=settings.slots)
+        self.ctx = self.context.ctx
+        self.memory = self.context.memory
+        self.batch = self.context.batch
+        self.abort_flag = self.context.abort_flag
         self._condition = threading.Condition()
         self._inbox: deque[_Sequence] = deque()
         self._active: list[_Sequence] = []
@@ -255,7 +237,8 @@ class _Scheduler:
         self._in_flight_tokens = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._failure: BaseException | None = None
+        #: why the thread stopped serving, if it failed
+        self.failure: BaseException | None = None
         self.steps = 0
         self.aborted_calls = 0
         #: widest decode call whose numerics equal a lone sequence's (batch-invariant mode)
@@ -267,8 +250,8 @@ class _Scheduler:
     # ------------------------------------------------------------ Trio side
 
     def submit(self, sequence: _Sequence) -> None:
-        if self._failure is not None:
-            raise BackendError(f"the batch scheduler has failed: {self._failure}")
+        if self.failure is not None:
+            raise BackendError(f"the batch scheduler has failed: {self.failure}")
         with self._condition:
             if self._stopping:
                 raise BackendError("the backend is closed")
@@ -301,9 +284,7 @@ class _Scheduler:
         return self._thread
 
     def free(self) -> None:
-        lib = self._backend.lib
-        lib.llama_batch_free(self.batch)
-        lib.llama_free(self.ctx)
+        self.context.free(self._backend.lib)
 
     # ------------------------------------------------------- scheduler thread
 
@@ -338,9 +319,9 @@ class _Scheduler:
                 self._step()
         except BaseException as exc:  # pragma: no cover - a bug or a llama.cpp failure
             logger.exception("the batch scheduler failed")
-            self._failure = exc
+            self.failure = exc
         finally:
-            failure = self._failure or BackendError("the server is shutting down")
+            failure = self.failure or BackendError("the server is shutting down")
             with self._condition:
                 leaving = self._active + list(self._inbox)
                 self._active = []
@@ -451,7 +432,11 @@ class _Scheduler:
         with self._condition:
             self._in_flight = {}
         if result == _DECODE_ABORTED:
-            # Cells this call wrote stay in memory: remove them; survivors redo the call.
+            # Survivors redo the call from the same state. llama.cpp rolls back the
+            # ubatch it was computing (a mutation test removing the line below still
+            # passed the shared-call abort test), but "processed ubatches remain in
+            # the context's memory" (llama.h) when a call was split: remove every cell
+            # this call may have written.
             self.aborted_calls += 1
             for sequence, count in call:
                 start = sequence.pos if count == 0 else sequence.prefilled
@@ -578,7 +563,7 @@ class BatchedLlamaBackend(LlamaModel):
     def failure(self) -> BaseException | None:
         """Why the scheduler thread stopped serving, if it failed (then every request
         fails and ``/health`` says so)."""
-        return self._scheduler._failure
+        return self._scheduler.failure
 
     def stats(self) -> dict[str, object]:
         """For ``/health``: the batch's shape and counters."""

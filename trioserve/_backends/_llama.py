@@ -166,21 +166,29 @@ class LlamaSettings:
 
 
 class _Context:
-    """One llama context with its batch and scratch buffer. Used by one thread at a time."""
+    """One llama context with its batch and abort flag. Used by one thread at a time.
 
-    def __init__(self, backend: LlamaModel) -> None:
+    ``sequences`` > 1 (the batched backend): room for that many sequences of
+    ``settings.n_ctx`` tokens each, in a non-unified KV cache (each sequence owns its
+    cells; attention never reads another sequence's)."""
+
+    def __init__(self, backend: LlamaModel, *, sequences: int = 1) -> None:
         lib = backend.lib
         settings = backend.settings
         params = lib.llama_context_default_params()
-        params.n_ctx = settings.n_ctx
+        params.n_ctx = settings.n_ctx * sequences
         params.n_batch = settings.n_batch
         params.n_ubatch = settings.n_batch
         params.n_threads = settings.n_threads
         params.n_threads_batch = settings.n_threads
-        params.n_seq_max = 1
+        params.n_seq_max = sequences
+        if sequences > 1:
+            params.kv_unified = False
         ctx = lib.llama_init_from_model(backend.model, params)
         if not ctx:
-            raise BackendError(f"llama.cpp could not create a context of {settings.n_ctx} tokens")
+            raise BackendError(
+                f"llama.cpp could not create a context for {sequences} sequence(s) of {settings.n_ctx} tokens"
+            )
         self.ctx = ctx
         self.memory = lib.llama_get_memory(ctx)
         self.n_batch = settings.n_batch

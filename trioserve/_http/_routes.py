@@ -85,13 +85,13 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
             return _json_response({"status": status, "error": state.load_error}, 503, {"Retry-After": "1"})
         engine = state.engine
         threads = getattr(engine.backend, "active_threads", None)
-        failure = getattr(engine.backend, "failure", None)
-        if failure is not None:  # the batched backend's scheduler thread died
+        failure = engine.backend.failure
+        if failure is not None:  # e.g. the batched backend's scheduler thread died
             return _json_response({"status": "error", "error": str(failure)}, 503)
         body: dict[str, object] = {}
-        stats = getattr(engine.backend, "stats", None)
+        stats = engine.backend.stats()
         if stats is not None:
-            body["batch"] = stats()
+            body["batch"] = stats
         return _json_response(
             {
                 **body,
