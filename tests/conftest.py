@@ -13,13 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import trio
 
-from trioserve import (
-    BatchedLlamaBackend,
-    BatchedLlamaSettings,
-    LlamaBackend,
-    LlamaSettings,
-    default_model_path,
-)
+from trioserve import LlamaBackend, LlamaSettings, default_model_path
 
 from ._helpers import RunningServer, start_server
 
@@ -33,37 +27,34 @@ def model_path() -> str:
 
 @pytest.fixture(scope="session")
 def llama_backend(model_path: str) -> Iterator[LlamaBackend]:
+    """One sequence: the queued phase needs only one holder."""
     backend = LlamaBackend.load(LlamaSettings(model_path, n_ctx=4096, n_threads=THREADS, slots=1))
     yield backend
     backend._free()
 
 
 @pytest.fixture(scope="session")
-def batched_backend(model_path: str) -> Iterator[BatchedLlamaBackend]:
-    """The batched backend with two sequences: the cancellation matrix runs against it
-    (the queued phase occupies both)."""
-    backend = BatchedLlamaBackend.load(
-        BatchedLlamaSettings(model_path, n_ctx=4096, n_threads=THREADS, slots=2)
-    )
+def batched_backend(model_path: str) -> Iterator[LlamaBackend]:
+    """Two sequences: the cancellation matrix runs against it too (the queued phase
+    occupies both), so a cancel of one sequence beside another is covered."""
+    backend = LlamaBackend.load(LlamaSettings(model_path, n_ctx=4096, n_threads=THREADS, slots=2))
     yield backend
     backend._free()
 
 
 @pytest.fixture(scope="session")
-def batched8_backend(model_path: str) -> Iterator[BatchedLlamaBackend]:
-    """The batched backend with eight sequences, throughput mode."""
-    backend = BatchedLlamaBackend.load(
-        BatchedLlamaSettings(model_path, n_ctx=1024, n_threads=THREADS, slots=8)
-    )
+def batched8_backend(model_path: str) -> Iterator[LlamaBackend]:
+    """Eight sequences, throughput mode (the default settings but a smaller context)."""
+    backend = LlamaBackend.load(LlamaSettings(model_path, n_ctx=1024, n_threads=THREADS, slots=8))
     yield backend
     backend._free()
 
 
 @pytest.fixture(scope="session")
-def invariant_backend(model_path: str) -> Iterator[BatchedLlamaBackend]:
-    """The batched backend with eight sequences in batch-invariant mode."""
-    backend = BatchedLlamaBackend.load(
-        BatchedLlamaSettings(model_path, n_ctx=1024, n_threads=THREADS, slots=8, batch_invariant=True)
+def invariant_backend(model_path: str) -> Iterator[LlamaBackend]:
+    """Eight sequences in batch-invariant mode."""
+    backend = LlamaBackend.load(
+        LlamaSettings(model_path, n_ctx=1024, n_threads=THREADS, slots=8, batch_invariant=True)
     )
     yield backend
     backend._free()

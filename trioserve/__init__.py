@@ -11,8 +11,6 @@ private.
 
 from ._backends import (
     Backend,
-    BatchedLlamaBackend,
-    BatchedLlamaSettings,
     GenerationProgress,
     LlamaBackend,
     LlamaSettings,
@@ -23,6 +21,7 @@ from ._backends import (
     UpstreamBackend,
     UpstreamState,
 )
+from ._channel import Aborted, PieceChannel
 from ._engine import Engine, EventStream, StreamTimings
 from ._exceptions import (
     AuthenticationError,
@@ -45,11 +44,10 @@ from ._server import Server, ServerSettings, serve_until_signalled
 from ._types import EndCause, Finished, GenerationRequest, SamplingParams, TextDelta, Usage
 
 __all__ = [
+    "Aborted",
     "AuthenticationError",
     "Backend",
     "BackendError",
-    "BatchedLlamaBackend",
-    "BatchedLlamaSettings",
     "ContextLengthError",
     "DeadlineExceededError",
     "EndCause",
@@ -68,6 +66,7 @@ __all__ = [
     "NotFoundError",
     "OverloadedError",
     "PayloadTooLargeError",
+    "PieceChannel",
     "PreparedPrompt",
     "SamplingParams",
     "ScriptedBackend",

@@ -16,8 +16,6 @@ import trio
 
 from ._backends import (
     Backend,
-    BatchedLlamaBackend,
-    BatchedLlamaSettings,
     LlamaBackend,
     LlamaSettings,
     ScriptedBackend,
@@ -47,30 +45,29 @@ def _parser() -> argparse.ArgumentParser:
     model = serve.add_argument_group("model")
     model.add_argument("--model", type=Path, help="path to a GGUF file (default: Gemma 3 270M, from PyPI)")
     model.add_argument("--model-id", help="the model name clients use (default: the file name)")
-    model.add_argument("--ctx-size", type=int, default=4096, help="context length per slot (default: 4096)")
     model.add_argument(
-        "--threads", type=int, default=None, help="CPU threads per decode (default: cores / slots)"
+        "--ctx-size", type=int, default=4096, help="context length per sequence (default: 4096)"
     )
+    model.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     model.add_argument(
         "--batch-size", type=int, default=512, help="prompt tokens per prefill step (default: 512)"
     )
     model.add_argument(
         "--batch",
         action="store_true",
-        help="decode all running requests together in one context (batched backend): "
-        "--slots is then the number of sequences (default: 8) and --threads defaults to all cores",
+        help=argparse.SUPPRESS,  # batched decoding is the default now; kept for old scripts
     )
     model.add_argument(
         "--prefill-chunk",
         type=int,
         default=64,
-        help="with --batch: prompt tokens per step while other requests decode (default: 64)",
+        help="prompt tokens per step while other requests decode (default: 64)",
     )
     model.add_argument(
         "--batch-invariant",
         action="store_true",
-        help="with --batch: make each request's numerics independent of the others, so a "
-        "temperature-0 text equals the request's text alone (costs throughput at high concurrency)",
+        help="make each request's numerics independent of the others, so a temperature-0 "
+        "text equals the request's text alone (costs throughput at high concurrency)",
     )
     model.add_argument(
         "--scripted",
@@ -105,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
         "--slots",
         type=int,
         default=None,
-        help="generations at once (default: 1; with --batch: 8); with --upstream, per upstream (default: 8)",
+        help="generations at once: sequences decoded together (default: 8); with --upstream, "
+        "per upstream (default: 8)",
     )
     admission.add_argument(
         "--max-queue", type=int, default=16, help="requests waiting for a slot (default: 16)"
@@ -220,10 +218,12 @@ def _loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backe
             api_key=os.environ.get("TRIOSERVE_UPSTREAM_API_KEY") or None,
         )
         return f"upstream(s) {', '.join(args.upstream)} ({slots} slot(s) each)", load
-    if (args.prefill_chunk != 64 or args.batch_invariant) and not args.batch:
-        raise RuntimeError("--prefill-chunk and --batch-invariant need --batch")
+    if args.batch:
+        logger.warning("--batch is the default now (and the only llama backend); the flag does nothing")
     if args.slots is None:
-        args.slots = 8 if args.batch else 1
+        args.slots = 8
+    if args.slots < 1:
+        raise RuntimeError(f"--slots must be at least 1, got {args.slots}")
     if args.scripted:
         backend = ScriptedBackend(
             token_interval=args.scripted_interval, slots=args.slots, context_length=args.ctx_size
@@ -239,25 +239,19 @@ def _loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backe
         path = default_model_path(progress=sys.stderr.isatty())
     else:
         path = args.model
-    common = {
-        "n_ctx": args.ctx_size,
-        "n_threads": args.threads,
-        "n_batch": args.batch_size,
-        "slots": args.slots,
-        "model_id": args.model_id,
-    }
-    if args.batch:
-        batched = BatchedLlamaSettings(
-            path, prefill_chunk=args.prefill_chunk, batch_invariant=args.batch_invariant, **common
-        )
-        description = (
-            f"model {path} (batched: {batched.slots} sequences of {batched.n_ctx} tokens, "
-            f"{batched.n_threads} threads{', batch-invariant' if batched.batch_invariant else ''})"
-        )
-        return description, functools.partial(BatchedLlamaBackend.aload, batched)
-    settings = LlamaSettings(path, **common)
+    settings = LlamaSettings(
+        path,
+        n_ctx=args.ctx_size,
+        n_threads=args.threads,
+        n_batch=args.batch_size,
+        slots=args.slots,
+        prefill_chunk=args.prefill_chunk,
+        batch_invariant=args.batch_invariant,
+        model_id=args.model_id,
+    )
     description = (
-        f"model {path} (context {settings.n_ctx}, {settings.n_threads} threads, {settings.slots} slot(s))"
+        f"model {path} ({settings.slots} sequences of {settings.n_ctx} tokens, "
+        f"{settings.n_threads} threads{', batch-invariant' if settings.batch_invariant else ''})"
     )
     return description, functools.partial(LlamaBackend.aload, settings)
 

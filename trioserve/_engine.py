@@ -3,20 +3,22 @@
 ::
 
     engine.stream(request)                         ← caller's cancel scopes around all of it
+      engine's scope for this stream               ← Engine.aclose() cancels it
       admission.slot()                             queued: a Trio wait, FIFO, bounded
         nursery ──────────────────────────────────────────────────────────────┐
-          producer task:  backend.generate(prompt, send)                      │
-                            └─ to_thread.run_sync(infer)   token bytes ──┐    │
-                               abort callback + check_cancelled()        │    │
-          consumer (the caller's body):                    channel (cap 0)    │
-            async for event in stream  ◀── receive ◀─────────────────────┘    │
+          producer task:  backend.generate(prompt, channel)                   │
+                            └─ thread / scheduler / upstream  pieces ──┐      │
+          consumer (the caller's body):                PieceChannel     │      │
+            async for event in stream  ◀── receive_batch ◀──────────────┘      │
               UTF-8 assembly → stop sequences → TextDelta / Finished          │
         ◀─────────────────────────────────────────────────────────────────────┘
-      slot released
+      slot released (when inference ends)
 
 Leaving the ``async with`` — normally, by ``break``, by an exception or by a cancel of
-any enclosing scope — cancels the producer and waits for its thread to return. So when
-``stream()`` has exited, no thread, task or slot of the request is left.
+any enclosing scope — cancels the producer and waits for its inference to return. So
+when ``stream()`` has exited, no thread, task or slot of the request is left. An
+exception raised in the body comes out of ``stream()`` as itself, never wrapped in an
+exception group (:func:`~trioserve._errors.unwrap_group`).
 """
 
 from __future__ import annotations
@@ -33,15 +35,20 @@ import trio
 
 from ._admission import Admission, Reservation, SlotLease
 from ._backends._base import Backend, GenerationProgress, PreparedPrompt
-from ._exceptions import BackendError, TrioserveError
+from ._channel import PieceChannel
+from ._errors import unwrap_group
+from ._exceptions import BackendError, ServiceUnavailableError, TrioserveError
 from ._text import TextAssembler
 from ._types import Finished, GenerationRequest, TextDelta, Usage
 
-__all__ = ["Engine", "EventStream", "StreamTimings"]
+__all__ = ["WINDOW", "Engine", "EventStream", "StreamTimings"]
 
 logger = logging.getLogger("trioserve.engine")
 
 Event = TextDelta | Finished
+
+#: how many pieces a producer may run ahead of its consumer (the channel's capacity)
+WINDOW = 8
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,6 +57,8 @@ class StreamTimings:
 
     created: float
     admitted: float | None = None
+    #: when the slot was given back (inference ended)
+    released: float | None = None
     first_token: float | None = None
     finished: float | None = None
 
@@ -68,18 +77,22 @@ class EventStream:
     Iterate it with ``async for`` inside ``engine.stream(...)``. Iteration ends after
     the :class:`Finished` event. If the block is left before that, the generation is
     cancelled and torn down when the block exits.
+
+    A :class:`TextDelta` carries all the text that is ready when the consumer asks: one
+    token's while the consumer keeps up, several when it has fallen behind (so a slow
+    client costs one write for many tokens, not one each).
     """
 
     def __init__(
         self,
         prompt: PreparedPrompt,
-        receive: trio.MemoryReceiveChannel[bytes],
+        channel: PieceChannel,
         progress: GenerationProgress,
         producer_scope: trio.CancelScope,
         timings: StreamTimings,
     ) -> None:
         self._prompt = prompt
-        self._receive = receive
+        self._channel = channel
         self._progress = progress
         self._producer_scope = producer_scope
         self._assembler = TextAssembler(prompt.request.stop)
@@ -115,15 +128,23 @@ class EventStream:
             raise StopAsyncIteration
         if self._stopped_by_sequence:
             return await self._finish()
-        receive = self._receive.receive
-        assembler = self._assembler
+        receive = self._channel.receive_batch
+        feed = self._assembler.feed
         while True:
             try:
-                piece = await receive()
+                pieces = await receive()
             except trio.EndOfChannel:
                 return await self._finish()
-            text = assembler.feed(piece)
-            if assembler.stopped:
+            if len(pieces) == 1:
+                text = feed(pieces[0])
+            else:
+                parts = []
+                for piece in pieces:
+                    parts.append(feed(piece))
+                    if self._assembler.stopped:
+                        break
+                text = "".join(parts)
+            if self._assembler.stopped:
                 # A stop sequence: the rest of the generation is unwanted. Cancel the
                 # producer now; _finish() waits for it to be gone.
                 self._stopped_by_sequence = True
@@ -142,8 +163,12 @@ class EventStream:
     async def _finish(self) -> Event:
         # Wait until the producer has closed the channel: its thread has returned and
         # the usage counters are final. Nothing sent after a stop sequence is shown.
-        async for _ in self._receive:
-            pass
+        receive = self._channel.receive_batch
+        while True:
+            try:
+                await receive()
+            except trio.EndOfChannel:
+                break
         tail = ""
         if not self._stopped_by_sequence and self.backend_error is None:
             tail = self._assembler.flush()
@@ -174,7 +199,7 @@ class Engine:
                     ...
 
     Args:
-        backend: what makes the tokens.
+        backend: what makes tokens.
         max_queue: how many requests may wait for a slot before new ones are refused
             with :class:`OverloadedError`.
     """
@@ -189,6 +214,12 @@ class Engine:
         #: streams between admission and teardown (for health checks, metrics, tests)
         self.streams: set[EventStream] = set()
         self._ewma_service_seconds: float | None = None
+        #: one cancel scope per stream() in progress, queued ones included
+        self._scopes: set[trio.CancelScope] = set()
+        self._idle = trio.Event()
+        self._idle.set()
+        self._closing = False
+        self._closed = False
 
     async def __aenter__(self) -> Self:
         return self
@@ -199,8 +230,24 @@ class Engine:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        await self.aclose()
+
+    async def aclose(self, *, close_backend: bool = True) -> None:
+        """Stop serving: refuse new streams, cancel the running ones (also those in a
+        caller's own nursery) and wait until their inference has returned; then close
+        the backend. A stream cancelled this way raises :class:`ServiceUnavailableError`
+        (code ``engine_closed``) out of its ``async with``. Idempotent.
+
+        Cancellation: shielded — the model is never freed while a thread still uses it.
+        """
+        self._closing = True
+        for scope in self._scopes:
+            scope.cancel()
         with trio.CancelScope(shield=True):
-            await self.backend.aclose()
+            await self._idle.wait()
+            if close_backend and not self._closed:
+                self._closed = True
+                await self.backend.aclose()
 
     async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
         """Tokenize and validate ``request``; raises :class:`InvalidRequestError` and
@@ -215,42 +262,72 @@ class Engine:
 
         Args:
             request: what to generate.
-            reservation: a place taken earlier with ``engine.admission.reserve()``.
+            reservation: a place taken earlier with ``engine.admission.reserve()``;
+                it is given back however this ends (an invalid request included).
 
         Raises:
             InvalidRequestError: (and subclasses) the request cannot be served.
             OverloadedError: the queue is full or the deadline cannot be met.
+            ServiceUnavailableError: the engine is closed, or closed during the stream.
+
+        Exceptions raised in the body come out as themselves.
 
         Cancellation: cancelling any scope around this block — while queued, during
         prefill, during decode, or while the body is slow to read — cancels the
-        generation. When the block exits, the inference thread has returned, the slot
-        is free and the model state is reset; the ``Cancelled`` then propagates as usual.
+        generation. When the block exits, the inference has returned, the slot is
+        free and the model state is reset; the ``Cancelled`` then propagates as usual.
         """
         timings = StreamTimings(created=time.perf_counter())
-        prepared = request if isinstance(request, PreparedPrompt) else await self.prepare(request)
-        async with self.admission.slot(reservation) as lease:
-            timings.admitted = time.perf_counter()
-            send, receive = trio.open_memory_channel[bytes](0)
-            progress = GenerationProgress(len(prepared.tokens))
-            producer_scope = trio.CancelScope()
-            events = EventStream(prepared, receive, progress, producer_scope, timings)
-            self.streams.add(events)
-            try:
-                async with trio.open_nursery() as nursery, receive:
-                    nursery.start_soon(self._produce, prepared, send, progress, producer_scope, events, lease)
+        try:
+            if self._closing:
+                raise ServiceUnavailableError("the engine is closed", code="engine_closed")
+            scope = trio.CancelScope()
+            self._scopes.add(scope)
+            self._idle = trio.Event() if self._idle.is_set() else self._idle
+        except BaseException:
+            if reservation is not None:
+                reservation.release()
+            raise
+        try:
+            with scope:
+                try:
+                    prepared = request if isinstance(request, PreparedPrompt) else await self.prepare(request)
+                except BaseException:
+                    if reservation is not None:
+                        reservation.release()
+                    raise
+                async with self.admission.slot(reservation) as lease:
+                    timings.admitted = time.perf_counter()
+                    channel = PieceChannel(WINDOW)
+                    progress = GenerationProgress(len(prepared.tokens))
+                    producer_scope = trio.CancelScope()
+                    events = EventStream(prepared, channel, progress, producer_scope, timings)
+                    self.streams.add(events)
                     try:
-                        yield events
+                        with unwrap_group():
+                            async with trio.open_nursery() as nursery:
+                                nursery.start_soon(
+                                    self._produce, prepared, channel, progress, producer_scope, events, lease
+                                )
+                                try:
+                                    yield events
+                                finally:
+                                    # However the body ended, the producer has no reader any more.
+                                    producer_scope.cancel()
+                                    channel.close_receiving()
                     finally:
-                        # However the body ended, the producer has no reader any more.
-                        producer_scope.cancel()
-            finally:
-                self.streams.discard(events)
-                self._record_service_time(timings)
+                        self.streams.discard(events)
+        finally:
+            self._scopes.discard(scope)
+            if not self._scopes:
+                self._idle.set()
+        if scope.cancelled_caught:
+            raise ServiceUnavailableError("the engine closed while this stream ran", code="engine_closed")
 
     async def _produce(
         self,
         prompt: PreparedPrompt,
-        send: trio.MemorySendChannel[bytes],
+        channel: PieceChannel,
         progress: GenerationProgress,
         producer_scope: trio.CancelScope,
         events: EventStream,
@@ -258,10 +335,10 @@ class Engine:
     ) -> None:
         # The slot is inference capacity: it is given back the moment inference ends,
         # even if the consumer is still stuck sending to a client that stopped reading.
-        async with send:  # closing it is how the consumer learns the end: no sentinel
+        try:
             with producer_scope:
                 try:
-                    events.backend_result = await self.backend.generate(prompt, send, progress)
+                    events.backend_result = await self.backend.generate(prompt, channel, progress)
                 except trio.BrokenResourceError:
                     # the consumer closed its end: it is leaving; nothing to report
                     pass
@@ -273,11 +350,18 @@ class Engine:
                     )
                 finally:
                     lease.release()
+                    self._record_service_time(events.timings)
+        finally:
+            channel.close()  # how the consumer learns the end: no sentinel
 
     def _record_service_time(self, timings: StreamTimings) -> None:
+        """The admission estimate behind ``Retry-After`` and ``deadline_unreachable``:
+        how long a slot was held (admission → inference ended), not how long the
+        client took to read."""
         if timings.admitted is None:
             return
-        seconds = time.perf_counter() - timings.admitted
+        timings.released = time.perf_counter()
+        seconds = timings.released - timings.admitted
         previous = self._ewma_service_seconds
         self._ewma_service_seconds = seconds if previous is None else 0.8 * previous + 0.2 * seconds
         self.admission.expected_service_time = self._ewma_service_seconds

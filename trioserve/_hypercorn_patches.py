@@ -1,4 +1,5 @@
-"""A fix for hypercorn's HTTP/2 send buffer, applied when trioserve serves.
+"""Two changes to hypercorn, applied when trioserve serves: a fix for its HTTP/2 send
+buffer, and a registry of connections (for trioserve's stall timer, at the end).
 
 hypercorn (0.17, 0.18) buffers each HTTP/2 response stream in a ``StreamBuffer`` that
 should pause the application once 32 KiB are waiting. ``StreamBuffer.pop`` resumes the
@@ -16,9 +17,10 @@ the class still looks as expected, and leaves it alone otherwise.
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
-__all__ = ["patch_hypercorn_h2_backpressure"]
+__all__ = ["patch_hypercorn_connection_registry", "patch_hypercorn_h2_backpressure", "shut_down_connection"]
 
 logger = logging.getLogger("trioserve.server")
 
@@ -49,4 +51,71 @@ def patch_hypercorn_h2_backpressure() -> bool:
 
     pop._trioserve_fixed = True  # type: ignore[attr-defined]
     buffer_class.pop = pop
+    return True
+
+
+# ------------------------------------------------------------------ connections
+
+#: open HTTP connections of hypercorn's trio worker, by (client, server) address as the
+#: ASGI scope names them: what trioserve's stall timer shuts down
+_CONNECTIONS: dict[tuple[object, object], socket.socket] = {}
+
+
+def patch_hypercorn_connection_registry() -> bool:
+    """Record each connection's socket while hypercorn serves it, so that the
+    application can end a connection whose client stopped reading (the ASGI ``send``
+    of hypercorn's trio worker is shielded: no cancel can interrupt it; shutting the
+    socket down can). Wraps ``TCPServer.run`` and nothing else."""
+    try:
+        from hypercorn.trio import tcp_server
+        from hypercorn.utils import parse_socket_addr
+    except ImportError:  # pragma: no cover
+        return False
+    server_class: Any = getattr(tcp_server, "TCPServer", None)
+    if server_class is None or not hasattr(server_class, "run"):  # pragma: no cover
+        logger.warning("hypercorn's TCPServer changed; stalled connections are left to the kernel")
+        return False
+    if getattr(server_class.run, "_trioserve_registry", False):
+        return True
+    original = server_class.run
+
+    async def run(self: Any) -> None:
+        key = None
+        stream = getattr(self.stream, "transport_stream", self.stream)  # under TLS
+        sock = getattr(stream, "socket", None)
+        if sock is not None:
+            try:
+                key = (
+                    parse_socket_addr(sock.family, sock.getpeername()),
+                    parse_socket_addr(sock.family, sock.getsockname()),
+                )
+                _CONNECTIONS[key] = sock
+            except OSError:  # already gone
+                key = None
+        try:
+            await original(self)
+        finally:
+            if key is not None:
+                _CONNECTIONS.pop(key, None)
+
+    run._trioserve_registry = True  # type: ignore[attr-defined]
+    server_class.run = run
+    return True
+
+
+def shut_down_connection(client: object, server: object) -> bool:
+    """Shut down the connection of an ASGI scope's ``client``/``server``: its blocked
+    send fails at once, hypercorn closes it and the application receives
+    ``http.disconnect``. Returns whether the connection was found."""
+    key = (
+        tuple(client) if isinstance(client, list | tuple) else client,
+        tuple(server) if isinstance(server, list | tuple) else server,
+    )
+    sock = _CONNECTIONS.get(key)
+    if sock is None:
+        return False
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        return False
     return True

@@ -28,8 +28,9 @@ from hypercorn.utils import wrap_app
 from ._access import AccessPolicy
 from ._backends._base import Backend
 from ._engine import Engine
+from ._errors import unwrap_group
 from ._http import FINAL_EVENT_TIMEOUT, HTTPSettings, ServerState, create_app
-from ._hypercorn_patches import patch_hypercorn_h2_backpressure
+from ._hypercorn_patches import patch_hypercorn_connection_registry, patch_hypercorn_h2_backpressure
 
 __all__ = ["Server", "ServerSettings", "serve_until_signalled"]
 
@@ -44,10 +45,10 @@ def tune_listening_socket(sock: socket.socket, settings: ServerSettings) -> None
     """Socket options that accepted connections inherit from the listening socket.
 
     hypercorn's trio worker sends inside a *shielded* cancel scope, so no cancel can
-    interrupt a send to a client that has stopped reading. The kernel can: with
-    ``TCP_USER_TIMEOUT``, a connection whose peer accepts no data for that long
-    (zero window included) is reset, the blocked send fails, and the request sees a
-    disconnect. ``TCP_NOTSENT_LOWAT`` bounds the bytes waiting in the kernel to be sent,
+    interrupt a send to a client that has stopped reading. trioserve's stall timer
+    shuts such a connection down itself (``_http/_generation.py``); as a backstop,
+    ``TCP_USER_TIMEOUT`` makes the kernel reset a connection whose peer accepts no data
+    for twice the stall timeout. ``TCP_NOTSENT_LOWAT`` bounds the bytes waiting in the kernel to be sent,
     so a slow reader pauses inference after a few KiB instead of after megabytes of
     autotuned send buffer.
     """
@@ -56,7 +57,9 @@ def tune_listening_socket(sock: socket.socket, settings: ServerSettings) -> None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, settings.send_buffer_bytes)
         if settings.stall_timeout is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, _TCP_USER_TIMEOUT, int(settings.stall_timeout * 1000))
+            # a backstop only: trioserve's own stall timer ends a stalled connection
+            # after stall_timeout (and records why); the kernel would at twice that
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_USER_TIMEOUT, int(settings.stall_timeout * 2000))
     except OSError as exc:  # pragma: no cover - not Linux
         logger.warning("could not set flow-control socket options: %s", exc)
 
@@ -152,39 +155,44 @@ class Server:
         period — in-flight requests are cancelled at once and the backend is closed.
         """
         try:
-            async with trio.open_nursery() as nursery:
-                patch_hypercorn_h2_backpressure()
-                config = self._hypercorn_config()
-                sockets = config.create_sockets()
-                for sock in sockets.insecure_sockets:
-                    tune_listening_socket(sock, self.settings)
-                    sock.listen(config.backlog)  # worker_serve listens only on sockets it made
-                binds: list[str] = await nursery.start(
-                    lambda task_status: worker_serve(
-                        wrap_app(self.app, config.wsgi_max_body_size, "asgi"),  # type: ignore[arg-type]
-                        config,
-                        sockets=sockets,
-                        shutdown_trigger=self._stop_accepting.wait,
-                        task_status=task_status,
-                    )
-                )
-                task_status.started(binds)
-                nursery.start_soon(self._load, binds)
-                try:
-                    await self._shutdown_requested.wait()
-                    # not shielded: a second signal (a cancel) cuts the grace period short
-                    await self._drain(self.settings.shutdown_grace)
-                finally:
-                    with trio.CancelScope(shield=True):
-                        await self._drain(0.0)
-                    nursery.cancel_scope.cancel()
+            with unwrap_group():
+                await self._serve(task_status)
         finally:
-            # also when this task is cancelled from outside: the model must be freed
-            if self.engine is not None and self._close_backend:
-                with trio.CancelScope(shield=True):
-                    await self.engine.backend.aclose()
+            # also when this task is cancelled from outside: cancel what is left, wait
+            # for its inference to return, then free the model
+            if self.engine is not None:
+                await self.engine.aclose(close_backend=self._close_backend)
             logger.info("stopped")
             self.stopped.set()
+
+    async def _serve(self, task_status: trio.TaskStatus[list[str]]) -> None:
+        async with trio.open_nursery() as nursery:
+            patch_hypercorn_h2_backpressure()
+            patch_hypercorn_connection_registry()
+            config = self._hypercorn_config()
+            sockets = config.create_sockets()
+            for sock in sockets.insecure_sockets:
+                tune_listening_socket(sock, self.settings)
+                sock.listen(config.backlog)  # worker_serve listens only on sockets it made
+            binds: list[str] = await nursery.start(
+                lambda task_status: worker_serve(
+                    wrap_app(self.app, config.wsgi_max_body_size, "asgi"),  # type: ignore[arg-type]
+                    config,
+                    sockets=sockets,
+                    shutdown_trigger=self._stop_accepting.wait,
+                    task_status=task_status,
+                )
+            )
+            task_status.started(binds)
+            nursery.start_soon(self._load, binds)
+            try:
+                await self._shutdown_requested.wait()
+                # not shielded: a second signal (a cancel) cuts the grace period short
+                await self._drain(self.settings.shutdown_grace)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._drain(0.0)
+                nursery.cancel_scope.cancel()
 
     async def _load(self, binds: list[str]) -> None:
         try:

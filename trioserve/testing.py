@@ -28,6 +28,7 @@ import trio
 
 from ._backends import Backend, ScriptedBackend
 from ._engine import Engine
+from ._errors import unwrap_group
 from ._server import Server, ServerSettings
 
 __all__ = ["TestServer", "open_test_server"]
@@ -67,11 +68,13 @@ async def open_test_server(
     settings = settings or ServerSettings()
     settings.host, settings.port, settings.shutdown_grace = "127.0.0.1", 0, 0.0
     server = Server(load, settings)
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(server.run)
-        await server.ready.wait()
-        assert server.engine is not None, server.state.load_error
-        try:
-            yield TestServer(url=binds[0], server=server, engine=server.engine)
-        finally:
-            server.shutdown()
+    with unwrap_group():  # an exception in the body comes out as itself
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(server.run)
+            await server.ready.wait()
+            if server.engine is None:
+                raise RuntimeError(f"the test server's backend failed to load: {server.state.load_error}")
+            try:
+                yield TestServer(url=binds[0], server=server, engine=server.engine)
+            finally:
+                server.shutdown()

@@ -20,8 +20,8 @@ import re
 import pytest
 import trio
 
-from trioserve import BatchedLlamaBackend, Engine, Finished, GenerationRequest, SamplingParams, TextDelta
-from trioserve._backends._batched import _WINDOW
+from trioserve import Engine, Finished, GenerationRequest, SamplingParams, TextDelta
+from trioserve._engine import WINDOW as _WINDOW
 
 from .._helpers import RawStream, start_server, wait_for
 
@@ -68,7 +68,7 @@ async def _concurrently(engine: Engine, prompts: list[str]) -> list[tuple[str, F
 
 
 async def test_eight_streams_equal_their_solo_texts_in_batch_invariant_mode(
-    invariant_backend: BatchedLlamaBackend,
+    invariant_backend: LlamaBackend,
 ) -> None:
     engine = Engine(invariant_backend, max_queue=8)
     solo = [await _generate(engine, prompt) for prompt in PROMPTS]
@@ -85,7 +85,7 @@ async def test_eight_streams_equal_their_solo_texts_in_batch_invariant_mode(
 
 
 async def test_throughput_mode_decodes_all_eight_in_shared_steps(
-    batched8_backend: BatchedLlamaBackend,
+    batched8_backend: LlamaBackend,
 ) -> None:
     engine = Engine(batched8_backend, max_queue=8)
     steps = batched8_backend.steps
@@ -113,7 +113,7 @@ async def test_throughput_mode_decodes_all_eight_in_shared_steps(
     assert engine.admission.in_use == 0
 
 
-async def test_a_paused_sequence_does_not_hold_back_the_others(batched8_backend: BatchedLlamaBackend) -> None:
+async def test_a_paused_sequence_does_not_hold_back_the_others(batched8_backend: LlamaBackend) -> None:
     engine = Engine(batched8_backend, max_queue=8)
     reader_done = trio.Event()
     stalled_tokens: list[int] = []
@@ -151,7 +151,7 @@ def _text_of(data: bytes) -> str:
 
 
 async def test_cancelling_one_of_eight_mid_decode_leaves_the_others_unchanged(
-    invariant_backend: BatchedLlamaBackend, nursery: trio.Nursery
+    invariant_backend: LlamaBackend, nursery: trio.Nursery
 ) -> None:
     running = await start_server(nursery, invariant_backend, max_queue=8)
     others = PROMPTS[1:]
@@ -200,14 +200,14 @@ async def test_cancelling_one_of_eight_mid_decode_leaves_the_others_unchanged(
     running.server.shutdown()
 
 
-def test_batch_invariant_mode_measured_its_call_width(invariant_backend: BatchedLlamaBackend) -> None:
+def test_batch_invariant_mode_measured_its_call_width(invariant_backend: LlamaBackend) -> None:
     # the probe found the widest call whose numerics equal a lone sequence's (7 on the
     # development machine: llama.cpp switches to another matmul kernel at 8 columns)
     assert 1 <= invariant_backend.max_call_width <= invariant_backend.slots
 
 
 async def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(
-    batched8_backend: BatchedLlamaBackend,
+    batched8_backend: LlamaBackend,
 ) -> None:
     """A ~800-token prompt arriving while a stream decodes: the running stream keeps
     getting tokens during the new prompt's prefill (one 64-token chunk per step),
@@ -242,7 +242,7 @@ async def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(
 
 
 async def test_a_cancel_that_aborts_a_shared_call_leaves_the_other_sequence_unchanged(
-    invariant_backend: BatchedLlamaBackend,
+    invariant_backend: LlamaBackend,
 ) -> None:
     """Two streams decode in one call; cancelling one owns half of it, so the call is
     aborted mid-graph. The survivor's cells written by the aborted call are removed and
@@ -277,7 +277,7 @@ async def test_a_cancel_that_aborts_a_shared_call_leaves_the_other_sequence_unch
 
 
 async def test_health_is_503_once_the_scheduler_has_failed(
-    batched8_backend: BatchedLlamaBackend, nursery: trio.Nursery
+    batched8_backend: LlamaBackend, nursery: trio.Nursery
 ) -> None:
     running = await start_server(nursery, batched8_backend)
     scheduler = batched8_backend._scheduler

@@ -11,7 +11,7 @@ For every cell the test asserts:
 * that the end was recorded with its cause (the request's log line).
 
 Every cell runs against both llama.cpp backends: one context per slot
-(:class:`LlamaBackend`) and the batched one (:class:`BatchedLlamaBackend`, two sequences
+(:class:`LlamaBackend`) and the batched one (:class:`LlamaBackend`, two sequences
 in one context; "inference thread" is then "sequence in the batch").
 
 Causes: TCP close, half-close, HTTP/2 stream reset, close during a non-streaming
@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import trio
 
-from trioserve import BatchedLlamaBackend, HTTPSettings, LlamaBackend
+from trioserve import HTTPSettings, LlamaBackend
 
 from .._helpers import H2Stream, RawStream, RunningServer, start_server, wait_for
 
@@ -52,16 +52,16 @@ CANCEL_LATENCY_BOUND_MS = 250.0
 @pytest.fixture(scope="module", params=["contexts", "batched"])
 def llama_backend(
     request: pytest.FixtureRequest, llama_backend: LlamaBackend
-) -> LlamaBackend | BatchedLlamaBackend:
+) -> LlamaBackend:
     """This module's backend: each test runs against both."""
     if request.param == "batched":
-        backend: BatchedLlamaBackend = request.getfixturevalue("batched_backend")
+        backend: LlamaBackend = request.getfixturevalue("batched_backend")
         return backend
     return llama_backend
 
 
 @pytest.fixture(scope="module")
-def reference_text(llama_backend: LlamaBackend | BatchedLlamaBackend) -> str:
+def reference_text(llama_backend: LlamaBackend) -> str:
     """What a fresh server answers to REFERENCE (computed on a fresh engine)."""
 
     async def fresh() -> str:
@@ -78,7 +78,7 @@ def reference_text(llama_backend: LlamaBackend | BatchedLlamaBackend) -> str:
 
 @pytest.fixture
 async def server(
-    llama_backend: LlamaBackend | BatchedLlamaBackend, nursery: trio.Nursery
+    llama_backend: LlamaBackend, nursery: trio.Nursery
 ) -> AsyncIterator[RunningServer]:
     running = await start_server(
         nursery,
@@ -224,7 +224,7 @@ async def test_cancel_cell(
     cause: str,
     phase: str,
     server: RunningServer,
-    llama_backend: LlamaBackend | BatchedLlamaBackend,
+    llama_backend: LlamaBackend,
     reference_text: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:

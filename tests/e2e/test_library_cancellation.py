@@ -15,8 +15,8 @@ import time
 import pytest
 import trio
 
-from trioserve import BatchedLlamaBackend, Engine, GenerationRequest, LlamaBackend, SamplingParams, TextDelta
-from trioserve._backends._batched import _WINDOW
+from trioserve import Engine, GenerationRequest, LlamaBackend, SamplingParams, TextDelta
+from trioserve._engine import WINDOW as _WINDOW
 
 from .._helpers import wait_for
 
@@ -39,14 +39,14 @@ async def _text(engine: Engine, request: GenerationRequest) -> str:
     return "".join(parts)
 
 
-Backend = LlamaBackend | BatchedLlamaBackend
+Backend = LlamaBackend
 
 
 @pytest.fixture(scope="module", params=["contexts", "batched"])
 def llama_backend(request: pytest.FixtureRequest, llama_backend: LlamaBackend) -> Backend:
     """This module's backend: each test runs against both."""
     if request.param == "batched":
-        backend: BatchedLlamaBackend = request.getfixturevalue("batched_backend")
+        backend: LlamaBackend = request.getfixturevalue("batched_backend")
         return backend
     return llama_backend
 
@@ -86,7 +86,7 @@ async def test_caller_cancel_scope(phase: str, llama_backend: Backend, reference
                     # backend's sequence runs at most its window ahead, then is paused)
                     tokens = progress.completion_tokens
                     await trio.sleep(0.3)
-                    ahead = _WINDOW + 1 if isinstance(llama_backend, BatchedLlamaBackend) else 1
+                    ahead = _WINDOW + 1 if isinstance(llama_backend, LlamaBackend) else 1
                     assert progress.completion_tokens <= tokens + ahead
             cancelled_at = time.perf_counter()
             scope.cancel()

@@ -1,23 +1,25 @@
 """The backend interface: the one seam between the engine and whatever makes tokens.
 
-A backend turns a prepared prompt into a stream of token *bytes* sent on a Trio memory
-channel, and returns why it stopped. The engine owns everything else (admission, the
-per-request nursery, text assembly, stop sequences, deadlines), so a backend stays
-small. Three shapes fit it:
+A backend turns a prepared prompt into a stream of token *bytes* written to the
+request's :class:`~trioserve._channel.PieceChannel`, and returns why it stopped. The
+engine owns everything else (admission, the per-request nursery, text assembly, stop
+sequences, deadlines), so a backend stays small. Three shapes fit it:
 
-* a local model driven from a worker thread (:class:`ThreadedBackend`: llama.cpp,
-  the scripted backend),
-* an upstream OpenAI-compatible server read with an async HTTP client (``_upstream.py``),
-* a batched scheduler that multiplexes many sequences over one context (later).
+* blocking code driven from a worker thread (:class:`ThreadedBackend`: the scripted
+  backend),
+* a scheduler thread that multiplexes many sequences over one llama.cpp context
+  (``LlamaBackend``),
+* an upstream OpenAI-compatible server read with an async HTTP client (``_upstream.py``).
 
 Contract for :meth:`Backend.generate`:
 
-* ``send`` is the producer end of the request's channel. ``await send.send(piece)``
-  blocks while the consumer is not reading: that is the backpressure. The engine
-  closes ``send`` when ``generate`` returns or raises.
+* ``channel`` holds at most ``channel.capacity`` pieces: ``await channel.send(piece)``
+  (Trio side) waits while the consumer is not reading, a thread uses ``put_wait``, a
+  scheduler checks ``room`` and pauses the sequence. That is the backpressure. The
+  engine closes the channel when ``generate`` returns or raises.
 * If the surrounding cancel scope is cancelled, ``generate`` must stop generating
   promptly (well under one decode step), leave its model state as a fresh request would
-  find it, and raise ``trio.Cancelled``.
+  find it, and raise that ``trio.Cancelled`` — never a :class:`BackendError`.
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import trio
-
+from .._channel import PieceChannel
 from .._exceptions import ContextLengthError, InvalidRequestError
 from .._types import GenerationRequest
 
@@ -119,10 +120,10 @@ class Backend(ABC):
     async def generate(
         self,
         prompt: PreparedPrompt,
-        send: trio.MemorySendChannel[bytes],
+        channel: PieceChannel,
         progress: GenerationProgress,
     ) -> Literal["stop", "length"]:
-        """Generate into ``send`` until end-of-sequence (``"stop"``) or the token limit
+        """Generate into ``channel`` until end-of-sequence (``"stop"``) or the token limit
         (``"length"``). Cancellation: see the module docstring."""
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook

@@ -1,56 +1,40 @@
-"""The llama.cpp backend, on llama-cpp-python's low-level (C API) bindings.
+"""The llama.cpp model, on llama-cpp-python's low-level (C API) bindings.
 
 Why the low-level API: the per-token loop is the hot path, and the high-level
 ``Llama.create_completion`` costs about 14 % per token in Python bookkeeping; and
 cancellation must reach *inside* ``llama_decode``, which needs the raw context.
 
-One model (memory-mapped weights) is shared by ``slots`` contexts; each generation runs
-on one context, in one Trio worker thread:
+This module holds what does not depend on how requests are scheduled: the settings,
+the loaded model with its vocabulary, tokenizer, metadata and sampler chains
+(:class:`LlamaModel`), and one llama context with its batch and abort flag
+(:class:`_Context`). The backend — one context, many sequences, one scheduler thread —
+is :class:`~trioserve._backends._llama_scheduler.LlamaBackend`.
 
-1. clear the context's memory (KV cache) — every request starts from the state a fresh
-   server has, so output at temperature 0 never depends on what ran before;
-2. prefill the prompt in ``n_batch`` chunks;
-3. decode: sample → emit the piece (blocks while the client is not reading) → decode.
-
-Cancellation reaches the thread three ways, all driven by the request's cancel scope:
-
-* llama.cpp calls the context's **abort callback** between graph nodes (~400 times per
-  decode step for Gemma 3 270M, also during prefill). It is a C function
-  (``trioserve/_abort.c``) that reads one byte, the context's abort flag; a Trio task
-  in the request's scope raises that flag when the scope is cancelled
-  (:func:`_raise_on_cancel`). So ``llama_decode`` returns 2 (aborted) within a
-  fraction of a millisecond, without taking the GIL 400 times per token;
-* ``check_cancelled()`` between prefill chunks and decode steps;
-* ``emit`` itself (``trio.from_thread.run``) raises ``Cancelled`` when the thread is
-  blocked on a slow reader.
-
-Whatever the exit, the ``finally`` clears the memory again: an aborted decode leaves
-partially processed ubatches in the KV cache ("processed ubatches will remain in the
-context's memory", llama.h), which must not leak into the next request.
+The abort callback is a C function (``trioserve/_abort.c``) that reads one byte, the
+context's abort flag, between graph nodes (~400 times per decode step of Gemma 3 270M,
+also during prefill), so ``llama_decode`` returns 2 (aborted) within a fraction of a
+millisecond of the flag being raised, without taking the GIL.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import math
 import os
 import random
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Any, Self
 
 import trio
 
 from .._exceptions import BackendError, InvalidRequestError
 from .._types import GenerationRequest, SamplingParams
-from ._base import Backend, GenerationProgress, ModelInfo, PreparedPrompt, fit_to_context
-from ._threaded import Emit, ThreadedBackend
+from ._base import Backend, ModelInfo, PreparedPrompt, fit_to_context
 
-__all__ = ["LlamaBackend", "LlamaModel", "LlamaSettings"]
+__all__ = ["LlamaModel", "LlamaSettings"]
 
 logger = logging.getLogger("trioserve.llama")
 
@@ -60,21 +44,14 @@ _INLINE_TOKENIZE_CHARS = 4096
 _DECODE_ABORTED = 2
 
 
-def _abort_requested(_data: object) -> bool:
+def _abort_requested(data: int) -> bool:
     """The pure-Python abort callback, used only if the C one (``_abort.c``) was not
-    built: true once the request running on this thread is cancelled. Called from C on
-    the thread that called ``llama_decode``; it must never raise."""
-    try:
-        trio.from_thread.check_cancelled()
-    except trio.Cancelled:
-        return True
-    except RuntimeError:
-        return False  # not a Trio worker thread: nothing can cancel it
-    return False
+    built: reads the flag byte at ``data``. Called from C; it must never raise."""
+    return bool(ctypes.c_ubyte.from_address(data).value)
 
 
 def _make_abort_callback(lib: Any) -> tuple[Any, bool]:
-    """The abort callback, and whether it is the C one that reads a flag."""
+    """The abort callback, and whether it is the C one."""
     try:
         from .._abort import ABORT_CHECK_ADDRESS
     except ImportError:  # pragma: no cover - the extension is built on install
@@ -84,19 +61,6 @@ def _make_abort_callback(lib: Any) -> tuple[Any, bool]:
         )
         return lib.ggml_abort_callback(_abort_requested), False
     return lib.ggml_abort_callback(ABORT_CHECK_ADDRESS), True
-
-
-async def _raise_on_cancel(flag: ctypes.c_ubyte) -> None:
-    """Sleep until cancelled, then raise the context's abort flag.
-
-    This is how a cancel reaches *inside* ``llama_decode``: Trio delivers the request's
-    cancellation to this task, which sets the byte that the C abort callback reads
-    between graph nodes. Nothing polls; the event loop is not involved in the decode.
-    """
-    try:
-        await trio.sleep_forever()
-    finally:
-        flag.value = 1
 
 
 _llama_cpp_logger = logging.getLogger("trioserve.llama_cpp")
@@ -125,17 +89,24 @@ class _LazyLogCallback:
 
 
 class LlamaSettings:
-    """How to load the model. Defaults suit a small CPU machine.
+    """How to load the model and run it. Defaults suit a CPU machine.
 
     Args:
         model_path: path to a GGUF file.
-        n_ctx: context length per slot (tokens).
-        n_threads: threads per decode; default: the CPU cores divided among the slots.
-        n_batch: prompt tokens per ``llama_decode`` call during prefill.
-        slots: contexts, i.e. generations that can run at once.
+        n_ctx: context length per sequence (tokens).
+        n_threads: threads of the one context; default: all cores (every step decodes
+            every running sequence).
+        n_batch: prompt tokens per ``llama_decode`` call when a prompt is prefilled
+            alone.
+        slots: sequences decoded together, i.e. generations that run at once (each
+            with ``n_ctx`` KV cells).
+        prefill_chunk: prompt tokens per step while other sequences are decoding.
+        batch_invariant: make every stream's numerics independent of what else runs
+            (decode calls no wider than the width measured to be exact; turns off
+            weight repacking).
         model_id: the name clients use; default: the file name without ``.gguf``.
         repack: let llama.cpp repack weights for this CPU's SIMD kernels
-            (``use_extra_bufts``); the batched backend turns it off in batch-invariant mode.
+            (``use_extra_bufts``); off in batch-invariant mode.
     """
 
     def __init__(
@@ -145,32 +116,34 @@ class LlamaSettings:
         n_ctx: int = 4096,
         n_threads: int | None = None,
         n_batch: int = 512,
-        slots: int = 1,
+        slots: int = 8,
+        prefill_chunk: int = 64,
+        batch_invariant: bool = False,
         model_id: str | None = None,
         repack: bool = True,
     ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        if not 1 <= prefill_chunk <= n_batch:
+            raise ValueError(f"prefill_chunk must be in [1, n_batch={n_batch}], got {prefill_chunk}")
         self.model_path = Path(model_path)
-        self.repack = repack
+        self.batch_invariant = batch_invariant
+        self.repack = repack and not batch_invariant
         self.n_ctx = n_ctx
-        # Default: share the cores between the slots. llama.cpp's threads spin while they
-        # wait for each other, so more threads than cores makes every decode slower
-        # (measured: 4 slots x 2 threads on 2 cores gave 68 tok/s in total, 4 x 1 gave 89).
-        self.n_threads = n_threads or self._default_threads(slots)
+        # llama.cpp's threads spin while they wait for each other: more threads than
+        # cores makes every decode slower, so one context gets exactly the cores.
+        self.n_threads = n_threads or os.cpu_count() or 1
         self.n_batch = n_batch
         self.slots = slots
+        self.prefill_chunk = prefill_chunk
         self.model_id = model_id or self.model_path.name.removesuffix(".gguf")
-
-    @staticmethod
-    def _default_threads(slots: int) -> int:
-        return max(1, (os.cpu_count() or 1) // slots)
 
 
 class _Context:
     """One llama context with its batch and abort flag. Used by one thread at a time.
 
-    ``sequences`` > 1 (the batched backend): room for that many sequences of
-    ``settings.n_ctx`` tokens each, in a non-unified KV cache (each sequence owns its
-    cells; attention never reads another sequence's)."""
+    Room for ``sequences`` sequences of ``settings.n_ctx`` tokens each, in a non-unified
+    KV cache (each sequence owns its cells; attention never reads another sequence's)."""
 
     def __init__(self, backend: LlamaModel, *, sequences: int = 1) -> None:
         lib = backend.lib
@@ -207,13 +180,16 @@ class _Context:
 
 
 class LlamaModel(Backend):
-    """What both llama.cpp backends share: the loaded model, its vocabulary, metadata,
-    tokenizing, validation and sampler chains. Subclasses own the contexts and the
-    inference loop (:class:`LlamaBackend`: one context per slot; ``BatchedLlamaBackend``:
-    one context, many sequences)."""
+    """The loaded model, its vocabulary, metadata, tokenizing, validation and sampler
+    chains. The subclass owns the context and the inference loop (``LlamaBackend``)."""
+
+    #: models loaded and not yet freed, in this process (tests check that none leaks)
+    loaded = 0
+    _count_lock = threading.Lock()
 
     def __init__(self, settings: LlamaSettings, lib: Any, model: Any) -> None:
         super().__init__()
+        self._freed = False
         self.settings = settings
         self.lib = lib
         self.model = model
@@ -234,6 +210,8 @@ class LlamaModel(Backend):
             eos_token=self._token_text(lib.llama_vocab_eos(self.vocab)),
         )
         self._create_contexts()
+        with LlamaModel._count_lock:
+            LlamaModel.loaded += 1
 
     def _create_contexts(self) -> None:
         """Create the llama contexts (called once the model and vocabulary are ready)."""
@@ -263,22 +241,39 @@ class LlamaModel(Backend):
             model = llama_cpp.llama_model_load_from_file(str(settings.model_path).encode(), params)
             if not model:
                 raise BackendError(f"llama.cpp could not load {settings.model_path}")
-            return cls(settings, llama_cpp, model)
+            try:
+                return cls(settings, llama_cpp, model)
+            except BaseException:
+                llama_cpp.llama_model_free(model)
+                raise
         finally:
             _LazyLogCallback.loading -= 1
 
     @classmethod
     async def aload(cls, settings: LlamaSettings) -> Self:
-        """:meth:`load` in a worker thread. Cancellation: waits for the load to finish,
-        then frees the model."""
-        return await trio.to_thread.run_sync(cls.load, settings)
+        """:meth:`load` in a worker thread. Cancellation: the load is not interrupted
+        (llama.cpp cannot stop it); once it has finished, the model is freed and the
+        ``Cancelled`` propagates."""
+        backend = await trio.to_thread.run_sync(cls.load, settings)
+        try:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(backend._free)
+            raise
+        return backend
 
     async def aclose(self) -> None:
         await trio.to_thread.run_sync(self._free)
 
     def _free(self) -> None:
+        if self._freed:
+            return
+        self._freed = True
         self._release_contexts()
         self.lib.llama_model_free(self.model)
+        with LlamaModel._count_lock:
+            LlamaModel.loaded -= 1
 
     # ------------------------------------------------------------- metadata
 
@@ -383,108 +378,3 @@ class LlamaModel(Backend):
             seed = params.seed if params.seed is not None else random.getrandbits(32)
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed & 0xFFFFFFFF))
         return chain
-
-
-class LlamaBackend(LlamaModel, ThreadedBackend):
-    """llama.cpp inference, one context per slot, each generation in its own worker
-    thread. Create it with :meth:`load` (blocking) or :meth:`aload`."""
-
-    def _create_contexts(self) -> None:
-        self._contexts = [_Context(self) for _ in range(self.settings.slots)]
-        self._free_contexts = list(self._contexts)
-
-    def _release_contexts(self) -> None:
-        for context in self._contexts:
-            context.free(self.lib)
-        self._contexts = []
-        self._free_contexts = []
-
-    # ------------------------------------------------------------ inference
-
-    async def generate(
-        self,
-        prompt: PreparedPrompt,
-        send: trio.MemorySendChannel[bytes],
-        progress: GenerationProgress,
-    ) -> Literal["stop", "length"]:
-        # Admission guarantees at most `slots` generations, so a context is free.
-        context = self._free_contexts.pop()
-        context.abort_flag.value = 0
-        try:
-            async with trio.open_nursery() as nursery:
-                if context.abort_flag_used:
-                    nursery.start_soon(_raise_on_cancel, context.abort_flag)
-                try:
-                    return await self.run_in_thread(
-                        functools.partial(self._infer, context), prompt, send, progress
-                    )
-                finally:
-                    nursery.cancel_scope.cancel()  # inference is over: stop the flag task
-        finally:
-            self._free_contexts.append(context)
-
-    def _infer(
-        self, context: _Context, prompt: PreparedPrompt, emit: Emit, progress: GenerationProgress
-    ) -> Literal["stop", "length"]:
-        lib = self.lib
-        sampler = self._sampler(prompt.request.sampling)
-        lib.llama_memory_clear(context.memory, True)
-        try:
-            started = time.perf_counter()
-            self._prefill(context, prompt.tokens)
-            progress.prefill_seconds = time.perf_counter() - started
-            ctx = context.ctx
-            batch = context.batch
-            decode = lib.llama_decode
-            sample = lib.llama_sampler_sample
-            is_eog = lib.llama_vocab_is_eog
-            vocab = self.vocab
-            piece = self.piece
-            position = len(prompt.tokens)
-            batch.n_tokens = 1
-            batch.logits[0] = 1
-            for remaining in range(prompt.max_new_tokens, 0, -1):
-                token = sample(sampler, ctx, -1)
-                if is_eog(vocab, token):
-                    return "stop"
-                progress.completion_tokens += 1
-                emit(piece(token))
-                if remaining == 1:
-                    break
-                batch.token[0] = token
-                batch.pos[0] = position
-                position += 1
-                result = decode(ctx, batch)
-                if result != 0:
-                    self._decode_failed(result)
-            return "length"
-        finally:
-            lib.llama_memory_clear(context.memory, True)
-            lib.llama_sampler_free(sampler)
-
-    def _prefill(self, context: _Context, tokens: Sequence[int]) -> None:
-        lib = self.lib
-        batch = context.batch
-        n_batch = context.n_batch
-        total = len(tokens)
-        for start in range(0, total, n_batch):
-            trio.from_thread.check_cancelled()
-            chunk = tokens[start : start + n_batch]
-            batch.n_tokens = len(chunk)
-            for i, token in enumerate(chunk):
-                batch.token[i] = token
-                batch.pos[i] = start + i
-                batch.logits[i] = 0
-            if start + len(chunk) == total:
-                batch.logits[len(chunk) - 1] = 1  # logits of the last prompt token only
-            result = lib.llama_decode(context.ctx, batch)
-            if result != 0:
-                self._decode_failed(result)
-
-    def _decode_failed(self, result: int) -> None:
-        if result == _DECODE_ABORTED:
-            # The abort callback fired: the request was cancelled; raise its Cancelled.
-            # (Trio marks this thread's task cancelled before the flag task runs.)
-            trio.from_thread.check_cancelled()
-            raise BackendError("llama_decode was aborted, but the request was not cancelled")
-        raise BackendError(f"llama_decode failed with code {result}")

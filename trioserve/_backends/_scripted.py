@@ -2,7 +2,7 @@
 
 It behaves like the llama.cpp backend where the engine can tell: it runs in a worker
 thread, "prefills" for a time proportional to the prompt, emits one piece per
-``token_interval``, and checks for cancellation at the same points (between tokens, and
+``token_interval``, and checks the abort flag at the same points (between tokens, and
 every millisecond inside prefill and inside a decode step, as llama.cpp's abort callback
 does between graph nodes). Its tokenizer is UTF-8 bytes: one token per byte.
 """
@@ -10,11 +10,10 @@ does between graph nodes). Its tokenizer is UTF-8 bytes: one token per byte.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
-import trio
-
+from .._channel import Aborted, PieceChannel
 from .._types import GenerationRequest
 from ._base import GenerationProgress, ModelInfo, PreparedPrompt, fit_to_context
 from ._threaded import Emit, ThreadedBackend
@@ -79,23 +78,23 @@ class ScriptedBackend(ThreadedBackend):
     async def generate(
         self,
         prompt: PreparedPrompt,
-        send: trio.MemorySendChannel[bytes],
+        channel: PieceChannel,
         progress: GenerationProgress,
     ) -> Literal["stop", "length"]:
-        return await self.run_in_thread(self._infer, prompt, send, progress)
+        return await self.run_in_thread(self._infer, prompt, channel, progress)
 
     def _infer(
-        self, prompt: PreparedPrompt, emit: Emit, progress: GenerationProgress
+        self, prompt: PreparedPrompt, emit: Emit, aborted: Callable[[], bool], progress: GenerationProgress
     ) -> Literal["stop", "length"]:
         emitted = 0
         try:
             started = time.perf_counter()
-            _busy_wait(len(prompt.tokens) * self.prefill_seconds_per_token)
+            _busy_wait(len(prompt.tokens) * self.prefill_seconds_per_token, aborted)
             progress.prefill_seconds = time.perf_counter() - started
             for piece in self.script:
                 if emitted >= prompt.max_new_tokens:
                     return "length"
-                _busy_wait(self.token_interval)
+                _busy_wait(self.token_interval, aborted)
                 progress.completion_tokens += 1
                 emit(piece)
                 emitted += 1
@@ -104,13 +103,14 @@ class ScriptedBackend(ThreadedBackend):
             self.completed_runs.append(emitted)
 
 
-def _busy_wait(seconds: float) -> None:
-    """Sleep ``seconds`` in small steps, checking for cancellation at each one."""
-    check_cancelled = trio.from_thread.check_cancelled
-    check_cancelled()
+def _busy_wait(seconds: float, aborted: Callable[[], bool]) -> None:
+    """Sleep ``seconds`` in small steps, checking the abort flag at each one."""
+    if aborted():
+        raise Aborted
     if seconds <= 0:
         return
     deadline = time.perf_counter() + seconds
     while (remaining := deadline - time.perf_counter()) > 0:
         time.sleep(min(remaining, _ABORT_CHECK_INTERVAL))
-        check_cancelled()
+        if aborted():
+            raise Aborted

@@ -1,16 +1,21 @@
 """Backends whose inference is blocking code run in a Trio worker thread.
 
-The bridge is deliberately thin:
+The thread writes into the request's :class:`~trioserve._channel.PieceChannel` — the
+same bridge the llama scheduler uses — so a piece costs a lock and an append, and the
+event loop is woken only when the consumer waits for one:
 
-* the blocking ``infer`` function runs under ``trio.to_thread.run_sync`` *without*
-  ``abandon_on_cancel``: a cancelled request waits for its thread to return, so nothing
-  outlives the request;
-* ``emit(piece)`` is ``trio.from_thread.run(send.send, piece)``: it blocks the thread
-  while the consumer is not reading (backpressure), and — because ``from_thread.run``
-  inherits the cancel status of the task that started the thread — raises
-  ``trio.Cancelled`` the moment the request is cancelled;
-* ``abort_check()`` is ``trio.from_thread.check_cancelled()``: no round trip to the
-  Trio thread, cheap enough to call between tokens and from llama.cpp's abort callback.
+* ``infer`` runs under ``trio.to_thread.run_sync`` *without* ``abandon_on_cancel``: a
+  cancelled request waits for its thread to return, so nothing outlives the request;
+* ``emit(piece)`` is ``channel.put_wait(piece)``: it blocks while the channel is full
+  (backpressure) and raises :class:`~trioserve._channel.Aborted` once the request is
+  being torn down;
+* ``aborted()`` reads one flag, set by a Trio task of the request's scope when the
+  scope is cancelled: cheap enough to call every millisecond of a simulated step.
+
+The thread only ever *reports* an abort; the Trio side decides what it was. After the
+thread returns, the request's own ``Cancelled`` is raised by Trio (the cancel that
+caused the abort); an abort without a cancel is a :class:`BackendError`. So a cancelled
+request never ends as a backend error, whichever side notices first.
 """
 
 from __future__ import annotations
@@ -21,44 +26,59 @@ from typing import Literal
 
 import trio
 
+from .._channel import Aborted, PieceChannel
+from .._errors import unwrap_group
+from .._exceptions import BackendError
 from ._base import ActiveThreads, Backend, GenerationProgress, PreparedPrompt
 
 __all__ = ["Emit", "Infer", "ThreadedBackend"]
 
 Emit = Callable[[bytes], None]
-Infer = Callable[[PreparedPrompt, Emit, GenerationProgress], Literal["stop", "length"]]
+Infer = Callable[[PreparedPrompt, Emit, Callable[[], bool], GenerationProgress], Literal["stop", "length"]]
+
+
+async def _abort_on_cancel(channel: PieceChannel) -> None:
+    try:
+        await trio.sleep_forever()
+    finally:
+        channel.abort()
 
 
 class ThreadedBackend(Backend):
     """Base for backends whose inference blocks: see :meth:`run_in_thread`."""
 
     def __init__(self) -> None:
-        #: inference threads inside a generation right now
         self.active_threads = ActiveThreads()
 
     async def run_in_thread(
-        self,
-        infer: Infer,
-        prompt: PreparedPrompt,
-        send: trio.MemorySendChannel[bytes],
-        progress: GenerationProgress,
+        self, infer: Infer, prompt: PreparedPrompt, channel: PieceChannel, progress: GenerationProgress
     ) -> Literal["stop", "length"]:
-        """Run ``infer(prompt, emit, progress)`` in a worker thread.
+        """Run ``infer(prompt, emit, aborted, progress)`` in a worker thread.
 
-        Cancellation: not abandoned. A cancel reaches ``infer`` through
-        ``check_cancelled()`` and ``emit``; this returns only once ``infer`` has.
+        Cancellation: not abandoned. A cancel sets the channel's abort flag, which
+        ``emit`` and ``aborted()`` see; this returns (or raises the cancel) only once
+        ``infer`` has returned.
         """
-        send_piece = send.send
-        run = trio.from_thread.run
 
-        def emit(piece: bytes) -> None:
-            run(send_piece, piece)
+        def aborted() -> bool:
+            return channel.aborted
 
-        def in_thread() -> Literal["stop", "length"]:
+        def in_thread() -> Literal["stop", "length", "aborted"]:
             with self.active_threads:
                 try:
-                    return infer(prompt, emit, progress)
+                    return infer(prompt, channel.put_wait, aborted, progress)
+                except Aborted:
+                    return "aborted"
                 finally:
                     progress.inference_ended = time.perf_counter()
 
-        return await trio.to_thread.run_sync(in_thread)
+        with unwrap_group():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_abort_on_cancel, channel)
+                result = await trio.to_thread.run_sync(in_thread)
+                nursery.cancel_scope.cancel()
+        # a cancel that caused the abort has been raised by the nursery above
+        if result == "aborted":
+            await trio.lowlevel.checkpoint_if_cancelled()
+            raise BackendError("inference was aborted, but the request was not cancelled")
+        return result

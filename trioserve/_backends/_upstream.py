@@ -5,7 +5,7 @@ server, another trioserve — and this backend streams ``POST {upstream}/v1/comp
 into the request's channel, with the same semantics as a local model:
 
 * **Backpressure passes through.** Each text delta is handed to the engine with
-  ``await send.send(...)`` on the zero-capacity channel before the next bytes are read
+  ``await send.send(...)`` on the request's small channel before the next bytes are read
   from the upstream, and the upstream socket's receive buffer is kept small
   (``receive_buffer_bytes``), so a client that stops reading stops the upstream's
   stream after a few KiB: its server blocks on a full socket and pauses inference.
@@ -55,6 +55,7 @@ import httpx
 import msgspec
 import trio
 
+from .._channel import PieceChannel
 from .._exceptions import (
     BackendError,
     ContextLengthError,
@@ -368,7 +369,7 @@ class UpstreamBackend(Backend):
     async def generate(
         self,
         prompt: PreparedPrompt,
-        send: trio.MemorySendChannel[bytes],
+        send: PieceChannel,
         progress: GenerationProgress,
     ) -> Literal["stop", "length"]:
         """Stream from the least busy available upstream; retry on another while no
@@ -383,7 +384,7 @@ class UpstreamBackend(Backend):
     async def _generate(
         self,
         prompt: PreparedPrompt,
-        send: trio.MemorySendChannel[bytes],
+        send: PieceChannel,
         progress: GenerationProgress,
     ) -> Literal["stop", "length"]:
         payload = self._payload(prompt.request)
@@ -629,7 +630,7 @@ class _Relay:
 
     __slots__ = ("progress", "send_channel", "sent", "sent_at")
 
-    def __init__(self, send: trio.MemorySendChannel[bytes], progress: GenerationProgress) -> None:
+    def __init__(self, send: PieceChannel, progress: GenerationProgress) -> None:
         self.send_channel = send
         self.progress = progress
         self.sent = False

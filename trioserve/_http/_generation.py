@@ -22,14 +22,13 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Literal
 
 import trio
 
 from .._backends._base import PreparedPrompt
 from .._engine import Engine
+from .._errors import unwrap_group
 from .._exceptions import (
     ContextLengthError,
     DeadlineExceededError,
@@ -41,6 +40,7 @@ from .._exceptions import (
     ServiceUnavailableError,
     TrioserveError,
 )
+from .._hypercorn_patches import shut_down_connection
 from .._openai import (
     ChatCompletionRequest,
     ChunkEncoder,
@@ -84,41 +84,44 @@ SSE_HEADERS = [
 
 #: how long the final event of a cancelled stream may take to send (shielded)
 FINAL_EVENT_TIMEOUT = 1.0
+#: request bodies larger than this (bytes) are decoded (and chats rendered) in a worker
+#: thread, so one big request cannot stall every stream
+_INLINE_PARSE_BYTES = 64 * 1024
 
 
-async def _watch_disconnect(
-    receive: Receive,
-    control: RequestControl,
-    exchange: _Exchange,
-    stall_timeout: float | None,
-    watch_scope: trio.CancelScope,
-) -> None:
+async def _watch_disconnect(receive: Receive, control: RequestControl, watch_scope: trio.CancelScope) -> None:
     """Wait for the client to go away, then cancel the request. No polling: after the
-    body, the next ASGI message is ``http.disconnect``.
-
-    A disconnect that comes while a send has been stuck for the stall timeout is the
-    kernel cutting off a client that stopped reading (``TCP_USER_TIMEOUT``): cause
-    ``stall``."""
+    body, the next ASGI message is ``http.disconnect``. (If trioserve's stall timer
+    ended the connection, the cause is already ``stall``; the first cause wins.)"""
     with watch_scope:
-        await _wait_and_cancel(receive, control, exchange, stall_timeout)
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                control.cancel("disconnect")
+                return
 
 
-async def _wait_and_cancel(
-    receive: Receive, control: RequestControl, exchange: _Exchange, stall_timeout: float | None
+def _end_connection(scope: Scope) -> None:
+    if scope.get("http_version") != "2":  # HTTP/2: cancelling ends just this stream
+        shut_down_connection(scope.get("client"), scope.get("server"))
+
+
+async def _watch_stall(
+    scope: Scope, exchange: _Exchange, control: RequestControl, stall_timeout: float
 ) -> None:
+    """trioserve's stall timer: a send to this client that has been blocked for
+    ``stall_timeout`` seconds ends the request with cause ``stall`` and the connection
+    (shut down: the blocked send — shielded inside hypercorn — fails at once). A timer,
+    not a poll: it wakes when the send in progress would have stalled, or one timeout
+    from now when nothing is sending (no send starting later can stall sooner)."""
     while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            stuck_since = exchange.sending_since
-            stuck_now = time.perf_counter() - stuck_since if stuck_since is not None else 0.0
-            stuck = max(stuck_now, exchange.longest_send_seconds)
-            # The kernel's stall clock starts when the client's window closes; our send
-            # blocks only later, once the client's buffer (loopback coalesces small
-            # segments, so it holds more than SO_RCVBUF says) and TCP_NOTSENT_LOWAT are
-            # full: measured ~1 s later. A quarter of the timeout tells the two apart.
-            stalled = stall_timeout is not None and stuck >= 0.25 * stall_timeout
-            control.cancel("stall" if stalled else "disconnect")
+        now = time.perf_counter()
+        since = exchange.sending_since
+        if since is not None and now - since >= stall_timeout:
+            control.cancel("stall")
+            _end_connection(scope)
             return
+        await trio.sleep((since if since is not None else now) + stall_timeout - now)
 
 
 def _check_limits(prepared: PreparedPrompt, settings: HTTPSettings) -> None:
@@ -139,40 +142,34 @@ def _check_limits(prepared: PreparedPrompt, settings: HTTPSettings) -> None:
         )
 
 
-@contextmanager
-def _unwrapping_errors() -> Iterator[None]:
-    """Let one error of ours out of a nursery as itself, not in an ExceptionGroup, so
-    it maps to its status code (a 429 from admission, say). Anything else — several
-    errors, or a group of Cancelled — propagates unchanged."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        errors = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
-        if len(errors) == 1 and isinstance(errors[0], TrioserveError):
-            raise errors[0] from None
-        raise
+class _Heartbeat:
+    """SSE comments while a started stream is silent before its first token (queued,
+    long prefill), so proxies and clients see a live connection.
 
+    One writer per response: the heartbeat task owns the response's ``send`` until the
+    consumer's first write, which first calls :meth:`hand_over` — that stops the task
+    and waits until it has returned, so two sends never overlap. A timer, not a poll:
+    the task sleeps until the next moment a heartbeat is due."""
 
-def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            yield from _leaves(exc)
-        else:
-            yield exc
+    def __init__(self, exchange: _Exchange, interval: float) -> None:
+        self.exchange = exchange
+        self.interval = interval
+        self.scope = trio.CancelScope()
+        self.done = trio.Event()
 
+    async def run(self) -> None:
+        exchange = self.exchange
+        try:
+            with self.scope:
+                while True:
+                    await trio.sleep(max(0.0, exchange.last_sent + self.interval - time.perf_counter()))
+                    await exchange.body(HEARTBEAT)
+        finally:
+            self.done.set()
 
-async def _heartbeat(exchange: _Exchange, interval: float) -> None:
-    """Send an SSE comment whenever the stream has been silent for ``interval`` seconds
-    (queued, long prefill), so proxies and clients see a live connection. A timer, not
-    a poll: it sleeps until the next moment a heartbeat could be due."""
-    while True:
-        due = exchange.last_sent + interval
-        now = time.perf_counter()
-        if now >= due and exchange.sending_since is None:
-            await exchange.send({"type": "http.response.body", "body": HEARTBEAT, "more_body": True})
-            exchange.last_sent = time.perf_counter()
-        else:
-            await trio.sleep(max(due - now, 0.001))
+    async def hand_over(self) -> None:
+        self.scope.cancel()
+        await self.done.wait()
 
 
 class GenerationHandler:
@@ -186,7 +183,7 @@ class GenerationHandler:
     ) -> None:
         exchange = _Exchange(send, _header(scope, b"x-request-id") or uuid.uuid4().hex)
         started = time.perf_counter()
-        outcome: dict[str, Any] = {"cause": None}
+        outcome: dict[str, Any] = {"cause": None, "scope": scope}
         try:
             limit = self.state.settings.max_header_bytes
             if headers_too_large(scope, limit):
@@ -231,9 +228,14 @@ class GenerationHandler:
         state = self.state
         _check_content_type(scope)
         body = await _read_body(scope, receive, state.settings.max_body_bytes)
-        stream, include_usage, generation, model = self._parse(kind, body)
+        engine = self._engine()  # shutting down, not loaded: refuse before any work
+        if len(body) > _INLINE_PARSE_BYTES:
+            # decoding a large body, rendering a long chat: off the event loop
+            parsed = await trio.to_thread.run_sync(self._parse, kind, body)
+        else:
+            parsed = self._parse(kind, body)
+        stream, include_usage, generation, model = parsed
         outcome["model"] = model
-        engine = self._engine()
         timeout = _request_timeout(scope, state.settings)
         deadline = math.inf if timeout is None else trio.current_time() + timeout
 
@@ -246,13 +248,13 @@ class GenerationHandler:
             try:
                 prepared = await engine.prepare(generation)
                 _check_limits(prepared, state.settings)
-                with _unwrapping_errors():
+                with unwrap_group():
                     async with trio.open_nursery() as nursery:
                         watch_scope = trio.CancelScope()
                         outcome["watch_scope"] = watch_scope
-                        nursery.start_soon(
-                            _watch_disconnect, receive, control, exchange, state.stall_timeout, watch_scope
-                        )
+                        nursery.start_soon(_watch_disconnect, receive, control, watch_scope)
+                        if state.stall_timeout is not None:
+                            nursery.start_soon(_watch_stall, scope, exchange, control, state.stall_timeout)
                         reservation = None
                         if stream:
                             # Refuse (429) while a status code can still say so, and hold the
@@ -265,7 +267,9 @@ class GenerationHandler:
                                 await exchange.body(encoder.role())
                             interval = state.settings.heartbeat_interval
                             if interval:
-                                nursery.start_soon(_heartbeat, exchange, interval)
+                                heartbeat = _Heartbeat(exchange, interval)
+                                outcome["heartbeat"] = heartbeat
+                                nursery.start_soon(heartbeat.run)
                         async with engine.stream(prepared, reservation=reservation) as events:
                             outcome["events"] = events
                             control.progress = events.progress
@@ -340,7 +344,11 @@ class GenerationHandler:
         observe_gap = self.state.metrics.inter_token_latency.observe
         perf_counter = time.perf_counter
         previous = 0.0
+        heartbeat: _Heartbeat | None = outcome.get("heartbeat")
         async for event in events:
+            if heartbeat is not None:
+                await heartbeat.hand_over()  # from here on, this task is the only writer
+                heartbeat = None
             if type(event) is TextDelta:
                 now = perf_counter()
                 if previous:
@@ -349,16 +357,8 @@ class GenerationHandler:
                 await body(delta(event.text))
             else:
                 assert isinstance(event, Finished)
-                outcome["cause"] = event.reason
-                # Finished before the last send: hypercorn reports the end of the
-                # response as a disconnect, and that must not rewrite why it ended.
-                outcome["finished"] = True
-                # Stop watching before the last send: hypercorn delivers http.disconnect
-                # from inside it, and cancelling the request then would cancel hypercorn's
-                # own end-of-response work (closing HTTP/1.0 and Connection: close
-                # connections, starting the keep-alive timer).
-                outcome["watch_scope"].cancel()
-                await body(encoder.final(event.reason, event.usage, event.message), more=False)
+                final = encoder.final(event.reason, event.usage, event.message)
+                await self._end(exchange, final, event, outcome)
 
     async def _collect(
         self,
@@ -380,14 +380,45 @@ class GenerationHandler:
                     if isinstance(failure, TrioserveError):
                         raise failure  # its own status: a 400 from an upstream stays a 400
                     raise _BackendFailed(event.message or "inference failed")
-                outcome["finished"] = True  # (see _stream)
-                outcome["watch_scope"].cancel()
-                await exchange.json(
-                    200,
-                    non_stream_response(
-                        kind, model=model, text="".join(parts), cause=event.reason, usage=event.usage
-                    ),
+                response = non_stream_response(
+                    kind, model=model, text="".join(parts), cause=event.reason, usage=event.usage
                 )
+                await self._end(exchange, response, event, outcome, json=True)
+
+    async def _end(
+        self,
+        exchange: _Exchange,
+        data: bytes,
+        event: Finished,
+        outcome: dict[str, Any],
+        *,
+        json: bool = False,
+    ) -> None:
+        """Send the end of a response that ended on its own (stop, length, error).
+
+        The end is sent shielded — a deadline or shutdown that fires now must not cut
+        the body short while the log says it ended well — and bounded by the stall
+        timeout: if the client takes no bytes for that long, the connection is shut
+        down and the log says ``stall``."""
+        outcome["cause"] = event.reason
+        # Finished before the last send: hypercorn reports the end of the response as
+        # a disconnect, and that must not rewrite why it ended.
+        outcome["finished"] = True
+        # Stop watching before the last send: hypercorn delivers http.disconnect from
+        # inside it, and cancelling the request then would cancel hypercorn's own
+        # end-of-response work (closing HTTP/1.0 and Connection: close connections,
+        # starting the keep-alive timer).
+        outcome["watch_scope"].cancel()
+        bound = self.state.stall_timeout or FINAL_EVENT_TIMEOUT
+        with trio.move_on_after(bound, shield=True) as end_scope:
+            if json:
+                await exchange.json(200, data)
+            else:
+                await exchange.body(data, more=False)
+        if end_scope.cancelled_caught:
+            outcome["cause"] = "stall"
+            outcome["finished"] = False
+            _end_connection(outcome["scope"])
 
     async def _cancelled(
         self, exchange: _Exchange, encoder: ChunkEncoder | None, cause: EndCause, outcome: dict[str, Any]
@@ -396,7 +427,7 @@ class GenerationHandler:
         if cause in ("disconnect", "stall"):
             return
         events = outcome.get("events")
-        with trio.move_on_after(FINAL_EVENT_TIMEOUT, shield=True):
+        with trio.move_on_after(FINAL_EVENT_TIMEOUT, shield=True) as final_scope:
             if encoder is not None:
                 usage = events.usage if events is not None else Usage(prompt_tokens=0, completion_tokens=0)
                 await exchange.body(encoder.final(cause, usage), more=False)
@@ -408,6 +439,8 @@ class GenerationHandler:
                 await exchange.error(
                     ServiceUnavailableError("the server is shutting down; retry on another instance")
                 )
+        if final_scope.cancelled_caught:
+            _end_connection(outcome["scope"])  # a half-sent event must not stay open
 
     def _log(
         self, scope: Scope, exchange: _Exchange, kind: str, started: float, outcome: dict[str, Any]

@@ -1,52 +1,47 @@
-"""The batched llama.cpp backend: many sequences, one context, one decode per step.
+"""The llama.cpp backend: many sequences, one context, one decode per step.
 
 llama.cpp can decode tokens of many sequences in one ``llama_decode`` call (each batch
 entry carries a sequence id), which on a CPU costs far less than one call per sequence:
 the weights are read once per step instead of once per sequence. This backend keeps the
-product's shape around that:
-
-::
+product's shape around that (design and measurements: ``docs/batching.md``)::
 
     request (its own nursery)                     scheduler thread (one per backend)
     ───────────────────────────                   ──────────────────────────────────
     producer task: generate()                     loop:
       submit(sequence) ──────── inbox ──────────▶   admit new sequences (seq ids)
-      async for piece in sequence:  ◀── deliver ─   drop cancelled ones: seq_rm, free
-        await send.send(piece)        (one           build the batch: one token per
-        consumed += 1                 run_sync_soon   decoding sequence that is not
-      on cancel: cancel(sequence),    per step)       paused + a prefill chunk
-        wait (shielded) until the                   llama_decode(batch)   ← abort flag
-        scheduler has removed it                    sample each sequence's chain
-    consumer (engine): receive, text                 hand the step's pieces to Trio
+      await sequence.removed                        drop cancelled ones: seq_rm, free
+      on cancel: cancel(sequence),                  build the batch: one token per
+        wait (shielded) until the                   decoding sequence whose channel
+        scheduler has removed it                    has room + a prefill chunk
+    consumer (engine): channel.receive_batch ◀───   llama_decode(batch)   ← abort flag
+      (the request's PieceChannel: at most          sample each sequence's chain,
+       capacity pieces ahead of the client)         channel.put(piece)
 
-* **Per-request structure is unchanged.** Each request keeps its nursery, producer and
-  consumer; the producer relays its sequence's pieces into the request's zero-capacity
-  channel. The scheduler thread never waits for Trio: a step's pieces go to the event
-  loop with one ``TrioToken.run_sync_soon`` call.
+Contract:
+
+* **Per-request structure.** Each request keeps its nursery, producer and consumer.
+  The scheduler writes a sequence's pieces straight into the request's
+  :class:`~trioserve._channel.PieceChannel` and never waits for Trio.
 * **Cancellation.** A cancelled producer marks its sequence cancelled and waits
   (shielded, bounded by one step) until the scheduler has taken it out of the batch and
-  cleared its KV cells (``llama_memory_seq_rm``); only then does ``generate`` return and
-  the admission slot come free. If the cancelled sequences own at least half of the
-  tokens of the ``llama_decode`` call in flight (a lone stream; a long prefill chunk),
-  the cancel also raises the context's abort flag, so the call stops within one graph
-  node; the surviving sequences' cells written by the aborted call are removed and
-  their entries are decoded again in the next step — their text does not change.
-* **Backpressure per sequence.** A sequence runs at most ``_WINDOW`` pieces ahead of
-  its client; beyond that it is *paused*: skipped when the batch is built, so the
-  others go on at full speed. When every sequence is paused or none is left, the
-  thread sleeps on a condition variable: no polling.
-* **Prefill interleaving.** While other sequences decode, a new prompt is prefilled in
-  chunks of ``prefill_chunk`` tokens, one chunk per step, so a long prompt delays the
-  others' next token by one chunk's time instead of the whole prompt's.
-* **Batch invariance (optional).** llama.cpp's CPU kernels are not batch-invariant:
-  a token decoded in a call of 8 columns goes through a different matrix-multiply
-  kernel (llamafile's tinyBLAS) than the same token decoded alone, and greedy decoding
-  turns the last-bit difference into a different text after some tokens. With
-  ``batch_invariant=True`` the backend measures at load the widest call whose numerics
-  equal a lone sequence's on this machine (:func:`_probe_invariant_width`), splits each
-  decode step into calls no wider than that, and never mixes a prefill chunk with other
-  tokens — so at temperature 0 every stream's text equals what the request gives alone,
-  whatever else runs. It costs throughput at high concurrency (docs/benchmarks.md).
+  cleared its KV cells (``llama_memory_seq_rm``); only then does ``generate`` raise the
+  request's ``Cancelled`` and the admission slot come free. If the cancelled sequences
+  own at least half of the tokens of the ``llama_decode`` call in flight (a lone
+  stream; a long prefill chunk), the cancel also raises the context's abort flag, so
+  the call stops within one graph node; the surviving sequences' cells written by the
+  aborted call are removed and their entries decoded again — their text does not
+  change. The scheduler only reports "removed because cancelled"; the Trio side raises
+  the cancel, so a cancelled request never ends as a backend error.
+* **Backpressure per sequence.** A sequence whose channel is full is *paused*: skipped
+  when the batch is built; the consumer's ``on_room`` wakes the scheduler when it takes
+  pieces. When nothing is runnable the thread sleeps on a condition variable.
+* **Prefill.** Alone, a prompt is evaluated in ``n_batch`` chunks; while others decode,
+  in ``prefill_chunk`` chunks, one per step. Either way a request alone is exact (its
+  text at temperature 0 equals a fresh server's).
+* **Batch invariance (optional).** With ``batch_invariant=True`` decode calls are never
+  wider than the width measured at load to be bit-identical to a lone sequence, and a
+  prompt chunk never shares a call — so every stream's text equals its solo text,
+  whatever else runs.
 
 KV cells: the context is created with ``n_seq_max = slots`` and a non-unified KV cache
 (``kv_unified = false``): every sequence owns ``n_ctx`` cells of its own, so admission
@@ -56,11 +51,8 @@ cells.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
-import math
-import os
 import threading
 import time
 from collections import deque
@@ -69,16 +61,15 @@ from typing import Any, Literal
 
 import trio
 
+from .._channel import PieceChannel
 from .._exceptions import BackendError
 from ._base import ActiveThreads, GenerationProgress, PreparedPrompt
 from ._llama import LlamaModel, LlamaSettings, _Context
 
-__all__ = ["BatchedLlamaBackend", "BatchedLlamaSettings"]
+__all__ = ["LlamaBackend"]
 
-logger = logging.getLogger("trioserve.batched")
+logger = logging.getLogger("trioserve.llama")
 
-#: how many pieces a sequence may run ahead of its client before it is paused
-_WINDOW = 8
 _DECODE_ABORTED = 2
 
 Reason = Literal["stop", "length"]
@@ -86,50 +77,16 @@ Reason = Literal["stop", "length"]
 _CANCELLED: Literal["cancelled"] = "cancelled"
 
 
-class BatchedLlamaSettings(LlamaSettings):
-    """Settings of :class:`BatchedLlamaBackend`; see :class:`LlamaSettings`.
-
-    Args:
-        slots: sequences decoded together (each with ``n_ctx`` KV cells).
-        n_threads: threads of the one context; default: all cores.
-        prefill_chunk: prompt tokens per step while other sequences are decoding
-            (a prompt prefills ``n_batch`` tokens per step when nothing else runs).
-        batch_invariant: make every stream's numerics independent of what else runs
-            (see the module docstring); turns off weight repacking.
-    """
-
-    def __init__(
-        self,
-        model_path: Any,
-        *,
-        slots: int = 8,
-        prefill_chunk: int = 64,
-        batch_invariant: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        if batch_invariant:
-            kwargs["repack"] = False
-        super().__init__(model_path, slots=slots, **kwargs)
-        if not 1 <= prefill_chunk <= self.n_batch:
-            raise ValueError(f"prefill_chunk must be in [1, n_batch={self.n_batch}]")
-        self.prefill_chunk = prefill_chunk
-        self.batch_invariant = batch_invariant
-
-    @staticmethod
-    def _default_threads(slots: int) -> int:
-        return os.cpu_count() or 1  # one context: all cores decode every step
-
-
 class _Sequence:
     """One request inside the batch. Fields are written by one side only:
 
-    * Trio side: ``consumed``, ``cancelled``;
+    * Trio side: ``cancelled``;
     * scheduler thread: everything else until it hands the sequence back.
     """
 
     __slots__ = (
         "cancelled",
-        "consumed",
+        "channel",
         "first_chunk_at",
         "generated",
         "max_new",
@@ -138,27 +95,25 @@ class _Sequence:
         "prefilled",
         "progress",
         "prompt",
-        "receive",
         "removed",
         "result",
         "sampler",
-        "send",
         "seq_id",
         "token",
     )
 
-    def __init__(self, prompt: PreparedPrompt, progress: GenerationProgress, sampler: Any) -> None:
+    def __init__(
+        self, prompt: PreparedPrompt, progress: GenerationProgress, sampler: Any, channel: PieceChannel
+    ) -> None:
         self.prompt: Sequence[int] = prompt.tokens
         self.max_new = prompt.max_new_tokens
         self.progress = progress
         self.sampler = sampler
         self.token = trio.lowlevel.current_trio_token()
-        # unbounded, but never holds more than _WINDOW pieces: the scheduler pauses first
-        self.send, self.receive = trio.open_memory_channel[bytes](math.inf)
+        self.channel = channel
         self.removed = trio.Event()
         self.result: Reason | Literal["cancelled"] | BaseException | None = None
         self.cancelled = False
-        self.consumed = 0
         self.seq_id = -1
         self.prefilled = 0
         self.pos = 0
@@ -169,22 +124,6 @@ class _Sequence:
     @property
     def decoding(self) -> bool:
         return self.prefilled == len(self.prompt)
-
-
-Items = list[tuple[_Sequence, bytes | None]]
-
-
-def _deliver(items: Items) -> None:
-    """Runs on the Trio thread: one step's pieces (``None``: the sequence has left the
-    batch; its ``result`` is set)."""
-    for sequence, piece in items:
-        if piece is not None:
-            # BrokenResourceError: its producer has gone (cancelled); it is dropped next step
-            with contextlib.suppress(trio.BrokenResourceError):
-                sequence.send.send_nowait(piece)
-        else:
-            sequence.send.close()
-            sequence.removed.set()
 
 
 def _split(decoders: list[_Sequence], width: int) -> list[list[_Sequence]]:
@@ -204,23 +143,23 @@ def _split(decoders: list[_Sequence], width: int) -> list[list[_Sequence]]:
     return groups
 
 
+def _hand_back(sequence: _Sequence) -> None:
+    """Tell the request that the scheduler is done with ``sequence`` (after its last
+    piece: the channel keeps their order)."""
+    try:
+        sequence.token.run_sync_soon(sequence.removed.set)
+    except trio.RunFinishedError:  # pragma: no cover - its run ended without waiting
+        logger.warning("a sequence outlived its Trio run")
+
+
 def _seq_id(sequence: _Sequence) -> int:
     return sequence.seq_id
-
-
-def _post(out: dict[trio.lowlevel.TrioToken, Items]) -> None:
-    """Hand items to their Trio runs without waiting for them."""
-    for token, items in out.items():
-        try:
-            token.run_sync_soon(_deliver, items)
-        except trio.RunFinishedError:  # pragma: no cover - its run ended without waiting
-            logger.warning("a sequence outlived its Trio run")
 
 
 class _Scheduler:
     """The thread that owns the context: admits, batches, decodes, samples, removes."""
 
-    def __init__(self, backend: BatchedLlamaBackend) -> None:
+    def __init__(self, backend: LlamaBackend) -> None:
         self._backend = backend
         settings = backend.settings
         self.context = _Context(backend, sequences=settings.slots)
@@ -294,7 +233,7 @@ class _Scheduler:
         for sequence in self._active:
             if sequence.cancelled or not sequence.decoding:
                 return True
-            if sequence.generated - sequence.consumed < _WINDOW:
+            if sequence.channel.room > 0:
                 return True
         return False
 
@@ -346,7 +285,7 @@ class _Scheduler:
 
     def _remove(self, sequence: _Sequence, result: Reason | Literal["cancelled"] | BaseException) -> None:
         self._release(sequence, result)
-        _post({sequence.token: [(sequence, None)]})
+        _hand_back(sequence)
 
     def _step(self) -> None:
         # 1. drop cancelled sequences
@@ -359,10 +298,10 @@ class _Scheduler:
         for s in active:
             if not s.decoding:
                 prefillers.append(s)
-            elif s.generated - s.consumed < _WINDOW:
+            elif s.channel.room > 0:
                 decoders.append(s)
-            # else paused: its client is not reading; its producer wakes us when it
-            # takes a piece (generated - consumed drops below the window)
+            # else paused: its client is not reading; the consumer wakes us when it
+            # takes pieces from the full channel (on_room)
         # Decode calls list their sequences in seq-id order: llama.cpp splits a
         # multi-sequence batch into equal-length ubatches, and out-of-order ids cost a
         # second graph run (measured: 89 ms instead of 43 ms per step for 8 sequences).
@@ -379,16 +318,13 @@ class _Scheduler:
             chunk = settings.prefill_chunk if decoders or settings.batch_invariant else settings.n_batch
             calls.append([(first, min(chunk, len(first.prompt) - first.prefilled))])
         # 3. run them
-        out: dict[trio.lowlevel.TrioToken, Items] = {}
         for call in calls:
-            self._decode_call(call, out)
-        _post(out)
+            self._decode_call(call)
         self.steps += 1
 
-    def _decode_call(
-        self, call: list[tuple[_Sequence, int]], out: dict[trio.lowlevel.TrioToken, Items]
-    ) -> None:
-        """One ``llama_decode`` call; its pieces and finished sequences go to ``out``."""
+    def _decode_call(self, call: list[tuple[_Sequence, int]]) -> None:
+        """One ``llama_decode`` call; its pieces go to their channels, and finished
+        sequences back to their requests."""
         backend = self._backend
         lib = backend.lib
         batch = self.batch
@@ -445,8 +381,7 @@ class _Scheduler:
         if result != 0:
             error = BackendError(f"llama_decode failed with code {result}")
             for sequence, _ in call:
-                self._release(sequence, error)
-                out.setdefault(sequence.token, []).append((sequence, None))
+                self._remove(sequence, error)
             return
         now = time.perf_counter()
         for sequence, count in call:
@@ -464,22 +399,19 @@ class _Scheduler:
         ctx = self.ctx
         for sequence, index in outputs:
             token = sample(sequence.sampler, ctx, index)
-            items = out.setdefault(sequence.token, [])
             if is_eog(vocab, token):
-                self._release(sequence, "stop")
-                items.append((sequence, None))
+                self._remove(sequence, "stop")
                 continue
             sequence.generated += 1
             sequence.progress.completion_tokens += 1
-            items.append((sequence, piece(token)))
+            sequence.channel.put(piece(token))
             if sequence.generated == sequence.max_new:
-                self._release(sequence, "length")
-                items.append((sequence, None))  # after its last piece: order is kept
+                self._remove(sequence, "length")  # after its last piece: order is kept
                 continue
             sequence.next_token = token
 
 
-def _probe_invariant_width(backend: BatchedLlamaBackend, scheduler: _Scheduler) -> int:
+def _probe_invariant_width(backend: LlamaBackend, scheduler: _Scheduler) -> int:
     """The widest decode call (in sequences) whose logits equal a lone sequence's,
     bit for bit, on this machine's kernels. Runs once at load (a few decode calls)."""
     lib = backend.lib
@@ -525,20 +457,16 @@ def _probe_invariant_width(backend: BatchedLlamaBackend, scheduler: _Scheduler) 
         lib.llama_memory_clear(memory, True)
 
 
-class BatchedLlamaBackend(LlamaModel):
-    """llama.cpp inference with many sequences decoded together in one context.
+class LlamaBackend(LlamaModel):
+    """llama.cpp inference: every running request is a sequence of one context, and
+    one scheduler thread decodes them together (see the module docstring).
 
-    Create it with :meth:`load` / :meth:`aload` and :class:`BatchedLlamaSettings`.
+    Create it with :meth:`load` / :meth:`aload` and :class:`LlamaSettings`.
     ``active_threads`` counts the generations inside the scheduler (submitted and not
-    yet removed with their KV cells cleared): the batched counterpart of a running
-    inference thread, and what a cancel must bring back to zero.
+    yet removed with their KV cells cleared): what a cancel must bring back to zero.
     """
 
-    settings: BatchedLlamaSettings
-
     def __init__(self, settings: LlamaSettings, lib: Any, model: Any) -> None:
-        if not isinstance(settings, BatchedLlamaSettings):
-            raise TypeError("BatchedLlamaBackend needs BatchedLlamaSettings")
         self.active_threads = ActiveThreads()
         super().__init__(settings, lib, model)
 
@@ -585,15 +513,14 @@ class BatchedLlamaBackend(LlamaModel):
         self._scheduler.free()
 
     async def generate(
-        self,
-        prompt: PreparedPrompt,
-        send: trio.MemorySendChannel[bytes],
-        progress: GenerationProgress,
+        self, prompt: PreparedPrompt, channel: PieceChannel, progress: GenerationProgress
     ) -> Reason:
         if prompt.max_new_tokens <= 0:
-            return "length"  # as the per-context backend: nothing to generate
+            await trio.lowlevel.checkpoint()
+            return "length"  # nothing to generate
         scheduler = self._scheduler
-        sequence = _Sequence(prompt, progress, self._sampler(prompt.request.sampling))
+        sequence = _Sequence(prompt, progress, self._sampler(prompt.request.sampling), channel)
+        channel.on_room = scheduler.wake
         with self.active_threads:
             try:
                 scheduler.submit(sequence)
@@ -601,14 +528,7 @@ class BatchedLlamaBackend(LlamaModel):
                 self.lib.llama_sampler_free(sequence.sampler)
                 raise
             try:
-                async with sequence.receive:
-                    async for piece in sequence.receive:
-                        await send.send(piece)
-                        sequence.consumed += 1
-                        # just dropped below the window: the scheduler may be paused on
-                        # it (it only ever reaches the window, never passes it)
-                        if sequence.generated - sequence.consumed == _WINDOW - 1:
-                            scheduler.wake()
+                await sequence.removed.wait()
             finally:
                 if not sequence.removed.is_set():
                     scheduler.cancel(sequence)
@@ -621,4 +541,6 @@ class BatchedLlamaBackend(LlamaModel):
             raise BackendError(str(result)) from None
         if result == "stop" or result == "length":
             return result
+        # removed as cancelled: the request's own Cancelled is raised here
+        await trio.lowlevel.checkpoint_if_cancelled()
         raise BackendError("the sequence was dropped, but its request was not cancelled")

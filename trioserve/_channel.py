@@ -1,0 +1,190 @@
+"""The one bridge between whatever makes tokens and the request's consumer.
+
+A :class:`PieceChannel` links a request's producer to its consumer. It holds at most
+``capacity`` pieces (token bytes): the producer — a Trio task (an upstream), a worker
+thread (the scripted backend) or the llama scheduler thread — can run that far ahead of
+the client and no further. It replaces ``trio.from_thread.run`` per token: a thread
+appends under a lock and wakes the consumer only if the consumer is parked waiting
+(one ``TrioToken.run_sync_soon`` then), so a fast producer costs the event loop
+nothing per piece, and a consumer that falls behind takes every waiting piece in one
+:meth:`receive_batch` (one SSE write for all of them).
+
+Contract:
+
+* one consumer task; producers call :meth:`put` (thread or Trio side, never blocks:
+  the caller checks :attr:`room` first or accepts going past capacity by one step),
+  :meth:`put_wait` (a worker thread: blocks while full, raises :class:`Aborted` once
+  :meth:`abort` was called) or :meth:`send` (a Trio task: waits while full);
+* :meth:`close` (Trio side) marks the end: the consumer receives what is left, then
+  ``trio.EndOfChannel``;
+* :meth:`close_receiving` (the consumer is leaving): producers' sends raise
+  ``trio.BrokenResourceError`` and waiting threads wake with :class:`Aborted`;
+* ``on_room``: called on the Trio thread when the consumer makes room in a full
+  channel (the scheduler uses it to resume a paused sequence: no polling).
+
+Cancellation: :meth:`receive_batch` and :meth:`send` are ordinary Trio checkpoints; a
+cancel while parked loses nothing (pieces stay queued).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import trio
+
+__all__ = ["Aborted", "PieceChannel"]
+
+
+class Aborted(Exception):
+    """Raised in a producer thread once its request is being torn down."""
+
+
+class PieceChannel:
+    __slots__ = (
+        "_closed",
+        "_condition",
+        "_consumer",
+        "_lock",
+        "_pieces",
+        "_producer",
+        "_receiving_closed",
+        "_token",
+        "_wake_posted",
+        "aborted",
+        "capacity",
+        "on_room",
+    )
+
+    def __init__(self, capacity: int = 8) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._condition = threading.Condition(self._lock)
+        self._pieces: deque[bytes] = deque()
+        self._closed = False
+        self._receiving_closed = False
+        #: set by :meth:`abort`: producer threads read it between steps
+        self.aborted = False
+        self._token = trio.lowlevel.current_trio_token()
+        self._consumer: trio.lowlevel.Task | None = None  # parked in receive_batch
+        self._producer: trio.lowlevel.Task | None = None  # parked in send
+        self._wake_posted = False
+        self.on_room: Callable[[], None] | None = None
+
+    # ------------------------------------------------------------ producers
+
+    @property
+    def room(self) -> int:
+        """Pieces that fit before the channel is full (read from any thread)."""
+        return self.capacity - len(self._pieces)
+
+    def put(self, piece: bytes) -> None:
+        """Append ``piece`` (any thread). Never blocks; wakes a parked consumer."""
+        with self._lock:
+            self._pieces.append(piece)
+            if self._consumer is not None and not self._wake_posted:
+                self._wake_posted = True
+                post = True
+            else:
+                post = False
+        if post:
+            self._token.run_sync_soon(self._wake_consumer)
+
+    def put_wait(self, piece: bytes) -> None:
+        """Append ``piece`` from a worker thread, waiting while the channel is full.
+
+        Raises :class:`Aborted` once :meth:`abort` or :meth:`close_receiving` was called."""
+        with self._condition:
+            while len(self._pieces) >= self.capacity and not self.aborted:
+                self._condition.wait()
+            if self.aborted:
+                raise Aborted
+            self._pieces.append(piece)
+            post = self._consumer is not None and not self._wake_posted
+            if post:
+                self._wake_posted = True
+        if post:
+            self._token.run_sync_soon(self._wake_consumer)
+
+    async def send(self, piece: bytes) -> None:
+        """Append ``piece`` from a Trio task, waiting while the channel is full."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            if self._receiving_closed:
+                raise trio.BrokenResourceError("the consumer has left")
+            if len(self._pieces) < self.capacity:
+                break
+            self._producer = trio.lowlevel.current_task()
+
+            def abort(_: object) -> trio.lowlevel.Abort:
+                self._producer = None
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        with self._lock:
+            self._pieces.append(piece)
+        self._wake_consumer()
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def abort(self) -> None:
+        """Tell producer threads to stop (any thread): :meth:`put_wait` raises
+        :class:`Aborted`, and :attr:`aborted` is true."""
+        with self._condition:
+            self.aborted = True
+            self._condition.notify_all()
+
+    def close(self) -> None:
+        """The producer is done (Trio thread): the consumer gets the rest, then the end."""
+        self._closed = True
+        self._wake_consumer()
+
+    def close_receiving(self) -> None:
+        """The consumer is leaving (Trio thread)."""
+        self._receiving_closed = True
+        self.abort()
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            trio.lowlevel.reschedule(producer)
+
+    # ------------------------------------------------------------- consumer
+
+    def _wake_consumer(self) -> None:
+        # On the Trio thread (directly, or posted by a producer thread).
+        with self._lock:
+            self._wake_posted = False
+            consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            trio.lowlevel.reschedule(consumer)
+
+    async def receive_batch(self) -> list[bytes]:
+        """Every piece waiting (at least one); ``trio.EndOfChannel`` once closed and empty."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            with self._lock:
+                if self._pieces:
+                    full = len(self._pieces) >= self.capacity
+                    pieces = list(self._pieces)
+                    self._pieces.clear()
+                    if full:
+                        self._condition.notify()
+                    break
+                if self._closed:
+                    raise trio.EndOfChannel
+                self._consumer = trio.lowlevel.current_task()
+
+            def abort(_: object) -> trio.lowlevel.Abort:
+                with self._lock:
+                    self._consumer = None
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            trio.lowlevel.reschedule(producer)
+        if full and self.on_room is not None:
+            self.on_room()
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return pieces

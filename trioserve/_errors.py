@@ -1,0 +1,46 @@
+"""Exception groups at the seams: a nursery that the caller cannot see must not
+change the type of what the caller raised.
+
+:func:`unwrap_group` wraps a private nursery (the engine's per-request nursery, the
+thread bridge's, the test server's, ``Server.run``'s). If the group it raises holds
+exactly one exception that is not ``trio.Cancelled``, that exception comes out as
+itself — same object, its own traceback, cause and context — as
+``trio.as_safe_channel`` does. A group of only ``Cancelled`` is left alone (the
+cancel scope it belongs to catches it); several real errors stay a group, since
+dropping any of them would hide a failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import trio
+
+__all__ = ["unwrap_group"]
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
+@contextmanager
+def unwrap_group() -> Iterator[None]:
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        errors = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
+        if len(errors) != 1:
+            raise
+        error = errors[0]
+        context, suppress = error.__context__, error.__suppress_context__
+        try:
+            raise error
+        finally:
+            # `raise` inside `except` chains the group as the context: undo that
+            error.__context__, error.__suppress_context__ = context, suppress
+            del error, group
