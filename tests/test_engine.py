@@ -160,7 +160,7 @@ async def test_slow_consumer_pauses_the_producer() -> None:
             consumed += event.text.count(" tok")
             # wait until the producer is blocked on the full channel: it can be at most
             # the channel's capacity (+ the piece in its hand) ahead of the reader
-            await wait_for(lambda: events.progress.completion_tokens >= consumed + WINDOW + 1)
+            await wait_for(lambda: events.progress.completion_tokens >= consumed + WINDOW + 1)  # noqa: B023
             assert events.progress.completion_tokens == consumed + WINDOW + 1
             if consumed >= 5 * WINDOW:
                 break

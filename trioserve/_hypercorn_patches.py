@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import struct
 from typing import Any
 
 __all__ = ["patch_hypercorn_connection_registry", "patch_hypercorn_h2_backpressure", "shut_down_connection"]
@@ -115,6 +116,9 @@ def shut_down_connection(client: object, server: object) -> bool:
     if sock is None:
         return False
     try:
+        # linger 0: the close that follows resets the connection (the client learns that
+        # the response was cut, not that it ended), and unsent bytes are dropped
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         return False

@@ -48,9 +48,9 @@ def tune_listening_socket(sock: socket.socket, settings: ServerSettings) -> None
     interrupt a send to a client that has stopped reading. trioserve's stall timer
     shuts such a connection down itself (``_http/_generation.py``); as a backstop,
     ``TCP_USER_TIMEOUT`` makes the kernel reset a connection whose peer accepts no data
-    for twice the stall timeout. ``TCP_NOTSENT_LOWAT`` bounds the bytes waiting in the kernel to be sent,
-    so a slow reader pauses inference after a few KiB instead of after megabytes of
-    autotuned send buffer.
+    for four times the stall timeout (+ 10 s). ``TCP_NOTSENT_LOWAT`` bounds the bytes
+    waiting in the kernel to be sent, so a slow reader pauses inference after a few KiB
+    instead of after megabytes of autotuned send buffer.
     """
     if sock.family not in (socket.AF_INET, socket.AF_INET6):
         return
@@ -58,8 +58,11 @@ def tune_listening_socket(sock: socket.socket, settings: ServerSettings) -> None
         sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, settings.send_buffer_bytes)
         if settings.stall_timeout is not None:
             # a backstop only: trioserve's own stall timer ends a stalled connection
-            # after stall_timeout (and records why); the kernel would at twice that
-            sock.setsockopt(socket.IPPROTO_TCP, _TCP_USER_TIMEOUT, int(settings.stall_timeout * 2000))
+            # stall_timeout after a send blocks (and records why). The kernel's clock
+            # starts earlier — when the client's window closes, before the buffers fill
+            # and a send blocks — so the backstop must be well behind ours.
+            backstop = 4 * settings.stall_timeout + 10.0
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_USER_TIMEOUT, int(backstop * 1000))
     except OSError as exc:  # pragma: no cover - not Linux
         logger.warning("could not set flow-control socket options: %s", exc)
 

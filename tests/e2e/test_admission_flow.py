@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
 from functools import partial
 
 import httpx
 import pytest
 import trio
 
-from trioserve import HTTPSettings, LlamaBackend, LlamaSettings, ScriptedBackend
+from trioserve import HTTPSettings, LlamaBackend, ScriptedBackend
 
 from .._helpers import RawStream, start_server, wait_for
 
@@ -165,17 +164,10 @@ async def test_heartbeats_keep_a_silent_stream_alive(
     server.server.shutdown()
 
 
-@pytest.fixture(scope="module")
-def four_slot_backend(model_path: str) -> Iterator[LlamaBackend]:
-    backend = LlamaBackend.load(LlamaSettings(model_path, n_ctx=1024, n_threads=2, slots=4))
-    yield backend
-    backend._free()
-
-
-async def test_four_concurrent_streams_each_get_their_own_context(
-    four_slot_backend: LlamaBackend, nursery: trio.Nursery
+async def test_four_concurrent_streams_run_at_once_each_as_alone_in_invariant_mode(
+    invariant_backend: LlamaBackend, nursery: trio.Nursery
 ) -> None:
-    server = await start_server(nursery, four_slot_backend)
+    server = await start_server(nursery, invariant_backend)
     prompts = [
         "Once upon a time",
         "The capital of France is",
@@ -204,7 +196,7 @@ async def test_four_concurrent_streams_each_get_their_own_context(
         async with trio.open_nursery() as streams:
             for prompt in prompts:
                 streams.start_soon(stream, prompt)
-    assert peak == 4  # all four ran at once, each on its own context
+    assert peak == 4  # all four ran at once, each a sequence of the one context
     assert together == solo
     await server.wait_idle()
     server.server.shutdown()

@@ -20,7 +20,7 @@ import re
 import pytest
 import trio
 
-from trioserve import Engine, Finished, GenerationRequest, SamplingParams, TextDelta
+from trioserve import Engine, Finished, GenerationRequest, LlamaBackend, SamplingParams, TextDelta
 from trioserve._engine import WINDOW as _WINDOW
 
 from .._helpers import RawStream, start_server, wait_for

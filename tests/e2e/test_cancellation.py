@@ -10,15 +10,17 @@ For every cell the test asserts:
 * that the next request on the same context gives the text a fresh server gives;
 * that the end was recorded with its cause (the request's log line).
 
-Every cell runs against both llama.cpp backends: one context per slot
-(:class:`LlamaBackend`) and the batched one (:class:`LlamaBackend`, two sequences
-in one context; "inference thread" is then "sequence in the batch").
+Every cell runs against the llama backend with one sequence and with two (the queued
+phase occupies both; "inference thread" is "sequence in the batch").
 
 Causes: TCP close, half-close, HTTP/2 stream reset, close during a non-streaming
-request, deadline (``X-Request-Timeout``), server shutdown. (The caller's own cancel
-scope, for library use, is in ``test_library_cancellation.py``.)
-Phases: queued (the only slot busy), prefill (a ~1,700-token prompt), decode, and
-blocked on a slow consumer (the client stops reading; its receive buffer is tiny).
+request, deadline (``X-Request-Timeout``), server shutdown, and deadline and shutdown
+for a non-streaming request (answered with 504 / 503: nothing was sent yet). (The
+caller's own cancel scope, for library use, is in ``test_library_cancellation.py``.)
+Phases: queued (every slot busy), prefill (a ~1,700-token prompt, a chunk in flight
+inside llama.cpp), decode (a token decode in flight), and blocked on a slow consumer
+(the client stops reading; its receive buffer is tiny; the sequence is paused on its
+full channel). Each phase is reached by waiting on what shows it, never by sleeping.
 """
 
 from __future__ import annotations
@@ -40,7 +42,16 @@ from .._helpers import H2Stream, RawStream, RunningServer, start_server, wait_fo
 
 pytestmark = pytest.mark.model
 
-CAUSES = ["close", "half_close", "h2_reset", "non_stream_close", "deadline", "shutdown"]
+CAUSES = [
+    "close",
+    "half_close",
+    "h2_reset",
+    "non_stream_close",
+    "deadline",
+    "shutdown",
+    "non_stream_deadline",
+    "non_stream_shutdown",
+]
 PHASES = ["queued", "prefill", "decode", "blocked"]
 STALL_TIMEOUT = 4.0
 LONG_PROMPT = "The history of the city is long and varied. " * 170  # ~1,700 tokens, ~2 s prefill
@@ -49,12 +60,10 @@ REFERENCE = {"prompt": "The capital of France is", "max_tokens": 40, "temperatur
 CANCEL_LATENCY_BOUND_MS = 250.0
 
 
-@pytest.fixture(scope="module", params=["contexts", "batched"])
-def llama_backend(
-    request: pytest.FixtureRequest, llama_backend: LlamaBackend
-) -> LlamaBackend:
-    """This module's backend: each test runs against both."""
-    if request.param == "batched":
+@pytest.fixture(scope="module", params=["one", "two"])
+def llama_backend(request: pytest.FixtureRequest, llama_backend: LlamaBackend) -> LlamaBackend:
+    """This module's backend: one sequence, and two."""
+    if request.param == "two":
         backend: LlamaBackend = request.getfixturevalue("batched_backend")
         return backend
     return llama_backend
@@ -77,9 +86,7 @@ def reference_text(llama_backend: LlamaBackend) -> str:
 
 
 @pytest.fixture
-async def server(
-    llama_backend: LlamaBackend, nursery: trio.Nursery
-) -> AsyncIterator[RunningServer]:
+async def server(llama_backend: LlamaBackend, nursery: trio.Nursery) -> AsyncIterator[RunningServer]:
     running = await start_server(
         nursery,
         llama_backend,
@@ -97,7 +104,8 @@ class Victim:
     """The request that gets cancelled, over the transport the cause needs."""
 
     def __init__(self, cause: str, phase: str) -> None:
-        self.cause = cause
+        self.streaming = not cause.startswith("non_stream_")
+        self.cause = cause.removeprefix("non_stream_") if cause != "non_stream_close" else cause
         self.phase = phase
         self.request_id = uuid.uuid4().hex
         self.raw: RawStream | None = None
@@ -106,10 +114,10 @@ class Victim:
             "prompt": LONG_PROMPT if phase == "prefill" else "Once upon a time",
             "max_tokens": 40 if phase == "prefill" else 3000,
             "temperature": 0,
-            "stream": cause != "non_stream_close",
+            "stream": self.streaming,
         }
         self.headers = {"X-Request-Id": self.request_id}
-        if cause == "deadline":
+        if self.cause == "deadline":
             self.headers["X-Request-Timeout"] = {
                 "queued": "0.5",
                 "prefill": "0.3",
@@ -180,20 +188,23 @@ async def _wait_queued(server: RunningServer, count: int = 1) -> None:
     await wait_for(lambda: server.engine.admission.queued >= count)
 
 
-async def _wait_inference_paused(server: RunningServer) -> int:
-    """Wait until the only stream's token count stops moving (the producer is blocked
-    on the slow client); return that count."""
+def _only_stream(server: RunningServer) -> Any:
+    (stream,) = server.engine.streams
+    return stream
+
+
+async def _wait_inference_paused(server: RunningServer, backend: LlamaBackend) -> int:
+    """Wait until the only stream's sequence is paused: its channel is full (the
+    consumer is blocked sending to the slow client) and no decode of it is in flight;
+    return its token count."""
     await wait_for(lambda: server.engine.streams)
-    with trio.fail_after(30):
-        (stream,) = server.engine.streams
-        last, since = -1, trio.current_time()
-        while True:
-            now = stream.progress.completion_tokens
-            if now != last:
-                last, since = now, trio.current_time()
-            elif trio.current_time() - since > 0.5 and now > 0:
-                return now
-            await trio.sleep(0.02)
+    stream = _only_stream(server)
+    await wait_for(lambda: stream._channel.room == 0 and backend.in_flight(stream.progress) is None, limit=30)
+    return int(stream.progress.completion_tokens)
+
+
+def _has_log_line(caplog: pytest.LogCaptureFixture, request_id: str) -> bool:
+    return any(r.name == "trioserve.requests" and request_id in r.getMessage() for r in caplog.records)
 
 
 def _log_line(caplog: pytest.LogCaptureFixture, request_id: str) -> str:
@@ -214,9 +225,9 @@ def _events(data: bytes) -> list[dict[str, Any] | str]:
     return out
 
 
-#: every cell but one: a non-streaming response sends nothing until it is complete, so
+#: every cell but three: a non-streaming response sends nothing until it is complete, so
 #: it cannot be blocked on a slow reader
-CELLS = [(c, p) for c in CAUSES for p in PHASES if (c, p) != ("non_stream_close", "blocked")]
+CELLS = [(c, p) for c in CAUSES for p in PHASES if not (c.startswith("non_stream") and p == "blocked")]
 
 
 @pytest.mark.parametrize(("cause", "phase"), CELLS, ids=[f"{c}-{p}" for c, p in CELLS])
@@ -238,38 +249,45 @@ async def test_cancel_cell(
         if phase == "queued":
             await _wait_queued(server)
         elif phase == "prefill":
-            await wait_for(lambda: llama_backend.active_threads.count)  # inference started
-            if cause != "deadline":  # (its 0.3 s deadline is already ticking)
-                await trio.sleep(0.3)  # well inside the ~2 s prompt evaluation
+            await wait_for(lambda: server.engine.streams)
+            stream = _only_stream(server)
+            if victim.cause != "deadline":  # (its 0.3 s deadline is already ticking)
+                # a prompt chunk is being evaluated inside llama.cpp right now
+                await wait_for(lambda: llama_backend.in_flight(stream.progress) == "prefill")
         elif phase == "decode":
-            if victim.body["stream"]:
+            if victim.streaming:
                 await victim.read_events(3)
             else:
-                await trio.sleep(0.5)
+                await wait_for(lambda: server.engine.streams)
+                stream = _only_stream(server)
+                await wait_for(lambda: stream.progress.completion_tokens >= 3)
+            if victim.cause != "deadline":
+                stream = _only_stream(server)
+                await wait_for(lambda: llama_backend.in_flight(stream.progress) == "decode")
         elif phase == "blocked":
             await victim.read_events(1)
-            paused_at = await _wait_inference_paused(server)
+            paused_at = await _wait_inference_paused(server, llama_backend)
             assert paused_at < 3000, "the producer must be paused by the slow client"
 
         # --- apply the cause
-        if cause == "deadline":
+        if victim.cause == "deadline":
             pass  # it is already ticking
-        elif cause == "shutdown":
+        elif victim.cause == "shutdown":
             server.server.shutdown()
         else:
             await victim.apply_disconnect()
 
         # --- what the client saw
-        if cause in ("deadline", "shutdown") and phase != "blocked":
+        if victim.cause in ("deadline", "shutdown") and phase != "blocked":
             data = await victim.received()
             _check_final_event(victim, data)
-        if cause != "shutdown":
+        if victim.cause != "shutdown":
             for occupier in occupiers:
                 await occupier.aclose()
             occupiers = []
 
         # --- everything released
-        if cause == "shutdown":
+        if victim.cause == "shutdown":
             with trio.fail_after(5):
                 await server.server.stopped.wait()
         else:
@@ -288,8 +306,11 @@ async def test_cancel_cell(
         await victim.aclose()
 
     # --- recorded with its cause; the thread left llama.cpp promptly
+    # (the line is written after the final event went out, which can be after /health
+    # shows the server idle: wait for it)
+    await wait_for(lambda: _has_log_line(caplog, victim.request_id))
     line = _log_line(caplog, victim.request_id)
-    expected_cause = {"deadline": "deadline", "shutdown": "shutdown"}.get(cause, "disconnect")
+    expected_cause = {"deadline": "deadline", "shutdown": "shutdown"}.get(victim.cause, "disconnect")
     assert f"cause={expected_cause}" in line
     if phase != "queued":
         latency = re.search(r"cancel_latency_ms=([\d.]+)", line)
@@ -300,7 +321,7 @@ async def test_cancel_cell(
 
     # --- the next request matches a fresh server
     async with trio.open_nursery() as nursery:
-        after = server if cause != "shutdown" else await start_server(nursery, llama_backend)
+        after = server if victim.cause != "shutdown" else await start_server(nursery, llama_backend)
         async with after.client() as client:
             text = (await client.post("/v1/completions", json=REFERENCE)).json()["choices"][0]["text"]
         if after is not server:
@@ -311,7 +332,7 @@ async def test_cancel_cell(
 def _check_final_event(victim: Victim, data: bytes) -> None:
     """Deadline and shutdown: the client is told why its request ended."""
     cause = victim.cause
-    if victim.phase == "queued" and not victim.body["stream"]:
+    if not victim.streaming:
         # nothing was sent yet: an HTTP error status instead of a stream
         status = victim.h2.headers.get(b":status") if victim.h2 else data.split(b" ", 2)[1]
         assert status == (b"504" if cause == "deadline" else b"503"), data[:200]

@@ -83,12 +83,12 @@ def test_json_logs_have_one_line_per_request_with_its_id() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--prefill-chunk", "32"], "--prefill-chunk and --batch-invariant need --batch"),
-        (["--batch-invariant"], "--prefill-chunk and --batch-invariant need --batch"),
-        (["--batch", "--prefill-chunk", "0"], "prefill_chunk must be in [1, n_batch=512]"),
+        (["--prefill-chunk", "0"], "prefill_chunk must be in [1, n_batch=512], got 0"),
+        (["--prefill-chunk", "1024"], "prefill_chunk must be in [1, n_batch=512], got 1024"),
+        (["--slots", "0"], "--slots must be at least 1, got 0"),
     ],
 )
-def test_batch_flags_that_cannot_work_exit_2_with_the_reason(
+def test_flags_that_cannot_work_exit_2_with_the_reason(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from trioserve._cli import main
@@ -97,8 +97,8 @@ def test_batch_flags_that_cannot_work_exit_2_with_the_reason(
     assert message in capsys.readouterr().err
 
 
-def test_batch_serves_and_reports_the_batch_in_health() -> None:
-    with ServerProcess("--batch", "--slots", "4", "--threads", "2", "--ctx-size", "1024") as server:
+def test_default_flags_serve_many_sequences_and_report_the_batch_in_health() -> None:
+    with ServerProcess("--slots", "4", "--threads", "2", "--ctx-size", "1024") as server:
         url = server.wait_ready()
         body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
         answer = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
@@ -108,5 +108,13 @@ def test_batch_serves_and_reports_the_batch_in_health() -> None:
     assert health["slots"] == 4
     assert health["batch"]["sequences"] == 0
     assert health["batch"]["max_call_width"] == 4
-    assert "batched: 4 sequences of 1024 tokens" in "".join(server.log)
+    assert "4 sequences of 1024 tokens" in "".join(server.log)
     assert exit_code == 0
+
+
+def test_the_old_batch_flag_is_accepted_with_a_warning() -> None:
+    with ServerProcess("--batch", "--slots", "2", "--threads", "2", "--ctx-size", "512") as server:
+        server.wait_ready()
+        exit_code = server.stop(signal.SIGINT)
+    assert exit_code == 0
+    assert "--batch is the default now" in "".join(server.log)

@@ -1,11 +1,10 @@
 """The caller's own cancel scope, when the engine is used as a library: every phase,
 real llama.cpp inference on the default model.
 
-Every test runs against both llama.cpp backends (one context per slot, and the batched
-one with two sequences). Same guarantees as over HTTP: when ``engine.stream()`` has
-exited, the inference thread (the batched backend: the sequence) has left llama.cpp
-(promptly), the slot and queue place are free, and the next request gives the text a
-fresh engine gives.
+Every test runs against the llama backend with one sequence and with two. Same
+guarantees as over HTTP: when ``engine.stream()`` has exited, the sequence has left
+llama.cpp (promptly) with its KV cells cleared, the slot and queue place are free, and
+the next request gives the text a fresh engine gives.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import pytest
 import trio
 
 from trioserve import Engine, GenerationRequest, LlamaBackend, SamplingParams, TextDelta
-from trioserve._engine import WINDOW as _WINDOW
 
 from .._helpers import wait_for
 
@@ -42,10 +40,10 @@ async def _text(engine: Engine, request: GenerationRequest) -> str:
 Backend = LlamaBackend
 
 
-@pytest.fixture(scope="module", params=["contexts", "batched"])
+@pytest.fixture(scope="module", params=["one", "two"])
 def llama_backend(request: pytest.FixtureRequest, llama_backend: LlamaBackend) -> Backend:
-    """This module's backend: each test runs against both."""
-    if request.param == "batched":
+    """This module's backend: one sequence, and two."""
+    if request.param == "two":
         backend: LlamaBackend = request.getfixturevalue("batched_backend")
         return backend
     return llama_backend
@@ -65,6 +63,9 @@ def _assert_released(engine: Engine, backend: Backend) -> None:
 
 @pytest.mark.parametrize("phase", ["prefill", "decode", "blocked"])
 async def test_caller_cancel_scope(phase: str, llama_backend: Backend, reference_text: str) -> None:
+    """Each cell puts the request in the phase it names — shown by an observable — and
+    only then cancels: a prompt chunk or a token decode in flight inside llama.cpp, or
+    the sequence paused on a full channel because the body stopped reading."""
     engine = Engine(llama_backend)
     request = LONG if phase == "prefill" else ENDLESS
     cancelled_at = 0.0
@@ -72,24 +73,33 @@ async def test_caller_cancel_scope(phase: str, llama_backend: Backend, reference
     with trio.CancelScope() as scope:
         async with engine.stream(request) as events:
             progress = events.progress
-            if phase == "prefill":
-                await wait_for(lambda: llama_backend.active_threads.count)
-                await trio.sleep(0.3)  # well inside the ~2 s prompt evaluation
+            if phase in ("prefill", "decode"):
+                watched = progress
+
+                async def cancel_inside_llama_decode() -> None:
+                    nonlocal cancelled_at
+                    if phase == "decode":
+                        await wait_for(lambda: watched.completion_tokens >= 3)
+                    await wait_for(lambda: llama_backend.in_flight(watched) == phase)
+                    cancelled_at = time.perf_counter()
+                    scope.cancel()
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(cancel_inside_llama_decode)
+                    async for _ in events:  # the body keeps reading until the cancel
+                        assert phase == "decode", "no token can arrive during prefill"
             else:
-                seen = 0
                 async for event in events:
-                    seen += isinstance(event, TextDelta)
-                    if seen == 3:
-                        break
-                if phase == "blocked":
-                    # stop reading: the producer blocks in its channel send (the batched
-                    # backend's sequence runs at most its window ahead, then is paused)
-                    tokens = progress.completion_tokens
-                    await trio.sleep(0.3)
-                    ahead = _WINDOW + 1 if isinstance(llama_backend, LlamaBackend) else 1
-                    assert progress.completion_tokens <= tokens + ahead
-            cancelled_at = time.perf_counter()
-            scope.cancel()
+                    assert isinstance(event, TextDelta)
+                    break
+                # stop reading: the sequence fills its channel, then is paused
+                channel = events._channel
+                await wait_for(lambda: channel.room == 0)
+                tokens = progress.completion_tokens
+                await wait_for(lambda: llama_backend.in_flight(progress) is None)
+                assert progress.completion_tokens == tokens  # paused: nothing more decoded
+                cancelled_at = time.perf_counter()
+                scope.cancel()
             await trio.sleep_forever()
     assert scope.cancelled_caught
     _assert_released(engine, llama_backend)

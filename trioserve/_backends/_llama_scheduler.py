@@ -51,7 +51,6 @@ cells.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
@@ -64,6 +63,7 @@ import trio
 from .._channel import PieceChannel
 from .._exceptions import BackendError
 from ._base import ActiveThreads, GenerationProgress, PreparedPrompt
+from ._invariance import probe_invariant_width, probe_shared_context_limit
 from ._llama import LlamaModel, LlamaSettings, _Context
 
 __all__ = ["LlamaBackend"]
@@ -182,9 +182,17 @@ class _Scheduler:
         self.aborted_calls = 0
         #: widest decode call whose numerics equal a lone sequence's (batch-invariant mode)
         self.max_call_width = settings.slots
+        #: batch-invariant mode: a sequence whose context (cells, the token being decoded
+        #: included) is longer than this decodes in a call of its own
+        self.shared_context_limit = settings.n_ctx
         if settings.batch_invariant:
-            self.max_call_width = _probe_invariant_width(backend, self)
-            logger.info("batch-invariant mode: decode calls of at most %d sequences", self.max_call_width)
+            self.max_call_width, self.shared_context_limit = _probe_invariance(backend, self)
+            logger.info(
+                "batch-invariant mode: decode calls of at most %d sequences, shared while a "
+                "context is at most %d tokens",
+                self.max_call_width,
+                self.shared_context_limit,
+            )
 
     # ------------------------------------------------------------ Trio side
 
@@ -310,9 +318,18 @@ class _Scheduler:
         # depend on the load.
         settings = self._backend.settings
         decoders.sort(key=_seq_id)
+        alone: list[_Sequence] = []
+        if settings.batch_invariant:
+            # past the limit, a decode beside others differs from a lone one (flash
+            # attention's split-KV path is taken only alone): decode it alone
+            limit = self.shared_context_limit
+            alone = [s for s in decoders if s.pos + 1 > limit]
+            if alone:
+                decoders = [s for s in decoders if s.pos + 1 <= limit]
         calls: list[list[tuple[_Sequence, int]]] = [
             [(s, 0) for s in group] for group in _split(decoders, self.max_call_width)
         ]
+        calls += [[(s, 0)] for s in alone]
         if prefillers:
             first = prefillers[0]
             chunk = settings.prefill_chunk if decoders or settings.batch_invariant else settings.n_batch
@@ -411,50 +428,28 @@ class _Scheduler:
             sequence.next_token = token
 
 
-def _probe_invariant_width(backend: LlamaBackend, scheduler: _Scheduler) -> int:
-    """The widest decode call (in sequences) whose logits equal a lone sequence's,
-    bit for bit, on this machine's kernels. Runs once at load (a few decode calls)."""
-    lib = backend.lib
+#: texts the batch-invariance probes build their sequences from
+_PROBE_TEXTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+    "Once upon a time, in a land far away, there lived a",
+    "Water boils at 100 degrees Celsius at sea level; at altitude",
+    "1, 2, 3, 5, 8, 13, 21, 34,",
+    "Bonjour, je m'appelle",
+    "The three laws of robotics are",
+    "In 1969, the first",
+)
+
+
+def _probe_invariance(backend: LlamaBackend, scheduler: _Scheduler) -> tuple[int, int]:
+    """(widest invariant decode call, longest context that may share a call), measured
+    on this machine's kernels at load (``_invariance.py``)."""
     settings = backend.settings
-    prompt = backend.tokenize("The quick brown fox jumps over the lazy dog. Batch invariance probe:")
-    n_vocab = backend.n_vocab
-    batch = scheduler.batch
-    memory = scheduler.memory
-    ctx = scheduler.ctx
-    widest = min(settings.slots, settings.n_batch)
-
-    def decode(entries: list[tuple[int, int, int, bool]]) -> None:
-        for i, (seq_id, token, pos, want) in enumerate(entries):
-            batch.token[i] = token
-            batch.pos[i] = pos
-            batch.seq_id[i][0] = seq_id
-            batch.logits[i] = want
-        batch.n_tokens = len(entries)
-        if lib.llama_decode(ctx, batch) != 0:
-            raise BackendError("llama_decode failed while probing batch invariance")
-
-    def row(index: int) -> bytes:
-        return ctypes.string_at(lib.llama_get_logits_ith(ctx, index), 4 * n_vocab)
-
-    try:
-        last = len(prompt) - 1
-        for seq_id in range(widest):
-            decode([(seq_id, t, i, False) for i, t in enumerate(prompt[:last])])
-        decode([(0, prompt[last], last, True)])
-        alone = row(0)
-        lib.llama_memory_seq_rm(memory, 0, last, -1)
-        width = 1
-        for w in range(2, widest + 1):
-            decode([(seq_id, prompt[last], last, True) for seq_id in range(w)])
-            same = all(row(i) == alone for i in range(w))
-            for seq_id in range(w):
-                lib.llama_memory_seq_rm(memory, seq_id, last, -1)
-            if not same:
-                break
-            width = w
-        return width
-    finally:
-        lib.llama_memory_clear(memory, True)
+    prompts = [backend.tokenize(text) for text in _PROBE_TEXTS]
+    args = (backend.lib, scheduler.ctx, scheduler.memory, scheduler.batch, prompts, backend.n_vocab)
+    width = probe_invariant_width(*args, min(settings.slots, settings.n_batch))
+    limit = probe_shared_context_limit(*args) if settings.slots > 1 and width > 1 else 0
+    return width, limit
 
 
 class LlamaBackend(LlamaModel):
@@ -487,6 +482,16 @@ class LlamaBackend(LlamaModel):
         """Decode calls stopped by the abort flag (a cancel that owned most of a call)."""
         return self._scheduler.aborted_calls
 
+    def in_flight(self, progress: GenerationProgress) -> Literal["prefill", "decode"] | None:
+        """What the ``llama_decode`` call running right now does for the generation
+        whose counters are ``progress``: evaluate a prompt chunk, decode a token, or
+        nothing (between calls, paused, queued). An observable for tests and tools that
+        must act while a request is inside llama.cpp."""
+        for sequence in list(self._scheduler._in_flight):
+            if sequence.progress is progress:
+                return "decode" if sequence.decoding else "prefill"
+        return None
+
     @property
     def failure(self) -> BaseException | None:
         """Why the scheduler thread stopped serving, if it failed (then every request
@@ -498,6 +503,7 @@ class LlamaBackend(LlamaModel):
         return {
             "sequences": self.active_threads.count,
             "max_call_width": self.max_call_width,
+            "shared_context_limit": self._scheduler.shared_context_limit,
             "batch_invariant": self.settings.batch_invariant,
             "steps": self.steps,
             "aborted_calls": self.aborted_calls,

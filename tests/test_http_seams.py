@@ -1,0 +1,146 @@
+"""The generation handler's seams, driven at the ASGI level with the scripted backend
+(an ASGI ``send`` the test controls stands in for a client whose socket is full):
+one writer per response, the end of a response sent whole, big bodies parsed off the
+event loop, and the admission clock measuring slot time."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import trio
+
+from trioserve import Engine, GenerationRequest, HTTPSettings, ScriptedBackend, ServerState, TextDelta
+from trioserve._http._generation import GenerationHandler
+
+from ._helpers import wait_for
+
+
+def _state(backend: ScriptedBackend, **settings: Any) -> ServerState:
+    state = ServerState(settings=HTTPSettings(**settings))
+    state.set_engine(Engine(backend))
+    return state
+
+
+def _scope(headers: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "http_version": "1.1",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+
+
+class _Client:
+    """The ASGI side of one request: the body, then nothing until told to disconnect;
+    every ``send`` is recorded, and optionally blocked until released."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = json.dumps(body).encode()
+        self.sent_body = False
+        self.disconnect = trio.Event()
+        self.messages: list[dict[str, Any]] = []
+        self.sending = 0
+        self.overlaps = 0
+        self.block_final = False
+        self.final_blocked = trio.Event()
+        self.release_final = trio.Event()
+
+    async def receive(self) -> dict[str, Any]:
+        if not self.sent_body:
+            self.sent_body = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        await self.disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sending += 1
+        self.overlaps += self.sending > 1
+        try:
+            await trio.lowlevel.checkpoint()  # a real send yields: an overlapping writer runs here
+            if self.block_final and message.get("type") == "http.response.body" and not message["more_body"]:
+                self.final_blocked.set()
+                await self.release_final.wait()
+            await trio.lowlevel.checkpoint()
+            self.messages.append(message)
+        finally:
+            self.sending -= 1
+
+    def text(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages if m["type"] == "http.response.body")
+
+
+async def test_heartbeats_and_tokens_never_write_at_once() -> None:
+    # a long "prefill" with heartbeats every millisecond, then tokens as fast as they come
+    backend = ScriptedBackend(prefill_seconds_per_token=0.002, script=[b"x"] * 300)
+    state = _state(backend, heartbeat_interval=0.001)
+    client = _Client({"prompt": "p" * 50, "max_tokens": 300, "stream": True})
+    await GenerationHandler(state)(_scope(), client.receive, client.send, "text")
+    data = client.text()
+    assert data.count(b": ping\n\n") >= 2  # heartbeats went out during the "prefill"
+    assert data.endswith(b"data: [DONE]\n\n")
+    assert client.overlaps == 0
+
+
+async def test_a_deadline_at_the_final_send_does_not_cut_the_body(caplog: Any) -> None:
+    caplog.set_level("INFO", logger="trioserve.requests")
+    backend = ScriptedBackend(script=[b"a", b"b"])
+    state = _state(backend)
+    client = _Client({"prompt": "p", "max_tokens": 10, "stream": True})
+    client.block_final = True
+    handler = GenerationHandler(state)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            handler,
+            _scope({"X-Request-Timeout": "0.05", "X-Request-Id": "final"}),
+            client.receive,
+            client.send,
+            "text",
+        )
+        await client.final_blocked.wait()
+        # the final send is blocked (a full socket); now the deadline passes
+        await trio.sleep_until(trio.current_time() + 0.1)
+        client.release_final.set()
+    data = client.text()
+    assert data.endswith(b"data: [DONE]\n\n")  # the body was not cut
+    assert client.messages[-1]["more_body"] is False
+    (line,) = [r.getMessage() for r in caplog.records if "final" in r.getMessage()]
+    assert "cause=stop" in line
+
+
+async def test_a_large_body_is_parsed_off_the_event_loop(monkeypatch: Any) -> None:
+    threads: list[threading.Thread] = []
+    real = GenerationHandler._parse
+
+    def parse(self: GenerationHandler, kind: Any, body: bytes) -> Any:
+        threads.append(threading.current_thread())
+        return real(self, kind, body)
+
+    monkeypatch.setattr(GenerationHandler, "_parse", parse)
+    backend = ScriptedBackend(script=[b"a"], context_length=1 << 20)
+    state = _state(backend)
+    for prompt in ("short", "x" * 200_000):
+        client = _Client({"prompt": prompt, "max_tokens": 1})
+        await GenerationHandler(state)(_scope(), client.receive, client.send, "text")
+        assert client.messages[0]["status"] == 200
+    small, large = threads
+    assert small is threading.main_thread()
+    assert large is not threading.main_thread()
+
+
+async def test_the_admission_clock_is_the_time_the_slot_was_held() -> None:
+    backend = ScriptedBackend(script=[b"a", b"b", b"c"])
+    engine = Engine(backend)
+    async with engine.stream(GenerationRequest(prompt="p", max_tokens=10)) as events:
+        async for event in events:
+            assert isinstance(event, TextDelta)
+            # inference has ended and given its slot back while this reader is still
+            # inside the stream: the estimate is already recorded, from that moment
+            await wait_for(lambda: engine.admission.in_use == 0)
+            assert events.timings.released is not None
+            assert engine.admission.expected_service_time == events.timings.released - events.timings.admitted
+            break

@@ -1,0 +1,319 @@
+"""Measure, on this machine's kernels, which ``llama_decode`` calls are batch-invariant.
+
+Two measurements, both against the same sequence decoded *alone* from the same state:
+
+* :func:`probe_invariant_width` returns the largest ``w <= widest`` such that, for
+  every width ``2 <= v <= w``, one call that decodes one token for each of ``v``
+  *different* short sequences (different tokens, positions and context lengths, up to
+  ``_LONGEST_SHORT + _STEPS`` cells; consecutive sequence ids in increasing order)
+  gives every sequence bit-identical logits. Measured on a 2-thread AVX-512 Xeon: 7.
+* :func:`probe_shared_context_limit` returns the longest context (cells, the decoded
+  token's included) at which a sequence decoded *beside another* still gets the logits
+  it gets alone, trying contexts in steps of ``_CONTEXT_STEP`` and stopping at the
+  first that differs. Measured there: 256 (a lone decode over more than 256 cells takes
+  flash attention's split-KV path, see below).
+
+The scheduler's batch-invariant mode uses both: decode calls no wider than the width,
+and a sequence whose context is past the limit decodes in a call of its own — as it
+would alone. Each is a measurement, not a promise about inputs it did not try (see
+"Not covered").
+
+Why llama.cpp's CPU path is not batch-invariant (llama-cpp-python 0.3.36, the ggml
+it vendors):
+
+* **Matrix multiplies of 8 columns or more.** ``ggml_compute_forward_mul_mat`` sends a
+  K-quant weight (Q2_K..Q6_K, IQ*) to the tiled kernel (``ggml-cpu/tiled``) when
+  ``src1`` has at least 8 columns (``ggml_tiled_min_batch``: ``rows >= 8``), and to
+  ``vec_dot`` when it has fewer. Their integer dot products are the same, but their float
+  epilogues are not: ``vec_dot_q4_K_q8_K`` adds ``(y.d * x.d) * sumi`` into 8 lanes per
+  256-block and sums the lanes at the end; the tiled kernel adds
+  ``y.d * (x.d * s1 - x.dmin * s2)`` per block. So 80 to 85 % of the outputs differ in
+  the last bits (measured on random data). In Gemma 3 270M Q4_K_M, every layer's
+  ``attn_output`` and ``ffn_down`` are Q4_K or Q6_K. Q5_0/Q8_0 weights go through
+  llamafile's tinyBLAS from 2 columns on, which matched ``vec_dot`` bit for bit at
+  every width we measured (2..16).
+* **Flash attention over a long context, alone.** A one-sequence decode whose KV
+  window covers at least 512 cells (llama.cpp pads ``n_kv`` to 256, so any context of
+  more than 256 cells) takes the split-KV path of ``ggml_compute_forward_flash_attn_ext_f16``
+  (taken only when the ubatch has one query row and one KV stream: ``neq1 == 1 && neq3 == 1``).
+  That path splits the KV cells between the threads and merges the partial softmaxes.
+  A ubatch of two sequences or more never takes that path. So with more than one thread,
+  a long sequence's logits differ at *every* width above 1 (with one thread, the split
+  path has one chunk and matched the shared calls). Short contexts (``n_kv`` of 256) use
+  the same one-chunk path at every width, and masked cells are skipped exactly.
+
+A call is not always one ubatch: with a non-unified KV cache llama.cpp splits a batch
+into ubatches of *consecutive* sequence ids (``split_equal(..., sequential = true)``).
+So a call of ids 0, 2 and 5 is three one-sequence ubatches, and a call of ids 0..7 is one
+ubatch of 8 streams. The probe's wide calls therefore use consecutive ids: each is one
+ubatch of ``w`` streams, the widest a call of ``w`` sequences can make.
+
+Why the probe looks the way it does:
+
+* Whether a last-bit difference survives to the logits depends on the data. Gemma's
+  residual stream is large and absorbs most of them: at width 8, 4 of 8 different
+  sequences still had bit-identical logits. So a probe that feeds every sequence the
+  same token after the same prompt can pass at width 8 while real traffic fails.
+  Each width is therefore tried with windows that cover all ``widest`` sequences, for
+  ``_STEPS`` steps each. That is ``widest * _STEPS`` rows per width, and one differing
+  row fails the width.
+* The width probe uses short contexts only; long ones are the context probe's. The
+  matrix-multiply switch depends only on how many tokens the ubatch has, and the probe
+  tries each width exactly, so no width margin is applied.
+* The context probe extends one sequence ``_CONTEXT_STEP`` cells at a time and, at
+  each length, decodes ``_STEPS`` tokens alone and beside a short sequence (ids 0 and
+  1: one ubatch of two); the first length where either row differs ends it.
+* Prefill is shared: each sequence's prompt is prefilled once, and the references and
+  the wide calls decode from the same KV state (each call's cells are removed again),
+  so prefill numerics cannot hide or cause a difference.
+
+Not covered (a change here needs a new probe): a different thread count than the
+context has now (``llama_set_n_threads``); decode calls with more than one token
+per sequence or mixed with prompt chunks (the batched scheduler never makes them in
+batch-invariant mode); repacked weights (load the model with ``use_extra_bufts =
+False``; repacked Q4_K has GEMM kernels of its own).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+from .._exceptions import BackendError
+
+__all__ = ["probe_invariant_width", "probe_shared_context_limit"]
+
+logger = logging.getLogger("trioserve.llama")
+
+#: decode steps tried from each sequence state
+_STEPS = 3
+#: prompt lengths (tokens before the decoded ones) of the short sequences, spread between
+_SHORTEST = 5
+_LONGEST_SHORT = 60
+#: contexts tried by probe_shared_context_limit: every multiple of this
+_CONTEXT_STEP = 32
+
+
+def probe_invariant_width(
+    lib: Any,
+    ctx: Any,
+    memory: Any,
+    batch: Any,
+    prompts: list[list[int]],
+    n_vocab: int,
+    widest: int,
+) -> int:
+    """The widest decode call (in sequences, at most ``widest``) whose logits equal, bit
+    for bit, each sequence's logits decoded alone. See the module docstring.
+
+    Args:
+        lib: the ``llama_cpp`` module.
+        ctx: a ``llama_context`` with room for ``widest`` sequences (``n_seq_max``,
+            a non-unified KV cache), the one that will serve. Its memory must hold no
+            sequence the caller still needs: the probe clears it before and after.
+        memory: ``llama_get_memory(ctx)``.
+        batch: a ``llama_batch`` of ``llama_n_batch(ctx)`` entries with
+            ``n_seq_id[i] == 1``; its tokens, positions, sequence ids and logit flags
+            are overwritten.
+        prompts: token lists that the probe sequences are built from. Give several
+            different ones, such as tokenized texts. Sequence ``i`` starts with
+            ``prompts[i % len(prompts)]`` and continues with all the prompts' tokens,
+            starting at an offset of its own, up to the length it needs.
+        n_vocab: the vocabulary size (the length of a logits row).
+        widest: the widest call to try: ``min(n_seq_max, n_batch)``.
+
+    Raises:
+        BackendError: a ``llama_decode`` call failed, or llama.cpp refused to remove
+            KV cells or return logits.
+    """
+    if widest < 1:
+        raise ValueError(f"widest must be at least 1, got {widest}")
+    if not any(prompts):
+        raise ValueError("probe_invariant_width needs at least one non-empty prompt")
+    if widest == 1:
+        return 1
+    n_ctx_seq = _context_per_sequence(lib, ctx)
+    if n_ctx_seq <= _STEPS:
+        raise ValueError(f"a context of {n_ctx_seq} tokens per sequence is too small to probe")
+    n_batch = int(lib.llama_n_batch(ctx))
+    sequences = _probe_sequences(prompts, widest, n_ctx_seq)
+    #: first decoded position of each sequence (its prompt is the tokens before it)
+    starts = [len(tokens) - _STEPS for tokens in sequences]
+    row_size = 4 * n_vocab
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> None:
+        for i, (seq_id, token, pos, want) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.seq_id[i][0] = seq_id
+            batch.logits[i] = want
+        batch.n_tokens = len(entries)
+        result = lib.llama_decode(ctx, batch)
+        if result != 0:
+            raise BackendError(f"llama_decode failed with code {result} while probing batch invariance")
+
+    def logits(index: int) -> bytes:
+        pointer = lib.llama_get_logits_ith(ctx, index)
+        if not pointer:
+            raise BackendError(f"llama.cpp returned no logits for batch index {index} while probing")
+        return ctypes.string_at(pointer, row_size)
+
+    def rewind(seq_id: int) -> None:
+        """Remove the cells the decode steps wrote: back to the prefilled state."""
+        if not lib.llama_memory_seq_rm(memory, seq_id, starts[seq_id], -1):
+            raise BackendError(f"llama.cpp could not remove the probe's cells of sequence {seq_id}")
+
+    lib.llama_memory_clear(memory, True)
+    try:
+        for seq_id, tokens in enumerate(sequences):
+            for first in range(0, starts[seq_id], n_batch):
+                last = min(starts[seq_id], first + n_batch)
+                decode([(seq_id, tokens[p], p, False) for p in range(first, last)])
+        # the lone references: one-sequence calls, as a request that runs alone gets
+        reference: list[list[bytes]] = []
+        for seq_id, tokens in enumerate(sequences):
+            rows = []
+            for pos in range(starts[seq_id], len(tokens)):
+                decode([(seq_id, tokens[pos], pos, True)])
+                rows.append(logits(0))
+            reference.append(rows)
+            rewind(seq_id)
+        width = 1
+        for w in range(2, widest + 1):
+            differing: set[int] = set()
+            for group in _windows(widest, w):
+                for step in range(_STEPS):
+                    decode([(s, sequences[s][starts[s] + step], starts[s] + step, True) for s in group])
+                    differing.update(s for i, s in enumerate(group) if logits(i) != reference[s][step])
+                for seq_id in group:
+                    rewind(seq_id)
+                if differing:
+                    break
+            if differing:
+                logger.info(
+                    "batch invariance probe: calls of %d sequences differ from lone calls for "
+                    "sequences with %s tokens of context",
+                    w,
+                    ", ".join(str(len(sequences[s])) for s in sorted(differing)),
+                )
+                break
+            width = w
+        return width
+    finally:
+        lib.llama_memory_clear(memory, True)
+
+
+def _context_per_sequence(lib: Any, ctx: Any) -> int:
+    """KV cells each sequence owns (non-unified cache: ``n_ctx / n_seq_max``)."""
+    n_ctx_seq = getattr(lib, "llama_n_ctx_seq", None)
+    if n_ctx_seq is not None:
+        return int(n_ctx_seq(ctx))
+    return int(lib.llama_n_ctx(ctx)) // max(1, int(lib.llama_n_seq_max(ctx)))  # pragma: no cover
+
+
+def _probe_sequences(prompts: list[list[int]], count: int, n_ctx_seq: int) -> list[list[int]]:
+    """``count`` different token lists of different lengths (prompts of
+    ``_SHORTEST``..``_LONGEST_SHORT`` tokens, not in id order), each ending in the
+    ``_STEPS`` tokens that are decoded."""
+    pool = [token for prompt in prompts for token in prompt]
+    span = max(1, count - 1)
+    short = [_SHORTEST + (_LONGEST_SHORT - _SHORTEST) * i // span for i in range(count)]
+    short = short[0::2] + short[1::2][::-1]  # lengths rise, then fall, along the ids
+    lengths = [min(n, n_ctx_seq - _STEPS) + _STEPS for n in short]
+    sequences = []
+    for i, length in enumerate(lengths):
+        offset = (i * 7) % len(pool)
+        tail = pool[offset:] + pool[:offset]
+        tokens = list(prompts[i % len(prompts)]) or tail[:1]
+        while len(tokens) < length:
+            tokens += tail
+        sequences.append(tokens[:length])
+    return sequences
+
+
+def _windows(count: int, width: int) -> list[range]:
+    """Consecutive id ranges of ``width`` sequences that together cover ``0..count-1``
+    (the last one ends at ``count - 1``, overlapping its predecessor if it must)."""
+    windows = [range(start, start + width) for start in range(0, count - width + 1, width)]
+    if windows[-1].stop < count:
+        windows.append(range(count - width, count))
+    return windows
+
+
+def probe_shared_context_limit(
+    lib: Any, ctx: Any, memory: Any, batch: Any, prompts: list[list[int]], n_vocab: int
+) -> int:
+    """The longest context (cells, the decoded token's included; a multiple of
+    ``_CONTEXT_STEP``, 0 if even the first differs) at which a sequence decoded in one
+    call beside another short sequence gets, bit for bit, the logits it gets alone —
+    and so does the short one. Same arguments and errors as
+    :func:`probe_invariant_width`; needs room for two sequences."""
+    n_ctx_seq = _context_per_sequence(lib, ctx)
+    n_batch = int(lib.llama_n_batch(ctx))
+    pool = [token for prompt in prompts for token in prompt]
+    if len(pool) < 2:
+        raise ValueError("probe_shared_context_limit needs prompts with at least two tokens")
+    long_tokens = (pool * (n_ctx_seq // len(pool) + 2))[:n_ctx_seq]
+    short_tokens = (pool[::-1] * (_SHORTEST // len(pool) + 2))[: _SHORTEST + _STEPS]
+    row_size = 4 * n_vocab
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> None:
+        for i, (seq_id, token, pos, want) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.seq_id[i][0] = seq_id
+            batch.logits[i] = want
+        batch.n_tokens = len(entries)
+        result = lib.llama_decode(ctx, batch)
+        if result != 0:
+            raise BackendError(f"llama_decode failed with code {result} while probing batch invariance")
+
+    def logits(index: int) -> bytes:
+        pointer = lib.llama_get_logits_ith(ctx, index)
+        if not pointer:
+            raise BackendError(f"llama.cpp returned no logits for batch index {index} while probing")
+        return ctypes.string_at(pointer, row_size)
+
+    def rewind(seq_id: int, start: int) -> None:
+        if not lib.llama_memory_seq_rm(memory, seq_id, start, -1):
+            raise BackendError(f"llama.cpp could not remove the probe's cells of sequence {seq_id}")
+
+    lib.llama_memory_clear(memory, True)
+    try:
+        decode([(1, t, p, False) for p, t in enumerate(short_tokens[:_SHORTEST])])
+        prefilled = 0
+        limit = 0
+        for length in range(_CONTEXT_STEP, n_ctx_seq - _STEPS + 1, _CONTEXT_STEP):
+            start = length - 1 - (_STEPS - 1)  # the decoded tokens end at context `length`
+            while prefilled < start:
+                last = min(start, prefilled + n_batch)
+                decode([(0, long_tokens[p], p, False) for p in range(prefilled, last)])
+                prefilled = last
+            alone: list[tuple[bytes, bytes]] = []
+            for step in range(_STEPS):
+                pos, short_pos = start + step, _SHORTEST + step
+                decode([(0, long_tokens[pos], pos, True)])
+                row = logits(0)
+                decode([(1, short_tokens[short_pos], short_pos, True)])
+                alone.append((row, logits(0)))
+            rewind(0, start)
+            rewind(1, _SHORTEST)
+            same = True
+            for step in range(_STEPS):
+                pos, short_pos = start + step, _SHORTEST + step
+                decode([(0, long_tokens[pos], pos, True), (1, short_tokens[short_pos], short_pos, True)])
+                same = same and (logits(0), logits(1)) == alone[step]
+            rewind(0, start)
+            rewind(1, _SHORTEST)
+            if not same:
+                logger.info(
+                    "batch invariance probe: a decode beside another sequence differs from a lone "
+                    "one at a context of %d cells",
+                    length,
+                )
+                break
+            limit = length
+        return limit
+    finally:
+        lib.llama_memory_clear(memory, True)
