@@ -28,6 +28,7 @@ cancel while parked loses nothing (pieces stay queued).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -91,6 +92,11 @@ class PieceChannel:
             else:
                 post = False
         if post:
+            self._post_wake()
+
+    def _post_wake(self) -> None:
+        # (RunFinishedError: the consumer's Trio run ended without waiting: nobody to wake)
+        with contextlib.suppress(trio.RunFinishedError):
             self._token.run_sync_soon(self._wake_consumer)
 
     def put_wait(self, piece: bytes) -> None:
@@ -107,7 +113,7 @@ class PieceChannel:
             if post:
                 self._wake_posted = True
         if post:
-            self._token.run_sync_soon(self._wake_consumer)
+            self._post_wake()
 
     async def send(self, piece: bytes) -> None:
         """Append ``piece`` from a Trio task, waiting while the channel is full."""

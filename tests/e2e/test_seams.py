@@ -46,11 +46,11 @@ async def test_an_exception_in_the_stream_body_comes_out_as_itself(llama_backend
     assert engine.admission.in_use == 0
 
 
-async def test_an_exception_inside_open_test_server_comes_out_as_itself(llama_backend: LlamaBackend) -> None:
+async def test_an_exception_inside_open_test_server_comes_out_as_itself() -> None:
     from trioserve.testing import open_test_server
 
     with pytest.raises(KeyError):  # noqa: PT012
-        async with open_test_server(llama_backend) as server:
+        async with open_test_server(script=[b"x"]) as server:
             assert server.url.startswith("http://127.0.0.1:")
             raise KeyError("from the test body")
 
@@ -134,7 +134,7 @@ async def test_a_cancel_is_never_reported_as_an_error(llama_backend: LlamaBacken
 async def test_leaving_the_engine_cancels_streams_in_an_outer_nursery_then_frees_the_model(
     model_path: str,
 ) -> None:
-    backend = LlamaBackend.load(LlamaSettings(model_path, n_ctx=1024, n_threads=2, slots=2))
+    backend = LlamaBackend.load(LlamaSettings(model_path, n_ctx=4096, n_threads=2, slots=2))
     loaded = LlamaModel.loaded
     seen_at_free: list[tuple[int, bool]] = []
     real_free = backend._free

@@ -107,21 +107,26 @@ def _end_connection(scope: Scope) -> None:
 
 
 async def _watch_stall(
-    scope: Scope, exchange: _Exchange, control: RequestControl, stall_timeout: float
+    scope: Scope,
+    exchange: _Exchange,
+    control: RequestControl,
+    stall_timeout: float,
+    stall_scope: trio.CancelScope,
 ) -> None:
     """trioserve's stall timer: a send to this client that has been blocked for
     ``stall_timeout`` seconds ends the request with cause ``stall`` and the connection
     (shut down: the blocked send — shielded inside hypercorn — fails at once). A timer,
     not a poll: it wakes when the send in progress would have stalled, or one timeout
     from now when nothing is sending (no send starting later can stall sooner)."""
-    while True:
-        now = time.perf_counter()
-        since = exchange.sending_since
-        if since is not None and now - since >= stall_timeout:
-            control.cancel("stall")
-            _end_connection(scope)
-            return
-        await trio.sleep((since if since is not None else now) + stall_timeout - now)
+    with stall_scope:
+        while True:
+            now = time.perf_counter()
+            since = exchange.sending_since
+            if since is not None and now - since >= stall_timeout:
+                control.cancel("stall")  # (a cause that came first is kept)
+                _end_connection(scope)
+                return
+            await trio.sleep((since if since is not None else now) + stall_timeout - now)
 
 
 def _check_limits(prepared: PreparedPrompt, settings: HTTPSettings) -> None:
@@ -253,31 +258,40 @@ class GenerationHandler:
                         watch_scope = trio.CancelScope()
                         outcome["watch_scope"] = watch_scope
                         nursery.start_soon(_watch_disconnect, receive, control, watch_scope)
+                        # The stall timer outlives a cancel of the request: a cancelled
+                        # consumer stuck in hypercorn's (shielded) send is freed only by
+                        # ending the connection. Stopped when the body is done.
+                        stall_scope = trio.CancelScope(shield=True)
                         if state.stall_timeout is not None:
-                            nursery.start_soon(_watch_stall, scope, exchange, control, state.stall_timeout)
-                        reservation = None
-                        if stream:
-                            # Refuse (429) while a status code can still say so, and hold the
-                            # place; then start the stream, so heartbeats can flow while queued
-                            # and in prefill.
-                            reservation = engine.admission.reserve()
-                            outcome["reservation"] = reservation
-                            await exchange.start(200, SSE_HEADERS)
-                            if encoder.kind == "chat":
-                                await exchange.body(encoder.role())
-                            interval = state.settings.heartbeat_interval
-                            if interval:
-                                heartbeat = _Heartbeat(exchange, interval)
-                                outcome["heartbeat"] = heartbeat
-                                nursery.start_soon(heartbeat.run)
-                        async with engine.stream(prepared, reservation=reservation) as events:
-                            outcome["events"] = events
-                            control.progress = events.progress
+                            nursery.start_soon(
+                                _watch_stall, scope, exchange, control, state.stall_timeout, stall_scope
+                            )
+                        try:
+                            reservation = None
                             if stream:
-                                await self._stream(exchange, encoder, events, outcome)
-                            else:
-                                await self._collect(exchange, kind, model, events, outcome)
-                        nursery.cancel_scope.cancel()  # the watcher: this request is done
+                                # Refuse (429) while a status code can still say so, and hold the
+                                # place; then start the stream, so heartbeats can flow while queued
+                                # and in prefill.
+                                reservation = engine.admission.reserve()
+                                outcome["reservation"] = reservation
+                                await exchange.start(200, SSE_HEADERS)
+                                if encoder.kind == "chat":
+                                    await exchange.body(encoder.role())
+                                interval = state.settings.heartbeat_interval
+                                if interval:
+                                    heartbeat = _Heartbeat(exchange, interval)
+                                    outcome["heartbeat"] = heartbeat
+                                    nursery.start_soon(heartbeat.run)
+                            async with engine.stream(prepared, reservation=reservation) as events:
+                                outcome["events"] = events
+                                control.progress = events.progress
+                                if stream:
+                                    await self._stream(exchange, encoder, events, outcome)
+                                else:
+                                    await self._collect(exchange, kind, model, events, outcome)
+                            nursery.cancel_scope.cancel()  # the watcher: this request is done
+                        finally:
+                            stall_scope.cancel()
             finally:
                 state.remove_request(control)
                 if (reservation := outcome.get("reservation")) is not None:
@@ -415,7 +429,8 @@ class GenerationHandler:
                 await exchange.json(200, data)
             else:
                 await exchange.body(data, more=False)
-        if end_scope.cancelled_caught:
+        if end_scope.cancelled_caught or outcome["control"].cause == "stall":
+            # not delivered: the client took no bytes for the stall timeout
             outcome["cause"] = "stall"
             outcome["finished"] = False
             _end_connection(outcome["scope"])
