@@ -1,6 +1,6 @@
 """Batched decoding: total tokens/s against the number of concurrent streams.
 
-How much does ``trioserve serve --batch`` (one llama.cpp context, every running request
+How much does ``trioserve serve`` (one llama.cpp context, every running request
 decoded together in one ``llama_decode`` call per step) gain over one stream, and how close
 does it get to what llama.cpp itself can do? Contestants, each measured alone (only one
 server, or only the in-process context, exists while it is measured), on the same GGUF,
@@ -19,9 +19,9 @@ server, or only the in-process context, exists while it is measured), on the sam
     each followed by greedy sampling of every sequence (``llama_sampler_sample(chain, ctx,
     i)``, one chain with ``llama_sampler_init_greedy()`` per sequence). End-of-generation
     tokens do not end a sequence: the batch stays N wide (a note says when one came).
-``trioserve-batch``
-    ``trioserve serve --batch --slots 8 --threads T --ctx-size C`` (``--slots``).
-``trioserve-batch-invariant``
+``trioserve``
+    ``trioserve serve --slots 8 --threads T --ctx-size C`` (``--slots``; 8 is the default).
+``trioserve-invariant``
     the same with ``--batch-invariant``: every stream's numerics independent of the others
     (decode steps split into calls no wider than the probed invariant width, prefill never
     mixed with other tokens).
@@ -82,7 +82,7 @@ Output: the summary table and the solo runs as Markdown on stdout (``--markdown`
 stream too), progress on stderr; ``--json PATH``: configuration, summary, targets, every
 group and every stream; ``--chart PATH`` (default ``docs/images/batched-throughput.png``;
 ``--no-chart``): total tok/s (median, min–max bars) against N, one line per contestant,
-and the targets as dashed lines: 1.8× and 1.2× ``trioserve-batch``'s N = 1 total (also
+and the targets as dashed lines: 1.8× and 1.2× ``trioserve``'s N = 1 total (also
 printed under the table). ``--replot JSON`` prints the tables and draws the chart from an
 earlier ``--json`` file without measuring. Every wait is bounded (``--ready-timeout``,
 ``--request-timeout``); servers are terminated after their contestant, also on error,
@@ -146,10 +146,10 @@ from bench_concurrency import (
 )
 
 DECODE_ONLY = "decode-only"
-BATCH = "trioserve-batch"
-BATCH_INVARIANT = "trioserve-batch-invariant"
+BATCH = "trioserve"
+BATCH_INVARIANT = "trioserve-invariant"
 CONTESTANTS = (DECODE_ONLY, BATCH, BATCH_INVARIANT, LLAMA_SERVER)
-#: the targets for the batched backend, × trioserve-batch's N = 1 total tok/s
+#: the targets for the batched backend, × trioserve's N = 1 total tok/s
 TARGETS = (1.8, 1.2)
 DEFAULT_CHART = Path(__file__).resolve().parent.parent / "docs" / "images" / "batched-throughput.png"
 DEFAULT_PROMPTS = (
@@ -414,7 +414,7 @@ def server_config(name: str, args: argparse.Namespace) -> ServerConfig:
 def server_command(cfg: ServerConfig, model: Path, port: int, args: argparse.Namespace) -> list[str]:
     if cfg.kind == LLAMA_SERVER:
         return llama_server_command(model, port, args.threads, args.ctx_size, "--interrupt_requests", "False")
-    extra = ["--batch", "--slots", str(args.slots)]
+    extra = ["--slots", str(args.slots)]
     if cfg.name == BATCH_INVARIANT:
         extra.append("--batch-invariant")
     return trioserve_command(model, port, args.threads, args.ctx_size, *extra)
@@ -654,7 +654,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--ctx-size", type=int, default=2048, help="context size per sequence / per server (default: 2048)"
     )
-    p.add_argument("--slots", type=int, default=8, help="trioserve --slots with --batch (default: 8)")
+    p.add_argument("--slots", type=int, default=8, help="trioserve --slots (default: 8, as the server)")
     p.add_argument(
         "--prompts",
         default="|".join(DEFAULT_PROMPTS),

@@ -767,7 +767,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="ARG",
-        help="extra argument for `trioserve serve`, repeatable (e.g. --trioserve-arg=--batch)",
+        help="extra argument for `trioserve serve`, repeatable (e.g. --trioserve-arg=--batch-invariant)",
     )
     p.add_argument("--reps", type=int, default=20, help="decode and deadline runs per server (default: 20)")
     p.add_argument(

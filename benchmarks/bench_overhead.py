@@ -87,9 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {"tokens": args.tokens, "runs": args.runs, **environment()},
         "per_token_us": per_token_us,
         "median_us": statistics.median(per_token_us),
-        "notes": [
-            "CPU time has clock-tick resolution (10 ms): with 4,000 tokens that is 2.5 µs per token."
-        ],
+        "notes": ["CPU time has clock-tick resolution (10 ms): with 4,000 tokens that is 2.5 µs per token."],
     }
 
 

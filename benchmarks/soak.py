@@ -147,8 +147,6 @@ class SoakConfig:
     ready_timeout: float = 180.0
     log_file: Path | None = None
     oversized_headers: bool = False
-    #: serve the model with the batched backend (``--batch``)
-    batch: bool = False
     verbose: bool = True
 
 
@@ -388,8 +386,6 @@ def server_command(cfg: SoakConfig) -> list[str]:
         command += ["--threads", str(cfg.threads)]
         if cfg.model is not None:
             command += ["--model", str(cfg.model)]
-        if cfg.batch:
-            command += ["--batch"]
     return [
         *command,
         "--slots",
@@ -1385,7 +1381,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[SoakConfig, argparse.Name
     p.add_argument("--max-queue", type=int, default=8, help="server --max-queue (default: 8)")
     p.add_argument("--stall-timeout", type=float, default=2.0, help="server --stall-timeout (default: 2)")
     p.add_argument("--threads", type=int, default=2, help="server --threads with a model (default: 2)")
-    p.add_argument("--batch", action="store_true", help="a model served with the batched backend (--batch)")
     p.add_argument(
         "--scripted-interval", type=float, default=0.002, help="seconds per scripted token (default: 0.002)"
     )
@@ -1442,7 +1437,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[SoakConfig, argparse.Name
         ready_timeout=args.ready_timeout,
         log_file=args.log_file,
         oversized_headers=args.oversized_headers,
-        batch=args.batch,
         verbose=not args.quiet,
     )
     return config, args

@@ -2,7 +2,7 @@
 
     python examples/two_generations.py --deadline 3
 
-The engine has two slots (two llama contexts sharing the memory-mapped weights). Both
+The engine has two slots (two sequences of one llama context, decoded together). Both
 generations run inside one ``trio.move_on_after``: when it expires, both are cancelled
 through the same path a client disconnect takes — their inference threads leave
 llama.cpp at once — and the program prints what each had produced and exits 0.
@@ -40,7 +40,7 @@ async def generate(engine: Engine, name: str, prompt: str, results: dict[str, st
 
 
 async def main(deadline: float) -> None:
-    settings = LlamaSettings(default_model_path(), slots=2, n_threads=1, n_ctx=2048)
+    settings = LlamaSettings(default_model_path(), slots=2, n_ctx=2048)
     backend = await LlamaBackend.aload(settings)
     results: dict[str, str] = {}
     async with Engine(backend) as engine:

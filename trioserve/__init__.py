@@ -1,9 +1,10 @@
 """trioserve: a streaming LLM inference server and library on Trio.
 
-Each request opens a nursery with a producer (inference in a worker thread, with an
-abort check that reaches into llama.cpp) and a consumer, linked by a zero-capacity
-channel; cancelling that one scope — client disconnect, deadline, shutdown, or your own
-cancel scope — tears every layer down deterministically.
+Each request opens a nursery with a producer (inference in a scheduler or worker
+thread, with an abort flag that reaches into llama.cpp) and a consumer, linked by a
+small bounded channel (:class:`PieceChannel`); cancelling that one scope — client
+disconnect, deadline, shutdown, or your own cancel scope — tears every layer down
+deterministically.
 
 The public API is everything listed in ``__all__``; modules starting with ``_`` are
 private.

@@ -102,17 +102,17 @@ class Metrics:
         self.slots_total = Gauge("trioserve_slots", "Slots (capacity).", registry=registry)
         self.batch_sequences = Gauge(
             "trioserve_batch_sequences",
-            "Batched backend: sequences in the scheduler (submitted, not yet removed).",
+            "llama backend: sequences in the scheduler (submitted, not yet removed).",
             registry=registry,
         )
         self.batch_steps = Gauge(
             "trioserve_batch_steps",
-            "Batched backend: decode steps run since start (a counter read at scrape time).",
+            "llama backend: decode steps run since start (a counter read at scrape time).",
             registry=registry,
         )
         self.batch_aborted_calls = Gauge(
             "trioserve_batch_aborted_calls",
-            "Batched backend: llama_decode calls stopped by a cancel that owned most of the call.",
+            "llama backend: llama_decode calls stopped by a cancel that owned most of the call.",
             registry=registry,
         )
         # Every label value exists from the start, so dashboards see zeros, not gaps.
@@ -129,7 +129,7 @@ class Metrics:
         self.slots_in_use.set_function(lambda: admission.in_use)
         self.slots_total.set_function(lambda: admission.slots)
         backend = engine.backend
-        if backend.stats() is not None:  # the batched backend
+        if backend.stats() is not None:  # the llama backend
 
             def stat(name: str) -> Callable[[], float]:
                 return lambda: float(backend.stats()[name])  # type: ignore[index, arg-type]

@@ -80,7 +80,8 @@ class ServerSettings:
         shutdown_grace: seconds in-flight requests get to finish after a shutdown
             request before they are cancelled.
         stall_timeout: a client that accepts no bytes for this long while the server
-            has bytes for it is disconnected (``TCP_USER_TIMEOUT``); ``None``: never.
+            has bytes for it is cut off (trioserve's stall timer resets the connection;
+            the log says ``stall``); ``None``: never.
         send_buffer_bytes: bound on bytes queued in the kernel, not yet sent, per
             connection (``TCP_NOTSENT_LOWAT``): past it, the server's send waits, the
             consumer waits, and so does inference.

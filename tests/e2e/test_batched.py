@@ -1,7 +1,7 @@
-"""The batched backend: many sequences decoded together in one llama.cpp context.
+"""The llama backend: many sequences decoded together in one llama.cpp context.
 
 Real inference on the default model. What these tests prove (the cancellation matrix in
-``test_cancellation.py`` also runs against the batched backend):
+``test_cancellation.py`` runs against it with one and two sequences):
 
 * at temperature 0, in batch-invariant mode, eight concurrent streams each give exactly
   the text the same request gives alone — and keep giving it when one of the eight is

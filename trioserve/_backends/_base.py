@@ -136,7 +136,7 @@ class Backend(ABC):
         return None
 
     def stats(self) -> dict[str, object] | None:
-        """Backend-specific figures for ``/health`` (the batched backend: its batch).
+        """Backend-specific figures for ``/health`` (the llama backend: its batch).
         Default: none."""
         return None
 

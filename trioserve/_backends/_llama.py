@@ -41,7 +41,6 @@ logger = logging.getLogger("trioserve.llama")
 #: prompts shorter than this (characters) are tokenized on the Trio thread: cheaper than
 #: a thread hop. Longer ones go to a worker thread so the event loop never stalls.
 _INLINE_TOKENIZE_CHARS = 4096
-_DECODE_ABORTED = 2
 
 
 def _abort_requested(data: int) -> bool:
@@ -102,8 +101,9 @@ class LlamaSettings:
             with ``n_ctx`` KV cells).
         prefill_chunk: prompt tokens per step while other sequences are decoding.
         batch_invariant: make every stream's numerics independent of what else runs
-            (decode calls no wider than the width measured to be exact; turns off
-            weight repacking).
+            (decode calls no wider than the width measured to be exact, and a sequence
+            past the measured shared-context limit decodes alone; turns off weight
+            repacking).
         model_id: the name clients use; default: the file name without ``.gguf``.
         repack: let llama.cpp repack weights for this CPU's SIMD kernels
             (``use_extra_bufts``); off in batch-invariant mode.

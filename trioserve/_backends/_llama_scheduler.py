@@ -278,7 +278,7 @@ class _Scheduler:
 
     def _release(self, sequence: _Sequence, result: Reason | Literal["cancelled"] | BaseException) -> None:
         """Take ``sequence`` out of the context: clear its KV cells, free its id and
-        sampler. The caller hands it back to Trio with a ``(sequence, None)`` item."""
+        sampler. The caller hands it back to Trio (``_hand_back``)."""
         lib = self._backend.lib
         if sequence in self._active:
             self._active.remove(sequence)

@@ -31,7 +31,6 @@ class _Exchange:
 
     __slots__ = (
         "last_sent",
-        "longest_send_seconds",
         "request_id",
         "send",
         "sending_since",
@@ -44,14 +43,11 @@ class _Exchange:
         self.request_id = request_id
         self.started = False
         self.status = 0
-        #: when the send in progress began (``None``: not sending); a disconnect that
-        #: arrives while a send has been stuck this long is a stalled reader
+        #: when the send in progress began (``None``: not sending): what the stall
+        #: timer watches
         self.sending_since: float | None = None
         #: when the last body bytes went out (for heartbeats)
         self.last_sent = 0.0
-        #: the longest any send took: the reset that ends a stalled send lets the next
-        #: sends return at once, so the stall shows in the history, not the last send
-        self.longest_send_seconds = 0.0
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
@@ -66,12 +62,10 @@ class _Exchange:
         )
 
     async def body(self, data: bytes, *, more: bool = True) -> None:
-        self.sending_since = began = time.perf_counter()
+        self.sending_since = time.perf_counter()
         await self.send({"type": "http.response.body", "body": data, "more_body": more})
         self.sending_since = None
         self.last_sent = time.perf_counter()
-        if self.last_sent - began > self.longest_send_seconds:
-            self.longest_send_seconds = self.last_sent - began
 
     async def json(self, status: int, body: bytes, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
         await self.start(status, [*JSON_HEADERS, *extra_headers])

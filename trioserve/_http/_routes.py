@@ -86,7 +86,7 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
         engine = state.engine
         threads = getattr(engine.backend, "active_threads", None)
         failure = engine.backend.failure
-        if failure is not None:  # e.g. the batched backend's scheduler thread died
+        if failure is not None:  # e.g. the llama backend's scheduler thread died
             return _json_response({"status": "error", "error": str(failure)}, 503)
         body: dict[str, object] = {}
         stats = engine.backend.stats()

@@ -86,7 +86,7 @@ class ServerState:
     chat_format: ChatFormat | None = None
     load_error: str | None = None
     shutting_down: bool = False
-    #: the server's stall timeout, to tell a stalled reader from a disconnect
+    #: the server's stall timeout: a send blocked this long ends the request (cause ``stall``)
     stall_timeout: float | None = None
     requests: set[RequestControl] = field(default_factory=set[RequestControl])
     metrics: Metrics = field(default_factory=Metrics)
