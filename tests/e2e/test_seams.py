@@ -223,3 +223,22 @@ async def test_a_load_cancelled_midway_frees_the_model(
             pytest.fail("aload must raise the cancel")
     assert scope.cancelled_caught
     assert LlamaModel.loaded == loaded
+
+
+async def test_the_greedy_fast_path_picks_the_tokens_llama_cpps_greedy_sampler_picks(
+    llama_backend: LlamaBackend,
+) -> None:
+    """temperature 0 without logit_bias takes the argmax in the scheduler; a logit_bias
+    of 0 (which changes no logit) forces llama.cpp's own sampler chain: same text."""
+    engine = Engine(llama_backend)
+    texts = []
+    for sampling in (GREEDY, SamplingParams(temperature=0, logit_bias={0: 0.0})):
+        parts = []
+        request = GenerationRequest(prompt="The three laws of robotics are", max_tokens=80, sampling=sampling)
+        async with engine.stream(request) as events:
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    parts.append(event.text)
+        texts.append("".join(parts))
+    assert len(texts[0]) > 100
+    assert texts[0] == texts[1]

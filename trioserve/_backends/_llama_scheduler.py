@@ -58,6 +58,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import numpy
 import trio
 
 from .._channel import PieceChannel
@@ -71,6 +72,7 @@ __all__ = ["LlamaBackend"]
 logger = logging.getLogger("trioserve.llama")
 
 _DECODE_ABORTED = 2
+_as_array = numpy.ctypeslib.as_array
 
 Reason = Literal["stop", "length"]
 #: the result of a sequence dropped because its request was cancelled
@@ -89,6 +91,7 @@ class _Sequence:
         "channel",
         "first_chunk_at",
         "generated",
+        "greedy",
         "max_new",
         "next_token",
         "pos",
@@ -109,6 +112,11 @@ class _Sequence:
         self.max_new = prompt.max_new_tokens
         self.progress = progress
         self.sampler = sampler
+        #: plain greedy (temperature 0, no logit bias): the scheduler takes the argmax of
+        #: the logits itself — the token llama.cpp's greedy sampler picks (the first
+        #: maximum), without building its 262,144-entry candidate array per token
+        sampling = prompt.request.sampling
+        self.greedy = sampling.temperature == 0 and not sampling.logit_bias
         self.token = trio.lowlevel.current_trio_token()
         self.channel = channel
         self.removed = trio.Event()
@@ -410,12 +418,17 @@ class _Scheduler:
             else:
                 sequence.pos += 1
         sample = lib.llama_sampler_sample
+        logits_at = lib.llama_get_logits_ith
+        n_vocab = backend.n_vocab
         is_eog = lib.llama_vocab_is_eog
         vocab = backend.vocab
         piece = backend.piece
         ctx = self.ctx
         for sequence, index in outputs:
-            token = sample(sequence.sampler, ctx, index)
+            if sequence.greedy:
+                token = int(_as_array(logits_at(ctx, index), (n_vocab,)).argmax())
+            else:
+                token = sample(sequence.sampler, ctx, index)
             if is_eog(vocab, token):
                 self._remove(sequence, "stop")
                 continue
