@@ -174,12 +174,11 @@ async def test_caller_cancel_while_queued_frees_the_place() -> None:
         # a cancel with no deadline (like a client disconnect) while queued
         with trio.CancelScope() as scope:
 
-            async def cancel_later() -> None:
-                await trio.sleep(0.05)
-                assert engine.admission.queued == 1
+            async def cancel_when_queued() -> None:
+                await wait_for(lambda: engine.admission.queued == 1)
                 scope.cancel()
 
-            nursery.start_soon(cancel_later)
+            nursery.start_soon(cancel_when_queued)
             async with engine.stream(GenerationRequest(prompt="q", max_tokens=5)):
                 pytest.fail("should still be queued")
         assert scope.cancelled_caught

@@ -115,18 +115,31 @@ async def _watch_stall(
 ) -> None:
     """trioserve's stall timer: a send to this client that has been blocked for
     ``stall_timeout`` seconds ends the request with cause ``stall`` and the connection
-    (shut down: the blocked send — shielded inside hypercorn — fails at once). A timer,
-    not a poll: it wakes when the send in progress would have stalled, or one timeout
-    from now when nothing is sending (no send starting later can stall sooner)."""
+    (shut down: the blocked send — shielded inside hypercorn — fails at once). Once the
+    request is cancelled (any cause, the deadline included) a blocked send gets only
+    ``FINAL_EVENT_TIMEOUT``: a client that is not reading cannot be told why anyway, and
+    a cancelled request must not wait a whole stall timeout to let go.
+
+    A timer, not a poll: it wakes when the send in progress would have stalled, when the
+    request is cancelled or its deadline passes, or one timeout from now when nothing is
+    sending (no send starting later can stall sooner)."""
     with stall_scope:
         while True:
             now = time.perf_counter()
+            left = control.scope.deadline - trio.current_time()
+            cancelled = control.cause is not None or left <= 0
+            limit = min(stall_timeout, FINAL_EVENT_TIMEOUT) if cancelled else stall_timeout
             since = exchange.sending_since
-            if since is not None and now - since >= stall_timeout:
+            if since is not None and now - since >= limit:
                 control.cancel("stall")  # (a cause that came first is kept)
                 _end_connection(scope)
                 return
-            await trio.sleep((since if since is not None else now) + stall_timeout - now)
+            wait = (since if since is not None else now) + limit - now
+            if cancelled:
+                await trio.sleep(wait)
+            else:
+                with trio.move_on_after(min(wait, left)):
+                    await control.cancelled.wait()
 
 
 def _check_limits(prepared: PreparedPrompt, settings: HTTPSettings) -> None:
@@ -262,10 +275,8 @@ class GenerationHandler:
                         # consumer stuck in hypercorn's (shielded) send is freed only by
                         # ending the connection. Stopped when the body is done.
                         stall_scope = trio.CancelScope(shield=True)
-                        if state.stall_timeout is not None:
-                            nursery.start_soon(
-                                _watch_stall, scope, exchange, control, state.stall_timeout, stall_scope
-                            )
+                        stall_timeout = math.inf if state.stall_timeout is None else state.stall_timeout
+                        nursery.start_soon(_watch_stall, scope, exchange, control, stall_timeout, stall_scope)
                         try:
                             reservation = None
                             if stream:

@@ -47,7 +47,7 @@ class HTTPSettings:
 class RequestControl:
     """The cancel handle of one in-flight request: its scope and why it was cancelled."""
 
-    __slots__ = ("cancelled_at", "cause", "progress", "scope", "tokens_at_cancel")
+    __slots__ = ("cancelled", "cancelled_at", "cause", "progress", "scope", "tokens_at_cancel")
 
     def __init__(self, scope: trio.CancelScope) -> None:
         self.scope = scope
@@ -57,6 +57,8 @@ class RequestControl:
         self.tokens_at_cancel: int | None = None
         #: ``time.perf_counter()`` when the cancel was requested
         self.cancelled_at: float | None = None
+        #: set by :meth:`cancel` (a deadline shows as ``scope.deadline`` passing instead)
+        self.cancelled = trio.Event()
 
     def cancel(self, cause: EndCause) -> None:
         if self.cause is None and trio.current_time() >= self.scope.deadline:
@@ -66,6 +68,7 @@ class RequestControl:
             self.cancelled_at = time.perf_counter()
             if self.progress is not None:
                 self.tokens_at_cancel = self.progress.completion_tokens
+        self.cancelled.set()
         self.scope.cancel()
 
     def note_deadline(self) -> None:
