@@ -350,7 +350,8 @@ class Engine:
                     )
                 finally:
                     lease.release()
-                    self._record_service_time(events.timings)
+                    if events.backend_result is not None:  # a whole generation, not a cut one
+                        self._record_service_time(events.timings)
         finally:
             channel.close()  # how the consumer learns the end: no sentinel
 

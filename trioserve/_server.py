@@ -120,6 +120,9 @@ class Server:
         close_backend: bool = True,
     ) -> None:
         self.settings = settings or ServerSettings()
+        stall = self.settings.stall_timeout
+        if stall is not None and not stall > 0:
+            raise ValueError(f"stall_timeout must be positive seconds or None (never), got {stall}")
         self._close_backend = close_backend
         #: set once the model has loaded (or failed to: see ``state.load_error``)
         self.ready = trio.Event()

@@ -194,7 +194,11 @@ class _Scheduler:
         #: included) is longer than this decodes in a call of its own
         self.shared_context_limit = settings.n_ctx
         if settings.batch_invariant:
-            self.max_call_width, self.shared_context_limit = _probe_invariance(backend, self)
+            try:
+                self.max_call_width, self.shared_context_limit = _probe_invariance(backend, self)
+            except BaseException:
+                self.context.free(backend.lib)
+                raise
             logger.info(
                 "batch-invariant mode: decode calls of at most %d sequences, shared while a "
                 "context is at most %d tokens",
@@ -205,9 +209,9 @@ class _Scheduler:
     # ------------------------------------------------------------ Trio side
 
     def submit(self, sequence: _Sequence) -> None:
-        if self.failure is not None:
-            raise BackendError(f"the batch scheduler has failed: {self.failure}")
-        with self._condition:
+        with self._condition:  # (the thread sets failure and _stopping under this lock)
+            if self.failure is not None:
+                raise BackendError(f"the batch scheduler has failed: {self.failure}")
             if self._stopping:
                 raise BackendError("the backend is closed")
             if self._thread is None:
@@ -274,10 +278,12 @@ class _Scheduler:
                 self._step()
         except BaseException as exc:  # pragma: no cover - a bug or a llama.cpp failure
             logger.exception("the batch scheduler failed")
-            self.failure = exc
+            with self._condition:
+                self.failure = exc
         finally:
             failure = self.failure or BackendError("the server is shutting down")
             with self._condition:
+                self._stopping = True  # nothing submitted from now on is left unserved
                 leaving = self._active + list(self._inbox)
                 self._active = []
                 self._inbox.clear()
@@ -300,8 +306,10 @@ class _Scheduler:
         sequence.progress.inference_ended = time.perf_counter()
 
     def _remove(self, sequence: _Sequence, result: Reason | Literal["cancelled"] | BaseException) -> None:
-        self._release(sequence, result)
-        _hand_back(sequence)
+        try:
+            self._release(sequence, result)
+        finally:
+            _hand_back(sequence)  # its request must never wait forever
 
     def _step(self) -> None:
         # 1. drop cancelled sequences

@@ -30,6 +30,7 @@ class _Exchange:
     """The response side of one ASGI HTTP exchange: knows whether headers went out."""
 
     __slots__ = (
+        "ended",
         "last_sent",
         "request_id",
         "send",
@@ -42,6 +43,8 @@ class _Exchange:
         self.send = send
         self.request_id = request_id
         self.started = False
+        #: the last body message (``more_body`` false) went out
+        self.ended = False
         self.status = 0
         #: when the send in progress began (``None``: not sending): what the stall
         #: timer watches
@@ -63,9 +66,13 @@ class _Exchange:
 
     async def body(self, data: bytes, *, more: bool = True) -> None:
         self.sending_since = time.perf_counter()
-        await self.send({"type": "http.response.body", "body": data, "more_body": more})
-        self.sending_since = None
+        try:
+            await self.send({"type": "http.response.body", "body": data, "more_body": more})
+        finally:
+            self.sending_since = None
         self.last_sent = time.perf_counter()
+        if not more:
+            self.ended = True
 
     async def json(self, status: int, body: bytes, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
         await self.start(status, [*JSON_HEADERS, *extra_headers])

@@ -106,6 +106,37 @@ def _end_connection(scope: Scope) -> None:
         shut_down_connection(scope.get("client"), scope.get("server"))
 
 
+async def _send_last(scope: Scope, control: RequestControl | None, bound: float, send: Any) -> bool:
+    """Run ``send()`` (the last bytes of a response) shielded from every cancel, and
+    bounded: if it has not returned after ``bound`` seconds — or, once the request is
+    cancelled, ``FINAL_EVENT_TIMEOUT`` after that — the connection is ended (HTTP/1.1:
+    hypercorn's shielded send fails at once; HTTP/2: the send is cancelled). Returns
+    whether the bytes went out."""
+    cut = False
+    with trio.CancelScope(shield=True) as shield:
+        async with trio.open_nursery() as nursery:
+
+            async def guard() -> None:
+                nonlocal cut
+                with trio.move_on_after(bound):
+                    if control is not None:
+                        with trio.move_on_at(control.scope.deadline):
+                            await control.cancelled.wait()  # or the deadline passes
+                        await trio.sleep(FINAL_EVENT_TIMEOUT)
+                    else:
+                        await trio.sleep_forever()
+                cut = True
+                if control is not None:
+                    control.connection_cut = True
+                _end_connection(scope)
+                shield.cancel()
+
+            nursery.start_soon(guard)
+            await send()
+            nursery.cancel_scope.cancel()
+    return not cut and not (control is not None and control.connection_cut)
+
+
 async def _watch_stall(
     scope: Scope,
     exchange: _Exchange,
@@ -132,6 +163,7 @@ async def _watch_stall(
             since = exchange.sending_since
             if since is not None and now - since >= limit:
                 control.cancel("stall")  # (a cause that came first is kept)
+                control.connection_cut = True
                 _end_connection(scope)
                 return
             wait = (since if since is not None else now) + limit - now
@@ -220,11 +252,11 @@ class GenerationHandler:
             outcome["error"] = exc.message
             if not exchange.started:
                 await exchange.error(exc)
-            elif (encoder := outcome.get("encoder")) is not None:
+            elif (encoder := outcome.get("encoder")) is not None and not exchange.ended:
                 # the stream had started (e.g. refused by a race for the last queue place)
-                with trio.move_on_after(FINAL_EVENT_TIMEOUT, shield=True):
-                    usage = Usage(prompt_tokens=0, completion_tokens=0)
-                    await exchange.body(encoder.final("error", usage, exc.message), more=False)
+                usage = Usage(prompt_tokens=0, completion_tokens=0)
+                final = encoder.final("error", usage, exc.message)
+                await _send_last(scope, None, FINAL_EVENT_TIMEOUT, lambda: exchange.body(final, more=False))
         except BaseException as exc:
             # Cancelled from outside the request's scope (hypercorn closing connections
             # at the end of a shutdown: a group of Cancelled), or a bug: record, re-raise.
@@ -434,17 +466,19 @@ class GenerationHandler:
         # end-of-response work (closing HTTP/1.0 and Connection: close connections,
         # starting the keep-alive timer).
         outcome["watch_scope"].cancel()
-        bound = self.state.stall_timeout or FINAL_EVENT_TIMEOUT
-        with trio.move_on_after(bound, shield=True) as end_scope:
+        bound = math.inf if self.state.stall_timeout is None else self.state.stall_timeout
+
+        async def send() -> None:
             if json:
                 await exchange.json(200, data)
             else:
                 await exchange.body(data, more=False)
-        if end_scope.cancelled_caught or outcome["control"].cause == "stall":
-            # not delivered: the client took no bytes for the stall timeout
+
+        if not await _send_last(outcome["scope"], outcome["control"], bound, send):
+            # not delivered: the client took no bytes for the stall timeout (or, once
+            # the request was cancelled, for FINAL_EVENT_TIMEOUT)
             outcome["cause"] = "stall"
             outcome["finished"] = False
-            _end_connection(outcome["scope"])
 
     async def _cancelled(
         self, exchange: _Exchange, encoder: ChunkEncoder | None, cause: EndCause, outcome: dict[str, Any]
@@ -452,8 +486,11 @@ class GenerationHandler:
         """Tell the client why its request ended early (unless it is the one who left)."""
         if cause in ("disconnect", "stall"):
             return
+        if exchange.ended:
+            return  # the end went out before the cancel could matter
         events = outcome.get("events")
-        with trio.move_on_after(FINAL_EVENT_TIMEOUT, shield=True) as final_scope:
+
+        async def send() -> None:
             if encoder is not None:
                 usage = events.usage if events is not None else Usage(prompt_tokens=0, completion_tokens=0)
                 await exchange.body(encoder.final(cause, usage), more=False)
@@ -465,8 +502,9 @@ class GenerationHandler:
                 await exchange.error(
                     ServiceUnavailableError("the server is shutting down; retry on another instance")
                 )
-        if final_scope.cancelled_caught:
-            _end_connection(outcome["scope"])  # a half-sent event must not stay open
+
+        # (a half-sent event must not stay open: past the bound, the connection is ended)
+        await _send_last(outcome["scope"], None, FINAL_EVENT_TIMEOUT, send)
 
     def _log(
         self, scope: Scope, exchange: _Exchange, kind: str, started: float, outcome: dict[str, Any]

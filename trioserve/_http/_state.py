@@ -47,7 +47,15 @@ class HTTPSettings:
 class RequestControl:
     """The cancel handle of one in-flight request: its scope and why it was cancelled."""
 
-    __slots__ = ("cancelled", "cancelled_at", "cause", "progress", "scope", "tokens_at_cancel")
+    __slots__ = (
+        "cancelled",
+        "cancelled_at",
+        "cause",
+        "connection_cut",
+        "progress",
+        "scope",
+        "tokens_at_cancel",
+    )
 
     def __init__(self, scope: trio.CancelScope) -> None:
         self.scope = scope
@@ -59,6 +67,8 @@ class RequestControl:
         self.cancelled_at: float | None = None
         #: set by :meth:`cancel` (a deadline shows as ``scope.deadline`` passing instead)
         self.cancelled = trio.Event()
+        #: trioserve ended the connection (a stalled client): the response did not get through
+        self.connection_cut = False
 
     def cancel(self, cause: EndCause) -> None:
         if self.cause is None and trio.current_time() >= self.scope.deadline:
