@@ -1,0 +1,128 @@
+"""PieceChannel, the one bridge between producers (a thread, a scheduler, a Trio task)
+and a request's consumer: bounded, ordered, woken without polling, and torn down
+cleanly from either end."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import trio
+
+from trioserve import Aborted, PieceChannel
+
+from ._helpers import wait_for
+
+
+async def test_a_thread_producer_is_bounded_and_every_piece_arrives_in_order() -> None:
+    channel = PieceChannel(4)
+    blocked = threading.Event()
+
+    def produce() -> None:
+        for i in range(100):
+            if channel.room == 0:
+                blocked.set()  # the next put_wait blocks: the consumer has not read yet
+            channel.put_wait(str(i).encode())
+
+    received: list[bytes] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.to_thread.run_sync, produce)
+        await trio.to_thread.run_sync(blocked.wait)
+        assert channel.room == 0  # full, and it stays full: the producer waits
+        while len(received) < 100:
+            batch = await channel.receive_batch()
+            assert 1 <= len(batch) <= 4
+            received += batch
+    assert received == [str(i).encode() for i in range(100)]
+
+
+async def test_close_delivers_what_is_left_then_the_end() -> None:
+    channel = PieceChannel(8)
+    channel.put(b"a")
+    channel.put(b"b")
+    channel.close()
+    assert await channel.receive_batch() == [b"a", b"b"]
+    with pytest.raises(trio.EndOfChannel):
+        await channel.receive_batch()
+
+
+async def test_a_parked_consumer_is_woken_by_a_thread_put_and_by_close() -> None:
+    channel = PieceChannel(2)
+    async with trio.open_nursery() as nursery:
+        got: list[list[bytes]] = []
+
+        async def consume() -> None:
+            got.append(await channel.receive_batch())
+            with pytest.raises(trio.EndOfChannel):
+                await channel.receive_batch()
+            got.append([])
+
+        nursery.start_soon(consume)
+        await wait_for(lambda: channel._consumer is not None)  # parked, no piece yet
+        await trio.to_thread.run_sync(channel.put, b"x")
+        await wait_for(lambda: got == [[b"x"]])
+        await wait_for(lambda: channel._consumer is not None)
+        channel.close()
+    assert got == [[b"x"], []]
+
+
+async def test_a_consumer_cancelled_while_parked_loses_nothing() -> None:
+    channel = PieceChannel(2)
+    with trio.move_on_after(0.01):
+        await channel.receive_batch()  # nothing to take: cancelled while parked
+    channel.put(b"kept")
+    assert await channel.receive_batch() == [b"kept"]
+
+
+async def test_abort_wakes_a_blocked_thread_with_aborted() -> None:
+    channel = PieceChannel(1)
+    channel.put(b"full")
+    outcome: list[str] = []
+
+    def produce() -> None:
+        try:
+            channel.put_wait(b"never")
+        except Aborted:
+            outcome.append("aborted")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.to_thread.run_sync, produce)
+        await wait_for(lambda: channel._condition._waiters)  # type: ignore[attr-defined]
+        channel.abort()
+    assert outcome == ["aborted"]
+    assert channel.aborted
+
+
+async def test_a_trio_producer_waits_for_room_and_breaks_when_the_consumer_leaves() -> None:
+    channel = PieceChannel(1)
+    await channel.send(b"one")
+    async with trio.open_nursery() as nursery:
+        done: list[str] = []
+
+        async def send_more() -> None:
+            await channel.send(b"two")  # waits: the channel is full
+            done.append("sent")
+            with pytest.raises(trio.BrokenResourceError):
+                await channel.send(b"three")  # waits again, then the consumer leaves
+            done.append("broken")
+
+        nursery.start_soon(send_more)
+        await wait_for(lambda: channel._producer is not None)
+        assert await channel.receive_batch() == [b"one"]
+        await wait_for(lambda: done == ["sent"])
+        await wait_for(lambda: channel._producer is not None)
+        channel.close_receiving()
+    assert done == ["sent", "broken"]
+
+
+async def test_on_room_is_called_when_the_consumer_drains_a_full_channel() -> None:
+    channel = PieceChannel(2)
+    calls: list[int] = []
+    channel.on_room = lambda: calls.append(channel.room)
+    channel.put(b"a")
+    assert await channel.receive_batch() == [b"a"]
+    assert calls == []  # it was not full: nobody can be paused on it
+    channel.put(b"b")
+    channel.put(b"c")
+    assert await channel.receive_batch() == [b"b", b"c"]
+    assert calls == [2]
