@@ -36,9 +36,13 @@ from typing import Any
 import httpx
 
 TRIOSERVE, LLAMA_SERVER = "trioserve", "llama-server"
+#: llama.cpp's own C++ llama-server (what Ollama runs), built by scripts/build-llama-server
+#: from the llama.cpp that llama-cpp-python vendors. ("llama-server" above is, in the
+#: older scripts, llama-cpp-python's server.)
+LLAMA_CPP = "llama.cpp"
 SERVERS = (TRIOSERVE, LLAMA_SERVER)
 #: the path that answers 200 once the server has loaded its model
-READY_PATHS = {TRIOSERVE: "/health", LLAMA_SERVER: "/v1/models"}
+READY_PATHS = {TRIOSERVE: "/health", LLAMA_SERVER: "/v1/models", LLAMA_CPP: "/health"}
 DEFAULT_PROMPT = "Once upon a time"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -189,6 +193,33 @@ def llama_server_command(
         *extra,
         "--verbose",
         "False",
+    ]
+
+
+def llama_cpp_server_binary() -> str:
+    """The llama.cpp ``llama-server`` binary: ``$TRIOSERVE_LLAMA_SERVER``, else built (once,
+    cached) by ``scripts/build-llama-server``."""
+    given = os.environ.get("TRIOSERVE_LLAMA_SERVER")
+    if given:
+        return given
+    script = Path(__file__).resolve().parent.parent / "scripts" / "build-llama-server"
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run([str(script)], check=True, capture_output=True, text=True, env=env)
+    return done.stdout.strip().splitlines()[-1]
+
+
+def llama_cpp_server_command(model: Path, port: int, threads: int, *extra: str) -> list[str]:
+    """llama.cpp's ``llama-server`` with its defaults (as a new user runs it: its own
+    context size, parallel slots, continuous batching and prompt cache), on 127.0.0.1,
+    ``threads`` for decode and batch, then ``extra``."""
+    return [
+        llama_cpp_server_binary(),
+        *_model_and_address(model, port),
+        "--threads",
+        str(threads),
+        "--threads-batch",
+        str(threads),
+        *extra,
     ]
 
 

@@ -32,6 +32,13 @@ server, or only the in-process context, exists while it is measured), on the sam
     arrives; see ``bench_concurrency.py``). It serves one completion at a time behind a
     lock: its total tok/s cannot exceed one stream's, whatever N.
 
+``llama.cpp``
+    llama.cpp's own C++ ``llama-server`` (the server Ollama runs), built from the
+    llama.cpp that llama-cpp-python vendors by ``scripts/build-llama-server`` (or
+    ``$TRIOSERVE_LLAMA_SERVER``), with its defaults — context size, parallel slots,
+    continuous batching, prompt cache — except ``--threads``/``--threads-batch T``. The
+    prompts differ per stream, so its prompt cache has nothing to reuse.
+
 ``--contestants`` picks a subset (comma-separated names, in any order; they run in the
 order above).
 
@@ -110,6 +117,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
+    LLAMA_CPP,
     LLAMA_SERVER,
     READY_PATHS,
     TRIOSERVE,
@@ -121,6 +129,7 @@ from _common import (
     cpu_seconds,
     environment,
     free_port,
+    llama_cpp_server_command,
     llama_server_command,
     log,
     markdown_table,
@@ -148,7 +157,7 @@ from bench_concurrency import (
 DECODE_ONLY = "decode-only"
 BATCH = "trioserve"
 BATCH_INVARIANT = "trioserve-invariant"
-CONTESTANTS = (DECODE_ONLY, BATCH, BATCH_INVARIANT, LLAMA_SERVER)
+CONTESTANTS = (DECODE_ONLY, BATCH, BATCH_INVARIANT, LLAMA_SERVER, LLAMA_CPP)
 #: the targets for the batched backend, × trioserve's N = 1 total tok/s
 TARGETS = (1.8, 1.2)
 DEFAULT_CHART = Path(__file__).resolve().parent.parent / "docs" / "images" / "batched-throughput.png"
@@ -408,12 +417,16 @@ def run_decode_only(
 def server_config(name: str, args: argparse.Namespace) -> ServerConfig:
     if name == LLAMA_SERVER:
         return ServerConfig(LLAMA_SERVER, LLAMA_SERVER, args.threads, 1)
+    if name == LLAMA_CPP:
+        return ServerConfig(LLAMA_CPP, LLAMA_CPP, args.threads, 0)  # its own default slots
     return ServerConfig(name, TRIOSERVE, args.threads, args.slots)
 
 
 def server_command(cfg: ServerConfig, model: Path, port: int, args: argparse.Namespace) -> list[str]:
     if cfg.kind == LLAMA_SERVER:
         return llama_server_command(model, port, args.threads, args.ctx_size, "--interrupt_requests", "False")
+    if cfg.kind == LLAMA_CPP:
+        return llama_cpp_server_command(model, port, args.threads)
     extra = ["--slots", str(args.slots)]
     if cfg.name == BATCH_INVARIANT:
         extra.append("--batch-invariant")
