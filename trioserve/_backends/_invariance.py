@@ -140,29 +140,12 @@ def probe_invariant_width(
     sequences = _probe_sequences(prompts, widest, n_ctx_seq)
     #: first decoded position of each sequence (its prompt is the tokens before it)
     starts = [len(tokens) - _STEPS for tokens in sequences]
-    row_size = 4 * n_vocab
-
-    def decode(entries: list[tuple[int, int, int, bool]]) -> None:
-        for i, (seq_id, token, pos, want) in enumerate(entries):
-            batch.token[i] = token
-            batch.pos[i] = pos
-            batch.seq_id[i][0] = seq_id
-            batch.logits[i] = want
-        batch.n_tokens = len(entries)
-        result = lib.llama_decode(ctx, batch)
-        if result != 0:
-            raise BackendError(f"llama_decode failed with code {result} while probing batch invariance")
-
-    def logits(index: int) -> bytes:
-        pointer = lib.llama_get_logits_ith(ctx, index)
-        if not pointer:
-            raise BackendError(f"llama.cpp returned no logits for batch index {index} while probing")
-        return ctypes.string_at(pointer, row_size)
+    calls = _Calls(lib, ctx, memory, batch, n_vocab)
+    decode, logits = calls.decode, calls.logits
 
     def rewind(seq_id: int) -> None:
         """Remove the cells the decode steps wrote: back to the prefilled state."""
-        if not lib.llama_memory_seq_rm(memory, seq_id, starts[seq_id], -1):
-            raise BackendError(f"llama.cpp could not remove the probe's cells of sequence {seq_id}")
+        calls.rewind(seq_id, starts[seq_id])
 
     lib.llama_memory_clear(memory, True)
     try:
@@ -202,6 +185,38 @@ def probe_invariant_width(
         return width
     finally:
         lib.llama_memory_clear(memory, True)
+
+
+class _Calls:
+    """The probes' llama.cpp calls: decode a list of (seq id, token, position, wants
+    logits) entries in one call, read a logits row, remove a sequence's cells from a
+    position on. Every failure is a :class:`BackendError`."""
+
+    def __init__(self, lib: Any, ctx: Any, memory: Any, batch: Any, n_vocab: int) -> None:
+        self.lib, self.ctx, self.memory, self.batch = lib, ctx, memory, batch
+        self.row_size = 4 * n_vocab
+
+    def decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        batch = self.batch
+        for i, (seq_id, token, pos, want) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.seq_id[i][0] = seq_id
+            batch.logits[i] = want
+        batch.n_tokens = len(entries)
+        result = self.lib.llama_decode(self.ctx, batch)
+        if result != 0:
+            raise BackendError(f"llama_decode failed with code {result} while probing batch invariance")
+
+    def logits(self, index: int) -> bytes:
+        pointer = self.lib.llama_get_logits_ith(self.ctx, index)
+        if not pointer:
+            raise BackendError(f"llama.cpp returned no logits for batch index {index} while probing")
+        return ctypes.string_at(pointer, self.row_size)
+
+    def rewind(self, seq_id: int, start: int) -> None:
+        if not self.lib.llama_memory_seq_rm(self.memory, seq_id, start, -1):
+            raise BackendError(f"llama.cpp could not remove the probe's cells of sequence {seq_id}")
 
 
 def _context_per_sequence(lib: Any, ctx: Any) -> int:
@@ -256,28 +271,8 @@ def probe_shared_context_limit(
         raise ValueError("probe_shared_context_limit needs prompts with at least two tokens")
     long_tokens = (pool * (n_ctx_seq // len(pool) + 2))[:n_ctx_seq]
     short_tokens = (pool[::-1] * (_SHORTEST // len(pool) + 2))[: _SHORTEST + _STEPS]
-    row_size = 4 * n_vocab
-
-    def decode(entries: list[tuple[int, int, int, bool]]) -> None:
-        for i, (seq_id, token, pos, want) in enumerate(entries):
-            batch.token[i] = token
-            batch.pos[i] = pos
-            batch.seq_id[i][0] = seq_id
-            batch.logits[i] = want
-        batch.n_tokens = len(entries)
-        result = lib.llama_decode(ctx, batch)
-        if result != 0:
-            raise BackendError(f"llama_decode failed with code {result} while probing batch invariance")
-
-    def logits(index: int) -> bytes:
-        pointer = lib.llama_get_logits_ith(ctx, index)
-        if not pointer:
-            raise BackendError(f"llama.cpp returned no logits for batch index {index} while probing")
-        return ctypes.string_at(pointer, row_size)
-
-    def rewind(seq_id: int, start: int) -> None:
-        if not lib.llama_memory_seq_rm(memory, seq_id, start, -1):
-            raise BackendError(f"llama.cpp could not remove the probe's cells of sequence {seq_id}")
+    calls = _Calls(lib, ctx, memory, batch, n_vocab)
+    decode, logits, rewind = calls.decode, calls.logits, calls.rewind
 
     lib.llama_memory_clear(memory, True)
     try:
