@@ -339,6 +339,22 @@ def completion_request(
     return ("\r\n".join(head) + "\r\n\r\n").encode() + payload
 
 
+def raw_sse_events(port: int, body: dict[str, Any]) -> Iterator[tuple[float, bytes]]:
+    """POST ``body`` to ``/v1/completions`` on 127.0.0.1:``port`` over a raw socket and
+    yield ``(arrival time, event)`` for every complete SSE event (``b"data: ..."``, the
+    response head and chunk framing included in the first). The lightest client there is
+    in Python: no HTTP library, no JSON parsing, so its CPU per token stays small."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(completion_request("127.0.0.1", port, body))
+        pending = b""
+        while chunk := sock.recv(1 << 20):
+            now = time.perf_counter()
+            pending += chunk
+            *complete, pending = pending.split(b"\n\n")
+            for event in complete:
+                yield now, event
+
+
 @dataclass
 class Chunk:
     """One streamed event, whatever the contestant."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,12 +30,12 @@ import httpx
 from _common import (
     ServerProcess,
     bench_main,
-    completion_request,
     cpu_seconds,
     environment,
     free_port,
     log,
     markdown_table,
+    raw_sse_events,
 )
 
 
@@ -51,19 +50,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _read_stream(port: int, tokens: int) -> tuple[int, int, bytes]:
     """One stream over a raw socket, read as fast as possible; returns (bytes, SSE
-    events, tail)."""
-    body = {"prompt": "p", "max_tokens": tokens, "stream": True}
-    marker = b"\ndata: "
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.sendall(completion_request("127.0.0.1", port, body))
-        total = events = 0
-        tail = b""
-        while chunk := sock.recv(1 << 20):
-            total += len(chunk)
-            window = tail[-(len(marker) - 1) :] + chunk  # a marker split across reads counts once
-            events += window.count(marker)
-            tail = (tail + chunk)[-200:]
-    return total, events, tail
+    events, last event)."""
+    total = events = 0
+    last = b""
+    for _, event in raw_sse_events(port, {"prompt": "p", "max_tokens": tokens, "stream": True}):
+        total += len(event) + 2
+        events += b"data: " in event
+        last = event
+    return total, events, last
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +29,11 @@ from _common import (
     ServerProcess,
     argument_parser,
     bench_main,
-    completion_request,
     environment,
     free_port,
     log,
     markdown_table,
+    raw_sse_events,
     resolve_model,
     trioserve_command,
 )
@@ -61,18 +59,11 @@ def _stream_rate(port: int, max_tokens: int) -> tuple[float, int]:
     body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     first = last = 0.0
     events = 0
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.sendall(completion_request("127.0.0.1", port, body))
-        pending = b""
-        while chunk := sock.recv(65536):
-            now = time.perf_counter()
-            pending += chunk
-            *complete, pending = pending.split(b"\n\n")
-            for event in complete:
-                if b'"text":"' in event and b'"finish_reason":null' in event:
-                    events += 1
-                    first = first or now
-                    last = now
+    for now, event in raw_sse_events(port, body):
+        if b'"text":"' in event and b'"finish_reason":null' in event:
+            events += 1
+            first = first or now
+            last = now
     if events < 2:
         raise RuntimeError("trioserve streamed fewer than two text events")
     return (max_tokens - 1) / (last - first), events
