@@ -1,6 +1,6 @@
-"""Builds the one C file trioserve has: llama.cpp's abort callback (trioserve/_abort.c).
+"""Builds the one C file trioserve has: llama.cpp's abort callback (trioserve/_backends/_abort.c).
 Everything else is configured in pyproject.toml."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("trioserve._abort", ["trioserve/_abort.c"])])
+setup(ext_modules=[Extension("trioserve._backends._abort", ["trioserve/_backends/_abort.c"])])

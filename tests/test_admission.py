@@ -7,7 +7,7 @@ import trio
 import trio.testing
 
 from trioserve import OverloadedError
-from trioserve._admission import Admission
+from trioserve._core._admission import Admission
 
 
 async def hold_slot(admission: Admission, release: trio.Event) -> None:

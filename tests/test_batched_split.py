@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trioserve._backends._llama_scheduler import _split
+from trioserve._backends._scheduler import _split
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from trioserve import InvalidRequestError
-from trioserve._chat import ChatMLFormat, GemmaFormat, JinjaFormat, chat_format_for
-from trioserve._openai import ChatMessage
+from trioserve._wire._chat import ChatMLFormat, GemmaFormat, JinjaFormat, chat_format_for
+from trioserve._wire._openai import ChatMessage
 
 
 def _messages(*pairs: tuple[str, str]) -> list[ChatMessage]:

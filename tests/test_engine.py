@@ -20,7 +20,7 @@ from trioserve import (
     ScriptedBackend,
     TextDelta,
 )
-from trioserve._engine import WINDOW
+from trioserve._core._engine import WINDOW
 
 from ._helpers import wait_for
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from trioserve import InvalidRequestError, Usage
-from trioserve._openai import (
+from trioserve._wire._openai import (
     ChunkEncoder,
     decode_chat_request,
     decode_completion_request,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trioserve._sse import (
+from trioserve._wire._sse import (
     DONE,
     HEARTBEAT,
     ServerSentEvent,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trioserve._text import StopMatcher, TextAssembler, Utf8Assembler
+from trioserve._core._text import StopMatcher, TextAssembler, Utf8Assembler
 
 SAMPLES = ["你好世界", "🎉🦜🫠", "👩‍👩‍👧 family", "鼃鼄鼅", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "mixed: café ß 東京 🚀"]
 

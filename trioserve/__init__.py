@@ -22,9 +22,10 @@ from ._backends import (
     UpstreamBackend,
     UpstreamState,
 )
-from ._channel import Aborted, PieceChannel
-from ._engine import Engine, EventStream, StreamTimings
-from ._exceptions import (
+from ._backends._models import default_model_path
+from ._core._channel import Aborted, PieceChannel
+from ._core._engine import Engine, EventStream, StreamTimings
+from ._core._exceptions import (
     AuthenticationError,
     BackendError,
     ContextLengthError,
@@ -39,10 +40,9 @@ from ._exceptions import (
     TrioserveError,
     UnsupportedMediaTypeError,
 )
+from ._core._types import EndCause, Finished, GenerationRequest, SamplingParams, TextDelta, Usage
 from ._http import HTTPSettings, ServerState, create_app
-from ._models import default_model_path
-from ._server import Server, ServerSettings, serve_until_signalled
-from ._types import EndCause, Finished, GenerationRequest, SamplingParams, TextDelta, Usage
+from ._http._server import Server, ServerSettings, serve_until_signalled
 
 __all__ = [
     "Aborted",

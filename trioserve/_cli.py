@@ -22,7 +22,7 @@ from ._backends import (
     UpstreamBackend,
 )
 from ._http import HTTPSettings
-from ._server import Server, ServerSettings, serve_until_signalled
+from ._http._server import Server, ServerSettings, serve_until_signalled
 
 __all__ = ["main"]
 
@@ -234,7 +234,7 @@ def _loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backe
 
         return "scripted backend", functools.partial(scripted)
     if args.model is None:
-        from ._models import default_model_path
+        from ._backends._models import default_model_path
 
         path = default_model_path(progress=sys.stderr.isatty())
     else:

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import trio
 
 from ._backends import Backend, ScriptedBackend
-from ._engine import Engine
-from ._errors import unwrap_group
-from ._server import Server, ServerSettings
+from ._core._engine import Engine
+from ._core._errors import unwrap_group
+from ._http._server import Server, ServerSettings
 
 __all__ = ["TestServer", "open_test_server"]
 

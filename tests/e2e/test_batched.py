@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from trioserve import Engine, Finished, GenerationRequest, LlamaBackend, SamplingParams, TextDelta
-from trioserve._engine import WINDOW as _WINDOW
+from trioserve._core._engine import WINDOW as _WINDOW
 
 from .._helpers import RawStream, start_server, wait_for
 

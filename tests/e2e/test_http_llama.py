@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from trioserve import Backend, LlamaBackend, ScriptedBackend
-from trioserve._sse import SSEDecoder
+from trioserve._wire._sse import SSEDecoder
 
 from .._helpers import RawStream, RunningServer
 

@@ -36,7 +36,7 @@ from trioserve import (
     UpstreamBackend,
     default_model_path,
 )
-from trioserve._sse import SSEDecoder
+from trioserve._wire._sse import SSEDecoder
 
 from .._helpers import RawStream, RunningServer, ServerProcess, start_server, wait_for
 

@@ -1,8 +1,8 @@
 """Backends: what makes tokens. The engine sees only :class:`Backend`."""
 
-from ._base import Backend, GenerationProgress, ModelInfo, PreparedPrompt
+from .._core._backend import Backend, GenerationProgress, ModelInfo, PreparedPrompt
 from ._llama import LlamaSettings
-from ._llama_scheduler import LlamaBackend
+from ._scheduler import LlamaBackend
 from ._scripted import ScriptedBackend
 from ._threaded import ThreadedBackend
 from ._upstream import UpstreamBackend, UpstreamState

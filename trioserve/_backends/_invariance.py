@@ -80,7 +80,7 @@ import ctypes
 import logging
 from typing import Any
 
-from .._exceptions import BackendError
+from .._core._exceptions import BackendError
 
 __all__ = ["probe_invariant_width", "probe_shared_context_limit"]
 

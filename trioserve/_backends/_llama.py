@@ -10,7 +10,7 @@ the loaded model with its vocabulary, tokenizer, metadata and sampler chains
 (:class:`_Context`). The backend — one context, many sequences, one scheduler thread —
 is :class:`~trioserve._backends._llama_scheduler.LlamaBackend`.
 
-The abort callback is a C function (``trioserve/_abort.c``) that reads one byte, the
+The abort callback is a C function (``trioserve/_backends/_abort.c``) that reads one byte, the
 context's abort flag, between graph nodes (~400 times per decode step of Gemma 3 270M,
 also during prefill), so ``llama_decode`` returns 2 (aborted) within a fraction of a
 millisecond of the flag being raised, without taking the GIL.
@@ -30,9 +30,9 @@ from typing import Any, Self
 
 import trio
 
-from .._exceptions import BackendError, InvalidRequestError
-from .._types import GenerationRequest, SamplingParams
-from ._base import Backend, ModelInfo, PreparedPrompt, fit_to_context
+from .._core._backend import Backend, ModelInfo, PreparedPrompt, fit_to_context
+from .._core._exceptions import BackendError, InvalidRequestError
+from .._core._types import GenerationRequest, SamplingParams
 
 __all__ = ["LlamaModel", "LlamaSettings"]
 
@@ -52,14 +52,14 @@ def _abort_requested(data: int) -> bool:
 def _make_abort_callback(lib: Any) -> tuple[Any, bool]:
     """The abort callback, and whether it is the C one."""
     try:
-        from .._abort import ABORT_CHECK_ADDRESS
+        from . import _abort
     except ImportError:  # pragma: no cover - the extension is built on install
         logger.warning(
-            "trioserve._abort (C) is not built: using a Python abort callback, which "
+            "trioserve._backends._abort (C) is not built: using a Python abort callback, which "
             "costs ~10%% of decode speed; reinstall trioserve with a C compiler"
         )
         return lib.ggml_abort_callback(_abort_requested), False
-    return lib.ggml_abort_callback(ABORT_CHECK_ADDRESS), True
+    return lib.ggml_abort_callback(_abort.ABORT_CHECK_ADDRESS), True
 
 
 _llama_cpp_logger = logging.getLogger("trioserve.llama_cpp")

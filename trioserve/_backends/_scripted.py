@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from .._channel import Aborted, PieceChannel
-from .._types import GenerationRequest
-from ._base import GenerationProgress, ModelInfo, PreparedPrompt, fit_to_context
+from .._core._backend import GenerationProgress, ModelInfo, PreparedPrompt, fit_to_context
+from .._core._channel import Aborted, PieceChannel
+from .._core._types import GenerationRequest
 from ._threaded import Emit, ThreadedBackend
 
 __all__ = ["ScriptedBackend"]

@@ -26,10 +26,10 @@ from typing import Literal
 
 import trio
 
-from .._channel import Aborted, PieceChannel
-from .._errors import unwrap_group
-from .._exceptions import BackendError
-from ._base import ActiveThreads, Backend, GenerationProgress, PreparedPrompt
+from .._core._backend import ActiveThreads, Backend, GenerationProgress, PreparedPrompt
+from .._core._channel import Aborted, PieceChannel
+from .._core._errors import unwrap_group
+from .._core._exceptions import BackendError
 
 __all__ = ["Emit", "Infer", "ThreadedBackend"]
 

@@ -55,8 +55,9 @@ import httpx
 import msgspec
 import trio
 
-from .._channel import PieceChannel
-from .._exceptions import (
+from .._core._backend import ActiveThreads, Backend, GenerationProgress, ModelInfo, PreparedPrompt
+from .._core._channel import PieceChannel
+from .._core._exceptions import (
     BackendError,
     ContextLengthError,
     InvalidRequestError,
@@ -64,9 +65,8 @@ from .._exceptions import (
     ServiceUnavailableError,
     TrioserveError,
 )
-from .._sse import SSEDecoder
-from .._types import GenerationRequest
-from ._base import ActiveThreads, Backend, GenerationProgress, ModelInfo, PreparedPrompt
+from .._core._types import GenerationRequest
+from .._wire._sse import SSEDecoder
 
 __all__ = ["UpstreamBackend", "UpstreamState"]
 

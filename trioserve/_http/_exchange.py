@@ -7,13 +7,13 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from .._exceptions import (
+from .._core._exceptions import (
     InvalidRequestError,
     PayloadTooLargeError,
     TrioserveError,
     UnsupportedMediaTypeError,
 )
-from .._openai import encode_json
+from .._wire._openai import encode_json
 from ._state import HTTPSettings
 
 __all__ = ["Message", "Receive", "Scope", "Send"]

@@ -26,10 +26,10 @@ from typing import Any, Literal
 
 import trio
 
-from .._backends._base import PreparedPrompt
-from .._engine import Engine
-from .._errors import unwrap_group
-from .._exceptions import (
+from .._core._backend import PreparedPrompt
+from .._core._engine import Engine
+from .._core._errors import unwrap_group
+from .._core._exceptions import (
     ContextLengthError,
     DeadlineExceededError,
     HeadersTooLargeError,
@@ -40,8 +40,8 @@ from .._exceptions import (
     ServiceUnavailableError,
     TrioserveError,
 )
-from .._hypercorn_patches import shut_down_connection
-from .._openai import (
+from .._core._types import EndCause, Finished, GenerationRequest, TextDelta, Usage
+from .._wire._openai import (
     ChatCompletionRequest,
     ChunkEncoder,
     CompletionRequest,
@@ -50,8 +50,7 @@ from .._openai import (
     decode_completion_request,
     non_stream_response,
 )
-from .._sse import HEARTBEAT
-from .._types import EndCause, Finished, GenerationRequest, TextDelta, Usage
+from .._wire._sse import HEARTBEAT
 from ._exchange import (
     Receive,
     Scope,
@@ -64,6 +63,7 @@ from ._exchange import (
     _request_timeout,
     headers_too_large,
 )
+from ._hypercorn_patches import shut_down_connection
 from ._state import HTTPSettings, RequestControl, ServerState
 
 __all__ = ["FINAL_EVENT_TIMEOUT", "GENERATION_PATHS", "GenerationHandler"]

@@ -14,8 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response
 from quart_trio import QuartTrio
 
-from .._access import AccessPolicy, with_access_control
-from .._exceptions import (
+from .._core._exceptions import (
     HeadersTooLargeError,
     MethodNotAllowedError,
     NotFoundError,
@@ -23,7 +22,8 @@ from .._exceptions import (
     ServiceUnavailableError,
     TrioserveError,
 )
-from .._openai import encode_json
+from .._wire._openai import encode_json
+from ._access import AccessPolicy, with_access_control
 from ._exchange import Receive, Scope, Send, _Exchange, headers_too_large
 from ._generation import GENERATION_PATHS, GenerationHandler
 from ._state import ServerState

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import trio
 
-from .._backends._base import GenerationProgress
-from .._chat import ChatFormat, chat_format_for
-from .._engine import Engine
-from .._metrics import Metrics
-from .._types import EndCause
+from .._core._backend import GenerationProgress
+from .._core._engine import Engine
+from .._core._types import EndCause
+from .._wire._chat import ChatFormat, chat_format_for
+from ._metrics import Metrics
 
 __all__ = ["HTTPSettings", "RequestControl", "ServerState"]
 

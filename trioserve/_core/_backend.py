@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .._channel import PieceChannel
-from .._exceptions import ContextLengthError, InvalidRequestError
-from .._types import GenerationRequest
+from ._channel import PieceChannel
+from ._exceptions import ContextLengthError, InvalidRequestError
+from ._types import GenerationRequest
 
 __all__ = ["Backend", "GenerationProgress", "ModelInfo", "PreparedPrompt", "fit_to_context"]
 

@@ -18,8 +18,8 @@ import hmac
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
-from ._exceptions import AuthenticationError
-from ._openai import encode_json
+from .._core._exceptions import AuthenticationError
+from .._wire._openai import encode_json
 
 __all__ = ["AccessPolicy", "with_access_control"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ._exceptions import InvalidRequestError
+from .._core._exceptions import InvalidRequestError
 from ._openai import ChatMessage
 
 __all__ = ["ChatFormat", "chat_format_for"]

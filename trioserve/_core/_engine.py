@@ -34,7 +34,7 @@ from typing import Literal, Self
 import trio
 
 from ._admission import Admission, Reservation, SlotLease
-from ._backends._base import Backend, GenerationProgress, PreparedPrompt
+from ._backend import Backend, GenerationProgress, PreparedPrompt
 from ._channel import PieceChannel
 from ._errors import unwrap_group
 from ._exceptions import BackendError, ServiceUnavailableError, TrioserveError

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from ._engine import Engine
+    from .._core._engine import Engine
 
 __all__ = ["CANCEL_CAUSES", "END_CAUSES", "Metrics"]
 

@@ -17,9 +17,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from ._exceptions import InvalidRequestError
+from .._core._exceptions import InvalidRequestError
+from .._core._types import EndCause, GenerationRequest, SamplingParams, Usage
 from ._sse import DONE, encode_data
-from ._types import EndCause, GenerationRequest, SamplingParams, Usage
 
 __all__ = [
     "ChatCompletionRequest",

@@ -25,12 +25,14 @@ import trio
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
+from .._core._backend import Backend
+from .._core._engine import Engine
+from .._core._errors import unwrap_group
 from ._access import AccessPolicy
-from ._backends._base import Backend
-from ._engine import Engine
-from ._errors import unwrap_group
-from ._http import FINAL_EVENT_TIMEOUT, HTTPSettings, ServerState, create_app
+from ._generation import FINAL_EVENT_TIMEOUT
 from ._hypercorn_patches import patch_hypercorn_connection_registry, patch_hypercorn_h2_backpressure
+from ._routes import create_app
+from ._state import HTTPSettings, ServerState
 
 __all__ = ["Server", "ServerSettings", "serve_until_signalled"]
 

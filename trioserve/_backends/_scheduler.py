@@ -61,9 +61,9 @@ from typing import Any, Literal
 import numpy
 import trio
 
-from .._channel import PieceChannel
-from .._exceptions import BackendError
-from ._base import ActiveThreads, GenerationProgress, PreparedPrompt
+from .._core._backend import ActiveThreads, GenerationProgress, PreparedPrompt
+from .._core._channel import PieceChannel
+from .._core._exceptions import BackendError
 from ._invariance import probe_invariant_width, probe_shared_context_limit
 from ._llama import LlamaModel, LlamaSettings, _Context
 
