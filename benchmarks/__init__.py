@@ -1,0 +1,1 @@
+"""Benchmarks: one harness (``benchmarks.harness``) and one script per scenario."""

@@ -1,0 +1,243 @@
+"""Clients: :class:`RawStream` (a plain socket: the lightest client, the one that decides
+how a connection ends, and the slow reader) and :func:`timed_stream` (httpx, timed)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import struct
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from .proc import unread_bytes
+
+STATUS = re.compile(rb"HTTP/1\.[01] (\d{3})")
+FINISH = re.compile(rb'"finish_reason": ?"(\w+)"')
+OPEN = re.compile(rb'"finish_reason": ?null')  # an event that carries a token
+
+
+def body(prompt: str, max_tokens: int, **more: Any) -> dict[str, Any]:
+    """A streamed, greedy completion request. ``repeat_penalty`` 1.0 is llama-cpp-python's
+    ``create_completion`` default (its server's is 1.1; llama-server's is 1.0; trioserve ignores it)."""
+    fields = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    return {**fields, "repeat_penalty": 1.0, **more}
+
+
+def request_bytes(port: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> bytes:
+    """One HTTP/1.1 ``POST /v1/completions`` with ``Connection: close``, ``headers`` last."""
+    data = json.dumps(payload).encode()
+    head = [
+        "POST /v1/completions HTTP/1.1",
+        f"Host: 127.0.0.1:{port}",
+        "Content-Type: application/json",
+        "Accept: text/event-stream",
+        f"Content-Length: {len(data)}",
+        "Connection: close",
+        *(f"{name}: {value}" for name, value in (headers or {}).items()),
+    ]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + data
+
+
+class RawStream:
+    """One streamed POST on a plain socket, sent on construction. Events are split on blank
+    lines and never parsed (no de-chunking, no JSON: a chunk size may precede an event's
+    ``data:``), so the client's CPU per token stays small and the caller decides exactly
+    when and how the connection ends. ``rcvbuf``: ``SO_RCVBUF``, set before connecting."""
+
+    def __init__(
+        self,
+        port: int,
+        payload: dict[str, Any],
+        headers: dict[str, str] | None = None,
+        *,
+        rcvbuf: int | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            if rcvbuf is not None:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            self.sock.settimeout(timeout)
+            self.sock.connect(("127.0.0.1", port))
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock.sendall(request_bytes(port, payload, headers))
+        except BaseException:
+            self.sock.close()
+            raise
+        self.sent_at = time.perf_counter()
+        self.head = b""  # the response's first bytes
+        self.received = 0
+        self.events: list[tuple[float, bytes]] = []  # (arrival, event)
+        self.done_at: float | None = None  # when ``data: [DONE]`` arrived
+        self.eof = False
+        self._pending = b""
+
+    def feed(self, data: bytes, now: float) -> list[bytes]:
+        """Take bytes read from the socket; return the events they completed."""
+        if len(self.head) < 16:
+            self.head += data[:16]
+        self.received += len(data)
+        *complete, self._pending = (self._pending + data).split(b"\n\n")
+        for event in complete:
+            self.events.append((now, event))
+            if self.done_at is None and b"data: [DONE]" in event:
+                self.done_at = now
+        return complete
+
+    def receive(self, until: float | None = None, size: int = 1 << 20) -> bool:
+        """One read, waiting at most until ``until`` (``perf_counter``); False at the end of
+        the stream (EOF, reset) or when the time is up."""
+        if until is not None:
+            if (remaining := until - time.perf_counter()) <= 0:
+                return False
+            self.sock.settimeout(remaining)
+        try:
+            data = self.sock.recv(size)
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            data = b""
+        if not data:
+            self.eof = True
+            return False
+        self.feed(data, time.perf_counter())
+        return True
+
+    def read_until(self, done: Callable[[], bool], until: float) -> bool:
+        """Read until ``done()``, the end of the stream or ``until``; ``done()`` at the end."""
+        while not done() and self.receive(until):
+            pass
+        return done()
+
+    def iter_events(self, timeout: float = 300.0) -> Iterator[tuple[float, bytes]]:
+        """``(arrival, event)`` as they come, to the end of the stream."""
+        self.sock.settimeout(timeout)
+        while data := self.sock.recv(1 << 20):
+            now = time.perf_counter()
+            for event in self.feed(data, now):
+                yield now, event
+        self.eof = True
+
+    @property
+    def status(self) -> int | None:
+        match = STATUS.match(self.head)
+        return int(match.group(1)) if match else None
+
+    def token_times(self) -> list[float]:
+        """Arrival times of the events that carry a token (``finish_reason`` null)."""
+        return [t for t, event in self.events if OPEN.search(event)]
+
+    def data_events(self) -> int:
+        return sum(b"data: " in event and b"[DONE]" not in event for _, event in self.events)
+
+    def finish_reason(self) -> str | None:
+        found = [m for _, event in self.events for m in FINISH.findall(event)]
+        return found[-1].decode() if found else None
+
+    def unread(self) -> int:
+        return unread_bytes(self.sock)
+
+    def close(self, how: str = "fin") -> float:
+        """Close (``rst``: ``SO_LINGER`` 0, the kernel sends a reset); the time right after."""
+        if how == "rst":
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.sock.close()
+        return time.perf_counter()
+
+
+def slow_read(
+    stream: RawStream, read_bytes: int, interval: float, duration: float, tick: Callable[[float], None]
+) -> float | None:
+    """The slow reader: from the send on, read ``read_bytes`` every ``interval`` s for
+    ``duration`` s without blocking (a read with nothing there reads nothing); call
+    ``tick(t)`` at t = 1, 2, … before the read due then. Returns when the server closed."""
+    t0 = stream.sent_at
+    reads = [(interval * k, 1) for k in range(1, round(duration / interval) + 1)]
+    timeline = sorted([(float(s), 0) for s in range(1, int(duration) + 1)] + reads)
+    stream.sock.setblocking(False)
+    for at, is_read in timeline:
+        time.sleep(max(0.0, t0 + at - time.perf_counter()))
+        if not is_read:
+            tick(time.perf_counter() - t0)
+            continue
+        try:
+            data = stream.sock.recv(read_bytes)
+        except BlockingIOError:
+            continue  # nothing there yet (prefill)
+        if not data:
+            return time.perf_counter() - t0
+        stream.feed(data, time.perf_counter())
+    return None
+
+
+@dataclass
+class Timed:
+    """One streamed completion as a client saw it (:func:`timed_stream`)."""
+
+    prompt: str
+    t_call: float
+    ttft_ms: float = float("nan")  # call → first chunk with text
+    decode_tps: float = float("nan")  # (tokens − 1) / (last − first text chunk)
+    total_s: float = 0.0
+    tokens: int = 0
+    token_source: str = ""
+    finish_reason: str | None = None
+    text: str = ""
+    error: str | None = None
+
+
+Chunk = tuple[str, str | None, int | None]  # text, finish_reason, usage.completion_tokens
+
+
+def timed_stream(prompt: str, max_tokens: int, chunks: Callable[[], Iterable[Chunk]]) -> Timed:
+    """Call ``chunks()`` and time what it yields. Tokens: ``usage.completion_tokens`` when
+    the stream carries it, else ``max_tokens`` on ``finish_reason == "length"``, else the
+    number of chunks with text. An error is recorded, not raised."""
+    result = Timed(prompt, time.perf_counter())
+    first = last = None
+    texts: list[str] = []
+    usage = None
+    try:
+        for text, finish, completion_tokens in chunks():
+            now = time.perf_counter()
+            if text:
+                first, last = first or now, now
+                texts.append(text)
+            result.finish_reason = finish or result.finish_reason
+            usage = completion_tokens if completion_tokens is not None else usage
+    except Exception as exc:  # one failed stream must not hide the others
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.total_s = time.perf_counter() - result.t_call
+    result.text = "".join(texts)
+    if usage is not None:
+        result.tokens, result.token_source = usage, "usage"
+    elif result.finish_reason == "length":
+        result.tokens, result.token_source = max_tokens, "finish_reason=length"
+    else:
+        result.tokens, result.token_source = len(texts), "text chunks"
+    if first is None or last is None:
+        result.error = result.error or "the stream carried no text"
+    else:
+        result.ttft_ms = (first - result.t_call) * 1e3
+        result.decode_tps = (result.tokens - 1) / (last - first) if last > first else float("nan")
+    return result
+
+
+def sse_chunks(client: httpx.Client, url: str, payload: dict[str, Any]) -> Iterator[Chunk]:
+    """POST ``payload`` to ``url`` with httpx and yield its SSE ``data:`` chunks."""
+    with client.stream("POST", url, json=payload) as response:
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+        for line in response.iter_lines():
+            if not line.startswith("data:") or (data := line[5:].strip()) == "[DONE]":
+                continue  # blank separators, comments (heartbeats), the end
+            event = json.loads(data)
+            tokens = (event.get("usage") or {}).get("completion_tokens")
+            for choice in event.get("choices") or [{}]:
+                yield choice.get("text") or "", choice.get("finish_reason"), tokens
