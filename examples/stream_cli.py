@@ -50,7 +50,7 @@ async def main(prompt: str, max_tokens: int, temperature: float, threads: int | 
                             print(f"\n[{event.reason}: {event.usage.completion_tokens} tokens]")
                 nursery.cancel_scope.cancel()
         if scope.cancelled_caught:
-            print(f"\n[stopped by Ctrl-C; inference threads still running: {backend.active_threads.count}]")
+            print(f"\n[stopped by Ctrl-C; generations still running: {backend.generations.running}]")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ async def main(deadline: float) -> None:
         for name, text in results.items():
             print(f"--- {name} ({len(text)} characters)\n{text.strip()}")
         ended = "the deadline cancelled both" if scope.cancelled_caught else "both finished in time"
-        print(f"--- {ended}; inference threads still running: {backend.active_threads.count}")
+        print(f"--- {ended}; generations still running: {backend.generations.running}")
 
 
 if __name__ == "__main__":

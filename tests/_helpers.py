@@ -39,7 +39,7 @@ class RunningServer:
                 while True:
                     health: dict[str, object] = (await client.get("/health")).json()
                     if (
-                        health["inference_threads"] == 0
+                        health["generations_running"] == 0
                         and health["slots_in_use"] == 0
                         and health["active_streams"] == 0
                         and health["requests_in_flight"] == 0

@@ -28,7 +28,7 @@ from ._helpers import wait_for
 def assert_torn_down(engine: Engine) -> None:
     backend = engine.backend
     assert isinstance(backend, ScriptedBackend)
-    assert backend.active_threads.count == 0, "an inference thread is still running"
+    assert backend.generations.running == 0, "an inference thread is still running"
     assert engine.admission.in_use == 0, "a slot is still held"
     assert engine.admission.queued == 0, "a queue place is still held"
     assert engine.active_streams == 0

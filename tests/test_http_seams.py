@@ -103,9 +103,9 @@ async def test_a_deadline_at_the_final_send_does_not_cut_the_body(caplog: Any) -
         )
         await client.final_blocked.wait()
         # the final send is blocked (a full socket); now the deadline passes
-        (control,) = state.requests
-        control.scope.deadline = trio.current_time()
-        await wait_for(lambda: control.scope.cancel_called)
+        (request,) = state.requests
+        request.cancel_scope.deadline = trio.current_time()
+        await wait_for(lambda: request.cancel_scope.cancel_called)
         client.release_final.set()
     data = client.text()
     assert data.endswith(b"data: [DONE]\n\n")  # the body was not cut

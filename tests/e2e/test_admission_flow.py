@@ -113,7 +113,7 @@ async def test_a_client_that_never_reads_is_cut_off_after_the_stall_timeout(
     health = await server.wait_idle(limit=stall + 10)
     elapsed = time.perf_counter() - started
     assert health["requests_in_flight"] == 0
-    assert llama_backend.active_threads.count == 0
+    assert llama_backend.generations.running == 0
     assert server.engine.admission.in_use == 0
     assert elapsed < stall + 1 + 5.0  # + the time the buffers took to fill (generous)
     # the connection is gone: the client sees a reset (or EOF) once it reads

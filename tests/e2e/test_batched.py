@@ -81,7 +81,7 @@ async def test_eight_streams_equal_their_solo_texts_in_batch_invariant_mode(
     tokens = sum(final.usage.completion_tokens for _, final in together)
     # batched for real: a step decodes several sequences (calls of at most max_call_width)
     assert invariant_backend.steps - steps < tokens / 3
-    assert invariant_backend.active_threads.count == 0
+    assert invariant_backend.generations.running == 0
 
 
 async def test_throughput_mode_decodes_all_eight_in_shared_steps(
@@ -94,7 +94,7 @@ async def test_throughput_mode_decodes_all_eight_in_shared_steps(
     async def watch() -> None:
         nonlocal peak
         while True:
-            peak = max(peak, batched8_backend.active_threads.count)
+            peak = max(peak, batched8_backend.generations.running)
             await trio.sleep(0.01)
 
     async with trio.open_nursery() as nursery:
@@ -109,7 +109,7 @@ async def test_throughput_mode_decodes_all_eight_in_shared_steps(
             assert final.usage.completion_tokens == MAX_TOKENS
     tokens = sum(final.usage.completion_tokens for _, final in together)
     assert batched8_backend.steps - steps < tokens / 4
-    assert batched8_backend.active_threads.count == 0
+    assert batched8_backend.generations.running == 0
     assert engine.admission.in_use == 0
 
 
@@ -128,14 +128,14 @@ async def test_a_paused_sequence_does_not_hold_back_the_others(batched8_backend:
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stalled_client)
-        await wait_for(lambda: batched8_backend.active_threads.count == 1)
+        await wait_for(lambda: batched8_backend.generations.running == 1)
         _, final = await _generate(engine, "The capital of France is", max_tokens=120)
         reader_done.set()
     assert final.usage.completion_tokens == 120 or final.reason == "stop"
     # the stalled one ran at most its window ahead of its reader, plus the pieces in hand
     assert stalled_tokens
     assert stalled_tokens[0] <= _WINDOW + 3
-    assert batched8_backend.active_threads.count == 0
+    assert batched8_backend.generations.running == 0
     assert engine.admission.in_use == 0
 
 
@@ -179,13 +179,13 @@ async def test_cancelling_one_of_eight_mid_decode_leaves_the_others_unchanged(
         )
         for index, prompt in enumerate(others):
             clients.start_soon(reader, index, prompt)
-        await wait_for(lambda: invariant_backend.active_threads.count == 8)
+        await wait_for(lambda: invariant_backend.generations.running == 8)
         await victim.read_until(b"data: ", 5)  # mid-decode, the others decoding beside it
         await victim.aclose()
-        await wait_for(lambda: invariant_backend.active_threads.count <= 7)
+        await wait_for(lambda: invariant_backend.generations.running <= 7)
     assert [results[i] for i in range(len(others))] == solo
     health = await running.wait_idle(limit=5.0)
-    assert health["inference_threads"] == 0
+    assert health["generations_running"] == 0
     batch = health["batch"]
     assert isinstance(batch, dict)
     assert batch["sequences"] == 0
@@ -238,7 +238,7 @@ async def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(
     assert len(progress_during) == 2
     # ~13 chunks of 64 tokens: the running stream got a token after (nearly) each
     assert progress_during[1] - progress_during[0] >= 8, progress_during
-    assert batched8_backend.active_threads.count == 0
+    assert batched8_backend.generations.running == 0
 
 
 async def test_a_cancel_that_aborts_a_shared_call_leaves_the_other_sequence_unchanged(
@@ -273,7 +273,7 @@ async def test_a_cancel_that_aborts_a_shared_call_leaves_the_other_sequence_unch
     assert invariant_backend.aborted_calls > aborted, "no cancel landed inside a shared call"
     assert texts
     assert all(text == solo for text in texts)
-    assert invariant_backend.active_threads.count == 0
+    assert invariant_backend.generations.running == 0
 
 
 async def test_health_is_503_once_the_scheduler_has_failed(

@@ -5,7 +5,7 @@ For every cell the test asserts:
 
 * what the client saw (nothing more / a final event + ``[DONE]`` / a status code);
 * that the inference thread left llama.cpp promptly (the logged cancel latency, and
-  ``/health``'s ``inference_threads``);
+  ``/health``'s ``generations_running``);
 * that the slot, the queue place, the stream and the request are all gone;
 * that the next request on the same context gives the text a fresh server gives;
 * that the end was recorded with its cause (the request's log line).
@@ -244,7 +244,7 @@ async def test_cancel_cell(
 ) -> None:
     caplog.set_level(logging.INFO, logger="trioserve.requests")
     occupiers = await _occupy_the_slots(server) if phase == "queued" else []
-    threads_started = llama_backend.active_threads.total_started
+    threads_started = llama_backend.generations.started
     victim = Victim(cause, phase)
     await victim.send(server.url)
     try:
@@ -298,13 +298,13 @@ async def test_cancel_cell(
             # not after the stall timeout
             health = await server.wait_idle(limit=5.0 if phase == "blocked" else 3.0)
             assert health["status"] == "ok"
-        assert llama_backend.active_threads.count == 0
+        assert llama_backend.generations.running == 0
         assert server.engine.admission.in_use == 0
         assert server.engine.admission.queued == 0
         assert not server.engine.streams
         if phase == "queued":
             # the victim never reached inference: only the occupiers' threads ran
-            assert llama_backend.active_threads.total_started == threads_started
+            assert llama_backend.generations.started == threads_started
     finally:
         for occupier in occupiers:
             await occupier.aclose()
@@ -374,4 +374,4 @@ async def test_deadline_half_a_second_ends_the_stream_and_frees_the_server(serve
     assert len(events) > 5  # it streamed text before the deadline
     assert 0.5 <= elapsed < 1.0  # generous; the benchmark reports the real figure
     health = await server.wait_idle(limit=0.5)
-    assert health["inference_threads"] == 0
+    assert health["generations_running"] == 0

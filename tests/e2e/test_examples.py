@@ -62,7 +62,7 @@ def test_stream_cli_stops_on_ctrl_c_and_exits_zero() -> None:
     process.send_signal(signal.SIGINT)
     rest, _ = process.communicate(timeout=30)
     assert process.returncode == 0
-    assert "[stopped by Ctrl-C; inference threads still running: 0]" in rest
+    assert "[stopped by Ctrl-C; generations still running: 0]" in rest
 
 
 def test_openai_stream_example_against_a_server() -> None:
@@ -102,7 +102,7 @@ def test_two_generations_under_one_deadline() -> None:
     )
     assert "--- story (" in result.stdout
     assert "--- recipe (" in result.stdout
-    assert "the deadline cancelled both; inference threads still running: 0" in result.stdout
+    assert "the deadline cancelled both; generations still running: 0" in result.stdout
 
 
 def test_embed_server_serves_both_apps_and_stops() -> None:

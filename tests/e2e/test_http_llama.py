@@ -178,10 +178,10 @@ async def test_aborted_prefill_leaves_the_next_request_identical_to_a_fresh_serv
     body = {"prompt": PROMPT, "max_tokens": 60, "temperature": 0}
     async with llama_server.client() as client:
         fresh = (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
-        started = llama_backend.active_threads.total_started
+        started = llama_backend.generations.started
         with trio.move_on_after(0.3):  # leaves mid-prefill (prefill takes ~2 s here)
             await client.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 5})
-        assert llama_backend.active_threads.total_started == started + 1
+        assert llama_backend.generations.started == started + 1
         await llama_server.wait_idle(limit=1.0)  # the abort callback stopped llama_decode
         after = (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
     assert after == fresh

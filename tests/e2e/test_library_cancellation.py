@@ -55,7 +55,7 @@ def reference_text(llama_backend: Backend) -> str:
 
 
 def _assert_released(engine: Engine, backend: Backend) -> None:
-    assert backend.active_threads.count == 0
+    assert backend.generations.running == 0
     assert engine.admission.in_use == 0
     assert engine.admission.queued == 0
     assert not engine.streams
@@ -113,7 +113,7 @@ async def test_caller_cancel_scope(phase: str, llama_backend: Backend, reference
 
 async def test_caller_cancel_scope_while_queued(llama_backend: Backend, reference_text: str) -> None:
     engine = Engine(llama_backend, max_queue=2)
-    started = llama_backend.active_threads.total_started
+    started = llama_backend.generations.started
     async with trio.open_nursery() as nursery:
 
         async def occupy(occupying: trio.Event) -> None:
@@ -139,5 +139,5 @@ async def test_caller_cancel_scope_while_queued(llama_backend: Backend, referenc
         nursery.cancel_scope.cancel()
     _assert_released(engine, llama_backend)
     # only the occupiers ran
-    assert llama_backend.active_threads.total_started == started + llama_backend.slots
+    assert llama_backend.generations.started == started + llama_backend.slots
     assert await _text(engine, REFERENCE) == reference_text

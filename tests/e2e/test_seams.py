@@ -42,7 +42,7 @@ async def test_an_exception_in_the_stream_body_comes_out_as_itself(llama_backend
                 raise raised
     assert caught.value is raised
     assert caught.value.__context__ is None  # not chained to an exception group
-    assert llama_backend.active_threads.count == 0
+    assert llama_backend.generations.running == 0
     assert engine.admission.in_use == 0
 
 
@@ -127,7 +127,7 @@ async def test_a_cancel_is_never_reported_as_an_error(llama_backend: LlamaBacken
                         finals.append(event)
     assert scope.cancelled_caught
     assert finals == []
-    assert llama_backend.active_threads.count == 0
+    assert llama_backend.generations.running == 0
     assert engine.admission.in_use == 0
 
 
@@ -141,7 +141,7 @@ async def test_leaving_the_engine_cancels_streams_in_an_outer_nursery_then_frees
 
     def free() -> None:
         # what is still running when the model is freed
-        seen_at_free.append((backend.active_threads.count, backend._scheduler._thread is not None))
+        seen_at_free.append((backend.generations.running, backend._scheduler._thread is not None))
         real_free()
 
     backend._free = free  # type: ignore[method-assign]
@@ -161,7 +161,7 @@ async def test_leaving_the_engine_cancels_streams_in_an_outer_nursery_then_frees
             outer.start_soon(outer_stream, engine)
             outer.start_soon(outer_stream, engine)
             await streaming.wait()
-            await wait_for(lambda: backend.active_threads.count == 2)
+            await wait_for(lambda: backend.generations.running == 2)
         # the engine is closed: both streams were cancelled and their sequences removed
         # before the model was freed
         assert seen_at_free == [(0, True)]

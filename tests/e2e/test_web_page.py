@@ -88,7 +88,7 @@ def test_stop_ends_the_stream_and_the_server_stops_inference(page: Page, model_s
     with httpx.Client(base_url=model_server) as client:
         while True:
             health = client.get("/health").json()
-            if health["inference_threads"] == 0 and health["active_streams"] == 0:
+            if health["generations_running"] == 0 and health["active_streams"] == 0:
                 break
             assert time.perf_counter() - stopped < 2.0, health
             time.sleep(0.01)

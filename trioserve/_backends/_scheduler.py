@@ -61,7 +61,7 @@ from typing import Any, Literal
 import numpy
 import trio
 
-from .._core._backend import ActiveThreads, GenerationProgress, PreparedPrompt
+from .._core._backend import GenerationProgress, PreparedPrompt
 from .._core._channel import PieceChannel
 from .._core._exceptions import BackendError
 from ._invariance import probe_invariant_width, probe_shared_context_limit
@@ -478,12 +478,11 @@ class LlamaBackend(LlamaModel):
     one scheduler thread decodes them together (see the module docstring).
 
     Create it with :meth:`load` / :meth:`aload` and :class:`LlamaSettings`.
-    ``active_threads`` counts the generations inside the scheduler (submitted and not
+    ``generations`` counts the generations inside the scheduler (submitted and not
     yet removed with their KV cells cleared): what a cancel must bring back to zero.
     """
 
     def __init__(self, settings: LlamaSettings, lib: Any, model: Any) -> None:
-        self.active_threads = ActiveThreads()
         super().__init__(settings, lib, model)
 
     def _create_contexts(self) -> None:
@@ -522,7 +521,7 @@ class LlamaBackend(LlamaModel):
     def stats(self) -> dict[str, object]:
         """For ``/health``: the batch's shape and counters."""
         return {
-            "sequences": self.active_threads.count,
+            "sequences": self.generations.running,
             "max_call_width": self.max_call_width,
             "shared_context_limit": self._scheduler.shared_context_limit,
             "batch_invariant": self.settings.batch_invariant,
@@ -548,7 +547,7 @@ class LlamaBackend(LlamaModel):
         scheduler = self._scheduler
         sequence = _Sequence(prompt, progress, self._sampler(prompt.request.sampling), channel)
         channel.on_room = scheduler.wake
-        with self.active_threads:
+        with self.generations:
             try:
                 scheduler.submit(sequence)
             except BaseException:

@@ -26,7 +26,7 @@ from typing import Literal
 
 import trio
 
-from .._core._backend import ActiveThreads, Backend, GenerationProgress, PreparedPrompt
+from .._core._backend import Backend, GenerationProgress, PreparedPrompt
 from .._core._channel import Aborted, PieceChannel
 from .._core._errors import unwrap_group
 from .._core._exceptions import BackendError
@@ -47,9 +47,6 @@ async def _abort_on_cancel(channel: PieceChannel) -> None:
 class ThreadedBackend(Backend):
     """Base for backends whose inference blocks: see :meth:`run_in_thread`."""
 
-    def __init__(self) -> None:
-        self.active_threads = ActiveThreads()
-
     async def run_in_thread(
         self, infer: Infer, prompt: PreparedPrompt, channel: PieceChannel, progress: GenerationProgress
     ) -> Literal["stop", "length"]:
@@ -64,7 +61,7 @@ class ThreadedBackend(Backend):
             return channel.aborted
 
         def in_thread() -> Literal["stop", "length", "aborted"]:
-            with self.active_threads:
+            with self.generations:
                 try:
                     return infer(prompt, channel.put_wait, aborted, progress)
                 except Aborted:

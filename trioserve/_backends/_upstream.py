@@ -55,7 +55,7 @@ import httpx
 import msgspec
 import trio
 
-from .._core._backend import ActiveThreads, Backend, GenerationProgress, ModelInfo, PreparedPrompt
+from .._core._backend import Backend, GenerationProgress, ModelInfo, PreparedPrompt
 from .._core._channel import PieceChannel
 from .._core._exceptions import (
     BackendError,
@@ -172,9 +172,6 @@ class UpstreamBackend(Backend):
         self.cooldown = cooldown
         self.api_key = api_key
         self.extra_body = dict(extra_body or {})
-        #: upstream requests open right now (``/health`` reports it as
-        #: ``inference_threads``: what a cancel must bring back to zero)
-        self.active_threads = ActiveThreads()
         self._turn = 0
         socket_options = []
         if receive_buffer_bytes is not None:
@@ -375,7 +372,7 @@ class UpstreamBackend(Backend):
         """Stream from the least busy available upstream; retry on another while no
         byte has been sent. Cancellation: the upstream connection is closed before
         this raises ``Cancelled``."""
-        with self.active_threads:
+        with self.generations:
             try:
                 return await self._generate(prompt, send, progress)
             finally:

@@ -24,6 +24,7 @@ Contract for :meth:`Backend.generate`:
 
 from __future__ import annotations
 
+import functools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -34,7 +35,14 @@ from ._channel import PieceChannel
 from ._exceptions import ContextLengthError, InvalidRequestError
 from ._types import GenerationRequest
 
-__all__ = ["Backend", "GenerationProgress", "ModelInfo", "PreparedPrompt", "fit_to_context"]
+__all__ = [
+    "Backend",
+    "GenerationCounter",
+    "GenerationProgress",
+    "ModelInfo",
+    "PreparedPrompt",
+    "fit_to_context",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -135,33 +143,44 @@ class Backend(ABC):
         503). Default: never."""
         return None
 
+    @functools.cached_property
+    def generations(self) -> GenerationCounter:
+        """The generations inside this backend (``/health``: ``generations_running``).
+        A backend enters it for the whole of each :meth:`generate`."""
+        return GenerationCounter()
+
     def stats(self) -> dict[str, object] | None:
         """Backend-specific figures for ``/health`` (the llama backend: its batch).
         Default: none."""
         return None
 
 
-class ActiveThreads:
-    """Counts inference threads that are inside a generation right now.
+class GenerationCounter:
+    """Counts generations inside a backend: entered :meth:`Backend.generate` and not yet
+    out of it. A cancelled generation counts until its backend has let go of it (its
+    thread out of llama.cpp, its sequence's cells removed, its upstream request closed),
+    so ``running == 0`` proves that a cancel really stopped the work.
 
-    Tests and the health endpoint use it to prove that a cancelled request's thread has
-    really returned, not merely been abandoned.
-    """
+    Thread-safe: worker threads enter and leave it."""
+
+    __slots__ = ("_lock", "_running", "started")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._count = 0
-        self.total_started = 0
+        self._running = 0
+        #: generations ever started
+        self.started = 0
 
     def __enter__(self) -> None:
         with self._lock:
-            self._count += 1
-            self.total_started += 1
+            self._running += 1
+            self.started += 1
 
     def __exit__(self, *exc_info: object) -> None:
         with self._lock:
-            self._count -= 1
+            self._running -= 1
 
     @property
-    def count(self) -> int:
-        return self._count
+    def running(self) -> int:
+        """Generations inside the backend now."""
+        return self._running

@@ -48,6 +48,8 @@ class TrioserveError(Exception):
     status: ClassVar[int] = 500
     error_type: ClassVar[str] = "server_error"
     default_code: ClassVar[str | None] = None
+    #: seconds after which a retry may succeed (sent as ``Retry-After``); ``None``: no advice
+    retry_after: float | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

@@ -10,7 +10,8 @@
 """
 
 from ._generation import FINAL_EVENT_TIMEOUT
+from ._request import InFlightRequest, Phase
 from ._routes import create_app
-from ._state import HTTPSettings, RequestControl, ServerState
+from ._state import HTTPSettings, ServerState
 
-__all__ = ["FINAL_EVENT_TIMEOUT", "HTTPSettings", "RequestControl", "ServerState", "create_app"]
+__all__ = ["FINAL_EVENT_TIMEOUT", "HTTPSettings", "InFlightRequest", "Phase", "ServerState", "create_app"]

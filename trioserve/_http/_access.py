@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
 from .._core._exceptions import AuthenticationError
-from .._wire._openai import encode_json
+from ._errors import render_error
 
 __all__ = ["AccessPolicy", "with_access_control"]
 
@@ -120,12 +120,8 @@ def with_access_control(app: ASGIApp, policy: AccessPolicy) -> ASGIApp:
         try:
             policy.check(scope)
         except AuthenticationError as exc:
-            await _respond(
-                send,
-                exc.status,
-                encode_json(exc.to_dict()),
-                [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"), *cors_headers],
-            )
+            status, headers, body = render_error(exc)
+            await _respond(send, status, body, [*headers, *cors_headers])
             return
         if not cors_headers:
             await app(scope, receive, send)

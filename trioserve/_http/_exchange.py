@@ -13,20 +13,18 @@ from .._core._exceptions import (
     TrioserveError,
     UnsupportedMediaTypeError,
 )
-from .._wire._openai import encode_json
+from ._errors import JSON_HEADERS, render_error
 from ._state import HTTPSettings
 
-__all__ = ["Message", "Receive", "Scope", "Send"]
+__all__ = ["Exchange", "Message", "Receive", "Scope", "Send"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-JSON_HEADERS = [(b"content-type", b"application/json")]
 
-
-class _Exchange:
+class Exchange:
     """The response side of one ASGI HTTP exchange: knows whether headers went out."""
 
     __slots__ = (
@@ -79,11 +77,9 @@ class _Exchange:
         await self.body(body, more=False)
 
     async def error(self, exc: TrioserveError) -> None:
-        headers: list[tuple[bytes, bytes]] = []
-        retry_after = getattr(exc, "retry_after", None)
-        if retry_after is not None:
-            headers.append((b"retry-after", str(math.ceil(retry_after)).encode()))
-        await self.json(exc.status, encode_json(exc.to_dict()), headers)
+        status, headers, body = render_error(exc)
+        await self.start(status, headers)
+        await self.body(body, more=False)
 
 
 class _ClientGone(Exception):

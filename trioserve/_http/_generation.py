@@ -22,12 +22,13 @@ import logging
 import math
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import Literal
 
 import trio
 
 from .._core._backend import PreparedPrompt
-from .._core._engine import Engine
+from .._core._engine import Engine, EventStream
 from .._core._errors import unwrap_group
 from .._core._exceptions import (
     ContextLengthError,
@@ -40,7 +41,7 @@ from .._core._exceptions import (
     ServiceUnavailableError,
     TrioserveError,
 )
-from .._core._types import EndCause, Finished, GenerationRequest, TextDelta, Usage
+from .._core._types import Finished, GenerationRequest, TextDelta, Usage
 from .._wire._openai import (
     ChatCompletionRequest,
     ChunkEncoder,
@@ -52,19 +53,20 @@ from .._wire._openai import (
 )
 from .._wire._sse import HEARTBEAT
 from ._exchange import (
+    Exchange,
     Receive,
     Scope,
     Send,
     _check_content_type,
     _ClientGone,
-    _Exchange,
     _header,
     _read_body,
     _request_timeout,
     headers_too_large,
 )
 from ._hypercorn_patches import shut_down_connection
-from ._state import HTTPSettings, RequestControl, ServerState
+from ._request import Ending, InFlightRequest, Phase
+from ._state import HTTPSettings, ServerState
 
 __all__ = ["FINAL_EVENT_TIMEOUT", "GENERATION_PATHS", "GenerationHandler"]
 
@@ -89,15 +91,15 @@ FINAL_EVENT_TIMEOUT = 1.0
 _INLINE_PARSE_BYTES = 64 * 1024
 
 
-async def _watch_disconnect(receive: Receive, control: RequestControl, watch_scope: trio.CancelScope) -> None:
+async def _watch_disconnect(receive: Receive, request: InFlightRequest) -> None:
     """Wait for the client to go away, then cancel the request. No polling: after the
     body, the next ASGI message is ``http.disconnect``. (If trioserve's stall timer
     ended the connection, the cause is already ``stall``; the first cause wins.)"""
-    with watch_scope:
+    with request.watch_scope:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                control.cancel("disconnect")
+                request.cancel("disconnect")
                 return
 
 
@@ -106,12 +108,14 @@ def _end_connection(scope: Scope) -> None:
         shut_down_connection(scope.get("client"), scope.get("server"))
 
 
-async def _send_last(scope: Scope, control: RequestControl | None, bound: float, send: Any) -> bool:
+async def _send_last(
+    request: InFlightRequest, bound: float, send: Callable[[], Awaitable[None]], *, watch_cancel: bool = False
+) -> bool:
     """Run ``send()`` (the last bytes of a response) shielded from every cancel, and
-    bounded: if it has not returned after ``bound`` seconds — or, once the request is
-    cancelled, ``FINAL_EVENT_TIMEOUT`` after that — the connection is ended (HTTP/1.1:
-    hypercorn's shielded send fails at once; HTTP/2: the send is cancelled). Returns
-    whether the bytes went out."""
+    bounded: if it has not returned after ``bound`` seconds — or, with ``watch_cancel``,
+    ``FINAL_EVENT_TIMEOUT`` after the request is cancelled — the connection is ended
+    (HTTP/1.1: hypercorn's shielded send fails at once; HTTP/2: the send is cancelled).
+    Returns whether the bytes went out."""
     cut = False
     with trio.CancelScope(shield=True) as shield:
         async with trio.open_nursery() as nursery:
@@ -119,31 +123,24 @@ async def _send_last(scope: Scope, control: RequestControl | None, bound: float,
             async def guard() -> None:
                 nonlocal cut
                 with trio.move_on_after(bound):
-                    if control is not None:
-                        with trio.move_on_at(control.scope.deadline):
-                            await control.cancelled.wait()  # or the deadline passes
+                    if watch_cancel:
+                        with trio.move_on_at(request.cancel_scope.deadline):
+                            await request.cancelled.wait()  # or the deadline passes
                         await trio.sleep(FINAL_EVENT_TIMEOUT)
                     else:
                         await trio.sleep_forever()
                 cut = True
-                if control is not None:
-                    control.connection_cut = True
-                _end_connection(scope)
+                request.connection_cut = True
+                _end_connection(request.asgi)
                 shield.cancel()
 
             nursery.start_soon(guard)
             await send()
             nursery.cancel_scope.cancel()
-    return not cut and not (control is not None and control.connection_cut)
+    return not cut and not (watch_cancel and request.connection_cut)
 
 
-async def _watch_stall(
-    scope: Scope,
-    exchange: _Exchange,
-    control: RequestControl,
-    stall_timeout: float,
-    stall_scope: trio.CancelScope,
-) -> None:
+async def _watch_stall(request: InFlightRequest, stall_timeout: float, stall_scope: trio.CancelScope) -> None:
     """trioserve's stall timer: a send to this client that has been blocked for
     ``stall_timeout`` seconds ends the request with cause ``stall`` and the connection
     (shut down: the blocked send — shielded inside hypercorn — fails at once). Once the
@@ -154,24 +151,25 @@ async def _watch_stall(
     A timer, not a poll: it wakes when the send in progress would have stalled, when the
     request is cancelled or its deadline passes, or one timeout from now when nothing is
     sending (no send starting later can stall sooner)."""
+    exchange = request.exchange
     with stall_scope:
         while True:
             now = time.perf_counter()
-            left = control.scope.deadline - trio.current_time()
-            cancelled = control.cause is not None or left <= 0
+            left = request.cancel_scope.deadline - trio.current_time()
+            cancelled = request.cause is not None or left <= 0
             limit = min(stall_timeout, FINAL_EVENT_TIMEOUT) if cancelled else stall_timeout
             since = exchange.sending_since
             if since is not None and now - since >= limit:
-                control.cancel("stall")  # (a cause that came first is kept)
-                control.connection_cut = True
-                _end_connection(scope)
+                request.cancel("stall")  # (a cause that came first is kept)
+                request.connection_cut = True
+                _end_connection(request.asgi)
                 return
             wait = (since if since is not None else now) + limit - now
             if cancelled:
                 await trio.sleep(wait)
             else:
                 with trio.move_on_after(min(wait, left)):
-                    await control.cancelled.wait()
+                    await request.cancelled.wait()
 
 
 def _check_limits(prepared: PreparedPrompt, settings: HTTPSettings) -> None:
@@ -201,7 +199,7 @@ class _Heartbeat:
     and waits until it has returned, so two sends never overlap. A timer, not a poll:
     the task sleeps until the next moment a heartbeat is due."""
 
-    def __init__(self, exchange: _Exchange, interval: float) -> None:
+    def __init__(self, exchange: Exchange, interval: float) -> None:
         self.exchange = exchange
         self.interval = interval
         self.scope = trio.CancelScope()
@@ -231,122 +229,107 @@ class GenerationHandler:
     async def __call__(
         self, scope: Scope, receive: Receive, send: Send, kind: Literal["text", "chat"]
     ) -> None:
-        exchange = _Exchange(send, _header(scope, b"x-request-id") or uuid.uuid4().hex)
-        started = time.perf_counter()
-        outcome: dict[str, Any] = {"cause": None, "scope": scope}
+        exchange = Exchange(send, _header(scope, b"x-request-id") or uuid.uuid4().hex)
+        request = InFlightRequest(scope, exchange, kind)
         try:
             limit = self.state.settings.max_header_bytes
             if headers_too_large(scope, limit):
                 raise HeadersTooLargeError(f"the request headers exceed the limit of {limit} bytes")
             if scope["method"] != "POST":
                 raise MethodNotAllowedError(f"{scope['path']} accepts POST only, not {scope['method']}")
-            await self._serve(scope, receive, exchange, kind, outcome)
+            await self._serve(request, receive)
         except _ClientGone:
-            outcome["cause"] = "disconnect"
+            request.end("disconnect")
         except TrioserveError as exc:
             if isinstance(exc, OverloadedError):
-                outcome["cause"] = "overloaded"
+                cause: Ending = "overloaded"
             elif isinstance(exc, ServiceUnavailableError) and self.state.shutting_down:
-                outcome["cause"] = "shutdown"
-            outcome["cause"] = outcome["cause"] or "error"
-            outcome["error"] = exc.message
+                cause = "shutdown"
+            else:
+                cause = "error"
+            request.end(request.cause or cause, exc.message)
+            request.advance(Phase.FINISHING)
             if not exchange.started:
                 await exchange.error(exc)
-            elif (encoder := outcome.get("encoder")) is not None and not exchange.ended:
+            elif request.encoder is not None and not exchange.ended:
                 # the stream had started (e.g. refused by a race for the last queue place)
-                usage = Usage(prompt_tokens=0, completion_tokens=0)
-                final = encoder.final("error", usage, exc.message)
-                await _send_last(scope, None, FINAL_EVENT_TIMEOUT, lambda: exchange.body(final, more=False))
+                final = request.encoder.final(
+                    "error", Usage(prompt_tokens=0, completion_tokens=0), exc.message
+                )
+                await _send_last(request, FINAL_EVENT_TIMEOUT, lambda: exchange.body(final, more=False))
         except BaseException as exc:
             # Cancelled from outside the request's scope (hypercorn closing connections
             # at the end of a shutdown: a group of Cancelled), or a bug: record, re-raise.
-            control = outcome.get("control")
-            fallback: EndCause = "error" if isinstance(exc, Exception) else "shutdown"
-            outcome["cause"] = outcome["cause"] or (control and control.cause) or fallback
+            if request.cause is None:
+                request.end("error" if isinstance(exc, Exception) else "shutdown")
             raise
         finally:
-            self._log(scope, exchange, kind, started, outcome)
+            request.advance(Phase.DONE)
+            self._log(request)
 
-    async def _serve(
-        self,
-        scope: Scope,
-        receive: Receive,
-        exchange: _Exchange,
-        kind: Literal["text", "chat"],
-        outcome: dict[str, Any],
-    ) -> None:
+    async def _serve(self, request: InFlightRequest, receive: Receive) -> None:
         state = self.state
+        scope, exchange = request.asgi, request.exchange
         _check_content_type(scope)
         body = await _read_body(scope, receive, state.settings.max_body_bytes)
         engine = self._engine()  # shutting down, not loaded: refuse before any work
         if len(body) > _INLINE_PARSE_BYTES:
             # decoding a large body, rendering a long chat: off the event loop
-            parsed = await trio.to_thread.run_sync(self._parse, kind, body)
+            parsed = await trio.to_thread.run_sync(self._parse, request.kind, body)
         else:
-            parsed = self._parse(kind, body)
-        stream, include_usage, generation, model = parsed
-        outcome["model"] = model
-        timeout = _request_timeout(scope, state.settings)
-        deadline = math.inf if timeout is None else trio.current_time() + timeout
+            parsed = self._parse(request.kind, body)
+        stream, include_usage, generation, request.model = parsed
+        request.set_timeout(_request_timeout(scope, state.settings))
+        encoder = request.encoder = ChunkEncoder(request.kind, request.model, include_usage=include_usage)
 
-        encoder = ChunkEncoder(kind, model, include_usage=include_usage)
-        outcome["encoder"] = encoder
-        with trio.CancelScope(deadline=deadline) as request_scope:
-            control = RequestControl(request_scope)
-            outcome["control"] = control
-            state.add_request(control)
+        with request.cancel_scope:
+            request.advance(Phase.QUEUED)
+            state.add_request(request)
             try:
                 prepared = await engine.prepare(generation)
                 _check_limits(prepared, state.settings)
                 with unwrap_group():
                     async with trio.open_nursery() as nursery:
-                        watch_scope = trio.CancelScope()
-                        outcome["watch_scope"] = watch_scope
-                        nursery.start_soon(_watch_disconnect, receive, control, watch_scope)
+                        nursery.start_soon(_watch_disconnect, receive, request)
                         # The stall timer outlives a cancel of the request: a cancelled
                         # consumer stuck in hypercorn's (shielded) send is freed only by
                         # ending the connection. Stopped when the body is done.
                         stall_scope = trio.CancelScope(shield=True)
                         stall_timeout = math.inf if state.stall_timeout is None else state.stall_timeout
-                        nursery.start_soon(_watch_stall, scope, exchange, control, stall_timeout, stall_scope)
+                        nursery.start_soon(_watch_stall, request, stall_timeout, stall_scope)
                         try:
-                            reservation = None
+                            heartbeat = None
                             if stream:
                                 # Refuse (429) while a status code can still say so, and hold the
                                 # place; then start the stream, so heartbeats can flow while queued
                                 # and in prefill.
-                                reservation = engine.admission.reserve()
-                                outcome["reservation"] = reservation
+                                request.reservation = engine.admission.reserve()
                                 await exchange.start(200, SSE_HEADERS)
                                 if encoder.kind == "chat":
                                     await exchange.body(encoder.role())
                                 interval = state.settings.heartbeat_interval
                                 if interval:
                                     heartbeat = _Heartbeat(exchange, interval)
-                                    outcome["heartbeat"] = heartbeat
                                     nursery.start_soon(heartbeat.run)
-                            async with engine.stream(prepared, reservation=reservation) as events:
-                                outcome["events"] = events
-                                control.progress = events.progress
+                            async with engine.stream(prepared, reservation=request.reservation) as events:
+                                request.events = events
                                 if stream:
-                                    await self._stream(exchange, encoder, events, outcome)
+                                    await self._stream(request, events, heartbeat)
                                 else:
-                                    await self._collect(exchange, kind, model, events, outcome)
+                                    await self._collect(request, events)
                             nursery.cancel_scope.cancel()  # the watcher: this request is done
                         finally:
                             stall_scope.cancel()
             finally:
-                state.remove_request(control)
-                if (reservation := outcome.get("reservation")) is not None:
-                    reservation.release()  # never reached the queue (idempotent)
+                state.remove_request(request)
+                if request.reservation is not None:
+                    request.reservation.release()  # never reached the queue (idempotent)
 
-        if outcome.get("finished"):
+        if request.delivered:
             return  # the last byte went out before any cancel could matter
-        if request_scope.cancelled_caught or control.cause is not None:
-            control.note_deadline()  # no-op if another cause came first
-            cause: EndCause = control.cause or "deadline"
-            outcome["cause"] = cause
-            await self._cancelled(exchange, encoder if exchange.started else None, cause, outcome)
+        if request.cancel_scope.cancelled_caught or request.cause is not None:
+            request.note_deadline()  # no-op if another cause came first
+            await self._cancelled(request)
 
     def _engine(self) -> Engine:
         state = self.state
@@ -394,18 +377,20 @@ class GenerationHandler:
         )
 
     async def _stream(
-        self, exchange: _Exchange, encoder: ChunkEncoder, events: Any, outcome: dict[str, Any]
+        self, request: InFlightRequest, events: EventStream, heartbeat: _Heartbeat | None
     ) -> None:
-        body = exchange.body
+        encoder = request.encoder
+        assert encoder is not None
+        body = request.exchange.body
         delta = encoder.delta
         observe_gap = self.state.metrics.inter_token_latency.observe
         perf_counter = time.perf_counter
         previous = 0.0
-        heartbeat: _Heartbeat | None = outcome.get("heartbeat")
         async for event in events:
-            if heartbeat is not None:
-                await heartbeat.hand_over()  # from here on, this task is the only writer
-                heartbeat = None
+            if request.phase is Phase.QUEUED:  # the first event
+                if heartbeat is not None:
+                    await heartbeat.hand_over()  # from here on, this task is the only writer
+                request.advance(Phase.STREAMING)
             if type(event) is TextDelta:
                 now = perf_counter()
                 if previous:
@@ -415,41 +400,34 @@ class GenerationHandler:
             else:
                 assert isinstance(event, Finished)
                 final = encoder.final(event.reason, event.usage, event.message)
-                await self._end(exchange, final, event, outcome)
+                await self._end(request, final, event)
 
-    async def _collect(
-        self,
-        exchange: _Exchange,
-        kind: Literal["text", "chat"],
-        model: str,
-        events: Any,
-        outcome: dict[str, Any],
-    ) -> None:
+    async def _collect(self, request: InFlightRequest, events: EventStream) -> None:
         parts: list[str] = []
         async for event in events:
             if type(event) is TextDelta:
                 parts.append(event.text)
             else:
                 assert isinstance(event, Finished)
-                outcome["cause"] = event.reason
+                request.advance(Phase.STREAMING)
+                request.end(event.reason)
                 if event.reason == "error":
                     failure = events.backend_error
                     if isinstance(failure, TrioserveError):
                         raise failure  # its own status: a 400 from an upstream stays a 400
                     raise _BackendFailed(event.message or "inference failed")
+                assert request.model is not None
                 response = non_stream_response(
-                    kind, model=model, text="".join(parts), cause=event.reason, usage=event.usage
+                    request.kind,
+                    model=request.model,
+                    text="".join(parts),
+                    cause=event.reason,
+                    usage=event.usage,
                 )
-                await self._end(exchange, response, event, outcome, json=True)
+                await self._end(request, response, event, json=True)
 
     async def _end(
-        self,
-        exchange: _Exchange,
-        data: bytes,
-        event: Finished,
-        outcome: dict[str, Any],
-        *,
-        json: bool = False,
+        self, request: InFlightRequest, data: bytes, event: Finished, *, json: bool = False
     ) -> None:
         """Send the end of a response that ended on its own (stop, length, error).
 
@@ -457,15 +435,17 @@ class GenerationHandler:
         the body short while the log says it ended well — and bounded by the stall
         timeout: if the client takes no bytes for that long, the connection is shut
         down and the log says ``stall``."""
-        outcome["cause"] = event.reason
-        # Finished before the last send: hypercorn reports the end of the response as
+        exchange = request.exchange
+        request.advance(Phase.FINISHING)
+        request.end(event.reason)
+        # Delivered before the last send: hypercorn reports the end of the response as
         # a disconnect, and that must not rewrite why it ended.
-        outcome["finished"] = True
+        request.delivered = True
         # Stop watching before the last send: hypercorn delivers http.disconnect from
         # inside it, and cancelling the request then would cancel hypercorn's own
         # end-of-response work (closing HTTP/1.0 and Connection: close connections,
         # starting the keep-alive timer).
-        outcome["watch_scope"].cancel()
+        request.watch_scope.cancel()
         bound = math.inf if self.state.stall_timeout is None else self.state.stall_timeout
 
         async def send() -> None:
@@ -474,21 +454,22 @@ class GenerationHandler:
             else:
                 await exchange.body(data, more=False)
 
-        if not await _send_last(outcome["scope"], outcome["control"], bound, send):
+        if not await _send_last(request, bound, send, watch_cancel=True):
             # not delivered: the client took no bytes for the stall timeout (or, once
             # the request was cancelled, for FINAL_EVENT_TIMEOUT)
-            outcome["cause"] = "stall"
-            outcome["finished"] = False
+            request.end("stall")
+            request.delivered = False
 
-    async def _cancelled(
-        self, exchange: _Exchange, encoder: ChunkEncoder | None, cause: EndCause, outcome: dict[str, Any]
-    ) -> None:
+    async def _cancelled(self, request: InFlightRequest) -> None:
         """Tell the client why its request ended early (unless it is the one who left)."""
-        if cause in ("disconnect", "stall"):
-            return
-        if exchange.ended:
-            return  # the end went out before the cancel could matter
-        events = outcome.get("events")
+        exchange, cause = request.exchange, request.cause
+        if cause in ("disconnect", "stall") or exchange.ended:
+            return  # (or the end went out before the cancel could matter)
+        assert cause is not None
+        assert cause != "overloaded"
+        request.advance(Phase.FINISHING)
+        encoder = request.encoder if exchange.started else None
+        events = request.events
 
         async def send() -> None:
             if encoder is not None:
@@ -504,33 +485,32 @@ class GenerationHandler:
                 )
 
         # (a half-sent event must not stay open: past the bound, the connection is ended)
-        await _send_last(outcome["scope"], None, FINAL_EVENT_TIMEOUT, send)
+        await _send_last(request, FINAL_EVENT_TIMEOUT, send)
 
-    def _log(
-        self, scope: Scope, exchange: _Exchange, kind: str, started: float, outcome: dict[str, Any]
-    ) -> None:
+    def _log(self, request: InFlightRequest) -> None:
         """The request's one log line, and its metrics."""
         metrics = self.state.metrics
-        duration = time.perf_counter() - started
-        events = outcome.get("events")
+        exchange = request.exchange
+        duration = time.perf_counter() - request.started
+        events = request.events
         usage = events.usage if events is not None else None
         timings = events.timings if events is not None else None
         ttft = timings.ttft_seconds if timings is not None else None
-        cause = outcome.get("cause")
-        control = outcome.get("control")
+        cause = request.cause
         cancel_latency = None
-        cut_short = not outcome.get("finished")  # (after the end, a "disconnect" is just the end)
-        if cut_short and control is not None and events is not None and control.cancelled_at is not None:
+        cut_short = not request.delivered  # (after the end, a "disconnect" is just the end)
+        if cut_short and events is not None and request.cancelled_at is not None:
             ended = events.progress.inference_ended
             if ended is not None:
                 # cause → inference thread out of the model (0 if it had already ended)
-                cancel_latency = max(0.0, ended - control.cancelled_at)
-                metrics.cancel_latency.labels(cause=control.cause or "unknown").observe(cancel_latency)
-            if control.tokens_at_cancel is not None:
+                cancel_latency = max(0.0, ended - request.cancelled_at)
+                metrics.cancel_latency.labels(cause=cause or "unknown").observe(cancel_latency)
+            if request.tokens_at_cancel is not None:
                 metrics.wasted_tokens.inc(
-                    max(0, events.progress.completion_tokens - control.tokens_at_cancel)
+                    max(0, events.progress.completion_tokens - request.tokens_at_cancel)
                 )
-        metrics.requests.labels(endpoint=scope["path"], status=str(exchange.status or 0)).inc()
+        path = request.asgi["path"]
+        metrics.requests.labels(endpoint=path, status=str(exchange.status or 0)).inc()
         metrics.stream_ends.labels(cause=cause or "unknown").inc()
         metrics.request_duration.observe(duration)
         if events is not None and usage is not None and timings is not None:
@@ -546,8 +526,8 @@ class GenerationHandler:
             "request %s %s model=%s status=%s cause=%s prompt_tokens=%s completion_tokens=%s "
             "ttft_ms=%s duration_ms=%.1f%s%s",
             exchange.request_id,
-            scope["path"],
-            outcome.get("model", "-"),
+            path,
+            request.model or "-",
             exchange.status or "-",
             cause,
             usage.prompt_tokens if usage else "-",
@@ -555,7 +535,7 @@ class GenerationHandler:
             f"{ttft * 1000:.1f}" if ttft is not None else "-",
             duration * 1000,
             f" cancel_latency_ms={cancel_latency * 1000:.2f}" if cancel_latency is not None else "",
-            f" error={outcome['error']!r}" if outcome.get("error") else "",
+            f" error={request.error!r}" if request.error else "",
         )
 
 

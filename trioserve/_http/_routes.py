@@ -3,7 +3,6 @@ quart-trio, behind the access policy."""
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -24,7 +23,8 @@ from .._core._exceptions import (
 )
 from .._wire._openai import encode_json
 from ._access import AccessPolicy, with_access_control
-from ._exchange import Receive, Scope, Send, _Exchange, headers_too_large
+from ._errors import render_error
+from ._exchange import Exchange, Receive, Scope, Send, headers_too_large
 from ._generation import GENERATION_PATHS, GenerationHandler
 from ._state import ServerState
 
@@ -49,7 +49,7 @@ def create_app(
                 return
             if headers_too_large(scope, header_limit):
                 error = HeadersTooLargeError(f"the request headers exceed the limit of {header_limit} bytes")
-                await _Exchange(send, uuid.uuid4().hex).error(error)
+                await Exchange(send, uuid.uuid4().hex).error(error)
                 return
         await quart(scope, receive, send)
 
@@ -65,11 +65,8 @@ def _json_response(
 
 
 def _error_response(exc: TrioserveError) -> Response:
-    headers = {}
-    retry_after = getattr(exc, "retry_after", None)
-    if retry_after is not None:
-        headers["Retry-After"] = str(math.ceil(retry_after))
-    return _json_response(exc.to_dict(), exc.status, headers)
+    status, headers, body = render_error(exc)
+    return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
 
 
 def _create_quart_app(state: ServerState) -> QuartTrio:
@@ -84,7 +81,6 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
             status = "error" if state.load_error else "loading"
             return _json_response({"status": status, "error": state.load_error}, 503, {"Retry-After": "1"})
         engine = state.engine
-        threads = getattr(engine.backend, "active_threads", None)
         failure = engine.backend.failure
         if failure is not None:  # e.g. the llama backend's scheduler thread died
             return _json_response({"status": "error", "error": str(failure)}, 503)
@@ -101,7 +97,7 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
                 "slots_in_use": engine.admission.in_use,
                 "queued": engine.admission.queued,
                 "active_streams": engine.active_streams,
-                "inference_threads": threads.count if threads is not None else None,
+                "generations_running": engine.backend.generations.running,
                 "requests_in_flight": len(state.requests),
             }
         )

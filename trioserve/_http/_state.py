@@ -3,18 +3,17 @@ one cancel handle per in-flight request (so that shutdown can reach each one).""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import trio
 
-from .._core._backend import GenerationProgress
 from .._core._engine import Engine
 from .._core._types import EndCause
 from .._wire._chat import ChatFormat, chat_format_for
 from ._metrics import Metrics
+from ._request import InFlightRequest
 
-__all__ = ["HTTPSettings", "RequestControl", "ServerState"]
+__all__ = ["HTTPSettings", "ServerState"]
 
 
 @dataclass(kw_only=True)
@@ -44,51 +43,6 @@ class HTTPSettings:
     model_aliases: tuple[str, ...] = ()
 
 
-class RequestControl:
-    """The cancel handle of one in-flight request: its scope and why it was cancelled."""
-
-    __slots__ = (
-        "cancelled",
-        "cancelled_at",
-        "cause",
-        "connection_cut",
-        "progress",
-        "scope",
-        "tokens_at_cancel",
-    )
-
-    def __init__(self, scope: trio.CancelScope) -> None:
-        self.scope = scope
-        self.cause: EndCause | None = None
-        #: the generation's counters, once it has started (for "wasted" tokens)
-        self.progress: GenerationProgress | None = None
-        self.tokens_at_cancel: int | None = None
-        #: ``time.perf_counter()`` when the cancel was requested
-        self.cancelled_at: float | None = None
-        #: set by :meth:`cancel` (a deadline shows as ``scope.deadline`` passing instead)
-        self.cancelled = trio.Event()
-        #: trioserve ended the connection (a stalled client): the response did not get through
-        self.connection_cut = False
-
-    def cancel(self, cause: EndCause) -> None:
-        if self.cause is None and trio.current_time() >= self.scope.deadline:
-            self.note_deadline()  # the deadline came first; this cancel is its echo
-        if self.cause is None:
-            self.cause = cause
-            self.cancelled_at = time.perf_counter()
-            if self.progress is not None:
-                self.tokens_at_cancel = self.progress.completion_tokens
-        self.cancelled.set()
-        self.scope.cancel()
-
-    def note_deadline(self) -> None:
-        """The scope's deadline fired: record it as the cause, dated when it passed."""
-        if self.cause is None:
-            self.cause = "deadline"
-            late = max(0.0, trio.current_time() - self.scope.deadline)
-            self.cancelled_at = time.perf_counter() - late
-
-
 @dataclass(kw_only=True)
 class ServerState:
     """What the HTTP layer shares with the server: the engine once loaded, and the
@@ -101,17 +55,17 @@ class ServerState:
     shutting_down: bool = False
     #: the server's stall timeout: a send blocked this long ends the request (cause ``stall``)
     stall_timeout: float | None = None
-    requests: set[RequestControl] = field(default_factory=set[RequestControl])
+    requests: set[InFlightRequest] = field(default_factory=set[InFlightRequest])
     metrics: Metrics = field(default_factory=Metrics)
     _idle: trio.Event = field(default_factory=trio.Event)
 
-    def add_request(self, control: RequestControl) -> None:
-        self.requests.add(control)
+    def add_request(self, request: InFlightRequest) -> None:
+        self.requests.add(request)
         if self._idle.is_set():
             self._idle = trio.Event()
 
-    def remove_request(self, control: RequestControl) -> None:
-        self.requests.discard(control)
+    def remove_request(self, request: InFlightRequest) -> None:
+        self.requests.discard(request)
         if not self.requests:
             self._idle.set()
 
@@ -137,5 +91,5 @@ class ServerState:
         return (self.engine.backend.info.id, *self.settings.model_aliases)
 
     def cancel_all(self, cause: EndCause) -> None:
-        for control in list(self.requests):
-            control.cancel(cause)
+        for request in list(self.requests):
+            request.cancel(cause)

@@ -1,0 +1,145 @@
+"""One generation request's state, from its first byte to its log line.
+
+:class:`InFlightRequest` is the only per-request state the generation handler keeps.
+Its :class:`Phase` only moves forward::
+
+    RECEIVING ─▶ QUEUED ─▶ STREAMING ─▶ FINISHING ─▶ DONE
+        └──────────┴───────────┴──────────▲ (an error or a cancel skips ahead)
+
+* ``RECEIVING``: headers, body and parse; the request holds nothing yet.
+* ``QUEUED``: inside its cancel scope and registered with the server (shutdown reaches
+  it); preparing, waiting for admission, in prefill.
+* ``STREAMING``: the first event from the engine has arrived.
+* ``FINISHING``: the last bytes (the end of the body, an error, a final event) are
+  being sent.
+* ``DONE``: the log line and the metrics are written.
+
+The first cancel cause recorded wins; the deadline is a cause too, recorded when its
+scope is found cancelled, dated when it passed.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from typing import TYPE_CHECKING, Literal
+
+import trio
+
+from .._core._types import EndCause
+
+if TYPE_CHECKING:
+    from .._core._admission import Reservation
+    from .._core._engine import EventStream
+    from .._wire._openai import ChunkEncoder
+    from ._exchange import Exchange, Scope
+
+__all__ = ["Ending", "InFlightRequest", "Phase"]
+
+#: how a request ended, as the log line and ``trioserve_stream_ends_total`` say it: an
+#: :data:`EndCause`, or ``overloaded`` (refused with 429 before it started)
+Ending = EndCause | Literal["overloaded"]
+
+
+class Phase(enum.IntEnum):
+    RECEIVING = 0
+    QUEUED = 1
+    STREAMING = 2
+    FINISHING = 3
+    DONE = 4
+
+
+class InFlightRequest:
+    """One generation request: its exchange, its cancel scope and why it ended."""
+
+    __slots__ = (
+        "asgi",
+        "cancel_scope",
+        "cancelled",
+        "cancelled_at",
+        "cause",
+        "connection_cut",
+        "delivered",
+        "encoder",
+        "error",
+        "events",
+        "exchange",
+        "kind",
+        "model",
+        "phase",
+        "reservation",
+        "started",
+        "tokens_at_cancel",
+        "watch_scope",
+    )
+
+    def __init__(self, asgi: Scope, exchange: Exchange, kind: Literal["text", "chat"]) -> None:
+        self.asgi = asgi
+        self.exchange = exchange
+        self.kind: Literal["text", "chat"] = kind
+        self.phase = Phase.RECEIVING
+        #: ``time.perf_counter()`` when the request arrived
+        self.started = time.perf_counter()
+        #: the one scope every cause cancels; its deadline is set when the request is parsed
+        self.cancel_scope = trio.CancelScope()
+        #: why the request ended (``None`` while nothing has ended it)
+        self.cause: Ending | None = None
+        #: the message of the error that ended it, for the log line
+        self.error: str | None = None
+        #: the model name the response carries
+        self.model: str | None = None
+        self.encoder: ChunkEncoder | None = None
+        #: the admission place held for a streamed request before its headers go out
+        self.reservation: Reservation | None = None
+        #: the engine's event stream, once it is open (usage, timings, progress)
+        self.events: EventStream | None = None
+        #: the disconnect watcher's scope: stopped before the last send
+        self.watch_scope = trio.CancelScope()
+        #: ``time.perf_counter()`` when a cancel was requested
+        self.cancelled_at: float | None = None
+        self.tokens_at_cancel: int | None = None
+        #: set by :meth:`cancel` (a deadline shows as ``cancel_scope.deadline`` passing instead)
+        self.cancelled = trio.Event()
+        #: trioserve ended the connection (a stalled client): the response did not get through
+        self.connection_cut = False
+        #: the last byte of a response that ended on its own went out
+        self.delivered = False
+
+    def advance(self, phase: Phase) -> None:
+        """Move to ``phase``; never back."""
+        if phase < self.phase:
+            raise RuntimeError(f"a request cannot go back from {self.phase.name} to {phase.name}")
+        self.phase = phase
+
+    def set_timeout(self, timeout: float | None) -> None:
+        self.cancel_scope.deadline = math.inf if timeout is None else trio.current_time() + timeout
+
+    @property
+    def deadline_passed(self) -> bool:
+        return trio.current_time() >= self.cancel_scope.deadline
+
+    def cancel(self, cause: EndCause) -> None:
+        """Cancel the request's scope for ``cause`` (recorded unless a cause came first)."""
+        if self.cause is None and self.deadline_passed:
+            self.note_deadline()  # the deadline came first; this cancel is its echo
+        if self.cause is None:
+            self.cause = cause
+            self.cancelled_at = time.perf_counter()
+            if self.events is not None:
+                self.tokens_at_cancel = self.events.progress.completion_tokens
+        self.cancelled.set()
+        self.cancel_scope.cancel()
+
+    def note_deadline(self) -> None:
+        """The scope's deadline fired: record it as the cause, dated when it passed."""
+        if self.cause is None:
+            self.cause = "deadline"
+            late = max(0.0, trio.current_time() - self.cancel_scope.deadline)
+            self.cancelled_at = time.perf_counter() - late
+
+    def end(self, cause: Ending, error: str | None = None) -> None:
+        """Record how a request that was not cancelled ended (stop, length, error, …)."""
+        self.cause = cause
+        if error is not None:
+            self.error = error
