@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -77,3 +77,8 @@ def table(rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
+
+
+def rows_table(items: Iterable[Any], columns: list[tuple[str, Callable[[Any], str]]]) -> str:
+    """A markdown table with one row per item, one ``(header, cell)`` per column."""
+    return table([[head for head, _ in columns], *[[cell(item) for _, cell in columns] for item in items]])
