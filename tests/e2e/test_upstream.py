@@ -236,7 +236,7 @@ async def test_client_disconnect_makes_the_upstream_go_idle(
         "disconnected from trioserve: the upstream request was not closed"
     )
     health = await llama_front.wait_idle()
-    assert health["inference_threads"] == 0  # no upstream request left open
+    assert health["generations_running"] == 0  # no upstream request left open
 
 
 @pytest.mark.model
@@ -345,8 +345,8 @@ async def test_a_client_that_stops_reading_stops_the_upstream(serve: Serve) -> N
     try:
         await client.read_until(b"data: ", 5)
         # the deadline went upstream with the request
-        (control,) = upstream.server.state.requests
-        assert 40 < control.scope.deadline - trio.current_time() <= 60.001
+        (request,) = upstream.server.state.requests
+        assert 40 < request.cancel_scope.deadline - trio.current_time() <= 60.001
 
         # the client reads nothing more: the upstream's generation must stop advancing
         previous = -2
@@ -359,7 +359,7 @@ async def test_a_client_that_stops_reading_stops_the_upstream(serve: Serve) -> N
         async with upstream.client() as probe:
             health = (await probe.get("/health")).json()
         assert health["slots_in_use"] == 1
-        assert health["inference_threads"] == 1  # paused in emit(), not finished
+        assert health["generations_running"] == 1  # paused in emit(), not finished
         read = client.received.count(b"data: ")
         print(f"\nupstream paused after {previous} tokens; the client had read {read} events")
         assert previous < 20_000  # bounded: a few KiB in each buffer, not megabytes
