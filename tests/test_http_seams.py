@@ -9,9 +9,12 @@ import json
 import threading
 from typing import Any
 
+import pytest
 import trio
 
 from trioserve import Engine, GenerationRequest, HTTPSettings, ScriptedBackend, ServerState, TextDelta
+from trioserve._http import InFlightRequest, Phase
+from trioserve._http._exchange import Exchange
 from trioserve._http._generation import GenerationHandler
 
 from ._helpers import wait_for
@@ -146,3 +149,59 @@ async def test_the_admission_clock_is_the_time_the_slot_was_held() -> None:
             assert events.timings.released is not None
             assert engine.admission.expected_service_time == events.timings.released - events.timings.admitted
             break
+
+
+def _record_phases(monkeypatch: Any) -> list[str]:
+    phases: list[str] = []
+    real = InFlightRequest.advance
+
+    def advance(self: InFlightRequest, phase: Phase) -> None:
+        real(self, phase)
+        if not phases or phases[-1] != phase.name:
+            phases.append(phase.name)
+
+    monkeypatch.setattr(InFlightRequest, "advance", advance)
+    return phases
+
+
+async def test_a_streamed_request_goes_through_every_phase_in_order(monkeypatch: Any) -> None:
+    phases = _record_phases(monkeypatch)
+    state = _state(ScriptedBackend(script=[b"a", b"b"]))
+    client = _Client({"prompt": "p", "max_tokens": 10, "stream": True})
+    await GenerationHandler(state)(_scope(), client.receive, client.send, "text")
+    assert client.text().endswith(b"data: [DONE]\n\n")
+    assert phases == ["QUEUED", "STREAMING", "FINISHING", "DONE"]
+
+
+async def test_a_refused_request_skips_from_receiving_to_finishing(monkeypatch: Any) -> None:
+    phases = _record_phases(monkeypatch)
+    state = _state(ScriptedBackend(script=[b"a"]))
+    client = _Client({"prompt": "p", "max_tokens": -1})
+    await GenerationHandler(state)(_scope(), client.receive, client.send, "text")
+    assert client.messages[0]["status"] == 400
+    assert phases == ["FINISHING", "DONE"]
+
+
+async def test_a_client_that_leaves_mid_stream_ends_without_a_final_send(monkeypatch: Any) -> None:
+    phases = _record_phases(monkeypatch)
+    backend = ScriptedBackend(token_interval=0.001)  # never ends on its own
+    state = _state(backend)
+    client = _Client({"prompt": "p", "max_tokens": 4000, "stream": True})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(GenerationHandler(state), _scope(), client.receive, client.send, "text")
+        await wait_for(lambda: len(client.messages) > 3)
+        client.disconnect.set()
+    assert phases == ["QUEUED", "STREAMING", "DONE"]
+    assert backend.generations.running == 0
+
+
+def test_a_request_never_goes_back_a_phase() -> None:
+    request = InFlightRequest(_scope(), Exchange(_never_send, "id"), "text")
+    request.advance(Phase.STREAMING)
+    request.advance(Phase.STREAMING)  # staying is allowed
+    with pytest.raises(RuntimeError, match="cannot go back from STREAMING to QUEUED"):
+        request.advance(Phase.QUEUED)
+
+
+async def _never_send(message: Any) -> None:
+    raise AssertionError("nothing is sent")
