@@ -1,21 +1,30 @@
 """trioserve in front of real upstream servers on 127.0.0.1 (:class:`UpstreamBackend`).
 
-* llama-cpp-python's own server as the upstream: completions pass through, a client
-  that leaves makes the upstream's CPU go idle, a deadline ends the stream;
+* llama-cpp-python's server and llama.cpp's C++ ``llama-server`` as the upstream (the
+  ``upstream`` fixture runs each test on both): completions pass through, a client that
+  leaves mid-decode makes the upstream's CPU go idle, a deadline ends the stream;
+* llama-server only: a client that leaves mid-prefill makes it idle within a batch or
+  two, with the settings in docs/deployment.md (``-b 16 -ub 16`` and ``return_progress``);
 * two scripted trioserve processes as upstreams, behind ``trioserve serve --upstream``:
   least-outstanding balancing, and one upstream killed mid-run;
 * backpressure: a client that stops reading stops the upstream's tokens;
 * errors: upstream 4xx, an unreachable upstream, token-id prompts.
+
+The llama-server binary: ``$TRIOSERVE_LLAMA_SERVER``, else what ``scripts/build-llama-server``
+prints (it builds and caches it the first time, ~5 min). If neither works the llama-server
+tests fail, saying why: they are never skipped.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,9 +45,10 @@ from trioserve import (
     UpstreamBackend,
     default_model_path,
 )
-from trioserve._wire._sse import SSEDecoder
 
 from .._helpers import RawStream, RunningServer, ServerProcess, start_server, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -74,12 +84,14 @@ async def _seconds_until_idle(pid: int, since: float, quiet: float = 0.3, limit:
 
 
 def _events(data: bytes) -> list[Any]:
-    """The SSE events of a (raw or decoded) response body: JSON chunks, then ``"[DONE]"``."""
-    if b"\r\n" in data.split(b"\r\n\r\n", 1)[0]:  # a raw HTTP/1.1 response: keep the body
-        data = data.split(b"\r\n\r\n", 1)[1]
+    """The SSE events of a decoded response body: JSON chunks, then ``"[DONE]"``
+    (comments and heartbeats left out)."""
     out: list[Any] = []
-    for event in SSEDecoder().feed(data):
-        out.append(event.data if event.data == "[DONE]" else json.loads(event.data))
+    for block in re.split(rb"\r?\n\r?\n", data):
+        lines = [line[5:].removeprefix(b" ") for line in block.splitlines() if line.startswith(b"data:")]
+        if lines:
+            text = b"\n".join(lines).decode()
+            out.append(text if text == "[DONE]" else json.loads(text))
     return out
 
 
@@ -117,46 +129,39 @@ async def serve(nursery: trio.Nursery) -> AsyncIterator[Serve]:
             await running.server.stopped.wait()
 
 
-# ------------------------------------------------------------ llama-cpp-python upstream
+# ---------------------------------------------------- llama.cpp servers as the upstream
 
 
 class LlamaUpstream:
-    def __init__(self, url: str, pid: int) -> None:
+    """An upstream server process, and what a front must send it (``extra_body``)."""
+
+    def __init__(self, kind: str, url: str, pid: int, extra_body: dict[str, object]) -> None:
+        self.kind = kind
         self.url = url
         self.pid = pid
+        self.extra_body = extra_body
 
 
-@pytest.fixture(scope="module")
-def llama_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaUpstream]:
-    """llama-cpp-python's server on the default model, in a subprocess (always ended)."""
-    port = _free_port()
-    log_path: Path = tmp_path_factory.mktemp("llama-upstream") / "server.log"
+def _run_upstream(
+    kind: str, command: list[str], url: str, ready_path: str, log_path: Path, extra_body: dict[str, object]
+) -> Iterator[LlamaUpstream]:
+    """Run ``command`` until ``GET url + ready_path`` answers 200; always end it."""
     with open(log_path, "w") as log:
-        model = str(default_model_path(progress=False))
-        process = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "llama_cpp.server", "--model", model, "--n_threads", "2"),
-                *("--n_ctx", "2048", "--host", "127.0.0.1", "--port", str(port)),
-                *("--interrupt_requests", "False"),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while True:
             if process.poll() is not None:
-                raise RuntimeError("llama_cpp.server exited:\n" + log_path.read_text())
+                raise RuntimeError(f"{kind} exited:\n" + log_path.read_text())
             try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                if httpx.get(url + ready_path, timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError("llama_cpp.server did not start:\n" + log_path.read_text())
+                raise TimeoutError(f"{kind} did not start:\n" + log_path.read_text())
             time.sleep(0.1)
-        yield LlamaUpstream(url, process.pid)
+        yield LlamaUpstream(kind, url, process.pid, extra_body)
     finally:
         process.terminate()
         try:
@@ -166,10 +171,90 @@ def llama_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaUp
             process.wait()
 
 
-@pytest.fixture
-async def llama_front(llama_upstream: LlamaUpstream, serve: Serve) -> RunningServer:
+@pytest.fixture(scope="module")
+def llama_cpp_python_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaUpstream]:
+    """llama-cpp-python's server on the default model, in a subprocess (always ended)."""
+    port = _free_port()
+    model = str(default_model_path(progress=False))
+    command = [
+        *(sys.executable, "-m", "llama_cpp.server", "--model", model, "--n_threads", "2"),
+        *("--n_ctx", "2048", "--host", "127.0.0.1", "--port", str(port)),
+        *("--interrupt_requests", "False"),
+    ]
+    log = tmp_path_factory.mktemp("llama-cpp-python") / "server.log"
     # repeat_penalty 1.0 (llama-cpp-python's default is 1.1) to compare with direct requests
-    return await serve(await UpstreamBackend.aload([llama_upstream.url], extra_body={"repeat_penalty": 1.0}))
+    extra = {"repeat_penalty": 1.0}
+    url = f"http://127.0.0.1:{port}"
+    yield from _run_upstream("llama-cpp-python", command, url, "/v1/models", log, extra)
+
+
+def llama_server_binary() -> str:
+    """llama.cpp's ``llama-server``: ``$TRIOSERVE_LLAMA_SERVER``, else the path that
+    ``scripts/build-llama-server`` prints (building it if it is not cached). Fails the
+    test, saying how to get the binary, if neither works."""
+    given = os.environ.get("TRIOSERVE_LLAMA_SERVER")
+    if given:
+        if not os.access(given, os.X_OK):
+            pytest.fail(f"TRIOSERVE_LLAMA_SERVER={given} is not an executable file")
+        return given
+    script = ROOT / "scripts" / "build-llama-server"
+    try:
+        done = subprocess.run(
+            [str(script)],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=False,
+            env={**os.environ, "PYTHON": sys.executable},
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.fail(f"could not run {script} to get llama.cpp's llama-server: {exc!r}")
+    path = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    if done.returncode != 0 or not os.access(path, os.X_OK):
+        pytest.fail(
+            f"llama.cpp's llama-server is missing and {script} could not build it "
+            f"(exit {done.returncode}); run it by hand (needs cmake and a C++ compiler) or set "
+            f"TRIOSERVE_LLAMA_SERVER:\n{done.stderr[-3000:]}"
+        )
+    return path
+
+
+#: llama-server's settings for a prompt evaluation that stops soon after a cancel
+#: (docs/deployment.md, "Upstream llama-server"): small batches, and prompt-progress
+#: events, the only results that wake its HTTP thread to notice a closed connection
+#: before the first token (otherwise it looks once a second)
+LLAMA_SERVER_BATCH = ("-b", "16", "-ub", "16")
+LLAMA_SERVER_EXTRA_BODY: dict[str, object] = {"return_progress": True}
+
+
+@pytest.fixture(scope="module")
+def llama_server_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaUpstream]:
+    """llama.cpp's C++ llama-server on the default model, one slot (always ended)."""
+    binary = llama_server_binary()
+    port = _free_port()
+    model = str(default_model_path(progress=False))
+    command = [
+        *(binary, "--model", model, "--host", "127.0.0.1", "--port", str(port)),
+        *("--threads", "2", "--threads-batch", "2", "--ctx-size", "4096", "--parallel", "1"),
+        *LLAMA_SERVER_BATCH,
+        "--slots",
+    ]
+    log = tmp_path_factory.mktemp("llama-server") / "server.log"
+    url = f"http://127.0.0.1:{port}"
+    yield from _run_upstream("llama-server", command, url, "/health", log, dict(LLAMA_SERVER_EXTRA_BODY))
+
+
+@pytest.fixture(params=["llama-cpp-python", "llama-server"])
+def upstream(request: pytest.FixtureRequest) -> LlamaUpstream:
+    """Each upstream test runs against llama-cpp-python's server and llama-server."""
+    name = "llama_cpp_python_upstream" if request.param == "llama-cpp-python" else "llama_server_upstream"
+    found: LlamaUpstream = request.getfixturevalue(name)
+    return found
+
+
+@pytest.fixture
+async def llama_front(upstream: LlamaUpstream, serve: Serve) -> RunningServer:
+    return await serve(await UpstreamBackend.aload([upstream.url], extra_body=upstream.extra_body))
 
 
 #: Gemma 3's end-of-sequence and end-of-turn tokens, banned so that streams run long
@@ -177,12 +262,10 @@ _NO_EOS = {"1": -100.0, "106": -100.0}
 
 
 @pytest.mark.model
-async def test_completions_pass_through_to_llama_cpp_python(
-    llama_upstream: LlamaUpstream, llama_front: RunningServer
-) -> None:
+async def test_completions_pass_through(upstream: LlamaUpstream, llama_front: RunningServer) -> None:
     body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0.0}
-    async with httpx.AsyncClient(base_url=llama_upstream.url, timeout=60) as direct:
-        reference = (await direct.post("/v1/completions", json={**body, "repeat_penalty": 1.0})).json()
+    async with httpx.AsyncClient(base_url=upstream.url, timeout=60) as direct:
+        reference = (await direct.post("/v1/completions", json={**body, **upstream.extra_body})).json()
     expected = reference["choices"][0]["text"]
     assert expected
 
@@ -192,8 +275,13 @@ async def test_completions_pass_through_to_llama_cpp_python(
         result = response.json()
         assert result["choices"][0]["text"] == expected
         assert result["choices"][0]["finish_reason"] == "length"
-        # no usage chunk from this upstream: text chunks are counted as tokens
-        assert 0 < result["usage"]["completion_tokens"] <= 12
+        if upstream.kind == "llama-server":
+            # its usage chunk gives the exact counts (and its prompt-progress events,
+            # which carry no text, add nothing)
+            assert result["usage"]["completion_tokens"] == 12
+            assert result["usage"]["prompt_tokens"] == reference["usage"]["prompt_tokens"] > 0
+        else:  # no usage chunk from this upstream: text chunks are counted as tokens
+            assert 0 < result["usage"]["completion_tokens"] <= 12
 
         text, final = await _stream(client, {**body, "stream_options": {"include_usage": True}})
         assert text == expected
@@ -205,7 +293,7 @@ async def test_completions_pass_through_to_llama_cpp_python(
 
 @pytest.mark.model
 async def test_client_disconnect_makes_the_upstream_go_idle(
-    llama_upstream: LlamaUpstream, llama_front: RunningServer
+    upstream: LlamaUpstream, llama_front: RunningServer
 ) -> None:
     body = {"prompt": "Once upon a time", "max_tokens": 1500, "stream": True, "logit_bias": _NO_EOS}
     client = await RawStream.post(llama_front.url, "/v1/completions", body)
@@ -213,24 +301,24 @@ async def test_client_disconnect_makes_the_upstream_go_idle(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.read_to_eof)  # a client that keeps reading
             await wait_for(lambda: client.received.count(b"data: ") >= 8, limit=60)
-            before = _cpu_ticks(llama_upstream.pid)
+            before = _cpu_ticks(upstream.pid)
             await trio.sleep(0.3)
-            busy_ticks = _cpu_ticks(llama_upstream.pid) - before
+            busy_ticks = _cpu_ticks(upstream.pid) - before
             nursery.cancel_scope.cancel()
     finally:
         await client.aclose()
     closed = time.perf_counter()
-    ticks_at_close = _cpu_ticks(llama_upstream.pid)
+    ticks_at_close = _cpu_ticks(upstream.pid)
     assert busy_ticks >= 3, f"the upstream was not generating before the disconnect ({busy_ticks} ticks)"
 
-    idle_after = await _seconds_until_idle(llama_upstream.pid, closed)
-    cpu_after = (_cpu_ticks(llama_upstream.pid) - ticks_at_close) / os.sysconf("SC_CLK_TCK")
+    idle_after = await _seconds_until_idle(upstream.pid, closed)
+    cpu_after = (_cpu_ticks(upstream.pid) - ticks_at_close) / os.sysconf("SC_CLK_TCK")
     print(
-        f"\nllama-cpp-python upstream: last CPU use {idle_after * 1000:.0f} ms after the client "
+        f"\n{upstream.kind} upstream: last CPU use {idle_after * 1000:.0f} ms after the client "
         f"disconnected ({cpu_after * 1000:.0f} ms of CPU; busy: {busy_ticks} ticks per 300 ms)"
     )
-    # llama-cpp-python stops after the token in progress (~30-60 ms here); generous for a
-    # shared machine, but far below the seconds that the remaining tokens would take
+    # both stop after the token in progress (~20-60 ms here); generous for a shared
+    # machine, but far below the seconds that the remaining tokens would take
     assert idle_after < 1.0, (
         f"the upstream kept using CPU for {idle_after * 1000:.0f} ms after the client "
         "disconnected from trioserve: the upstream request was not closed"
@@ -241,7 +329,7 @@ async def test_client_disconnect_makes_the_upstream_go_idle(
 
 @pytest.mark.model
 async def test_deadline_ends_the_stream_and_the_upstream_request(
-    llama_upstream: LlamaUpstream, llama_front: RunningServer
+    upstream: LlamaUpstream, llama_front: RunningServer
 ) -> None:
     body = {"prompt": "Once upon a time", "max_tokens": 1500, "logit_bias": _NO_EOS}
     async with llama_front.client() as client:
@@ -251,10 +339,73 @@ async def test_deadline_ends_the_stream_and_the_upstream_request(
     assert text
     assert final["choices"][0]["finish_reason"] == "deadline"
     assert 0.9 < ended - started < 5.0
-    idle_after = await _seconds_until_idle(llama_upstream.pid, ended)
-    print(f"\nllama-cpp-python upstream idle {idle_after * 1000:.0f} ms after the deadline's final event")
+    idle_after = await _seconds_until_idle(upstream.pid, ended)
+    print(f"\n{upstream.kind} upstream idle {idle_after * 1000:.0f} ms after the deadline's final event")
     assert idle_after < 1.0, f"the upstream kept using CPU for {idle_after * 1000:.0f} ms after the deadline"
     await llama_front.wait_idle()
+
+
+async def _slot(client: httpx.AsyncClient) -> dict[str, Any]:
+    """llama-server's only slot (``GET /slots``; answered between two batches)."""
+    slots = (await client.get("/slots")).json()
+    assert isinstance(slots, list), slots
+    assert len(slots) == 1, slots
+    slot: dict[str, Any] = slots[0]
+    return slot
+
+
+@pytest.mark.model
+async def test_client_disconnect_mid_prefill_makes_llama_server_go_idle(
+    llama_server_upstream: LlamaUpstream, serve: Serve
+) -> None:
+    """With ``-b 16`` and ``return_progress``, llama-server notices the closed upstream
+    connection at the next batch's progress event and drops the slot at the batch after:
+    idle within ~2 batches (~50-100 ms here) instead of the rest of the prompt (seconds)."""
+    upstream = llama_server_upstream
+    front = await serve(await UpstreamBackend.aload([upstream.url], extra_body=upstream.extra_body))
+    # a prompt it has never seen (the tag first: no cached prefix), ~1,500 tokens
+    prompt = f"[document {uuid.uuid4().hex}] " + "The history of the city is long and varied. " * 150
+    async with httpx.AsyncClient(base_url=upstream.url, timeout=60) as direct:
+        total = len((await direct.post("/tokenize", json={"content": prompt})).json()["tokens"])
+        assert total > 1000
+
+        body = {"prompt": prompt, "max_tokens": 5, "stream": True, "temperature": 0.0}
+        client = await RawStream.post(front.url, "/v1/completions", body)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.read_to_eof)
+                # the phase, observed: its slot is evaluating this prompt
+                with trio.fail_after(60):
+                    while True:
+                        slot = await _slot(direct)
+                        if slot["is_processing"] and slot["n_prompt_tokens_processed"] >= 64:
+                            break
+                        await trio.sleep(0.005)
+                nursery.cancel_scope.cancel()
+        finally:
+            await client.aclose()
+        closed = time.perf_counter()
+        ticks_at_close = _cpu_ticks(upstream.pid)
+        processed = slot["n_prompt_tokens_processed"]
+        assert slot["next_token"][0]["n_decoded"] == 0
+        assert processed < total / 2, f"too late for the test: {processed} of {total} prompt tokens evaluated"
+        assert b'"text":"' not in client.received.replace(b'"text":""', b"")  # no token yet
+
+        idle_after = await _seconds_until_idle(upstream.pid, closed)
+        cpu_after = (_cpu_ticks(upstream.pid) - ticks_at_close) / os.sysconf("SC_CLK_TCK")
+        print(
+            f"\nllama-server: last CPU use {idle_after * 1000:.0f} ms after the client left mid-prefill "
+            f"({processed} of {total} prompt tokens evaluated; {cpu_after * 1000:.0f} ms of CPU after)"
+        )
+        # the rest of the prompt would take seconds; one batch of 16 is ~50 ms here, and
+        # the bound is two batches (docs/deployment.md): 0.5 s leaves room for a loaded
+        # machine. Without return_progress this is ~1 s (its HTTP thread's poll).
+        assert idle_after < 0.5, (
+            f"llama-server kept evaluating the prompt for {idle_after * 1000:.0f} ms after the client left"
+        )
+        assert not (await _slot(direct))["is_processing"]
+    health = await front.wait_idle()
+    assert health["generations_running"] == 0
 
 
 # ------------------------------------------------------- two scripted trioserve upstreams
