@@ -94,6 +94,11 @@ def parser(
     return p
 
 
+def option(p: argparse.ArgumentParser, flag: str, default: Any, text: str) -> None:
+    """A scenario's own option, typed by its default."""
+    p.add_argument(flag, type=type(default), default=default, help=f"{text} (default: {default})")
+
+
 def resolve_model(args: argparse.Namespace) -> Path:
     """``--model``, checked; without it trioserve's default model (downloaded once)."""
     if args.model is None:
@@ -122,6 +127,11 @@ def environment(model: Path | None, **settings: Any) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "loadavg_start": os.getloadavg(),
     }
+
+
+def pick(args: argparse.Namespace, names: str) -> dict[str, Any]:
+    """The options ``names`` (space-separated) as a dict, for a result's configuration."""
+    return {name: getattr(args, name) for name in names.split()}
 
 
 def header(cfg: dict[str, Any], what: str) -> str:

@@ -123,6 +123,9 @@ class RawStream:
                 yield now, event
         self.eof = True
 
+    def done(self) -> bool:
+        return self.done_at is not None
+
     @property
     def status(self) -> int | None:
         match = STATUS.match(self.head)

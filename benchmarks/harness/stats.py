@@ -82,3 +82,9 @@ def table(rows: list[list[str]]) -> str:
 def rows_table(items: Iterable[Any], columns: list[tuple[str, Callable[[Any], str]]]) -> str:
     """A markdown table with one row per item, one ``(header, cell)`` per column."""
     return table([[head for head, _ in columns], *[[cell(item) for _, cell in columns] for item in items]])
+
+
+def dict_table(records: Iterable[dict[str, Any]], keys: str) -> str:
+    """A markdown table of ``records``, one column per space-separated key (floats by :func:`fmt`)."""
+    cell = lambda v: fmt(v) if isinstance(v, float) else "—" if v is None else str(v)  # noqa: E731
+    return rows_table(records, [(k, lambda r, k=k: cell(r.get(k))) for k in keys.split()])

@@ -1,0 +1,261 @@
+"""Cancel latency: how soon a server stops computing once a request is abandoned.
+
+Causes, each one streamed ``POST /v1/completions`` (greedy) on the raw-socket client:
+``decode`` (``"Once upon a time"``, ``max_tokens`` 2000: read ``--events`` events, then
+close, an RST by default), ``prefill`` (a ~1,700-token prompt behind a per-run tag, no
+cached prefix; close ``--prefill-delay`` after sending) and, trioserve only, ``deadline``
+(the decode request with ``X-Request-Timeout``, read to ``[DONE]``). Measured: the
+black-box CPU idle − cause (every server), trioserve's ``cancel_latency_ms`` log field
+(white-box), send → ``[DONE]`` (deadline); the bars; which prefill runs are left out and
+why. Rounds run every (server, cause) job once, the start rotating; before each job every
+server must be idle. Method and bars: docs/benchmarks.md, "Method" and "Cancel latency".
+
+    python benchmarks/cancel.py --markdown --json artifacts/cancel.json
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import cli, servers
+from benchmarks.harness.clients import RawStream, body
+from benchmarks.harness.proc import cpu_seconds, wait_cpu_idle
+from benchmarks.harness.stats import dict_table, dist, fmt, median, rows_table
+
+DECODE, PREFILL, DEADLINE = "decode", "prefill", "deadline"
+SERVERS = (servers.TRIOSERVE, servers.LLAMA_CPP_PYTHON, servers.LLAMA_SERVER)
+SENTENCE = "The history of the city is long and varied. "
+NO_WORK_MS = 50.0  # a prefill run with less CPU than this before and after the close did no prefill
+LOG_LINE = re.compile(r"trioserve\.requests: request (\S+) \S+ (.*)")
+
+
+def parse_args() -> Any:
+    p = cli.parser(__doc__, (SERVERS, SERVERS), threads=2, ctx_size=4096, reps=20)
+    p.add_argument("--trioserve-arg", action="append", default=[], help="an extra `trioserve serve` option")
+    p.add_argument("--prefill-reps", type=int, help="mid-prefill runs per server (default: half of --reps)")
+    cli.option(p, "--events", 5, "decode: events read before the close")
+    cli.option(p, "--prefill-repeats", 170, "prefill: sentences in the prompt (170: ~1,700 tokens)")
+    cli.option(p, "--prefill-delay", 0.3, "prefill: seconds from the send to the close")
+    cli.option(p, "--deadline", 0.5, "deadline: X-Request-Timeout, seconds")
+    p.add_argument(
+        "--close", choices=["rst", "fin"], default="rst", help="how the client leaves (default: rst)"
+    )
+    cli.option(p, "--idle-cap", 15.0, "seconds to wait for idle per run")
+    args = p.parse_args()
+    args.prefill_reps = (args.reps + 1) // 2 if args.prefill_reps is None else args.prefill_reps
+    return args
+
+
+def log_fields(server: servers.Server, request_id: str) -> dict[str, str]:
+    """trioserve's request log line for ``request_id`` (waiting up to 5 s for it)."""
+    give_up = time.monotonic() + 5.0
+    while server.name == servers.TRIOSERVE:
+        for found in LOG_LINE.finditer(server.log_text()):
+            if found[1] == request_id:
+                return dict(re.findall(r"(\w+)=(\S+)", found[2].split(" error=")[0]))
+        if time.monotonic() > give_up:
+            break
+        time.sleep(0.02)
+    return {}
+
+
+def number(fields: dict[str, str], key: str) -> float | None:
+    return None if fields.get(key, "-") == "-" else float(fields[key])
+
+
+def wait_idle(running: list[servers.Server], args: Any, warnings: list[str]) -> None:
+    """Before a job: trioserve's /health drained, and every server's CPU idle."""
+    for server in running:
+        server.check_alive()
+        drained = server.wait_drained(args.idle_cap) if server.name == servers.TRIOSERVE else 0.0
+        if drained is None or wait_cpu_idle(server.pid, time.perf_counter(), args.idle_cap).after_s is None:
+            warnings.append(f"{server.name} still busy {args.idle_cap:g} s before a job")
+            cli.log(f"warning: {warnings[-1]}")
+    time.sleep(0.1)
+
+
+def prefill_body(tag: str, args: Any, max_tokens: int = 5) -> dict[str, Any]:
+    return body(f"Record {tag}. " + SENTENCE * args.prefill_repeats, max_tokens)
+
+
+def run_job(server: servers.Server, cause: str, round_: int, args: Any) -> dict[str, Any]:
+    """One abandoned request and its measurements."""
+    rid = str(uuid.uuid4())  # llama-cpp-python answers 400 to an X-Request-Id that is not a UUID
+    headers = {"X-Request-Id": rid} | (
+        {"X-Request-Timeout": f"{args.deadline:g}"} if cause == DEADLINE else {}
+    )
+    cpu_at_send, t_cause = cpu_seconds(server.pid), None
+    payload = prefill_body(rid, args) if cause == PREFILL else body("Once upon a time", 2000)
+    stream = RawStream(server.port, payload, headers)
+    if cause == DECODE:
+        if not stream.read_until(lambda: stream.data_events() >= args.events, stream.sent_at + 60):
+            raise RuntimeError(f"{server.name} {rid}: {stream.data_events()} of {args.events} events in 60 s")
+        t_cause = stream.close(args.close)
+    elif cause == PREFILL:
+        stream.read_until(lambda: False, stream.sent_at + args.prefill_delay)
+        t_cause = stream.close(args.close)
+    else:
+        stream.read_until(lambda: False, stream.sent_at + args.deadline + 10)  # to the server's close
+        stream.close()
+    if stream.status not in (None, 200):
+        raise RuntimeError(f"{server.name} {cause}: HTTP {stream.status}: {stream.events[:1]!r}")
+    gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(stream.token_times())] if cause == DECODE else []
+    done_ms = (stream.done_at - stream.sent_at) * 1e3 if stream.done_at else None
+    s = {"server": server.name, "cause": cause, "round": round_, "id": rid, "step_gaps_ms": gaps}
+    s.update(done_ms=done_ms, events_before_cause=stream.data_events(), finish_reason=stream.finish_reason())
+    if t_cause is not None:
+        idle = wait_cpu_idle(server.pid, t_cause, args.idle_cap)
+        s["idle_ms"] = math.inf if idle.after_s is None else idle.after_s * 1e3
+        s.update(
+            cpu_after_cause_ms=idle.cpu_s * 1e3, cpu_before_cause_ms=1e3 * (idle.cpu_at_start - cpu_at_send)
+        )
+    line = log_fields(server, rid)
+    s.update(cancel_latency_ms=number(line, "cancel_latency_ms"), log_ttft_ms=number(line, "ttft_ms"))
+    s.update(log_cause=line.get("cause"), excluded=exclusion(s))
+    return s
+
+
+def exclusion(s: dict[str, Any]) -> str | None:
+    """Why a prefill run did not measure a cancel mid-prefill (``None``: it did)."""
+    if s["cause"] != PREFILL:
+        return None
+    if s["events_before_cause"]:
+        return f"{s['events_before_cause']} token(s) arrived before the close: the prefill was over"
+    if s["log_ttft_ms"] is not None:
+        return f"trioserve logged a first token (ttft {s['log_ttft_ms']} ms): the prefill was over"
+    if max(s["cpu_before_cause_ms"], s["cpu_after_cause_ms"]) < NO_WORK_MS:
+        return "under 50 ms of CPU before and after the close: the prefill never started"
+    return None
+
+
+def warm_up(server: servers.Server, args: Any) -> dict[str, Any]:
+    """A short completion, then the long prompt with ``max_tokens`` 1: its TTFT is the prefill."""
+    for long in (False, True):
+        payload = prefill_body(rid := str(uuid.uuid4()), args, 1) if long else body("Once upon a time", 8)
+        stream = RawStream(server.port, payload, {"X-Request-Id": rid})
+        if not stream.read_until(stream.done, stream.sent_at + 120):
+            raise RuntimeError(f"{server.name}: warm-up: no [DONE] in 120 s ({stream.status})")
+        stream.close()
+    line = log_fields(server, rid)
+    return {
+        "prefill_ms": (stream.events[0][0] - stream.sent_at) * 1e3,
+        "prompt_tokens": line.get("prompt_tokens"),
+    }
+
+
+def run(args: Any) -> dict[str, Any]:
+    model = cli.resolve_model(args)
+    names = "threads ctx_size reps prefill_reps events prefill_repeats prefill_delay deadline close idle_cap"
+    cfg = cli.environment(model, **cli.pick(args, names))
+    samples, warnings, reference = [], [], {}
+    with tempfile.TemporaryDirectory() as logs, servers.running([]) as running:
+        for name in args.contestants:
+            extra = ["--log-level", "info", *args.trioserve_arg] if name == servers.TRIOSERVE else []
+            settings = {"threads": args.threads, "ctx_size": args.ctx_size, "extra": extra}
+            running.append(servers.Server.start(name, model, Path(logs), **settings))
+        for server in running:
+            server.wait_ready(args.ready_timeout)
+        cfg["commands"] = {s.name: s.command for s in running}
+        for server in running:
+            wait_idle(running, args, warnings)
+            reference[server.name] = warm_up(server, args)
+            cli.log(f"warm-up {server.name}: {reference[server.name]}")
+        trioserve = [s for s in running if s.name == servers.TRIOSERVE]
+        for round_ in range(max(args.reps, args.prefill_reps)):
+            jobs = (
+                [(s, DECODE) for s in running] + [(s, DEADLINE) for s in trioserve]
+                if round_ < args.reps
+                else []
+            )
+            jobs += [(s, PREFILL) for s in running] if round_ < args.prefill_reps else []
+            for server, cause in jobs[round_ % len(jobs) :] + jobs[: round_ % len(jobs)]:
+                wait_idle(running, args, warnings)
+                samples.append(s := run_job(server, cause, round_, args))
+                times = f"idle {fmt(s.get('idle_ms'))} ms, [DONE] {fmt(s['done_ms'])} ms"
+                cli.log(
+                    f"{round_:>2} {server.name:<16} {cause:<8} {times}, log {fmt(s['cancel_latency_ms'])} ms"
+                )
+        wait_idle(running, args, warnings)
+    return {
+        "config": cfg,
+        "reference": reference,
+        "samples": samples,
+        "notes": warnings + notes(samples, args),
+    }
+
+
+def notes(samples: list[dict[str, Any]], args: Any) -> list[str]:
+    out = []
+    for s in samples:
+        where = f"{s['server']} {s['cause']} round {s['round']} ({s['id']})"
+        out += [f"{where}: left out: {s['excluded']}"] if s["excluded"] else []
+        out += [f"{where}: CPU not idle within {args.idle_cap:g} s"] if s.get("idle_ms") == math.inf else []
+        expected = "deadline" if s["cause"] == DEADLINE else "disconnect"
+        logged = (s["log_cause"], s["cancel_latency_ms"])
+        if s["server"] == servers.TRIOSERVE and (logged[0] != expected or logged[1] is None):
+            out.append(f"{where}: log cause, cancel_latency_ms {logged}; expected {expected}")
+        if s["cause"] == DEADLINE and (s["finish_reason"] != "deadline" or s["done_ms"] is None):
+            out.append(f"{where}: finish_reason {s['finish_reason']!r}, [DONE] after {s['done_ms']} ms")
+    return out
+
+
+CAUSES = {DECODE: "disconnect in decode", PREFILL: "disconnect mid-prefill", DEADLINE: "deadline in decode"}
+METRICS = {"idle_ms": "CPU idle − cause (black-box)", "cancel_latency_ms": "cancel_latency_ms (log)"}
+
+
+def summary(samples: list[dict[str, Any]], cfg: dict[str, Any], step: dict[str, float]) -> list[Any]:
+    """Per cause, server and metric: the distribution, CPU burnt after the cause, the bar."""
+    rows = []
+    for cause, name, key in itertools.product(CAUSES, cfg["commands"], [*METRICS, "done_ms"]):
+        runs = [s for s in samples if s["server"] == name and s["cause"] == cause and not s["excluded"]]
+        values = [s[key] for s in runs if s.get(key) is not None]
+        if (key == "done_ms") != (cause == DEADLINE) or not (d := dist(values)):
+            continue
+        bar = {DECODE: step[name] + 10, PREFILL: 100.0, DEADLINE: cfg["deadline"] * 1e3 + 100}[cause]
+        bar = None if cause == PREFILL and key != "idle_ms" else bar
+        cpu = dist([s["cpu_after_cause_ms"] for s in runs]) if key == "idle_ms" else None
+        cpu_text = f"{cpu['p50']:.0f} / {cpu['max']:.0f}" if cpu else "—"
+        metric = METRICS.get(key, "send → [DONE]")
+        rows.append({"server": servers.LABELS.get(name, name), "cause": CAUSES[cause], "metric": metric, **d})
+        rows[-1].update(cpu=cpu_text, bar=bar, met="—" if bar is None else "yes" if d["p99"] <= bar else "no")
+    return rows
+
+
+def report(result: dict[str, Any], args: Any) -> None:
+    cfg, samples, ref = result["config"], result["samples"], result["reference"]
+    if args.markdown:
+        keys = "round server cause events_before_cause cpu_before_cause_ms idle_ms cpu_after_cause_ms"
+        keys += " cancel_latency_ms done_ms log_cause finish_reason excluded"
+        print(dict_table(samples, keys) + "\n")
+    runs = f"{cfg['reps']} decode/deadline and {cfg['prefill_reps']} prefill runs per server"
+    what = f"{cfg['threads']} threads, ctx {cfg['ctx_size']}, {runs}, close={cfg['close']}"
+    print(
+        cli.header(
+            cfg, f"{what}, prefill closed after {cfg['prefill_delay']:g} s, deadline {cfg['deadline']:g} s"
+        )
+    )
+    gaps = {
+        n: [g for s in samples if (s["server"], s["cause"]) == (n, DECODE) for g in s["step_gaps_ms"]]
+        for n in ref
+    }
+    step = {n: median(gaps[n]) for n in ref}
+    cap = f"> {cfg['idle_cap']:g} s"
+    summary_rows = summary(samples, cfg, step)
+    print(dict_table(summary_rows, "server cause metric n p50 p99 max cpu bar met").replace("timeout", cap))
+    print("\n(cpu: CPU ms burnt after the cause, p50 / max; bar: p99 ≤, ms; nearest-rank percentiles)\n")
+    columns = [("server", str), ("decode step ms (median gap)", lambda n: f"{fmt(step[n])} ({len(gaps[n])})")]
+    columns += [("long-prompt prefill ms (warm-up TTFT)", lambda n: fmt(ref[n]["prefill_ms"], ".0f"))]
+    print(rows_table(ref, [*columns, ("prompt tokens", lambda n: str(ref[n]["prompt_tokens"] or "—"))]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli.main(parse_args, run, report))
