@@ -1,77 +1,12 @@
 """Measure, on this machine's kernels, which ``llama_decode`` calls are batch-invariant.
 
-Two measurements, both against the same sequence decoded *alone* from the same state:
-
-* :func:`probe_invariant_width` returns the largest ``w <= widest`` such that, for
-  every width ``2 <= v <= w``, one call that decodes one token for each of ``v``
-  *different* short sequences (different tokens, positions and context lengths, up to
-  ``_LONGEST_SHORT + _STEPS`` cells; consecutive sequence ids in increasing order)
-  gives every sequence bit-identical logits. Measured on a 2-thread AVX-512 Xeon: 7.
-* :func:`probe_shared_context_limit` returns the longest context (cells, the decoded
-  token's included) at which a sequence decoded *beside another* still gets the logits
-  it gets alone, trying contexts in steps of ``_CONTEXT_STEP`` and stopping at the
-  first that differs. Measured there: 256 (a lone decode over more than 256 cells takes
-  flash attention's split-KV path, see below).
-
-The scheduler's batch-invariant mode uses both: decode calls no wider than the width,
-and a sequence whose context is past the limit decodes in a call of its own — as it
-would alone. Each is a measurement, not a promise about inputs it did not try (see
-"Not covered").
-
-Why llama.cpp's CPU path is not batch-invariant (llama-cpp-python 0.3.36, the ggml
-it vendors):
-
-* **Matrix multiplies of 8 columns or more.** ``ggml_compute_forward_mul_mat`` sends a
-  K-quant weight (Q2_K..Q6_K, IQ*) to the tiled kernel (``ggml-cpu/tiled``) when
-  ``src1`` has at least 8 columns (``ggml_tiled_min_batch``: ``rows >= 8``), and to
-  ``vec_dot`` when it has fewer. Their integer dot products are the same, but their float
-  epilogues are not: ``vec_dot_q4_K_q8_K`` adds ``(y.d * x.d) * sumi`` into 8 lanes per
-  256-block and sums the lanes at the end; the tiled kernel adds
-  ``y.d * (x.d * s1 - x.dmin * s2)`` per block. So 80 to 85 % of the outputs differ in
-  the last bits (measured on random data). In Gemma 3 270M Q4_K_M, every layer's
-  ``attn_output`` and ``ffn_down`` are Q4_K or Q6_K. Q5_0/Q8_0 weights go through
-  llamafile's tinyBLAS from 2 columns on, which matched ``vec_dot`` bit for bit at
-  every width we measured (2..16).
-* **Flash attention over a long context, alone.** A one-sequence decode whose KV
-  window covers at least 512 cells (llama.cpp pads ``n_kv`` to 256, so any context of
-  more than 256 cells) takes the split-KV path of ``ggml_compute_forward_flash_attn_ext_f16``
-  (taken only when the ubatch has one query row and one KV stream: ``neq1 == 1 && neq3 == 1``).
-  That path splits the KV cells between the threads and merges the partial softmaxes.
-  A ubatch of two sequences or more never takes that path. So with more than one thread,
-  a long sequence's logits differ at *every* width above 1 (with one thread, the split
-  path has one chunk and matched the shared calls). Short contexts (``n_kv`` of 256) use
-  the same one-chunk path at every width, and masked cells are skipped exactly.
-
-A call is not always one ubatch: with a non-unified KV cache llama.cpp splits a batch
-into ubatches of *consecutive* sequence ids (``split_equal(..., sequential = true)``).
-So a call of ids 0, 2 and 5 is three one-sequence ubatches, and a call of ids 0..7 is one
-ubatch of 8 streams. The probe's wide calls therefore use consecutive ids: each is one
-ubatch of ``w`` streams, the widest a call of ``w`` sequences can make.
-
-Why the probe looks the way it does:
-
-* Whether a last-bit difference survives to the logits depends on the data. Gemma's
-  residual stream is large and absorbs most of them: at width 8, 4 of 8 different
-  sequences still had bit-identical logits. So a probe that feeds every sequence the
-  same token after the same prompt can pass at width 8 while real traffic fails.
-  Each width is therefore tried with windows that cover all ``widest`` sequences, for
-  ``_STEPS`` steps each. That is ``widest * _STEPS`` rows per width, and one differing
-  row fails the width.
-* The width probe uses short contexts only; long ones are the context probe's. The
-  matrix-multiply switch depends only on how many tokens the ubatch has, and the probe
-  tries each width exactly, so no width margin is applied.
-* The context probe extends one sequence ``_CONTEXT_STEP`` cells at a time and, at
-  each length, decodes ``_STEPS`` tokens alone and beside a short sequence (ids 0 and
-  1: one ubatch of two); the first length where either row differs ends it.
-* Prefill is shared: each sequence's prompt is prefilled once, and the references and
-  the wide calls decode from the same KV state (each call's cells are removed again),
-  so prefill numerics cannot hide or cause a difference.
-
-Not covered (a change here needs a new probe): a different thread count than the
-context has now (``llama_set_n_threads``); decode calls with more than one token
-per sequence or mixed with prompt chunks (the batched scheduler never makes them in
-batch-invariant mode); repacked weights (load the model with ``use_extra_bufts =
-False``; repacked Q4_K has GEMM kernels of its own).
+Both probes compare against the same sequence decoded *alone* from the same state, bit
+for bit: :func:`probe_invariant_width` returns the widest decode call (in sequences)
+that gives every sequence its lone logits, :func:`probe_shared_context_limit` the
+longest context (cells) at which a sequence may share a call. Each is a measurement of
+the inputs it tried, not a promise about others. The probes use the serving context and
+leave its memory empty. Why llama.cpp's CPU path differs, how the probes are built, the
+figures measured and what they do not cover: ``docs/batching.md``, "Batch invariance".
 """
 
 from __future__ import annotations
@@ -105,7 +40,8 @@ def probe_invariant_width(
     widest: int,
 ) -> int:
     """The widest decode call (in sequences, at most ``widest``) whose logits equal, bit
-    for bit, each sequence's logits decoded alone. See the module docstring.
+    for bit, each sequence's logits decoded alone (``docs/batching.md``, "How the probes
+    are built").
 
     Args:
         lib: the ``llama_cpp`` module.

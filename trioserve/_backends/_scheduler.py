@@ -1,52 +1,21 @@
-"""The llama.cpp backend: many sequences, one context, one decode per step.
+"""The llama.cpp backend: many sequences, one context, one ``llama_decode`` per step.
 
-llama.cpp can decode tokens of many sequences in one ``llama_decode`` call (each batch
-entry carries a sequence id), which on a CPU costs far less than one call per sequence:
-the weights are read once per step instead of once per sequence. This backend keeps the
-product's shape around that (design and measurements: ``docs/batching.md``)::
+:class:`LlamaBackend` runs every admitted request as a sequence of one context (``n_seq_max
+= slots``, non-unified KV cache: each sequence owns ``n_ctx`` cells), decoded by one
+scheduler thread that writes pieces straight into each request's
+:class:`~trioserve._core._channel.PieceChannel` and never waits for Trio. Promises:
 
-    request (its own nursery)                     scheduler thread (one per backend)
-    ───────────────────────────                   ──────────────────────────────────
-    producer task: generate()                     loop:
-      submit(sequence) ──────── inbox ──────────▶   admit new sequences (seq ids)
-      await sequence.removed                        drop cancelled ones: seq_rm, free
-      on cancel: cancel(sequence),                  build the batch: one token per
-        wait (shielded) until the                   decoding sequence whose channel
-        scheduler has removed it                    has room + a prefill chunk
-    consumer (engine): channel.receive_batch ◀───   llama_decode(batch)   ← abort flag
-      (the request's PieceChannel: at most          sample each sequence's chain,
-       capacity pieces ahead of the client)         channel.put(piece)
+* **Cancellation.** A cancelled ``generate`` waits, shielded and bounded by one step,
+  until its sequence is out of the batch with its KV cells cleared, then raises the
+  request's ``Cancelled`` (never a :class:`BackendError`); the call in flight is aborted
+  when the cancelled sequences own at least half of its tokens, and the other
+  sequences' text does not change.
+* **Backpressure.** A sequence whose channel is full is paused (left out of the steps)
+  until its consumer makes room; the others go on. Nothing polls.
+* **Batch invariance** (``batch_invariant=True``): every stream's text at temperature 0
+  equals its text alone, whatever else runs.
 
-Contract:
-
-* **Per-request structure.** Each request keeps its nursery, producer and consumer.
-  The scheduler writes a sequence's pieces straight into the request's
-  :class:`~trioserve._channel.PieceChannel` and never waits for Trio.
-* **Cancellation.** A cancelled producer marks its sequence cancelled and waits
-  (shielded, bounded by one step) until the scheduler has taken it out of the batch and
-  cleared its KV cells (``llama_memory_seq_rm``); only then does ``generate`` raise the
-  request's ``Cancelled`` and the admission slot come free. If the cancelled sequences
-  own at least half of the tokens of the ``llama_decode`` call in flight (a lone
-  stream; a long prefill chunk), the cancel also raises the context's abort flag, so
-  the call stops within one graph node; the surviving sequences' cells written by the
-  aborted call are removed and their entries decoded again — their text does not
-  change. The scheduler only reports "removed because cancelled"; the Trio side raises
-  the cancel, so a cancelled request never ends as a backend error.
-* **Backpressure per sequence.** A sequence whose channel is full is *paused*: skipped
-  when the batch is built; the consumer's ``on_room`` wakes the scheduler when it takes
-  pieces. When nothing is runnable the thread sleeps on a condition variable.
-* **Prefill.** Alone, a prompt is evaluated in ``n_batch`` chunks; while others decode,
-  in ``prefill_chunk`` chunks, one per step. Either way a request alone is exact (its
-  text at temperature 0 equals a fresh server's).
-* **Batch invariance (optional).** With ``batch_invariant=True`` decode calls are never
-  wider than the width measured at load to be bit-identical to a lone sequence, and a
-  prompt chunk never shares a call — so every stream's text equals its solo text,
-  whatever else runs.
-
-KV cells: the context is created with ``n_seq_max = slots`` and a non-unified KV cache
-(``kv_unified = false``): every sequence owns ``n_ctx`` cells of its own, so admission
-counting sequences is counting cells, and attention never reads another sequence's
-cells.
+Design, defaults and measurements: ``docs/batching.md``.
 """
 
 from __future__ import annotations
@@ -475,7 +444,7 @@ def _probe_invariance(backend: LlamaBackend, scheduler: _Scheduler) -> tuple[int
 
 class LlamaBackend(LlamaModel):
     """llama.cpp inference: every running request is a sequence of one context, and
-    one scheduler thread decodes them together (see the module docstring).
+    one scheduler thread decodes them together (``docs/batching.md``).
 
     Create it with :meth:`load` / :meth:`aload` and :class:`LlamaSettings`.
     ``generations`` counts the generations inside the scheduler (submitted and not
