@@ -1,17 +1,9 @@
-"""Two changes to hypercorn, applied when trioserve serves: a fix for its HTTP/2 send
-buffer, and a registry of connections (for trioserve's stall timer, at the end).
-
-hypercorn (0.17, 0.18) buffers each HTTP/2 response stream in a ``StreamBuffer`` that
-should pause the application once 32 KiB are waiting. ``StreamBuffer.pop`` resumes the
-writer when the *chunk it popped* is under the low-water mark, rather than when the
-*buffer* has drained under it. When a client stops granting flow-control window, the
-send task pops zero bytes — on every push, since each push wakes it — and so lets the
-writer straight back in: the buffer grows without bound and inference never pauses
-(measured: 1,244 tokens buffered in 3 s for a client that read nothing). The same fix
-was merged in the anycorn fork (davidbrochart/anycorn#61).
-
-The patch replaces ``pop`` with the corrected rule and nothing else; it checks that
-the class still looks as expected, and leaves it alone otherwise.
+"""Two changes to hypercorn, applied when trioserve serves: the corrected resume rule
+of its HTTP/2 ``StreamBuffer.pop`` (so a stream that a client does not read stays
+bounded at 32 KiB), and a registry of connection sockets that the stall timer shuts
+down (:func:`shut_down_connection`). The patch checks that the class still looks as
+expected and leaves it alone otherwise. The bug and its measurement:
+``docs/operations.md``, "Flow control".
 """
 
 from __future__ import annotations

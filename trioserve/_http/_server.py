@@ -1,15 +1,11 @@
-"""Serving: hypercorn's trio worker, model loading, and the shutdown sequence.
+"""Serving: hypercorn's trio worker, tuned sockets, model loading, and the shutdown
+sequence.
 
-The server owns the shutdown trigger rather than leaving it to hypercorn, because
-hypercorn gives the application no notice before its ``graceful_timeout`` cancel (the
-client just sees a truncated body). Shutdown, in order:
-
-1. ``/health`` turns 503 and new generation requests get 503 (``shutting_down``);
-2. hypercorn stops accepting connections;
-3. in-flight requests get ``shutdown_grace`` seconds to finish on their own;
-4. then each is cancelled with cause ``shutdown``: its inference thread stops and the
-   client receives a final event saying so, then ``[DONE]``;
-5. the backend is closed and ``serve`` returns.
+:class:`Server` listens before the model loads and owns the shutdown trigger: on
+:meth:`Server.shutdown` it refuses new requests (503), stops accepting, gives in-flight
+requests ``shutdown_grace`` seconds, then cancels each with cause ``shutdown`` (the
+client gets a final event) and closes the engine; a cancel of ``Server.run`` skips the
+grace. Why the server, not hypercorn, owns it: ``docs/operations.md``, "Shutdown".
 """
 
 from __future__ import annotations
