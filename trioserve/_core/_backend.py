@@ -1,25 +1,17 @@
 """The backend interface: the one seam between the engine and whatever makes tokens.
 
-A backend turns a prepared prompt into a stream of token *bytes* written to the
-request's :class:`~trioserve._channel.PieceChannel`, and returns why it stopped. The
-engine owns everything else (admission, the per-request nursery, text assembly, stop
-sequences, deadlines), so a backend stays small. Three shapes fit it:
+A :class:`Backend` turns a :class:`PreparedPrompt` into token *bytes* written to the
+request's :class:`~trioserve._core._channel.PieceChannel`, and returns why it stopped;
+the engine owns everything else. Contract for :meth:`Backend.generate`:
 
-* blocking code driven from a worker thread (:class:`ThreadedBackend`: the scripted
-  backend),
-* a scheduler thread that multiplexes many sequences over one llama.cpp context
-  (``LlamaBackend``),
-* an upstream OpenAI-compatible server read with an async HTTP client (``_upstream.py``).
+* respect the channel's capacity (``send`` from Trio, ``put_wait`` from a thread, or
+  check ``room`` and pause): that is the backpressure; the engine closes the channel;
+* when its cancel scope is cancelled, stop promptly (well under one decode step), leave
+  the model state as a fresh request would find it, and raise that ``trio.Cancelled`` —
+  never a :class:`BackendError`;
+* count itself in :attr:`Backend.generations` until it has let go of the work.
 
-Contract for :meth:`Backend.generate`:
-
-* ``channel`` holds at most ``channel.capacity`` pieces: ``await channel.send(piece)``
-  (Trio side) waits while the consumer is not reading, a thread uses ``put_wait``, a
-  scheduler checks ``room`` and pauses the sequence. That is the backpressure. The
-  engine closes the channel when ``generate`` returns or raises.
-* If the surrounding cancel scope is cancelled, ``generate`` must stop generating
-  promptly (well under one decode step), leave its model state as a fresh request would
-  find it, and raise that ``trio.Cancelled`` — never a :class:`BackendError`.
+The backends that fit it: ``docs/embedding.md``.
 """
 
 from __future__ import annotations

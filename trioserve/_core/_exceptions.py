@@ -1,24 +1,9 @@
-"""The error tree. Foreign errors are mapped to these once, at each boundary.
+"""The error tree: every trioserve error is a :class:`TrioserveError`.
 
-::
-
-    TrioserveError
-    ├── InvalidRequestError        400  the request cannot be served as written
-    │   └── ContextLengthError     400  prompt (+ max_tokens) does not fit the context
-    ├── AuthenticationError        401  missing or wrong API key
-    ├── NotFoundError              404  unknown path or model
-    ├── MethodNotAllowedError      405
-    ├── PayloadTooLargeError       413
-    ├── HeadersTooLargeError       431
-    ├── UnsupportedMediaTypeError  415
-    ├── OverloadedError            429  queue full, or the deadline cannot be met
-    ├── ServiceUnavailableError    503  model loading, or shutting down
-    ├── DeadlineExceededError      504  the request's deadline passed before a byte
-    └── BackendError               500  the inference backend failed
-
-Each error knows its HTTP status and renders the OpenAI error body
-``{"error": {"message", "type", "param", "code"}}``, so the HTTP layer maps errors in
-exactly one place.
+Each error knows its HTTP status and its OpenAI error body (``type``, ``param``,
+``code``); foreign errors are mapped to these once, at each boundary, and the HTTP layer
+renders them in one place (``trioserve/_http/_errors.py``). The tree with each status:
+``docs/embedding.md``, "Errors"; the codes on the wire: ``docs/api.md``, "Errors".
 """
 
 from __future__ import annotations
