@@ -1,16 +1,9 @@
-"""Chat messages → one prompt string.
+"""Chat messages → one prompt string, and the stop strings that end an assistant turn.
 
-If the GGUF carries a chat template (``tokenizer.chat_template``), it is rendered with a
-sandboxed Jinja environment, as llama.cpp and transformers do. If not, a fallback is
-chosen by architecture and documented in ``docs/api.md``:
-
-* Gemma (``gemma``, ``gemma2``, ``gemma3``): Gemma's turn format. Gemma has no system
-  role, so system/developer messages are prepended to the first user turn; the
-  assistant's turns are ``model`` turns.
-* anything else: ChatML (``<|im_start|>role … <|im_end|>``).
-
-Each format also names the stop strings that end an assistant turn, for models (such as
-base models) that do not emit an end-of-turn token on their own.
+:func:`chat_format_for` picks the format: the GGUF's chat template
+(``tokenizer.chat_template``), rendered in a sandboxed Jinja environment, or a fallback
+by architecture (Gemma's turn format, system messages prepended to the first user turn;
+else ChatML). The fallbacks: ``docs/api.md``, "Chat prompts".
 """
 
 from __future__ import annotations

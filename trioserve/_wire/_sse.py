@@ -1,16 +1,8 @@
-"""Server-sent events, sans-IO.
-
-The encoder turns payloads into the exact bytes that go on the wire; the decoder turns
-bytes, split at arbitrary points (TCP does not respect event boundaries), back into
-events. Neither touches a socket, so both are tested byte-for-byte.
-
-Wire format (https://html.spec.whatwg.org/multipage/server-sent-events.html):
-
-* an event is a run of ``field: value`` lines ended by an empty line;
-* a payload with newlines becomes several ``data:`` lines (the decoder joins them
-  with ``\\n``);
-* a line starting with ``:`` is a comment: we use it for heartbeats;
-* lines may end with ``\\r\\n``, ``\\n`` or ``\\r``.
+"""Server-sent events, sans-IO: the encoder turns payloads into the exact bytes on the
+wire; the decoder turns bytes split at arbitrary points back into events (multi-line
+``data:`` joined with ``\\n``, ``:`` comments such as the heartbeat, any of ``\\r\\n``,
+``\\n``, ``\\r`` line ends). Neither touches a socket. The stream's format:
+``docs/api.md``, "Streaming format".
 """
 
 from __future__ import annotations
