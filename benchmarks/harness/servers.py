@@ -135,7 +135,7 @@ class Server:
         return health
 
     def wait_drained(
-        self, cap: float, gauges: Sequence[str] = ("inference_threads", "slots_in_use")
+        self, cap: float, gauges: Sequence[str] = ("generations_running", "slots_in_use")
     ) -> float | None:
         """Seconds until trioserve's ``/health`` shows every gauge 0; ``None`` after ``cap``."""
         started = time.perf_counter()
