@@ -1,13 +1,10 @@
 """trioserve: a streaming LLM inference server and library on Trio.
 
-Each request opens a nursery with a producer (inference in a scheduler or worker
-thread, with an abort flag that reaches into llama.cpp) and a consumer, linked by a
-small bounded channel (:class:`PieceChannel`); cancelling that one scope — client
-disconnect, deadline, shutdown, or your own cancel scope — tears every layer down
-deterministically.
-
 The public API is everything listed in ``__all__``; modules starting with ``_`` are
-private.
+private. Its promise: when a generation returns or raises — by a cancel of one of your
+scopes too — its inference has stopped, and its slot and model state are free. The
+library API with each call's cancellation behaviour: ``docs/embedding.md``; the
+architecture: ``docs/architecture.md``.
 """
 
 from ._backends import (

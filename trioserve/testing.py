@@ -1,21 +1,11 @@
 """Helpers for testing your own code against trioserve, in pytest-trio suites.
 
-::
-
-    import pytest
-    from trioserve.testing import open_test_server
-
-    @pytest.fixture
-    async def llm():
-        async with open_test_server(script=[b"Hello", b" world"]) as server:
-            yield server
-
-    async def test_my_client(llm):
-        text = await my_client.complete(base_url=llm.url + "/v1", prompt="Hi")
-        assert text == "Hello world"
-
-The server is real (hypercorn on 127.0.0.1, a free port); the backend is the scripted
-one unless you pass another, so tests are fast and deterministic.
+``async with open_test_server(...) as server`` runs a real server (hypercorn on
+127.0.0.1, a free port; ``server.url``, ``server.engine``) for the body of the block,
+with the scripted backend unless you pass another: fast and deterministic. An exception
+raised in the body comes out as itself; a backend that fails to load raises
+``RuntimeError`` with the reason. Example: ``docs/embedding.md``, "Testing your code
+against trioserve".
 """
 
 from __future__ import annotations

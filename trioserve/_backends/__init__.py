@@ -1,4 +1,7 @@
-"""Backends: what makes tokens. The engine sees only :class:`Backend`."""
+"""Backends: what makes tokens. The engine sees only :class:`~trioserve._core._backend.Backend`.
+
+Imports :mod:`trioserve._core` and :mod:`trioserve._wire`, never :mod:`trioserve._http`.
+"""
 
 from .._core._backend import Backend, GenerationProgress, ModelInfo, PreparedPrompt
 from ._llama import LlamaSettings

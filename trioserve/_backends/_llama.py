@@ -1,19 +1,11 @@
 """The llama.cpp model, on llama-cpp-python's low-level (C API) bindings.
 
-Why the low-level API: the per-token loop is the hot path, and the high-level
-``Llama.create_completion`` costs about 14 % per token in Python bookkeeping; and
-cancellation must reach *inside* ``llama_decode``, which needs the raw context.
-
-This module holds what does not depend on how requests are scheduled: the settings,
-the loaded model with its vocabulary, tokenizer, metadata and sampler chains
-(:class:`LlamaModel`), and one llama context with its batch and abort flag
-(:class:`_Context`). The backend — one context, many sequences, one scheduler thread —
-is :class:`~trioserve._backends._llama_scheduler.LlamaBackend`.
-
-The abort callback is a C function (``trioserve/_backends/_abort.c``) that reads one byte, the
-context's abort flag, between graph nodes (~400 times per decode step of Gemma 3 270M,
-also during prefill), so ``llama_decode`` returns 2 (aborted) within a fraction of a
-millisecond of the flag being raised, without taking the GIL.
+What does not depend on how requests are scheduled: :class:`LlamaSettings`, the loaded
+model with its vocabulary, tokenizer, metadata and sampler chains (:class:`LlamaModel`),
+and one llama context with its batch and abort flag (:class:`_Context`), whose abort
+callback (``_abort.c``) reads that flag between graph nodes without the GIL. The backend
+itself is :class:`~trioserve._backends._scheduler.LlamaBackend`. Why the low-level API
+and a C callback: ``docs/architecture.md``, "The per-token path".
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """A scripted backend: deterministic tokens at a set pace, for tests and benchmarks.
 
-It behaves like the llama.cpp backend where the engine can tell: it runs off the event
-loop (in a worker thread, through the same :class:`~trioserve._channel.PieceChannel`),
-"prefills" for a time proportional to the prompt, emits one piece per
-``token_interval``, and checks the abort flag at the same points (between tokens, and
-every millisecond inside prefill and inside a decode step, as llama.cpp's abort
-callback does between graph nodes). Its tokenizer is UTF-8 bytes: one token per byte.
+It behaves like the llama.cpp backend where the engine can tell: it runs in a worker
+thread (:class:`~trioserve._backends._threaded.ThreadedBackend`), "prefills" for a time
+proportional to the prompt, emits one piece per ``token_interval``, and checks the abort
+flag between tokens and every millisecond inside prefill and decode steps. Its tokenizer
+is UTF-8 bytes: one token per byte.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """Backends whose inference is blocking code run in a Trio worker thread.
 
-The thread writes into the request's :class:`~trioserve._channel.PieceChannel` — the
-same bridge the llama scheduler uses — so a piece costs a lock and an append, and the
-event loop is woken only when the consumer waits for one:
-
-* ``infer`` runs under ``trio.to_thread.run_sync`` *without* ``abandon_on_cancel``: a
-  cancelled request waits for its thread to return, so nothing outlives the request;
-* ``emit(piece)`` is ``channel.put_wait(piece)``: it blocks while the channel is full
-  (backpressure) and raises :class:`~trioserve._channel.Aborted` once the request is
-  being torn down;
-* ``aborted()`` reads one flag, set by a Trio task of the request's scope when the
-  scope is cancelled: cheap enough to call every millisecond of a simulated step.
-
-The thread only ever *reports* an abort; the Trio side decides what it was. After the
-thread returns, the request's own ``Cancelled`` is raised by Trio (the cancel that
-caused the abort); an abort without a cancel is a :class:`BackendError`. So a cancelled
-request never ends as a backend error, whichever side notices first.
+:meth:`ThreadedBackend.run_in_thread` runs ``infer(prompt, emit, aborted, progress)``
+under ``trio.to_thread.run_sync`` *without* ``abandon_on_cancel``: a cancelled request
+waits for its thread to return, so nothing outlives it. ``emit`` is the channel's
+``put_wait`` (blocks while full, raises :class:`~trioserve._core._channel.Aborted` once
+the request is torn down); ``aborted()`` reads one flag, cheap enough to call every
+millisecond. The thread only *reports* an abort: the Trio side raises the request's own
+``Cancelled``, and an abort without a cancel is a :class:`BackendError`
+(``docs/cancellation.md``, design rule 2).
 """
 
 from __future__ import annotations

@@ -1,29 +1,19 @@
-"""The one bridge between whatever makes tokens and the request's consumer.
+"""The one bridge from whatever makes tokens to the request's consumer.
 
-A :class:`PieceChannel` links a request's producer to its consumer. It holds at most
-``capacity`` pieces (token bytes): the producer — a Trio task (an upstream), a worker
-thread (the scripted backend) or the llama scheduler thread — can run that far ahead of
-the client and no further. It replaces ``trio.from_thread.run`` per token: a thread
-appends under a lock and wakes the consumer only if the consumer is parked waiting
-(one ``TrioToken.run_sync_soon`` then), so a fast producer costs the event loop
-nothing per piece, and a consumer that falls behind takes every waiting piece in one
-:meth:`receive_batch` (one SSE write for all of them).
+A :class:`PieceChannel` holds at most ``capacity`` pieces (token bytes). Contract:
 
-Contract:
-
-* one consumer task; producers call :meth:`put` (thread or Trio side, never blocks:
-  the caller checks :attr:`room` first or accepts going past capacity by one step),
-  :meth:`put_wait` (a worker thread: blocks while full, raises :class:`Aborted` once
-  :meth:`abort` was called) or :meth:`send` (a Trio task: waits while full);
-* :meth:`close` (Trio side) marks the end: the consumer receives what is left, then
-  ``trio.EndOfChannel``;
-* :meth:`close_receiving` (the consumer is leaving): producers' sends raise
-  ``trio.BrokenResourceError`` and waiting threads wake with :class:`Aborted`;
-* ``on_room``: called on the Trio thread when the consumer makes room in a full
-  channel (the scheduler uses it to resume a paused sequence: no polling).
+* one consumer task, which takes every waiting piece with :meth:`receive_batch`;
+* producers: :meth:`put` (any thread, never blocks: check :attr:`room` first),
+  :meth:`put_wait` (a worker thread: blocks while full, raises :class:`Aborted` after
+  :meth:`abort`) or :meth:`send` (a Trio task: waits while full);
+* :meth:`close` (Trio side): the consumer gets what is left, then ``trio.EndOfChannel``;
+  :meth:`close_receiving` (the consumer leaves): sends raise ``trio.BrokenResourceError``,
+  waiting threads wake with :class:`Aborted`;
+* ``on_room`` is called on the Trio thread when the consumer makes room in a full channel.
 
 Cancellation: :meth:`receive_batch` and :meth:`send` are ordinary Trio checkpoints; a
-cancel while parked loses nothing (pieces stay queued).
+cancel while parked loses nothing. Why it replaces ``from_thread.run`` per token:
+``docs/architecture.md``, "The per-token path".
 """
 
 from __future__ import annotations

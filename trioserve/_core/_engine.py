@@ -1,24 +1,15 @@
-"""The heart: one generation request's life, inside one nursery.
+"""The engine: one generation request's life inside one nursery.
 
-::
-
-    engine.stream(request)                         ← caller's cancel scopes around all of it
-      engine's scope for this stream               ← Engine.aclose() cancels it
-      admission.slot()                             queued: a Trio wait, FIFO, bounded
-        nursery ──────────────────────────────────────────────────────────────┐
-          producer task:  backend.generate(prompt, channel)                   │
-                            └─ thread / scheduler / upstream  pieces ──┐      │
-          consumer (the caller's body):                PieceChannel     │      │
-            async for event in stream  ◀── receive_batch ◀──────────────┘      │
-              UTF-8 assembly → stop sequences → TextDelta / Finished          │
-        ◀─────────────────────────────────────────────────────────────────────┘
-      slot released (when inference ends)
-
-Leaving the ``async with`` — normally, by ``break``, by an exception or by a cancel of
-any enclosing scope — cancels the producer and waits for its inference to return. So
-when ``stream()`` has exited, no thread, task or slot of the request is left. An
-exception raised in the body comes out of ``stream()`` as itself, never wrapped in an
-exception group (:func:`~trioserve._errors.unwrap_group`).
+``async with engine.stream(request) as events`` queues for a slot, runs the backend's
+producer and the caller's body (the consumer) in one nursery, linked by a
+:class:`~trioserve._core._channel.PieceChannel` of ``WINDOW`` pieces, and yields
+:class:`EventStream` (``TextDelta`` … ``Finished``). Leaving the block — normally, by
+``break``, an exception or a cancel of any enclosing scope — cancels the producer and
+waits for its inference to return: then no thread, task or slot of the request is left.
+An exception raised in the body comes out as itself
+(:func:`~trioserve._core._errors.unwrap_group`). :meth:`Engine.aclose` cancels every
+stream and closes the backend once they have returned. The flow and who cancels whom:
+``docs/architecture.md``, ``docs/cancellation.md``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""Exception groups at the seams: a nursery that the caller cannot see must not
-change the type of what the caller raised.
+"""Exception groups at the seams: a nursery the caller cannot see must not change the
+type of what the caller raised.
 
-:func:`unwrap_group` wraps a private nursery (the engine's per-request nursery, the
-thread bridge's, the test server's, ``Server.run``'s). If the group it raises holds
-exactly one exception that is not ``trio.Cancelled``, that exception comes out as
-itself — same object, its own traceback, cause and context — as
-``trio.as_safe_channel`` does. A group of only ``Cancelled`` is left alone (the
-cancel scope it belongs to catches it); several real errors stay a group, since
-dropping any of them would hide a failure.
+:func:`unwrap_group` wraps a private nursery: a group holding exactly one exception that
+is not ``trio.Cancelled`` comes out as that exception (same object, traceback, cause and
+context, as ``trio.as_safe_channel`` does); a group of only ``Cancelled`` is left for its
+cancel scope; several real errors stay a group.
 """
 
 from __future__ import annotations

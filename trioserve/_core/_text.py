@@ -1,17 +1,10 @@
 """Text assembly, sans-IO: token bytes in, safe text deltas out.
 
-Two problems sit between a token stream and the text a client may see:
-
-* A token is a run of *bytes*, not characters. Byte-level BPE splits one CJK character
-  or emoji across two or three tokens; decoding each token on its own produces U+FFFD
-  garbage. :class:`Utf8Assembler` holds back an incomplete trailing sequence until the
-  bytes that complete it arrive.
-* A stop sequence can straddle tokens (``"\\n\\n"`` arriving as ``"\\n"`` + ``"\\n"``).
-  :class:`StopMatcher` holds back any tail that could still become a stop sequence, and
-  never lets the stop sequence itself through.
-
-:class:`TextAssembler` chains both. It is the per-token hot path, so the common case
-(no stop sequences, a complete ASCII piece) is one incremental decode and no copies.
+:class:`Utf8Assembler` never lets an incomplete UTF-8 sequence through (it waits for the
+bytes that complete it); :class:`StopMatcher` holds back any tail that could still
+become a stop sequence and never lets the stop sequence itself through;
+:class:`TextAssembler` chains both, and is the per-token hot path. What the client sees:
+``docs/api.md``, "Streaming format".
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""The HTTP surface: an ASGI app for hypercorn's trio worker.
+"""The HTTP surface: an ASGI app for hypercorn's trio worker, and the server around it.
 
-* ``_generation.py`` — ``POST /v1/completions`` and ``/v1/chat/completions``, served at
-  the ASGI level so each request's whole life is one cancel scope (the module
-  docstring there draws it);
-* ``_routes.py`` — everything else, as an ordinary quart-trio app (health, models,
-  metrics, the page, JSON errors for unknown paths);
-* ``_exchange.py`` — one exchange's response side and request helpers;
-* ``_state.py`` — settings, shared server state, per-request cancel handles.
+The generation endpoints are served at the ASGI level (:mod:`._generation`: one request,
+one cancel scope), everything else by a quart-trio app (:mod:`._routes`); every error
+response is rendered by :mod:`._errors`. Imports :mod:`trioserve._core` and
+:mod:`trioserve._wire`, never :mod:`trioserve._backends`. Module map:
+``docs/architecture.md``.
 """
 
 from ._generation import FINAL_EVENT_TIMEOUT

@@ -1,14 +1,9 @@
 """Access control, as one ASGI layer in front of everything: API keys and CORS.
 
-* **API keys**: with one or more keys configured, every ``/v1/…`` endpoint and
-  ``/metrics`` needs ``Authorization: Bearer <key>``; without a valid one the answer is
-  401 with an OpenAI-style error. ``/health`` and the page (``/``) stay open, so load
-  balancers and browsers can reach them. Keys are compared in constant time (each
-  configured key's SHA-256 against the presented key's, with ``hmac.compare_digest``,
-  always over all keys) and are never logged.
-* **CORS** (off by default): for the configured origins (or ``*``), preflight
-  ``OPTIONS`` requests are answered here, and responses carry
-  ``Access-Control-Allow-Origin``.
+With keys configured, ``/v1/…`` and ``/metrics`` need ``Authorization: Bearer <key>``
+(401 otherwise); ``/health`` and the page stay open. Keys are compared in constant time,
+always over all keys, and never logged. CORS (off by default) answers preflight
+``OPTIONS`` for the configured origins. Details: ``docs/operations.md``, "Access".
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
-"""The generation endpoints: one request's whole life in one cancel scope.
+"""The generation endpoints (``POST /v1/completions``, ``/v1/chat/completions``), served
+at the ASGI level: one request's whole life in one cancel scope.
 
-The generation endpoints (``POST /v1/completions``, ``POST /v1/chat/completions``) are
-handled at the ASGI level, because that is where one request's whole life fits in one
-cancel scope::
-
-    with CancelScope(deadline) as request_scope:           ← deadline, shutdown
-        nursery:
-            watcher:   await receive() → http.disconnect → request_scope.cancel()
-            consumer:  async with engine.stream(...) as events:
-                           async for event in events: await send(SSE bytes)
-
-A Quart-level streaming route would put that nursery inside an async generator that
-Quart cancels from outside (measured: 2 failures in 20 runs); here nothing spans a
-``yield``. Everything else (health, models, errors for unknown paths) is an ordinary
-quart-trio app.
+:class:`GenerationHandler` runs each request inside its
+:class:`~trioserve._http._request.InFlightRequest`'s scope, with a disconnect watcher, a
+stall timer (shielded until the body is done) and, for streams, a heartbeat until the
+first event. Every cause cancels that scope (the first recorded wins); when the handler
+returns, the request's inference has returned and its slot is free. A response that
+ended on its own is sent in full (shielded, bounded by the stall timeout); a deadline or
+shutdown gets a final event within ``FINAL_EVENT_TIMEOUT``. Why the ASGI level, and
+every bound: ``docs/architecture.md``, ``docs/cancellation.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """One generation request's state, from its first byte to its log line.
 
-:class:`InFlightRequest` is the only per-request state the generation handler keeps.
-Its :class:`Phase` only moves forward::
+:class:`InFlightRequest` is the only per-request state the generation handler keeps: its
+exchange, its one cancel scope (``cancel_scope``, with the deadline) and why it ended.
+Its :class:`Phase` only moves forward (:meth:`InFlightRequest.advance` raises
+otherwise)::
 
     RECEIVING ─▶ QUEUED ─▶ STREAMING ─▶ FINISHING ─▶ DONE
         └──────────┴───────────┴──────────▲ (an error or a cancel skips ahead)
 
-* ``RECEIVING``: headers, body and parse; the request holds nothing yet.
-* ``QUEUED``: inside its cancel scope and registered with the server (shutdown reaches
-  it); preparing, waiting for admission, in prefill.
-* ``STREAMING``: the first event from the engine has arrived.
-* ``FINISHING``: the last bytes (the end of the body, an error, a final event) are
-  being sent.
-* ``DONE``: the log line and the metrics are written.
-
-The first cancel cause recorded wins; the deadline is a cause too, recorded when its
-scope is found cancelled, dated when it passed.
+The first cause recorded wins (:meth:`InFlightRequest.cancel`); a deadline is recorded
+as the cause dated when it passed. What each phase holds: ``docs/architecture.md``,
+"One request's state".
 """
 
 from __future__ import annotations

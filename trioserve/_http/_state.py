@@ -1,5 +1,6 @@
-"""What the HTTP layer shares with the server: settings, the engine once loaded, and
-one cancel handle per in-flight request (so that shutdown can reach each one)."""
+"""What the HTTP layer shares with the server: :class:`HTTPSettings`, and
+:class:`ServerState` (the engine once loaded, and every
+:class:`~trioserve._http._request.InFlightRequest`, so that shutdown can reach each one)."""
 
 from __future__ import annotations
 
