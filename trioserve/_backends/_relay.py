@@ -1,19 +1,18 @@
 """Talking to one upstream server: a streamed ``POST /v1/completions`` relayed into a
 request's channel, ``GET /v1/models`` (and llama-server's ``/props``) to describe it,
-and every way an upstream can answer mapped to trioserve's errors.
+and every way an upstream can answer mapped to trioserve's errors. Promises:
 
-The contract (docs/deployment.md, "What each layer cancels", has the reasons):
+* text goes into the channel (``await channel.send()``) before more bytes are read, over
+  a socket with a small receive buffer: a client that stops reading stops the upstream;
+* a cancel closes the upstream connection (HTTP/1.1, never pooled) before ``Cancelled``
+  propagates; the time left on the request's deadline goes upstream as
+  ``X-Request-Timeout``;
+* :class:`UpstreamUnavailable`: the upstream is not serving (unreachable, 502/503/504, a
+  stream broken off); :class:`Retry`: this attempt failed (429, other 5xx, a mid-stream
+  error), another upstream may do; a 4xx is the client's :class:`InvalidRequestError`
+  (:class:`ContextLengthError`) with the upstream's message.
 
-* Text goes into the channel with ``await channel.send()`` before the next bytes are
-  read, and the socket's receive buffer is small: a client that stops reading stops
-  the upstream after a few KiB.
-* A cancel closes the upstream connection (never pooled) before ``Cancelled``
-  propagates; HTTP/1.1 only, since closing an HTTP/2 response sends no RST_STREAM.
-* The time left on the request's deadline goes upstream as ``X-Request-Timeout``.
-* :class:`UpstreamUnavailable`: the upstream is not serving (unreachable, 502/503/504,
-  a stream broken off); :class:`Retry`: it answered but this attempt failed (429, other
-  5xx, a mid-stream error), another upstream may do; a 4xx is the client's
-  :class:`InvalidRequestError` (:class:`ContextLengthError`) with the upstream's message.
+Why: ``docs/deployment.md``, "What each layer cancels".
 """
 
 from __future__ import annotations

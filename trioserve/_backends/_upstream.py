@@ -1,16 +1,11 @@
-"""The upstream backend: trioserve in front of OpenAI-compatible servers (vLLM,
-llama.cpp's ``llama-server``, llama-cpp-python's server, another trioserve), with the
+"""The upstream backend: trioserve in front of OpenAI-compatible servers, with the
 semantics of a local model: backpressure passes through, a cancel closes the upstream
-request at once, the deadline travels (``_relay.py``).
+request before ``Cancelled`` propagates, the deadline travels (:mod:`._relay`).
 
-Several upstreams are balanced (``_balancer.py``). A request whose upstream fails
-before a byte reached the client is retried on another upstream; after the first byte
-it ends with an error (a generation cannot be resumed elsewhere token-exactly).
-
-Token counts: there is no local tokenizer. ``prompt_tokens`` and ``completion_tokens``
-come from the upstream's usage chunk when it sends one (vLLM, llama-server, trioserve);
-otherwise ``prompt_tokens`` stays 0 and ``completion_tokens`` counts the streamed chunks
-with text (one per token on those servers, an estimate in general).
+Upstreams are chosen by :mod:`._balancer`. A request whose upstream fails before a byte
+reached the client is retried on another; after the first byte it ends with an error.
+There is no local tokenizer: token counts come from the upstream's usage chunk, else
+``completion_tokens`` counts text chunks. ``docs/deployment.md`` has the why.
 """
 
 from __future__ import annotations
