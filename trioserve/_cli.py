@@ -94,6 +94,14 @@ def _parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds a failed upstream is skipped before a request probes it again (default: 5)",
     )
+    upstream.add_argument(
+        "--upstream-body",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="fields merged into every upstream request, e.g. '{\"repeat_penalty\": 1.0}' for "
+        "llama-cpp-python (whose default is 1.1); llama-server is sent return_progress on its own",
+    )
     net = serve.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     net.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
@@ -204,6 +212,16 @@ def _configure_logging(level: str, fmt: str) -> None:
     logging.getLogger("trioserve").setLevel(level.upper())
 
 
+def _json_object(text: str) -> dict[str, object]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"repeat_penalty\": 1.0}'")
+    return value
+
+
 def _loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backend]]]:
     if args.upstream:
         if args.scripted or args.model is not None:
@@ -215,6 +233,7 @@ def _loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backe
             model_id=args.model_id,
             slots_per_upstream=slots,
             cooldown=args.upstream_cooldown,
+            extra_body=args.upstream_body,
             api_key=os.environ.get("TRIOSERVE_UPSTREAM_API_KEY") or None,
         )
         return f"upstream(s) {', '.join(args.upstream)} ({slots} slot(s) each)", load

@@ -118,3 +118,19 @@ def test_the_old_batch_flag_is_accepted_with_a_warning() -> None:
         exit_code = server.stop(signal.SIGINT)
     assert exit_code == 0
     assert "--batch is the default now" in "".join(server.log)
+
+
+def test_upstream_body_is_a_json_object_merged_into_upstream_requests(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from trioserve._cli import _loader, _parser
+
+    args = _parser().parse_args(
+        ["serve", "--upstream", "http://127.0.0.1:9", "--upstream-body", '{"repeat_penalty": 1.0}']
+    )
+    _, load = _loader(args)
+    assert load.keywords["extra_body"] == {"repeat_penalty": 1.0}  # type: ignore[attr-defined]
+    with pytest.raises(SystemExit) as exited:
+        _parser().parse_args(["serve", "--upstream", "http://x", "--upstream-body", "[1]"])
+    assert exited.value.code == 2
+    assert "--upstream-body: must be a JSON object" in capsys.readouterr().err

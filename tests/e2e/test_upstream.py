@@ -220,11 +220,12 @@ def llama_server_binary() -> str:
 
 
 #: llama-server's settings for a prompt evaluation that stops soon after a cancel
-#: (docs/deployment.md, "Upstream llama-server"): small batches, and prompt-progress
-#: events, the only results that wake its HTTP thread to notice a closed connection
-#: before the first token (otherwise it looks once a second)
+#: (docs/deployment.md, "Upstream llama-server"): small batches. (trioserve asks an
+#: upstream that answers llama-server's /props for prompt-progress events itself:
+#: ``return_progress``, the only results that wake its HTTP thread to notice a closed
+#: connection before the first token.)
 LLAMA_SERVER_BATCH = ("-b", "16", "-ub", "16")
-LLAMA_SERVER_EXTRA_BODY: dict[str, object] = {"return_progress": True}
+LLAMA_SERVER_EXTRA_BODY: dict[str, object] = {}
 
 
 @pytest.fixture(scope="module")
@@ -358,11 +359,14 @@ async def _slot(client: httpx.AsyncClient) -> dict[str, Any]:
 async def test_client_disconnect_mid_prefill_makes_llama_server_go_idle(
     llama_server_upstream: LlamaUpstream, serve: Serve
 ) -> None:
-    """With ``-b 16`` and ``return_progress``, llama-server notices the closed upstream
-    connection at the next batch's progress event and drops the slot at the batch after:
-    idle within ~2 batches (~50-100 ms here) instead of the rest of the prompt (seconds)."""
+    """With ``-b 16`` and ``return_progress`` (which trioserve sends to a llama-server
+    on its own), llama-server notices the closed upstream connection at the next batch's
+    progress event and drops the slot at the batch after: idle within ~2 batches
+    (~50-100 ms here) instead of the rest of the prompt (seconds)."""
     upstream = llama_server_upstream
-    front = await serve(await UpstreamBackend.aload([upstream.url], extra_body=upstream.extra_body))
+    backend = await UpstreamBackend.aload([upstream.url])
+    assert backend.upstreams[0].request_fields == {"return_progress": True}
+    front = await serve(backend)
     # a prompt it has never seen (the tag first: no cached prefix), ~1,500 tokens
     prompt = f"[document {uuid.uuid4().hex}] " + "The history of the city is long and varied. " * 150
     async with httpx.AsyncClient(base_url=upstream.url, timeout=60) as direct:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
@@ -26,6 +26,9 @@ class UpstreamState:
     url: str
     #: the model name this upstream serves (``None``: unknown; the backend's id is sent)
     model_id: str | None = None
+    #: fields this kind of server needs in every request (llama-server:
+    #: ``return_progress``); the backend's ``extra_body`` overrides them
+    request_fields: dict[str, object] = field(default_factory=dict)
     #: requests on this upstream right now
     outstanding: int = 0
     #: requests sent, and attempts that failed (connect error, 502/503/504, broken stream)

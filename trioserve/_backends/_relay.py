@@ -224,6 +224,12 @@ class UpstreamClient:
         except (httpx.HTTPError, ValueError):
             props = {}
         if isinstance(props, dict):
+            if isinstance(props.get("default_generation_settings"), dict):  # llama-server
+                # a prompt-progress event (empty text) after every batch: its HTTP thread
+                # checks for a closed connection only when a result arrives, else once a
+                # second, so without them a client that leaves mid-prompt keeps it
+                # computing for up to 1 s more (docs/deployment.md)
+                upstream.request_fields = {"return_progress": True}
             settings = props.get("default_generation_settings")
             n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
             if isinstance(n_ctx, int) and description["context_length"] is None:

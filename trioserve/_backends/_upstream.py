@@ -272,7 +272,7 @@ class UpstreamBackend(Backend):
                 )
             index, upstream, probing = picked
             tried.add(index)
-            body = {**payload, "model": upstream.model_id or self._info.id}
+            body = {**upstream.request_fields, **payload, "model": upstream.model_id or self._info.id}
             error: TrioserveError
             try:
                 with balancer.attempt(upstream, probing):
