@@ -400,11 +400,12 @@ class GenerationHandler:
     async def _collect(self, request: InFlightRequest, events: EventStream) -> None:
         parts: list[str] = []
         async for event in events:
+            if request.phase is Phase.QUEUED:  # the first event
+                request.advance(Phase.STREAMING)
             if type(event) is TextDelta:
                 parts.append(event.text)
             else:
                 assert isinstance(event, Finished)
-                request.advance(Phase.STREAMING)
                 request.end(event.reason)
                 if event.reason == "error":
                     failure = events.backend_error
