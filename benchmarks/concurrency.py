@@ -97,13 +97,8 @@ def run(args: Any) -> dict[str, Any]:
                 g, s = groups.measure(name, url, pids, args)
             all_groups += g
             all_streams += s
-    notes = groups.notes(all_groups, all_streams, args.other_load_warn)
-    return {
-        "config": cfg,
-        "groups": [asdict(g) for g in all_groups],
-        "streams": [asdict(s) for s in all_streams],
-        "notes": notes,
-    }
+    out = {"config": cfg, "notes": groups.notes(all_groups, all_streams, args.other_load_warn)}
+    return out | {"groups": [asdict(g) for g in all_groups], "streams": [asdict(s) for s in all_streams]}
 
 
 def report(result: dict[str, Any], args: Any) -> None:
