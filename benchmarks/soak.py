@@ -1,1476 +1,181 @@
-"""Soak: a bounded run of mixed, hostile traffic against ``trioserve serve``, then proof
-that nothing leaked and that every request ended with a recorded cause.
+"""Soak: thousands of mixed, hostile requests against ``trioserve serve``, then proof that
+nothing leaked and that every request ended with a recorded cause.
 
-The server runs as a subprocess, the way a user runs it (``trioserve serve --port 0
---log-level info``, on the scripted backend with ``--scripted`` or on a real model), its
-stderr going to a log file. After a short warm-up, and once Trio's idle worker threads
-have exited, the benchmark takes a baseline of the server process (threads, open file
-descriptors, RSS), then sends ``--requests`` requests with at most ``--concurrency`` jobs
-at a time, each job's kind drawn at random (``--seed``; the plan and every job's choices
-are reproducible, their timing is not):
+The traffic and the checks are ``tests/soak_traffic.py`` (``tests/e2e/test_soak.py`` runs
+them small); this script gives them a command line and a report, and exits 1 on any
+problem. The kinds of request, the checks and the warnings: docs/benchmarks.md, "Soak".
 
-``normal``
-    ``/v1/completions`` or ``/v1/chat/completions``, streamed or not, small ``max_tokens``
-    (httpx). Expect 200 and a natural end (``length``; with a model also ``stop``).
-``disconnect``
-    a raw socket that leaves at a random point: mid-body, after a random delay, after a
-    random number of bytes or SSE events; with a FIN, or with an RST (``SO_LINGER`` 0) once
-    the response has begun. Expect cause ``disconnect``.
-``deadline``
-    ``X-Request-Timeout`` a random fraction of a second on a long generation (httpx).
-    Expect ``finish_reason: "deadline"`` (stream) or 504 (not streamed): cause ``deadline``.
-``bad``
-    one of a set of malformed requests (not JSON, wrong types, empty prompt, unknown
-    model, too large a body, wrong Content-Type or method, …). Expect its 4xx, cause ``error``.
-``overload``
-    a burst of ``slots + max_queue + 2..6`` requests sent at once on raw sockets. Expect
-    some 429s (cause ``overloaded``), the rest 200.
-``slow``
-    a raw socket with a tiny ``SO_RCVBUF`` (set before connecting) that reads a little of a
-    long stream, then stops reading; the server's ``--stall-timeout`` must cut it off
-    (``TCP_USER_TIMEOUT``). Expect cause ``stall``. At most ``--max-slow`` of them, one at
-    a time, since each holds a slot for the stall timeout.
-
-Any request may also meet a full queue (429, ``overloaded``), which is always accepted.
-Every request carries a unique ``X-Request-Id``.
-
-Afterwards, with every client connection closed:
-
-* ``/health`` must come back to ``slots_in_use``, ``queued``, ``active_streams``,
-  ``inference_threads`` and ``requests_in_flight`` all 0;
-* the server's threads must come back to the baseline. Trio keeps idle worker threads
-  for 10 s (named ``Trio thread N``); the benchmark waits up to ``--settle`` seconds for
-  them to exit, and reports separately threads that are not idle in that cache;
-* its open file descriptors must come back to the baseline. Sockets whose client has
-  closed (``CLOSE_WAIT``) or reset them while the server still holds them are counted
-  apart: hypercorn closes an idle keep-alive connection only at its keep-alive timeout
-  (75 s in trioserve), so the benchmark waits up to ``--linger`` seconds more for those
-  (a warning when they close in time, a failure when not; ``--linger 0`` only reports
-  them);
-* RSS growth is reported (before, peak, after) and must stay under
-  ``--max-rss-growth-mib``;
-* after a SIGTERM the server must exit 0, and its log (logger ``trioserve.requests``)
-  must hold exactly one line per request id sent, with a cause that is neither ``None``
-  nor ``unknown``, consistent with what the client saw (status code, ``finish_reason``)
-  and with the request's kind;
-* the causes counted by ``trioserve_stream_ends_total`` in ``/metrics`` must equal the
-  causes in the log, and no ERROR line may appear in the log.
-
-The exit status is 1 when any of these fails (each failure is listed), 0 otherwise.
-Warnings (listed, not failures): sockets that lingered as above, and streamed requests
-refused after their stream had started (a race in admission: the client sees 200 and
-``finish_reason: "error"``, the log says ``overloaded``). ``--oversized-headers`` adds
-431s to the bad inputs; those get no log line today, so the run fails.
-
-Run ``python benchmarks/soak.py --help`` for the options; ``run_soak`` is the same run
-as a function (``tests/e2e/test_soak.py`` calls it).
+    python benchmarks/soak.py --scripted --markdown --json artifacts/soak_scripted.json
+    python benchmarks/soak.py --slots 4 --json artifacts/soak_model.json
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
-import platform
-import random
-import re
+import dataclasses
 import signal
-import socket
 import statistics
-import struct
-import subprocess
 import sys
-import tempfile
-import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
-from urllib.parse import urlsplit
+from typing import Any
 
-import httpx
 import trio
 
-KINDS = ("normal", "disconnect", "deadline", "bad", "overload", "slow")
-#: relative weights per job (an ``overload`` job is a burst of many requests)
-DEFAULT_MIX = {
-    "normal": 50.0,
-    "disconnect": 20.0,
-    "deadline": 12.0,
-    "bad": 12.0,
-    "overload": 0.6,
-    "slow": 5.0,
-}
-HEALTH_GAUGES = ("slots_in_use", "queued", "active_streams", "inference_threads", "requests_in_flight")
-PROMPTS = (
-    "Once upon a time",
-    "The capital of France is",
-    "Write a haiku about rivers.",
-    "def fibonacci(n):",
-    "In the beginning",
-)
-#: the client's receive buffer for slow readers (the kernel doubles it)
-SLOW_READER_RCVBUF = 4096
-#: the server's request-body limit during the soak (a ``bad`` case sends more)
-MAX_BODY_BYTES = 65536
-REQUEST_LINE = re.compile(
-    r"trioserve\.requests: request (?P<id>\S+) (?P<path>\S+) model=(?P<model>\S+) "
-    r"status=(?P<status>\S+) cause=(?P<cause>\S+)"
-)
-FINISH_REASON = re.compile(rb'"finish_reason":\s*"(\w+)"')
-STATUS_LINE = re.compile(rb"HTTP/1\.[01] (\d{3})")
-
-
-# ---------------------------------------------------------------------- configuration
-
-
-@dataclass(kw_only=True)
-class SoakConfig:
-    """One soak run. ``None`` fields take the backend's default (:func:`defaults`)."""
-
-    scripted: bool = True
-    model: Path | None = None
-    requests: int | None = None
-    concurrency: int | None = None
-    seed: int = 1
-    slots: int | None = None
-    max_queue: int = 8
-    stall_timeout: float = 2.0
-    scripted_interval: float = 0.002
-    threads: int = 2
-    max_slow: int | None = None
-    mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_MIX))
-    settle: float = 15.0
-    linger: float = 90.0
-    max_rss_growth_mib: float | None = None
-    ready_timeout: float = 180.0
-    log_file: Path | None = None
-    oversized_headers: bool = False
-    verbose: bool = True
-
-
-def defaults(scripted: bool) -> dict[str, Any]:
-    """Defaults that depend on the backend: thousands of requests on the scripted one,
-    a few hundred on a real model (one slot, short completions)."""
-    if scripted:
-        return {"requests": 3000, "concurrency": 8, "slots": 4, "max_slow": 8, "max_rss_growth_mib": 64.0}
-    return {"requests": 300, "concurrency": 4, "slots": 1, "max_slow": 3, "max_rss_growth_mib": 160.0}
-
-
-@dataclass(frozen=True)
-class Profile:
-    """What the requests look like on one backend."""
-
-    normal_max_tokens: int  # normal requests: 1..this
-    long_max_tokens: int  # disconnect and deadline requests: never finished in time
-    slow_max_tokens: int  # slow readers: enough SSE to fill every buffer on the way
-    burst_max_tokens: int
-    deadline_range: tuple[float, float]  # X-Request-Timeout, seconds
-    disconnect_delay_max: float  # seconds
-    request_timeout: float  # the client gives up on one request after this long
-    natural: frozenset[str]  # how a generation can end on its own
-
-    @classmethod
-    def of(cls, scripted: bool) -> Profile:
-        if scripted:  # the default script never ends: only max_tokens stops it
-            return cls(32, 3000, 4000, 40, (0.05, 0.5), 0.3, 60.0, frozenset({"length"}))
-        return cls(16, 400, 2000, 8, (0.1, 0.8), 1.0, 180.0, frozenset({"stop", "length"}))
-
-
-# ---------------------------------------------------------------------- records
-
-
-@dataclass
-class Record:
-    """One request: what was sent, what the client saw, what the server logged."""
-
-    id: str
-    kind: str
-    variant: str
-    expected: list[str]  # causes this request may end with
-    status: int | None = None  # as the client saw it (None: it left before the status line)
-    finish: str | None = None  # the finish_reason the client saw
-    problem: str | None = None  # what the client found wrong
-    note: str = ""
-    seconds: float = 0.0
-    server_status: str | None = None  # from the log line
-    cause: str | None = None
-    lines: int = 0
-
-
-@dataclass
-class Job:
-    index: int
-    kind: str
-    size: int  # requests in the job (a burst has many)
-    records: list[Record] = field(default_factory=list)
-
-
-def make_plan(cfg: SoakConfig) -> list[Job]:
-    """The jobs, drawn with ``cfg.seed``: ``cfg.requests`` requests in all."""
-    assert cfg.requests is not None
-    assert cfg.slots is not None
-    assert cfg.max_slow is not None
-    rng = random.Random(cfg.seed)
-    jobs: list[Job] = []
-    planned = slow = 0
-    burst_base = cfg.slots + cfg.max_queue + 2
-    while planned < cfg.requests:
-        left = cfg.requests - planned
-        weights = {
-            kind: weight
-            for kind, weight in cfg.mix.items()
-            if weight > 0
-            and not (kind == "slow" and slow >= cfg.max_slow)
-            and not (kind == "overload" and left < burst_base + 4)
-        }
-        kind = rng.choices(list(weights), list(weights.values()))[0] if weights else "normal"
-        size = burst_base + rng.randint(0, 4) if kind == "overload" else 1
-        slow += kind == "slow"
-        jobs.append(Job(len(jobs), kind, size))
-        planned += size
-    return jobs
-
-
-# ---------------------------------------------------------------------- the server process
-
-
-def proc_threads(pid: int) -> list[str]:
-    """The names (``comm``) of the process's threads."""
-    names = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/comm") as f:
-                names.append(f.read().strip())
-        except (FileNotFoundError, ProcessLookupError):
-            pass  # the thread exited meanwhile
-    return names
-
-
-def idle_trio_threads(names: list[str]) -> int:
-    """Threads idle in Trio's thread cache (a running job renames its thread)."""
-    return sum(name.startswith("Trio thread") for name in names)
-
-
-def proc_fds(pid: int) -> list[str]:
-    fds = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
-            fds.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-    return fds
-
-
-TCP_STATES = {
-    "01": "ESTABLISHED",
-    "02": "SYN_SENT",
-    "03": "SYN_RECV",
-    "04": "FIN_WAIT1",
-    "05": "FIN_WAIT2",
-    "06": "TIME_WAIT",
-    "07": "CLOSE",
-    "08": "CLOSE_WAIT",
-    "09": "LAST_ACK",
-    "0A": "LISTEN",
-    "0B": "CLOSING",
-}
-
-
-def proc_socket_states(pid: int) -> dict[str, str]:
-    """``socket:[inode]`` → TCP state (``UNIX`` for a Unix socket). A TCP socket that
-    the kernel has dropped (reset, or aborted by ``TCP_USER_TIMEOUT``) but the process
-    has not closed is in no table: ``Snapshot`` marks it ``GONE``."""
-    states = {}
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/{pid}/net/{table}") as f:
-                next(f)
-                for line in f:
-                    fields = line.split()
-                    states[f"socket:[{fields[9]}]"] = TCP_STATES.get(fields[3], fields[3])
-        except FileNotFoundError:
-            pass
-    try:
-        with open(f"/proc/{pid}/net/unix") as f:
-            next(f)
-            for line in f:
-                fields = line.split()
-                states.setdefault(f"socket:[{fields[6]}]", "UNIX")
-    except FileNotFoundError:
-        pass
-    return states
-
-
-def proc_rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-@dataclass
-class Snapshot:
-    """The server process at one moment."""
-
-    threads: int
-    idle_trio_threads: int
-    fds: int
-    rss_mib: float
-    thread_names: list[str]
-    fd_targets: list[str]  # with a socket's state: "socket:[123] CLOSE_WAIT"
-
-    @property
-    def busy_threads(self) -> int:
-        """Threads other than idle ones in Trio's cache."""
-        return self.threads - self.idle_trio_threads
-
-    @classmethod
-    def take(cls, pid: int) -> Snapshot:
-        names = proc_threads(pid)
-        fds = proc_fds(pid)
-        states = proc_socket_states(pid)
-        fds = [f"{fd} {states.get(fd, 'GONE')}" if fd.startswith("socket:") else fd for fd in fds]
-        return cls(len(names), idle_trio_threads(names), len(fds), proc_rss_mib(pid), names, fds)
-
-    @property
-    def connections(self) -> list[str]:
-        """TCP sockets other than the listening one."""
-        return [
-            fd for fd in self.fd_targets if fd.startswith("socket:") and not fd.endswith((" LISTEN", " UNIX"))
-        ]
-
-    def extra_fds(self, baseline: Snapshot) -> list[str]:
-        """Descriptors open now that were not open at the baseline."""
-        return sorted((Counter(self.fd_targets) - Counter(baseline.fd_targets)).elements())
-
-    def peer_closed(self, baseline: Snapshot) -> int:
-        """Extra sockets whose client has closed (CLOSE_WAIT) or reset them (GONE: in no
-        kernel table any more), that the server has not closed yet."""
-        return sum(peer_closed(fd) for fd in self.extra_fds(baseline))
-
-
-def peer_closed(fd: str) -> bool:
-    return fd.endswith((" CLOSE_WAIT", " GONE"))
-
-
-class LogWatcher:
-    """The request ids the server has logged so far (reads only what is new)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.partial = b""
-        self.ids: set[str] = set()
-
-    def seen(self, request_id: str) -> bool:
-        if request_id in self.ids:
-            return True
-        with self.path.open("rb") as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        self.offset += len(chunk)
-        *lines, self.partial = (self.partial + chunk).split(b"\n")
-        for line in lines:
-            if match := REQUEST_LINE.search(line.decode(errors="replace")):
-                self.ids.add(match["id"])
-        return request_id in self.ids
-
-
-def server_command(cfg: SoakConfig) -> list[str]:
-    assert cfg.slots is not None
-    command = [sys.executable, "-m", "trioserve", "serve", "--port", "0", "--log-level", "info"]
-    if cfg.scripted:
-        command += ["--scripted", "--scripted-interval", str(cfg.scripted_interval)]
-    else:
-        command += ["--threads", str(cfg.threads)]
-        if cfg.model is not None:
-            command += ["--model", str(cfg.model)]
-    return [
-        *command,
-        "--slots",
-        str(cfg.slots),
-        "--max-queue",
-        str(cfg.max_queue),
-        "--stall-timeout",
-        str(cfg.stall_timeout),
-        "--max-body-bytes",
-        str(MAX_BODY_BYTES),
-        "--shutdown-grace",
-        "5",
-    ]
-
-
-class SoakServer:
-    """``trioserve serve`` with its stderr in a log file."""
-
-    def __init__(self, cfg: SoakConfig, log_path: Path) -> None:
-        self.cfg = cfg
-        self.log_path = log_path
-        self.command = server_command(cfg)
-        self.log: IO[bytes] = log_path.open("wb")
-        self.process: trio.Process | None = None
-        self.url = ""
-        self.exit_code: int | None = None
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")  # (the server writes to it, not we)
-
-    def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
-
-    async def start(self, limit: float) -> None:
-        """Start it; return once the log names the URL and ``/health`` answers 200."""
-        self.process = await trio.lowlevel.open_process(
-            self.command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log
-        )
-        with trio.fail_after(limit):
-            while not self.url:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"the server exited ({self.process.returncode}):\n{self.log_tail()}")
-                if match := re.search(r"listening on (http://\S+)", self.log_text()):
-                    self.url = match.group(1).rstrip(",")
-                await trio.sleep(0.05)
-            async with httpx.AsyncClient(base_url=self.url, timeout=5.0) as client:
-                while (await client.get("/health")).status_code != 200:  # noqa: ASYNC110 - polls another process
-                    await trio.sleep(0.1)
-
-    async def stop(self) -> int:
-        """SIGTERM, then wait (a kill after 30 s); the exit code."""
-        process = self.process
-        if process is not None and self.exit_code is None:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-            with trio.move_on_after(30):
-                await process.wait()
-            if process.poll() is None:
-                process.kill()
-            with trio.CancelScope(shield=True):
-                self.exit_code = await process.wait()
-        self.log.close()
-        return self.exit_code if self.exit_code is not None else -1  # (never started)
-
-
-# ---------------------------------------------------------------------- raw HTTP/1.1
-
-
-class RawConnection:
-    """One HTTP/1.1 exchange on a raw Trio socket, so the client decides exactly when and
-    how the connection ends (FIN, RST, or not reading at all)."""
-
-    def __init__(self, sock: trio.socket.SocketType) -> None:
-        self.sock = sock
-        self.received = b""
-        self.eof = False
-
-    @classmethod
-    async def open(cls, url: str, receive_buffer: int | None = None) -> RawConnection:
-        parts = urlsplit(url)
-        assert parts.hostname is not None
-        assert parts.port is not None
-        sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            if receive_buffer is not None:  # before connecting: the window stays small
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
-            await sock.connect((parts.hostname, parts.port))
-        except BaseException:
-            sock.close()
-            raise
-        return cls(sock)
-
-    @staticmethod
-    def request_bytes(
-        path: str, body: bytes, request_id: str, *, headers: dict[str, str] | None = None
-    ) -> bytes:
-        head = (
-            f"POST {path} HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nX-Request-Id: {request_id}\r\n"
-            + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-            + "\r\n"
-        )
-        return head.encode() + body
-
-    async def send(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            sent = await self.sock.send(view)
-            view = view[sent:]
-
-    async def receive(self) -> bool:
-        """Read what is there; False at the end of the stream (EOF or reset)."""
-        try:
-            chunk = await self.sock.recv(65536)
-        except (ConnectionResetError, BrokenPipeError):
-            chunk = b""
-        if not chunk:
-            self.eof = True
-            return False
-        self.received += chunk
-        return True
-
-    async def read_until(self, done: Any) -> None:
-        while not done(self.received) and await self.receive():
-            pass
-
-    @property
-    def status(self) -> int | None:
-        match = STATUS_LINE.match(self.received)
-        return int(match.group(1)) if match else None
-
-    def close(self, *, reset: bool = False) -> None:
-        if reset:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.sock.close()
-
-
-def complete(data: bytes) -> bool:
-    """The response is all there (by its Content-Length, or its chunked body's end)."""
-    head, separator, body = data.partition(b"\r\n\r\n")
-    if not separator:
-        return False
-    length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
-    if length is not None:
-        return len(body) >= int(length.group(1))
-    return body.endswith(b"0\r\n\r\n")
-
-
-def ended(data: bytes) -> bool:
-    """The response is a refusal (its status is not 200), or its stream has ended."""
-    match = STATUS_LINE.match(data)
-    return (match is not None and match.group(1) != b"200") or b"data: [DONE]" in data
-
-
-def finish_reason(data: bytes) -> str | None:
-    """The last non-null ``finish_reason`` in a response body (JSON or SSE)."""
-    found = FINISH_REASON.findall(data)
-    return found[-1].decode() if found else None
-
-
-# ---------------------------------------------------------------------- the traffic
-
-
-def bad_cases(oversized_headers: bool) -> list[tuple[str, str, str, dict[str, Any], int]]:
-    """(name, method, path, httpx request arguments, expected status): malformed
-    requests that reach the generation endpoints."""
-    json_type = {"content-type": "application/json"}
-    comp, chat = "/v1/completions", "/v1/chat/completions"
-    cases: list[tuple[str, str, str, dict[str, Any], int]] = [
-        ("not-json", "POST", comp, {"content": b"{prompt: hi", "headers": json_type}, 400),
-        ("not-object", "POST", comp, {"json": ["hi"]}, 400),
-        ("invalid-utf8", "POST", comp, {"content": b'{"prompt": "\xff"}', "headers": json_type}, 400),
-        ("missing-prompt", "POST", comp, {"json": {"max_tokens": 5}}, 400),
-        ("prompt-type", "POST", comp, {"json": {"prompt": 5}}, 400),
-        ("max-tokens-type", "POST", comp, {"json": {"prompt": "hi", "max_tokens": "many"}}, 400),
-        ("empty-prompt", "POST", comp, {"json": {"prompt": ""}}, 400),
-        ("max-tokens-zero", "POST", comp, {"json": {"prompt": "hi", "max_tokens": 0}}, 400),
-        ("n-3", "POST", comp, {"json": {"prompt": "hi", "n": 3}}, 400),
-        ("unknown-model", "POST", comp, {"json": {"prompt": "hi", "model": "no-such-model"}}, 404),
-        ("prompt-too-long", "POST", comp, {"json": {"prompt": "word " * 5000, "max_tokens": 4}}, 400),
-        ("max-tokens-beyond-context", "POST", comp, {"json": {"prompt": "hi", "max_tokens": 100_000}}, 400),
-        ("empty-messages", "POST", chat, {"json": {"messages": []}}, 400),
-        ("invalid-role", "POST", chat, {"json": {"messages": [{"role": "wizard", "content": "hi"}]}}, 400),
-        (
-            "timeout-header",
-            "POST",
-            comp,
-            {"json": {"prompt": "hi"}, "headers": {"X-Request-Timeout": "soon"}},
-            400,
-        ),
-        (
-            "content-type",
-            "POST",
-            comp,
-            {"content": b'{"prompt": "hi"}', "headers": {"content-type": "text/plain"}},
-            415,
-        ),
-        ("body-too-large", "POST", comp, {"json": {"prompt": "x" * (MAX_BODY_BYTES + 5000)}}, 413),
-        ("wrong-method", "GET", comp, {}, 405),
-    ]
-    if oversized_headers:
-        cases.append(
-            (
-                "headers-too-large",
-                "POST",
-                comp,
-                {"json": {"prompt": "hi"}, "headers": {"X-Big": "x" * 20_000}},
-                431,
-            )
-        )
-    return cases
-
-
-class Traffic:
-    """Sends the requests of each job and records what happened."""
-
-    def __init__(self, cfg: SoakConfig, url: str, client: httpx.AsyncClient, server_log: LogWatcher) -> None:
-        self.cfg = cfg
-        self.url = url
-        self.client = client
-        self.server_log = server_log
-        self.profile = Profile.of(cfg.scripted)
-        self.bad_inputs = bad_cases(cfg.oversized_headers)
-        self.records: list[Record] = []
-        self.slow_gate = trio.Semaphore(1)  # one slow reader at a time
-
-    def expect(self, *causes: str, natural: bool = False) -> list[str]:
-        allowed = {"overloaded", *causes}  # any request may meet a full queue
-        if natural or not self.cfg.scripted:  # a model may stop (EOS) before any cut
-            allowed |= self.profile.natural
-        return sorted(allowed)
-
-    def new(self, job: Job, sub: int, variant: str, expected: list[str]) -> Record:
-        record = Record(
-            f"soak{self.cfg.seed}-{job.index:05d}-{sub:02d}-{job.kind}", job.kind, variant, expected
-        )
-        self.records.append(record)
-        job.records.append(record)
-        return record
-
-    @staticmethod
-    def body(
-        rng: random.Random, *, chat: bool, max_tokens: int, stream: bool, greedy: bool
-    ) -> dict[str, Any]:
-        prompt = rng.choice(PROMPTS)
-        body: dict[str, Any] = {"max_tokens": max_tokens, "stream": stream}
-        if chat:
-            body["messages"] = [{"role": "user", "content": prompt}]
-        else:
-            body["prompt"] = prompt
-        body["temperature"] = 0.0 if greedy else rng.choice([0.0, 0.7, 1.0])
-        if stream and rng.random() < 0.5:
-            body["stream_options"] = {"include_usage": True}
-        return body
-
-    async def run(self, job: Job) -> None:
-        rng = random.Random(f"{self.cfg.seed}/{job.index}")
-        gate = self.slow_gate if job.kind == "slow" else contextlib.nullcontext()
-        async with gate:
-            started = time.perf_counter()
-            try:
-                with trio.move_on_after(
-                    self.profile.request_timeout + 3 * self.cfg.stall_timeout + 30
-                ) as scope:
-                    await getattr(self, job.kind)(job, rng)
-                if scope.cancelled_caught:
-                    for record in job.records:
-                        record.problem = record.problem or "the job did not finish in time"
-            except (OSError, httpx.HTTPError) as exc:
-                for record in job.records:
-                    record.problem = record.problem or f"client error: {exc!r}"
-        for record in job.records:
-            record.seconds = time.perf_counter() - started
-
-    # -- normal and deadline: httpx
-
-    async def exchange(
-        self, record: Record, method: str, path: str, headers: dict[str, str] | None = None, **kwargs: Any
-    ) -> bytes:
-        """One request through httpx; records the status and finish_reason."""
-        headers = {"X-Request-Id": record.id, **(headers or {})}
-        data = b""
-        with trio.move_on_after(self.profile.request_timeout) as scope:
-            async with self.client.stream(method, path, headers=headers, **kwargs) as response:
-                record.status = response.status_code
-                data = await response.aread()
-        if scope.cancelled_caught:
-            record.problem = f"no complete response after {self.profile.request_timeout:.0f} s"
-        record.finish = finish_reason(data) if record.status == 200 else None
-        return data
-
-    def check_response(self, record: Record, data: bytes, stream: bool, allowed: set[int]) -> None:
-        if record.problem or record.status is None:
-            return
-        if record.status not in allowed | {429}:
-            record.problem = (
-                f"status {record.status}, expected one of {sorted(allowed | {429})}: {data[:200]!r}"
-            )
-        elif record.status == 200 and stream and not data.endswith(b"data: [DONE]\n\n"):
-            record.problem = f"the stream did not end with [DONE]: ...{data[-200:]!r}"
-        elif record.status == 200 and record.finish is None:
-            record.problem = f"no finish_reason in the response: {data[-200:]!r}"
-        elif (
-            record.status == 429
-            and b'"code":"overloaded"' not in data
-            and b"deadline_unreachable" not in data
-        ):
-            record.problem = f"a 429 without an overload code: {data[:200]!r}"
-
-    async def normal(self, job: Job, rng: random.Random) -> None:
-        chat, stream = rng.random() < 0.3, rng.random() < 0.5
-        max_tokens = rng.randint(1, self.profile.normal_max_tokens)
-        variant = f"{'chat' if chat else 'text'}-{'stream' if stream else 'json'}"
-        record = self.new(job, 0, variant, self.expect(natural=True))
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        body = self.body(rng, chat=chat, max_tokens=max_tokens, stream=stream, greedy=False)
-        data = await self.exchange(record, "POST", path, json=body)
-        self.check_response(record, data, stream, {200})
-
-    async def deadline(self, job: Job, rng: random.Random) -> None:
-        stream = rng.random() < 0.6
-        timeout = round(rng.uniform(*self.profile.deadline_range), 3)
-        record = self.new(job, 0, f"{'stream' if stream else 'json'}", self.expect("deadline"))
-        record.note = f"timeout {timeout} s"
-        body = self.body(rng, chat=False, max_tokens=self.profile.long_max_tokens, stream=stream, greedy=True)
-        headers = {"X-Request-Timeout": str(timeout)}
-        data = await self.exchange(record, "POST", "/v1/completions", headers=headers, json=body)
-        self.check_response(record, data, stream, {200} if stream else {200, 504})
-        if record.status == 504:
-            record.finish = "deadline"  # (what the 504 says)
-
-    async def bad(self, job: Job, rng: random.Random) -> None:
-        name, method, path, kwargs, status = rng.choice(self.bad_inputs)
-        record = self.new(job, 0, name, ["error"])
-        data = await self.exchange(record, method, path, **kwargs)
-        if record.status is not None and record.status != status and not record.problem:
-            record.problem = f"status {record.status}, expected {status}: {data[:200]!r}"
-        elif b'"error"' not in data and not record.problem:
-            record.problem = f"no error body: {data[:200]!r}"
-
-    # -- disconnect, overload, slow: raw sockets
-
-    async def disconnect(self, job: Job, rng: random.Random) -> None:
-        mode = rng.choice(["mid-body", "after-delay", "after-bytes", "after-events"])
-        stream = mode in ("after-bytes", "after-events") or rng.random() < 0.7
-        body = self.body(
-            rng, chat=rng.random() < 0.3, max_tokens=self.profile.long_max_tokens, stream=stream, greedy=True
-        )
-        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-        record = self.new(job, 0, mode, self.expect("disconnect"))
-        request = RawConnection.request_bytes(path, json.dumps(body).encode(), record.id)
-        conn = await RawConnection.open(self.url)
-        try:
-            if mode == "mid-body":
-                await conn.send(request[: len(request) - rng.randint(1, 20)])
-                await trio.sleep(rng.uniform(0, 0.05))
-            else:
-                await conn.send(request)
-                if mode == "after-delay":
-                    await trio.sleep(rng.uniform(0, self.profile.disconnect_delay_max))
-                elif mode == "after-bytes":
-                    target = rng.randint(1, 6000)
-                    await conn.read_until(lambda data: len(data) >= target or ended(data))
-                    record.note = f"{target} bytes"
-                else:
-                    events = rng.randint(1, 20)
-                    await conn.read_until(lambda data: data.count(b"data: ") >= events or ended(data))
-                    record.note = f"{events} events"
-        finally:
-            # An RST only once the response has begun: the server has then read the
-            # request (an RST that overtakes it could drop it unseen).
-            reset = bool(conn.received) and rng.random() < 0.5
-            conn.close(reset=reset)
-        record.variant += "-rst" if reset else "-fin"
-        record.status = conn.status
-        if conn.status == 429:
-            record.finish = "overloaded"
-
-    async def overload(self, job: Job, rng: random.Random) -> None:
-        """A burst: open every connection, then send every request back to back."""
-        conns: list[RawConnection] = []
-        records: list[Record] = []
-        requests: list[bytes] = []
-        try:
-            for sub in range(job.size):
-                stream = rng.random() < 0.5
-                max_tokens = self.profile.burst_max_tokens
-                body = self.body(rng, chat=False, max_tokens=max_tokens, stream=stream, greedy=True)
-                record = self.new(job, sub, "stream" if stream else "json", self.expect(natural=True))
-                records.append(record)
-                requests.append(
-                    RawConnection.request_bytes("/v1/completions", json.dumps(body).encode(), record.id)
-                )
-                conns.append(await RawConnection.open(self.url))
-            for conn, request in zip(conns, requests, strict=True):  # back to back
-                await conn.send(request)
-            async with trio.open_nursery() as nursery:
-                for conn in conns:
-                    nursery.start_soon(conn.read_until, complete)
-        finally:
-            for conn in conns:
-                conn.close()
-        for record, conn in zip(records, conns, strict=True):
-            stream = record.variant == "stream"
-            record.status = conn.status
-            data = conn.received.partition(b"\r\n\r\n")[2]
-            record.finish = finish_reason(data) if record.status == 200 else None
-            if record.status is None:
-                record.problem = f"no status line: {conn.received[:200]!r}"
-            else:
-                self.check_response(record, data, False, {200})  # (chunked: [DONE] checked below)
-            if stream and record.status == 200 and b"data: [DONE]" not in data:
-                record.problem = record.problem or "the stream did not end with [DONE]"
-
-    async def slow(self, job: Job, rng: random.Random) -> None:
-        """Read a little, stop reading, and wait for the server to cut the connection
-        (one at a time: ``run`` holds the gate)."""
-        body = self.body(rng, chat=False, max_tokens=self.profile.slow_max_tokens, stream=True, greedy=True)
-        body["prompt"] = "Once upon a time"
-        record = self.new(job, 0, "small-rcvbuf", self.expect("stall"))
-        conn = await RawConnection.open(self.url, receive_buffer=SLOW_READER_RCVBUF)
-        try:
-            await conn.send(
-                RawConnection.request_bytes("/v1/completions", json.dumps(body).encode(), record.id)
-            )
-            target = rng.randint(1, 4000)
-            await conn.read_until(lambda data: len(data) >= target or ended(data))
-            # Not reading any more. The kernel's reset on the server's side is
-            # silent (no RST reaches this socket), so the server's log line for this
-            # request is the sign that it has let go.
-            stopped = time.perf_counter()
-            limit = 3 * self.cfg.stall_timeout + 20
-            with trio.move_on_after(limit):
-                while not self.server_log.seen(record.id):  # noqa: ASYNC110 - polls a file
-                    await trio.sleep(0.05)
-            waited = time.perf_counter() - stopped
-            if self.server_log.seen(record.id):
-                record.note = f"read {len(conn.received)} bytes; the server let go after {waited:.1f} s"
-            else:
-                record.note = f"read {len(conn.received)} bytes; the server held on for {limit:.0f} s"
-        finally:
-            conn.close()
-        record.status = conn.status
-        if conn.status == 429:
-            record.finish = "overloaded"
-
-
-# ---------------------------------------------------------------------- checks
-
-
-@dataclass
-class Linger:
-    """Sockets closed by their client, not by the server, after the settle time, and
-    when the server closed them (None:
-    not waited for, or still open)."""
-
-    peer_closed: int = 0
-    waited: float = 0.0
-    released_after: float | None = None
-
-
-@dataclass
-class Result:
-    config: dict[str, Any]
-    records: list[Record]
-    baseline: Snapshot
-    after: Snapshot
-    rss_peak_mib: float
-    health: dict[str, Any]
-    stream_ends: dict[str, float]
-    log_causes: dict[str, int]
-    error_lines: list[str]
-    unknown_lines: list[str]
-    exit_code: int
-    traffic_seconds: float
-    total_seconds: float
-    linger: Linger = field(default_factory=Linger)
-    problems: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-    @property
-    def leaks(self) -> dict[str, int]:
-        """What did not come back to the baseline (all 0 when nothing leaked)."""
-        extra = self.after.extra_fds(self.baseline)
-        leaks = {
-            "threads": max(0, self.after.threads - self.baseline.busy_threads),
-            "busy_threads": max(0, self.after.busy_threads - self.baseline.busy_threads),
-            # sockets that the client closed are counted apart: hypercorn closes them
-            # at its keep-alive timeout (see ``settle``)
-            "fds": sum(not peer_closed(fd) for fd in extra),
-            "peer_closed": sum(peer_closed(fd) for fd in extra),
-        }
-        for gauge in HEALTH_GAUGES:
-            value = self.health.get(gauge)
-            leaks[gauge] = value if isinstance(value, int) else -1
-        return leaks
-
-    @property
-    def rss_growth_mib(self) -> float:
-        return self.after.rss_mib - self.baseline.rss_mib
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "config": self.config,
-            "ok": not self.problems,
-            "problems": self.problems,
-            "warnings": self.warnings,
-            "linger": asdict(self.linger),
-            "leaks": self.leaks,
-            "baseline": asdict(self.baseline),
-            "after": asdict(self.after),
-            "rss_mib": {
-                "before": self.baseline.rss_mib,
-                "peak": self.rss_peak_mib,
-                "after": self.after.rss_mib,
-                "growth": self.rss_growth_mib,
-            },
-            "health": self.health,
-            "stream_ends_total": self.stream_ends,
-            "log_causes": self.log_causes,
-            "error_lines": self.error_lines,
-            "unknown_lines": self.unknown_lines,
-            "exit_code": self.exit_code,
-            "traffic_seconds": self.traffic_seconds,
-            "total_seconds": self.total_seconds,
-            "records": [asdict(r) for r in self.records],
-        }
-
-
-def parse_log(text: str, records: list[Record]) -> tuple[Counter[str], list[str], list[str]]:
-    """Match the log's request lines to the records; return the causes of every line,
-    the ERROR lines, and the request lines of ids that were never sent."""
-    by_id = {r.id: r for r in records}
-    causes: Counter[str] = Counter()
-    errors, unknown = [], []
-    for line in text.splitlines():
-        if " ERROR " in line or " CRITICAL " in line or line.startswith("Traceback"):
-            errors.append(line)
-        match = REQUEST_LINE.search(line)
-        if match is None:
-            continue
-        causes[match["cause"]] += 1
-        record = by_id.get(match["id"])
-        if record is None:
-            unknown.append(line)
-            continue
-        record.lines += 1
-        record.server_status = match["status"]
-        record.cause = match["cause"]
-    return causes, errors, unknown
-
-
-def check_records(records: list[Record]) -> tuple[list[str], list[str]]:
-    """The problems found in the records, and the ids of streams refused after they had
-    started (a known race, reported apart)."""
-    problems, raced = [], []
-    for r in records:
-        where = f"{r.id} ({r.variant}{', ' + r.note if r.note else ''})"
-        if r.problem:
-            problems.append(f"{where}: {r.problem}")
-        if r.lines != 1:
-            problems.append(f"{where}: {r.lines} log lines, expected exactly 1")
-            continue
-        if r.cause in (None, "None", "unknown"):
-            problems.append(f"{where}: no cause recorded (cause={r.cause})")
-        elif r.cause not in r.expected:
-            problems.append(f"{where}: cause {r.cause}, expected one of {r.expected}")
-        if r.status is not None and r.server_status != str(r.status):
-            problems.append(f"{where}: the client saw {r.status}, the log says status={r.server_status}")
-        if r.finish == "error" and r.cause == "overloaded" and r.status == 200:
-            # admission.check() let the stream start, then the last queue place went
-            # to another request while the headers were sent: the client sees
-            # finish_reason "error", the log and metrics say "overloaded"
-            raced.append(r.id)
-        elif r.finish is not None and r.cause != r.finish:
-            problems.append(f"{where}: the client saw finish_reason {r.finish}, the log says cause={r.cause}")
-    return problems, raced
-
-
-async def scrape_stream_ends(client: httpx.AsyncClient) -> tuple[dict[str, float], float]:
-    """``trioserve_stream_ends_total`` by cause, and the sum of ``trioserve_requests_total``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    response = await client.get("/metrics")
-    response.raise_for_status()
-    ends: dict[str, float] = {}
-    requests = 0.0
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            if sample.name == "trioserve_stream_ends_total" and sample.value:
-                ends[sample.labels["cause"]] = sample.value
-            elif sample.name == "trioserve_requests_total":
-                requests += sample.value
-    return ends, requests
-
-
-# ---------------------------------------------------------------------- the run
-
-
-def log(cfg: SoakConfig, message: str) -> None:
-    if cfg.verbose:
-        print(f"soak: {message}", file=sys.stderr, flush=True)
-
-
-def resolved(cfg: SoakConfig) -> SoakConfig:
-    """A copy with every ``None`` field set to the backend's default."""
-    values = asdict(cfg)
-    for key, value in defaults(cfg.scripted).items():
-        if values.get(key) is None:
-            values[key] = value
-    values["mix"] = dict(cfg.mix)
-    return SoakConfig(**values)
-
-
-async def wait_health_idle(client: httpx.AsyncClient, limit: float) -> dict[str, Any]:
-    """Poll ``/health`` until every gauge is 0 (or ``limit`` passes); return the last."""
-    health: dict[str, Any] = {}
-    with trio.move_on_after(limit):
-        while True:
-            health = (await client.get("/health")).json()
-            if all(health.get(gauge) == 0 for gauge in HEALTH_GAUGES):
-                break
-            await trio.sleep(0.05)
-    return health
-
-
-async def settle(pid: int, baseline: Snapshot, limit: float, linger: float) -> tuple[Snapshot, Linger]:
-    """Wait (up to ``limit``) until threads — Trio's idle cache included — and fds are
-    back to the baseline. If sockets are left over that their client has closed (CLOSE_WAIT)
-    or reset (GONE) but the server has not — hypercorn closes an idle keep-alive
-    connection only at its keep-alive timeout, 75 s — wait up to ``linger`` more for
-    them. Return the last snapshot and what lingered."""
-    deadline = trio.current_time() + limit
-    while True:
-        now = Snapshot.take(pid)
-        if (
-            now.threads <= baseline.busy_threads and now.fds <= baseline.fds
-        ) or trio.current_time() > deadline:
-            break
-        await trio.sleep(0.1)
-    linger_state = Linger(peer_closed=now.peer_closed(baseline))
-    if linger_state.peer_closed and linger > 0:
-        started = trio.current_time()
-        with trio.move_on_after(linger):
-            while now.peer_closed(baseline):
-                await trio.sleep(0.5)
-                now = Snapshot.take(pid)
-        linger_state.waited = trio.current_time() - started
-        if not now.peer_closed(baseline):
-            linger_state.released_after = linger_state.waited + limit
-    return now, linger_state
-
-
-async def warm_up(cfg: SoakConfig, url: str, records: list[Record]) -> None:
-    """A few ordinary requests, so that what the server creates once (the inference
-    thread pool, a first connection's state) is in the baseline."""
-    natural = sorted(Profile.of(cfg.scripted).natural)
-    bodies = [
-        ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4}),
-        ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4, "stream": True}),
-        (
-            "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True},
-        ),
-    ]
-    async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
-        for i, (path, body) in enumerate(bodies):
-            record = Record(f"soak{cfg.seed}-warmup-{i}", "warmup", path, natural)
-            records.append(record)
-            started = time.perf_counter()
-            response = await client.post(path, json=body, headers={"X-Request-Id": record.id})
-            record.seconds = time.perf_counter() - started
-            record.status = response.status_code
-            record.finish = finish_reason(response.content)
-            if response.status_code != 200:
-                raise RuntimeError(f"warm-up request failed: {response.status_code} {response.text[:300]}")
-
-
-async def run_soak(config: SoakConfig) -> Result:
-    """Start the server, run the traffic, check for leaks and causes; the result lists
-    every problem found (``result.problems`` empty: nothing leaked, every cause known)."""
-    cfg = resolved(config)
-    assert cfg.requests is not None
-    started = time.perf_counter()
-    plan = make_plan(cfg)
-    with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
-        server = SoakServer(cfg, cfg.log_file or Path(tmp) / "server.log")
-        try:
-            await server.start(cfg.ready_timeout)
-            log(cfg, f"server pid {server.pid} at {server.url}: {' '.join(server.command[1:])}")
-            return await _soak(cfg, server, plan, started)
-        except BaseException:
-            if server.process is not None and server.exit_code is None:
-                with trio.CancelScope(shield=True):
-                    await server.stop()
-            print(f"--- server log (tail) ---\n{server.log_tail()}", file=sys.stderr)
-            raise
-        finally:
-            if server.exit_code is None:
-                with trio.CancelScope(shield=True):
-                    await server.stop()
-
-
-async def _soak(cfg: SoakConfig, server: SoakServer, plan: list[Job], started: float) -> Result:
-    assert cfg.concurrency is not None
-    assert cfg.requests is not None
-    assert cfg.max_rss_growth_mib is not None
-    records: list[Record] = []
-    await warm_up(cfg, server.url, records)
-    async with httpx.AsyncClient(base_url=server.url, timeout=10.0) as client:
-        await wait_health_idle(client, 30.0)
-    # The baseline: the server has no connection open (the warm-up's are closed), and
-    # Trio's idle worker threads have exited (after 10 s), with any thread they started
-    # (llama.cpp's OpenMP workers belong to the thread that ran the decode), so that the
-    # same threads are counted here as after the traffic.
-    log(cfg, "warm-up done; waiting for Trio's idle worker threads to exit (10 s) for the baseline")
-    with trio.move_on_after(cfg.settle):
-        while True:
-            now = Snapshot.take(server.pid)
-            if not now.connections and not now.idle_trio_threads:
-                break
-            await trio.sleep(0.1)
-    await trio.sleep(0.3)
-    baseline = Snapshot.take(server.pid)
-    log(
-        cfg,
-        f"baseline: {baseline.busy_threads} threads (+{baseline.idle_trio_threads} idle in Trio's cache), "
-        f"{baseline.fds} fds, RSS {baseline.rss_mib:.1f} MiB; {len(plan)} jobs, {cfg.requests} requests",
-    )
-
-    peak = baseline.rss_mib
-    traffic_started = time.perf_counter()
-    limits = httpx.Limits(max_connections=2 * cfg.concurrency, max_keepalive_connections=2 * cfg.concurrency)
-    timeout = httpx.Timeout(30.0, read=Profile.of(cfg.scripted).request_timeout)
-    async with httpx.AsyncClient(base_url=server.url, timeout=timeout, limits=limits) as client:
-        traffic = Traffic(cfg, server.url, client, LogWatcher(server.log_path))
-        jobs = iter(plan)
-        done = 0
-        step = max(1, cfg.requests // 10)
-        next_report = step
-
-        async def worker() -> None:
-            nonlocal done, next_report
-            for job in jobs:  # (one Trio thread: the shared iterator needs no lock)
-                await traffic.run(job)
-                done += job.size
-                if done >= next_report:
-                    next_report += step
-                    elapsed = time.perf_counter() - traffic_started
-                    log(cfg, f"{done}/{cfg.requests} requests, {elapsed:.0f} s")
-
-        async def sample_rss(cancel: trio.CancelScope) -> None:
-            nonlocal peak
-            with cancel:
-                while True:
-                    peak = max(peak, proc_rss_mib(server.pid))
-                    await trio.sleep(0.5)
-
-        sampler = trio.CancelScope()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(sample_rss, sampler)
-            async with trio.open_nursery() as workers:
-                for _ in range(cfg.concurrency):
-                    workers.start_soon(worker)
-            sampler.cancel()
-    traffic_seconds = time.perf_counter() - traffic_started
-    records += traffic.records
-    log(cfg, f"traffic done: {len(traffic.records)} requests in {traffic_seconds:.1f} s; checking")
-
-    async with httpx.AsyncClient(base_url=server.url, timeout=10.0) as client:
-        health = await wait_health_idle(client, 10.0 + 3 * cfg.stall_timeout)
-    after, linger = await settle(server.pid, baseline, cfg.settle, cfg.linger)
-    async with httpx.AsyncClient(base_url=server.url, timeout=10.0) as client:
-        stream_ends, requests_total = await scrape_stream_ends(client)
-    exit_code = await server.stop()
-    causes, error_lines, unknown_lines = parse_log(server.log_text(), records)
-
-    result = Result(
-        config={
-            **asdict(cfg),
-            "model": str(cfg.model) if cfg.model else None,
-            "log_file": str(cfg.log_file) if cfg.log_file else None,
-            "server": server.command,
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "loadavg": os.getloadavg(),
-        },
-        records=records,
-        baseline=baseline,
-        after=after,
-        rss_peak_mib=peak,
-        health=health,
-        stream_ends=stream_ends,
-        log_causes=dict(causes),
-        error_lines=error_lines,
-        unknown_lines=unknown_lines,
-        exit_code=exit_code,
-        traffic_seconds=traffic_seconds,
-        total_seconds=time.perf_counter() - started,
-        linger=linger,
-    )
-    problems = result.problems
-    for name, leaked in result.leaks.items():
-        if leaked and name != "peer_closed":
-            problems.append(f"leak: {name} {leaked} (see 'after' in the result)")
-    if linger.peer_closed:
-        lingered = (
-            f"{linger.peer_closed} server socket(s) still open {cfg.settle:.0f} s after the traffic, "
-            "their clients gone (CLOSE_WAIT or reset; hypercorn closes an idle keep-alive "
-            "connection only at its keep-alive timeout, 75 s in trioserve)"
-        )
-        if linger.released_after is not None:
-            result.warnings.append(f"{lingered}; all closed {linger.released_after:.0f} s after the traffic")
-        elif cfg.linger > 0:
-            problems.append(
-                f"leak: {lingered}; still open {cfg.settle + linger.waited:.0f} s after the traffic"
-            )
-        else:
-            result.warnings.append(f"{lingered}; not waited for (linger 0)")
-    if result.leaks["threads"]:
-        extra = Counter(after.thread_names) - Counter(baseline.thread_names)
-        problems.append(f"threads not back to the baseline after {cfg.settle:.0f} s: {dict(extra)}")
-    if result.leaks["fds"] or (result.leaks["peer_closed"] and cfg.linger > 0):
-        problems.append(f"fds not back to the baseline: {after.extra_fds(baseline)}")
-    if result.rss_growth_mib > cfg.max_rss_growth_mib:
-        problems.append(f"RSS grew {result.rss_growth_mib:.1f} MiB (bound {cfg.max_rss_growth_mib:.0f} MiB)")
-    record_problems, raced = check_records(records)
-    problems += record_problems
-    if raced:
-        result.warnings.append(
-            f"{len(raced)} streamed request(s) refused after their stream had started: admission.check() "
-            "let them in, the last queue place went to another request while their headers were "
-            'sent, and the client saw 200 with finish_reason "error" where the log and metrics '
-            f"say cause=overloaded (e.g. {', '.join(raced[:3])})"
-        )
-    if unknown_lines:
-        problems.append(
-            f"{len(unknown_lines)} request line(s) with an id never sent, e.g. {unknown_lines[0]}"
-        )
-    if dict(causes) != {cause: int(count) for cause, count in stream_ends.items()}:
-        problems.append(
-            f"trioserve_stream_ends_total {stream_ends} differs from the log's causes {dict(causes)}"
-        )
-    if requests_total != sum(causes.values()):
-        problems.append(
-            f"trioserve_requests_total is {requests_total:.0f}, the log has {sum(causes.values())} lines"
-        )
-    if error_lines:
-        problems.append(f"{len(error_lines)} ERROR line(s) in the server log, e.g. {error_lines[0]}")
-    if exit_code != 0:
-        problems.append(f"the server exited with {exit_code} after SIGTERM")
-    bursts = [r for r in records if r.kind == "overload"]
-    if bursts and not any(r.status == 429 for r in bursts):
-        problems.append("no overload burst got a 429")
-    return result
-
-
-# ---------------------------------------------------------------------- output
-
-
-def markdown_table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
-
-
-def _counts(values: list[Any]) -> str:
-    counts = Counter("none" if v is None else str(v) for v in values)
-    return ", ".join(f"{k}×{n}" for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def kinds_table(records: list[Record], by_variant: bool = False) -> str:
-    rows = [["kind", "requests", "status (client)", "cause (server log)", "median s"]]
-    key = (lambda r: f"{r.kind} {r.variant}") if by_variant else (lambda r: r.kind)
-    order = {kind: i for i, kind in enumerate(("warmup", *KINDS))}
-    groups: dict[str, list[Record]] = {}
-    for r in sorted(records, key=lambda r: (order.get(r.kind, 99), key(r))):
-        groups.setdefault(key(r), []).append(r)
-    for name, group in [*groups.items(), ("all", records)]:
-        rows.append(
-            [
-                name,
-                str(len(group)),
-                _counts([r.status for r in group]),
-                _counts([r.cause for r in group]),
-                f"{statistics.median(r.seconds for r in group):.3f}",
-            ]
-        )
-    return markdown_table(rows)
-
-
-def leaks_table(result: Result) -> str:
-    b, a, leaks = result.baseline, result.after, result.leaks
-    rows = [
-        ["check", "baseline", "after", "leaked"],
-        ["threads", str(b.busy_threads), str(a.threads), str(leaks["threads"])],
-        ["… not idle in Trio's cache", str(b.busy_threads), str(a.busy_threads), str(leaks["busy_threads"])],
-        ["open fds (other)", str(b.fds), str(a.fds - leaks["peer_closed"]), str(leaks["fds"])],
-        ["sockets closed by the client only", "0", str(result.linger.peer_closed), str(leaks["peer_closed"])],
-    ]
-    for gauge in HEALTH_GAUGES:
-        rows.append([f"/health {gauge}", "0", str(result.health.get(gauge)), str(leaks[gauge])])
-    growth = result.rss_growth_mib
-    rows.append(
-        [
-            "RSS MiB",
-            f"{b.rss_mib:.1f}",
-            f"{a.rss_mib:.1f} (peak {result.rss_peak_mib:.1f})",
-            f"{growth:+.1f} ({100 * growth / b.rss_mib:+.1f} %)",
-        ]
-    )
-    return markdown_table(rows)
-
-
-def report(result: Result, markdown: bool) -> str:
-    cfg = result.config
-    backend = (
-        f"scripted backend ({1000 * cfg['scripted_interval']:g} ms/token)"
-        if cfg["scripted"]
-        else f"model {cfg['model'] or 'default'} ({cfg['threads']} threads)"
-    )
-    sent = [r for r in result.records if r.kind != "warmup"]
-    lines = [
-        f"soak: {backend}, {len(sent)} requests (+{len(result.records) - len(sent)} warm-up), "
-        f"concurrency {cfg['concurrency']}, seed {cfg['seed']}, {cfg['slots']} slot(s), "
-        f"queue {cfg['max_queue']}, "
-        f"stall timeout {cfg['stall_timeout']:g} s, {cfg['cpu_count']} CPUs",
-        f"traffic {result.traffic_seconds:.1f} s ({len(sent) / result.traffic_seconds:.1f} requests/s), "
-        f"total {result.total_seconds:.1f} s",
-        "",
-        kinds_table(result.records),
-        "",
-    ]
-    if markdown:
-        lines += [kinds_table(result.records, by_variant=True), ""]
-    logged = sum(r.lines == 1 for r in result.records)
-    lines += [
-        leaks_table(result),
-        "",
-        f"log: {logged}/{len(result.records)} requests with exactly one line; causes {result.log_causes}",
-        f"metrics trioserve_stream_ends_total: {dict(sorted(result.stream_ends.items()))}",
-        f"server exit code after SIGTERM: {result.exit_code}",
-        "",
-    ]
-    for warning in result.warnings[:10]:
-        lines.append(f"warning: {warning}")
-    if len(result.warnings) > 10:
-        lines.append(f"warning: … and {len(result.warnings) - 10} more (see --out)")
-    if result.warnings:
-        lines.append("")
-    if result.problems:
-        shown = result.problems[:40]
-        lines.append(f"FAILED: {len(result.problems)} problem(s)")
-        lines += [f"- {p}" for p in shown]
-        if len(result.problems) > len(shown):
-            lines.append(f"- … and {len(result.problems) - len(shown)} more (see --out)")
-    else:
-        lines.append("OK: nothing leaked, every request ended with a recorded cause")
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------- main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import cli
+from benchmarks.harness.stats import table
+from tests.soak_traffic import DEFAULT_MIX, HEALTH_GAUGES, KINDS, SoakConfig, run_soak
+
+OPTIONS: list[tuple[str, Any, Any, str]] = [  # flag, type, default, help
+    ("--requests", int, None, "requests in all (default: 3000 scripted, 300 model)"),
+    ("--concurrency", int, None, "jobs at once (default: 8 scripted, 4 model)"),
+    ("--seed", int, 1, "seed for the plan and each job's choices (default: 1)"),
+    ("--slots", int, None, "server --slots (default: 4 scripted, 1 model)"),
+    ("--max-queue", int, 8, "server --max-queue (default: 8)"),
+    ("--stall-timeout", float, 2.0, "server --stall-timeout (default: 2)"),
+    ("--threads", int, 2, "server --threads with a model (default: 2)"),
+    ("--scripted-interval", float, 0.002, "seconds per scripted token (default: 0.002)"),
+    ("--max-slow", int, None, "slow readers at most (default: 8 scripted, 3 model)"),
+    ("--settle", float, 15.0, "seconds to wait for threads and fds (default: 15)"),
+    ("--linger", float, 90.0, "more seconds for sockets closed by the client only (default: 90; 0: report)"),
+    ("--max-rss-growth-mib", float, None, "RSS growth allowed (default: 64 scripted, 160 model)"),
+    ("--log-file", Path, None, "keep the server's log here (default: a temporary file)"),
+]
 
 
 def parse_mix(text: str) -> dict[str, float]:
     mix = dict(DEFAULT_MIX)
-    for part in filter(None, text.split(",")):
-        kind, _, weight = part.partition("=")
+    for kind, _, weight in (part.partition("=") for part in text.split(",") if part):
         if kind not in KINDS:
             raise argparse.ArgumentTypeError(f"unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
         mix[kind] = float(weight)
     return mix
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[SoakConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument(
-        "--scripted", action="store_true", help="serve the scripted backend (default: a real model)"
-    )
-    p.add_argument("--model", type=Path, help="GGUF file (default: trioserve's default, Gemma 3 270M)")
-    p.add_argument("--requests", type=int, help="requests in all (default: 3000 scripted, 300 model)")
-    p.add_argument("--concurrency", type=int, help="jobs at once (default: 8 scripted, 4 model)")
-    p.add_argument(
-        "--seed", type=int, default=1, help="seed for the plan and each job's choices (default: 1)"
-    )
-    p.add_argument("--slots", type=int, help="server --slots (default: 4 scripted, 1 model)")
-    p.add_argument("--max-queue", type=int, default=8, help="server --max-queue (default: 8)")
-    p.add_argument("--stall-timeout", type=float, default=2.0, help="server --stall-timeout (default: 2)")
-    p.add_argument("--threads", type=int, default=2, help="server --threads with a model (default: 2)")
-    p.add_argument(
-        "--scripted-interval", type=float, default=0.002, help="seconds per scripted token (default: 0.002)"
-    )
-    p.add_argument("--max-slow", type=int, help="slow readers at most (default: 8 scripted, 3 model)")
-    p.add_argument(
-        "--mix",
-        type=parse_mix,
-        default=dict(DEFAULT_MIX),
-        help="job weights (default: 'normal=50,disconnect=20,deadline=12,bad=12,overload=0.6,slow=5')",
-    )
-    p.add_argument(
-        "--settle", type=float, default=15.0, help="seconds to wait for threads and fds (default: 15)"
-    )
-    p.add_argument(
-        "--linger",
-        type=float,
-        default=90.0,
-        help="more seconds to wait for sockets closed by the client only (default: 90; 0: report them only)",
-    )
-    p.add_argument(
-        "--max-rss-growth-mib", type=float, help="RSS growth allowed (default: 64 scripted, 160 model)"
-    )
-    p.add_argument(
-        "--oversized-headers",
-        action="store_true",
-        help="also send headers over the 16 KiB limit (431) among the bad inputs",
-    )
-    p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds the server may take to load")
-    p.add_argument("--log-file", type=Path, help="keep the server's log here (default: a temporary file)")
-    p.add_argument("--out", type=Path, help="write the configuration, checks and every request as JSON")
-    p.add_argument("--markdown", action="store_true", help="also print the outcomes per kind and variant")
+def parse_args() -> Any:
+    p = cli.parser(__doc__)
+    p.add_argument("--scripted", action="store_true", help="serve the scripted backend (default: a model)")
+    for flag, kind, default, text in OPTIONS:
+        p.add_argument(flag, type=kind, default=default, help=text)
+    mix = ",".join(f"{k}={v:g}" for k, v in DEFAULT_MIX.items())
+    p.add_argument("--mix", type=parse_mix, default=dict(DEFAULT_MIX), help=f"job weights (default: {mix})")
+    p.add_argument("--oversized-headers", action="store_true", help="also send headers over 16 KiB (431)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    args = p.parse_args(argv)
+    args = p.parse_args()
     if args.scripted and args.model is not None:
         p.error("--scripted and --model exclude each other")
-    if args.requests is not None and args.requests < 1:
-        p.error("--requests must be at least 1")
-    config = SoakConfig(
-        scripted=args.scripted,
-        model=args.model,
-        requests=args.requests,
-        concurrency=args.concurrency,
-        seed=args.seed,
-        slots=args.slots,
-        max_queue=args.max_queue,
-        stall_timeout=args.stall_timeout,
-        scripted_interval=args.scripted_interval,
-        threads=args.threads,
-        max_slow=args.max_slow,
-        mix=args.mix,
-        settle=args.settle,
-        linger=args.linger,
-        max_rss_growth_mib=args.max_rss_growth_mib,
-        ready_timeout=args.ready_timeout,
-        log_file=args.log_file,
-        oversized_headers=args.oversized_headers,
-        verbose=not args.quiet,
-    )
-    return config, args
+    return args
 
 
-async def run_until_signalled(config: SoakConfig) -> Result | None:
-    """``run_soak``, cancelled by SIGTERM (the server is stopped on the way out); Ctrl-C
-    works as usual in Trio."""
+def run(args: Any) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(SoakConfig)} & set(vars(args))
+    config = SoakConfig(**{name: getattr(args, name) for name in names}, verbose=not args.quiet)
     result = None
-    async with trio.open_nursery() as nursery:
 
-        async def on_sigterm() -> None:
-            with trio.open_signal_receiver(signal.SIGTERM) as signals:
-                async for _ in signals:
-                    nursery.cancel_scope.cancel()
+    async def until_signalled() -> None:  # SIGTERM cancels the soak; the server is stopped on the way out
+        nonlocal result
+        async with trio.open_nursery() as nursery:
 
-        nursery.start_soon(on_sigterm)
-        result = await run_soak(config)
-        nursery.cancel_scope.cancel()
-    return result
+            async def on_sigterm() -> None:
+                with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        nursery.cancel_scope.cancel()
 
+            nursery.start_soon(on_sigterm)
+            result = await run_soak(config)
+            nursery.cancel_scope.cancel()
 
-def main(argv: list[str] | None = None) -> int:
-    config, args = parse_args(argv)
-    result = trio.run(run_until_signalled, config)
+    trio.run(until_signalled)
     if result is None:
-        return 143
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result.to_json(), indent=2) + "\n")
-        log(config, f"wrote {args.out}")
-    print(report(result, args.markdown))
-    return 1 if result.problems else 0
+        raise SystemExit(143)
+    return result.to_json()
+
+
+def counts(values: list[Any]) -> str:
+    found = Counter("none" if v is None else str(v) for v in values)
+    return ", ".join(f"{k}×{n}" for k, n in sorted(found.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def kinds_table(records: list[dict[str, Any]], by_variant: bool) -> str:
+    key = (lambda r: f"{r['kind']} {r['variant']}") if by_variant else (lambda r: r["kind"])
+    order = {kind: i for i, kind in enumerate(("warmup", *KINDS))}
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in sorted(records, key=lambda r: (order.get(r["kind"], 99), key(r))):
+        groups.setdefault(key(r), []).append(r)
+    rows = [["kind", "requests", "status (client)", "cause (server log)", "median s"]]
+    for name, group in [*groups.items(), ("all", records)]:
+        median_s = f"{statistics.median(r['seconds'] for r in group):.3f}"
+        rows.append(
+            [
+                name,
+                str(len(group)),
+                counts([r["status"] for r in group]),
+                counts([r["cause"] for r in group]),
+                median_s,
+            ]
+        )
+    return table(rows)
+
+
+def leaks_table(result: dict[str, Any]) -> str:
+    b, a, leaks, rss = result["baseline"], result["after"], result["leaks"], result["rss_mib"]
+    busy = b["threads"] - b["idle_trio_threads"]
+    rows = [
+        ["check", "baseline", "after", "leaked"],
+        ["threads", str(busy), str(a["threads"]), str(leaks["threads"])],
+    ]
+    rows.append(
+        [
+            "… not idle in Trio's cache",
+            str(busy),
+            str(a["threads"] - a["idle_trio_threads"]),
+            str(leaks["busy_threads"]),
+        ]
+    )
+    rows.append(["open fds (other)", str(b["fds"]), str(a["fds"] - leaks["peer_closed"]), str(leaks["fds"])])
+    rows.append(
+        [
+            "sockets closed by the client only",
+            "0",
+            str(result["linger"]["peer_closed"]),
+            str(leaks["peer_closed"]),
+        ]
+    )
+    rows += [[f"/health {g}", "0", str(result["health"].get(g)), str(leaks[g])] for g in HEALTH_GAUGES]
+    growth = f"{rss['growth']:+.1f} ({100 * rss['growth'] / rss['before']:+.1f} %)"
+    return table(
+        [*rows, ["RSS MiB", f"{rss['before']:.1f}", f"{rss['after']:.1f} (peak {rss['peak']:.1f})", growth]]
+    )
+
+
+def report(result: dict[str, Any], args: Any) -> None:
+    cfg, records = result["config"], result["records"]
+    interval = f"scripted backend ({1000 * cfg['scripted_interval']:g} ms/token)"
+    backend = interval if cfg["scripted"] else f"model {cfg['model'] or 'default'} ({cfg['threads']} threads)"
+    sent, seconds = sum(r["kind"] != "warmup" for r in records), result["traffic_seconds"]
+    where = f"{sent} requests (+{len(records) - sent} warm-up), concurrency {cfg['concurrency']}"
+    print(f"soak: {backend}, {where}, seed {cfg['seed']}")
+    print(f"{cfg['slots']} slot(s), queue {cfg['max_queue']}, stall timeout {cfg['stall_timeout']:g} s")
+    print(
+        f"traffic {seconds:.1f} s ({sent / seconds:.1f} requests/s), total {result['total_seconds']:.1f} s\n"
+    )
+    print(kinds_table(records, by_variant=False) + "\n")
+    if args.markdown:
+        print(kinds_table(records, by_variant=True) + "\n")
+    print(leaks_table(result) + "\n")
+    logged = sum(r["lines"] == 1 for r in records)
+    print(f"log: {logged}/{len(records)} requests with exactly one line; causes {result['log_causes']}")
+    print(f"metrics trioserve_stream_ends_total: {dict(sorted(result['stream_ends_total'].items()))}")
+    print(f"server exit code after SIGTERM: {result['exit_code']}\n")
+    for warning in result["warnings"]:
+        print(f"warning: {warning}")
+    problems = result["problems"]
+    ok = "OK: nothing leaked, every request ended with a recorded cause"
+    print(f"FAILED: {len(problems)} problem(s)" if problems else ok)
+    more = [f"- … and {len(problems) - 40} more (--json)"] if len(problems) > 40 else []
+    print("\n".join([f"- {p}" for p in problems[:40]] + more))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli.main(parse_args, run, report))

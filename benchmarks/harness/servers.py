@@ -88,12 +88,15 @@ def command(
 
 
 class Server:
-    """A server subprocess on 127.0.0.1:``port``, its output in ``log_dir``/``name``.log."""
+    """A server subprocess on 127.0.0.1:``port``, its output in ``log_path`` (default:
+    ``log_dir``/``name``.log)."""
 
-    def __init__(self, name: str, argv: list[str], port: int, log_dir: Path) -> None:
+    def __init__(
+        self, name: str, argv: list[str], port: int, log_dir: Path, log_path: Path | None = None
+    ) -> None:
         self.name, self.command, self.port = name, argv, port
         self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_dir / f"{name}.log"
+        self.log_path = log_path or log_dir / f"{name}.log"
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
@@ -147,7 +150,6 @@ class Server:
         return None
 
     def log_text(self) -> str:
-        self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def log_tail(self, lines: int = 20) -> str:

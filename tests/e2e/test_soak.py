@@ -2,38 +2,19 @@
 that leave at random points, deadlines, bad input, overload bursts, slow readers — then
 proof that nothing leaked and that every request ended with a recorded cause.
 
-The same code as ``benchmarks/soak.py`` (loaded from its file), with fewer requests: the
-benchmark runs thousands and also waits for the sockets described in
-``_assert_soak_was_clean`` to close.
+The traffic and checks are ``tests/soak_traffic.py``, with fewer requests than the
+benchmark (``benchmarks/soak.py``), which runs thousands and also waits for the sockets
+described in ``_assert_soak_was_clean`` to close.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections import Counter
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-
-def _load_soak() -> ModuleType:
-    name = "trioserve_benchmarks_soak"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # (dataclasses look their module up there)
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = _load_soak()
+from tests import soak_traffic as soak
 
 
 def _plan_covers_every_kind(config: Any) -> None:
