@@ -32,7 +32,8 @@ from benchmarks.harness.proc import cpu_seconds, wait_cpu_idle
 from benchmarks.harness.stats import dict_table, dist, fmt, median, rows_table
 
 DECODE, PREFILL, DEADLINE = "decode", "prefill", "deadline"
-SERVERS = (servers.TRIOSERVE, servers.LLAMA_CPP_PYTHON, servers.LLAMA_SERVER)
+TS = servers.TRIOSERVE
+SERVERS = (TS, servers.LLAMA_CPP_PYTHON, servers.LLAMA_SERVER)
 SENTENCE = "The history of the city is long and varied. "
 NO_WORK_MS = 50.0  # a prefill run with less CPU than this before and after the close did no prefill
 LOG_LINE = re.compile(r"trioserve\.requests: request (\S+) \S+ (.*)")
@@ -46,9 +47,7 @@ def parse_args() -> Any:
     cli.option(p, "--prefill-repeats", 170, "prefill: sentences in the prompt (170: ~1,700 tokens)")
     cli.option(p, "--prefill-delay", 0.3, "prefill: seconds from the send to the close")
     cli.option(p, "--deadline", 0.5, "deadline: X-Request-Timeout, seconds")
-    p.add_argument(
-        "--close", choices=["rst", "fin"], default="rst", help="how the client leaves (default: rst)"
-    )
+    cli.option(p, "--close", "rst", "how the client leaves: rst (SO_LINGER 0) or fin")
     cli.option(p, "--idle-cap", 15.0, "seconds to wait for idle per run")
     args = p.parse_args()
     args.prefill_reps = (args.reps + 1) // 2 if args.prefill_reps is None else args.prefill_reps
@@ -69,7 +68,7 @@ def log_fields(server: servers.Server, request_id: str) -> dict[str, str]:
 
 
 def number(fields: dict[str, str], key: str) -> float | None:
-    return None if fields.get(key, "-") == "-" else float(fields[key])
+    return None if fields.get(key, "-") == "-" else float(fields[key])  # ("-": none)
 
 
 def wait_idle(running: list[servers.Server], args: Any, warnings: list[str]) -> None:
@@ -90,9 +89,8 @@ def prefill_body(tag: str, args: Any, max_tokens: int = 5) -> dict[str, Any]:
 def run_job(server: servers.Server, cause: str, round_: int, args: Any) -> dict[str, Any]:
     """One abandoned request and its measurements."""
     rid = str(uuid.uuid4())  # llama-cpp-python answers 400 to an X-Request-Id that is not a UUID
-    headers = {"X-Request-Id": rid} | (
-        {"X-Request-Timeout": f"{args.deadline:g}"} if cause == DEADLINE else {}
-    )
+    timeout = {"X-Request-Timeout": f"{args.deadline:g}"} if cause == DEADLINE else {}
+    headers = {"X-Request-Id": rid, **timeout}
     cpu_at_send, t_cause = cpu_seconds(server.pid), None
     payload = prefill_body(rid, args) if cause == PREFILL else body("Once upon a time", 2000)
     stream = RawStream(server.port, payload, headers)
@@ -115,9 +113,8 @@ def run_job(server: servers.Server, cause: str, round_: int, args: Any) -> dict[
     if t_cause is not None:
         idle = wait_cpu_idle(server.pid, t_cause, args.idle_cap)
         s["idle_ms"] = math.inf if idle.after_s is None else idle.after_s * 1e3
-        s.update(
-            cpu_after_cause_ms=idle.cpu_s * 1e3, cpu_before_cause_ms=1e3 * (idle.cpu_at_start - cpu_at_send)
-        )
+        s["cpu_after_cause_ms"] = idle.cpu_s * 1e3
+        s["cpu_before_cause_ms"] = (idle.cpu_at_start - cpu_at_send) * 1e3
     line = log_fields(server, rid)
     s.update(cancel_latency_ms=number(line, "cancel_latency_ms"), log_ttft_ms=number(line, "ttft_ms"))
     s.update(log_cause=line.get("cause"), excluded=exclusion(s))
@@ -140,7 +137,8 @@ def exclusion(s: dict[str, Any]) -> str | None:
 def warm_up(server: servers.Server, args: Any) -> dict[str, Any]:
     """A short completion, then the long prompt with ``max_tokens`` 1: its TTFT is the prefill."""
     for long in (False, True):
-        payload = prefill_body(rid := str(uuid.uuid4()), args, 1) if long else body("Once upon a time", 8)
+        rid = str(uuid.uuid4())
+        payload = prefill_body(rid, args, 1) if long else body("Once upon a time", 8)
         stream = RawStream(server.port, payload, {"X-Request-Id": rid})
         if not stream.read_until(stream.done, stream.sent_at + 120):
             raise RuntimeError(f"{server.name}: warm-up: no [DONE] in 120 s ({stream.status})")
@@ -169,28 +167,19 @@ def run(args: Any) -> dict[str, Any]:
             wait_idle(running, args, warnings)
             reference[server.name] = warm_up(server, args)
             cli.log(f"warm-up {server.name}: {reference[server.name]}")
-        trioserve = [s for s in running if s.name == servers.TRIOSERVE]
         for round_ in range(max(args.reps, args.prefill_reps)):
-            jobs = (
-                [(s, DECODE) for s in running] + [(s, DEADLINE) for s in trioserve]
-                if round_ < args.reps
-                else []
-            )
-            jobs += [(s, PREFILL) for s in running] if round_ < args.prefill_reps else []
+            todo = {DECODE: round_ < args.reps, PREFILL: round_ < args.prefill_reps}
+            todo[DEADLINE] = todo[DECODE]
+            jobs = [(s, c) for c in todo for s in running if todo[c] and (c != DEADLINE or s.name == TS)]
             for server, cause in jobs[round_ % len(jobs) :] + jobs[: round_ % len(jobs)]:
                 wait_idle(running, args, warnings)
                 samples.append(s := run_job(server, cause, round_, args))
                 times = f"idle {fmt(s.get('idle_ms'))} ms, [DONE] {fmt(s['done_ms'])} ms"
-                cli.log(
-                    f"{round_:>2} {server.name:<16} {cause:<8} {times}, log {fmt(s['cancel_latency_ms'])} ms"
-                )
+                times += f", log {fmt(s['cancel_latency_ms'])} ms"
+                cli.log(f"{round_:>2} {server.name:<16} {cause:<8} {times}")
         wait_idle(running, args, warnings)
-    return {
-        "config": cfg,
-        "reference": reference,
-        "samples": samples,
-        "notes": warnings + notes(samples, args),
-    }
+    out = {"config": cfg, "reference": reference, "samples": samples}
+    return out | {"notes": warnings + notes(samples, args)}
 
 
 def notes(samples: list[dict[str, Any]], args: Any) -> list[str]:
@@ -238,15 +227,10 @@ def report(result: dict[str, Any], args: Any) -> None:
         print(dict_table(samples, keys) + "\n")
     runs = f"{cfg['reps']} decode/deadline and {cfg['prefill_reps']} prefill runs per server"
     what = f"{cfg['threads']} threads, ctx {cfg['ctx_size']}, {runs}, close={cfg['close']}"
-    print(
-        cli.header(
-            cfg, f"{what}, prefill closed after {cfg['prefill_delay']:g} s, deadline {cfg['deadline']:g} s"
-        )
-    )
-    gaps = {
-        n: [g for s in samples if (s["server"], s["cause"]) == (n, DECODE) for g in s["step_gaps_ms"]]
-        for n in ref
-    }
+    what += f", prefill closed after {cfg['prefill_delay']:g} s, deadline {cfg['deadline']:g} s"
+    print(cli.header(cfg, what))
+    decode = [s for s in samples if s["cause"] == DECODE]
+    gaps = {n: [g for s in decode if s["server"] == n for g in s["step_gaps_ms"]] for n in ref}
     step = {n: median(gaps[n]) for n in ref}
     cap = f"> {cfg['idle_cap']:g} s"
     summary_rows = summary(samples, cfg, step)

@@ -31,16 +31,10 @@ def body(prompt: str, max_tokens: int, **more: Any) -> dict[str, Any]:
 def request_bytes(port: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> bytes:
     """One HTTP/1.1 ``POST /v1/completions`` with ``Connection: close``, ``headers`` last."""
     data = json.dumps(payload).encode()
-    head = [
-        "POST /v1/completions HTTP/1.1",
-        f"Host: 127.0.0.1:{port}",
-        "Content-Type: application/json",
-        "Accept: text/event-stream",
-        f"Content-Length: {len(data)}",
-        "Connection: close",
-        *(f"{name}: {value}" for name, value in (headers or {}).items()),
-    ]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + data
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+    head += f"Accept: text/event-stream\r\nContent-Length: {len(data)}\r\nConnection: close\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+    return (head + "\r\n").encode() + data
 
 
 class RawStream:

@@ -15,7 +15,7 @@ import httpx
 from .cli import log
 from .clients import Timed, body, sse_chunks, timed_stream
 from .proc import RunnableSampler, cpu_split
-from .stats import first_difference, median, ratio, spread, table
+from .stats import dict_table, first_difference, median, ratio, rows_table, spread
 
 
 @dataclass
@@ -55,8 +55,8 @@ def one(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> Stream:
 
 
 def run_group(
-    name: str, url: str, pids: list[int], prompts: list[str], rep: int, args: argparse.Namespace
-) -> tuple[Group, list[Stream]]:
+    name: str, url: str, pids: list[int], prompts: list[str], rep: int, args: Any
+) -> tuple[Group, Any]:
     """``len(prompts)`` streams at once: one thread and ``httpx.Client`` each, released by a barrier."""
     n, barrier = len(prompts), threading.Barrier(len(prompts) + 1)
     streams: list[Stream | None] = [None] * n
@@ -84,35 +84,17 @@ def run_group(
     t0 = min(s.t_call for s in done)
     wall = max(s.t_call + s.total_s for s in done) - t0
     for i, s in enumerate(done):
-        s.contestant, s.group, s.n, s.rep, s.index, s.start_ms = (
-            name,
-            f"N={n}",
-            n,
-            rep,
-            i,
-            (s.t_call - t0) * 1e3,
-        )
+        s.contestant, s.group, s.n, s.rep, s.index = name, f"N={n}", n, rep, i
+        s.start_ms = (s.t_call - t0) * 1e3
     tokens = sum(s.tokens for s in done if s.error is None)
     cpu = [100.0 * (a - b) / wall for a, b in zip(after, before, strict=True)]
-    group = Group(
-        name,
-        n,
-        rep,
-        wall,
-        tokens,
-        tokens / wall,
-        cpu[0],
-        cpu[1],
-        max(0.0, cpu[2]),
-        statistics.mean(sampler.counts),
-        max(sampler.counts),
-    )
-    return group, done
+    threads_seen = statistics.mean(sampler.counts), max(sampler.counts)
+    return Group(
+        name, n, rep, wall, tokens, tokens / wall, cpu[0], cpu[1], max(0.0, cpu[2]), *threads_seen
+    ), done
 
 
-def measure(
-    name: str, url: str, pids: list[int], args: argparse.Namespace
-) -> tuple[list[Group], list[Stream]]:
+def measure(name: str, url: str, pids: list[int], args: argparse.Namespace) -> tuple[list[Group], list[Any]]:
     """A warm-up, every prompt solo (the reference text), then ``--reps`` rounds over ``--streams``."""
     streams: list[Stream] = []
     with httpx.Client(timeout=httpx.Timeout(10.0, read=args.request_timeout)) as client:
@@ -182,67 +164,34 @@ def summarize(groups: list[Group], streams: list[Stream], ceiling: str | None = 
 
 
 def summary_table(rows: list[dict[str, Any]], labels: dict[str, str], ceiling: str | None = None) -> str:
-    head = ["contestant", "N", "total tok/s", "÷ N=1", *([f"÷ {ceiling}"] if ceiling else [])]
-    head += [
-        "decode tok/s per stream",
-        "TTFT ms",
-        "= solo",
-        "server CPU %",
-        "client CPU %",
-        "runnable threads",
-        "errors",
-    ]
-    out = [head]
-    for r in rows:
+    def equal(r: dict[str, Any]) -> str:
         k = r["equal_solo"]
-        equal = f"{k[0]}/{r['n']}" if len(set(k)) == 1 else " ".join(f"{x}/{r['n']}" for x in k)
-        cells = [
-            labels.get(r["contestant"], r["contestant"]),
-            str(r["n"]),
-            spread(r["total_tps_reps"]),
-            ratio(r["vs_n1"]),
-        ]
-        cells += [ratio(r["vs_ceiling"])] if ceiling else []
-        cells += [spread(r["decode_tps"]), spread(r["ttft_ms"], ".0f"), equal, f"{r['server_cpu_pct']:.0f}"]
-        out.append([*cells, f"{r['client_cpu_pct']:.0f}", r["runnable"], str(r["errors"])])
-    return table(out)
+        return f"{k[0]}/{r['n']}" if len(set(k)) == 1 else " ".join(f"{x}/{r['n']}" for x in k)
+
+    columns = [
+        ("contestant", lambda r: labels.get(r["contestant"], r["contestant"])),
+        ("N", lambda r: str(r["n"])),
+    ]
+    columns += [
+        ("total tok/s", lambda r: spread(r["total_tps_reps"])),
+        ("÷ N=1", lambda r: ratio(r["vs_n1"])),
+    ]
+    columns += [(f"÷ {ceiling}", lambda r: ratio(r["vs_ceiling"]))] if ceiling else []
+    columns += [("decode tok/s per stream", lambda r: spread(r["decode_tps"]))]
+    columns += [("TTFT ms", lambda r: spread(r["ttft_ms"], ".0f")), ("= solo", equal)]
+    columns += [
+        (f"{k.split('_')[0]} CPU %", lambda r, k=k: f"{r[k]:.0f}")
+        for k in ("server_cpu_pct", "client_cpu_pct")
+    ]
+    return rows_table(
+        rows,
+        [*columns, ("runnable threads", lambda r: r["runnable"]), ("errors", lambda r: str(r["errors"]))],
+    )
 
 
 def streams_table(streams: list[Stream], solo: bool) -> str:
-    rows = [
-        [
-            "contestant",
-            "group",
-            "rep",
-            "#",
-            "prompt",
-            "start ms",
-            "TTFT ms",
-            "decode tok/s",
-            "tokens",
-            "finish",
-            "= solo",
-        ]
-    ]
-    for s in streams:
-        if (s.group == "solo") == solo:
-            same = "error" if s.error else ("—" if s.matches_solo is None else str(s.matches_solo))
-            rows.append(
-                [
-                    s.contestant,
-                    s.group,
-                    str(s.rep),
-                    str(s.index),
-                    repr(s.prompt),
-                    f"{s.start_ms:.0f}",
-                    f"{s.ttft_ms:.0f}",
-                    f"{s.decode_tps:.1f}",
-                    str(s.tokens),
-                    str(s.finish_reason),
-                    same,
-                ]
-            )
-    return table(rows)
+    keys = "contestant group rep index prompt start_ms ttft_ms decode_tps tokens finish_reason matches_solo"
+    return dict_table([asdict(s) for s in streams if (s.group == "solo") == solo], keys)
 
 
 def notes(groups: list[Group], streams: list[Stream], other_load_warn: float) -> list[str]:
@@ -257,7 +206,5 @@ def notes(groups: list[Group], streams: list[Stream], other_load_warn: float) ->
         if s.error or s.finish_reason != "length":
             out.append(f"{where}: {s.error or f'finish_reason {s.finish_reason}, {s.tokens} tokens'}")
         if s.matches_solo is False:
-            out.append(
-                f"{where}: text differs from solo {first_difference(s.text, solo[s.contestant, s.prompt])}"
-            )
+            out.append(f"{where}: differs from solo {first_difference(s.text, solo[s.contestant, s.prompt])}")
     return out
