@@ -14,13 +14,22 @@ Real inference on the default model. What these tests prove (the cancellation ma
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
 import pytest
 import trio
 
-from trioserve import Engine, Finished, GenerationRequest, LlamaBackend, SamplingParams, TextDelta
+from trioserve import (
+    Engine,
+    Finished,
+    GenerationProgress,
+    GenerationRequest,
+    LlamaBackend,
+    SamplingParams,
+    TextDelta,
+)
 from trioserve._core._engine import WINDOW as _WINDOW
 
 from .._helpers import RawStream, start_server, wait_for
@@ -246,10 +255,16 @@ async def test_a_cancel_that_aborts_a_shared_call_leaves_the_other_sequence_unch
 ) -> None:
     """Two streams decode in one call; cancelling one owns half of it, so the call is
     aborted mid-graph. The survivor's cells written by the aborted call are removed and
-    its entry decoded again: its text must equal its solo text. Repeated until a cancel
-    has landed inside a call (the abort counter moves), at most 10 times."""
+    its entry decoded again: its text must equal its solo text. The cancel comes while a
+    call of both is in flight; the call can still end first, so this is repeated until a
+    cancel has landed inside a call (the abort counter moves), at most 10 times."""
     engine = Engine(invariant_backend, max_queue=8)
     survivor_prompt = "The capital of France is"
+
+    def _both_in_flight(progress: GenerationProgress) -> bool:
+        in_flight = invariant_backend._scheduler._in_flight
+        return invariant_backend.in_flight(progress) == "decode" and len(in_flight) == 2
+
     solo, _ = await _generate(engine, survivor_prompt, max_tokens=60)
     aborted = invariant_backend.aborted_calls
     texts: list[str] = []
@@ -267,6 +282,8 @@ async def test_a_cancel_that_aborts_a_shared_call_leaves_the_other_sequence_unch
                     async for event in events:
                         seen += isinstance(event, TextDelta)
                         if seen == 5:
+                            # cancel while a decode call of both is inside llama.cpp
+                            await wait_for(functools.partial(_both_in_flight, events.progress), step=0.001)
                             victim_scope.cancel()
         if invariant_backend.aborted_calls > aborted:
             break
