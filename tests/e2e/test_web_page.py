@@ -1,9 +1,11 @@
 """The chat page in a real browser (Debian's Chromium, driven by Playwright) against a
-real server: tokens stream in, Stop really stops the server's inference, and a fast
+real server: tokens stream in, a conversation reuses its cached prompt prefix turn after
+turn (and the page shows it), Stop really stops the server's inference, and a fast
 stream never blocks the page's main thread."""
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import time
 from collections.abc import Iterator
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Browser, Page, Request, expect, sync_playwright
 
 from .._helpers import ServerProcess
 
@@ -55,16 +57,17 @@ def model_server() -> Iterator[str]:
 @pytest.mark.model
 def test_a_prompt_streams_into_the_page(page: Page, model_server: str) -> None:
     page.goto(model_server + "/")
+    page.select_option("#mode", "text")
     page.fill("#prompt", "Once upon a time")
     page.fill("#max-tokens", "120")
     page.fill("#temperature", "0")
     page.click("#send")
     page.wait_for_function(
-        "document.querySelector('#output').textContent.length > 'Once upon a time'.length + 5"
+        "document.querySelector('#conversation .reply').textContent.length > 'Once upon a time'.length + 5"
     )
-    early = len(page.text_content("#output") or "")
+    early = len(page.text_content("#conversation .reply") or "")
     page.wait_for_function("document.querySelector('#ended').textContent !== '–'", timeout=30_000)
-    final = len(page.text_content("#output") or "")
+    final = len(page.text_content("#conversation .reply") or "")
     assert final > early  # it arrived in pieces, not all at once
     assert page.text_content("#ended") == "length"
     assert page.text_content("#tokens") == "120"
@@ -76,6 +79,7 @@ def test_a_prompt_streams_into_the_page(page: Page, model_server: str) -> None:
 @pytest.mark.model
 def test_stop_ends_the_stream_and_the_server_stops_inference(page: Page, model_server: str) -> None:
     page.goto(model_server + "/")
+    page.select_option("#mode", "text")
     page.fill("#prompt", "Once upon a time")
     page.fill("#max-tokens", "3000")
     page.click("#send")
@@ -99,6 +103,152 @@ def test_stop_ends_the_stream_and_the_server_stops_inference(page: Page, model_s
     assert page.is_enabled("#send")
 
 
+# ~100–130 words each: the first prompt alone passes one 128-token chunk, so every later turn
+# has whole chunks of the conversation so far to reuse.
+CONVERSATION = [
+    "I keep a small lighthouse on a rocky island in the north. Every evening I climb the "
+    "iron stairs, clean the great lens, trim the wick and check the clockwork that turns "
+    "the light. The storms in winter are long and loud, and the supply boat comes only "
+    "once a month when the sea is calm enough. I have a cat, a radio, a shelf of old "
+    "books and a garden of cabbages behind the wall. The nearest harbour is a day's sail to "
+    "the south, and the keeper before me left a logbook full of notes about the tides, the "
+    "winds and the birds that nest on the cliffs. Tell me, in a few careful sentences, "
+    "how I should prepare the lighthouse and the garden for the first great storm of the "
+    "coming winter season.",
+    "Thank you. The supply boat was late this month, and the flour is almost gone. I "
+    "still have oats, dried beans, salted fish, potatoes from the cellar, a little butter "
+    "and a jar of honey from the mainland. The stove burns driftwood and peat, and the "
+    "chimney smokes when the wind blows from the east. My neighbour on the next island "
+    "signals with a lamp at dusk, and we trade news that way. What could I cook each day "
+    "for two weeks with what I have, and how should I keep the stove burning well?",
+    "The storm has passed at last, and the light never failed. Some slates blew off the "
+    "roof of the shed, the garden wall lost a few stones, and a gull with a hurt wing has "
+    "taken shelter by the door. The cat is not pleased about the gull. The radio says "
+    "another storm may come at the end of the week, stronger than the first one. I would "
+    "like to mend what broke, look after the gull, and keep the peace between it and the "
+    "cat. Which of these should I do first, and why, in a short and practical plan?",
+]
+ANOTHER_TOPIC = (
+    "Our village bakery opens at six in the morning, and I am the new apprentice there. "
+    "The baker makes rye loaves, white rolls, cinnamon buns and a dark fruit cake for "
+    "holidays. Each night the dough rises in wooden troughs under linen cloths, and at "
+    "four o'clock we light the brick oven with beech wood. The first customers are the "
+    "fishermen, then the schoolchildren, then the old ladies who like to talk. What "
+    "should an apprentice learn first to be useful, and what mistakes do beginners make "
+    "most often when shaping loaves by hand?"
+)
+
+
+def _chat_requests(page: Page) -> list[dict[str, object]]:
+    """The bodies of the page's chat requests, as they are sent."""
+    sent: list[dict[str, object]] = []
+
+    def record(request: Request) -> None:
+        if request.url.endswith("/v1/chat/completions"):
+            sent.append(request.post_data_json)
+
+    page.on("request", record)
+    return sent
+
+
+def _figures(page: Page, turn: int) -> dict[str, int]:
+    """Wait for turn ``turn`` to finish; read its figures off the page."""
+    element = page.locator(f"#conversation .turn[data-turn='{turn}']")
+    expect(element).to_have_attribute("data-state", "done", timeout=60_000)
+    figures = element.locator(".figures")
+    values = {
+        name: int(figures.get_attribute(f"data-{name}") or "-1")
+        for name in ("prompt-tokens", "cached-tokens", "evaluated-tokens", "ttft-ms")
+    }
+    prompt, cached, evaluated, ttft = values.values()
+    assert figures.text_content() == (
+        f"prompt {prompt} tokens: {cached} reused, {evaluated} evaluated · first token {ttft} ms"
+    )
+    assert evaluated + cached == prompt
+    assert evaluated >= 1
+    assert ttft > 0
+    return values
+
+
+@pytest.mark.model
+def test_a_conversation_reuses_its_cached_prefix_and_the_page_shows_it(page: Page, model_server: str) -> None:
+    sent = _chat_requests(page)
+    page.goto(model_server + "/")
+    page.fill("#max-tokens", "24")
+    page.fill("#temperature", "0")
+    turns: list[dict[str, int]] = []
+    replies: list[str] = []
+    for number, message in enumerate(CONVERSATION, start=1):
+        page.fill("#prompt", message)
+        page.click("#send")
+        turns.append(_figures(page, number))
+        replies.append(page.text_content(f"#conversation .turn[data-turn='{number}'] .reply") or "")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "web-page-conversation.png"))
+
+    # each request carried the whole history, the replies as the page showed them
+    assert len(sent) == 3
+    for number, body in enumerate(sent):
+        assert body["stream"] is True
+        assert body["stream_options"] == {"include_usage": True}
+        expected: list[dict[str, str]] = []
+        for earlier in range(number):
+            expected += [
+                {"role": "user", "content": CONVERSATION[earlier]},
+                {"role": "assistant", "content": replies[earlier]},
+            ]
+        assert body["messages"] == [*expected, {"role": "user", "content": CONVERSATION[number]}]
+    assert all(replies)
+
+    chunk = 128  # the server's default --prefill-chunk
+    cached = [turn["cached-tokens"] for turn in turns]
+    assert turns[0]["prompt-tokens"] > chunk, turns  # (so turn 2 has a whole chunk to reuse)
+    assert cached[0] == 0
+    assert chunk <= cached[1] < cached[2], turns
+    for previous, turn in itertools.pairwise(turns):
+        # whole chunks, and no more than the previous turn's prompt (its reply is re-evaluated)
+        assert turn["cached-tokens"] % chunk == 0
+        assert turn["cached-tokens"] <= previous["prompt-tokens"]
+
+    # a new conversation sends only its own message, and reuses nothing: the old prefix is
+    # still cached, but the new text leaves it within the first chunk
+    page.click("#new-conversation")
+    expect(page.locator("#conversation .turn")).to_have_count(0)
+    page.fill("#prompt", ANOTHER_TOPIC)
+    page.click("#send")
+    fresh = _figures(page, 1)
+    assert sent[-1]["messages"] == [{"role": "user", "content": ANOTHER_TOPIC}]
+    assert fresh["cached-tokens"] == 0
+    expect(page.locator("#conversation .turn")).to_have_count(1)
+
+
+def test_a_stopped_reply_stays_in_the_conversation_as_far_as_it_got(page: Page) -> None:
+    sent = _chat_requests(page)
+    with ServerProcess("--scripted", "--scripted-interval", "0.01") as server:
+        page.goto(server.wait_ready() + "/")
+        page.fill("#prompt", "Count.")
+        page.fill("#max-tokens", "3000")
+        page.click("#send")
+        page.wait_for_function("Number(document.querySelector('#tokens').textContent) >= 10")
+        page.click("#stop")
+        turn = page.locator("#conversation .turn[data-turn='1']")
+        expect(turn).to_have_attribute("data-state", "stopped")
+        expect(turn.locator(".figures")).to_contain_text("stopped: kept as far as it got")
+        page.wait_for_selector("#server[data-state='idle']", timeout=5_000)
+        shown = turn.locator(".reply").text_content() or ""
+        page.fill("#max-tokens", "5")
+        page.fill("#prompt", "Go on.")
+        page.click("#send")
+        expect(page.locator("#conversation .turn[data-turn='2']")).to_have_attribute("data-state", "done")
+        assert server.stop() == 0
+    assert shown.startswith(" tok0 tok1")
+    assert sent[-1]["messages"] == [
+        {"role": "user", "content": "Count."},
+        {"role": "assistant", "content": shown},
+        {"role": "user", "content": "Go on."},
+    ]
+
+
 def test_a_fast_stream_never_blocks_the_main_thread(page: Page) -> None:
     with ServerProcess("--scripted", "--scripted-interval", "0.0002") as server:
         url = server.wait_ready()
@@ -111,6 +261,7 @@ def test_a_fast_stream_never_blocks_the_main_thread(page: Page) -> None:
                 }).observe({ type: "longtask", buffered: true });
             }"""
         )
+        page.fill("#prompt", "Count.")  # chat, the page's default mode
         page.fill("#max-tokens", "4000")
         page.click("#send")
         page.wait_for_function("document.querySelector('#ended').textContent !== '–'", timeout=60_000)
