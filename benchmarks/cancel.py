@@ -3,21 +3,27 @@
 Causes, each one streamed ``POST /v1/completions`` (greedy) on the raw-socket client:
 ``decode`` (``"Once upon a time"``, ``max_tokens`` 2000: read ``--events`` events, then
 close, an RST by default), ``prefill`` (a ~1,700-token prompt behind a per-run tag, no
-cached prefix; close ``--prefill-delay`` after sending) and, trioserve only, ``deadline``
-(the decode request with ``X-Request-Timeout``, read to ``[DONE]``). Measured: the
-black-box CPU idle − cause (every server), trioserve's ``cancel_latency_ms`` log field
-(white-box), send → ``[DONE]`` (deadline); the bars; which prefill runs are left out and
-why. Rounds run every (server, cause) job once, the start rotating; before each job every
-server must be idle. Method and bars: docs/benchmarks.md, "Method" and "Cancel latency".
+cached prefix; close ``--prefill-delay`` after sending, or once the computing server has
+used ``--prefill-close-cpu`` CPU-s) and, trioserve only, ``deadline`` (the decode request
+with ``X-Request-Timeout``, read to ``[DONE]``). Measured: the black-box CPU idle − cause
+(``front-llama-server``, trioserve --upstream in front of a llama-server: that
+llama-server's), trioserve's ``cancel_latency_ms`` log field (white-box), send → ``[DONE]``
+(deadline); the bars; prefill runs left out, and why; llama-server's prompt tokens/s.
+Rounds run every (server, cause) job once, the start rotating; before each job every
+server must be idle. Method and bars: docs/benchmarks.md, "Method" and "Cancel latency";
+llama-server settings: docs/deployment.md, "Upstream llama-server".
 
     python benchmarks/cancel.py --markdown --json artifacts/cancel.json
+    python benchmarks/cancel.py --contestants llama-server,front-llama-server --llama-server-args="-b 16"
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -27,25 +33,30 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import cli, servers
-from benchmarks.harness.clients import RawStream, body
+from benchmarks.harness.clients import PROGRESS, RawStream, body
 from benchmarks.harness.proc import cpu_seconds, wait_cpu_idle
 from benchmarks.harness.stats import dict_table, dist, fmt, median, rows_table
 
 DECODE, PREFILL, DEADLINE = "decode", "prefill", "deadline"
-TS = servers.TRIOSERVE
-SERVERS = (TS, servers.LLAMA_CPP_PYTHON, servers.LLAMA_SERVER)
+TS, LS = servers.TRIOSERVE, servers.LLAMA_SERVER
+SERVERS, FRONT = (TS, servers.LLAMA_CPP_PYTHON, LS), f"front-{LS}"
 SENTENCE = "The history of the city is long and varied. "
 NO_WORK_MS = 50.0  # a prefill run with less CPU than this before and after the close did no prefill
+TIMINGS = re.compile(rb'"(prompt_n|prompt_per_second)": ?([\d.]+)')
 LOG_LINE = re.compile(r"trioserve\.requests: request (\S+) \S+ (.*)")
 
 
 def parse_args() -> Any:
-    p = cli.parser(__doc__, (SERVERS, SERVERS), threads=2, ctx_size=4096, reps=20)
+    p = cli.parser(__doc__, ((*SERVERS, FRONT), SERVERS), threads=2, ctx_size=4096, reps=20)
     p.add_argument("--trioserve-arg", action="append", default=[], help="an extra `trioserve serve` option")
+    cli.option(p, "--llama-server-args", "", "extra llama-server flags (also behind front-llama-server)")
+    help_ = "JSON merged into each request llama-server gets (front-llama-server: its --upstream-body)"
+    p.add_argument("--request-extra", type=json.loads, default={}, help=help_)
     p.add_argument("--prefill-reps", type=int, help="mid-prefill runs per server (default: half of --reps)")
     cli.option(p, "--events", 5, "decode: events read before the close")
     cli.option(p, "--prefill-repeats", 170, "prefill: sentences in the prompt (170: ~1,700 tokens)")
     cli.option(p, "--prefill-delay", 0.3, "prefill: seconds from the send to the close")
+    cli.option(p, "--prefill-close-cpu", 0.0, "prefill: close at this CPU-s since the send instead (0: off)")
     cli.option(p, "--deadline", 0.5, "deadline: X-Request-Timeout, seconds")
     cli.option(p, "--close", "rst", "how the client leaves: rst (SO_LINGER 0) or fin")
     cli.option(p, "--idle-cap", 15.0, "seconds to wait for idle per run")
@@ -82,21 +93,44 @@ def wait_idle(running: list[servers.Server], args: Any, warnings: list[str]) -> 
     time.sleep(0.1)
 
 
-def prefill_body(tag: str, args: Any, max_tokens: int = 5) -> dict[str, Any]:
-    return body(f"Record {tag}. " + SENTENCE * args.prefill_repeats, max_tokens)
+def start(name: str, model: Path, logs: Path, args: Any, running: list[servers.Server]) -> servers.Server:
+    """Start contestant ``name`` into ``running``; ``server.work``: the process that computes."""
+    kind = name.removeprefix("front-")
+    extra = {TS: ["--log-level", "info", *args.trioserve_arg], LS: shlex.split(args.llama_server_args)}
+    settings = {"threads": args.threads, "ctx_size": args.ctx_size, "extra": extra.get(kind, [])}
+    running.append(work := servers.Server.start(kind + "-upstream" * (name != kind), model, logs, **settings))
+    if name != kind:
+        work.wait_ready(args.ready_timeout)
+        port, upstream = servers.free_port(), ["--upstream", work.url]
+        upstream += ["--upstream-body", json.dumps(args.request_extra)] if args.request_extra else []
+        running.append(servers.Server(name, servers.trioserve_command(port, *upstream), port, logs))
+    running[-1].work = work
+    return running[-1]
 
 
-def run_job(server: servers.Server, cause: str, round_: int, args: Any) -> dict[str, Any]:
+def request(server: servers.Server, args: Any, tag: str | None, max_tokens: int) -> dict[str, Any]:
+    """The long prompt behind ``tag``, or ``"Once upon a time"`` (``tag`` ``None``)."""
+    text = "Once upon a time" if tag is None else f"Record {tag}. " + SENTENCE * args.prefill_repeats
+    return body(text, max_tokens, **(args.request_extra if server.name == LS else {}))
+
+
+def run_job(server: Any, cause: str, round_: int, args: Any) -> dict[str, Any]:
     """One abandoned request and its measurements."""
     rid = str(uuid.uuid4())  # llama-cpp-python answers 400 to an X-Request-Id that is not a UUID
     timeout = {"X-Request-Timeout": f"{args.deadline:g}"} if cause == DEADLINE else {}
     headers = {"X-Request-Id": rid, **timeout}
-    cpu_at_send, t_cause = cpu_seconds(server.pid), None
-    payload = prefill_body(rid, args) if cause == PREFILL else body("Once upon a time", 2000)
+    cpu_at_send, t_cause = cpu_seconds(server.work.pid), None
+    payload = request(server, args, rid, 5) if cause == PREFILL else request(server, args, None, 2000)
     stream = RawStream(server.port, payload, headers)
     if cause == DECODE:
         if not stream.read_until(lambda: stream.data_events() >= args.events, stream.sent_at + 60):
             raise RuntimeError(f"{server.name} {rid}: {stream.data_events()} of {args.events} events in 60 s")
+        t_cause = stream.close(args.close)
+    elif cause == PREFILL and args.prefill_close_cpu:  # the CPU sampled every ~1 ms
+        busy, give_up = lambda: cpu_seconds(server.work.pid) - cpu_at_send, stream.sent_at + 60
+        while busy() < args.prefill_close_cpu and time.perf_counter() < give_up:
+            if not stream.receive(time.perf_counter() + 0.001) and stream.eof:
+                time.sleep(0.001)
         t_cause = stream.close(args.close)
     elif cause == PREFILL:
         stream.read_until(lambda: False, stream.sent_at + args.prefill_delay)
@@ -111,7 +145,7 @@ def run_job(server: servers.Server, cause: str, round_: int, args: Any) -> dict[
     s = {"server": server.name, "cause": cause, "round": round_, "id": rid, "step_gaps_ms": gaps}
     s.update(done_ms=done_ms, events_before_cause=stream.data_events(), finish_reason=stream.finish_reason())
     if t_cause is not None:
-        idle = wait_cpu_idle(server.pid, t_cause, args.idle_cap)
+        idle = wait_cpu_idle(server.work.pid, t_cause, args.idle_cap)
         s["idle_ms"] = math.inf if idle.after_s is None else idle.after_s * 1e3
         s["cpu_after_cause_ms"] = idle.cpu_s * 1e3
         s["cpu_before_cause_ms"] = (idle.cpu_at_start - cpu_at_send) * 1e3
@@ -135,42 +169,40 @@ def exclusion(s: dict[str, Any]) -> str | None:
 
 
 def warm_up(server: servers.Server, args: Any) -> dict[str, Any]:
-    """A short completion, then the long prompt with ``max_tokens`` 1: its TTFT is the prefill."""
+    """A short completion, then the long prompt with ``max_tokens`` 1: its TTFT is the prefill
+    (llama-server: and its ``timings``)."""
     for long in (False, True):
         rid = str(uuid.uuid4())
-        payload = prefill_body(rid, args, 1) if long else body("Once upon a time", 8)
+        payload = request(server, args, rid if long else None, 1 if long else 8)
         stream = RawStream(server.port, payload, {"X-Request-Id": rid})
         if not stream.read_until(stream.done, stream.sent_at + 120):
             raise RuntimeError(f"{server.name}: warm-up: no [DONE] in 120 s ({stream.status})")
         stream.close()
-    line = log_fields(server, rid)
-    return {
-        "prefill_ms": (stream.events[0][0] - stream.sent_at) * 1e3,
-        "prompt_tokens": line.get("prompt_tokens"),
-    }
+    line, first = log_fields(server, rid), next(t for t, e in stream.events if PROGRESS not in e)
+    timings = {k.decode(): json.loads(v) for e in stream.events for k, v in TIMINGS.findall(e[1])}
+    prompt_tokens = line.get("prompt_tokens") or timings.get("prompt_n")
+    return {"prefill_ms": (first - stream.sent_at) * 1e3, "prompt_tokens": prompt_tokens, **timings}
 
 
 def run(args: Any) -> dict[str, Any]:
     model = cli.resolve_model(args)
-    names = "threads ctx_size reps prefill_reps events prefill_repeats prefill_delay deadline close idle_cap"
+    names = "threads ctx_size reps prefill_reps events prefill_repeats prefill_delay prefill_close_cpu"
+    names += " deadline close idle_cap llama_server_args request_extra"
     cfg = cli.environment(model, **cli.pick(args, names))
     samples, warnings, reference = [], [], {}
     with tempfile.TemporaryDirectory() as logs, servers.running([]) as running:
-        for name in args.contestants:
-            extra = ["--log-level", "info", *args.trioserve_arg] if name == servers.TRIOSERVE else []
-            settings = {"threads": args.threads, "ctx_size": args.ctx_size, "extra": extra}
-            running.append(servers.Server.start(name, model, Path(logs), **settings))
+        contestants = [start(name, model, Path(logs), args, running) for name in args.contestants]
         for server in running:
             server.wait_ready(args.ready_timeout)
         cfg["commands"] = {s.name: s.command for s in running}
-        for server in running:
+        for server in contestants:
             wait_idle(running, args, warnings)
             reference[server.name] = warm_up(server, args)
             cli.log(f"warm-up {server.name}: {reference[server.name]}")
         for round_ in range(max(args.reps, args.prefill_reps)):
             todo = {DECODE: round_ < args.reps, PREFILL: round_ < args.prefill_reps}
             todo[DEADLINE] = todo[DECODE]
-            jobs = [(s, c) for c in todo for s in running if todo[c] and (c != DEADLINE or s.name == TS)]
+            jobs = [(s, c) for c in todo for s in contestants if todo[c] and (c != DEADLINE or s.name == TS)]
             for server, cause in jobs[round_ % len(jobs) :] + jobs[: round_ % len(jobs)]:
                 wait_idle(running, args, warnings)
                 samples.append(s := run_job(server, cause, round_, args))
@@ -204,7 +236,7 @@ METRICS = {"idle_ms": "CPU idle − cause (black-box)", "cancel_latency_ms": "ca
 def summary(samples: list[dict[str, Any]], cfg: dict[str, Any], step: dict[str, float]) -> list[Any]:
     """Per cause, server and metric: the distribution, CPU burnt after the cause, the bar."""
     rows = []
-    for cause, name, key in itertools.product(CAUSES, cfg["commands"], [*METRICS, "done_ms"]):
+    for cause, name, key in itertools.product(CAUSES, step, [*METRICS, "done_ms"]):
         runs = [s for s in samples if s["server"] == name and s["cause"] == cause and not s["excluded"]]
         values = [s[key] for s in runs if s.get(key) is not None]
         if (key == "done_ms") != (cause == DEADLINE) or not (d := dist(values)):
@@ -213,8 +245,9 @@ def summary(samples: list[dict[str, Any]], cfg: dict[str, Any], step: dict[str, 
         bar = None if cause == PREFILL and key != "idle_ms" else bar
         cpu = dist([s["cpu_after_cause_ms"] for s in runs]) if key == "idle_ms" else None
         cpu_text = f"{cpu['p50']:.0f} / {cpu['max']:.0f}" if cpu else "—"
-        metric = METRICS.get(key, "send → [DONE]")
-        rows.append({"server": servers.LABELS.get(name, name), "cause": CAUSES[cause], "metric": metric, **d})
+        metric, label = METRICS.get(key, "send → [DONE]"), servers.LABELS.get(name, name)
+        label = name if cfg.get("llama_server_args") else label  # (LABELS: llama-server's defaults)
+        rows.append({"server": label, "cause": CAUSES[cause], "metric": metric, **d})
         rows[-1].update(cpu=cpu_text, bar=bar, met="—" if bar is None else "yes" if d["p99"] <= bar else "no")
     return rows
 
@@ -227,10 +260,11 @@ def report(result: dict[str, Any], args: Any) -> None:
         print(dict_table(samples, keys) + "\n")
     runs = f"{cfg['reps']} decode/deadline and {cfg['prefill_reps']} prefill runs per server"
     what = f"{cfg['threads']} threads, ctx {cfg['ctx_size']}, {runs}, close={cfg['close']}"
-    what += f", prefill closed after {cfg['prefill_delay']:g} s, deadline {cfg['deadline']:g} s"
+    cpu, delay = cfg.get("prefill_close_cpu"), f"{cfg['prefill_delay']:g} s"
+    what += f", prefill closed after {f'{cpu:g} CPU-s' if cpu else delay}, deadline {cfg['deadline']:g} s"
+    what += f", llama-server {cfg.get('llama_server_args') or 'defaults'}, {cfg.get('request_extra')}"
     print(cli.header(cfg, what))
-    decode = [s for s in samples if s["cause"] == DECODE]
-    gaps = {n: [g for s in decode if s["server"] == n for g in s["step_gaps_ms"]] for n in ref}
+    gaps = {n: [g for s in samples if s["server"] == n for g in s["step_gaps_ms"]] for n in ref}
     step = {n: median(gaps[n]) for n in ref}
     cap = f"> {cfg['idle_cap']:g} s"
     summary_rows = summary(samples, cfg, step)
@@ -238,6 +272,7 @@ def report(result: dict[str, Any], args: Any) -> None:
     print("\n(cpu: CPU ms burnt after the cause, p50 / max; bar: p99 ≤, ms; nearest-rank percentiles)\n")
     columns = [("server", str), ("decode step ms (median gap)", lambda n: f"{fmt(step[n])} ({len(gaps[n])})")]
     columns += [("long-prompt prefill ms (warm-up TTFT)", lambda n: fmt(ref[n]["prefill_ms"], ".0f"))]
+    columns += [("prefill tokens/s (llama-server timings)", lambda n: fmt(ref[n].get("prompt_per_second")))]
     print(rows_table(ref, [*columns, ("prompt tokens", lambda n: str(ref[n]["prompt_tokens"] or "—"))]))
 
 

@@ -73,21 +73,15 @@ def parser(
                 raise argparse.ArgumentTypeError(f"pick from {','.join(every)}")
             return [name for name in every if name in chosen]
 
-        help_ = (
-            f"comma-separated subset of {','.join(every)}, run in this order (default: {','.join(default)})"
-        )
+        help_ = f"comma-separated subset of {','.join(every)}, run in this order"
+        help_ += f" (default: {','.join(default)})"
         p.add_argument("--contestants", type=names, default=list(default), help=help_)
     for key, default in defaults.items():
         flag, kind, text = OPTIONS[key]
-        shown = (
-            ("|" if key == "prompts" else ",").join(map(str, default))
-            if isinstance(default, list)
-            else default
-        )
+        sep = "|" if key == "prompts" else ","
+        shown = sep.join(map(str, default)) if isinstance(default, list) else default
         p.add_argument(flag, type=kind, default=default, help=f"{text} (default: {shown})")
-    p.add_argument(
-        "--json", "--out", dest="out", type=Path, help="write everything measured to this JSON file"
-    )
+    p.add_argument("--json", "--out", dest="out", type=Path, help="write all that was measured to this JSON")
     p.add_argument("--markdown", action="store_true", help="also print every sample")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds a server may take to load")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds a completion may take")

@@ -19,6 +19,7 @@ from .proc import unread_bytes
 STATUS = re.compile(rb"HTTP/1\.[01] (\d{3})")
 FINISH = re.compile(rb'"finish_reason": ?"(\w+)"')
 OPEN = re.compile(rb'"finish_reason": ?null')  # an event that carries a token
+PROGRESS = b'"prompt_progress"'  # llama-server's event per prompt batch (return_progress): no token
 
 
 def body(prompt: str, max_tokens: int, **more: Any) -> dict[str, Any]:
@@ -127,10 +128,10 @@ class RawStream:
 
     def token_times(self) -> list[float]:
         """Arrival times of the events that carry a token (``finish_reason`` null)."""
-        return [t for t, event in self.events if OPEN.search(event)]
+        return [t for t, event in self.events if OPEN.search(event) and PROGRESS not in event]
 
     def data_events(self) -> int:
-        return sum(b"data: " in event and b"[DONE]" not in event for _, event in self.events)
+        return sum(b"data: " in e and b"[DONE]" not in e and PROGRESS not in e for _, e in self.events)
 
     def finish_reason(self) -> str | None:
         found = [m for _, event in self.events for m in FINISH.findall(event)]

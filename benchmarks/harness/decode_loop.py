@@ -105,12 +105,8 @@ class DecodeLoop:
                 for start in range(0, len(tokens), N_BATCH):
                     chunk = tokens[start : start + N_BATCH]
                     for i, token in enumerate(chunk):
-                        batch.token[i], batch.pos[i], batch.seq_id[i][0], batch.logits[i] = (
-                            token,
-                            start + i,
-                            seq,
-                            0,
-                        )
+                        batch.token[i], batch.pos[i] = token, start + i
+                        batch.seq_id[i][0], batch.logits[i] = seq, 0
                     batch.n_tokens = len(chunk)
                     batch.logits[len(chunk) - 1] = start + len(chunk) == len(tokens)
                     self._decode(ctx)

@@ -168,14 +168,9 @@ def summary_table(rows: list[dict[str, Any]], labels: dict[str, str], ceiling: s
         k = r["equal_solo"]
         return f"{k[0]}/{r['n']}" if len(set(k)) == 1 else " ".join(f"{x}/{r['n']}" for x in k)
 
-    columns = [
-        ("contestant", lambda r: labels.get(r["contestant"], r["contestant"])),
-        ("N", lambda r: str(r["n"])),
-    ]
-    columns += [
-        ("total tok/s", lambda r: spread(r["total_tps_reps"])),
-        ("÷ N=1", lambda r: ratio(r["vs_n1"])),
-    ]
+    columns = [("contestant", lambda r: labels.get(r["contestant"], r["contestant"]))]
+    columns += [("N", lambda r: str(r["n"])), ("total tok/s", lambda r: spread(r["total_tps_reps"]))]
+    columns += [("÷ N=1", lambda r: ratio(r["vs_n1"]))]
     columns += [(f"÷ {ceiling}", lambda r: ratio(r["vs_ceiling"]))] if ceiling else []
     columns += [("decode tok/s per stream", lambda r: spread(r["decode_tps"]))]
     columns += [("TTFT ms", lambda r: spread(r["ttft_ms"], ".0f")), ("= solo", equal)]
@@ -183,10 +178,8 @@ def summary_table(rows: list[dict[str, Any]], labels: dict[str, str], ceiling: s
         (f"{k.split('_')[0]} CPU %", lambda r, k=k: f"{r[k]:.0f}")
         for k in ("server_cpu_pct", "client_cpu_pct")
     ]
-    return rows_table(
-        rows,
-        [*columns, ("runnable threads", lambda r: r["runnable"]), ("errors", lambda r: str(r["errors"]))],
-    )
+    columns += [("runnable threads", lambda r: r["runnable"]), ("errors", lambda r: str(r["errors"]))]
+    return rows_table(rows, columns)
 
 
 def streams_table(streams: list[Stream], solo: bool) -> str:

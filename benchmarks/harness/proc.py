@@ -72,9 +72,7 @@ def thread_names(pid: int) -> list[str]:
 
 
 def runnable_threads(pid: int) -> int:
-    return sum(
-        stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"R" for stat in _per_thread(pid, "stat")
-    )
+    return sum(s[s.rindex(b")") + 2 : s.rindex(b")") + 3] == b"R" for s in _per_thread(pid, "stat"))
 
 
 def runqueue_wait_seconds(pid: int) -> float:

@@ -75,14 +75,8 @@ def command(
         options = ["--n_ctx", str(ctx_size), "--n_threads", t, "--n_threads_batch", t, "--flash_attn", "True"]
         options += ["--logits_all", "False", "--interrupt_requests", "False", *extra, "--verbose", "False"]
         return [sys.executable, "-m", "llama_cpp.server", *where, *options]
-    matched = [
-        "--ctx-size",
-        str(ctx_size * slots),
-        "--parallel",
-        str(slots),
-        "--no-kv-unified",
-        "--no-cache-prompt",
-    ]
+    matched = ["--ctx-size", str(ctx_size * slots), "--parallel", str(slots), "--no-kv-unified"]
+    matched.append("--no-cache-prompt")
     options = [*where, "--threads", t, "--threads-batch", t, *(matched if name == MATCHED else ()), *extra]
     return [llama_server_binary(), *options]
 
