@@ -34,6 +34,16 @@ def llama_backend(model_path: str) -> Iterator[LlamaBackend]:
 
 
 @pytest.fixture(scope="session")
+def uncached_backend(model_path: str) -> Iterator[LlamaBackend]:
+    """The prompt cache off: the fresh-server reference for cached answers."""
+    backend = LlamaBackend.load(
+        LlamaSettings(model_path, n_ctx=4096, n_threads=THREADS, slots=1, prompt_cache=False)
+    )
+    yield backend
+    backend._free()
+
+
+@pytest.fixture(scope="session")
 def batched_backend(model_path: str) -> Iterator[LlamaBackend]:
     """Two sequences: the cancellation matrix runs against it too (the queued phase
     occupies both), so a cancel of one sequence beside another is covered."""

@@ -136,7 +136,12 @@ def test_chat_chunks_role_delta_final_and_usage() -> None:
     assert finish["choices"][0]["finish_reason"] == "length"
     usage = json.loads(events[1].removeprefix(b"data: "))
     assert usage["choices"] == []
-    assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_final_chunk_of_a_deadline_says_why() -> None:

@@ -49,9 +49,7 @@ def _parser() -> argparse.ArgumentParser:
         "--ctx-size", type=int, default=4096, help="context length per sequence (default: 4096)"
     )
     model.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    model.add_argument(
-        "--batch-size", type=int, default=512, help="prompt tokens per prefill step (default: 512)"
-    )
+    model.add_argument("--batch-size", type=int, default=512, help="llama.cpp's batch size (default: 512)")
     model.add_argument(
         "--batch",
         action="store_true",
@@ -60,8 +58,23 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--prefill-chunk",
         type=int,
-        default=64,
-        help="prompt tokens per step while other requests decode (default: 64)",
+        default=128,
+        help="prompt tokens per llama_decode call, in chunks aligned to absolute positions "
+        "whatever the load, so a cached prefix is exact (default: 128)",
+    )
+    model.add_argument(
+        "--no-prompt-cache",
+        action="store_true",
+        help="clear every request's KV cells when it ends instead of keeping its prompt's "
+        "whole chunks for later requests (the cache never changes a text: docs/prompt-cache.md)",
+    )
+    model.add_argument(
+        "--cache-ram",
+        type=int,
+        default=1024,
+        metavar="MIB",
+        help="host memory for cached prompt prefixes evicted from KV cells, least recently "
+        "used out first (default: 1024; 0: none)",
     )
     model.add_argument(
         "--batch-invariant",
@@ -265,6 +278,8 @@ def _loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backe
         n_batch=args.batch_size,
         slots=args.slots,
         prefill_chunk=args.prefill_chunk,
+        prompt_cache=not args.no_prompt_cache,
+        cache_ram_bytes=args.cache_ram * 1024 * 1024,
         batch_invariant=args.batch_invariant,
         model_id=args.model_id,
     )

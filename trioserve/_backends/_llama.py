@@ -87,11 +87,17 @@ class LlamaSettings:
         n_ctx: context length per sequence (tokens).
         n_threads: threads of the one context; default: all cores (every step decodes
             every running sequence).
-        n_batch: prompt tokens per ``llama_decode`` call when a prompt is prefilled
-            alone.
+        n_batch: llama.cpp's batch size (at least ``prefill_chunk``).
         slots: sequences decoded together, i.e. generations that run at once (each
             with ``n_ctx`` KV cells).
-        prefill_chunk: prompt tokens per step while other sequences are decoding.
+        prefill_chunk: prompt tokens per ``llama_decode`` call, in chunks aligned to
+            absolute positions whatever the load (so cached chunks are exact).
+        prompt_cache: keep the KV cells of finished prompts' whole chunks and reuse the
+            longest cached prefix (``docs/prompt-cache.md``).
+        cache_ram_bytes: host memory for cached prefixes evicted from KV cells (their
+            sequence states), least recently used out first; 0: none.
+        idle_recompute: while nothing else runs, evaluate a finished conversation's reply
+            in aligned chunks, so the next turn reuses it (aborted by any request).
         batch_invariant: make every stream's numerics independent of what else runs
             (decode calls no wider than the width measured to be exact, and a sequence
             past the measured shared-context limit decodes alone; turns off weight
@@ -109,7 +115,10 @@ class LlamaSettings:
         n_threads: int | None = None,
         n_batch: int = 512,
         slots: int = 8,
-        prefill_chunk: int = 64,
+        prefill_chunk: int = 128,
+        prompt_cache: bool = True,
+        cache_ram_bytes: int = 1 << 30,
+        idle_recompute: bool = True,
         batch_invariant: bool = False,
         model_id: str | None = None,
         repack: bool = True,
@@ -128,6 +137,11 @@ class LlamaSettings:
         self.n_batch = n_batch
         self.slots = slots
         self.prefill_chunk = prefill_chunk
+        self.prompt_cache = prompt_cache
+        if cache_ram_bytes < 0:
+            raise ValueError(f"cache_ram_bytes must be at least 0, got {cache_ram_bytes}")
+        self.cache_ram_bytes = cache_ram_bytes
+        self.idle_recompute = idle_recompute
         self.model_id = model_id or self.model_path.name.removesuffix(".gguf")
 
 
@@ -147,6 +161,9 @@ class _Context:
         params.n_threads = settings.n_threads
         params.n_threads_batch = settings.n_threads
         params.n_seq_max = sequences
+        # sliding-window layers keep every cell too (llama.cpp's default): a cached
+        # prefix's cells must all be there when a later request reuses it
+        params.swa_full = True
         if sequences > 1:
             params.kv_unified = False
         ctx = lib.llama_init_from_model(backend.model, params)

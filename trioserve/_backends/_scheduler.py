@@ -20,11 +20,11 @@ Design, defaults and measurements: ``docs/batching.md``.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy
@@ -35,6 +35,7 @@ from .._core._channel import PieceChannel
 from .._core._exceptions import BackendError
 from ._invariance import probe_invariant_width, probe_shared_context_limit
 from ._llama import LlamaModel, LlamaSettings, _Context
+from ._prompt_cache import HostCache, shared_chunks
 
 __all__ = ["LlamaBackend"]
 
@@ -56,10 +57,12 @@ class _Sequence:
     """
 
     __slots__ = (
+        "cache_prompt",
         "cancelled",
         "channel",
         "first_chunk_at",
         "generated",
+        "generated_tokens",
         "greedy",
         "max_new",
         "next_token",
@@ -68,8 +71,10 @@ class _Sequence:
         "progress",
         "prompt",
         "removed",
+        "restore",
         "result",
         "sampler",
+        "save",
         "seq_id",
         "token",
     )
@@ -77,8 +82,10 @@ class _Sequence:
     def __init__(
         self, prompt: PreparedPrompt, progress: GenerationProgress, sampler: Any, channel: PieceChannel
     ) -> None:
-        self.prompt: Sequence[int] = prompt.tokens
+        tokens = prompt.tokens
+        self.prompt: list[int] = tokens if isinstance(tokens, list) else list(tokens)
         self.max_new = prompt.max_new_tokens
+        self.cache_prompt = prompt.request.cache_prompt
         self.progress = progress
         self.sampler = sampler
         #: plain greedy (temperature 0, no logit bias): the scheduler takes the argmax of
@@ -95,8 +102,15 @@ class _Sequence:
         self.prefilled = 0
         self.pos = 0
         self.generated = 0
+        #: the tokens generated so far (the reply, for the idle recompute of its chunks)
+        self.generated_tokens: list[int] = []
         self.next_token = -1
         self.first_chunk_at = 0.0
+        #: admission's plan, carried out by the scheduler thread before the first chunk:
+        #: the cached prefix to save to host memory before it is overwritten, and the
+        #: host-memory state to restore
+        self.save: list[int] | None = None
+        self.restore: bytes | None = None
 
     @property
     def decoding(self) -> bool:
@@ -147,7 +161,29 @@ class _Scheduler:
         self._condition = threading.Condition()
         self._inbox: deque[_Sequence] = deque()
         self._active: list[_Sequence] = []
-        self._free_ids = list(range(settings.slots - 1, -1, -1))
+        self._free_ids = list(range(settings.slots))
+        #: the prompt cache (docs/prompt-cache.md): the prompt tokens whose KV cells each
+        #: sequence id keeps — whole chunks aligned to absolute positions, computed
+        #: exactly as a fresh server computes them — and when each id was last used
+        self.chunk = settings.prefill_chunk
+        self.cache_enabled = settings.prompt_cache
+        self._cached: list[list[int]] = [[] for _ in range(settings.slots)]
+        self._used_at = [0] * settings.slots
+        self._uses = 0
+        #: measured on the first prefix kept (``llama_state_seq_get_size``), for the gauge
+        self.kv_bytes_per_token = 0.0
+        #: prefixes evicted from KV cells, in host memory (``--cache-ram``)
+        self.host = HostCache(settings.cache_ram_bytes if settings.prompt_cache else 0)
+        self.restore_seconds = 0.0
+        self.save_seconds = 0.0
+        #: idle recompute: the whole conversation (prompt + reply) of a finished request,
+        #: per id, whose chunks past the cached prompt are evaluated while nothing else
+        #: runs — aligned, so the next turn reuses its reply exactly
+        self.idle_recompute = settings.prompt_cache and settings.idle_recompute
+        self._history: dict[int, list[int]] = {}
+        self._idle_in_flight = False
+        self.idle_chunks = 0
+        self.idle_aborted = 0
         #: the sequences of the llama_decode call in flight, with their token counts
         self._in_flight: dict[_Sequence, int] = {}
         self._in_flight_tokens = 0
@@ -187,6 +223,8 @@ class _Scheduler:
                 self._thread = threading.Thread(target=self._run, name="trioserve-batch", daemon=True)
                 self._thread.start()
             self._inbox.append(sequence)
+            if self._idle_in_flight:
+                self.abort_flag.value = 1  # idle work never delays a request
             self._condition.notify()
 
     def cancel(self, sequence: _Sequence) -> None:
@@ -194,6 +232,8 @@ class _Scheduler:
         its work is for cancelled sequences."""
         with self._condition:
             sequence.cancelled = True
+            if self._idle_in_flight:
+                self.abort_flag.value = 1
             if sequence in self._in_flight:
                 wasted = sum(n for s, n in self._in_flight.items() if s.cancelled)
                 if 2 * wasted >= self._in_flight_tokens:
@@ -202,6 +242,8 @@ class _Scheduler:
 
     def wake(self) -> None:
         with self._condition:
+            if self._idle_in_flight:
+                self.abort_flag.value = 1  # a paused stream may run again
             self._condition.notify()
 
     def stop(self) -> threading.Thread | None:
@@ -231,20 +273,30 @@ class _Scheduler:
             while True:
                 with self._condition:
                     while not self._stopping and not self._runnable():
+                        if self._history:
+                            break  # nothing else to do: recompute a finished reply
                         self._condition.wait()
                     if self._stopping:
                         break
+                    idle = not self._runnable()
                     # cancelled before it got a sequence id: nothing to clear
                     gone = [s for s in self._inbox if s.cancelled]
                     for sequence in gone:
                         self._inbox.remove(sequence)
+                    admitted = []
                     while self._inbox and self._free_ids:
                         sequence = self._inbox.popleft()
-                        sequence.seq_id = self._free_ids.pop()
+                        self._assign(sequence)
                         self._active.append(sequence)
+                        admitted.append(sequence)
                 for sequence in gone:
                     self._remove(sequence, _CANCELLED)
-                self._step()
+                for sequence in admitted:
+                    self._prepare_cells(sequence)
+                if idle:
+                    self._recompute_chunk()
+                else:
+                    self._step()
         except BaseException as exc:  # pragma: no cover - a bug or a llama.cpp failure
             logger.exception("the batch scheduler failed")
             with self._condition:
@@ -259,14 +311,86 @@ class _Scheduler:
             for sequence in leaving:
                 self._remove(sequence, failure)
 
+    def _assign(self, sequence: _Sequence) -> None:
+        """Give ``sequence`` the free id whose cached prompt shares the longest prefix of
+        whole chunks with its prompt (ties, and no prefix: the least recently used id),
+        and start it after that prefix. (Called under the lock.)"""
+        chunk = self.chunk
+        prompt = sequence.prompt
+        # at least the last chunk is evaluated: its last token's logits are needed
+        limit = (len(prompt) - 1) // chunk * chunk if self.cache_enabled and sequence.cache_prompt else 0
+        best = max(
+            self._free_ids,
+            key=lambda i: (shared_chunks(self._cached[i], prompt, limit, chunk), -self._used_at[i]),
+        )
+        reused = shared_chunks(self._cached[best], prompt, limit, chunk)
+        found = self.host.best(prompt, limit, chunk) if limit else None
+        if found is not None and found[0] > reused:
+            # host memory holds more of it: restore into the least recently used id
+            best = min(self._free_ids, key=lambda i: self._used_at[i])
+            reused, sequence.restore = found
+        self._free_ids.remove(best)
+        cached = self._cached[best]
+        if cached and self.host.budget and (sequence.restore is not None or len(cached) > reused):
+            sequence.save = cached  # (some of) its cells are about to be overwritten
+        self._cached[best] = []  # (the id's cells now belong to this sequence)
+        self._history.pop(best, None)
+        sequence.seq_id = best
+        sequence.prefilled = sequence.pos = reused
+        sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = reused
+
+    def _prepare_cells(self, sequence: _Sequence) -> None:
+        """Carry out admission's plan: save the prefix being overwritten to host memory,
+        restore the one to reuse from it, drop the cells past the reused prefix."""
+        lib = self._backend.lib
+        seq_id = sequence.seq_id
+        if sequence.save is not None:
+            started = time.perf_counter()
+            size = lib.llama_state_seq_get_size(self.ctx, seq_id)
+            if size <= self.host.budget:
+                buffer = (ctypes.c_uint8 * size)()
+                written = lib.llama_state_seq_get_data(self.ctx, buffer, size, seq_id)
+                if written:
+                    self.host.put(sequence.save, ctypes.string_at(buffer, written))
+            self.save_seconds += time.perf_counter() - started
+            sequence.save = None
+        if sequence.restore is not None:
+            started = time.perf_counter()
+            state, sequence.restore = sequence.restore, None
+            lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+            buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+            if lib.llama_state_seq_set_data(self.ctx, buffer, len(state), seq_id):
+                self.host.restores += 1
+            else:  # pragma: no cover - llama.cpp refused the state: evaluate it all
+                logger.warning("could not restore a cached prefix; evaluating the prompt")
+                lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+                sequence.prefilled = sequence.pos = 0
+                sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = 0
+            self.restore_seconds += time.perf_counter() - started
+        # the cells past the reused prefix go (the rest of the cached prompt)
+        lib.llama_memory_seq_rm(self.memory, seq_id, sequence.prefilled, -1)
+
     def _release(self, sequence: _Sequence, result: Reason | Literal["cancelled"] | BaseException) -> None:
-        """Take ``sequence`` out of the context: clear its KV cells, free its id and
-        sampler. The caller hands it back to Trio (``_hand_back``)."""
+        """Take ``sequence`` out of the context: keep the cells of its whole prompt
+        chunks for the cache and clear the rest (the reply, a partial chunk), free its
+        id and sampler. The caller hands it back to Trio (``_hand_back``)."""
         lib = self._backend.lib
         if sequence in self._active:
             self._active.remove(sequence)
         if sequence.seq_id >= 0:
-            lib.llama_memory_seq_rm(self.memory, sequence.seq_id, -1, -1)
+            keep = 0
+            if self.cache_enabled and sequence.cache_prompt and not isinstance(result, BaseException):
+                keep = sequence.prefilled // self.chunk * self.chunk
+            lib.llama_memory_seq_rm(self.memory, sequence.seq_id, keep, -1)
+            self._cached[sequence.seq_id] = sequence.prompt[:keep]
+            if self.idle_recompute and keep and (result == "stop" or result == "length"):
+                history = sequence.prompt + sequence.generated_tokens
+                if len(history) // self.chunk * self.chunk > keep:
+                    self._history[sequence.seq_id] = history
+            if keep and not self.kv_bytes_per_token:
+                self.kv_bytes_per_token = lib.llama_state_seq_get_size(self.ctx, sequence.seq_id) / keep
+            self._uses += 1
+            self._used_at[sequence.seq_id] = self._uses
             self._free_ids.append(sequence.seq_id)
             sequence.seq_id = -1
         lib.llama_sampler_free(sequence.sampler)
@@ -279,6 +403,42 @@ class _Scheduler:
             self._release(sequence, result)
         finally:
             _hand_back(sequence)  # its request must never wait forever
+
+    def _recompute_chunk(self) -> None:
+        """While nothing else runs: evaluate the next aligned chunk of the most recently
+        finished conversation (its reply, decoded a token at a time, is not reusable as
+        it is). Aborted by any request or resumed stream (``submit``, ``wake``)."""
+        lib = self._backend.lib
+        seq_id = max(self._history, key=lambda i: self._used_at[i])
+        history = self._history[seq_id]
+        start = len(self._cached[seq_id])
+        chunk = self.chunk
+        batch = self.batch
+        for i in range(chunk):
+            batch.token[i] = history[start + i]
+            batch.pos[i] = start + i
+            batch.seq_id[i][0] = seq_id
+            batch.logits[i] = 0
+        batch.n_tokens = chunk
+        with self._condition:
+            if self._stopping or self._runnable():
+                return
+            self.abort_flag.value = 0
+            self._idle_in_flight = True
+        result = lib.llama_decode(self.ctx, batch)
+        with self._condition:
+            self._idle_in_flight = False
+        if result != 0:
+            lib.llama_memory_seq_rm(self.memory, seq_id, start, -1)
+            if result == _DECODE_ABORTED:
+                self.idle_aborted += 1  # tried again when idle
+            else:  # pragma: no cover - llama.cpp failed: leave this conversation
+                self._history.pop(seq_id, None)
+            return
+        self.idle_chunks += 1
+        self._cached[seq_id] = history[: start + chunk]
+        if len(history) - (start + chunk) < chunk:
+            del self._history[seq_id]
 
     def _step(self) -> None:
         # 1. drop cancelled sequences
@@ -316,9 +476,11 @@ class _Scheduler:
         ]
         calls += [[(s, 0)] for s in alone]
         if prefillers:
+            # one chunk aligned to absolute positions, whatever the load: the calls a
+            # fresh server makes, so cached chunks are exactly what it would compute
             first = prefillers[0]
-            chunk = settings.prefill_chunk if decoders or settings.batch_invariant else settings.n_batch
-            calls.append([(first, min(chunk, len(first.prompt) - first.prefilled))])
+            chunk = self.chunk
+            calls.append([(first, min(chunk - first.prefilled % chunk, len(first.prompt) - first.prefilled))])
         # 3. run them
         for call in calls:
             self._decode_call(call)
@@ -346,7 +508,7 @@ class _Scheduler:
                 outputs.append((sequence, n))
                 n += 1
             else:
-                if sequence.prefilled == 0:
+                if not sequence.first_chunk_at:
                     sequence.first_chunk_at = time.perf_counter()
                 start = sequence.prefilled
                 prompt = sequence.prompt
@@ -390,6 +552,7 @@ class _Scheduler:
             if count:
                 sequence.prefilled += count
                 sequence.pos = sequence.prefilled
+                sequence.progress.prefilled_tokens = sequence.prefilled
                 if sequence.decoding:
                     sequence.progress.prefill_seconds = now - sequence.first_chunk_at
             else:
@@ -410,6 +573,7 @@ class _Scheduler:
                 self._remove(sequence, "stop")
                 continue
             sequence.generated += 1
+            sequence.generated_tokens.append(token)
             sequence.progress.completion_tokens += 1
             sequence.channel.put(piece(token))
             if sequence.generated == sequence.max_new:
@@ -487,9 +651,43 @@ class LlamaBackend(LlamaModel):
         fails and ``/health`` says so)."""
         return self._scheduler.failure
 
-    def stats(self) -> dict[str, object]:
-        """For ``/health``: the batch's shape and counters."""
+    def cache_stats(self) -> dict[str, object]:
+        """The prompt cache: the chunk, and the prompt tokens each idle sequence keeps."""
+        scheduler = self._scheduler
+        with scheduler._condition:
+            free = set(scheduler._free_ids)
+            held = [len(tokens) if i in free else None for i, tokens in enumerate(scheduler._cached)]
+        tokens = sum(n for n in held if n)
+        host = scheduler.host
         return {
+            "enabled": scheduler.cache_enabled,
+            "chunk": scheduler.chunk,
+            "tokens": tokens,
+            "kv_bytes": int(tokens * scheduler.kv_bytes_per_token),
+            #: per sequence id: the prompt tokens it keeps (``null``: running a request)
+            "sequences": held,
+            "ram": {
+                "budget_bytes": host.budget,
+                "bytes": host.bytes,
+                "prefixes": len(host),
+                "saves": host.saves,
+                "restores": host.restores,
+                "evictions": host.evictions,
+                "save_seconds": round(scheduler.save_seconds, 6),
+                "restore_seconds": round(scheduler.restore_seconds, 6),
+            },
+            "idle_recompute": {
+                "enabled": scheduler.idle_recompute,
+                "chunks": scheduler.idle_chunks,
+                "aborted": scheduler.idle_aborted,
+                "pending": len(scheduler._history),
+            },
+        }
+
+    def stats(self) -> dict[str, object]:
+        """For ``/health``: the batch's shape and counters, and the prompt cache."""
+        return {
+            "cache": self.cache_stats(),
             "sequences": self.generations.running,
             "max_call_width": self.max_call_width,
             "shared_context_limit": self._scheduler.shared_context_limit,

@@ -89,10 +89,21 @@ class GenerationProgress:
     has finished, so no lock is needed.
     """
 
-    __slots__ = ("completion_tokens", "inference_ended", "prefill_seconds", "prompt_tokens")
+    __slots__ = (
+        "cached_tokens",
+        "completion_tokens",
+        "inference_ended",
+        "prefill_seconds",
+        "prefilled_tokens",
+        "prompt_tokens",
+    )
 
     def __init__(self, prompt_tokens: int) -> None:
         self.prompt_tokens = prompt_tokens
+        #: prompt tokens reused from the prompt cache (not evaluated)
+        self.cached_tokens = 0
+        #: prompt tokens in the KV cells so far (reused or evaluated): prefill progress
+        self.prefilled_tokens = 0
         self.completion_tokens = 0
         self.prefill_seconds = 0.0
         #: ``time.perf_counter()`` when inference returned (its thread left the model);

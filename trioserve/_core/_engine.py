@@ -101,6 +101,7 @@ class EventStream:
         return Usage(
             prompt_tokens=self._progress.prompt_tokens,
             completion_tokens=self._progress.completion_tokens,
+            cached_tokens=self._progress.cached_tokens,
         )
 
     @property

@@ -43,12 +43,17 @@ class GenerationRequest:
     stop: Sequence[str] = ()
     #: Prepend the model's BOS token when tokenizing a text prompt.
     add_bos: bool = True
+    #: Reuse cached prompt prefixes, and leave this prompt's for later requests
+    #: (llama-server's ``cache_prompt``). Reuse never changes the text (docs/prompt-cache.md).
+    cache_prompt: bool = True
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    #: prompt tokens whose evaluation was reused from the prompt cache
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -509,6 +509,10 @@ class GenerationHandler:
         metrics.requests.labels(endpoint=path, status=str(exchange.status or 0)).inc()
         metrics.stream_ends.labels(cause=cause or "unknown").inc()
         metrics.request_duration.observe(duration)
+        if events is not None:
+            progress = events.progress
+            metrics.prompt_tokens_cached.inc(progress.cached_tokens)
+            metrics.prompt_tokens_evaluated.inc(max(0, progress.prefilled_tokens - progress.cached_tokens))
         if events is not None and usage is not None and timings is not None:
             metrics.prompt_tokens.inc(usage.prompt_tokens)
             metrics.completion_tokens.inc(usage.completion_tokens)
@@ -519,14 +523,15 @@ class GenerationHandler:
             if events.progress.prefill_seconds:
                 metrics.prefill.observe(events.progress.prefill_seconds)
         request_logger.info(
-            "request %s %s model=%s status=%s cause=%s prompt_tokens=%s completion_tokens=%s "
-            "ttft_ms=%s duration_ms=%.1f%s%s",
+            "request %s %s model=%s status=%s cause=%s prompt_tokens=%s cached_tokens=%s "
+            "completion_tokens=%s ttft_ms=%s duration_ms=%.1f%s%s",
             exchange.request_id,
             path,
             request.model or "-",
             exchange.status or "-",
             cause,
             usage.prompt_tokens if usage else "-",
+            usage.cached_tokens if usage else "-",
             usage.completion_tokens if usage else "-",
             f"{ttft * 1000:.1f}" if ttft is not None else "-",
             duration * 1000,

@@ -86,6 +86,16 @@ class Metrics:
         self.completion_tokens = Counter(
             "trioserve_completion_tokens", "Tokens generated.", registry=registry
         )
+        self.prompt_tokens_cached = Counter(
+            "trioserve_prompt_tokens_cached",
+            "Prompt tokens whose evaluation was reused from the prompt cache.",
+            registry=registry,
+        )
+        self.prompt_tokens_evaluated = Counter(
+            "trioserve_prompt_tokens_evaluated",
+            "Prompt tokens evaluated (cancelled prompts count what they evaluated).",
+            registry=registry,
+        )
         self.wasted_tokens = Counter(
             "trioserve_wasted_tokens",
             "Tokens generated after a cancel was requested (0 when cancellation reaches "
@@ -115,6 +125,16 @@ class Metrics:
             "llama backend: llama_decode calls stopped by a cancel that owned most of the call.",
             registry=registry,
         )
+        self.prompt_cache_tokens = Gauge(
+            "trioserve_prompt_cache_tokens",
+            "llama backend: prompt tokens whose KV cells idle sequences keep for reuse.",
+            registry=registry,
+        )
+        self.prompt_cache_bytes = Gauge(
+            "trioserve_prompt_cache_kv_bytes",
+            "llama backend: bytes of KV cells idle sequences keep for reuse.",
+            registry=registry,
+        )
         # Every label value exists from the start, so dashboards see zeros, not gaps.
         for cause in CANCEL_CAUSES:
             self.cancel_latency.labels(cause=cause)
@@ -137,6 +157,12 @@ class Metrics:
             self.batch_sequences.set_function(stat("sequences"))
             self.batch_steps.set_function(stat("steps"))
             self.batch_aborted_calls.set_function(stat("aborted_calls"))
+
+            def cache(name: str) -> Callable[[], float]:
+                return lambda: float(backend.stats()["cache"][name])  # type: ignore[index]
+
+            self.prompt_cache_tokens.set_function(cache("tokens"))
+            self.prompt_cache_bytes.set_function(cache("kv_bytes"))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

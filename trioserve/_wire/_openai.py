@@ -55,6 +55,8 @@ class _CommonFields(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, msgspec.Meta(ge=1)] = 1
+    #: llama-server's field: ``false`` neither reuses nor leaves a cached prefix
+    cache_prompt: bool = True
 
 
 class CompletionRequest(_CommonFields, kw_only=True):
@@ -191,6 +193,7 @@ def decode_completion_request(body: bytes) -> tuple[CompletionRequest, Generatio
         max_tokens=16 if request.max_tokens is None else request.max_tokens,
         sampling=_sampling(request),
         stop=_stops(request.stop),
+        cache_prompt=request.cache_prompt,
     )
     return request, generation
 
@@ -219,6 +222,7 @@ def chat_generation(
         sampling=_sampling(request),
         stop=_stops(request.stop) + tuple(extra_stops),
         add_bos=add_bos,
+        cache_prompt=request.cache_prompt,
     )
 
 
@@ -226,11 +230,12 @@ def _finish_reason(cause: EndCause) -> str:
     return cause
 
 
-def _usage_dict(usage: Usage) -> dict[str, int]:
+def _usage_dict(usage: Usage) -> dict[str, object]:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
 

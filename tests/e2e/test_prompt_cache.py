@@ -1,0 +1,283 @@
+"""The prompt cache (docs/prompt-cache.md): a request pays only for what is new, and the
+cache never changes a text — every text here is compared with the same request's text
+on a backend with the cache off."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+
+import openai
+import pytest
+import trio
+
+from trioserve import Engine, GenerationRequest, LlamaBackend, SamplingParams, TextDelta, Usage
+from trioserve._backends._prompt_cache import shared_chunks
+
+from .._helpers import RunningServer, wait_for
+
+pytestmark = pytest.mark.model
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@contextlib.asynccontextmanager
+async def _engine(backend: LlamaBackend) -> AsyncIterator[Engine]:
+    """An engine over a session-wide backend (which it leaves open)."""
+    engine = Engine(backend)
+    try:
+        yield engine
+    finally:
+        await engine.aclose(close_backend=False)
+
+
+async def _complete(
+    engine: Engine, prompt: str, *, max_tokens: int = 24, cache: bool = True
+) -> tuple[str, Usage]:
+    request = GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=GREEDY, cache_prompt=cache)
+    prepared = await engine.prepare(request)
+    parts: list[str] = []
+    async with engine.stream(prepared) as events:
+        async for event in events:
+            if type(event) is TextDelta:
+                parts.append(event.text)
+        return "".join(parts), events.usage
+
+
+def _turn(topic: str, i: int) -> str:
+    return f"\nUser: question {i}: what do you know about {topic}? Say it in detail, with examples. " * 4
+
+
+async def test_a_conversation_served_from_the_cache_equals_the_cache_off_text(
+    llama_backend: LlamaBackend, uncached_backend: LlamaBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # without the idle recompute of replies (tested below), what is reused is exactly
+    # what the previous prompt left in whole chunks and this one shares
+    monkeypatch.setattr(llama_backend._scheduler, "idle_recompute", False)
+    # long enough to pass Gemma 3's 512-token sliding window: every layer's cells count
+    tag = uuid.uuid4().hex
+    prompts: list[str] = []
+    cached: list[int] = []
+    async with _engine(llama_backend) as on, _engine(uncached_backend) as off:
+        prompt = f"[{tag}] A long conversation about the sea."
+        for i in range(6):
+            prompt += _turn("the sea", i) + "\nAssistant:"
+            text, usage = await _complete(on, prompt)
+            reference, reference_usage = await _complete(off, prompt)
+            assert text == reference, f"turn {i}: the cached answer differs"
+            assert reference_usage.cached_tokens == 0
+            prompts.append(prompt)
+            cached.append(usage.cached_tokens)
+            prompt += text
+    chunk = llama_backend.settings.prefill_chunk
+    assert usage.prompt_tokens > 600  # (the last turn's: past the 512-token window)
+    assert cached[0] == 0
+    for i in range(1, 6):
+        # what the previous turn left (its prompt's whole chunks) and this prompt shares
+        before, now = llama_backend.tokenize(prompts[i - 1]), llama_backend.tokenize(prompts[i])
+        kept = len(before) // chunk * chunk
+        assert cached[i] == shared_chunks(before, now, min(kept, (len(now) - 1) // chunk * chunk), chunk)
+    assert cached[-1] >= 384
+
+
+async def test_the_same_prompt_again_reevaluates_only_its_last_chunk(llama_backend: LlamaBackend) -> None:
+    prompt = f"[{uuid.uuid4().hex}] " + "The history of the city is long and varied. " * 40
+    async with _engine(llama_backend) as engine:
+        first, cold = await _complete(engine, prompt)
+        again, warm = await _complete(engine, prompt)
+    chunk = llama_backend.settings.prefill_chunk
+    assert first == again
+    assert cold.cached_tokens == 0
+    assert warm.cached_tokens == (warm.prompt_tokens - 1) // chunk * chunk
+
+
+async def test_cache_prompt_false_neither_reuses_nor_leaves_a_prefix(llama_backend: LlamaBackend) -> None:
+    prompt = f"[{uuid.uuid4().hex}] " + "Once upon a time, a fox and a crow met by the river. " * 30
+    async with _engine(llama_backend) as engine:
+        _, first = await _complete(engine, prompt, cache=False)
+        _, second = await _complete(engine, prompt)  # nothing was left behind
+        _, third = await _complete(engine, prompt, cache=False)  # and nothing is reused
+    assert (first.cached_tokens, second.cached_tokens, third.cached_tokens) == (0, 0, 0)
+
+
+async def test_a_prompt_cancelled_mid_prefill_keeps_the_chunks_it_finished(
+    llama_backend: LlamaBackend, uncached_backend: LlamaBackend
+) -> None:
+    prompt = f"[{uuid.uuid4().hex}] " + "The history of the city is long and varied. " * 150
+    chunk = llama_backend.settings.prefill_chunk
+    async with _engine(llama_backend) as engine:
+        prepared = await engine.prepare(GenerationRequest(prompt=prompt, max_tokens=24, sampling=GREEDY))
+        total = len(prepared.tokens)
+        done_at_cancel = 0
+        with trio.CancelScope() as scope:
+            async with engine.stream(prepared) as events:
+                progress = events.progress
+                # inside llama.cpp, evaluating a chunk, with at least 3 chunks finished
+                await wait_for(
+                    lambda: (
+                        progress.prefilled_tokens >= 3 * chunk
+                        and llama_backend.in_flight(progress) == "prefill"
+                    ),
+                    limit=60,
+                )
+                done_at_cancel = progress.prefilled_tokens
+                assert done_at_cancel < total - chunk  # cancelled mid-prefill
+                scope.cancel()
+                async for _ in events:
+                    pass
+        assert scope.cancelled_caught
+        assert llama_backend.generations.running == 0
+        text, usage = await _complete(engine, prompt)
+    async with _engine(uncached_backend) as off:
+        reference, _ = await _complete(off, prompt)
+    assert usage.cached_tokens >= done_at_cancel  # the retry evaluated only the rest
+    assert text == reference
+
+
+async def test_a_cancelled_decode_leaves_nothing_that_changes_the_next_answer(
+    llama_backend: LlamaBackend, uncached_backend: LlamaBackend
+) -> None:
+    prompt = f"[{uuid.uuid4().hex}] Write a long story about a lighthouse keeper." + " And then?" * 60
+    async with _engine(llama_backend) as engine:
+        prepared = await engine.prepare(GenerationRequest(prompt=prompt, max_tokens=200, sampling=GREEDY))
+        with trio.CancelScope() as scope:
+            async with engine.stream(prepared) as events:
+                seen = 0
+                async for event in events:
+                    seen += type(event) is TextDelta
+                    if seen == 5:
+                        scope.cancel()
+        text, usage = await _complete(engine, prompt + " The keeper")
+    async with _engine(uncached_backend) as off:
+        reference, _ = await _complete(off, prompt + " The keeper")
+    assert usage.cached_tokens > 0
+    assert text == reference
+
+
+async def test_interleaved_conversations_in_batch_invariant_mode_equal_their_texts_alone(
+    invariant_backend: LlamaBackend,
+) -> None:
+    """Three conversations at once, turn by turn, on the batch-invariant backend with
+    the cache: each turn's text equals the same prompt alone with ``cache_prompt``
+    false (a fresh server's answer: batch-invariant mode has its own kernels)."""
+    tag = uuid.uuid4().hex
+    topics = ("the sea", "mountains", "old trains")
+    prompts = {topic: f"[{tag}] A conversation about {topic}." for topic in topics}
+    results: dict[str, list[tuple[str, Usage]]] = {topic: [] for topic in topics}
+    async with _engine(invariant_backend) as engine:
+        for i in range(3):
+
+            async def turn(topic: str, i: int = i) -> None:
+                prompts[topic] += _turn(topic, i) + "\nAssistant:"
+                text, usage = await _complete(engine, prompts[topic])
+                results[topic].append((text, usage))
+
+            async with trio.open_nursery() as nursery:
+                for topic in topics:
+                    nursery.start_soon(turn, topic)
+            for topic in topics:
+                prompts[topic] += results[topic][-1][0]
+    async with _engine(invariant_backend) as alone:
+        for topic in topics:
+            prompt = f"[{tag}] A conversation about {topic}."
+            for i, (text, usage) in enumerate(results[topic]):
+                prompt += _turn(topic, i) + "\nAssistant:"
+                reference, _ = await _complete(alone, prompt, cache=False)
+                assert text == reference, f"{topic}, turn {i}: the cached answer differs"
+                if i:
+                    assert usage.cached_tokens > 0
+                prompt += text
+
+
+async def test_cached_tokens_reach_the_openai_sdk_the_metrics_and_health(llama_server: RunningServer) -> None:
+    model = llama_server.engine.backend.info.id
+    prompt = f"[{uuid.uuid4().hex}] " + "Water boils at 100 degrees Celsius at sea level. " * 30
+    url = llama_server.url + "/v1"
+    async with openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0) as client:
+        first = await client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+        second = await client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+    assert first.usage is not None
+    assert second.usage is not None
+    assert first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None
+    assert cached > 0
+
+    # the final usage chunk of a stream (httpx: the SDK's async stream leaves generators open)
+    body = {"prompt": prompt, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    async with llama_server.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
+        events = [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+
+    async with llama_server.client() as http:
+        health = (await http.get("/health")).json()
+        metrics = (await http.get("/metrics")).text
+    cache = health["batch"]["cache"]
+    assert cache["enabled"] is True
+    assert cache["tokens"] >= cached
+    assert cache["kv_bytes"] > 0
+    assert f"trioserve_prompt_tokens_cached_total {float(2 * cached)}" in metrics
+
+    body = {"prompt": prompt, "max_tokens": 2, "cache_prompt": False}
+    async with llama_server.client() as http:
+        response = (await http.post("/v1/completions", json=body)).json()
+    assert response["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    await wait_for(lambda: llama_server.engine.active_streams == 0)
+
+
+async def test_a_prefix_evicted_to_host_memory_is_restored_exactly(
+    llama_backend: LlamaBackend, uncached_backend: LlamaBackend
+) -> None:
+    """One sequence: a second conversation evicts the first one's cells; its prefix
+    goes to host memory and comes back for the first conversation's next turn."""
+    first = f"[{uuid.uuid4().hex}] " + "The history of the city is long and varied. " * 40
+    other = f"[{uuid.uuid4().hex}] " + "Once upon a time, a fox and a crow met by the river. " * 30
+    host = llama_backend._scheduler.host
+    async with _engine(llama_backend) as engine:
+        text, _ = await _complete(engine, first)
+        saves, restores = host.saves, host.restores
+        await _complete(engine, other)  # evicts the first prefix from the cells
+        assert host.saves == saves + 1
+        follow_up = first + text + " And then?"
+        answer, usage = await _complete(engine, follow_up)
+        assert host.restores == restores + 1
+    chunk = llama_backend.settings.prefill_chunk
+    assert usage.cached_tokens >= len(llama_backend.tokenize(first)) // chunk * chunk - chunk
+    async with _engine(uncached_backend) as off:
+        reference, _ = await _complete(off, follow_up)
+    assert answer == reference
+    stats = llama_backend.cache_stats()["ram"]
+    assert isinstance(stats, dict)
+    assert 0 < stats["bytes"] <= stats["budget_bytes"]
+
+
+async def test_a_finished_reply_is_recomputed_while_idle_and_reused_exactly(
+    llama_backend: LlamaBackend, uncached_backend: LlamaBackend
+) -> None:
+    """The reply was decoded a token at a time, so as it is its cells are not reusable;
+    while the server is idle its chunks are evaluated again, aligned, and the next turn
+    reuses them — with the cache-off text."""
+    chunk = llama_backend.settings.prefill_chunk
+    prompt = f"[{uuid.uuid4().hex}] A conversation about lighthouses."
+    sentence = " The keeper climbs the stairs every evening to light the lamp."
+    while len(llama_backend.tokenize(prompt + sentence)) < 2 * chunk - 16:
+        prompt += sentence
+    assert len(llama_backend.tokenize(prompt)) < 2 * chunk  # one whole chunk kept, then the reply
+    idle = llama_backend._scheduler
+    async with _engine(llama_backend) as engine:
+        before = idle.idle_chunks
+        reply, first = await _complete(engine, prompt, max_tokens=32)
+        assert first.completion_tokens == 32
+        # the user reads; the server recomputes the chunk holding the reply's start
+        await wait_for(lambda: idle.idle_chunks > before and not idle._history, limit=30)
+        follow_up = prompt + reply + " What happens in a storm?"
+        answer, usage = await _complete(engine, follow_up)
+    async with _engine(uncached_backend) as off:
+        reference, _ = await _complete(off, follow_up)
+    assert usage.cached_tokens >= 2 * chunk  # past the prompt: into the reply
+    assert answer == reference
