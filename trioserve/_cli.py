@@ -69,6 +69,14 @@ def _parser() -> argparse.ArgumentParser:
         "whole chunks for later requests (the cache never changes a text: docs/prompt-cache.md)",
     )
     model.add_argument(
+        "--cache-mode",
+        choices=("exact", "fast"),
+        default="exact",
+        help="exact: reuse only whole aligned prompt chunks, so a cached answer equals a fresh "
+        "server's; fast: reuse every matching cell, the reply's too, as llama-server does "
+        "(answers may differ: docs/prompt-cache.md) (default: exact)",
+    )
+    model.add_argument(
         "--cache-ram",
         type=int,
         default=1024,
@@ -280,6 +288,7 @@ def _loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backe
         prefill_chunk=args.prefill_chunk,
         prompt_cache=not args.no_prompt_cache,
         cache_ram_bytes=args.cache_ram * 1024 * 1024,
+        cache_mode=args.cache_mode,
         batch_invariant=args.batch_invariant,
         model_id=args.model_id,
     )

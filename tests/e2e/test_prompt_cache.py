@@ -13,10 +13,19 @@ import openai
 import pytest
 import trio
 
-from trioserve import Engine, GenerationRequest, LlamaBackend, SamplingParams, TextDelta, Usage
+from trioserve import (
+    Engine,
+    GenerationRequest,
+    LlamaBackend,
+    LlamaSettings,
+    SamplingParams,
+    TextDelta,
+    Usage,
+)
 from trioserve._backends._prompt_cache import shared_chunks
 
 from .._helpers import RunningServer, wait_for
+from ..conftest import THREADS
 
 pytestmark = pytest.mark.model
 
@@ -281,3 +290,21 @@ async def test_a_finished_reply_is_recomputed_while_idle_and_reused_exactly(
         reference, _ = await _complete(off, follow_up)
     assert usage.cached_tokens >= 2 * chunk  # past the prompt: into the reply
     assert answer == reference
+
+
+async def test_fast_mode_reuses_the_reply_and_the_partial_chunk(model_path: str) -> None:
+    """``cache_mode="fast"`` keeps every computed cell and reuses any matching prefix
+    (as llama-server does; its answers may differ from a fresh server's, so only the
+    reuse is checked here)."""
+    backend = await LlamaBackend.aload(
+        LlamaSettings(model_path, n_ctx=2048, n_threads=THREADS, slots=1, cache_mode="fast")
+    )
+    async with _engine(backend) as engine:
+        prompt = f"[{uuid.uuid4().hex}] " + "The history of the city is long and varied. " * 20
+        reply, first = await _complete(engine, prompt, max_tokens=16)
+        _, second = await _complete(engine, prompt + reply + " Go on.")
+    await backend.aclose()
+    assert backend.cache_stats()["mode"] == "fast"
+    assert first.cached_tokens == 0
+    # the whole first prompt and most of the reply's cells (not a multiple of the chunk)
+    assert second.cached_tokens >= first.prompt_tokens + 8

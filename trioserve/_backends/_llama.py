@@ -18,7 +18,7 @@ import random
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import trio
 
@@ -98,6 +98,9 @@ class LlamaSettings:
             sequence states), least recently used out first; 0: none.
         idle_recompute: while nothing else runs, evaluate a finished conversation's reply
             in aligned chunks, so the next turn reuses it (aborted by any request).
+        cache_mode: ``"exact"`` (reuse only whole aligned prompt chunks: a cached answer
+            equals a fresh server's) or ``"fast"`` (reuse every cell that matches, the
+            reply's too, as llama-server does: answers may differ).
         batch_invariant: make every stream's numerics independent of what else runs
             (decode calls no wider than the width measured to be exact, and a sequence
             past the measured shared-context limit decodes alone; turns off weight
@@ -119,6 +122,7 @@ class LlamaSettings:
         prompt_cache: bool = True,
         cache_ram_bytes: int = 1 << 30,
         idle_recompute: bool = True,
+        cache_mode: Literal["exact", "fast"] = "exact",
         batch_invariant: bool = False,
         model_id: str | None = None,
         repack: bool = True,
@@ -142,6 +146,9 @@ class LlamaSettings:
             raise ValueError(f"cache_ram_bytes must be at least 0, got {cache_ram_bytes}")
         self.cache_ram_bytes = cache_ram_bytes
         self.idle_recompute = idle_recompute
+        if cache_mode not in ("exact", "fast"):
+            raise ValueError(f"cache_mode must be 'exact' or 'fast', got {cache_mode!r}")
+        self.cache_mode = cache_mode
         self.model_id = model_id or self.model_path.name.removesuffix(".gguf")
 
 

@@ -167,6 +167,11 @@ class _Scheduler:
         #: exactly as a fresh server computes them — and when each id was last used
         self.chunk = settings.prefill_chunk
         self.cache_enabled = settings.prompt_cache
+        #: ``fast`` mode: keep and reuse every computed cell (the reply too, any matching
+        #: length), as llama-server does — not exact (docs/prompt-cache.md)
+        self.fast = settings.cache_mode == "fast"
+        #: the unit of reuse: a whole aligned chunk, or (fast) any token
+        self.reuse_unit = 1 if self.fast else self.chunk
         self._cached: list[list[int]] = [[] for _ in range(settings.slots)]
         self._used_at = [0] * settings.slots
         self._uses = 0
@@ -179,7 +184,7 @@ class _Scheduler:
         #: idle recompute: the whole conversation (prompt + reply) of a finished request,
         #: per id, whose chunks past the cached prompt are evaluated while nothing else
         #: runs — aligned, so the next turn reuses its reply exactly
-        self.idle_recompute = settings.prompt_cache and settings.idle_recompute
+        self.idle_recompute = settings.prompt_cache and settings.idle_recompute and not self.fast
         self._history: dict[int, list[int]] = {}
         self._idle_in_flight = False
         self.idle_chunks = 0
@@ -315,9 +320,9 @@ class _Scheduler:
         """Give ``sequence`` the free id whose cached prompt shares the longest prefix of
         whole chunks with its prompt (ties, and no prefix: the least recently used id),
         and start it after that prefix. (Called under the lock.)"""
-        chunk = self.chunk
+        chunk = self.reuse_unit
         prompt = sequence.prompt
-        # at least the last chunk is evaluated: its last token's logits are needed
+        # at least the last chunk (fast: token) is evaluated: its logits are needed
         limit = (len(prompt) - 1) // chunk * chunk if self.cache_enabled and sequence.cache_prompt else 0
         best = max(
             self._free_ids,
@@ -380,9 +385,13 @@ class _Scheduler:
         if sequence.seq_id >= 0:
             keep = 0
             if self.cache_enabled and sequence.cache_prompt and not isinstance(result, BaseException):
-                keep = sequence.prefilled // self.chunk * self.chunk
+                # fast: every cell computed (the reply's too); exact: whole prompt chunks
+                keep = sequence.pos if self.fast else sequence.prefilled // self.chunk * self.chunk
             lib.llama_memory_seq_rm(self.memory, sequence.seq_id, keep, -1)
-            self._cached[sequence.seq_id] = sequence.prompt[:keep]
+            if keep > len(sequence.prompt):
+                self._cached[sequence.seq_id] = (sequence.prompt + sequence.generated_tokens)[:keep]
+            else:
+                self._cached[sequence.seq_id] = sequence.prompt[:keep]
             if self.idle_recompute and keep and (result == "stop" or result == "length"):
                 history = sequence.prompt + sequence.generated_tokens
                 if len(history) // self.chunk * self.chunk > keep:
@@ -661,6 +670,7 @@ class LlamaBackend(LlamaModel):
         host = scheduler.host
         return {
             "enabled": scheduler.cache_enabled,
+            "mode": "fast" if scheduler.fast else "exact",
             "chunk": scheduler.chunk,
             "tokens": tokens,
             "kv_bytes": int(tokens * scheduler.kv_bytes_per_token),
