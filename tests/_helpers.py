@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import shutil
+import signal
+import subprocess
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import trio
 
+from benchmarks.harness.servers import TRIOSERVE, free_port, trioserve_command
+from benchmarks.harness.servers import Server as HarnessServer
 from trioserve import Backend, Engine, HTTPSettings, Server, ServerSettings
 
 
@@ -141,52 +148,40 @@ class RawStream:
 
 
 class ServerProcess:
-    """``trioserve serve`` in a subprocess, the way a user runs it."""
+    """``trioserve serve`` in a subprocess, the way a user runs it: the benchmarks'
+    launcher (:class:`benchmarks.harness.servers.Server`) on a free port of 127.0.0.1,
+    stdout and stderr in a log file that outlives the process (:attr:`log`)."""
 
     def __init__(self, *args: str) -> None:
-        import subprocess
-        import sys
+        self._dir = Path(tempfile.mkdtemp(prefix="trioserve-test-"))
+        port = free_port()
+        self.server = HarnessServer(TRIOSERVE, trioserve_command(port, *args), port, self._dir)
+        self.url = self.server.url
+        self._log: str | None = None
 
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "trioserve", "serve", "--port", "0", *args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.log: list[str] = []
-        self.url = ""
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        return self.server.proc
+
+    @property
+    def log(self) -> list[str]:
+        """The server's output so far, as lines (each with its newline)."""
+        return (self._log if self._log is not None else self.server.log_text()).splitlines(keepends=True)
 
     def wait_ready(self, timeout: float = 120.0) -> str:
-        """Block until the log says the model is ready; return the URL."""
-        import re
-        import time
-
-        assert self.process.stderr is not None
-        deadline = time.monotonic() + timeout
-        ready = False
-        while time.monotonic() < deadline:
-            line = self.process.stderr.readline()
-            if not line:
-                raise RuntimeError("the server exited:\n" + "".join(self.log))
-            self.log.append(line)
-            if match := re.search(r"listening on (http://[\w.\[\]:]+:\d+)", line):
-                self.url = match.group(1)
-            ready = ready or "ready:" in line
-            if ready and self.url:  # (the two lines come in either order)
-                return self.url
-        raise TimeoutError("the server did not get ready:\n" + "".join(self.log))
+        """Block until ``/health`` answers 200 (the model is loaded); return the URL."""
+        self.server.wait_ready(timeout)
+        return self.url
 
     def stop(self, signum: int | None = None, timeout: float = 30.0) -> int:
-        import signal
-
+        """Send ``signum`` (SIGTERM), wait ``timeout`` s for the exit (else kill and raise)."""
         self.process.send_signal(signum or signal.SIGTERM)
         try:
-            _, rest = self.process.communicate(timeout=timeout)
-        except Exception:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
             raise
-        self.log.append(rest or "")
         return self.process.returncode
 
     def __enter__(self) -> ServerProcess:
@@ -196,8 +191,9 @@ class ServerProcess:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
-        if self.process.stderr is not None:
-            self.process.stderr.close()
+        self.server.stop()  # (closes the log)
+        self._log = self.server.log_text()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class H2Stream:

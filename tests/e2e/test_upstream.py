@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ import httpx
 import pytest
 import trio
 
+from benchmarks.harness.servers import LLAMA_CPP_PYTHON, LLAMA_SERVER, Server, command, free_port
 from trioserve import (
     Backend,
     BackendError,
@@ -51,13 +51,6 @@ from .._helpers import RawStream, RunningServer, ServerProcess, start_server, wa
 ROOT = Path(__file__).resolve().parents[2]
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _cpu_ticks(pid: int) -> int:
@@ -143,80 +136,47 @@ class LlamaUpstream:
 
 
 def _run_upstream(
-    kind: str, command: list[str], url: str, ready_path: str, log_path: Path, extra_body: dict[str, object]
+    kind: str, argv: list[str], port: int, log_dir: Path, extra_body: dict[str, object]
 ) -> Iterator[LlamaUpstream]:
-    """Run ``command`` until ``GET url + ready_path`` answers 200; always end it."""
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    """Run ``argv`` (the harness's :class:`Server`) until it is ready; always end it."""
+    server = Server(kind, argv, port, log_dir)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{kind} exited:\n" + log_path.read_text())
-            try:
-                if httpx.get(url + ready_path, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{kind} did not start:\n" + log_path.read_text())
-            time.sleep(0.1)
-        yield LlamaUpstream(kind, url, process.pid, extra_body)
+        server.wait_ready(timeout=120)
+        yield LlamaUpstream(kind, server.url, server.pid, extra_body)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        server.stop(grace=10)
 
 
 @pytest.fixture(scope="module")
 def llama_cpp_python_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaUpstream]:
     """llama-cpp-python's server on the default model, in a subprocess (always ended)."""
-    port = _free_port()
-    model = str(default_model_path(progress=False))
-    command = [
-        *(sys.executable, "-m", "llama_cpp.server", "--model", model, "--n_threads", "2"),
-        *("--n_ctx", "2048", "--host", "127.0.0.1", "--port", str(port)),
-        *("--interrupt_requests", "False"),
-    ]
-    log = tmp_path_factory.mktemp("llama-cpp-python") / "server.log"
+    port = free_port()
+    model = default_model_path(progress=False)
+    argv = command(LLAMA_CPP_PYTHON, model, port, threads=2, ctx_size=2048)
+    log_dir = tmp_path_factory.mktemp("llama-cpp-python")
     # repeat_penalty 1.0 (llama-cpp-python's default is 1.1) to compare with direct requests
-    extra = {"repeat_penalty": 1.0}
-    url = f"http://127.0.0.1:{port}"
-    yield from _run_upstream("llama-cpp-python", command, url, "/v1/models", log, extra)
+    yield from _run_upstream(LLAMA_CPP_PYTHON, argv, port, log_dir, {"repeat_penalty": 1.0})
 
 
-def llama_server_binary() -> str:
-    """llama.cpp's ``llama-server``: ``$TRIOSERVE_LLAMA_SERVER``, else the path that
-    ``scripts/build-llama-server`` prints (building it if it is not cached). Fails the
-    test, saying how to get the binary, if neither works."""
-    given = os.environ.get("TRIOSERVE_LLAMA_SERVER")
-    if given:
-        if not os.access(given, os.X_OK):
-            pytest.fail(f"TRIOSERVE_LLAMA_SERVER={given} is not an executable file")
-        return given
+def _llama_server_command(model: Path, port: int, extra: list[str]) -> list[str]:
+    """The harness's llama-server command line. Its binary: ``$TRIOSERVE_LLAMA_SERVER``,
+    else the path that ``scripts/build-llama-server`` prints (building it if it is not
+    cached). Fails the test, saying how to get the binary, if neither works."""
     script = ROOT / "scripts" / "build-llama-server"
     try:
-        done = subprocess.run(
-            [str(script)],
-            capture_output=True,
-            text=True,
-            timeout=1800,
-            check=False,
-            env={**os.environ, "PYTHON": sys.executable},
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.fail(f"could not run {script} to get llama.cpp's llama-server: {exc!r}")
-    path = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-    if done.returncode != 0 or not os.access(path, os.X_OK):
+        argv = command(LLAMA_SERVER, model, port, threads=2, ctx_size=4096, extra=extra)
+    except subprocess.CalledProcessError as exc:
         pytest.fail(
             f"llama.cpp's llama-server is missing and {script} could not build it "
-            f"(exit {done.returncode}); run it by hand (needs cmake and a C++ compiler) or set "
-            f"TRIOSERVE_LLAMA_SERVER:\n{done.stderr[-3000:]}"
+            f"(exit {exc.returncode}); run it by hand (needs cmake and a C++ compiler) or set "
+            f"TRIOSERVE_LLAMA_SERVER:\n{(exc.stderr or '')[-3000:]}"
         )
-    return path
+    except (OSError, IndexError) as exc:  # (IndexError: it printed nothing)
+        pytest.fail(f"could not run {script} to get llama.cpp's llama-server: {exc!r}")
+    if not os.access(argv[0], os.X_OK):
+        given = "TRIOSERVE_LLAMA_SERVER=" if os.environ.get("TRIOSERVE_LLAMA_SERVER") else f"{script} gave "
+        pytest.fail(f"{given}{argv[0]} is not an executable file")
+    return argv
 
 
 #: llama-server's settings for a prompt evaluation that stops soon after a cancel
@@ -231,18 +191,12 @@ LLAMA_SERVER_EXTRA_BODY: dict[str, object] = {}
 @pytest.fixture(scope="module")
 def llama_server_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaUpstream]:
     """llama.cpp's C++ llama-server on the default model, one slot (always ended)."""
-    binary = llama_server_binary()
-    port = _free_port()
-    model = str(default_model_path(progress=False))
-    command = [
-        *(binary, "--model", model, "--host", "127.0.0.1", "--port", str(port)),
-        *("--threads", "2", "--threads-batch", "2", "--ctx-size", "4096", "--parallel", "1"),
-        *LLAMA_SERVER_BATCH,
-        "--slots",
-    ]
-    log = tmp_path_factory.mktemp("llama-server") / "server.log"
-    url = f"http://127.0.0.1:{port}"
-    yield from _run_upstream("llama-server", command, url, "/health", log, dict(LLAMA_SERVER_EXTRA_BODY))
+    port = free_port()
+    model = default_model_path(progress=False)
+    argv = _llama_server_command(model, port, ["--ctx-size", "4096", "--parallel", "1", *LLAMA_SERVER_BATCH])
+    argv.append("--slots")
+    log_dir = tmp_path_factory.mktemp("llama-server")
+    yield from _run_upstream(LLAMA_SERVER, argv, port, log_dir, dict(LLAMA_SERVER_EXTRA_BODY))
 
 
 @pytest.fixture(params=["llama-cpp-python", "llama-server"])
@@ -558,7 +512,7 @@ async def test_errors_are_mapped_once(serve: Serve) -> None:
     assert backend.upstreams[0].failures == 0  # a refused request is not a failed upstream
 
     # an upstream that cannot be reached: BackendError naming it, then a cooldown (503)
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     unreachable = UpstreamBackend([dead], info=ModelInfo(id="m", context_length=100), cooldown=30)
     try:
         prepared = await unreachable.prepare(GenerationRequest(prompt="hi"))
