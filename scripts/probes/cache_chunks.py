@@ -4,8 +4,9 @@ from trioserve import Engine, GenerationRequest, LlamaBackend, LlamaSettings, Sa
 
 PROMPTS = [("The history of the city " * 40) + " In summary,", ("def f(x):\n    return x * 2\n" * 30) + "# next", ("Once upon a time, a fox and a crow " * 35)]
 
-async def run(n_batch, chunk):
-    backend = await LlamaBackend.aload(LlamaSettings(default_model_path(), n_batch=n_batch, prefill_chunk=chunk, slots=1))
+async def run(size, _unused=None):
+    # one llama_decode call per `size` prompt tokens (the prefill chunk), one sequence
+    backend = await LlamaBackend.aload(LlamaSettings(default_model_path(), n_batch=max(512, size), prefill_chunk=size, slots=1, prompt_cache=False))
     out = []
     async with Engine(backend) as engine:
         for p in PROMPTS:
@@ -19,8 +20,8 @@ async def run(n_batch, chunk):
 
 async def main():
     results = {}
-    for nb, ch in [(512, 64), (64, 64), (128, 64), (256, 64)]:
-        results[nb] = await run(nb, ch)
+    for size in (512, 64, 128, 256):
+        results[size] = await run(size)
     base = results[512]
     for nb, r in results.items():
         print(nb, [ (a == b[0], b[1]) for (a, _), b in zip(r, base)])

@@ -2,7 +2,8 @@ import time, trio
 from trioserve import Engine, GenerationRequest, LlamaBackend, LlamaSettings, SamplingParams, default_model_path
 P = "The quick brown fox jumps over the lazy dog near the river bank. " * 130
 async def run(nb):
-    backend = await LlamaBackend.aload(LlamaSettings(default_model_path(), n_batch=nb, prefill_chunk=min(64, nb), slots=1))
+    # one llama_decode call per `nb` prompt tokens (the prefill chunk), one sequence
+    backend = await LlamaBackend.aload(LlamaSettings(default_model_path(), n_batch=max(512, nb), prefill_chunk=nb, slots=1, prompt_cache=False))
     async with Engine(backend) as engine:
         best = 1e9
         for _ in range(3):
