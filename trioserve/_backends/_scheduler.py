@@ -278,8 +278,10 @@ class _Scheduler:
             while True:
                 with self._condition:
                     while not self._stopping and not self._runnable():
-                        if self._history:
-                            break  # nothing else to do: recompute a finished reply
+                        if self._history and not self._active and not self._inbox:
+                            # no request at all (a paused stream counts: its client
+                            # reads on): recompute a finished reply
+                            break
                         self._condition.wait()
                     if self._stopping:
                         break
@@ -430,7 +432,7 @@ class _Scheduler:
             batch.logits[i] = 0
         batch.n_tokens = chunk
         with self._condition:
-            if self._stopping or self._runnable():
+            if self._stopping or self._active or self._inbox:
                 return
             self.abort_flag.value = 0
             self._idle_in_flight = True
