@@ -34,12 +34,8 @@ CHART = servers.REPO / "docs" / "images" / "batched-throughput.png"
 
 def parse_args() -> Any:
     defaults = {"threads": os.cpu_count() or 1, "ctx_size": 2048, "slots": 8, "max_tokens": 128, "reps": 3}
-    p = cli.parser(
-        __doc__, (CONTESTANTS, CONTESTANTS), **defaults, streams=[1, 4, 8], prompts=list(cli.PROMPTS)
-    )
-    p.add_argument(
-        "--other-load-warn", type=float, default=20.0, help="note groups where others used more %%"
-    )
+    defaults |= {"streams": [1, 4, 8], "prompts": list(cli.PROMPTS), "other_load_warn": 20.0}
+    p = cli.parser(__doc__, (CONTESTANTS, CONTESTANTS), **defaults)
     p.add_argument("--chart", type=Path, default=CHART, help="the PNG chart (default: docs/images/…)")
     p.add_argument("--no-chart", action="store_true", help="draw no chart")
     p.add_argument("--replot", type=Path, help="measure nothing: report (and chart) this earlier --json file")
@@ -48,19 +44,15 @@ def parse_args() -> Any:
 
 def decode_only(model: Path, args: Any, notes: list[str]) -> tuple[list[groups.Group], list[groups.Stream]]:
     """The same procedure as the servers', on the bare loop (tokens: max_tokens each)."""
-    loop = DecodeLoop(model, args.threads, args.ctx_size)
-    all_groups, streams = [], []
+    loop, all_groups, streams = DecodeLoop(model, args.threads, args.ctx_size), [], []
 
     def streams_of(prompts: list[str], run: dict[str, Any], group: str, rep: int) -> list[groups.Stream]:
-        rate = (args.max_tokens - 1) / run["loop_s"]
-        out = []
+        rate, out = (args.max_tokens - 1) / run["loop_s"], []
         for i, (prompt, tokens) in enumerate(zip(prompts, run["tokens"], strict=True)):
             if group == "solo" and (at := loop.first_eog(tokens)) is not None:
                 notes.append(f"{DECODE_ONLY}: {prompt!r}: end-of-generation at token {at}; decoding went on")
-            ttft = run["ttft_s"][i] * 1e3
-            s = groups.Stream(
-                prompt, 0.0, ttft, rate, run["total_s"], args.max_tokens, "decode loop", "length"
-            )
+            ttft, total = run["ttft_s"][i] * 1e3, run["total_s"]
+            s = groups.Stream(prompt, 0.0, ttft, rate, total, args.max_tokens, "decode loop", "length")
             s.text, s.contestant, s.group = loop.text(tokens), DECODE_ONLY, group
             s.n, s.rep, s.index = len(prompts), rep, i
             out.append(s)
@@ -87,21 +79,16 @@ def decode_only(model: Path, args: Any, notes: list[str]) -> tuple[list[groups.G
 
 def run(args: Any) -> dict[str, Any]:
     if args.replot:
-        result: dict[str, Any] = json.loads(args.replot.read_text())
-        return result
-    model = cli.resolve_model(args)
-    cfg = cli.environment(model, **cli.pick(args, NAMES))
-    cfg["commands"], notes = {}, []
-    all_groups, all_streams = [], []
+        return json.loads(args.replot.read_text())
+    cfg = cli.environment(model := cli.resolve_model(args), **cli.pick(args, NAMES))
+    cfg["commands"], notes, all_groups, all_streams = {}, [], [], []
     with tempfile.TemporaryDirectory() as logs:
         for name in args.contestants:
             if name == DECODE_ONLY:
                 g, s = decode_only(model, args, notes)
             else:
                 with servers.running([]) as running:
-                    extra = ["--slots", str(args.slots)] + (
-                        ["--batch-invariant"] if name == INVARIANT else []
-                    )
+                    extra = ["--slots", str(args.slots), *["--batch-invariant"] * (name == INVARIANT)]
                     settings = {"threads": args.threads, "ctx_size": args.ctx_size, "slots": args.slots}
                     settings["extra"] = extra if name.startswith(T) else []
                     running.append(server := servers.Server.start(name, model, Path(logs), **settings))
@@ -136,9 +123,7 @@ def report(result: dict[str, Any], args: Any) -> None:
             cli.log("no chart: matplotlib is missing (pip install -e '.[bench]')")
 
 
-def chart(
-    cfg: dict[str, Any], summary: list[dict[str, Any]], goal: dict[str, float] | None, path: Path
-) -> None:
+def chart(cfg: dict[str, Any], summary: list[dict[str, Any]], goal: Any, path: Path) -> None:
     """Median total tok/s against N (min–max bars), one line per contestant; targets dashed."""
     import matplotlib
 
@@ -146,16 +131,12 @@ def chart(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    styles = {DECODE_ONLY: ("k", ":", "s"), T: ("C0", "-", "o"), INVARIANT: ("C2", "-", "^")}
-    top = 1.0
+    styles, top = {DECODE_ONLY: ("k", ":", "s"), T: ("C0", "-", "o"), INVARIANT: ("C2", "-", "^")}, 1.0
     for i, name in enumerate(dict.fromkeys(r["contestant"] for r in summary)):
         rows = sorted((r for r in summary if r["contestant"] == name), key=lambda r: r["n"])
         ys = [r["total_tps"] for r in rows]
         low, high = [min(r["total_tps_reps"]) for r in rows], [max(r["total_tps_reps"]) for r in rows]
-        bars = [
-            [y - lo for y, lo in zip(ys, low, strict=True)],
-            [hi - y for y, hi in zip(ys, high, strict=True)],
-        ]
+        bars = [[y - v for y, v in zip(ys, low, strict=True)], [v - y for y, v in zip(ys, high, strict=True)]]
         color, line, marker = styles.get(name, (f"C{i + 2}", "-", "D"))
         style = {"color": color, "linestyle": line, "marker": marker, "label": servers.LABELS.get(name, name)}
         ax.errorbar([r["n"] for r in rows], ys, yerr=bars, capsize=3, **style)
@@ -164,9 +145,8 @@ def chart(
         label = f"target: {factor}× {T} N=1"
         ax.axhline(goal[f"{factor}x"], color="0.4", dashes=dashes, linewidth=1, label=label)
         top = max(top, goal[f"{factor}x"])
-    ax.set(
-        xticks=cfg["streams"], xlabel="concurrent streams (N)", ylabel="total tokens/s", ylim=(0, 1.1 * top)
-    )
+    labels = {"xlabel": "concurrent streams (N)", "ylabel": "total tokens/s"}
+    ax.set(xticks=cfg["streams"], ylim=(0, 1.1 * top), **labels)
     what = f"{cfg['max_tokens']} tokens per stream, {cfg['threads']} threads, {cfg['cpu_count']} CPUs"
     ax.set_title(f"{Path(cfg['model']).name}: {what}, median of {cfg['reps']}", fontsize=10)
     ax.grid(alpha=0.3)

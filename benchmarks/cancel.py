@@ -37,8 +37,7 @@ from benchmarks.harness.clients import PROGRESS, RawStream, body
 from benchmarks.harness.proc import cpu_seconds, wait_cpu_idle
 from benchmarks.harness.stats import dict_table, dist, fmt, median, rows_table
 
-DECODE, PREFILL, DEADLINE = "decode", "prefill", "deadline"
-TS, LS = servers.TRIOSERVE, servers.LLAMA_SERVER
+DECODE, PREFILL, DEADLINE, TS, LS = "decode", "prefill", "deadline", servers.TRIOSERVE, servers.LLAMA_SERVER
 SERVERS, FRONT = (TS, servers.LLAMA_CPP_PYTHON, LS), f"front-{LS}"
 SENTENCE = "The history of the city is long and varied. "
 NO_WORK_MS = 50.0  # a prefill run with less CPU than this before and after the close did no prefill
@@ -118,8 +117,7 @@ def run_job(server: Any, cause: str, round_: int, args: Any) -> dict[str, Any]:
     """One abandoned request and its measurements."""
     rid = str(uuid.uuid4())  # llama-cpp-python answers 400 to an X-Request-Id that is not a UUID
     timeout = {"X-Request-Timeout": f"{args.deadline:g}"} if cause == DEADLINE else {}
-    headers = {"X-Request-Id": rid, **timeout}
-    cpu_at_send, t_cause = cpu_seconds(server.work.pid), None
+    headers, cpu_at_send, t_cause = {"X-Request-Id": rid, **timeout}, cpu_seconds(server.work.pid), None
     payload = request(server, args, rid, 5) if cause == PREFILL else request(server, args, None, 2000)
     stream = RawStream(server.port, payload, headers)
     if cause == DECODE:
@@ -188,8 +186,7 @@ def run(args: Any) -> dict[str, Any]:
     model = cli.resolve_model(args)
     names = "threads ctx_size reps prefill_reps events prefill_repeats prefill_delay prefill_close_cpu"
     names += " deadline close idle_cap llama_server_args request_extra"
-    cfg = cli.environment(model, **cli.pick(args, names))
-    samples, warnings, reference = [], [], {}
+    cfg, samples, warnings, reference = cli.environment(model, **cli.pick(args, names)), [], [], {}
     with tempfile.TemporaryDirectory() as logs, servers.running([]) as running:
         contestants = [start(name, model, Path(logs), args, running) for name in args.contestants]
         for server in running:
@@ -266,8 +263,7 @@ def report(result: dict[str, Any], args: Any) -> None:
     print(cli.header(cfg, what))
     gaps = {n: [g for s in samples if s["server"] == n for g in s["step_gaps_ms"]] for n in ref}
     step = {n: median(gaps[n]) for n in ref}
-    cap = f"> {cfg['idle_cap']:g} s"
-    summary_rows = summary(samples, cfg, step)
+    cap, summary_rows = f"> {cfg['idle_cap']:g} s", summary(samples, cfg, step)
     print(dict_table(summary_rows, "server cause metric n p50 p99 max cpu bar met").replace("timeout", cap))
     print("\n(cpu: CPU ms burnt after the cause, p50 / max; bar: p99 ≤, ms; nearest-rank percentiles)\n")
     columns = [("server", str), ("decode step ms (median gap)", lambda n: f"{fmt(step[n])} ({len(gaps[n])})")]

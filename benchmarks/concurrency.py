@@ -24,27 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import cli, groups, servers
 
 T, LCP, LS, MATCHED = servers.TRIOSERVE, servers.LLAMA_CPP_PYTHON, servers.LLAMA_SERVER, servers.MATCHED
-FRONTS = tuple(f"front-{kind}" for kind in (T, LCP, LS))
-CONTESTANTS = (T, f"{T}-t1", LCP, LS, MATCHED, *FRONTS)
+CONTESTANTS = (T, f"{T}-t1", LCP, LS, MATCHED, *(f"front-{kind}" for kind in (T, LCP, LS)))
 #: what one upstream of each kind runs at once: the front's --slots per upstream
 UPSTREAM_SLOTS = {T: 4, LCP: 1, LS: 4}
 
 
 def parse_args() -> Any:
-    defaults = {
-        "threads": 2,
-        "ctx_size": 2048,
-        "slots": 4,
-        "max_tokens": 128,
-        "reps": 1,
-        "streams": [1, 2, 4],
-    }
-    p = cli.parser(__doc__, (CONTESTANTS, CONTESTANTS[:5]), **defaults, prompts=list(cli.PROMPTS[:4]))
+    defaults: dict[str, Any] = {"threads": 2, "ctx_size": 2048, "slots": 4, "max_tokens": 128, "reps": 1}
+    defaults |= {"streams": [1, 2, 4], "prompts": list(cli.PROMPTS[:4]), "other_load_warn": 20.0}
+    p = cli.parser(__doc__, (CONTESTANTS, CONTESTANTS[:5]), **defaults)
     cli.option(p, "--max-queue", 8, "trioserve --max-queue")
     cli.option(p, "--upstreams", 2, "front-*: upstream servers behind the front")
-    p.add_argument(
-        "--other-load-warn", type=float, default=20.0, help="note groups where others used more %%"
-    )
     return p.parse_args()
 
 
@@ -52,17 +42,15 @@ def start(name: str, model: Path, logs: Path, args: Any, running: list[servers.S
     """Start the contestant's processes into ``running``; the last is the one clients talk to."""
     threads = args.threads // 2 if name.endswith("-t1") else args.threads
     queue = ["--max-queue", str(args.max_queue)]
-    settings = {"ctx_size": args.ctx_size, "slots": args.slots}
+    settings: dict[str, Any] = {"ctx_size": args.ctx_size, "slots": args.slots}
     if not name.startswith("front-"):
         extra = ["--slots", str(args.slots), *queue] if name.startswith(T) else []
         running.append(servers.Server.start(name, model, logs, threads=threads, extra=extra, **settings))
         return
     kind, each = name.removeprefix("front-"), max(1, args.threads // args.upstreams)
-    extra = ["--slots", str(UPSTREAM_SLOTS[kind])] if kind == T else []
+    settings["extra"] = ["--slots", str(UPSTREAM_SLOTS[kind])] if kind == T else []
     for i in range(args.upstreams):
-        running.append(
-            servers.Server.start(f"{kind}-{i}", model, logs, threads=each, extra=extra, **settings)
-        )
+        running.append(servers.Server.start(f"{kind}-{i}", model, logs, threads=each, **settings))
         running[-1].wait_ready(args.ready_timeout)
     port, upstreams = servers.free_port(), [a for up in running for a in ("--upstream", up.url)]
     argv = servers.trioserve_command(port, *upstreams, "--slots", str(UPSTREAM_SLOTS[kind]), *queue)
@@ -72,10 +60,8 @@ def start(name: str, model: Path, logs: Path, args: Any, running: list[servers.S
 def label(name: str, args: Any) -> str:
     each = max(1, args.threads // args.upstreams)
     if name.startswith("front-"):
-        kind = name.removeprefix("front-")
-        return (
-            f"trioserve --upstream × {args.upstreams} {servers.LABELS.get(kind, kind)}, {each} thread(s) each"
-        )
+        k = name.removeprefix("front-")
+        return f"trioserve --upstream × {args.upstreams} {servers.LABELS.get(k, k)}, {each} thread(s) each"
     slots = args.slots if name.startswith(T) or name == MATCHED else {LCP: 1, LS: "4 (auto)"}[name]
     threads = args.threads // 2 if "-t1" in name else args.threads
     return f"{servers.LABELS.get(name, name)}, {slots} slots × {threads} threads"

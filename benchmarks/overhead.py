@@ -26,9 +26,9 @@ from benchmarks.harness.stats import table
 
 def parse_args() -> Any:
     p = cli.parser(__doc__)
-    p.add_argument("--tokens", type=int, default=4000, help="tokens per stream (default: 4000)")
-    p.add_argument("--runs", type=int, default=5, help="streams, one after another (default: 5)")
-    p.add_argument("--interval", type=float, default=0.0, help="--scripted-interval, s (default: 0)")
+    cli.option(p, "--tokens", 4000, "tokens per stream")
+    cli.option(p, "--runs", 5, "streams, one after another")
+    cli.option(p, "--interval", 0.0, "--scripted-interval, s")
     return p.parse_args()
 
 
@@ -43,44 +43,29 @@ def read(server: servers.Server, tokens: int) -> RawStream:
 
 def run(args: Any) -> dict[str, Any]:
     cfg = cli.environment(None, tokens=args.tokens, runs=args.runs, interval=args.interval)
-    per_token_us, events = [], []
-    port = servers.free_port()
+    per_token_us, events, port = [], [], servers.free_port()
     with tempfile.TemporaryDirectory() as logs, servers.running([]) as running:
         argv = servers.trioserve_command(port, "--scripted", "--scripted-interval", str(args.interval))
         running.append(server := servers.Server(servers.TRIOSERVE, argv, port, Path(logs)))
         server.wait_ready(args.ready_timeout)
         read(server, 200)  # warm-up: imports, first-request paths
-        for index in range(args.runs):
-            before = cpu_seconds(server.pid)
-            stream = read(server, args.tokens)
+        for i in range(args.runs):
+            before, stream = cpu_seconds(server.pid), read(server, args.tokens)
             used = cpu_seconds(server.pid) - before
             per_token_us.append(used / args.tokens * 1e6)
             events.append(stream.data_events())
-            cli.log(
-                f"run {index + 1}: {used * 1e3:.0f} ms CPU, {events[-1]} events, {per_token_us[-1]:.1f} µs"
-            )
-    return {
-        "config": cfg,
-        "per_token_us": per_token_us,
-        "events": events,
-        "median_us": statistics.median(per_token_us),
-        "notes": [
-            f"CPU time has clock-tick resolution: 10 ms ÷ {args.tokens} tokens = {1e4 / args.tokens:.1f} µs"
-        ],
-    }
+            cli.log(f"run {i + 1}: {used * 1e3:.0f} ms CPU, {events[-1]} events, {per_token_us[-1]:.1f} µs")
+    note = f"CPU time has clock-tick resolution: 10 ms ÷ {args.tokens} tokens = {1e4 / args.tokens:.1f} µs"
+    out = {"config": cfg, "per_token_us": per_token_us, "events": events, "notes": [note]}
+    return out | {"median_us": statistics.median(per_token_us)}
 
 
 def report(result: dict[str, Any], args: Any) -> None:
-    print(
-        cli.header(
-            result["config"], f"{args.tokens} tokens per stream, --scripted-interval {args.interval:g}"
-        )
-    )
+    what = f"{args.tokens} tokens per stream, --scripted-interval {args.interval:g}"
+    print(cli.header(result["config"], what))
     rows = [["stream", "server CPU per token (µs)", "SSE events"]]
-    rows += [
-        [str(i + 1), f"{v:.1f}", str(e)]
-        for i, (v, e) in enumerate(zip(result["per_token_us"], result["events"], strict=True))
-    ]
+    pairs = enumerate(zip(result["per_token_us"], result["events"], strict=True))
+    rows += [[str(i + 1), f"{v:.1f}", str(e)] for i, (v, e) in pairs]
     rows.append(["median", f"{result['median_us']:.1f}", str(int(statistics.median(result["events"])))])
     print(table(rows))
 

@@ -43,8 +43,7 @@ def stream_rate(server: servers.Server, prompt: str, max_tokens: int) -> tuple[f
 
 
 def run(args: Any) -> dict[str, Any]:
-    model = cli.resolve_model(args)
-    settings = {"threads": args.threads, "ctx_size": args.ctx_size}
+    model, settings = cli.resolve_model(args), {"threads": args.threads, "ctx_size": args.ctx_size}
     cfg = cli.environment(model, **settings, max_tokens=args.max_tokens, contestants=args.contestants)
     loop = DecodeLoop(model, args.threads, args.ctx_size)
     rounds: list[dict[str, Any]] = []
@@ -55,19 +54,14 @@ def run(args: Any) -> dict[str, Any]:
             server.wait_ready(args.ready_timeout)
             stream_rate(server, args.prompt, 8)  # warm-up
         cfg["commands"] = {s.name: s.command for s in running}
-        for index in range(args.reps):
+        for i in range(args.reps):
             run_ = loop.generate([args.prompt], args.max_tokens)
             row: dict[str, Any] = {"decode-only": (args.max_tokens - 1) / run_["loop_s"]}
-            shift = index % len(running)
+            shift, tokens = i % len(running), args.max_tokens
             for server in running[shift:] + running[:shift]:
-                row[server.name], row[f"{server.name} events"] = stream_rate(
-                    server, args.prompt, args.max_tokens
-                )
+                row[server.name], row[f"{server.name} events"] = stream_rate(server, args.prompt, tokens)
             rounds.append(row)
-            cli.log(
-                f"round {index + 1}: "
-                + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if "events" not in k)
-            )
+            cli.log(f"round {i + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if " " not in k))
     loop.close()
     ratios = {name: median(r[name] / r["decode-only"] for r in rounds) for name in args.contestants}
     return {"config": cfg, "rounds": rounds, "median_ratio": ratios, "notes": []}
@@ -75,11 +69,8 @@ def run(args: Any) -> dict[str, Any]:
 
 def report(result: dict[str, Any], args: Any) -> None:
     names = result["config"]["contestants"]
-    print(
-        cli.header(
-            result["config"], f"{result['config']['max_tokens']} tokens, one stream, tok/s (÷ decode-only)"
-        )
-    )
+    what = f"{result['config']['max_tokens']} tokens, one stream, tok/s (÷ decode-only)"
+    print(cli.header(result["config"], what))
     rows = [["round", "decode-only", *(servers.LABELS.get(n, n) for n in names)]]
     for i, r in enumerate(result["rounds"]):
         cells = [f"{r[n]:.1f} ({r[n] / r['decode-only']:.3f}×)" for n in names]

@@ -29,12 +29,13 @@ from benchmarks.harness.stats import fmt, rows_table
 
 SERVERS = (servers.TRIOSERVE, servers.LLAMA_CPP_PYTHON, servers.LLAMA_SERVER)
 GAUGES = ("generations_running", "slots_in_use", "active_streams")
+TEXT_COLUMNS = (("client read B", "client_read"), ("client kernel buffer B", "client_kernel_buffer"))
+TEXT_COLUMNS += (("server Send-Q B", "server_send_q"), ("events", "events"))
 
 
 def parse_args() -> Any:
-    p = cli.parser(
-        __doc__, (SERVERS, SERVERS), threads=2, ctx_size=4096, max_tokens=3000, other_load_warn=20.0
-    )
+    settings = {"threads": 2, "ctx_size": 4096, "max_tokens": 3000, "other_load_warn": 20.0}
+    p = cli.parser(__doc__, (SERVERS, SERVERS), **settings)
     p.add_argument("--prompt", default=cli.DEFAULT_PROMPT, help="the prompt (default: %(default)r)")
     cli.option(p, "--duration", 10, "seconds of slow reading (keep it under trioserve's 30 s stall timeout)")
     cli.option(p, "--read-bytes", 64, "bytes per read")
@@ -72,19 +73,15 @@ def run_case(server: servers.Server, rcvbuf: int | None, args: Any) -> dict[str,
     idle = wait_cpu_idle(server.pid, t_close, args.idle_cap)
     per_second = [pct(samples, i, i + 1) for i in range(len(samples) - 1)]
     quiet = next((s for s in range(1, len(per_second)) if max(per_second[s:]) <= args.cpu_bar), None)
-    rss = [s["rss_kib"] for s in samples]
+    rss = [s["rss_kib"] - samples[0]["rss_kib"] for s in samples]
     case = {"server": server.name, "rcvbuf": "default" if rcvbuf is None else str(rcvbuf)}
     case.update(rcvbuf_effective=f"{rcvbuf_start}" + (f"→{rcvbuf_end}" if rcvbuf_end != rcvbuf_start else ""))
     case.update(status=stream.status, cpu_first_s=per_second[0], cpu_after_first_s=pct(samples, 1, -1))
-    case.update(
-        quiet_from_s=quiet, rss_growth_kib=rss[-1] - rss[0], rss_growth_after_first_s_kib=rss[-1] - rss[1]
-    )
-    case.update(
-        client_read=read, client_kernel_buffer=unread, server_send_q=send_q, events=stream.data_events()
-    )
+    case.update(quiet_from_s=quiet, rss_growth_kib=rss[-1], rss_growth_after_first_s_kib=rss[-1] - rss[1])
+    case.update(client_read=read, client_kernel_buffer=unread, events=stream.data_events())
     case.update(other_cpu_pct=max(0.0, pct(samples, 0, -1, "other_cpu_s")), server_closed_at_s=closed_at)
     case.update(busy_after_close_s=idle.after_s, cpu_after_close_s=idle.cpu_s, health_drained_after_s=drained)
-    case.update(health_at_end=health, per_second_cpu_pct=per_second, samples=samples)
+    case.update(server_send_q=send_q, health_at_end=health, per_second_cpu_pct=per_second, samples=samples)
     case["bar_met"] = case["cpu_after_first_s"] <= args.cpu_bar and case["rss_growth_kib"] <= args.rss_bar_kb
     return case
 
@@ -97,9 +94,8 @@ def run(args: Any) -> dict[str, Any]:
     cases: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as logs, servers.running([]) as running:
         for name in args.contestants:
-            running.append(
-                servers.Server.start(name, model, Path(logs), threads=args.threads, ctx_size=args.ctx_size)
-            )
+            settings = cli.pick(args, "threads ctx_size")
+            running.append(servers.Server.start(name, model, Path(logs), **settings))
         for server in running:
             server.wait_ready(args.ready_timeout)
         cfg["commands"] = {s.name: s.command for s in running}
@@ -109,12 +105,10 @@ def run(args: Any) -> dict[str, Any]:
             wait_cpu_idle(server.pid, stream.close(), args.idle_cap)
             for rcvbuf in (None, args.rcvbuf):
                 cases.append(c := run_case(server, rcvbuf, args))
-                cpu = f"CPU {c['cpu_first_s']:.0f} % then {c['cpu_after_first_s']:.1f} %"
+                cpu = f"{c['rcvbuf']:>7}: CPU {c['cpu_first_s']:.0f} % then {c['cpu_after_first_s']:.1f} %"
                 where = f"read {c['client_read']} B, buffer {c['client_kernel_buffer']} B"
                 where += f", Send-Q {c['server_send_q']} B, {c['events']} events"
-                cli.log(
-                    f"{server.name:<16} {c['rcvbuf']:>7}: {cpu}, RSS {c['rss_growth_kib']:+d} KiB, {where}"
-                )
+                cli.log(f"{server.name:<16} {cpu}, RSS {c['rss_growth_kib']:+d} KiB, {where}")
     return {"config": cfg, "cases": cases, "notes": notes(cases, args)}
 
 
@@ -128,25 +122,19 @@ def notes(cases: list[dict[str, Any]], args: Any) -> list[str]:
             out.append(f"{label}: status {c['status']}, the server closed at {c['server_closed_at_s']} s")
         if c["busy_after_close_s"] is None or c["busy_after_close_s"] > 1.0:
             busy = fmt(c["busy_after_close_s"], ".1f", f"> {args.idle_cap:g}")
-            out.append(
-                f"{label}: computed {busy} s after the client closed ({c['cpu_after_close_s']:.1f} CPU s)"
-            )
+            busy += f" s after the client closed ({c['cpu_after_close_s']:.1f} CPU s)"
+            out.append(f"{label}: computed {busy}")
         if (h := c["health_at_end"]) is not None:
-            out.append(
-                f"{label}: /health at {args.duration} s: " + ", ".join(f"{g} {h.get(g)}" for g in GAUGES)
-            )
+            gauges = ", ".join(f"{g} {h.get(g)}" for g in GAUGES)
+            out.append(f"{label}: /health at {args.duration} s: {gauges}")
     return out
 
 
 def report(result: dict[str, Any], args: Any) -> None:
     cfg, cases, d = result["config"], result["cases"], args.duration
     read = f"client reads {cfg['read_bytes']} B every {cfg['read_interval']:g} s for {d} s"
-    print(
-        cli.header(
-            cfg,
-            f"max_tokens {cfg['max_tokens']}, {cfg['threads']} threads; {read}; tcp_rmem {cfg['tcp_rmem']}",
-        )
-    )
+    read += f"; tcp_rmem {cfg['tcp_rmem']}"
+    print(cli.header(cfg, f"max_tokens {cfg['max_tokens']}, {cfg['threads']} threads; {read}"))
     columns = [
         ("server", lambda c: servers.LABELS.get(c["server"], c["server"])),
         ("client SO_RCVBUF (effective)", lambda c: f"{c['rcvbuf']} ({c['rcvbuf_effective']})"),
@@ -155,26 +143,17 @@ def report(result: dict[str, Any], args: Any) -> None:
         ("quiet from s", lambda c: f"> {d}" if c["quiet_from_s"] is None else str(c["quiet_from_s"])),
         ("RSS growth KiB", lambda c: f"{c['rss_growth_kib']:+d}"),
         (f"… 1–{d} s", lambda c: f"{c['rss_growth_after_first_s_kib']:+d}"),
-        ("client read B", lambda c: str(c["client_read"])),
-        ("client kernel buffer B", lambda c: str(c["client_kernel_buffer"])),
-        ("server Send-Q B", lambda c: str(c["server_send_q"])),
-        ("events", lambda c: str(c["events"])),
+        *[(h, lambda c, k=k: str(c[k])) for h, k in TEXT_COLUMNS],
         ("busy after close s", lambda c: fmt(c["busy_after_close_s"], ".2f", f"> {args.idle_cap:g}")),
         ("other load %", lambda c: f"{c['other_cpu_pct']:.0f}"),
-        (
-            f"bar (≤ {args.cpu_bar:g} %, ≤ {args.rss_bar_kb} KiB)",
-            lambda c: "pass" if c["bar_met"] else "fail",
-        ),
+        (f"bar (≤ {args.cpu_bar:g} %, ≤ {args.rss_bar_kb} KiB)", lambda c: ("fail", "pass")[c["bar_met"]]),
     ]
     print(rows_table(cases, columns))
     if args.markdown:
         seconds = [(f"{i}–{i + 1}", lambda c, i=i: f"{c['per_second_cpu_pct'][i]:.0f}") for i in range(d)]
         print("\nserver CPU % of one core, per second of the read:\n")
-        print(
-            rows_table(
-                cases, [("server", lambda c: c["server"]), ("SO_RCVBUF", lambda c: c["rcvbuf"]), *seconds]
-            )
-        )
+        keys = [("server", lambda c: c["server"]), ("SO_RCVBUF", lambda c: c["rcvbuf"])]
+        print(rows_table(cases, [*keys, *seconds]))
 
 
 if __name__ == "__main__":

@@ -27,39 +27,31 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import cli, servers
 from benchmarks.harness.clients import Chunk, Timed, body, sse_chunks, timed_stream
-from benchmarks.harness.stats import fmt, median, rows_table, spread
+from benchmarks.harness.stats import dict_table, median, rows_table, spread
 
-RAW = "raw"
-SERVERS = (servers.TRIOSERVE, servers.LLAMA_CPP_PYTHON, servers.LLAMA_SERVER, servers.MATCHED)
+RAW, SERVERS = "raw", (servers.TRIOSERVE, servers.LLAMA_CPP_PYTHON, servers.LLAMA_SERVER, servers.MATCHED)
 
 
 def parse_args() -> Any:
-    every = (RAW, *SERVERS)
-    p = cli.parser(
-        __doc__, (every, every), threads=2, ctx_size=2048, max_tokens=256, reps=5, prompt=cli.DEFAULT_PROMPT
-    )
+    every, settings = (RAW, *SERVERS), {"threads": 2, "ctx_size": 2048, "max_tokens": 256, "reps": 5}
+    p = cli.parser(__doc__, (every, every), **settings, prompt=cli.DEFAULT_PROMPT)
     p.add_argument("--flash-attn", choices=["on", "off"], default="on", help="for raw and llama-cpp-python")
     return p.parse_args()
 
 
-def starters(
-    args: Any, model: Path, running: list[servers.Server], client: httpx.Client
-) -> dict[str, Callable[[], Any]]:
+def starters(args: Any, model: Path, running: list[servers.Server], client: httpx.Client) -> dict[str, Any]:
     """Per contestant, a function that makes the call and yields its chunks."""
     out: dict[str, Callable[[], Iterator[Chunk]]] = {}
     if RAW in args.contestants:
         import llama_cpp
 
-        on, n = args.flash_attn == "on", args.threads
-        llm = llama_cpp.Llama(
-            str(model), n_ctx=args.ctx_size, n_threads=n, n_threads_batch=n, flash_attn=on, verbose=False
-        )
+        kw = {"n_ctx": args.ctx_size, "n_threads": args.threads, "n_threads_batch": args.threads}
+        llm = llama_cpp.Llama(str(model), **kw, flash_attn=args.flash_attn == "on", verbose=False)
 
         def raw() -> Iterator[Chunk]:
             llm.reset()  # no prefix reuse: prefill the whole prompt, as trioserve does
-            for event in llm.create_completion(
-                args.prompt, max_tokens=args.max_tokens, temperature=0, stream=True
-            ):
+            gen = llm.create_completion(args.prompt, max_tokens=args.max_tokens, temperature=0, stream=True)
+            for event in gen:
                 yield event["choices"][0]["text"], event["choices"][0]["finish_reason"], None
 
         out[RAW] = raw
@@ -70,17 +62,12 @@ def starters(
 
 
 def run(args: Any) -> dict[str, Any]:
-    model = cli.resolve_model(args)
-    settings = {"threads": args.threads, "ctx_size": args.ctx_size}
+    model, settings = cli.resolve_model(args), {"threads": args.threads, "ctx_size": args.ctx_size}
     cfg = cli.environment(model, **settings, max_tokens=args.max_tokens, reps=args.reps, prompt=args.prompt)
     cfg["flash_attn_raw_and_llama_cpp_python"] = args.flash_attn
-    samples: list[dict[str, Any]] = []
-    off = ("--flash_attn", "False") if args.flash_attn == "off" else ()
-    with (
-        tempfile.TemporaryDirectory() as logs,
-        httpx.Client(timeout=httpx.Timeout(10.0, read=60.0)) as client,
-        servers.running([]) as running,
-    ):
+    samples, off = [], ("--flash_attn", "False") if args.flash_attn == "off" else ()
+    client = httpx.Client(timeout=httpx.Timeout(10.0, read=60.0))
+    with tempfile.TemporaryDirectory() as logs, client, servers.running([]) as running:
         for name in args.contestants[args.contestants[0] == RAW :]:
             extra = off if name == servers.LLAMA_CPP_PYTHON else ()
             running.append(servers.Server.start(name, model, Path(logs), **settings, extra=extra))
@@ -96,15 +83,9 @@ def run(args: Any) -> dict[str, Any]:
             cli.log(f"round {round_:>2} {name:<20} {rates}, {s.tokens} tokens, {s.error or s.finish_reason}")
             return s
 
-        short = [
-            f"{n}: {s.error or s.finish_reason}"
-            for n in args.contestants
-            if (s := one(n, -1)).finish_reason != "length" or s.error
-        ]
-        if short:
-            raise SystemExit(
-                f"not every warm-up reached --max-tokens ({'; '.join(short)}): choose another --prompt"
-            )
+        warm = [(n, s) for n in args.contestants if (s := one(n, -1)).finish_reason != "length" or s.error]
+        if short := "; ".join(f"{n}: {s.error or s.finish_reason}" for n, s in warm):
+            raise SystemExit(f"not every warm-up reached --max-tokens ({short}): choose another --prompt")
         for round_ in range(args.reps):
             shift = round_ % len(args.contestants)
             for name in args.contestants[shift:] + args.contestants[:shift]:
@@ -113,21 +94,18 @@ def run(args: Any) -> dict[str, Any]:
 
 
 def notes(samples: list[dict[str, Any]], names: list[str]) -> list[str]:
-    out = [
-        f"{s['contestant']} round {s['round']}: {s['error'] or s['finish_reason']}, {s['tokens']} tokens"
-        for s in samples
-        if s["error"] or s["finish_reason"] != "length"
-    ]
+    out = []
+    for s in (s for s in samples if s["error"] or s["finish_reason"] != "length"):
+        why = f"{s['error'] or s['finish_reason']}, {s['tokens']} tokens"
+        out.append(f"{s['contestant']} round {s['round']}: {why}")
     reference = samples[0]["text"]
     for name in names:
         mine = [s for s in samples if s["contestant"] == name]
         if any(s["text"] != reference for s in mine):
             out.append(f"{name}: generated text differs from {samples[0]['contestant']}'s")
         rates = [s["decode_tps"] for s in mine if s["round"] >= 0]
-        if max(rates) - min(rates) > 0.2 * median(rates):
-            out.append(
-                f"{name}: decode tok/s ranged {min(rates):.1f}–{max(rates):.1f}: a busy machine; rerun"
-            )
+        if (high := max(rates)) - (low := min(rates)) > 0.2 * median(rates):
+            out.append(f"{name}: decode tok/s ranged {low:.1f}–{high:.1f}: a busy machine; rerun")
     return out
 
 
@@ -136,13 +114,7 @@ def report(result: dict[str, Any], args: Any) -> None:
     for s in samples:
         s["e2e_tps"] = s["tokens"] / s["total_s"]
     if args.markdown:
-        keys = ["round", "contestant", "ttft_ms", "decode_tps", "e2e_tps", "tokens", "finish_reason"]
-        print(
-            rows_table(
-                samples,
-                [(k, lambda s, k=k: fmt(s[k]) if isinstance(s[k], float) else str(s[k])) for k in keys],
-            )
-        )
+        print(dict_table(samples, "round contestant ttft_ms decode_tps e2e_tps tokens finish_reason"))
     flash = cfg["flash_attn_raw_and_llama_cpp_python"]
     what = f"prompt {cfg['prompt']!r}, {cfg['max_tokens']} tokens, {cfg['threads']} threads"
     flash = f"{cfg['reps']} rounds, flash attention (raw, llama-cpp-python) {flash}"
@@ -150,8 +122,8 @@ def report(result: dict[str, Any], args: Any) -> None:
     names = list(dict.fromkeys(s["contestant"] for s in samples))
     by = {name: [s for s in samples if s["contestant"] == name] for name in names}
     decode = {n: median(s["decode_tps"] for s in by[n]) for n in names}
-    ttft = {n: median(s["ttft_ms"] for s in by[n]) for n in names}
-    ref = names[0]
+    ttft, ref = {n: median(s["ttft_ms"] for s in by[n]) for n in names}, names[0]
+    sources = {n: sorted({f"{s['tokens']} ({s['token_source']})" for s in by[n]}) for n in names}
     columns: list[tuple[str, Any]] = [
         ("contestant", lambda n: servers.LABELS.get(n, n)),
         ("TTFT ms", lambda n: spread(s["ttft_ms"] for s in by[n])),
@@ -159,10 +131,7 @@ def report(result: dict[str, Any], args: Any) -> None:
         ("end-to-end tok/s", lambda n: spread(s["e2e_tps"] for s in by[n])),
         (f"decode ÷ {ref}", lambda n: f"{decode[n] / decode[ref]:.3f}"),
         (f"TTFT − {ref} (ms)", lambda n: f"{ttft[n] - ttft[ref]:+.1f}"),
-        (
-            "tokens (source)",
-            lambda n: ", ".join(sorted({f"{s['tokens']} ({s['token_source']})" for s in by[n]})),
-        ),
+        ("tokens (source)", lambda n: ", ".join(sources[n])),
     ]
     print(rows_table(names, columns) + "\n\nmedian (min–max) over the rounds")
 

@@ -16,16 +16,8 @@ from typing import Any
 from .stats import finite
 
 DEFAULT_PROMPT = "Once upon a time"
-PROMPTS = (
-    "Once upon a time",
-    "The capital of France is",
-    "In a distant galaxy",
-    "The recipe begins with",
-    "The three laws of robotics are",
-    "In 1969, the first",
-    "Water boils at",
-    "The quick brown fox",
-)
+PROMPTS = ("Once upon a time", "The capital of France is", "In a distant galaxy", "The recipe begins with")
+PROMPTS += ("The three laws of robotics are", "In 1969, the first", "Water boils at", "The quick brown fox")
 
 
 def log(message: str) -> None:
@@ -55,14 +47,11 @@ OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
 }
 
 
-def parser(
-    doc: str | None, contestants: tuple[Sequence[str], Sequence[str]] | None = None, **defaults: Any
-) -> argparse.ArgumentParser:
+def parser(doc: str | None, contestants: tuple[Sequence[str], ...] | None = None, **defaults: Any) -> Any:
     """``--model``, ``--contestants`` (all, default), the shared options named in
     ``defaults`` with those defaults, ``--json``/``--out``, ``--markdown`` and the timeouts."""
-    p = argparse.ArgumentParser(
-        description=(doc or " ").splitlines()[0], epilog="The method: docs/benchmarks.md, section Method."
-    )
+    epilog = "The method: docs/benchmarks.md, section Method."
+    p = argparse.ArgumentParser(description=(doc or " ").splitlines()[0], epilog=epilog)
     p.add_argument("--model", type=Path, help="GGUF file (default: trioserve's default, Gemma 3 270M)")
     if contestants:
         every, default = contestants
@@ -77,8 +66,7 @@ def parser(
         help_ += f" (default: {','.join(default)})"
         p.add_argument("--contestants", type=names, default=list(default), help=help_)
     for key, default in defaults.items():
-        flag, kind, text = OPTIONS[key]
-        sep = "|" if key == "prompts" else ","
+        (flag, kind, text), sep = OPTIONS[key], "|" if key == "prompts" else ","
         shown = sep.join(map(str, default)) if isinstance(default, list) else default
         p.add_argument(flag, type=kind, default=default, help=f"{text} (default: {shown})")
     p.add_argument("--json", "--out", dest="out", type=Path, help="write all that was measured to this JSON")
@@ -111,16 +99,9 @@ def environment(model: Path | None, **settings: Any) -> dict[str, Any]:
 
     import llama_cpp
 
-    return {
-        "model": str(model) if model else None,
-        **settings,
-        "llama_cpp_python": llama_cpp.__version__,
-        "trioserve": version("trioserve"),
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "cpu_count": os.cpu_count(),
-        "loadavg_start": os.getloadavg(),
-    }
+    out = {"model": str(model) if model else None, **settings, "llama_cpp_python": llama_cpp.__version__}
+    out |= {"trioserve": version("trioserve"), "python": platform.python_version()}
+    return out | {"kernel": platform.release(), "cpu_count": os.cpu_count(), "loadavg_start": os.getloadavg()}
 
 
 def pick(args: argparse.Namespace, names: str) -> dict[str, Any]:
@@ -139,17 +120,12 @@ def _sigterm(_signo: int, _frame: object) -> None:
     raise SystemExit(143)  # unwind through the finally blocks: the servers get stopped
 
 
-def main(
-    parse: Callable[[], argparse.Namespace],
-    run: Callable[[argparse.Namespace], dict[str, Any]],
-    report: Callable[[dict[str, Any], argparse.Namespace], None],
-) -> int:
+def main(parse: Callable[[], Any], run: Callable[[Any], dict[str, Any]], report: Callable[..., None]) -> int:
     """Parse, ``run``, write the result to ``--json``, print the ``report`` and the
     result's ``notes``; exits 1 when the result has ``problems``. SIGTERM exits like
     Ctrl-C, through the ``finally`` blocks that stop the servers."""
     signal.signal(signal.SIGTERM, _sigterm)
-    args = parse()
-    started = time.perf_counter()
+    args, started = parse(), time.perf_counter()
     result = run(args)
     result["config"].setdefault("loadavg_end", os.getloadavg())
     if args.out:

@@ -16,8 +16,7 @@ import httpx
 
 from .proc import unread_bytes
 
-STATUS = re.compile(rb"HTTP/1\.[01] (\d{3})")
-FINISH = re.compile(rb'"finish_reason": ?"(\w+)"')
+STATUS, FINISH = re.compile(rb"HTTP/1\.[01] (\d{3})"), re.compile(rb'"finish_reason": ?"(\w+)"')
 OPEN = re.compile(rb'"finish_reason": ?null')  # an event that carries a token
 PROGRESS = b'"prompt_progress"'  # llama-server's event per prompt batch (return_progress): no token
 
@@ -66,11 +65,9 @@ class RawStream:
             raise
         self.sent_at = time.perf_counter()
         self.head = b""  # the response's first bytes
-        self.received = 0
+        self.received, self.eof, self._pending = 0, False, b""
         self.events: list[tuple[float, bytes]] = []  # (arrival, event)
         self.done_at: float | None = None  # when ``data: [DONE]`` arrived
-        self.eof = False
-        self._pending = b""
 
     def feed(self, data: bytes, now: float) -> list[bytes]:
         """Take bytes read from the socket; return the events they completed."""
@@ -148,14 +145,11 @@ class RawStream:
         return time.perf_counter()
 
 
-def slow_read(
-    stream: RawStream, read_bytes: int, interval: float, duration: float, tick: Callable[[float], None]
-) -> float | None:
+def slow_read(stream: RawStream, read_bytes: int, interval: float, duration: float, tick: Any) -> Any:
     """The slow reader: from the send on, read ``read_bytes`` every ``interval`` s for
     ``duration`` s without blocking (a read with nothing there reads nothing); call
     ``tick(t)`` at t = 1, 2, … before the read due then. Returns when the server closed."""
-    t0 = stream.sent_at
-    reads = [(interval * k, 1) for k in range(1, round(duration / interval) + 1)]
+    t0, reads = stream.sent_at, [(interval * k, 1) for k in range(1, round(duration / interval) + 1)]
     timeline = sorted([(float(s), 0) for s in range(1, int(duration) + 1)] + reads)
     stream.sock.setblocking(False)
     for at, is_read in timeline:
@@ -196,10 +190,8 @@ def timed_stream(prompt: str, max_tokens: int, chunks: Callable[[], Iterable[Chu
     """Call ``chunks()`` and time what it yields. Tokens: ``usage.completion_tokens`` when
     the stream carries it, else ``max_tokens`` on ``finish_reason == "length"``, else the
     number of chunks with text. An error is recorded, not raised."""
-    result = Timed(prompt, time.perf_counter())
-    first = last = None
-    texts: list[str] = []
-    usage = None
+    result, first, last = Timed(prompt, time.perf_counter()), None, None
+    texts, usage = [], None
     try:
         for text, finish, completion_tokens in chunks():
             now = time.perf_counter()
@@ -210,8 +202,7 @@ def timed_stream(prompt: str, max_tokens: int, chunks: Callable[[], Iterable[Chu
             usage = completion_tokens if completion_tokens is not None else usage
     except Exception as exc:  # one failed stream must not hide the others
         result.error = f"{type(exc).__name__}: {exc}"
-    result.total_s = time.perf_counter() - result.t_call
-    result.text = "".join(texts)
+    result.total_s, result.text = time.perf_counter() - result.t_call, "".join(texts)
     if usage is not None:
         result.tokens, result.token_source = usage, "usage"
     elif result.finish_reason == "length":

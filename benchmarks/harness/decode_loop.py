@@ -36,8 +36,7 @@ class DecodeLoop:
             _LOG_CALLBACK = lib.llama_log_callback(lambda _level, _text, _data: None)
         lib.llama_log_set(_LOG_CALLBACK, None)
         lib.llama_backend_init()
-        self.lib, self.threads, self.ctx_size = lib, threads, ctx_size
-        self.contexts: dict[int, Any] = {}
+        self.lib, self.threads, self.ctx_size, self.contexts = lib, threads, ctx_size, {}
         self.model = lib.llama_model_load_from_file(str(model).encode(), lib.llama_model_default_params())
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {model}")
@@ -75,8 +74,7 @@ class DecodeLoop:
         return list(tokens[:n])
 
     def text(self, tokens: Sequence[int]) -> str:
-        buffer = ctypes.create_string_buffer(256)
-        pieces = []
+        buffer, pieces = ctypes.create_string_buffer(256), []
         for token in tokens:
             n = self.lib.llama_token_to_piece(self.vocab, token, buffer, 256, 0, False)
             pieces.append(buffer.raw[:n])
@@ -90,8 +88,7 @@ class DecodeLoop:
         Returns the times (``ttft_s`` per sequence from the start of the prefills,
         ``loop_s`` of the decode loop), the tokens, and CPU % (this process, everything
         else) over the loop."""
-        lib, batch, n = self.lib, self.batch, len(prompts)
-        ctx = self.context(prompts)
+        lib, batch, n, ctx = self.lib, self.batch, len(prompts), self.context(prompts)
         lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
         chains = [lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params()) for _ in prompts]
         for chain in chains:
@@ -99,8 +96,7 @@ class DecodeLoop:
         try:
             prompt_tokens = [self.tokenize(p) for p in prompts]
             outputs: list[list[int]] = []
-            ttft = []
-            t_start = time.perf_counter()
+            ttft, t_start = [], time.perf_counter()
             for seq, tokens in enumerate(prompt_tokens):
                 for start in range(0, len(tokens), N_BATCH):
                     chunk = tokens[start : start + N_BATCH]
@@ -131,14 +127,8 @@ class DecodeLoop:
             for chain in chains:
                 lib.llama_sampler_free(chain)
         loop_s = t_end - t_loop
-        return {
-            "ttft_s": ttft,
-            "loop_s": loop_s,
-            "total_s": t_end - t_start,
-            "tokens": outputs,
-            "cpu_pct": 100.0 * own / loop_s,
-            "other_cpu_pct": max(0.0, 100.0 * (busy - own) / loop_s),
-        }
+        out = {"ttft_s": ttft, "loop_s": loop_s, "total_s": t_end - t_start, "tokens": outputs}
+        return out | {"cpu_pct": 100 * own / loop_s, "other_cpu_pct": max(0.0, 100 * (busy - own) / loop_s)}
 
     def _decode(self, ctx: Any) -> None:
         if (result := self.lib.llama_decode(ctx, self.batch)) != 0:

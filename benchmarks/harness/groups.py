@@ -50,17 +50,13 @@ def prompts_for(n: int, prompts: list[str]) -> list[str]:
 
 def one(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> Stream:
     payload = body(prompt, max_tokens, stream_options={"include_usage": True})
-    timed = timed_stream(prompt, max_tokens, lambda: sse_chunks(client, url, payload))
-    return Stream(**asdict(timed))
+    return Stream(**asdict(timed_stream(prompt, max_tokens, lambda: sse_chunks(client, url, payload))))
 
 
-def run_group(
-    name: str, url: str, pids: list[int], prompts: list[str], rep: int, args: Any
-) -> tuple[Group, Any]:
+def run_group(name: str, url: str, pids: list[int], prompts: list[str], rep: int, args: Any) -> Any:
     """``len(prompts)`` streams at once: one thread and ``httpx.Client`` each, released by a barrier."""
     n, barrier = len(prompts), threading.Barrier(len(prompts) + 1)
-    streams: list[Stream | None] = [None] * n
-    timeout = httpx.Timeout(10.0, read=args.request_timeout)
+    streams, timeout = [None] * n, httpx.Timeout(10.0, read=args.request_timeout)
 
     def worker(i: int) -> None:
         with httpx.Client(timeout=timeout) as client:
@@ -77,8 +73,7 @@ def run_group(
         for thread in threads:
             while thread.is_alive() and time.monotonic() < give_up:
                 thread.join(timeout=0.5)  # short joins: Ctrl-C gets through
-    after = cpu_split(pids)
-    done = [s for s in streams if s is not None]
+    after, done = cpu_split(pids), [s for s in streams if s is not None]
     if len(done) < n:
         raise RuntimeError(f"{name}: N={n}: {n - len(done)} stream(s) did not finish")
     t0 = min(s.t_call for s in done)
@@ -89,14 +84,13 @@ def run_group(
     tokens = sum(s.tokens for s in done if s.error is None)
     cpu = [100.0 * (a - b) / wall for a, b in zip(after, before, strict=True)]
     threads_seen = statistics.mean(sampler.counts), max(sampler.counts)
-    return Group(
-        name, n, rep, wall, tokens, tokens / wall, cpu[0], cpu[1], max(0.0, cpu[2]), *threads_seen
-    ), done
+    cpu[2] = max(0.0, cpu[2])
+    return Group(name, n, rep, wall, tokens, tokens / wall, *cpu, *threads_seen), done
 
 
 def measure(name: str, url: str, pids: list[int], args: argparse.Namespace) -> tuple[list[Group], list[Any]]:
     """A warm-up, every prompt solo (the reference text), then ``--reps`` rounds over ``--streams``."""
-    streams: list[Stream] = []
+    streams, groups = [], []
     with httpx.Client(timeout=httpx.Timeout(10.0, read=args.request_timeout)) as client:
         if (warm := one(client, url, args.prompts[0], 8)).error:
             raise RuntimeError(f"{name}: warm-up failed: {warm.error}")
@@ -104,7 +98,6 @@ def measure(name: str, url: str, pids: list[int], args: argparse.Namespace) -> t
             streams.append(solo := one(client, url, prompt, args.max_tokens))
             solo.contestant, solo.group, solo.index = name, "solo", i
             log(f"{name:<22} solo {describe(solo)}")
-    groups = []
     for rep in range(args.reps):
         for n in args.streams:
             group, mine = run_group(name, url, pids, prompts_for(n, args.prompts), rep, args)
@@ -139,27 +132,15 @@ def summarize(groups: list[Group], streams: list[Stream], ceiling: str | None = 
         gs = [g for g in groups if (g.contestant, g.n) == (name, n)]
         ss = [s for s in streams if s.contestant == name and s.group == f"N={n}"]
         ok = [s for s in ss if s.error is None]
-        base, top = totals.get((name, 1)), totals.get((ceiling or "", n))
-        total = totals[name, n]
-        rows.append(
-            {
-                "contestant": name,
-                "n": n,
-                "total_tps": total,
-                "total_tps_reps": [g.total_tps for g in gs],
-                "vs_n1": total / base if base else None,
-                "vs_ceiling": total / top if top else None,
-                "decode_tps": [s.decode_tps for s in ok],
-                "ttft_ms": [s.ttft_ms for s in ok],
-                "equal_solo": [sum(s.rep == g.rep and s.matches_solo is True for s in ss) for g in gs],
-                "server_cpu_pct": median(g.server_cpu_pct for g in gs),
-                "client_cpu_pct": median(g.client_cpu_pct for g in gs),
-                "other_cpu_pct_max": max(g.other_cpu_pct for g in gs),
-                "runnable": f"{statistics.mean(g.runnable_mean for g in gs):.1f} "
-                f"(max {max(g.runnable_max for g in gs)})",
-                "errors": len(ss) - len(ok),
-            }
-        )
+        base, top, total = totals.get((name, 1)), totals.get((ceiling or "", n)), totals[name, n]
+        row = {"contestant": name, "n": n, "total_tps": total, "total_tps_reps": [g.total_tps for g in gs]}
+        row.update(vs_n1=total / base if base else None, vs_ceiling=total / top if top else None)
+        row.update(decode_tps=[s.decode_tps for s in ok], ttft_ms=[s.ttft_ms for s in ok])
+        row["equal_solo"] = [sum(s.rep == g.rep and s.matches_solo is True for s in ss) for g in gs]
+        row.update({k: median(getattr(g, k) for g in gs) for k in ("server_cpu_pct", "client_cpu_pct")})
+        row["other_cpu_pct_max"] = max(g.other_cpu_pct for g in gs)
+        mean, most = statistics.mean(g.runnable_mean for g in gs), max(g.runnable_max for g in gs)
+        rows.append(row | {"runnable": f"{mean:.1f} (max {most})", "errors": len(ss) - len(ok)})
     return rows
 
 
@@ -174,10 +155,7 @@ def summary_table(rows: list[dict[str, Any]], labels: dict[str, str], ceiling: s
     columns += [(f"÷ {ceiling}", lambda r: ratio(r["vs_ceiling"]))] if ceiling else []
     columns += [("decode tok/s per stream", lambda r: spread(r["decode_tps"]))]
     columns += [("TTFT ms", lambda r: spread(r["ttft_ms"], ".0f")), ("= solo", equal)]
-    columns += [
-        (f"{k.split('_')[0]} CPU %", lambda r, k=k: f"{r[k]:.0f}")
-        for k in ("server_cpu_pct", "client_cpu_pct")
-    ]
+    columns += [(f"{k} CPU %", lambda r, k=k: f"{r[f'{k}_cpu_pct']:.0f}") for k in ("server", "client")]
     columns += [("runnable threads", lambda r: r["runnable"]), ("errors", lambda r: str(r["errors"]))]
     return rows_table(rows, columns)
 
@@ -188,11 +166,10 @@ def streams_table(streams: list[Stream], solo: bool) -> str:
 
 
 def notes(groups: list[Group], streams: list[Stream], other_load_warn: float) -> list[str]:
-    out = [
-        f"{g.contestant} N={g.n} rep {g.rep}: other processes used {g.other_cpu_pct:.0f} % of a core: rerun"
-        for g in groups
-        if g.other_cpu_pct > other_load_warn
-    ]
+    out = []
+    for g in (g for g in groups if g.other_cpu_pct > other_load_warn):
+        share = f"other processes used {g.other_cpu_pct:.0f} % of a core: rerun"
+        out.append(f"{g.contestant} N={g.n} rep {g.rep}: {share}")
     solo = {(s.contestant, s.prompt): s.text for s in streams if s.group == "solo"}
     for s in streams:
         where = f"{s.contestant} {s.group} rep {s.rep} #{s.index} {s.prompt!r}"

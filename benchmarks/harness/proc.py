@@ -96,9 +96,8 @@ def fd_targets(pid: int) -> list[str]:
     for fd in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(FileNotFoundError):  # closed meanwhile
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            targets.append(
-                f"{target} {states.get(target, 'GONE')}" if target.startswith("socket:") else target
-            )
+            state = f" {states.get(target, 'GONE')}" if target.startswith("socket:") else ""
+            targets.append(target + state)
     return targets
 
 
@@ -115,8 +114,7 @@ def tcp_tx_queue(local_port: int, remote_port: int) -> int | None:
 
 def unread_bytes(sock: socket.socket) -> int:
     """Bytes in a socket's kernel receive queue, not yet read (``FIONREAD``)."""
-    value: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
-    return value
+    return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0])
 
 
 @dataclass
@@ -155,8 +153,7 @@ class RunnableSampler:
 
     def __init__(self, pids: list[int], interval: float = 0.1) -> None:
         self.pids, self.interval, self.counts = pids, interval, [0]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._stop, self._thread = threading.Event(), threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         self.counts.clear()

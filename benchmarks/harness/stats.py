@@ -14,14 +14,12 @@ def clean(values: Iterable[float | None]) -> list[float]:
 
 
 def median(values: Iterable[float | None]) -> float:
-    kept = clean(values)
-    return statistics.median(kept) if kept else math.nan
+    return statistics.median(kept) if (kept := clean(values)) else math.nan
 
 
 def spread(values: Iterable[float | None], spec: str = ".1f") -> str:
     """``median (min–max)``; one value alone; ``—`` for none."""
-    kept = clean(values)
-    if not kept:
+    if not (kept := clean(values)):
         return "—"
     low, mid, high = min(kept), statistics.median(kept), max(kept)
     return f"{mid:{spec}}" if low == high else f"{mid:{spec}} ({low:{spec}}–{high:{spec}})"
@@ -36,12 +34,8 @@ def dist(values: list[float]) -> dict[str, float] | None:
     """n, p50, p99 (nearest rank) and max; ``None`` for no values."""
     if not values:
         return None
-    return {
-        "n": len(values),
-        "p50": nearest_rank(values, 0.5),
-        "p99": nearest_rank(values, 0.99),
-        "max": max(values),
-    }
+    p50, p99 = (nearest_rank(values, q) for q in (0.5, 0.99))
+    return {"n": len(values), "p50": p50, "p99": p99, "max": max(values)}
 
 
 def fmt(value: float | None, spec: str = ".1f", none: str = "—") -> str:
