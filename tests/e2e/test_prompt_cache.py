@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 
@@ -231,6 +232,11 @@ async def test_cached_tokens_reach_the_openai_sdk_the_metrics_and_health(llama_s
     assert cache["tokens"] >= cached
     assert cache["kv_bytes"] > 0
     assert f"trioserve_prompt_tokens_cached_total {float(2 * cached)}" in metrics
+    budget = re.search(r"^trioserve_prompt_cache_ram_budget_bytes (\S+)$", metrics, re.M)
+    assert budget is not None
+    assert float(budget.group(1)) == cache["ram"]["budget_bytes"]
+    for name in ("ram_bytes", "saves_total", "restores_total", "evictions_total", "idle_chunks_total"):
+        assert f"\ntrioserve_prompt_cache_{name} " in metrics
 
     body = {"prompt": prompt, "max_tokens": 2, "cache_prompt": False}
     async with llama_server.client() as http:

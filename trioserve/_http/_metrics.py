@@ -7,12 +7,15 @@ observed once per request, and the gauges are read from the engine only when
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from .._core._backend import Backend
     from .._core._engine import Engine
 
 __all__ = ["CANCEL_CAUSES", "END_CAUSES", "Metrics"]
@@ -163,6 +166,43 @@ class Metrics:
 
             self.prompt_cache_tokens.set_function(cache("tokens"))
             self.prompt_cache_bytes.set_function(cache("kv_bytes"))
+            self.registry.register(_HostCacheCollector(backend))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _HostCacheCollector(Collector):
+    """The prompt cache's host-memory tier and idle recompute, read at scrape time:
+    bytes held (a gauge) and the saves, restores, evictions and recomputed chunks since
+    start (counters)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # (collected on demand only: no describe-time backend call)
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._backend.stats()
+        cache = stats.get("cache") if stats else None
+        if not isinstance(cache, dict):
+            return
+        ram, idle = cache["ram"], cache["idle_recompute"]
+        yield GaugeMetricFamily(
+            "trioserve_prompt_cache_ram_bytes",
+            "llama backend: bytes of prompt prefixes kept in host memory (--cache-ram).",
+            value=ram["bytes"],
+        )
+        yield GaugeMetricFamily(
+            "trioserve_prompt_cache_ram_budget_bytes",
+            "llama backend: --cache-ram, in bytes.",
+            value=ram["budget_bytes"],
+        )
+        for name, value, text in (
+            ("trioserve_prompt_cache_saves", ram["saves"], "prefixes saved from KV cells to host memory"),
+            ("trioserve_prompt_cache_restores", ram["restores"], "prefixes restored from host memory"),
+            ("trioserve_prompt_cache_evictions", ram["evictions"], "prefixes dropped from host memory"),
+            ("trioserve_prompt_cache_idle_chunks", idle["chunks"], "reply chunks recomputed while idle"),
+        ):
+            yield CounterMetricFamily(name, f"llama backend: {text}.", value=value)
