@@ -41,6 +41,7 @@ OPTIONS: list[tuple[str, Any, Any, str]] = [  # flag, type, default, help
     ("--linger", float, 90.0, "more seconds for sockets closed by the client only (default: 90; 0: report)"),
     ("--max-rss-growth-mib", float, None, "RSS growth allowed (default: 64 scripted, 160 model)"),
     ("--log-file", Path, None, "keep the server's log here (default: a temporary file)"),
+    ("--cache-ram", int, None, "server --cache-ram MiB with a model (default: the server's, 1024)"),
 ]
 
 
@@ -168,6 +169,8 @@ def report(result: dict[str, Any], args: Any) -> None:
     print(f"log: {logged}/{len(records)} requests with exactly one line; causes {result['log_causes']}")
     print(f"metrics trioserve_stream_ends_total: {dict(sorted(result['stream_ends_total'].items()))}")
     print(f"server exit code after SIGTERM: {result['exit_code']}\n")
+    if result["cache"]:  # figures: conversations, cuts, /health ram (max vs budget), exactness, the end
+        print(f"prompt cache: { {k: v for k, v in result['cache'].items() if k != 'end'} }\n")
     for warning in result["warnings"]:
         print(f"warning: {warning}")
     problems = result["problems"]

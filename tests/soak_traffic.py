@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import random
@@ -39,7 +40,7 @@ import trio
 from benchmarks.harness import proc
 from benchmarks.harness.servers import TRIOSERVE, Server, free_port, trioserve_command
 
-KINDS = ("normal", "disconnect", "deadline", "bad", "overload", "slow")
+KINDS = ("normal", "disconnect", "deadline", "bad", "overload", "slow", "conversation", "interleaved")
 #: relative weights per job (an ``overload`` job is a burst of many requests)
 DEFAULT_MIX = {
     "normal": 50.0,
@@ -48,6 +49,8 @@ DEFAULT_MIX = {
     "bad": 12.0,
     "overload": 0.6,
     "slow": 5.0,
+    "conversation": 6.0,  # one conversation of 2-6 turns, back to back
+    "interleaved": 1.5,  # slots + 1 conversations, turn by turn: each resume finds its cells taken
 }
 HEALTH_GAUGES = ("slots_in_use", "queued", "active_streams", "generations_running", "requests_in_flight")
 PROMPTS = (
@@ -67,6 +70,18 @@ REQUEST_LINE = re.compile(
 )
 FINISH_REASON = re.compile(rb'"finish_reason":\s*"(\w+)"')
 STATUS_LINE = re.compile(rb"HTTP/1\.[01] (\d{3})")
+#: words of the conversations' text (each a token or so)
+WORDS = (  # noqa: SIM905
+    "the river city house light stone winter garden market road music paper story "
+    "island window forest morning evening friend teacher letter mountain harbor bridge lamp field "
+    "quiet old small bright long warm cold green blue early late slow careful"
+).split()
+#: RSS growth allowed beyond the host-memory tier's budget: measured 50 MiB beyond the bytes
+#: the tier held at the end (4 slots, 64 MiB: ~16 MiB as without conversations, the rest
+#: freed states the allocator keeps; RSS after = peak), docs/benchmarks.md "Soak"
+RSS_SLACK_MIB = 80.0
+#: the exactness check after the traffic: turns per conversation (slots + 1 conversations)
+EXACT_TURNS = 3
 
 
 # ---------------------------------------------------------------------- configuration
@@ -94,6 +109,8 @@ class SoakConfig:
     ready_timeout: float = 180.0
     log_file: Path | None = None
     oversized_headers: bool = False
+    cache_ram: int | None = None  # server --cache-ram MiB (None: the server's default)
+    exact_check: bool = True  # after the traffic: cached turns equal cache_prompt false reruns
     verbose: bool = True
 
 
@@ -117,12 +134,30 @@ class Profile:
     disconnect_delay_max: float  # seconds
     request_timeout: float  # the client gives up on one request after this long
     natural: frozenset[str]  # how a generation can end on its own
+    first_words: tuple[int, int]  # a conversation's first text (after its unique prefix)
+    more_words: tuple[int, int]  # each later turn's new text
+    prefill_cut_max: float  # seconds after the headers at most, for a cut before the reply
 
     @classmethod
     def of(cls, scripted: bool) -> Profile:
         if scripted:  # the default script never ends: only max_tokens stops it
-            return cls(32, 3000, 4000, 40, (0.05, 0.5), 0.3, 60.0, frozenset({"length"}))
-        return cls(16, 400, 2000, 8, (0.1, 0.8), 1.0, 180.0, frozenset({"stop", "length"}))
+            # (the scripted backend's tokens are bytes: 4096 of context)
+            return cls(
+                32, 3000, 4000, 40, (0.05, 0.5), 0.3, 60.0, frozenset({"length"}), (20, 60), (5, 30), 0.05
+            )
+        return cls(
+            16,
+            400,
+            2000,
+            8,
+            (0.1, 0.8),
+            1.0,
+            180.0,
+            frozenset({"stop", "length"}),
+            (140, 260),
+            (30, 120),
+            0.8,
+        )
 
 
 # ---------------------------------------------------------------------- records
@@ -151,7 +186,19 @@ class Job:
     index: int
     kind: str
     size: int  # requests in the job (a burst has many)
+    turns: tuple[int, ...] = ()  # conversation kinds: turns of each conversation
     records: list[Record] = field(default_factory=list)
+
+
+def conversation_turns(rng: random.Random, kind: str, slots: int, left: int) -> tuple[int, ...]:
+    """Turns (2-6) of each conversation of a job, at most ``left`` in all."""
+    turns = [rng.randint(2, 6) for _ in range(1 if kind == "conversation" else slots + 1)]
+    i = 0
+    while sum(turns) > left:  # (the plan stops at cfg.requests exactly)
+        if turns[i % len(turns)] > 2:
+            turns[i % len(turns)] -= 1
+        i += 1
+    return tuple(turns)
 
 
 def make_plan(cfg: SoakConfig) -> list[Job]:
@@ -171,11 +218,17 @@ def make_plan(cfg: SoakConfig) -> list[Job]:
             if weight > 0
             and not (kind == "slow" and slow >= cfg.max_slow)
             and not (kind == "overload" and left < burst_base + 4)
+            and not (kind == "conversation" and left < 2)
+            and not (kind == "interleaved" and left < 2 * (cfg.slots + 1))
         }
         kind = rng.choices(list(weights), list(weights.values()))[0] if weights else "normal"
         size = burst_base + rng.randint(0, 4) if kind == "overload" else 1
+        turns = (
+            conversation_turns(rng, kind, cfg.slots, left) if kind in ("conversation", "interleaved") else ()
+        )
+        size = sum(turns) or size
         slow += kind == "slow"
-        jobs.append(Job(len(jobs), kind, size))
+        jobs.append(Job(len(jobs), kind, size, turns))
         planned += size
     return jobs
 
@@ -258,6 +311,8 @@ def server_options(cfg: SoakConfig) -> list[str]:
     options = ["--log-level", "info", "--slots", str(cfg.slots), "--max-queue", str(cfg.max_queue)]
     options += ["--stall-timeout", str(cfg.stall_timeout), "--max-body-bytes", str(MAX_BODY_BYTES)]
     options += ["--shutdown-grace", "5"]
+    if cfg.cache_ram is not None and not cfg.scripted:
+        options += ["--cache-ram", str(cfg.cache_ram)]
     if cfg.scripted:
         return [*options, "--scripted", "--scripted-interval", str(cfg.scripted_interval)]
     return [*options, "--threads", str(cfg.threads), *(["--model", str(cfg.model)] if cfg.model else [])]
@@ -423,6 +478,9 @@ class Traffic:
         self.bad_inputs = bad_cases(cfg.oversized_headers)
         self.records: list[Record] = []
         self.slow_gate = trio.Semaphore(1)  # one slow reader at a time
+        self.chunk: int | None = None  # the prompt cache's chunk (None: no prompt cache)
+        #: the exactness check: (conversation, turn, cached tokens, text equal to the rerun's)
+        self.exact_turns: list[tuple[str, int, int, bool]] = []
 
     def expect(self, *causes: str, natural: bool = False) -> list[str]:
         allowed = {"overloaded", *causes}  # any request may meet a full queue
@@ -644,6 +702,211 @@ class Traffic:
         if conn.status == 429:
             record.finish = "overloaded"
 
+    # -- conversations: httpx, and a raw socket for a turn the client cuts
+
+    async def conversation(self, job: Job, rng: random.Random) -> None:
+        await self.interleaved(job, rng)
+
+    async def interleaved(self, job: Job, rng: random.Random) -> None:
+        """The job's conversations turn by turn (one after another when there is one):
+        with slots + 1 of them, each resume finds its cells taken by the others, so
+        its prefix comes back from host memory, or is evaluated again."""
+        convs = [
+            Conversation.start(f"soak{self.cfg.seed}-c{job.index}-{i}", rng, self.profile)
+            for i in range(len(job.turns))
+        ]
+        order = [(c, t) for t in range(max(job.turns)) for c in range(len(convs)) if t < job.turns[c]]
+        for sub, (c, t) in enumerate(order):
+            await self.turn(job, sub, convs[c], t, rng)
+
+    async def turn(self, job: Job, sub: int, conv: Conversation, index: int, rng: random.Random) -> None:
+        """One turn: maybe cut (mid-prefill: within a random time after the headers and
+        before the first token; mid-decode: after a random number of tokens), maybe with
+        ``cache_prompt: false``; the next turn extends the prompt with what came back."""
+        max_tokens = rng.randint(2, self.profile.normal_max_tokens)
+        cut = rng.choices(["none", "prefill", "decode"], [0.64, 0.18, 0.18])[0]
+        stream = cut != "none" or rng.random() < 0.5
+        cache = rng.random() >= 0.15
+        variant = f"{'chat' if conv.chat else 'text'}-{'stream' if stream else 'json'}"
+        variant += ("" if cut == "none" else f"-cut-{cut}") + ("" if cache else "-nocache")
+        expected = self.expect(*(["disconnect"] if cut != "none" else []), natural=True)
+        record = self.new(job, sub, variant, expected)
+        record.note = f"{conv.tag} turn {index + 1}"
+        body = conv.body(max_tokens=max_tokens, stream=stream, temperature=rng.choice([0.0, 0.0, 0.7]))
+        if not cache:
+            body["cache_prompt"] = False
+        if cut == "none":
+            reply, usage = await self.full_turn(record, conv.path, body)
+        else:
+            target = rng.randint(1, max_tokens - 1) if cut == "decode" else 0
+            reply, usage = await self.cut_turn(record, conv.path, body, target, rng)
+        self.check_usage(record, usage, cache)
+        conv.extend(reply, words(rng, self.profile.more_words))
+
+    async def full_turn(
+        self, record: Record, path: str, body: dict[str, Any]
+    ) -> tuple[str, dict[str, Any] | None]:
+        if body["stream"]:
+            body["stream_options"] = {"include_usage": True}
+        data = await self.exchange(record, "POST", path, json=body)
+        self.check_response(record, data, body["stream"], {200})
+        if record.status != 200 or record.problem:
+            return "", None
+        if body["stream"]:
+            parts, usage = parse_sse(data.decode(errors="replace").splitlines())
+            return "".join(parts), usage
+        response = json.loads(data)
+        choice = response["choices"][0]
+        return (choice["message"]["content"] if "message" in choice else choice["text"]), response.get(
+            "usage"
+        )
+
+    async def cut_turn(
+        self, record: Record, path: str, body: dict[str, Any], target: int, rng: random.Random
+    ) -> tuple[str, None]:
+        """A streamed turn the client closes (a raw socket, FIN): after ``target``
+        tokens, or (``target`` 0) before the first one, within a random time after the
+        headers. A reply that ends first is read to its end."""
+        window = rng.uniform(0, self.profile.prefill_cut_max) if target == 0 else math.inf
+
+        def enough(data: bytes) -> bool:
+            lines = sse_lines(data)
+            if ended(data) or (lines and finish_reason("\n".join(lines).encode())):
+                return ended(data)  # (a reply that has ended is read to its [DONE])
+            return len(parse_sse(lines)[0]) >= max(target, 1)
+
+        conn = await RawConnection.open(self.url)
+        try:
+            await conn.send(RawConnection.request_bytes(path, json.dumps(body).encode(), record.id))
+            await conn.read_until(lambda data: STATUS_LINE.match(data) is not None)
+            with trio.move_on_after(window):
+                await conn.read_until(enough)
+            if conn.status not in (None, 200):
+                await conn.read_until(complete)
+        finally:
+            conn.close()
+        record.status = conn.status
+        if conn.status != 200:
+            self.check_response(record, conn.received.partition(b"\r\n\r\n")[2], False, {200})
+            return "", None
+        lines = sse_lines(conn.received)
+        parts, _ = parse_sse(lines)
+        cut = "data: [DONE]" not in lines
+        record.note += f", cut after {len(parts)} token event(s)" if cut else ", ended before the cut"
+        record.finish = None if cut else finish_reason("\n".join(lines).encode())
+        return "".join(parts), None
+
+    def check_usage(self, record: Record, usage: dict[str, Any] | None, cache: bool) -> None:
+        """With a prompt cache: what a turn reused is whole chunks, short of its prompt,
+        and nothing with ``cache_prompt: false``."""
+        details = (usage or {}).get("prompt_tokens_details") or {}
+        if self.chunk is None or record.problem or "cached_tokens" not in details:
+            return
+        cached, prompt_tokens = details["cached_tokens"], usage["prompt_tokens"]  # type: ignore[index]
+        if cached % self.chunk or cached >= prompt_tokens or (cached and not cache):
+            record.problem = (
+                f"cached_tokens {cached} of {prompt_tokens} (chunk {self.chunk}, cache_prompt {cache})"
+            )
+
+    async def exact(self, job: Job, rng: random.Random) -> None:
+        """The exactness check, alone on the server after the traffic: slots + 1
+        greedy conversations turn by turn (each resume from host memory or evaluated
+        again), each turn's text compared with its rerun with ``cache_prompt: false``
+        (a fresh server's answer: nothing reused, nothing left)."""
+        convs = [
+            Conversation.start(f"soak{self.cfg.seed}-exact-{i}", rng, self.profile)
+            for i in range(len(job.turns))
+        ]
+        sub = 0
+        for t in range(EXACT_TURNS):
+            for conv in convs:
+                stream = rng.random() < 0.5
+                body = conv.body(max_tokens=self.profile.normal_max_tokens, stream=stream, temperature=0.0)
+                record = self.new(
+                    job, sub, f"{'chat' if conv.chat else 'text'}-cached", self.expect(natural=True)
+                )
+                reference = self.new(
+                    job, sub + 1, f"{'chat' if conv.chat else 'text'}-rerun", self.expect(natural=True)
+                )
+                record.note = reference.note = f"{conv.tag} turn {t + 1}"
+                sub += 2
+                text, usage = await self.full_turn(record, conv.path, dict(body))
+                again, _ = await self.full_turn(reference, conv.path, {**body, "cache_prompt": False})
+                self.check_usage(record, usage, True)
+                if record.status == reference.status == 200 and not (record.problem or reference.problem):
+                    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                    self.exact_turns.append((conv.tag, t + 1, cached, text == again))
+                    if text != again:
+                        record.problem = f"text {text!r} differs from its cache_prompt false rerun {again!r}"
+                conv.extend(text, words(rng, self.profile.more_words))
+
+
+def words(rng: random.Random, count: tuple[int, int]) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(*count))) + "."
+
+
+def sse_lines(data: bytes) -> list[str]:
+    """The whole lines of a chunked response's body so far (after its head)."""
+    rest, body = data.partition(b"\r\n\r\n")[2], b""
+    while (size_end := rest.find(b"\r\n")) > 0:
+        size = int(rest[:size_end], 16)
+        if not size or len(rest) < size_end + 2 + size:
+            break
+        body += rest[size_end + 2 : size_end + 2 + size]
+        rest = rest[size_end + 4 + size :]
+    return body.decode(errors="replace").split("\n")[:-1]
+
+
+def parse_sse(lines: list[str]) -> tuple[list[str], dict[str, Any] | None]:
+    """The text pieces (completions' ``text``, chat's ``delta.content``) and the usage
+    of an SSE stream's ``data:`` lines."""
+    parts: list[str] = []
+    usage = None
+    for line in lines:
+        if not line.startswith("data: {"):
+            continue
+        event = json.loads(line[6:])
+        usage = event.get("usage") or usage
+        for choice in event.get("choices") or []:
+            piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+            if piece:
+                parts.append(piece)
+    return parts, usage
+
+
+@dataclass
+class Conversation:
+    """A conversation's prompt (completions) or messages (chat), grown turn by turn;
+    its tag, first, makes its prefix unique."""
+
+    tag: str
+    chat: bool
+    prompt: str = ""
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, tag: str, rng: random.Random, profile: Profile) -> Conversation:
+        conv = cls(tag, rng.random() < 0.5)
+        conv.extend("", f"[{tag}] {words(rng, profile.first_words)}")
+        return conv
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+    def extend(self, reply: str, text: str) -> None:
+        if not self.chat:
+            self.prompt += f"{reply}\n{text}\n"
+        elif reply:
+            self.messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": text}]
+        elif self.messages:  # (no reply: the roles must alternate)
+            self.messages[-1] = {"role": "user", "content": f"{self.messages[-1]['content']} {text}"}
+        else:
+            self.messages.append({"role": "user", "content": text})
+
+    def body(self, **fields: Any) -> dict[str, Any]:
+        return {"messages": list(self.messages), **fields} if self.chat else {"prompt": self.prompt, **fields}
+
 
 # ---------------------------------------------------------------------- checks
 
@@ -675,6 +938,7 @@ class Result:
     traffic_seconds: float
     total_seconds: float
     linger: Linger = field(default_factory=Linger)
+    cache: dict[str, Any] = field(default_factory=dict)  # the prompt cache's figures (a model only)
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -716,6 +980,7 @@ class Result:
                 "growth": self.rss_growth_mib,
             },
             "health": self.health,
+            "cache": self.cache,
             "stream_ends_total": self.stream_ends,
             "log_causes": self.log_causes,
             "error_lines": self.error_lines,
@@ -794,6 +1059,75 @@ async def scrape_stream_ends(client: httpx.AsyncClient) -> tuple[dict[str, float
     return ends, requests
 
 
+@dataclass
+class CacheWatch:
+    """``/health``'s ``batch.cache``, sampled during the run: the host-memory tier
+    must never hold more than its budget."""
+
+    samples: int = 0
+    max_ram_bytes: int = 0
+    budget_bytes: int = 0
+    over_budget: list[tuple[int, int]] = field(default_factory=list)  # (bytes, budget)
+
+    def sample(self, health: dict[str, Any]) -> None:
+        ram = health.get("batch", {}).get("cache", {}).get("ram")
+        if not ram:
+            return
+        self.samples += 1
+        self.max_ram_bytes = max(self.max_ram_bytes, ram["bytes"])
+        self.budget_bytes = ram["budget_bytes"]
+        if ram["bytes"] > ram["budget_bytes"]:
+            self.over_budget.append((ram["bytes"], ram["budget_bytes"]))
+
+    def rss_bound_mib(self) -> float:
+        return self.budget_bytes / 2**20 + RSS_SLACK_MIB
+
+    def problems(self, health: dict[str, Any], rss_growth_mib: float) -> list[str]:
+        found = []
+        if self.over_budget:
+            found.append(
+                f"/health ram bytes over budget in {len(self.over_budget)} sample(s): {self.over_budget[:3]}"
+            )
+        if not self.samples:
+            found.append("no /health sample of batch.cache.ram")
+        if None in health.get("batch", {}).get("cache", {}).get("sequences", [None]):
+            found.append(
+                f"a sequence still runs a request at the end: {health['batch']['cache']['sequences']}"
+            )
+        if rss_growth_mib > self.rss_bound_mib():
+            found.append(
+                f"RSS grew {rss_growth_mib:.1f} MiB, more than the RAM budget + {RSS_SLACK_MIB:.0f} MiB "
+                f"({self.rss_bound_mib():.0f} MiB)"
+            )
+        return found
+
+    def summary(
+        self, plan: list[Job], traffic: Traffic, health: dict[str, Any], rss_growth_mib: float
+    ) -> dict[str, Any]:
+        turns = [r for r in traffic.records if r.kind in ("conversation", "interleaved")]
+        return {
+            "conversations": sum(len(job.turns) for job in plan),
+            "turns": len(turns),
+            "cuts": Counter(
+                r.variant.partition("-cut-")[2].partition("-")[0] for r in turns if "-cut-" in r.variant
+            ),
+            "cut_causes": Counter(r.cause for r in turns if "-cut-" in r.variant),
+            "no_cache_turns": sum(r.variant.endswith("-nocache") for r in turns),
+            "samples": self.samples,
+            "max_ram_bytes": self.max_ram_bytes,
+            "budget_bytes": self.budget_bytes,
+            "over_budget_samples": len(self.over_budget),
+            "rss_growth_mib": rss_growth_mib,
+            "rss_bound_mib": self.rss_bound_mib(),
+            "exact": {
+                "turns": len(traffic.exact_turns),
+                "equal": sum(equal for *_, equal in traffic.exact_turns),
+                "cached_tokens": [cached for _, _, cached, _ in traffic.exact_turns],
+            },
+            "end": health.get("batch", {}).get("cache", {}),
+        }
+
+
 # ---------------------------------------------------------------------- the run
 
 
@@ -813,12 +1147,14 @@ def resolved(cfg: SoakConfig) -> SoakConfig:
 
 
 async def wait_health_idle(client: httpx.AsyncClient, limit: float) -> dict[str, Any]:
-    """Poll ``/health`` until every gauge is 0 (or ``limit`` passes); return the last."""
+    """Poll ``/health`` until every gauge is 0 and no sequence runs a request (or
+    ``limit`` passes); return the last."""
     health: dict[str, Any] = {}
     with trio.move_on_after(limit):
         while True:
             health = (await client.get("/health")).json()
-            if all(health.get(gauge) == 0 for gauge in HEALTH_GAUGES):
+            sequences = health.get("batch", {}).get("cache", {}).get("sequences", [])
+            if all(health.get(gauge) == 0 for gauge in HEALTH_GAUGES) and None not in sequences:
                 break
             await trio.sleep(0.05)
     return health
@@ -863,6 +1199,15 @@ async def warm_up(cfg: SoakConfig, url: str, records: list[Record]) -> None:
             {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True},
         ),
     ]
+    if not cfg.scripted:
+        # Each sequence's KV cells as far as the longest conversation reaches (~1,200
+        # tokens), touched once here, so that RSS growth measures what the cache keeps
+        # (LRU: each request takes another sequence; cache_prompt false: none kept)
+        assert cfg.slots is not None
+        rng = random.Random(cfg.seed)
+        for i in range(cfg.slots):
+            prompt = f"[soak{cfg.seed}-warmup-{i}] {words(rng, (1400, 1400))}"
+            bodies.append(("/v1/completions", {"prompt": prompt, "max_tokens": 4, "cache_prompt": False}))
     async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
         for i, (path, body) in enumerate(bodies):
             record = Record(f"soak{cfg.seed}-warmup-{i}", "warmup", path, natural)
@@ -909,7 +1254,8 @@ async def _soak(cfg: SoakConfig, server: Server, plan: list[Job], started: float
     records: list[Record] = []
     await warm_up(cfg, server.url, records)
     async with httpx.AsyncClient(base_url=server.url, timeout=10.0) as client:
-        await wait_health_idle(client, 30.0)
+        cache = (await wait_health_idle(client, 30.0)).get("batch", {}).get("cache") or {}
+    chunk = cache["chunk"] if cache.get("enabled") else None  # (the scripted backend has none)
     # The baseline: the server has no connection open (the warm-up's are closed), and
     # Trio's idle worker threads have exited (after 10 s), with any thread they started
     # (llama.cpp's OpenMP workers belong to the thread that ran the decode), so that the
@@ -935,6 +1281,8 @@ async def _soak(cfg: SoakConfig, server: Server, plan: list[Job], started: float
     timeout = httpx.Timeout(30.0, read=Profile.of(cfg.scripted).request_timeout)
     async with httpx.AsyncClient(base_url=server.url, timeout=timeout, limits=limits) as client:
         traffic = Traffic(cfg, server.url, client, LogWatcher(server.log_path))
+        traffic.chunk = chunk
+        watch = CacheWatch()
         jobs = iter(plan)
         done = 0
         step = max(1, cfg.requests // 10)
@@ -957,19 +1305,39 @@ async def _soak(cfg: SoakConfig, server: Server, plan: list[Job], started: float
                     peak = max(peak, proc.rss_kib(server.pid) / 1024)
                     await trio.sleep(0.5)
 
-        sampler = trio.CancelScope()
+        async def sample_health(cancel: trio.CancelScope) -> None:
+            async with httpx.AsyncClient(base_url=server.url, timeout=10.0) as health_client:
+                with cancel:
+                    while True:
+                        watch.sample((await health_client.get("/health")).json())
+                        await trio.sleep(0.25)
+
+        samplers = [trio.CancelScope(), trio.CancelScope()]
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(sample_rss, sampler)
+            nursery.start_soon(sample_rss, samplers[0])
+            if chunk is not None:
+                nursery.start_soon(sample_health, samplers[1])
             async with trio.open_nursery() as workers:
                 for _ in range(cfg.concurrency):
                     workers.start_soon(worker)
-            sampler.cancel()
-    traffic_seconds = time.perf_counter() - traffic_started
+            traffic_seconds = time.perf_counter() - traffic_started
+            if chunk is not None and cfg.exact_check:
+                assert cfg.slots is not None
+                await wait_health_idle(client, 10.0 + 3 * cfg.stall_timeout)  # alone from here on
+                exact = Job(
+                    len(plan), "exact", 2 * EXACT_TURNS * (cfg.slots + 1), (EXACT_TURNS,) * (cfg.slots + 1)
+                )
+                log(cfg, f"exactness check: {exact.size} requests")
+                await traffic.run(exact)
+            for sampler in samplers:
+                sampler.cancel()
     records += traffic.records
     log(cfg, f"traffic done: {len(traffic.records)} requests in {traffic_seconds:.1f} s; checking")
 
     async with httpx.AsyncClient(base_url=server.url, timeout=10.0) as client:
         health = await wait_health_idle(client, 10.0 + 3 * cfg.stall_timeout)
+        if chunk is not None:
+            watch.sample(health)
     after, linger = await settle(server.pid, baseline, cfg.settle, cfg.linger)
     async with httpx.AsyncClient(base_url=server.url, timeout=10.0) as client:
         stream_ends, requests_total = await scrape_stream_ends(client)
@@ -1001,6 +1369,9 @@ async def _soak(cfg: SoakConfig, server: Server, plan: list[Job], started: float
         linger=linger,
     )
     problems = result.problems
+    if chunk is not None:
+        result.cache = watch.summary(plan, traffic, health, result.rss_growth_mib)
+        problems += watch.problems(health, result.rss_growth_mib)
     for name, leaked in result.leaks.items():
         if leaked and name != "peer_closed":
             problems.append(f"leak: {name} {leaked} (see 'after' in the result)")

@@ -1,6 +1,8 @@
 """A soak in CI: mixed traffic against ``trioserve serve`` — normal completions, clients
-that leave at random points, deadlines, bad input, overload bursts, slow readers — then
-proof that nothing leaked and that every request ended with a recorded cause.
+that leave at random points, deadlines, bad input, overload bursts, slow readers,
+multi-turn conversations cut at random points — then proof that nothing leaked, that
+every request ended with a recorded cause, and (on the model) that the prompt cache
+stayed within its host-memory budget and served exact texts.
 
 The traffic and checks are ``tests/soak_traffic.py``, with fewer requests than the
 benchmark (``benchmarks/soak.py``), which runs thousands and also waits for the sockets
@@ -26,7 +28,7 @@ def _plan_covers_every_kind(config: Any) -> None:
 
 def _assert_soak_was_clean(result: Any) -> None:
     assert not result.problems, "\n".join(result.problems)
-    sent = [r for r in result.records if r.kind != "warmup"]
+    sent = [r for r in result.records if r.kind not in ("warmup", "exact")]
     assert len(sent) == result.config["requests"]
     # every request: exactly one log line, with a cause, consistent with what the
     # client saw and with its kind (run_soak checks the details; these are the sums)
@@ -51,6 +53,33 @@ def _assert_soak_was_clean(result: Any) -> None:
     assert leaks["peer_closed"] == result.linger.peer_closed
     assert result.rss_growth_mib < result.config["max_rss_growth_mib"]
     assert result.exit_code == 0
+    turns = [r for r in sent if r.kind in ("conversation", "interleaved")]
+    cut = [r for r in turns if "-cut-" in r.variant]
+    assert turns
+    assert cut
+    assert any(r.variant.endswith("-nocache") for r in turns)
+    assert all(r.cause in ("disconnect", "stop", "length", "overloaded") for r in cut)
+    assert any(r.cause == "disconnect" for r in cut), [(r.variant, r.cause, r.note) for r in cut]
+
+
+def _assert_cache_was_bounded(result: Any) -> None:
+    """The host-memory tier: never over its budget (every /health sample and the end),
+    used (saves, restores, evictions); RSS within the budget + the slack; no sequence
+    left running; every checked turn equal to its ``cache_prompt: false`` rerun."""
+    cache = result.cache
+    end = cache["end"]
+    assert cache["samples"] > 10, cache
+    assert cache["over_budget_samples"] == 0, cache
+    assert cache["max_ram_bytes"] <= cache["budget_bytes"] == 16 * 2**20
+    assert end["ram"]["bytes"] <= end["ram"]["budget_bytes"]
+    for counter in ("saves", "restores", "evictions"):
+        assert end["ram"][counter] > 0, end
+    assert None not in end["sequences"], end
+    assert result.rss_growth_mib <= cache["rss_bound_mib"] == 16 + soak.RSS_SLACK_MIB
+    exact = cache["exact"]
+    assert exact["turns"] == soak.EXACT_TURNS * (result.config["slots"] + 1)
+    assert exact["equal"] == exact["turns"], [r.problem for r in result.records if r.kind == "exact"]
+    assert sum(exact["cached_tokens"]) > 0  # resumed turns were served from the cache
 
 
 async def test_scripted_soak_leaves_nothing_behind() -> None:
@@ -68,13 +97,15 @@ async def test_scripted_soak_leaves_nothing_behind() -> None:
     slow = [r for r in result.records if r.kind == "slow"]
     assert all(r.cause in ("stall", "overloaded") for r in slow), [(r.cause, r.note) for r in slow]
     assert result.traffic_seconds < 120
+    assert not result.cache  # (the scripted backend has no prompt cache)
 
 
 @pytest.mark.model
 async def test_model_soak_leaves_nothing_behind() -> None:
-    config = soak.SoakConfig(
-        scripted=False, requests=40, concurrency=3, seed=2, max_slow=1, linger=0, verbose=False
-    )
+    # 16 MiB of host memory: ~870 tokens of Gemma 3 270M's state, so the conversations'
+    # prefixes are saved, restored and evicted within 40 requests (5 conversations, 18 turns)
+    config = soak.SoakConfig(scripted=False, requests=40, concurrency=3, seed=178, max_slow=1, cache_ram=16)
+    config.linger, config.verbose = 0, False
     _plan_covers_every_kind(config)
     result = await soak.run_soak(config)
     _assert_soak_was_clean(result)
@@ -82,4 +113,5 @@ async def test_model_soak_leaves_nothing_behind() -> None:
     assert causes["stop"] + causes["length"] > 0, causes
     for cause in ("disconnect", "error", "overloaded"):
         assert causes[cause] > 0, causes
+    _assert_cache_was_bounded(result)
     assert result.traffic_seconds < 180
