@@ -106,15 +106,9 @@ def kinds_table(records: list[dict[str, Any]], by_variant: bool) -> str:
         groups.setdefault(key(r), []).append(r)
     rows = [["kind", "requests", "status (client)", "cause (server log)", "median s"]]
     for name, group in [*groups.items(), ("all", records)]:
-        median_s = f"{statistics.median(r['seconds'] for r in group):.3f}"
+        statuses, causes = counts([r["status"] for r in group]), counts([r["cause"] for r in group])
         rows.append(
-            [
-                name,
-                str(len(group)),
-                counts([r["status"] for r in group]),
-                counts([r["cause"] for r in group]),
-                median_s,
-            ]
+            [name, str(len(group)), statuses, causes, f"{statistics.median(r['seconds'] for r in group):.3f}"]
         )
     return table(rows)
 
