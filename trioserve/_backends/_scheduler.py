@@ -326,11 +326,9 @@ class _Scheduler:
         prompt = sequence.prompt
         # at least the last chunk (fast: token) is evaluated: its logits are needed
         limit = (len(prompt) - 1) // chunk * chunk if self.cache_enabled and sequence.cache_prompt else 0
-        best = max(
-            self._free_ids,
-            key=lambda i: (shared_chunks(self._cached[i], prompt, limit, chunk), -self._used_at[i]),
-        )
-        reused = shared_chunks(self._cached[best], prompt, limit, chunk)
+        shared = {i: shared_chunks(self._cached[i], prompt, limit, chunk) for i in self._free_ids}
+        best = max(self._free_ids, key=lambda i: (shared[i], -self._used_at[i]))
+        reused = shared[best]
         found = self.host.best(prompt, limit, chunk) if limit else None
         if found is not None and found[0] > reused:
             # host memory holds more of it: restore into the least recently used id
