@@ -14,8 +14,8 @@ from trioserve import HTTPSettings, ScriptedBackend
 from .._helpers import RunningServer, start_server, wait_for
 
 KEYS = ("sk-first-5b0f3c9e", "sk-second-77d1aa02")
-#: valid for both endpoints (each ignores the other's field)
-BODY = {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+#: valid for every endpoint (each ignores the others' fields)
+BODY = {"prompt": "x", "messages": [{"role": "user", "content": "x"}], "content": "x", "tokens": [120]}
 
 
 @pytest.fixture
@@ -30,7 +30,10 @@ async def keyed(nursery: trio.Nursery) -> RunningServer:
         ("POST", "/v1/completions"),
         ("POST", "/v1/chat/completions"),
         ("GET", "/v1/models"),
+        ("GET", "/v1/models/scripted"),
         ("GET", "/metrics"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
     ],
 )
 async def test_without_a_valid_key_the_api_answers_401(keyed: RunningServer, method: str, path: str) -> None:

@@ -20,6 +20,7 @@ from .._helpers import RunningServer, start_server
 J = {"content-type": "application/json"}
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
+TOK, DETOK = "/tokenize", "/detokenize"
 
 
 def user(content: object = "hi") -> dict[str, object]:
@@ -270,6 +271,70 @@ BAD_INPUTS: list[tuple[str, str, str, dict[str, Any], int, str | None, str]] = [
     ("wrong method on an endpoint", "GET", COMP, {}, 405, "method_not_allowed", "accepts POST only"),
     ("wrong method on /health", "DELETE", "/health", {}, 405, "method_not_allowed", "does not accept DELETE"),
     ("unknown path", "GET", "/v2/everything", {}, 404, "not_found", "no route for GET /v2/everything"),
+    (
+        "unknown model id",
+        "GET",
+        "/v1/models/gpt-4o",
+        {},
+        404,
+        "model_not_found",
+        "'gpt-4o' does not exist on this server; available: scripted",
+    ),
+    (
+        "tokenize: missing content",
+        "POST",
+        TOK,
+        {"json": {"text": "hi"}},
+        400,
+        None,
+        "missing required field `content`",
+    ),
+    (
+        "tokenize: content not a string",
+        "POST",
+        TOK,
+        {"json": {"content": 42}},
+        400,
+        None,
+        "Expected `str`, got `int`",
+    ),
+    (
+        "tokenize: a flag not a boolean",
+        "POST",
+        TOK,
+        {"json": {"content": "hi", "with_pieces": 1}},
+        400,
+        None,
+        "Expected `bool`, got `int`",
+    ),
+    ("detokenize: missing tokens", "POST", DETOK, {"json": {}}, 400, None, "missing required field `tokens`"),
+    (
+        "detokenize: a token id not a number",
+        "POST",
+        DETOK,
+        {"json": {"tokens": [104, "105"]}},
+        400,
+        None,
+        "Expected `int`, got `str`",
+    ),
+    (
+        "detokenize: a negative token id",
+        "POST",
+        DETOK,
+        {"json": {"tokens": [-1]}},
+        400,
+        None,
+        "Expected `int` >= 0",
+    ),
+    (
+        "detokenize: a token id past the vocabulary",
+        "POST",
+        DETOK,
+        {"json": {"tokens": [104, 256]}},
+        400,
+        None,
+        "tokens[1] is 256, which is not a token id of this model: its ids are 0 to 255",
+    ),
 ]
 IDS = [row[0] for row in BAD_INPUTS]
 SCRIPT = [f" w{i}".encode() for i in range(400)]

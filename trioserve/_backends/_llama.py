@@ -22,7 +22,7 @@ from typing import Any, Literal, Self
 
 import trio
 
-from .._core._backend import Backend, ModelInfo, PreparedPrompt, fit_to_context
+from .._core._backend import Backend, ModelInfo, PreparedPrompt, check_token_ids, fit_to_context
 from .._core._exceptions import BackendError, InvalidRequestError
 from .._core._types import GenerationRequest, SamplingParams
 
@@ -33,6 +33,9 @@ logger = logging.getLogger("trioserve.llama")
 #: prompts shorter than this (characters) are tokenized on the Trio thread: cheaper than
 #: a thread hop. Longer ones go to a worker thread so the event loop never stalls.
 _INLINE_TOKENIZE_CHARS = 4096
+#: the same for turning token ids into their pieces (``/detokenize``, ``/tokenize``'s
+#: ``with_pieces``): more ids than this go to a worker thread
+_INLINE_PIECES = 1024
 
 
 def _abort_requested(data: int) -> bool:
@@ -320,16 +323,18 @@ class LlamaModel(Backend):
 
     # ----------------------------------------------------------- tokenizing
 
-    def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]:
-        """Text → token ids (special tokens such as ``<start_of_turn>`` are parsed)."""
+    def tokenize(self, text: str, *, add_bos: bool = True, parse_special: bool = True) -> list[int]:
+        """Text → token ids. ``add_bos``: add the model's special tokens around the text
+        (its BOS); ``parse_special``: special tokens written in the text, such as
+        ``<start_of_turn>``, are parsed as themselves (otherwise: as plain text)."""
         data = text.encode()
         capacity = len(data) + 8
         tokens = (self.lib.llama_token * capacity)()
-        n = self.lib.llama_tokenize(self.vocab, data, len(data), tokens, capacity, add_bos, True)
+        n = self.lib.llama_tokenize(self.vocab, data, len(data), tokens, capacity, add_bos, parse_special)
         if n < 0:  # too small: -n is the size needed
             capacity = -n
             tokens = (self.lib.llama_token * capacity)()
-            n = self.lib.llama_tokenize(self.vocab, data, len(data), tokens, capacity, add_bos, True)
+            n = self.lib.llama_tokenize(self.vocab, data, len(data), tokens, capacity, add_bos, parse_special)
         return list(tokens[:n])
 
     def piece(self, token: int) -> bytes:
@@ -349,6 +354,35 @@ class LlamaModel(Backend):
 
     def detokenize(self, tokens: Sequence[int]) -> bytes:
         return b"".join(self.piece(token) for token in tokens)
+
+    def special_piece(self, token: int) -> bytes:
+        """The bytes of one token, control tokens rendered as their text (``<bos>``), as
+        llama.cpp's ``common_token_to_piece``. :meth:`piece` renders those as nothing
+        (generated text never shows them); every other token is the same in both."""
+        piece = self.piece(token)
+        if piece:
+            return piece
+        buffer = ctypes.create_string_buffer(256)
+        n = self.lib.llama_token_to_piece(self.vocab, token, buffer, 256, 0, True)
+        if n < 0:
+            buffer = ctypes.create_string_buffer(-n)
+            n = self.lib.llama_token_to_piece(self.vocab, token, buffer, -n, 0, True)
+        return buffer.raw[:n]
+
+    async def tokenize_text(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> list[int]:
+        if len(text) > _INLINE_TOKENIZE_CHARS:  # the same rule as prompts: see prepare
+            return await trio.to_thread.run_sync(
+                lambda: self.tokenize(text, add_bos=add_special, parse_special=parse_special)
+            )
+        return self.tokenize(text, add_bos=add_special, parse_special=parse_special)
+
+    async def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
+        check_token_ids(tokens, self.n_vocab)  # an id out of range would crash llama.cpp
+        if len(tokens) > _INLINE_PIECES:
+            return await trio.to_thread.run_sync(lambda: [self.special_piece(t) for t in tokens])
+        return [self.special_piece(t) for t in tokens]
 
     async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
         if isinstance(request.prompt, str):

@@ -103,6 +103,19 @@ def completion_payload(
         payload["stop"] = list(request.stop[:_MAX_FORWARDED_STOPS])
     if sampling.logit_bias:
         payload["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias.items()}
+    # the penalties and llama.cpp's extras: sent only when asked for (every peer
+    # accepts OpenAI's two; llama-server and llama-cpp-python the others)
+    for name, value, default in (
+        ("frequency_penalty", sampling.frequency_penalty, 0.0),
+        ("presence_penalty", sampling.presence_penalty, 0.0),
+        ("top_k", sampling.top_k, 0),
+        ("min_p", sampling.min_p, 0.0),
+        ("repeat_penalty", sampling.repeat_penalty, 1.0),
+    ):
+        if value != default:
+            payload[name] = value
+    if sampling.repeat_penalty != 1.0 and sampling.repeat_last_n != 64:
+        payload["repeat_last_n"] = sampling.repeat_last_n
     payload.update(extra_body)
     return payload
 

@@ -30,9 +30,11 @@ from typing import Any, Literal
 import numpy
 import trio
 
-from .._core._backend import GenerationProgress, PreparedPrompt
+from .._core._backend import ChoiceGroup, GenerationProgress, PreparedPrompt
 from .._core._channel import PieceChannel
 from .._core._exceptions import BackendError
+from .._core._types import TokenLogprob
+from ._grammar import TokenMask
 from ._invariance import probe_invariant_width, probe_shared_context_limit
 from ._llama import LlamaModel, LlamaSettings, _Context
 from ._prompt_cache import HostCache, shared_chunks
@@ -57,13 +59,20 @@ class _Sequence:
     """
 
     __slots__ = (
+        "bias",
         "cache_prompt",
         "cancelled",
         "channel",
+        "choice",
         "first_chunk_at",
+        "followers",
         "generated",
         "generated_tokens",
         "greedy",
+        "group",
+        "leader",
+        "logprobs",
+        "mask",
         "max_new",
         "next_token",
         "pos",
@@ -76,6 +85,7 @@ class _Sequence:
         "sampler",
         "save",
         "seq_id",
+        "special",
         "token",
     )
 
@@ -92,7 +102,23 @@ class _Sequence:
         #: the logits itself — the token llama.cpp's greedy sampler picks (the first
         #: maximum), without building its 262,144-entry candidate array per token
         sampling = prompt.request.sampling
-        self.greedy = sampling.temperature == 0 and not sampling.logit_bias
+        self.greedy = sampling.plain_greedy
+        self.bias = sampling.logit_bias
+        #: constrained decoding: the mask applied to the logits before each draw
+        self.mask: TokenMask | None = None
+        compiled = prompt.compiled
+        if isinstance(compiled, TokenMask):
+            self.mask = compiled if prompt.choice == 0 else compiled.copy()
+        #: report log-probabilities (and this many alternatives)
+        self.logprobs = prompt.request.logprobs
+        #: needs the slow path per token: a mask, or log-probabilities
+        self.special = self.mask is not None or self.logprobs is not None
+        #: ``n`` > 1: the request's choices; a follower waits for its leader's prompt
+        #: evaluation and starts from a copy of its cells
+        self.group: ChoiceGroup | None = prompt.group
+        self.choice = prompt.choice
+        self.leader: _Sequence | None = None
+        self.followers: list[_Sequence] = []
         self.token = trio.lowlevel.current_trio_token()
         self.channel = channel
         self.removed = trio.Event()
@@ -263,13 +289,28 @@ class _Scheduler:
 
     # ------------------------------------------------------- scheduler thread
 
+    def _next_admission(self) -> list[_Sequence] | None:
+        """The sequences admissible now, in order: the inbox's head, or — for a group
+        (``n`` > 1) — all its choices, once they have all arrived and as many ids are
+        free. (Called under the lock.)"""
+        if not self._inbox or not self._free_ids:
+            return None
+        head = self._inbox[0]
+        group = head.group
+        if group is None:
+            return [head]
+        members = sorted((s for s in self._inbox if s.group is group), key=_choice)
+        if len(members) < group.size or len(members) > len(self._free_ids):
+            return None  # the others are being submitted, or ids are still busy
+        return members
+
     def _runnable(self) -> bool:
-        if self._inbox and (self._free_ids or any(s.cancelled for s in self._inbox)):
+        if any(s.cancelled for s in self._inbox) or self._next_admission() is not None:
             return True
         for sequence in self._active:
-            if sequence.cancelled or not sequence.decoding:
+            if sequence.cancelled or (not sequence.decoding and sequence.leader is None):
                 return True
-            if sequence.channel.room > 0:
+            if sequence.decoding and sequence.channel.room > 0:
                 return True
         return False
 
@@ -290,12 +331,19 @@ class _Scheduler:
                     gone = [s for s in self._inbox if s.cancelled]
                     for sequence in gone:
                         self._inbox.remove(sequence)
-                    admitted = []
-                    while self._inbox and self._free_ids:
-                        sequence = self._inbox.popleft()
-                        self._assign(sequence)
-                        self._active.append(sequence)
-                        admitted.append(sequence)
+                        if sequence.group is not None:
+                            sequence.group.size -= 1  # the others need not wait for it
+                    admitted: list[_Sequence] = []
+                    while (members := self._next_admission()) is not None:
+                        leader = members[0]
+                        for sequence in members:
+                            self._inbox.remove(sequence)
+                            if sequence is leader:
+                                self._assign(sequence)
+                            else:
+                                self._assign_follower(sequence, leader)
+                            self._active.append(sequence)
+                            admitted.append(sequence)
                 for sequence in gone:
                     self._remove(sequence, _CANCELLED)
                 for sequence in admitted:
@@ -344,6 +392,21 @@ class _Scheduler:
         sequence.prefilled = sequence.pos = reused
         sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = reused
 
+    def _assign_follower(self, sequence: _Sequence, leader: _Sequence) -> None:
+        """Give ``sequence`` (a later choice of ``leader``'s group) the least recently
+        used free id; it gets a copy of the leader's cells once the prompt is evaluated.
+        (Called under the lock.)"""
+        best = min(self._free_ids, key=lambda i: self._used_at[i])
+        self._free_ids.remove(best)
+        cached = self._cached[best]
+        if cached and self.host.budget:
+            sequence.save = cached
+        self._cached[best] = []
+        self._history.pop(best, None)
+        sequence.seq_id = best
+        sequence.leader = leader
+        leader.followers.append(sequence)
+
     def _prepare_cells(self, sequence: _Sequence) -> None:
         """Carry out admission's plan: save the prefix being overwritten to host memory,
         restore the one to reuse from it, drop the cells past the reused prefix."""
@@ -382,6 +445,11 @@ class _Scheduler:
         lib = self._backend.lib
         if sequence in self._active:
             self._active.remove(sequence)
+        for follower in sequence.followers:
+            follower.leader = None  # its leader is gone before sharing: it evaluates the prompt itself
+        sequence.followers = []
+        if sequence.leader is not None and sequence in sequence.leader.followers:
+            sequence.leader.followers.remove(sequence)
         if sequence.seq_id >= 0:
             keep = 0
             if self.cache_enabled and sequence.cache_prompt and not isinstance(result, BaseException):
@@ -459,7 +527,8 @@ class _Scheduler:
         prefillers: list[_Sequence] = []
         for s in active:
             if not s.decoding:
-                prefillers.append(s)
+                if s.leader is None:  # (a follower waits for its leader's prompt)
+                    prefillers.append(s)
             elif s.channel.room > 0:
                 decoders.append(s)
             # else paused: its client is not reading; the consumer wakes us when it
@@ -564,6 +633,8 @@ class _Scheduler:
                 sequence.progress.prefilled_tokens = sequence.prefilled
                 if sequence.decoding:
                     sequence.progress.prefill_seconds = now - sequence.first_chunk_at
+                    if sequence.followers:
+                        outputs += self._share_prompt(sequence, outputs)
             else:
                 sequence.pos += 1
         sample = lib.llama_sampler_sample
@@ -574,21 +645,95 @@ class _Scheduler:
         piece = backend.piece
         ctx = self.ctx
         for sequence, index in outputs:
-            if sequence.greedy:
+            entry = None
+            if sequence.special:
+                token, entry = self._sample_special(sequence, index)
+                if token < 0:
+                    continue  # removed: its constraint failed
+            elif sequence.greedy:
                 token = int(_as_array(logits_at(ctx, index), (n_vocab,)).argmax())
             else:
                 token = sample(sequence.sampler, ctx, index)
             if is_eog(vocab, token):
                 self._remove(sequence, "stop")
                 continue
+            if sequence.mask is not None:
+                refused = sequence.mask.consume(token)
+                if refused is not None:
+                    self._remove(sequence, BackendError(f"constrained decoding failed: {refused}"))
+                    continue
             sequence.generated += 1
             sequence.generated_tokens.append(token)
             sequence.progress.completion_tokens += 1
-            sequence.channel.put(piece(token))
+            sequence.channel.put(piece(token) if entry is None else (piece(token), entry))  # type: ignore[arg-type]
             if sequence.generated == sequence.max_new:
                 self._remove(sequence, "length")  # after its last piece: order is kept
                 continue
             sequence.next_token = token
+
+    def _share_prompt(
+        self, leader: _Sequence, outputs: list[tuple[_Sequence, int]]
+    ) -> list[tuple[_Sequence, int]]:
+        """``leader``'s prompt is evaluated: copy its cells to each waiting choice of its
+        group, which then draws its first token from the same logits."""
+        lib = self._backend.lib
+        index = next(i for s, i in outputs if s is leader)
+        shared = []
+        for follower in leader.followers:
+            if follower.cancelled:
+                continue  # dropped at the next step
+            lib.llama_memory_seq_rm(self.memory, follower.seq_id, -1, -1)
+            lib.llama_memory_seq_cp(self.memory, leader.seq_id, follower.seq_id, -1, -1)
+            follower.prefilled = follower.pos = leader.prefilled
+            follower.progress.prefill_seconds = leader.progress.prefill_seconds
+            follower.leader = None
+            shared.append((follower, index))
+        leader.followers = []
+        return shared
+
+    def _sample_special(self, sequence: _Sequence, index: int) -> tuple[int, TokenLogprob | None]:
+        """Draw a token with a constraint's mask and/or log-probabilities: -1 if the
+        sequence was removed (its constraint failed)."""
+        backend = self._backend
+        logits = _as_array(backend.lib.llama_get_logits_ith(self.ctx, index), (backend.n_vocab,))
+        if sequence.mask is not None:
+            error = sequence.mask.apply(logits)  # in place: the draw below sees it
+            if error is not None:
+                self._remove(sequence, BackendError(f"constrained decoding failed: {error}"))
+                return -1, None
+        if sequence.greedy:
+            token = int(logits.argmax())
+        else:
+            token = backend.lib.llama_sampler_sample(sequence.sampler, self.ctx, index)
+        entry = None
+        if sequence.logprobs is not None:
+            entry = _logprob_entry(logits, token, sequence.logprobs, sequence.bias, backend.piece)
+        return token, entry
+
+
+def _choice(sequence: _Sequence) -> int:
+    return sequence.choice
+
+
+def _logprob_entry(logits: numpy.ndarray, token: int, top: int, bias: Any, piece: Any) -> TokenLogprob:
+    """``token``'s log-probability, and the ``top`` most likely tokens', in the
+    distribution the draw started from: the model's logits with the logit bias and the
+    constraint's mask (before penalties, temperature and truncation)."""
+    values = logits
+    if bias:
+        values = logits.copy()
+        for biased, amount in bias.items():
+            values[biased] = -numpy.inf if amount <= -100 else values[biased] + amount
+    peak = values.max()
+    log_total = peak + numpy.log(numpy.exp(values - peak).sum())
+    alternatives: tuple[tuple[bytes, float], ...] = ()
+    if top:
+        best = numpy.argpartition(values, -top)[-top:]
+        best = best[numpy.argsort(-values[best], kind="stable")]
+        alternatives = tuple((piece(int(i)), float(values[i] - log_total)) for i in best)
+    return TokenLogprob(
+        token=token, piece=piece(token), logprob=float(values[token] - log_total), top=alternatives
+    )
 
 
 #: texts the batch-invariance probes build their sequences from
@@ -722,7 +867,10 @@ class LlamaBackend(LlamaModel):
             await trio.lowlevel.checkpoint()
             return "length"  # nothing to generate
         scheduler = self._scheduler
-        sequence = _Sequence(prompt, progress, self._sampler(prompt.request.sampling), channel)
+        sampler = self._sampler(
+            prompt.request.sampling, max_new_tokens=prompt.max_new_tokens, seed_offset=prompt.choice
+        )
+        sequence = _Sequence(prompt, progress, sampler, channel)
         channel.on_room = scheduler.wake
         with self.generations:
             try:

@@ -4,7 +4,7 @@ It behaves like the llama.cpp backend where the engine can tell: it runs in a wo
 thread (:class:`~trioserve._backends._threaded.ThreadedBackend`), "prefills" for a time
 proportional to the prompt, emits one piece per ``token_interval``, and checks the abort
 flag between tokens and every millisecond inside prefill and decode steps. Its tokenizer
-is UTF-8 bytes: one token per byte.
+is UTF-8 bytes: one token per byte (a vocabulary of 256 ids, no special tokens).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from .._core._backend import GenerationProgress, ModelInfo, PreparedPrompt, fit_to_context
+from .._core._backend import GenerationProgress, ModelInfo, PreparedPrompt, check_token_ids, fit_to_context
 from .._core._channel import Aborted, PieceChannel
 from .._core._types import GenerationRequest
 from ._threaded import Emit, ThreadedBackend
@@ -74,6 +74,15 @@ class ScriptedBackend(ThreadedBackend):
         else:
             tokens = list(request.prompt)
         return fit_to_context(request, tokens, self._info.context_length)
+
+    async def tokenize_text(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> list[int]:
+        return list(text.encode())  # no special tokens: both flags change nothing
+
+    async def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
+        check_token_ids(tokens, 256)
+        return [bytes((token,)) for token in tokens]
 
     async def generate(
         self,

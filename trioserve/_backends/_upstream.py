@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import trio
 
-from .._core._backend import Backend, GenerationProgress, ModelInfo, PreparedPrompt
+from .._core._backend import Backend, GenerationProgress, ModelInfo, PreparedPrompt, refuse_unsupported
 from .._core._channel import PieceChannel
 from .._core._exceptions import (
     BackendError,
@@ -215,6 +215,7 @@ class UpstreamBackend(Backend):
             ServiceUnavailableError: every upstream is in its cooldown (503 with
                 ``Retry-After``).
         """
+        refuse_unsupported(request, "upstream")
         if not isinstance(request.prompt, str):
             raise InvalidRequestError(
                 "token-id prompts are not supported by this server (it forwards text to an "

@@ -36,19 +36,22 @@ class Reservation:
 
 
 class SlotLease:
-    """One held slot. :meth:`release` is idempotent, so the holder can give the slot
-    back as soon as inference ends, while the ``async with`` guarantees it at exit."""
+    """Held slots (one, or ``count`` for a request with ``n`` choices). :meth:`release`
+    is idempotent, so the holder can give the slots back as soon as inference ends,
+    while the ``async with`` guarantees it at exit."""
 
-    __slots__ = ("_admission", "released")
+    __slots__ = ("_admission", "count", "released")
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, count: int = 1) -> None:
         self._admission = admission
+        self.count = count
         self.released = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._admission._semaphore.release()
+            for _ in range(self.count):
+                self._admission._semaphore.release()
 
 
 class Admission:
@@ -73,6 +76,9 @@ class Admission:
         self.expected_service_time = expected_service_time
         # trio's Semaphore wakes waiters in FIFO order (its ParkingLot is a FIFO).
         self._semaphore = trio.Semaphore(slots)
+        #: a request taking several slots takes them one by one while holding this
+        #: (FIFO too): two such requests never each hold part of what they need
+        self._multi = trio.Lock()
         self.queued = 0
         #: places held by requests between the check and the queue (see reserve())
         self.reserved = 0
@@ -120,9 +126,11 @@ class Admission:
         return Reservation(self)
 
     @asynccontextmanager
-    async def slot(self, reservation: Reservation | None = None) -> AsyncIterator[SlotLease]:
-        """Hold one slot for the body of the ``async with`` (or until the lease is
-        released, if that comes first).
+    async def slot(
+        self, reservation: Reservation | None = None, *, count: int = 1
+    ) -> AsyncIterator[SlotLease]:
+        """Hold one slot (``count`` slots) for the body of the ``async with`` (or until
+        the lease is released, if that comes first).
 
         Raises:
             OverloadedError: the queue is full, or the caller's deadline (the effective
@@ -136,12 +144,26 @@ class Admission:
             self.check()
         else:
             reservation.release()  # becomes a queue place, with no checkpoint in between
+        if not 1 <= count <= self.slots:
+            raise ValueError(f"count must be in [1, {self.slots}], got {count}")
         self.queued += 1
         try:
-            await self._semaphore.acquire()
+            if count == 1:
+                await self._semaphore.acquire()
+            else:
+                async with self._multi:
+                    taken = 0
+                    try:
+                        while taken < count:
+                            await self._semaphore.acquire()
+                            taken += 1
+                    except BaseException:
+                        for _ in range(taken):
+                            self._semaphore.release()
+                        raise
         finally:
             self.queued -= 1
-        lease = SlotLease(self)
+        lease = SlotLease(self, count)
         try:
             yield lease
         finally:

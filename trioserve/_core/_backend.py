@@ -24,16 +24,19 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ._channel import PieceChannel
-from ._exceptions import ContextLengthError, InvalidRequestError
+from ._exceptions import ContextLengthError, InvalidRequestError, NotSupportedError
 from ._types import GenerationRequest
 
 __all__ = [
     "Backend",
+    "ChoiceGroup",
     "GenerationCounter",
     "GenerationProgress",
     "ModelInfo",
     "PreparedPrompt",
+    "check_token_ids",
     "fit_to_context",
+    "refuse_unsupported",
 ]
 
 
@@ -57,6 +60,36 @@ class PreparedPrompt:
     tokens: Sequence[int]
     #: ``max_tokens`` resolved against the context: how many tokens may be generated.
     max_new_tokens: int
+    #: the backend's compiled ``request.constraint`` (its own type), if any
+    compiled: object | None = None
+    #: ``n`` > 1: this prompt is choice ``choice`` of ``group``, whose choices may share
+    #: one evaluation of the prompt (a backend that cannot share runs them apart)
+    group: ChoiceGroup | None = None
+    choice: int = 0
+
+
+def refuse_unsupported(request: GenerationRequest, backend: str) -> None:
+    """For backends that cannot constrain their text or report log-probabilities:
+    refuse such requests (400 naming the field) rather than ignore the ask."""
+    if request.constraint is not None:
+        raise InvalidRequestError(
+            f"constrained decoding (response_format, json_schema, grammar, forced tool calls) "
+            f"is not supported by the {backend} backend",
+            param="response_format",
+        )
+    if request.logprobs is not None:
+        raise InvalidRequestError(f"logprobs are not supported by the {backend} backend", param="logprobs")
+
+
+class ChoiceGroup:
+    """The ``n`` choices of one request (``size``: how many are still to be served).
+    Backends that share the prompt's evaluation keep their own state in ``members``."""
+
+    __slots__ = ("members", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.members: list[object] = []
 
 
 def fit_to_context(request: GenerationRequest, tokens: Sequence[int], n_ctx: int) -> PreparedPrompt:
@@ -80,6 +113,18 @@ def fit_to_context(request: GenerationRequest, tokens: Sequence[int], n_ctx: int
             param="max_tokens",
         )
     return PreparedPrompt(request=request, tokens=tokens, max_new_tokens=max_new)
+
+
+def check_token_ids(tokens: Sequence[int], n_vocab: int, param: str = "tokens") -> None:
+    """Raise :class:`InvalidRequestError` naming the first id of ``tokens`` that is not
+    in a vocabulary of ``n_vocab`` tokens (ids ``0`` to ``n_vocab - 1``)."""
+    for i, token in enumerate(tokens):
+        if not 0 <= token < n_vocab:
+            raise InvalidRequestError(
+                f"{param}[{i}] is {token}, which is not a token id of this model: "
+                f"its ids are 0 to {n_vocab - 1}",
+                param=f"{param}[{i}]",
+            )
 
 
 class GenerationProgress:
@@ -156,6 +201,30 @@ class Backend(ABC):
         """Backend-specific figures for ``/health`` (the llama backend: its batch).
         Default: none."""
         return None
+
+    # Tokenizing (``POST /tokenize``, ``POST /detokenize``): optional. A backend without
+    # a tokenizer keeps these defaults, which answer 501 (:class:`NotSupportedError`).
+
+    async def tokenize_text(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> list[int]:
+        """Text → token ids, as llama.cpp's ``common_tokenize``: ``add_special`` adds the
+        special tokens the model puts around a text (BOS for most models);
+        ``parse_special`` reads special tokens written in the text (``<start_of_turn>``)
+        as themselves, otherwise they are plain text. Must not block the event loop on
+        long texts. Default: :class:`NotSupportedError` (501)."""
+        raise NotSupportedError(
+            f"this server's backend ({type(self).__name__}) has no tokenizer", code="no_tokenizer"
+        )
+
+    async def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
+        """The bytes of each token, special tokens rendered as their text (``<bos>``),
+        as llama.cpp's ``common_token_to_piece``. Raises :class:`InvalidRequestError`
+        (``param`` ``tokens[i]``: :func:`check_token_ids`) for an id outside the
+        vocabulary. Default: :class:`NotSupportedError` (501)."""
+        raise NotSupportedError(
+            f"this server's backend ({type(self).__name__}) has no tokenizer", code="no_tokenizer"
+        )
 
 
 class GenerationCounter:

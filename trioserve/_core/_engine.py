@@ -16,21 +16,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Literal, Self
+from typing import Literal, Self, cast
 
 import trio
 
-from ._admission import Admission, Reservation, SlotLease
-from ._backend import Backend, GenerationProgress, PreparedPrompt
+from ._admission import Admission, Reservation
+from ._backend import Backend, ChoiceGroup, GenerationProgress, PreparedPrompt
 from ._channel import PieceChannel
 from ._errors import unwrap_group
 from ._exceptions import BackendError, ServiceUnavailableError, TrioserveError
 from ._text import TextAssembler
-from ._types import Finished, GenerationRequest, TextDelta, Usage
+from ._types import Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
 
 __all__ = ["WINDOW", "Engine", "EventStream", "StreamTimings"]
 
@@ -87,6 +87,9 @@ class EventStream:
         self._progress = progress
         self._producer_scope = producer_scope
         self._assembler = TextAssembler(prompt.request.stop)
+        #: log-probabilities: pieces come with their entries, given out with the text
+        self._logprobs = prompt.request.logprobs is not None
+        self._pending: list[TokenLogprob] = []
         self._final: Finished | None = None
         self._done = False
         self._stopped_by_sequence = False
@@ -120,6 +123,8 @@ class EventStream:
             raise StopAsyncIteration
         if self._stopped_by_sequence:
             return await self._finish()
+        if self._logprobs:
+            return await self._next_with_logprobs()
         receive = self._channel.receive_batch
         feed = self._assembler.feed
         while True:
@@ -147,9 +152,41 @@ class EventStream:
             if text:
                 return self._delta(text)
 
+    async def _next_with_logprobs(self) -> Event:
+        """:meth:`__anext__` when pieces carry their log-probabilities: a delta comes
+        with the entries of every token fed since the last one (a token whose text is
+        held back — half a character, a possible stop sequence — is given out with the
+        text it completes)."""
+        receive = self._channel.receive_batch
+        feed = self._assembler.feed
+        pending = self._pending
+        while True:
+            try:
+                items = await receive()
+            except trio.EndOfChannel:
+                return await self._finish()
+            parts = []
+            for piece, entry in cast("list[tuple[bytes, TokenLogprob]]", items):
+                parts.append(feed(piece))
+                pending.append(entry)
+                if self._assembler.stopped:
+                    break
+            text = "".join(parts)
+            if self._assembler.stopped:
+                self._stopped_by_sequence = True
+                self._producer_scope.cancel()
+                if text:
+                    return self._delta(text)
+                return await self._finish()
+            if text:
+                return self._delta(text)
+
     def _delta(self, text: str) -> TextDelta:
         if self.timings.first_token is None:
             self.timings.first_token = time.perf_counter()
+        if self._logprobs:
+            entries, self._pending = tuple(self._pending), []
+            return TextDelta(text=text, logprobs=entries)
         return TextDelta(text=text)
 
     async def _finish(self) -> Event:
@@ -252,6 +289,20 @@ class Engine:
     ) -> AsyncIterator[EventStream]:
         """Run one generation; the body consumes its events.
 
+        Everything :meth:`stream_choices` says holds, for ``n=1``.
+        """
+        async with self.stream_choices(request, 1, reservation=reservation) as streams:
+            yield streams[0]
+
+    @asynccontextmanager
+    async def stream_choices(
+        self, request: GenerationRequest | PreparedPrompt, n: int, *, reservation: Reservation | None = None
+    ) -> AsyncIterator[list[EventStream]]:
+        """Run ``n`` generations of one prompt (OpenAI's ``n``), holding ``n`` slots;
+        the body consumes their events (one stream per choice, in a task each or in
+        turn). A backend that can shares one evaluation of the prompt between them
+        (``PreparedPrompt.group``); each choice is drawn with ``seed + index``.
+
         Args:
             request: what to generate.
             reservation: a place taken earlier with ``engine.admission.reserve()``;
@@ -288,27 +339,41 @@ class Engine:
                     if reservation is not None:
                         reservation.release()
                     raise
-                async with self.admission.slot(reservation) as lease:
+                async with self.admission.slot(reservation, count=n) as lease:
                     timings.admitted = time.perf_counter()
-                    channel = PieceChannel(WINDOW)
-                    progress = GenerationProgress(len(prepared.tokens))
-                    producer_scope = trio.CancelScope()
-                    events = EventStream(prepared, channel, progress, producer_scope, timings)
-                    self.streams.add(events)
+                    group = ChoiceGroup(n) if n > 1 else None
+                    choices = []
+                    for index in range(n):
+                        prompt = prepared if group is None else replace(prepared, group=group, choice=index)
+                        channel = PieceChannel(WINDOW)
+                        progress = GenerationProgress(len(prepared.tokens))
+                        choice_timings = timings if index == 0 else replace(timings)
+                        events = EventStream(prompt, channel, progress, trio.CancelScope(), choice_timings)
+                        choices.append((prompt, events))
+                    all_events = [events for _, events in choices]
+                    self.streams.update(all_events)
+                    remaining = [n]
+
+                    def release_one() -> None:
+                        # the slots are given back once every choice's inference has ended
+                        remaining[0] -= 1
+                        if remaining[0] == 0:
+                            lease.release()
+
                     try:
                         with unwrap_group():
                             async with trio.open_nursery() as nursery:
-                                nursery.start_soon(
-                                    self._produce, prepared, channel, progress, producer_scope, events, lease
-                                )
+                                for prompt, events in choices:
+                                    nursery.start_soon(self._produce, prompt, events, release_one)
                                 try:
-                                    yield events
+                                    yield all_events
                                 finally:
-                                    # However the body ended, the producer has no reader any more.
-                                    producer_scope.cancel()
-                                    channel.close_receiving()
+                                    # However the body ended, the producers have no reader any more.
+                                    for events in all_events:
+                                        events._producer_scope.cancel()
+                                        events._channel.close_receiving()
                     finally:
-                        self.streams.discard(events)
+                        self.streams.difference_update(all_events)
         finally:
             self._scopes.discard(scope)
             if not self._scopes:
@@ -317,18 +382,13 @@ class Engine:
             raise ServiceUnavailableError("the engine closed while this stream ran", code="engine_closed")
 
     async def _produce(
-        self,
-        prompt: PreparedPrompt,
-        channel: PieceChannel,
-        progress: GenerationProgress,
-        producer_scope: trio.CancelScope,
-        events: EventStream,
-        lease: SlotLease,
+        self, prompt: PreparedPrompt, events: EventStream, release: Callable[[], None]
     ) -> None:
         # The slot is inference capacity: it is given back the moment inference ends,
         # even if the consumer is still stuck sending to a client that stopped reading.
+        channel, progress = events._channel, events._progress
         try:
-            with producer_scope:
+            with events._producer_scope:
                 try:
                     events.backend_result = await self.backend.generate(prompt, channel, progress)
                 except trio.BrokenResourceError:
@@ -341,7 +401,7 @@ class Engine:
                         exc if isinstance(exc, TrioserveError) else BackendError(f"inference failed: {exc}")
                     )
                 finally:
-                    lease.release()
+                    release()
                     if events.backend_result is not None:  # a whole generation, not a cut one
                         self._record_service_time(events.timings)
         finally:

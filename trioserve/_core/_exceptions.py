@@ -19,6 +19,7 @@ __all__ = [
     "InvalidRequestError",
     "MethodNotAllowedError",
     "NotFoundError",
+    "NotSupportedError",
     "OverloadedError",
     "PayloadTooLargeError",
     "ServiceUnavailableError",
@@ -125,6 +126,16 @@ class DeadlineExceededError(TrioserveError):
     status = 504
     error_type = "timeout_error"
     default_code = "deadline_exceeded"
+
+
+class NotSupportedError(TrioserveError):
+    """The backend serving this server cannot do what the request asks (for example
+    ``/tokenize`` on a backend without a tokenizer): no retry or change of the request
+    will help on this server. 501, as llama-server answers an unsupported feature."""
+
+    status = 501
+    error_type = "not_supported_error"
+    default_code = "not_supported"
 
 
 class BackendError(TrioserveError):

@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 __all__ = [
+    "Constraint",
     "EndCause",
     "Finished",
     "GenerationRequest",
     "SamplingParams",
     "TextDelta",
+    "TokenLogprob",
     "Usage",
 ]
 
@@ -29,8 +31,41 @@ class SamplingParams:
 
     temperature: float = 1.0
     top_p: float = 1.0
+    #: keep only the ``top_k`` most likely tokens (0: off)
+    top_k: int = 0
+    #: drop tokens less likely than ``min_p`` × the most likely one's probability (0: off)
+    min_p: float = 0.0
     seed: int | None = None
     logit_bias: Mapping[int, float] = field(default_factory=dict[int, float])
+    #: OpenAI's penalties, over every token generated so far (not the prompt)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    #: llama.cpp's repetition penalty over the last ``repeat_last_n`` generated tokens
+    #: (1: off; -1: all of them)
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Temperature 0 with nothing that changes the logits: the argmax is the token."""
+        return (
+            self.temperature == 0
+            and not self.logit_bias
+            and self.frequency_penalty == 0
+            and self.presence_penalty == 0
+            and self.repeat_penalty == 1
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Constraint:
+    """What every generated token must keep valid (constrained decoding): a JSON Schema
+    (``kind="json_schema"``, ``source`` its JSON text), a Lark grammar (``"lark"``) or a
+    GBNF grammar (``"gbnf"``, llama.cpp's format).
+    The backend compiles it; a feature it cannot enforce is refused, never ignored."""
+
+    kind: Literal["json_schema", "lark", "gbnf"]
+    source: str
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,6 +81,10 @@ class GenerationRequest:
     #: Reuse cached prompt prefixes, and leave this prompt's for later requests
     #: (llama-server's ``cache_prompt``). Reuse never changes the text (docs/prompt-cache.md).
     cache_prompt: bool = True
+    #: constrained decoding: the text must match this (docs/structured-output.md)
+    constraint: Constraint | None = None
+    #: report each token's log-probability and this many alternatives (``None``: none)
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,10 +100,23 @@ class Usage:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class TokenLogprob:
+    """One generated token with its log-probability and the most likely alternatives
+    (``top``: (token bytes, log-probability), most likely first)."""
+
+    token: int
+    piece: bytes
+    logprob: float
+    top: tuple[tuple[bytes, float], ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TextDelta:
     """New text. Never splits a UTF-8 character and never contains a stop sequence."""
 
     text: str
+    #: with ``GenerationRequest.logprobs``: the tokens this text came from
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,9 +1,10 @@
 """Access control, as one ASGI layer in front of everything: API keys and CORS.
 
-With keys configured, ``/v1/…`` and ``/metrics`` need ``Authorization: Bearer <key>``
-(401 otherwise); ``/health`` and the page stay open. Keys are compared in constant time,
-always over all keys, and never logged. CORS (off by default) answers preflight
-``OPTIONS`` for the configured origins. Details: ``docs/operations.md``, "Access".
+With keys configured, ``/v1/…``, ``/metrics``, ``/tokenize`` and ``/detokenize`` need
+``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and the page stay open.
+Keys are compared in constant time, always over all keys, and never logged. CORS (off
+by default) answers preflight ``OPTIONS`` for the configured origins. Details:
+``docs/operations.md``, "Access".
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ ASGIApp = Callable[
 ]
 
 _OPEN_PATHS = frozenset({"/", "/health", "/index.html", "/favicon.ico"})
+#: outside ``/v1/``, the paths that need a key (llama-server's tokenizer endpoints too)
+_KEYED_PATHS = frozenset({"/metrics", "/tokenize", "/detokenize"})
 
 
 class AccessPolicy:
@@ -49,7 +52,7 @@ class AccessPolicy:
         """Raise :class:`AuthenticationError` unless the request may proceed."""
         if not self._digests or scope["path"] in _OPEN_PATHS:
             return
-        if not (scope["path"].startswith("/v1/") or scope["path"] == "/metrics"):
+        if not (scope["path"].startswith("/v1/") or scope["path"].rstrip("/") in _KEYED_PATHS):
             return
         authorization = _header(scope, b"authorization")
         if authorization is None:

@@ -18,6 +18,7 @@ import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import trio
@@ -36,7 +37,8 @@ from .._core._exceptions import (
     ServiceUnavailableError,
     TrioserveError,
 )
-from .._core._types import Finished, GenerationRequest, TextDelta, Usage
+from .._core._types import Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
+from .._wire._choices import ChoiceStream, ToolMode, finished_choice
 from .._wire._openai import (
     ChatCompletionRequest,
     ChunkEncoder,
@@ -215,6 +217,36 @@ class _Heartbeat:
         await self.done.wait()
 
 
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    """A generation request, decoded: what to run and how to answer."""
+
+    stream: bool
+    include_usage: bool
+    generation: GenerationRequest
+    model: str
+    n: int = 1
+    tool_mode: ToolMode = "none"
+    tool_names: tuple[str, ...] = ()
+
+    @property
+    def plain(self) -> bool:
+        """Text only, one choice: the hot path."""
+        return self.n == 1 and self.tool_mode == "none" and self.generation.logprobs is None
+
+
+def _usage(choices: list[EventStream]) -> Usage:
+    """The usage of a response: the prompt once, the completions of every choice."""
+    first = choices[0].usage
+    if len(choices) == 1:
+        return first
+    return Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=sum(events.usage.completion_tokens for events in choices),
+        cached_tokens=first.cached_tokens,
+    )
+
+
 class GenerationHandler:
     """Serves one generation request from parse to final byte."""
 
@@ -273,9 +305,23 @@ class GenerationHandler:
             parsed = await trio.to_thread.run_sync(self._parse, request.kind, body)
         else:
             parsed = self._parse(request.kind, body)
-        stream, include_usage, generation, request.model = parsed
+        stream, generation, request.model = parsed.stream, parsed.generation, parsed.model
+        if parsed.n > engine.admission.slots:
+            raise InvalidRequestError(
+                f"n may be at most {engine.admission.slots} on this server (its number of "
+                f"slots); got {parsed.n}",
+                param="n",
+            )
         request.set_timeout(_request_timeout(scope, state.settings))
-        encoder = request.encoder = ChunkEncoder(request.kind, request.model, include_usage=include_usage)
+        encoder = request.encoder = ChunkEncoder(
+            request.kind, request.model, include_usage=parsed.include_usage
+        )
+        request.encoders = [encoder] + [
+            ChunkEncoder(
+                request.kind, request.model, include_usage=parsed.include_usage, index=i, first=encoder
+            )
+            for i in range(1, parsed.n)
+        ]
 
         with request.cancel_scope:
             request.advance(Phase.QUEUED)
@@ -301,17 +347,21 @@ class GenerationHandler:
                                 request.reservation = engine.admission.reserve()
                                 await exchange.start(200, SSE_HEADERS)
                                 if encoder.kind == "chat":
-                                    await exchange.body(encoder.role())
+                                    await exchange.body(b"".join(e.role() for e in request.encoders))
                                 interval = state.settings.heartbeat_interval
                                 if interval:
                                     heartbeat = _Heartbeat(exchange, interval)
                                     nursery.start_soon(heartbeat.run)
-                            async with engine.stream(prepared, reservation=request.reservation) as events:
-                                request.events = events
-                                if stream:
-                                    await self._stream(request, events, heartbeat)
+                            async with engine.stream_choices(
+                                prepared, parsed.n, reservation=request.reservation
+                            ) as choices:
+                                request.events, request.choices = choices[0], choices
+                                if stream and parsed.plain:
+                                    await self._stream(request, choices[0], heartbeat)
+                                elif stream:
+                                    await self._stream_choices(request, parsed, heartbeat)
                                 else:
-                                    await self._collect(request, events)
+                                    await self._collect(request, parsed)
                             nursery.cancel_scope.cancel()  # the watcher: this request is done
                         finally:
                             stall_scope.cancel()
@@ -340,8 +390,10 @@ class GenerationHandler:
             )
         return state.engine
 
-    def _parse(self, kind: Literal["text", "chat"], body: bytes) -> tuple[bool, bool, GenerationRequest, str]:
+    def _parse(self, kind: Literal["text", "chat"], body: bytes) -> _Parsed:
         request: CompletionRequest | ChatCompletionRequest
+        tool_mode: ToolMode = "none"
+        names: tuple[str, ...] = ()
         if kind == "text":
             request, generation = decode_completion_request(body)
         else:
@@ -350,12 +402,25 @@ class GenerationHandler:
                 raise ServiceUnavailableError(
                     "the model is still loading; retry shortly", retry_after=1, code="loading"
                 )
-            rendered = self.state.chat_format.render(chat.messages)
+            mode = chat.tool_mode()
+            tools = chat.tools if mode != "none" else None
+            rendered = self.state.chat_format.render(chat.messages, tools=tools)
             generation = chat_generation(chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos)
             request = chat
+            if mode != "none":
+                tool_mode = "auto" if mode == "auto" else "forced"
+                names = tuple(tool.function.name for tool in chat.tools or ())
         model = self._model(request.model)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        return request.stream, include_usage, generation, model
+        return _Parsed(
+            stream=request.stream,
+            include_usage=include_usage,
+            generation=generation,
+            model=model,
+            n=request.n,
+            tool_mode=tool_mode,
+            tool_names=names,
+        )
 
     def _model(self, requested: str | None) -> str:
         names = self.state.model_names()
@@ -397,30 +462,91 @@ class GenerationHandler:
                 final = encoder.final(event.reason, event.usage, event.message)
                 await self._end(request, final, event)
 
-    async def _collect(self, request: InFlightRequest, events: EventStream) -> None:
-        parts: list[str] = []
-        async for event in events:
-            if request.phase is Phase.QUEUED:  # the first event
-                request.advance(Phase.STREAMING)
-            if type(event) is TextDelta:
-                parts.append(event.text)
-            else:
+    async def _stream_choices(
+        self, request: InFlightRequest, parsed: _Parsed, heartbeat: _Heartbeat | None
+    ) -> None:
+        """A stream that needs more than text deltas (log-probabilities, tool calls) or
+        has several choices: one reader per choice, one writer (this task)."""
+        body = request.exchange.body
+        choices = request.choices
+        writers = [ChoiceStream(encoder, parsed.tool_mode, parsed.tool_names) for encoder in request.encoders]
+        send, receive = trio.open_memory_channel[tuple[int, TextDelta | Finished]](0)
+
+        async def read(
+            index: int, events: EventStream, out: trio.MemorySendChannel[tuple[int, TextDelta | Finished]]
+        ) -> None:
+            async with out:
+                async for event in events:
+                    await out.send((index, event))
+
+        async with trio.open_nursery() as nursery:
+            async with send:
+                for index, events in enumerate(choices):
+                    nursery.start_soon(read, index, events, send.clone())
+            left = len(choices)
+            async for index, event in receive:
+                if request.phase is Phase.QUEUED:  # the first event
+                    if heartbeat is not None:
+                        await heartbeat.hand_over()  # from here on, this task is the only writer
+                    request.advance(Phase.STREAMING)
+                if type(event) is TextDelta:
+                    data = writers[index].delta(event.text, event.logprobs)
+                    if data:
+                        await body(data)
+                    continue
                 assert isinstance(event, Finished)
-                request.end(event.reason)
-                if event.reason == "error":
-                    failure = events.backend_error
-                    if isinstance(failure, TrioserveError):
-                        raise failure  # its own status: a 400 from an upstream stays a 400
-                    raise _BackendFailed(event.message or "inference failed")
-                assert request.model is not None
-                response = non_stream_response(
-                    request.kind,
-                    model=request.model,
-                    text="".join(parts),
-                    cause=event.reason,
-                    usage=event.usage,
-                )
-                await self._end(request, response, event, json=True)
+                data = writers[index].finish(event.reason, event.message)
+                left -= 1
+                if left:
+                    await body(data)
+                else:
+                    # (every choice's producer has returned: the usage is final)
+                    await self._end(request, data + request.encoders[0].end(_usage(choices)), event)
+
+    async def _collect(self, request: InFlightRequest, parsed: _Parsed) -> None:
+        choices = request.choices
+        finals: list[Finished | None] = [None] * len(choices)
+        texts: list[list[str]] = [[] for _ in choices]
+        logprobs: list[list[TokenLogprob] | None] = [
+            [] if parsed.generation.logprobs is not None else None for _ in choices
+        ]
+
+        async def collect(index: int, events: EventStream) -> None:
+            parts, entries = texts[index], logprobs[index]
+            async for event in events:
+                if request.phase is Phase.QUEUED:  # the first event
+                    request.advance(Phase.STREAMING)
+                if type(event) is TextDelta:
+                    parts.append(event.text)
+                    if entries is not None and event.logprobs:
+                        entries.extend(event.logprobs)
+                else:
+                    assert isinstance(event, Finished)
+                    finals[index] = event
+
+        async with trio.open_nursery() as nursery:
+            for index, events in enumerate(choices):
+                nursery.start_soon(collect, index, events)
+        for index, final in enumerate(finals):
+            assert final is not None
+            if final.reason == "error":
+                request.end(final.reason)
+                failure = choices[index].backend_error
+                if isinstance(failure, TrioserveError):
+                    raise failure  # its own status: a 400 from an upstream stays a 400
+                raise _BackendFailed(final.message or "inference failed")
+        last = finals[-1]
+        assert last is not None
+        assert request.model is not None
+        results = [
+            finished_choice("".join(parts), final.reason, parsed.tool_mode, parsed.tool_names, entries)
+            for parts, final, entries in zip(texts, finals, logprobs, strict=True)
+            if final is not None
+        ]
+        response = non_stream_response(
+            request.kind, model=request.model, usage=_usage(choices), choices=results
+        )
+        await self._end(request, response, last, json=True)
 
     async def _end(
         self, request: InFlightRequest, data: bytes, event: Finished, *, json: bool = False
@@ -465,12 +591,13 @@ class GenerationHandler:
         assert cause != "overloaded"
         request.advance(Phase.FINISHING)
         encoder = request.encoder if exchange.started else None
-        events = request.events
+        choices = request.choices
 
         async def send() -> None:
             if encoder is not None:
-                usage = events.usage if events is not None else Usage(prompt_tokens=0, completion_tokens=0)
-                await exchange.body(encoder.final(cause, usage), more=False)
+                usage = _usage(choices) if choices else Usage(prompt_tokens=0, completion_tokens=0)
+                finals = b"".join(e.finish(cause) for e in request.encoders or [encoder])
+                await exchange.body(finals + encoder.end(usage), more=False)
             elif cause == "deadline":
                 await exchange.error(
                     DeadlineExceededError("the request's deadline passed before the response was complete")
@@ -489,7 +616,7 @@ class GenerationHandler:
         exchange = request.exchange
         duration = time.perf_counter() - request.started
         events = request.events
-        usage = events.usage if events is not None else None
+        usage = (_usage(request.choices) if request.choices else events.usage) if events is not None else None
         timings = events.timings if events is not None else None
         ttft = timings.ttft_seconds if timings is not None else None
         cause = request.cause
@@ -509,8 +636,9 @@ class GenerationHandler:
         metrics.requests.labels(endpoint=path, status=str(exchange.status or 0)).inc()
         metrics.stream_ends.labels(cause=cause or "unknown").inc()
         metrics.request_duration.observe(duration)
-        if events is not None:
-            progress = events.progress
+        for choice in request.choices or ([events] if events is not None else []):
+            # (the choices of n > 1 that shared the first one's prompt evaluated none of it)
+            progress = choice.progress
             metrics.prompt_tokens_cached.inc(progress.cached_tokens)
             metrics.prompt_tokens_evaluated.inc(max(0, progress.prefilled_tokens - progress.cached_tokens))
         if events is not None and usage is not None and timings is not None:

@@ -54,9 +54,11 @@ class InFlightRequest:
         "cancelled",
         "cancelled_at",
         "cause",
+        "choices",
         "connection_cut",
         "delivered",
         "encoder",
+        "encoders",
         "error",
         "events",
         "exchange",
@@ -87,8 +89,12 @@ class InFlightRequest:
         self.encoder: ChunkEncoder | None = None
         #: the admission place held for a streamed request before its headers go out
         self.reservation: Reservation | None = None
-        #: the engine's event stream, once it is open (usage, timings, progress)
+        #: the engine's event stream, once it is open (usage, timings, progress); the
+        #: first choice's when ``n`` > 1
         self.events: EventStream | None = None
+        #: every choice's event stream and encoder (``n`` > 1: several)
+        self.choices: list[EventStream] = []
+        self.encoders: list[ChunkEncoder] = []
         #: the disconnect watcher's scope: stopped before the last send
         self.watch_scope = trio.CancelScope()
         #: ``time.perf_counter()`` when a cancel was requested

@@ -7,12 +7,14 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 
+import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response
 from quart_trio import QuartTrio
 
+from .._core._engine import Engine
 from .._core._exceptions import (
     HeadersTooLargeError,
     MethodNotAllowedError,
@@ -22,10 +24,16 @@ from .._core._exceptions import (
     TrioserveError,
 )
 from .._wire._openai import encode_json
+from .._wire._tokenize import (
+    decode_detokenize_request,
+    decode_tokenize_request,
+    detokenize_response,
+    tokenize_response,
+)
 from ._access import AccessPolicy, with_access_control
 from ._errors import render_error
-from ._exchange import Exchange, Receive, Scope, Send, headers_too_large
-from ._generation import GENERATION_PATHS, GenerationHandler
+from ._exchange import Exchange, Receive, Scope, Send, _check_content_type, headers_too_large
+from ._generation import _INLINE_PARSE_BYTES, GENERATION_PATHS, GenerationHandler
 from ._state import ServerState
 
 __all__ = ["create_app"]
@@ -67,6 +75,44 @@ def _json_response(
 def _error_response(exc: TrioserveError) -> Response:
     status, headers, body = render_error(exc)
     return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
+
+
+def _model_object(name: str, created: int, context_length: int) -> dict[str, object]:
+    """One model as ``/v1/models`` lists it and ``/v1/models/{id}`` answers it."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "trioserve",
+        "context_length": context_length,
+    }
+
+
+def _serving_engine(state: ServerState) -> Engine:
+    """The engine, or the 503 a generation request would get (loading, shutting down)."""
+    if state.shutting_down:
+        raise ServiceUnavailableError("the server is shutting down; retry on another instance", retry_after=1)
+    if state.engine is None:
+        if state.load_error:
+            raise ServiceUnavailableError(f"the model failed to load: {state.load_error}")
+        raise ServiceUnavailableError(
+            "the model is still loading; retry shortly", retry_after=1, code="loading"
+        )
+    return state.engine
+
+
+async def _json_body[T](decode: Callable[[bytes], T]) -> T:
+    """The request's body, decoded by ``decode`` (bodies over 64 KiB: in a worker thread,
+    as the generation endpoints do). The body limit is quart's ``MAX_CONTENT_LENGTH``
+    (413); a Content-Type other than JSON is 415."""
+    from quart import request
+
+    _check_content_type(cast("Scope", request.scope))
+    body = await request.get_data(as_text=False)
+    assert isinstance(body, bytes)
+    if len(body) > _INLINE_PARSE_BYTES:
+        return await trio.to_thread.run_sync(decode, body)
+    return decode(body)
 
 
 def _create_quart_app(state: ServerState) -> QuartTrio:
@@ -122,18 +168,51 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
         return _json_response(
             {
                 "object": "list",
-                "data": [
-                    {
-                        "id": name,
-                        "object": "model",
-                        "created": created,
-                        "owned_by": "trioserve",
-                        "context_length": info.context_length,
-                    }
-                    for name in state.model_names()
-                ],
+                "data": [_model_object(name, created, info.context_length) for name in state.model_names()],
             }
         )
+
+    # ids may hold slashes (``--model-id org/name``, an upstream's id): ``path``
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        engine = state.engine
+        if engine is None:
+            return _error_response(ServiceUnavailableError("the model is still loading", code="loading"))
+        names = state.model_names()
+        if model_id not in names:
+            return _error_response(
+                NotFoundError(
+                    f"the model {model_id!r} does not exist on this server; available: {', '.join(names)}",
+                    param="model",
+                    code="model_not_found",
+                )
+            )
+        return _json_response(_model_object(model_id, int(time.time()), engine.backend.info.context_length))
+
+    # llama-server's tokenizer endpoints (docs/api.md, "Tokenizing")
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        try:
+            engine = _serving_engine(state)
+            request = await _json_body(decode_tokenize_request)
+            backend = engine.backend
+            tokens = await backend.tokenize_text(
+                request.content, add_special=request.add_special, parse_special=request.parse_special
+            )
+            pieces = await backend.token_pieces(tokens) if request.with_pieces else None
+        except TrioserveError as exc:
+            return _error_response(exc)
+        return Response(tokenize_response(tokens, pieces), content_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        try:
+            engine = _serving_engine(state)
+            request = await _json_body(decode_detokenize_request)
+            pieces = await engine.backend.token_pieces(request.tokens)
+        except TrioserveError as exc:
+            return _error_response(exc)
+        return Response(detokenize_response(pieces), content_type="application/json")
 
     @app.errorhandler(404)
     async def not_found(_error: Exception) -> Response:

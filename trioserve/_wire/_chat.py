@@ -8,11 +8,13 @@ else ChatML). The fallbacks: ``docs/api.md``, "Chat prompts".
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._core._exceptions import InvalidRequestError
 from ._openai import ChatMessage
+from ._tools import Tool, parameters_of
 
 __all__ = ["ChatFormat", "chat_format_for"]
 
@@ -26,12 +28,63 @@ class ChatPrompt:
 
 
 class ChatFormat:
-    """Renders chat messages for one model."""
+    """Renders chat messages (and the tools the model may call) for one model."""
 
     name = "base"
 
-    def render(self, messages: Sequence[ChatMessage]) -> ChatPrompt:  # pragma: no cover
+    def render(
+        self, messages: Sequence[ChatMessage], *, tools: Sequence[Tool] | None = None
+    ) -> ChatPrompt:  # pragma: no cover
         raise NotImplementedError
+
+
+def _tool_line(tool: Tool) -> str:
+    spec: dict[str, object] = {"name": tool.function.name}
+    if tool.function.description:
+        spec["description"] = tool.function.description
+    spec["parameters"] = parameters_of(tool)
+    return json.dumps(spec, separators=(",", ":"))
+
+
+def tools_preamble(tools: Sequence[Tool]) -> str:
+    """How the fallback formats tell the model about its tools (docs/structured-output.md)."""
+    lines = "\n".join(_tool_line(tool) for tool in tools)
+    return (
+        "You can call these functions:\n"
+        f"{lines}\n"
+        'To call one, reply with only a JSON object: {"name": <the function name>, '
+        '"arguments": <an object of its parameters>}. Otherwise answer normally.'
+    )
+
+
+def call_text(message: ChatMessage) -> str:
+    """An assistant message's tool calls, as the model writes them (one per line)."""
+    lines = []
+    for call in message.tool_calls or ():
+        try:
+            arguments = json.loads(call.function.arguments or "{}")
+        except ValueError:
+            raise InvalidRequestError(
+                f"the arguments of tool call {call.id or call.function.name!r} are not valid JSON",
+                param="messages",
+            ) from None
+        lines.append(json.dumps({"name": call.function.name, "arguments": arguments}, separators=(",", ":")))
+    return "\n".join(lines)
+
+
+def _call_names(messages: Sequence[ChatMessage]) -> dict[str, str]:
+    """tool_call_id → the function's name, from the assistant messages."""
+    return {
+        call.id: call.function.name
+        for message in messages
+        for call in message.tool_calls or ()
+        if call.id is not None
+    }
+
+
+def _tool_result(message: ChatMessage, names: dict[str, str]) -> str:
+    name = names.get(message.tool_call_id or "", message.name or "the function")
+    return f"{name} returned: {message.text()}"
 
 
 def _check_roles(messages: Sequence[ChatMessage]) -> None:
@@ -42,21 +95,37 @@ def _check_roles(messages: Sequence[ChatMessage]) -> None:
 class GemmaFormat(ChatFormat):
     name = "gemma"
 
-    def render(self, messages: Sequence[ChatMessage]) -> ChatPrompt:
+    def render(self, messages: Sequence[ChatMessage], *, tools: Sequence[Tool] | None = None) -> ChatPrompt:
         _check_roles(messages)
         system = "\n\n".join(m.text() for m in messages if m.role in ("system", "developer"))
+        if tools:
+            system = f"{system}\n\n{tools_preamble(tools)}" if system else tools_preamble(tools)
+        names = _call_names(messages)
         parts: list[str] = []
         first_user = True
+        previous = ""
         for message in messages:
             if message.role in ("system", "developer"):
                 continue
+            # Gemma has two roles: a tool's result is a user turn (consecutive results: one turn)
             role = "model" if message.role == "assistant" else "user"
-            text = message.text()
+            if message.role == "tool":
+                text = _tool_result(message, names)
+            elif message.role == "assistant" and message.tool_calls:
+                text = "\n".join(t for t in (message.text().strip(), call_text(message)) if t)
+            else:
+                text = message.text()
+                if message.name and role == "user":
+                    text = f"{message.name}: {text}"
             if role == "user" and first_user and system:
                 text = f"{system}\n\n{text}"
             if role == "user":
                 first_user = False
-            parts.append(f"<start_of_turn>{role}\n{text.strip()}<end_of_turn>\n")
+            if message.role == "tool" and previous == "tool":
+                parts[-1] = parts[-1].removesuffix("<end_of_turn>\n") + f"\n{text.strip()}<end_of_turn>\n"
+            else:
+                parts.append(f"<start_of_turn>{role}\n{text.strip()}<end_of_turn>\n")
+            previous = message.role
         parts.append("<start_of_turn>model\n")
         return ChatPrompt(text="".join(parts), stops=("<end_of_turn>", "<start_of_turn>"), has_bos=False)
 
@@ -64,12 +133,15 @@ class GemmaFormat(ChatFormat):
 class ChatMLFormat(ChatFormat):
     name = "chatml"
 
-    def render(self, messages: Sequence[ChatMessage]) -> ChatPrompt:
+    def render(self, messages: Sequence[ChatMessage], *, tools: Sequence[Tool] | None = None) -> ChatPrompt:
         _check_roles(messages)
-        parts = [
-            f"<|im_start|>{'system' if m.role == 'developer' else m.role}\n{m.text()}<|im_end|>\n"
-            for m in messages
-        ]
+        parts = [f"<|im_start|>system\n{tools_preamble(tools)}<|im_end|>\n"] if tools else []
+        for m in messages:
+            text = m.text()
+            if m.tool_calls:
+                calls = "\n".join(f"<tool_call>\n{line}\n</tool_call>" for line in call_text(m).splitlines())
+                text = f"{text}\n{calls}" if text else calls
+            parts.append(f"<|im_start|>{'system' if m.role == 'developer' else m.role}\n{text}<|im_end|>\n")
         parts.append("<|im_start|>assistant\n")
         return ChatPrompt(text="".join(parts), stops=("<|im_end|>", "<|im_start|>"), has_bos=False)
 
@@ -91,17 +163,51 @@ class JinjaFormat(ChatFormat):
         self._bos = bos_token
         self._eos = eos_token
 
-    def render(self, messages: Sequence[ChatMessage]) -> ChatPrompt:
+    def render(self, messages: Sequence[ChatMessage], *, tools: Sequence[Tool] | None = None) -> ChatPrompt:
         _check_roles(messages)
+        extra: dict[str, object] = {}
+        if tools:
+            extra["tools"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": t.function.name,
+                        "description": t.function.description or "",
+                        "parameters": parameters_of(t),
+                    },
+                }
+                for t in tools
+            ]
         text = self._template.render(
-            messages=[{"role": m.role, "content": m.text()} for m in messages],
+            messages=[_template_message(m) for m in messages],
             bos_token=self._bos,
             eos_token=self._eos,
             add_generation_prompt=True,
+            **extra,
         )
         has_bos = bool(self._bos) and text.startswith(self._bos)
         stops = (self._eos,) if self._eos else ()
         return ChatPrompt(text=text, stops=stops, has_bos=has_bos)
+
+
+def _template_message(message: ChatMessage) -> dict[str, object]:
+    """A message as chat templates expect it (tool call arguments as objects, as
+    llama.cpp passes them)."""
+    out: dict[str, object] = {"role": message.role, "content": message.text()}
+    if message.name:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": json.loads(line)["arguments"]},
+            }
+            for call, line in zip(message.tool_calls, call_text(message).splitlines(), strict=True)
+        ]
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def chat_format_for(

@@ -13,13 +13,14 @@ import re
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from .._core._exceptions import InvalidRequestError
-from .._core._types import EndCause, GenerationRequest, SamplingParams, Usage
+from .._core._types import Constraint, EndCause, GenerationRequest, SamplingParams, TokenLogprob, Usage
 from ._sse import DONE, encode_data
+from ._tools import Tool, ToolChoiceObject, call_constraint, check_tools
 
 __all__ = [
     "ChatCompletionRequest",
@@ -38,10 +39,27 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
 Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    #: OpenAI's field is ``schema``
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    #: llama-server's ``{"type": "json_object", "schema": {...}}``
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
 
 
 class _CommonFields(msgspec.Struct, kw_only=True):
@@ -54,13 +72,30 @@ class _CommonFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, Bias] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, msgspec.Meta(ge=1)] = 1
+    n: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    response_format: ResponseFormat | None = None
+    #: llama.cpp's sampling fields (llama-server's names and meanings)
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    repeat_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0
+    repeat_last_n: Annotated[int, msgspec.Meta(ge=-1)] = 64
     #: llama-server's field: ``false`` neither reuses nor leaves a cached prefix
     cache_prompt: bool = True
+    #: llama-server's constraint fields: a JSON Schema, a GBNF grammar
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
+    # Known, not honoured: refused when set to anything but their default (_REFUSED).
+    user: str | None = None  # (an identifier: accepted and not used)
 
 
 class CompletionRequest(_CommonFields, kw_only=True):
     prompt: str | list[str | int]
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -68,9 +103,25 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class CallFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str = "{}"
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    id: str | None = None
+    type: str = "function"
+    function: CallFunction
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    #: an assistant's calls, earlier in the conversation
+    tool_calls: list[MessageToolCall] | None = None
+    #: a ``tool`` message: the call it answers
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -91,6 +142,36 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 class ChatCompletionRequest(_CommonFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
+    parallel_tool_calls: bool | None = None
+    # known, not honoured (_REFUSED)
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    store: Any = None
+    service_tier: Any = None
+    metadata: Any = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+    def tool_mode(self) -> Literal["none", "auto", "required"] | str:
+        """``none``, ``auto``, ``required``, or the name of the function to call."""
+        if not self.tools:
+            return "none"
+        choice = self.tool_choice
+        if choice is None:
+            return "auto"
+        if isinstance(choice, str):
+            return choice
+        return choice.function.name
 
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
@@ -124,13 +205,36 @@ def _decode[T](decoder: msgspec.json.Decoder[T], body: bytes) -> T:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
 
 
+#: fields trioserve knows and does not honour: (name, the values that mean "not asked
+#: for", why it is refused). Any other value gets a 400 naming the field
+#: (docs/api.md, "Request fields").
+_REFUSED: tuple[tuple[str, tuple[object, ...], str], ...] = (
+    ("echo", (None, False), "echoing the prompt back is not supported; add it to the text yourself"),
+    ("suffix", (None, ""), "insertion (suffix) is not supported: this model has no fill-in-the-middle mode"),
+    ("best_of", (None, 1), "best_of is not supported; use n and pick on the client"),
+    ("functions", (None,), "the deprecated functions field is not supported; send tools"),
+    ("function_call", (None,), "the deprecated function_call field is not supported; send tool_choice"),
+    ("audio", (None,), "audio output is not supported: this server generates text"),
+    ("modalities", (None, ["text"]), "only the text modality is supported"),
+    ("prediction", (None,), "predicted outputs are not supported"),
+    ("web_search_options", (None,), "web search is not supported"),
+    ("reasoning_effort", (None,), "reasoning_effort is not supported: the model has no reasoning mode"),
+    ("verbosity", (None,), "verbosity is not supported"),
+    ("store", (None, False), "storing completions is not supported"),
+    ("service_tier", (None, "auto", "default"), "only the default service tier exists here"),
+    ("metadata", (None,), "metadata is only kept with store, which is not supported"),
+)
+
+
+def _check_refused(request: _CommonFields) -> None:
+    for name, defaults, why in _REFUSED:
+        value = getattr(request, name, None)
+        if not any(value == default and type(value) is type(default) for default in defaults):
+            raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
+
+
 def _check_common(request: _CommonFields) -> None:
-    if request.n != 1:
-        raise InvalidRequestError(
-            f"n={request.n} is not supported: trioserve returns one choice per request; "
-            "send n=1 (or omit it) and make several requests instead",
-            param="n",
-        )
+    _check_refused(request)
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -164,9 +268,47 @@ def _sampling(request: _CommonFields) -> SamplingParams:
     return SamplingParams(
         temperature=request.temperature,
         top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
         seed=request.seed,
         logit_bias=_logit_bias(request.logit_bias),
+        frequency_penalty=request.frequency_penalty,
+        presence_penalty=request.presence_penalty,
+        repeat_penalty=request.repeat_penalty,
+        repeat_last_n=request.repeat_last_n,
     )
+
+
+_ANY_OBJECT = '{"type": "object"}'
+
+
+def _constraint(request: _CommonFields) -> Constraint | None:
+    """The constraint ``response_format`` (or llama-server's ``json_schema``/``grammar``)
+    asks for; at most one of them."""
+    asked: list[tuple[str, Constraint]] = []
+    fmt = request.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            schema = fmt.schema_
+            source = _ANY_OBJECT if schema is None else msgspec.json.encode(schema).decode()
+        else:
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise InvalidRequestError(
+                    "response_format of type json_schema needs json_schema.schema (a JSON Schema object)",
+                    param="response_format.json_schema.schema",
+                )
+            source = msgspec.json.encode(fmt.json_schema.schema_).decode()
+        asked.append(("response_format", Constraint(kind="json_schema", source=source)))
+    if request.json_schema is not None:
+        source = msgspec.json.encode(request.json_schema).decode()
+        asked.append(("json_schema", Constraint(kind="json_schema", source=source)))
+    if request.grammar:
+        asked.append(("grammar", Constraint(kind="gbnf", source=request.grammar)))
+    if len(asked) > 1:
+        raise InvalidRequestError(
+            f"send one constraint, not {' and '.join(name for name, _ in asked)}", param=asked[1][0]
+        )
+    return asked[0][1] if asked else None
 
 
 def decode_completion_request(body: bytes) -> tuple[CompletionRequest, GenerationRequest]:
@@ -194,6 +336,8 @@ def decode_completion_request(body: bytes) -> tuple[CompletionRequest, Generatio
         sampling=_sampling(request),
         stop=_stops(request.stop),
         cache_prompt=request.cache_prompt,
+        constraint=_constraint(request),
+        logprobs=request.logprobs,
     )
     return request, generation
 
@@ -207,6 +351,24 @@ def decode_chat_request(body: bytes) -> ChatCompletionRequest:
         raise InvalidRequestError("messages must hold at least one message", param="messages")
     for message in request.messages:
         message.text()  # rejects unsupported content parts early
+    if request.top_logprobs is not None and not request.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    if request.tools:
+        check_tools(request.tools)
+    mode = request.tool_mode()
+    if mode not in ("none", "auto", "required"):
+        names = [tool.function.name for tool in request.tools or ()]
+        if mode not in names:
+            raise InvalidRequestError(
+                f"tool_choice names the function {mode!r}, which is not in tools ({', '.join(names)})",
+                param="tool_choice",
+            )
+    elif request.tool_choice is not None and not request.tools and request.tool_choice != "none":
+        raise InvalidRequestError(f"tool_choice {request.tool_choice!r} needs tools", param="tool_choice")
+    if mode not in ("none", "auto") and _constraint(request) is not None:
+        raise InvalidRequestError(
+            "a forced tool call cannot also follow response_format; send one of them", param="tool_choice"
+        )
     return request
 
 
@@ -216,6 +378,13 @@ def chat_generation(
     """The generation for a chat request whose messages were rendered to ``prompt``
     (``add_bos=False`` when the template already wrote the BOS token)."""
     max_tokens = request.max_completion_tokens or request.max_tokens
+    mode = request.tool_mode()
+    constraint = _constraint(request)
+    if mode == "required":
+        constraint = call_constraint(request.tools or ())
+    elif mode not in ("none", "auto"):
+        constraint = call_constraint([tool for tool in request.tools or () if tool.function.name == mode])
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return GenerationRequest(
         prompt=prompt,
         max_tokens=max_tokens,  # None: until the context is full
@@ -223,6 +392,8 @@ def chat_generation(
         stop=_stops(request.stop) + tuple(extra_stops),
         add_bos=add_bos,
         cache_prompt=request.cache_prompt,
+        constraint=constraint,
+        logprobs=logprobs,
     )
 
 
@@ -239,30 +410,82 @@ def _usage_dict(usage: Usage) -> dict[str, object]:
     }
 
 
+def _token_text(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, object]:
+    """OpenAI's chat ``logprobs`` object for ``entries``."""
+    return {
+        "content": [
+            {
+                "token": _token_text(entry.piece),
+                "logprob": entry.logprob,
+                "bytes": list(entry.piece),
+                "top_logprobs": [
+                    {"token": _token_text(piece), "logprob": logprob, "bytes": list(piece)}
+                    for piece, logprob in entry.top
+                ],
+            }
+            for entry in entries
+        ],
+        "refusal": None,
+    }
+
+
+def text_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, object]:
+    """The completions ``logprobs`` object (``text_offset`` counts characters from
+    ``offset``, where the text of ``entries`` starts)."""
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(_token_text(entry.piece))
+    return {
+        "tokens": [_token_text(entry.piece) for entry in entries],
+        "token_logprobs": [entry.logprob for entry in entries],
+        "top_logprobs": [{_token_text(piece): logprob for piece, logprob in entry.top} for entry in entries],
+        "text_offset": offsets,
+    }
+
+
 class ChunkEncoder:
-    """Encodes one stream's SSE chunks. Everything but the text is encoded once.
+    """Encodes one choice's SSE chunks. Everything but the text is encoded once.
 
     Args:
         kind: ``"text"`` for ``/v1/completions``, ``"chat"`` for ``/v1/chat/completions``.
         model: the model id reported in each chunk.
         include_usage: ``stream_options.include_usage``: every chunk carries
             ``"usage": null`` and a last chunk carries the usage.
+        index: the choice's index (``n`` > 1: one encoder per choice, sharing
+            ``id`` and ``created`` with the first).
     """
 
-    def __init__(self, kind: Literal["text", "chat"], model: str, *, include_usage: bool = False) -> None:
+    def __init__(
+        self,
+        kind: Literal["text", "chat"],
+        model: str,
+        *,
+        include_usage: bool = False,
+        index: int = 0,
+        first: ChunkEncoder | None = None,
+    ) -> None:
         self.kind = kind
         self.include_usage = include_usage
-        self.id = ("cmpl-" if kind == "text" else "chatcmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
+        self.index = index
+        self.id: str = first.id if first else ("cmpl-" if kind == "text" else "chatcmpl-") + uuid.uuid4().hex
+        self.created: int = first.created if first else int(time.time())
         self.model = model
         self._object = "text_completion" if kind == "text" else "chat.completion.chunk"
+        #: characters of text sent so far (the completions ``text_offset``)
+        self._offset = 0
         head = self._head()
         usage_tail = b',"usage":null' if include_usage else b""
+        i = str(index).encode()
         if kind == "text":
-            self._prefix = b"data: " + head + b',"choices":[{"index":0,"text":'
+            self._prefix = b"data: " + head + b',"choices":[{"index":' + i + b',"text":'
             self._suffix = b',"logprobs":null,"finish_reason":null}]' + usage_tail + b"}\n\n"
         else:
-            self._prefix = b"data: " + head + b',"choices":[{"index":0,"delta":{"content":'
+            self._prefix = b"data: " + head + b',"choices":[{"index":' + i + b',"delta":{"content":'
             self._suffix = b'},"logprobs":null,"finish_reason":null}]' + usage_tail + b"}\n\n"
 
     def _head(self) -> bytes:
@@ -282,7 +505,7 @@ class ChunkEncoder:
         return self._chunk(
             [
                 {
-                    "index": 0,
+                    "index": self.index,
                     "delta": {"role": "assistant", "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
@@ -294,9 +517,48 @@ class ChunkEncoder:
         """One text delta, as complete SSE bytes. The hot path."""
         return self._prefix + encode_json(text) + self._suffix
 
-    def final(self, cause: EndCause, usage: Usage, message: str | None = None) -> bytes:
-        """The finish chunk, the usage chunk if asked for, and ``[DONE]``."""
-        choice: dict[str, object] = {"index": 0, "logprobs": None, "finish_reason": _finish_reason(cause)}
+    def delta_logprobs(self, text: str, entries: Sequence[TokenLogprob]) -> bytes:
+        """A text delta with the log-probabilities of the tokens it came from."""
+        choice: dict[str, object] = {"index": self.index}
+        if self.kind == "text":
+            choice["text"] = text
+            choice["logprobs"] = text_logprobs(entries, self._offset)
+            self._offset += len(text)
+        else:
+            choice["delta"] = {"content": text}
+            choice["logprobs"] = chat_logprobs(entries)
+        choice["finish_reason"] = None
+        return self._chunk([choice])
+
+    def tool_call_start(self, call_index: int, call_id: str, name: str, arguments: str = "") -> bytes:
+        """A tool call begins: its id and name (OpenAI's first chunk of a call)."""
+        call = {
+            "index": call_index,
+            "id": call_id,
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        return self._chunk(
+            [{"index": self.index, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}]
+        )
+
+    def tool_call_arguments(self, call_index: int, fragment: str) -> bytes:
+        """More of a tool call's arguments (JSON text)."""
+        call = {"index": call_index, "function": {"arguments": fragment}}
+        return self._chunk(
+            [{"index": self.index, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}]
+        )
+
+    def finish(
+        self, cause: EndCause, message: str | None = None, *, finish_reason: str | None = None
+    ) -> bytes:
+        """This choice's finish chunk (``finish_reason``: e.g. ``tool_calls`` instead of
+        ``stop``)."""
+        choice: dict[str, object] = {
+            "index": self.index,
+            "logprobs": None,
+            "finish_reason": finish_reason or _finish_reason(cause),
+        }
         if self.kind == "text":
             choice["text"] = ""
         else:
@@ -305,10 +567,19 @@ class ChunkEncoder:
         if cause not in ("stop", "length"):
             # trioserve's own field: why the stream ended, in words a user can act on.
             extra["trioserve"] = {"end_cause": cause, "message": message or _END_MESSAGES.get(cause, "")}
-        out = self._chunk([choice], **extra)
+        return self._chunk([choice], **extra)
+
+    def end(self, usage: Usage) -> bytes:
+        """The usage chunk if asked for, and ``[DONE]``."""
         if self.include_usage:
-            out += self._chunk([], usage=_usage_dict(usage))
-        return out + DONE
+            return self._chunk([], usage=_usage_dict(usage)) + DONE
+        return DONE
+
+    def final(
+        self, cause: EndCause, usage: Usage, message: str | None = None, *, finish_reason: str | None = None
+    ) -> bytes:
+        """The finish chunk, the usage chunk if asked for, and ``[DONE]``."""
+        return self.finish(cause, message, finish_reason=finish_reason) + self.end(usage)
 
     def _chunk(self, choices: list[dict[str, object]], **extra: object) -> bytes:
         body: dict[str, object] = {
@@ -331,39 +602,65 @@ _END_MESSAGES: dict[str, str] = {
 }
 
 
+class ChoiceResult(msgspec.Struct, kw_only=True):
+    """One finished choice of a non-streamed response."""
+
+    text: str
+    cause: EndCause
+    logprobs: list[TokenLogprob] | None = None
+    #: (id, name, arguments JSON) of each tool call the text was read as
+    tool_calls: list[tuple[str, str, str]] | None = None
+
+
 def non_stream_response(
     kind: Literal["text", "chat"],
     *,
     model: str,
-    text: str,
-    cause: EndCause,
+    text: str = "",
+    cause: EndCause = "stop",
     usage: Usage,
+    choices: Sequence[ChoiceResult] | None = None,
 ) -> bytes:
-    """The body of a ``stream: false`` response."""
+    """The body of a ``stream: false`` response (``choices``, or one from ``text``)."""
     created = int(time.time())
-    if kind == "text":
-        body: dict[str, object] = {
-            "id": "cmpl-" + uuid.uuid4().hex,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": _finish_reason(cause)}],
-            "usage": _usage_dict(usage),
-        }
-    else:
-        body = {
-            "id": "chatcmpl-" + uuid.uuid4().hex,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
+    results = list(choices) if choices is not None else [ChoiceResult(text=text, cause=cause)]
+    out: list[dict[str, object]] = []
+    for index, result in enumerate(results):
+        if kind == "text":
+            logprobs = text_logprobs(result.logprobs) if result.logprobs is not None else None
+            out.append(
                 {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": _finish_reason(cause),
+                    "index": index,
+                    "text": result.text,
+                    "logprobs": logprobs,
+                    "finish_reason": _finish_reason(result.cause),
                 }
-            ],
-            "usage": _usage_dict(usage),
-        }
+            )
+            continue
+        message: dict[str, object] = {"role": "assistant", "content": result.text}
+        finish = _finish_reason(result.cause)
+        if result.tool_calls:
+            message["content"] = None
+            message["tool_calls"] = [
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+                for call_id, name, arguments in result.tool_calls
+            ]
+            if result.cause == "stop":
+                finish = "tool_calls"
+        out.append(
+            {
+                "index": index,
+                "message": message,
+                "logprobs": chat_logprobs(result.logprobs) if result.logprobs is not None else None,
+                "finish_reason": finish,
+            }
+        )
+    body: dict[str, object] = {
+        "id": ("cmpl-" if kind == "text" else "chatcmpl-") + uuid.uuid4().hex,
+        "object": "text_completion" if kind == "text" else "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": out,
+        "usage": _usage_dict(usage),
+    }
     return encode_json(body)

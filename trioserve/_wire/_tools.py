@@ -1,0 +1,168 @@
+"""Tool calls, sans-IO: the constraint a forced call is decoded under, and the
+calls read back out of the generated text (whole, or as it streams).
+
+A call is written as one compact JSON object, ``{"name":"<function>","arguments":{…}}``
+— the format the chat prompt teaches (``_chat.py``) and, for ``tool_choice``
+``required`` or a named function, the only text the constraint allows: the name is one
+of the tools' (``const``) and the arguments validate against that tool's
+``parameters``. With ``auto`` the text is unconstrained and read as a call only if it
+is exactly such an object (alone, or inside ``<tool_call>`` tags). The formats and
+choices: ``docs/structured-output.md``, "Tools".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from .._core._exceptions import InvalidRequestError
+from .._core._types import Constraint
+
+__all__ = [
+    "FunctionDef",
+    "ParsedCall",
+    "StreamedCallParser",
+    "Tool",
+    "ToolChoiceFunction",
+    "ToolChoiceObject",
+    "call_constraint",
+    "new_call_id",
+    "parse_calls",
+]
+
+
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, object] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: str
+    function: FunctionDef
+
+
+class ToolChoiceFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class ToolChoiceObject(msgspec.Struct, kw_only=True):
+    type: str
+    function: ToolChoiceFunction
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_EMPTY_PARAMETERS: dict[str, object] = {"type": "object", "properties": {}}
+
+
+def check_tools(tools: Sequence[Tool]) -> None:
+    """Refuse what cannot be served: other tool types, bad or repeated names."""
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        if tool.type != "function":
+            raise InvalidRequestError(
+                f"tools[{i}].type is {tool.type!r}; only 'function' tools are supported",
+                param=f"tools[{i}].type",
+            )
+        name = tool.function.name
+        if not _NAME.match(name):
+            raise InvalidRequestError(
+                f"tools[{i}].function.name {name!r} must be 1-64 letters, digits, '_' or '-'",
+                param=f"tools[{i}].function.name",
+            )
+        if name in seen:
+            raise InvalidRequestError(f"two tools are named {name!r}", param="tools")
+        seen.add(name)
+
+
+def parameters_of(tool: Tool) -> dict[str, object]:
+    return tool.function.parameters or _EMPTY_PARAMETERS
+
+
+def call_constraint(tools: Sequence[Tool]) -> Constraint:
+    """The constraint of a forced call to one of ``tools``: exactly one compact
+    ``{"name":…,"arguments":…}`` object whose arguments validate against the named
+    tool's ``parameters``."""
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": tool.function.name}, "arguments": parameters_of(tool)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return Constraint(kind="json_schema", source=json.dumps(schema))
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedCall:
+    name: str
+    #: the arguments as JSON text (as OpenAI sends them)
+    arguments: str
+
+
+_TAGGED = re.compile(r"^\s*<tool_call>\s*(.*?)\s*</tool_call>\s*$", re.S)
+
+
+def parse_calls(text: str, names: Sequence[str]) -> list[ParsedCall] | None:
+    """The tool call ``text`` is, or ``None`` if it is not one (then it is content)."""
+    tagged = _TAGGED.match(text)
+    body = tagged.group(1) if tagged else text.strip()
+    if not body.startswith("{"):
+        return None
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or set(value) != {"name", "arguments"}:
+        return None
+    name, arguments = value["name"], value["arguments"]
+    if name not in names or not isinstance(arguments, dict):
+        return None
+    return [ParsedCall(name=name, arguments=json.dumps(arguments, separators=(",", ":")))]
+
+
+_HEAD = re.compile(r'^\{"name":"((?:[^"\\]|\\.)*)","arguments":')
+
+
+class StreamedCallParser:
+    """Reads a forced call as it streams (the constraint fixes its layout): first the
+    name — :meth:`feed` returns it once, with the first argument text — then argument
+    fragments, holding back the wrapper's closing ``}``."""
+
+    __slots__ = ("_buffer", "name")
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self.name: str | None = None
+
+    def feed(self, text: str) -> tuple[str | None, str]:
+        """(the function name when it is first complete, else ``None``; new argument text)."""
+        self._buffer += text
+        if self.name is None:
+            match = _HEAD.match(self._buffer)
+            if match is None:
+                return None, ""
+            self.name = json.loads(f'"{match.group(1)}"')
+            self._buffer = self._buffer[match.end() :]
+            fragment, self._buffer = self._buffer[:-1], self._buffer[-1:]
+            return self.name, fragment
+        fragment, self._buffer = self._buffer[:-1], self._buffer[-1:]
+        return None, fragment
+
+    def finish(self) -> str:
+        """The last argument text (the held ``}`` of the wrapper is dropped)."""
+        rest, self._buffer = self._buffer, ""
+        return rest[:-1] if rest.endswith("}") and self.name is not None else rest
