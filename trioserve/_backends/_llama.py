@@ -11,6 +11,8 @@ and a C callback: ``docs/architecture.md``, "The per-token path".
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 import logging
 import math
 import os
@@ -25,6 +27,7 @@ import trio
 from .._core._backend import Backend, ModelInfo, PreparedPrompt, check_token_ids, fit_to_context
 from .._core._exceptions import BackendError, InvalidRequestError
 from .._core._types import GenerationRequest, SamplingParams
+from ._grammar import GrammarCompiler
 
 __all__ = ["LlamaModel", "LlamaSettings"]
 
@@ -405,26 +408,55 @@ class LlamaModel(Backend):
                     f"logit_bias key {token} is not a token id of this model (vocabulary: {self.n_vocab})",
                     param="logit_bias",
                 )
-        return fit_to_context(request, tokens, self.settings.n_ctx)
+        prepared = fit_to_context(request, tokens, self.settings.n_ctx)
+        if request.constraint is not None:
+            # compiling (and, the first time, building the grammar engine's view of the
+            # vocabulary) can take a while: off the event loop. A cancel returns at
+            # once; the thread finishes its bounded compile and the result is dropped.
+            constraint = request.constraint
+            mask = await trio.to_thread.run_sync(
+                lambda: self.grammars.compile(constraint), abandon_on_cancel=True
+            )
+            prepared = dataclasses.replace(prepared, compiled=mask)
+        return prepared
 
-    def _sampler(self, params: SamplingParams) -> Any:
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The constraint compiler for this model's vocabulary."""
+        return GrammarCompiler(self.lib, self.vocab, self.n_vocab)
+
+    def _sampler(self, params: SamplingParams, *, max_new_tokens: int = 0, seed_offset: int = 0) -> Any:
+        """llama.cpp's sampler chain for ``params``, in llama-server's order: logit
+        bias, penalties, top-k, top-p, min-p, temperature, then the draw (or greedy)."""
         lib = self.lib
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        add = lib.llama_sampler_chain_add
         if params.logit_bias:
             biases = (lib.llama_logit_bias * len(params.logit_bias))()
             for i, (token, bias) in enumerate(params.logit_bias.items()):
                 biases[i].token = token
                 # OpenAI: -100 bans a token, +100 forces it
                 biases[i].bias = -math.inf if bias <= -100 else bias
-            lib.llama_sampler_chain_add(
-                chain, lib.llama_sampler_init_logit_bias(self.n_vocab, len(params.logit_bias), biases)
-            )
+            add(chain, lib.llama_sampler_init_logit_bias(self.n_vocab, len(params.logit_bias), biases))
+        if params.repeat_penalty != 1:
+            last_n = params.repeat_last_n if params.repeat_last_n >= 0 else max(1, max_new_tokens)
+            add(chain, lib.llama_sampler_init_penalties(last_n, params.repeat_penalty, 0.0, 0.0))
+        if params.frequency_penalty or params.presence_penalty:
+            # OpenAI's penalties count every token generated so far: a window as long
+            # as the generation
+            window = max(1, max_new_tokens or self.settings.n_ctx)
+            penalties = lib.llama_sampler_init_penalties
+            add(chain, penalties(window, 1.0, params.frequency_penalty, params.presence_penalty))
         if params.temperature == 0:
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+            add(chain, lib.llama_sampler_init_greedy())
         else:
+            if params.top_k > 0:
+                add(chain, lib.llama_sampler_init_top_k(params.top_k))
             if params.top_p < 1.0:
-                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(params.top_p, 1))
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(params.temperature))
-            seed = params.seed if params.seed is not None else random.getrandbits(32)
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+                add(chain, lib.llama_sampler_init_top_p(params.top_p, 1))
+            if params.min_p > 0:
+                add(chain, lib.llama_sampler_init_min_p(params.min_p, 1))
+            add(chain, lib.llama_sampler_init_temp(params.temperature))
+            seed = params.seed + seed_offset if params.seed is not None else random.getrandbits(32)
+            add(chain, lib.llama_sampler_init_dist(seed & 0xFFFFFFFF))
         return chain

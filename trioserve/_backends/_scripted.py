@@ -13,7 +13,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from .._core._backend import GenerationProgress, ModelInfo, PreparedPrompt, check_token_ids, fit_to_context
+from .._core._backend import (
+    GenerationProgress,
+    ModelInfo,
+    PreparedPrompt,
+    check_token_ids,
+    fit_to_context,
+    refuse_unsupported,
+)
 from .._core._channel import Aborted, PieceChannel
 from .._core._types import GenerationRequest
 from ._threaded import Emit, ThreadedBackend
@@ -69,6 +76,7 @@ class ScriptedBackend(ThreadedBackend):
         return self._slots
 
     async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
+        refuse_unsupported(request, "scripted")
         if isinstance(request.prompt, str):
             tokens: Sequence[int] = list(request.prompt.encode())
         else:
