@@ -104,9 +104,10 @@ async def server(llama_backend: LlamaBackend, nursery: trio.Nursery) -> AsyncIte
 
 
 class Victim:
-    """The request that gets cancelled, over the transport the cause needs."""
+    """The request that gets cancelled, over the transport the cause needs (``extra``:
+    more body fields — a constraint, ``n``)."""
 
-    def __init__(self, cause: str, phase: str) -> None:
+    def __init__(self, cause: str, phase: str, extra: dict[str, Any] | None = None) -> None:
         self.streaming = not cause.startswith("non_stream_")
         self.cause = cause.removeprefix("non_stream_") if cause != "non_stream_close" else cause
         self.phase = phase
@@ -118,6 +119,7 @@ class Victim:
             "max_tokens": 40 if phase == "prefill" else 3000,
             "temperature": 0,
             "stream": self.streaming,
+            **(extra or {}),
         }
         self.headers = {"X-Request-Id": self.request_id}
         if self.cause == "deadline":
@@ -192,18 +194,22 @@ async def _wait_queued(server: RunningServer, count: int = 1) -> None:
 
 
 def _only_stream(server: RunningServer) -> Any:
-    (stream,) = server.engine.streams
-    return stream
+    """The victim's stream (its first choice, when it has several)."""
+    streams = list(server.engine.streams)
+    assert streams
+    return min(streams, key=lambda s: s._prompt.choice)
 
 
 async def _wait_inference_paused(server: RunningServer, backend: LlamaBackend) -> int:
-    """Wait until the only stream's sequence is paused: its channel is full (the
+    """Wait until every stream of the victim is paused: its channel is full (the
     consumer is blocked sending to the slow client) and no decode of it is in flight;
-    return its token count."""
+    return the first one's token count."""
     await wait_for(lambda: server.engine.streams)
-    stream = _only_stream(server)
-    await wait_for(lambda: stream._channel.room == 0 and backend.in_flight(stream.progress) is None, limit=30)
-    return int(stream.progress.completion_tokens)
+    streams = list(server.engine.streams)
+    await wait_for(
+        lambda: all(s._channel.room == 0 and backend.in_flight(s.progress) is None for s in streams), limit=30
+    )
+    return int(_only_stream(server).progress.completion_tokens)
 
 
 def _has_log_line(caplog: pytest.LogCaptureFixture, request_id: str) -> bool:
@@ -242,10 +248,97 @@ async def test_cancel_cell(
     reference_text: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    await _cancel_cell(cause, phase, server, llama_backend, reference_text, caplog)
+
+
+#: a JSON Schema whose shortest valid text is longer than any phase needs: the decode
+#: under the constraint's mask is still running whenever the cause comes
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": {"type": "string"}, "minItems": 1000}},
+    "required": ["items"],
+}
+CONSTRAINED = {
+    "response_format": {"type": "json_schema", "json_schema": {"name": "long", "schema": LONG_SCHEMA}}
+}
+#: the cells of constrained decoding and of n > 1: every cause, the phases with inference
+#: in flight (queued is the plain matrix's: nothing of the request has started)
+EXTRA_CELLS = [(c, p) for c in CAUSES for p in ("prefill", "decode", "blocked") if (c, p) in CELLS]
+
+
+@pytest.mark.parametrize(("cause", "phase"), EXTRA_CELLS, ids=[f"{c}-{p}" for c, p in EXTRA_CELLS])
+async def test_cancel_cell_constrained(
+    cause: str,
+    phase: str,
+    server: RunningServer,
+    llama_backend: LlamaBackend,
+    reference_text: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Constrained decoding (a JSON Schema's mask on every token) in every cell."""
+    await _cancel_cell(cause, phase, server, llama_backend, reference_text, caplog, extra=CONSTRAINED)
+
+
+@pytest.fixture(scope="module")
+def choices_reference(batched_backend: LlamaBackend) -> str:
+    """REFERENCE's text on the two-sequence backend, fresh."""
+
+    async def fresh() -> str:
+        async with trio.open_nursery() as nursery:
+            running = await start_server(nursery, batched_backend)
+            async with running.client() as client:
+                response = await client.post("/v1/completions", json=REFERENCE)
+            running.server.shutdown()
+        text: str = response.json()["choices"][0]["text"]
+        return text
+
+    return trio.run(fresh)
+
+
+@pytest.fixture
+async def choices_server(
+    batched_backend: LlamaBackend, nursery: trio.Nursery
+) -> AsyncIterator[RunningServer]:
+    running = await start_server(
+        nursery,
+        batched_backend,
+        max_queue=4,
+        shutdown_grace=0.0,
+        stall_timeout=STALL_TIMEOUT,
+        send_buffer_bytes=4096,
+        http=HTTPSettings(),
+    )
+    yield running
+    running.server.shutdown()
+
+
+@pytest.mark.parametrize(("cause", "phase"), EXTRA_CELLS, ids=[f"{c}-{p}" for c, p in EXTRA_CELLS])
+async def test_cancel_cell_choices(
+    cause: str,
+    phase: str,
+    choices_server: RunningServer,
+    batched_backend: LlamaBackend,
+    choices_reference: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``n=2`` on two sequences (one evaluation of the prompt, shared): one cause ends both."""
+    extra = {"n": 2, "temperature": 1.0, "seed": 7}
+    await _cancel_cell(cause, phase, choices_server, batched_backend, choices_reference, caplog, extra=extra)
+
+
+async def _cancel_cell(
+    cause: str,
+    phase: str,
+    server: RunningServer,
+    llama_backend: LlamaBackend,
+    reference_text: str,
+    caplog: pytest.LogCaptureFixture,
+    extra: dict[str, Any] | None = None,
+) -> None:
     caplog.set_level(logging.INFO, logger="trioserve.requests")
     occupiers = await _occupy_the_slots(server) if phase == "queued" else []
     threads_started = llama_backend.generations.started
-    victim = Victim(cause, phase)
+    victim = Victim(cause, phase, extra)
     await victim.send(server.url)
     try:
         # --- bring the victim into its phase

@@ -17,6 +17,7 @@ formats: ``docs/structured-output.md``.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import threading
 from typing import Any
@@ -49,10 +50,38 @@ class GrammarCompiler:
     def tokenizer(self) -> Any:
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.llamacpp
-
-                self._tokenizer = llguidance.llamacpp.lltokenizer_from_vocab(self._vocab)
+                self._tokenizer = self._build_tokenizer()
             return self._tokenizer
+
+    def _build_tokenizer(self) -> Any:
+        """llguidance's view of the vocabulary: every token's bytes, control tokens
+        marked with a leading 0xFF (as ``llguidance.llamacpp.lltokenizer_from_vocab``
+        does, with llama.cpp's current attribute call), and llama.cpp's tokenizer."""
+        import llguidance
+
+        lib, vocab = self._lib, self._vocab
+        size = 1024
+        buffer = ctypes.create_string_buffer(size)
+        control = lib.LLAMA_TOKEN_ATTR_CONTROL
+        user_defined = lib.LLAMA_TOKEN_ATTR_USER_DEFINED
+        tokens: list[bytes] = []
+        for token in range(self.n_vocab):
+            n = lib.llama_token_to_piece(vocab, token, buffer, size, 0, True)
+            if n < 0:  # pragma: no cover - no token of a real vocabulary is this long
+                raise ValueError(f"token {token} is longer than {size} bytes")
+            piece = buffer.raw[:n]
+            attr = lib.llama_vocab_get_attr(vocab, token)
+            if attr & control or (attr & user_defined and piece.startswith(b"<") and piece.endswith(b">")):
+                piece = b"\xff" + piece
+            tokens.append(piece)
+        tokenize = ctypes.cast(lib.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
+        return llguidance.LLTokenizer.from_llamacpp(  # type: ignore[attr-defined]
+            tokens=tokens,
+            vocab_ptr=vocab,
+            tokenize_fptr=tokenize,
+            eos_token=lib.llama_vocab_eos(vocab),
+            slices=None,
+        )
 
     def compile(self, constraint: Constraint, *, param: str | None = None) -> TokenMask:
         """A fresh mask for ``constraint`` (blocking: call it from a worker thread).

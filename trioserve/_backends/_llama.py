@@ -438,15 +438,17 @@ class LlamaModel(Backend):
                 # OpenAI: -100 bans a token, +100 forces it
                 biases[i].bias = -math.inf if bias <= -100 else bias
             add(chain, lib.llama_sampler_init_logit_bias(self.n_vocab, len(params.logit_bias), biases))
+        # (llama-cpp-python 0.3.36's llama.h: the vocabulary size comes first)
+        penalties = lib.llama_sampler_init_penalties
         if params.repeat_penalty != 1:
             last_n = params.repeat_last_n if params.repeat_last_n >= 0 else max(1, max_new_tokens)
-            add(chain, lib.llama_sampler_init_penalties(last_n, params.repeat_penalty, 0.0, 0.0))
+            add(chain, penalties(self.n_vocab, last_n, params.repeat_penalty, 0.0, 0.0))
         if params.frequency_penalty or params.presence_penalty:
             # OpenAI's penalties count every token generated so far: a window as long
             # as the generation
             window = max(1, max_new_tokens or self.settings.n_ctx)
-            penalties = lib.llama_sampler_init_penalties
-            add(chain, penalties(window, 1.0, params.frequency_penalty, params.presence_penalty))
+            frequency, presence = params.frequency_penalty, params.presence_penalty
+            add(chain, penalties(self.n_vocab, window, 1.0, frequency, presence))
         if params.temperature == 0:
             add(chain, lib.llama_sampler_init_greedy())
         else:
