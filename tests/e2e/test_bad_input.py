@@ -176,7 +176,16 @@ BAD_INPUTS: list[tuple[str, str, str, dict[str, Any], int, str | None, str]] = [
         "context_length_exceeded",
         "the prompt has 5000 tokens but the context holds 4096",
     ),
-    ("n > 1", "POST", COMP, {"json": {"prompt": "hi", "n": 3}}, 400, None, "n=3 is not supported"),
+    (
+        "n above the server's slots",
+        "POST",
+        COMP,
+        {"json": {"prompt": "hi", "n": 3}},
+        400,
+        None,
+        "n may be at most 2 on this server",
+    ),
+    ("n above 16", "POST", COMP, {"json": {"prompt": "hi", "n": 17}}, 400, None, "Expected `int` <= 16"),
     (
         "negative temperature",
         "POST",

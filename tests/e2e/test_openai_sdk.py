@@ -93,8 +93,9 @@ def test_sdk_streams_chat_and_matches_non_stream(client: openai.OpenAI) -> None:
 
 
 def test_sdk_sees_clear_errors(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
-        client.completions.create(model=client.models.list().data[0].id, prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="best_of is not supported") as refused:
+        client.completions.create(model=client.models.list().data[0].id, prompt="x", best_of=2)
+    assert refused.value.param == "best_of"
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-5", prompt="x")
 

@@ -209,20 +209,21 @@ def _decode[T](decoder: msgspec.json.Decoder[T], body: bytes) -> T:
 #: for", why it is refused). Any other value gets a 400 naming the field
 #: (docs/api.md, "Request fields").
 _REFUSED: tuple[tuple[str, tuple[object, ...], str], ...] = (
-    ("echo", (None, False), "echoing the prompt back is not supported; add it to the text yourself"),
-    ("suffix", (None, ""), "insertion (suffix) is not supported: this model has no fill-in-the-middle mode"),
-    ("best_of", (None, 1), "best_of is not supported; use n and pick on the client"),
-    ("functions", (None,), "the deprecated functions field is not supported; send tools"),
-    ("function_call", (None,), "the deprecated function_call field is not supported; send tool_choice"),
-    ("audio", (None,), "audio output is not supported: this server generates text"),
-    ("modalities", (None, ["text"]), "only the text modality is supported"),
-    ("prediction", (None,), "predicted outputs are not supported"),
-    ("web_search_options", (None,), "web search is not supported"),
-    ("reasoning_effort", (None,), "reasoning_effort is not supported: the model has no reasoning mode"),
-    ("verbosity", (None,), "verbosity is not supported"),
-    ("store", (None, False), "storing completions is not supported"),
+    ("echo", (None, False), "add the prompt to the text yourself"),
+    ("suffix", (None, ""), "this model has no fill-in-the-middle mode"),
+    ("best_of", (None, 1), "use n and pick on the client"),
+    ("functions", (None,), "the field is deprecated; send tools"),
+    ("function_call", (None,), "the field is deprecated; send tool_choice"),
+    ("audio", (None,), "this server generates text only"),
+    ("modalities", (None, ["text"]), "only the text modality exists here"),
+    ("prediction", (None,), "there are no predicted outputs here"),
+    ("web_search_options", (None,), "this server cannot search the web"),
+    ("reasoning_effort", (None,), "the model has no reasoning mode"),
+    # "medium" is OpenAI's default
+    ("verbosity", (None, "medium"), "the model has no verbosity control"),
+    ("store", (None, False), "completions are not stored here"),
     ("service_tier", (None, "auto", "default"), "only the default service tier exists here"),
-    ("metadata", (None,), "metadata is only kept with store, which is not supported"),
+    ("metadata", (None,), "it is only kept with store, which is not supported"),
 )
 
 
