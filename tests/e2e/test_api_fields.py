@@ -435,11 +435,11 @@ REFUSED: dict[str, tuple[object, tuple[object, ...]]] = {
     "best_of": (2, (None, 1)),
     "echo": (True, (None, False)),
     "function_call": ("auto", (None,)),
-    "functions": ([{"name": "get_weather", "parameters": {"type": "object"}}], (None,)),
-    "metadata": ({"user": "u1"}, (None,)),
+    "functions": ([{"name": "get_weather", "parameters": {"type": "object"}}], (None, [])),
+    "metadata": ({"user": "u1"}, (None, {})),
     "modalities": (["text", "audio"], (None, ["text"])),
     "prediction": ({"type": "content", "content": "The capital"}, (None,)),
-    "reasoning_effort": ("low", (None,)),
+    "reasoning_effort": ("low", (None, "none")),
     "service_tier": ("flex", (None, "auto", "default")),
     "store": (True, (None, False)),
     "suffix": (" and that is all.", (None, "")),
@@ -580,3 +580,30 @@ def test_the_documented_table_matches() -> None:
                 documented.add((name, endpoint, status))
     assert len(cells) == len(ENDPOINTS)
     assert documented == set(ROWS)
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value", "hint"),
+    [
+        ("/v1/completions", "max_completion_tokens", 3, "send max_tokens"),
+        ("/v1/completions", "tools", [], "chat completions field"),
+        ("/v1/completions", "messages", [{"role": "user", "content": "x"}], "send prompt"),
+        ("/v1/chat/completions", "prompt", "x", "send messages"),
+        ("/v1/chat/completions", "echo", True, "completions field"),
+    ],
+)
+def test_the_other_endpoints_field_is_refused(
+    server_url: str, path: str, field: str, value: object, hint: str
+) -> None:
+    """A field of the other endpoint is not silently dropped: 400 naming it."""
+    body: dict[str, object] = {"max_tokens": 1, field: value}
+    if path == "/v1/completions":
+        body.setdefault("prompt", "x")
+    else:
+        body.setdefault("messages", [{"role": "user", "content": "x"}])
+    response = httpx.post(server_url + path, json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field
+    assert f"has no field {field}" in error["message"]
+    assert hint in error["message"]

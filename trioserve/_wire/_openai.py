@@ -20,7 +20,7 @@ import msgspec
 from .._core._exceptions import InvalidRequestError
 from .._core._types import Constraint, EndCause, GenerationRequest, SamplingParams, TokenLogprob, Usage
 from ._sse import DONE, encode_data
-from ._tools import Tool, ToolChoiceObject, call_constraint, check_tools
+from ._tools import Tool, ToolChoiceObject, call_constraint, check_tool_choice, check_tools
 
 __all__ = [
     "ChatCompletionRequest",
@@ -86,8 +86,9 @@ class _CommonFields(msgspec.Struct, kw_only=True):
     #: llama-server's constraint fields: a JSON Schema, a GBNF grammar
     json_schema: dict[str, Any] | None = None
     grammar: str | None = None
-    # Known, not honoured: refused when set to anything but their default (_REFUSED).
-    user: str | None = None  # (an identifier: accepted and not used)
+    #: an end-user identifier: accepted and not used (ignored, like prompt_cache_key
+    #: and safety_identifier: identifiers every client may send)
+    user: str | None = None
 
 
 class CompletionRequest(_CommonFields, kw_only=True):
@@ -96,6 +97,13 @@ class CompletionRequest(_CommonFields, kw_only=True):
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
+    # the chat endpoint's (refused here: _CHAT_ONLY)
+    messages: Any = None
+    max_completion_tokens: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -147,7 +155,7 @@ class ChatCompletionRequest(_CommonFields, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: bool | None = None
-    # known, not honoured (_REFUSED)
+    # known, not honoured: refused when set to anything but "not asked for" (_REFUSED)
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -159,8 +167,14 @@ class ChatCompletionRequest(_CommonFields, kw_only=True):
     store: Any = None
     service_tier: Any = None
     metadata: Any = None
+    # identifiers: accepted and not used (ignored)
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # the completions endpoint's (refused here: _COMPLETIONS_ONLY)
+    prompt: Any = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
 
     def tool_mode(self) -> Literal["none", "auto", "required"] | str:
         """``none``, ``auto``, ``required``, or the name of the function to call."""
@@ -212,19 +226,37 @@ _REFUSED: tuple[tuple[str, tuple[object, ...], str], ...] = (
     ("echo", (None, False), "add the prompt to the text yourself"),
     ("suffix", (None, ""), "this model has no fill-in-the-middle mode"),
     ("best_of", (None, 1), "use n and pick on the client"),
-    ("functions", (None,), "the field is deprecated; send tools"),
+    ("functions", (None, []), "the field is deprecated; send tools"),
     ("function_call", (None,), "the field is deprecated; send tool_choice"),
     ("audio", (None,), "this server generates text only"),
     ("modalities", (None, ["text"]), "only the text modality exists here"),
     ("prediction", (None,), "there are no predicted outputs here"),
     ("web_search_options", (None,), "this server cannot search the web"),
-    ("reasoning_effort", (None,), "the model has no reasoning mode"),
+    ("reasoning_effort", (None, "none"), "the model has no reasoning mode"),
     # "medium" is OpenAI's default
     ("verbosity", (None, "medium"), "the model has no verbosity control"),
     ("store", (None, False), "completions are not stored here"),
     ("service_tier", (None, "auto", "default"), "only the default service tier exists here"),
-    ("metadata", (None,), "it is only kept with store, which is not supported"),
+    ("metadata", (None, {}), "it is only kept with store, which is not supported"),
 )
+
+#: the other endpoint's fields, sent to this one: refused, naming the right field
+#: (a client that sends ``max_completion_tokens`` to /v1/completions would otherwise
+#: get 16 tokens and no word why)
+_CHAT_ONLY = {
+    "messages": "send prompt",
+    "max_completion_tokens": "send max_tokens",
+    "top_logprobs": "send logprobs (an integer: how many alternatives)",
+    "tools": "tools are a chat completions field",
+    "tool_choice": "tools are a chat completions field",
+    "parallel_tool_calls": "tools are a chat completions field",
+}
+_COMPLETIONS_ONLY = {
+    "prompt": "send messages",
+    "echo": "echo is a completions field (and not supported)",
+    "suffix": "suffix is a completions field (and not supported)",
+    "best_of": "best_of is a completions field (and not supported)",
+}
 
 
 def _check_refused(request: _CommonFields) -> None:
@@ -235,6 +267,11 @@ def _check_refused(request: _CommonFields) -> None:
 
 
 def _check_common(request: _CommonFields) -> None:
+    chat = isinstance(request, ChatCompletionRequest)
+    for name, hint in (_COMPLETIONS_ONLY if chat else _CHAT_ONLY).items():
+        if getattr(request, name, None) is not None:
+            endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+            raise InvalidRequestError(f"{endpoint} has no field {name}: {hint}", param=name)
     _check_refused(request)
 
 
@@ -356,6 +393,7 @@ def decode_chat_request(body: bytes) -> ChatCompletionRequest:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     if request.tools:
         check_tools(request.tools)
+    check_tool_choice(request.tool_choice)
     mode = request.tool_mode()
     if mode not in ("none", "auto", "required"):
         names = [tool.function.name for tool in request.tools or ()]

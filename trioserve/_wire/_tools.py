@@ -61,6 +61,13 @@ _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _EMPTY_PARAMETERS: dict[str, object] = {"type": "object", "properties": {}}
 
 
+def check_tool_choice(choice: object) -> None:
+    if isinstance(choice, ToolChoiceObject) and choice.type != "function":
+        raise InvalidRequestError(
+            f"tool_choice.type is {choice.type!r}; only 'function' is supported", param="tool_choice.type"
+        )
+
+
 def check_tools(tools: Sequence[Tool]) -> None:
     """Refuse what cannot be served: other tool types, bad or repeated names."""
     seen: set[str] = set()
