@@ -31,7 +31,7 @@ def _could_be_call(text: str) -> bool:
 class ChoiceStream:
     """Encodes one streamed choice whose events need more than text deltas."""
 
-    __slots__ = ("_called", "_encoder", "_held", "_mode", "_names", "_parser", "_plain")
+    __slots__ = ("_called", "_encoder", "_held", "_held_logprobs", "_mode", "_names", "_parser", "_plain")
 
     def __init__(self, encoder: ChunkEncoder, mode: ToolMode, names: Sequence[str] = ()) -> None:
         self._encoder = encoder
@@ -40,6 +40,7 @@ class ChoiceStream:
         self._parser = StreamedCallParser() if mode == "forced" else None
         #: auto: text held while it may still be a call
         self._held = ""
+        self._held_logprobs: list[TokenLogprob] | None = None
         self._plain = mode == "none"
         self._called = False
 
@@ -53,10 +54,13 @@ class ChoiceStream:
             return encoder.tool_call_arguments(0, fragment) if fragment and self._called else b""
         if not self._plain:
             self._held += text
+            if logprobs is not None:
+                self._held_logprobs = (self._held_logprobs or []) + list(logprobs)
             if _could_be_call(self._held):
                 return b""
             self._plain = True
             text, self._held = self._held, ""
+            logprobs, self._held_logprobs = self._held_logprobs, None
         if logprobs is not None:
             return encoder.delta_logprobs(text, logprobs)
         return encoder.delta(text)
@@ -75,9 +79,12 @@ class ChoiceStream:
                 self._called = True
                 for i, call in enumerate(calls):
                     out += encoder.tool_call_start(i, new_call_id(), call.name, call.arguments)
+            elif self._held_logprobs is not None:
+                out += encoder.delta_logprobs(self._held, self._held_logprobs)
             else:
                 out += encoder.delta(self._held)
             self._held = ""
+            self._held_logprobs = None
         reason = "tool_calls" if self._called and cause == "stop" else None
         return out + encoder.finish(cause, message, finish_reason=reason)
 

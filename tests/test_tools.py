@@ -1,0 +1,166 @@
+"""Tool calls and choices, sans-IO: the forced call's constraint, reading calls back
+out of text (whole and streamed), and one choice's chunks."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+
+import jsonschema
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trioserve._core._exceptions import InvalidRequestError
+from trioserve._core._types import TokenLogprob
+from trioserve._wire._choices import ChoiceStream, finished_choice
+from trioserve._wire._openai import ChunkEncoder, decode_chat_request
+from trioserve._wire._tools import StreamedCallParser, Tool, call_constraint, parse_calls
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+CALL = '{"name":"get_weather","arguments":{"city":"Paris, \\"FR\\""}}'
+
+
+def _tools(*specs: dict[str, object]) -> list[Tool]:
+    return [msgspec.convert(spec, Tool) for spec in specs]
+
+
+def test_the_forced_call_schema_accepts_only_calls_of_the_tools() -> None:
+    other = {"type": "function", "function": {"name": "get_time"}}
+    schema = json.loads(call_constraint(_tools(WEATHER, other)).source)
+    jsonschema.validate(json.loads(CALL), schema)
+    jsonschema.validate({"name": "get_time", "arguments": {}}, schema)
+    for bad in (
+        {"name": "get_weather", "arguments": {}},  # a required argument missing
+        {"name": "launch", "arguments": {}},  # no such tool
+        {"name": "get_time", "arguments": {}, "extra": 1},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+def test_parse_calls_reads_a_call_and_nothing_else() -> None:
+    (call,) = parse_calls(CALL, ["get_weather"]) or []
+    assert call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": 'Paris, "FR"'}
+    assert parse_calls(f"<tool_call>\n{CALL}\n</tool_call>", ["get_weather"]) is not None
+    for text in (
+        "It is sunny.",
+        CALL + " and more",
+        '{"name":"launch","arguments":{}}',
+        '{"name":"get_weather","arguments":"city"}',
+        '{"name":"get_weather"}',
+        "{not json",
+    ):
+        assert parse_calls(text, ["get_weather"]) is None, text
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(CALL) - 1), max_size=12))
+def test_a_streamed_call_joins_to_the_whole_call(cuts: list[int]) -> None:
+    """However the text is split, the name comes once and the fragments join to the
+    arguments."""
+    bounds = [0, *sorted(set(cuts)), len(CALL)]
+    parser = StreamedCallParser()
+    names, fragments = [], []
+    for start, end in itertools.pairwise(bounds):
+        name, fragment = parser.feed(CALL[start:end])
+        if name is not None:
+            names.append(name)
+        fragments.append(fragment)
+    fragments.append(parser.finish())
+    assert names == ["get_weather"]
+    assert "".join(fragments) == '{"city":"Paris, \\"FR\\""}'
+
+
+def _chunks(data: bytes) -> list[dict[str, object]]:
+    return [json.loads(m) for m in re.findall(rb"data: (\{.*?\})\n\n", data)]
+
+
+def test_a_forced_call_streams_as_openai_streams_it() -> None:
+    stream = ChoiceStream(ChunkEncoder("chat", "m"), "forced", ["get_weather"])
+    data = b"".join(stream.delta(CALL[i : i + 5], None) for i in range(0, len(CALL), 5))
+    data += stream.finish("stop")
+    deltas = [c["choices"][0]["delta"] for c in _chunks(data)]  # type: ignore[index]
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0]["id"].startswith("call_")
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert all("id" not in c and "name" not in c["function"] for c in calls[1:])
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city":"Paris, \\"FR\\""}'
+    assert _chunks(data)[-1]["choices"][0]["finish_reason"] == "tool_calls"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"), [(CALL, "tool_calls"), ('{"a": 1} is JSON', "stop"), ("Sunny.", "stop")]
+)
+def test_auto_holds_what_may_be_a_call_and_sends_content_otherwise(text: str, reason: str) -> None:
+    entry = TokenLogprob(token=1, piece=b"x", logprob=-0.5)
+    stream = ChoiceStream(ChunkEncoder("chat", "m"), "auto", ["get_weather"])
+    data = b"".join(stream.delta(ch, (entry,)) for ch in text) + stream.finish("stop")
+    chunks = _chunks(data)
+    assert chunks[-1]["choices"][0]["finish_reason"] == reason  # type: ignore[index]
+    content = "".join(
+        c["choices"][0]["delta"].get("content") or ""  # type: ignore[index,union-attr]
+        for c in chunks
+    )
+    if reason == "tool_calls":
+        assert content == ""
+    else:
+        assert content == text
+        # the held text keeps the logprobs of its tokens
+        logprobs = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0].get("logprobs")]  # type: ignore[index,union-attr]
+        assert sum(len(lp["content"]) for lp in logprobs) == len(text)  # type: ignore[index]
+
+
+def test_finished_choices() -> None:
+    forced = finished_choice(CALL, "stop", "forced", ["get_weather"])
+    assert forced.tool_calls is not None
+    assert forced.tool_calls[0][1:] == ("get_weather", '{"city":"Paris, \\"FR\\""}')
+    assert finished_choice(CALL, "stop", "auto", ["get_weather"]).tool_calls is not None
+    assert finished_choice(CALL, "length", "auto", ["get_weather"]).tool_calls is None
+    assert finished_choice("hi", "stop", "auto", ["get_weather"]).text == "hi"
+
+
+def _chat(**fields: object) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": "x"}], **fields}).encode()
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "not in tools",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type", "only 'function'"),
+        ({"tools": [WEATHER, WEATHER]}, "tools", "two tools are named"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "other", "function": {"name": "get_weather"}}},
+            "tool_choice.type",
+            "only 'function'",
+        ),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "cannot also follow response_format",
+        ),
+        ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+    ],
+)
+def test_bad_tool_requests(fields: dict[str, object], param: str, says: str) -> None:
+    with pytest.raises(InvalidRequestError, match=says) as refused:
+        decode_chat_request(_chat(**fields))
+    assert refused.value.param == param
