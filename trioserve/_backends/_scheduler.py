@@ -108,7 +108,9 @@ class _Sequence:
         self.mask: TokenMask | None = None
         compiled = prompt.compiled
         if isinstance(compiled, TokenMask):
-            self.mask = compiled if prompt.choice == 0 else compiled.copy()
+            # a copy: the compiled mask stays fresh for the other choices (and for a
+            # prepared prompt streamed again)
+            self.mask = compiled.copy()
         #: report log-probabilities (and this many alternatives)
         self.logprobs = prompt.request.logprobs
         #: needs the slow path per token: a mask, or log-probabilities

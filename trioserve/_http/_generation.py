@@ -496,6 +496,7 @@ class GenerationHandler:
                     continue
                 assert isinstance(event, Finished)
                 data = writers[index].finish(event.reason, event.message)
+                request.ended_choices.add(index)
                 left -= 1
                 if left:
                     await body(data)
@@ -596,7 +597,8 @@ class GenerationHandler:
         async def send() -> None:
             if encoder is not None:
                 usage = _usage(choices) if choices else Usage(prompt_tokens=0, completion_tokens=0)
-                finals = b"".join(e.finish(cause) for e in request.encoders or [encoder])
+                encoders = request.encoders or [encoder]
+                finals = b"".join(e.finish(cause) for e in encoders if e.index not in request.ended_choices)
                 await exchange.body(finals + encoder.end(usage), more=False)
             elif cause == "deadline":
                 await exchange.error(

@@ -59,6 +59,7 @@ class InFlightRequest:
         "delivered",
         "encoder",
         "encoders",
+        "ended_choices",
         "error",
         "events",
         "exchange",
@@ -95,6 +96,8 @@ class InFlightRequest:
         #: every choice's event stream and encoder (``n`` > 1: several)
         self.choices: list[EventStream] = []
         self.encoders: list[ChunkEncoder] = []
+        #: the choices whose finish chunk went out (a cancel ends only the others)
+        self.ended_choices: set[int] = set()
         #: the disconnect watcher's scope: stopped before the last send
         self.watch_scope = trio.CancelScope()
         #: ``time.perf_counter()`` when a cancel was requested
