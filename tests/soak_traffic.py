@@ -430,7 +430,8 @@ def bad_cases(oversized_headers: bool) -> list[tuple[str, str, str, dict[str, An
         ("max-tokens-type", "POST", comp, {"json": {"prompt": "hi", "max_tokens": "many"}}, 400),
         ("empty-prompt", "POST", comp, {"json": {"prompt": ""}}, 400),
         ("max-tokens-zero", "POST", comp, {"json": {"prompt": "hi", "max_tokens": 0}}, 400),
-        ("n-3", "POST", comp, {"json": {"prompt": "hi", "n": 3}}, 400),
+        ("n-17", "POST", comp, {"json": {"prompt": "hi", "n": 17}}, 400),
+        ("echo", "POST", comp, {"json": {"prompt": "hi", "echo": True}}, 400),
         ("unknown-model", "POST", comp, {"json": {"prompt": "hi", "model": "no-such-model"}}, 404),
         ("prompt-too-long", "POST", comp, {"json": {"prompt": "word " * 5000, "max_tokens": 4}}, 400),
         ("max-tokens-beyond-context", "POST", comp, {"json": {"prompt": "hi", "max_tokens": 100_000}}, 400),
@@ -565,13 +566,25 @@ class Traffic:
         ):
             record.problem = f"a 429 without an overload code: {data[:200]!r}"
 
+    def extras(self, rng: random.Random, chat: bool) -> tuple[str, dict[str, Any]]:
+        """Now and then what issue 15 added: n > 1 (every backend), and with the model
+        a JSON constraint or logprobs (the scripted backend refuses those)."""
+        options: list[tuple[str, dict[str, Any]]] = [("", {})] * 6
+        if (self.cfg.slots or 1) >= 2:
+            options.append(("-n2", {"n": 2}))
+        if not self.cfg.scripted:
+            options.append(("-json", {"response_format": {"type": "json_object"}}))
+            options.append(("-logprobs", {"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2}))
+        return rng.choice(options)
+
     async def normal(self, job: Job, rng: random.Random) -> None:
         chat, stream = rng.random() < 0.3, rng.random() < 0.5
         max_tokens = rng.randint(1, self.profile.normal_max_tokens)
-        variant = f"{'chat' if chat else 'text'}-{'stream' if stream else 'json'}"
+        suffix, extra = self.extras(rng, chat)
+        variant = f"{'chat' if chat else 'text'}-{'stream' if stream else 'json'}{suffix}"
         record = self.new(job, 0, variant, self.expect(natural=True))
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        body = self.body(rng, chat=chat, max_tokens=max_tokens, stream=stream, greedy=False)
+        body = self.body(rng, chat=chat, max_tokens=max_tokens, stream=stream, greedy=False) | extra
         data = await self.exchange(record, "POST", path, json=body)
         self.check_response(record, data, stream, {200})
 

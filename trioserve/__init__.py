@@ -38,7 +38,16 @@ from ._core._exceptions import (
     TrioserveError,
     UnsupportedMediaTypeError,
 )
-from ._core._types import EndCause, Finished, GenerationRequest, SamplingParams, TextDelta, Usage
+from ._core._types import (
+    Constraint,
+    EndCause,
+    Finished,
+    GenerationRequest,
+    SamplingParams,
+    TextDelta,
+    TokenLogprob,
+    Usage,
+)
 from ._http import HTTPSettings, ServerState, create_app
 from ._http._server import Server, ServerSettings, serve_until_signalled
 
@@ -47,6 +56,7 @@ __all__ = [
     "AuthenticationError",
     "Backend",
     "BackendError",
+    "Constraint",
     "ContextLengthError",
     "DeadlineExceededError",
     "EndCause",
@@ -77,6 +87,7 @@ __all__ = [
     "StreamTimings",
     "TextDelta",
     "ThreadedBackend",
+    "TokenLogprob",
     "TrioserveError",
     "UnsupportedMediaTypeError",
     "UpstreamBackend",

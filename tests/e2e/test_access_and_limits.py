@@ -15,7 +15,13 @@ from .._helpers import RunningServer, start_server, wait_for
 
 KEYS = ("sk-first-5b0f3c9e", "sk-second-77d1aa02")
 #: valid for every endpoint (each ignores the others' fields)
-BODY = {"prompt": "x", "messages": [{"role": "user", "content": "x"}], "content": "x", "tokens": [120]}
+#: a valid body for each keyed POST path (each endpoint refuses the others' fields)
+BODIES: dict[str, dict[str, object]] = {
+    "/v1/completions": {"prompt": "x"},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}]},
+    "/tokenize": {"content": "x"},
+    "/detokenize": {"tokens": [120]},
+}
 
 
 @pytest.fixture
@@ -39,7 +45,7 @@ async def keyed(nursery: trio.Nursery) -> RunningServer:
 async def test_without_a_valid_key_the_api_answers_401(keyed: RunningServer, method: str, path: str) -> None:
     async with httpx.AsyncClient(base_url=keyed.url) as client:
         for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": f"Basic {KEYS[0]}"}):
-            response = await client.request(method, path, json=BODY, headers=headers)
+            response = await client.request(method, path, json=BODIES.get(path), headers=headers)
             assert response.status_code == 401
             assert response.headers["www-authenticate"] == "Bearer"
             error = response.json()["error"]
@@ -48,7 +54,7 @@ async def test_without_a_valid_key_the_api_answers_401(keyed: RunningServer, met
             assert KEYS[0] not in response.text
         for key in KEYS:
             response = await client.request(
-                method, path, json=BODY, headers={"Authorization": f"Bearer {key}"}
+                method, path, json=BODIES.get(path), headers={"Authorization": f"Bearer {key}"}
             )
             assert response.status_code == 200
 
