@@ -127,15 +127,24 @@ class GrammarCompiler:
         return TokenMask(matcher, self.n_vocab)
 
 
-class TokenMask:
-    """One sequence's constraint state. Used by the scheduler thread only."""
+#: byte → its 8 bits, least significant first (llguidance's bitmask order)
+_BYTE_BITS = numpy.unpackbits(numpy.arange(256, dtype=numpy.uint8)[:, None], axis=1, bitorder="little")
 
-    __slots__ = ("_bits", "_matcher", "_n_vocab")
+
+class TokenMask:
+    """One sequence's constraint state. Used by the scheduler thread only; its buffers
+    are allocated once, so a token costs no allocation of vocabulary size."""
+
+    __slots__ = ("_bits", "_forbidden", "_matcher", "_n_vocab", "_words")
 
     def __init__(self, matcher: Any, n_vocab: int) -> None:
         self._matcher = matcher
         self._n_vocab = n_vocab
-        self._bits = numpy.full((1, (n_vocab + 31) // 32), -1, dtype=numpy.int32)
+        words = (n_vocab + 31) // 32
+        #: llguidance writes the mask here: bit i of the vocabulary = token i allowed
+        self._words = numpy.full((1, words), -1, dtype=numpy.int32)
+        self._bits = numpy.empty((words * 4, 8), dtype=numpy.uint8)
+        self._forbidden = numpy.empty(n_vocab, dtype=bool)
 
     def copy(self) -> TokenMask:
         """An independent copy in the same state (for the other choices of ``n``)."""
@@ -145,12 +154,13 @@ class TokenMask:
         """Set the logits of every token the constraint forbids now to -inf (in place).
         Returns an error message if the matcher failed."""
         matcher = self._matcher
-        row = self._bits[0]
+        row = self._words[0]
         matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         if matcher.is_error():
             return str(matcher.get_error())
-        allowed = numpy.unpackbits(row.view(numpy.uint8), count=self._n_vocab, bitorder="little")
-        logits[allowed == 0] = -numpy.inf
+        numpy.take(_BYTE_BITS, row.view(numpy.uint8), axis=0, out=self._bits)
+        numpy.equal(self._bits.reshape(-1)[: self._n_vocab], 0, out=self._forbidden)
+        numpy.copyto(logits, -numpy.inf, where=self._forbidden)
         return None
 
     def consume(self, token: int) -> str | None:
