@@ -9,6 +9,7 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import openai
 import pytest
@@ -314,3 +315,53 @@ async def test_fast_mode_reuses_the_reply_and_the_partial_chunk(model_path: str)
     assert first.cached_tokens == 0
     # the whole first prompt and most of the reply's cells (not a multiple of the chunk)
     assert second.cached_tokens >= first.prompt_tokens + 8
+
+
+async def _choices(engine: Engine, prompt: str, n: int, max_tokens: int) -> list[str]:
+    request = GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=GREEDY)
+    texts: list[list[str]] = [[] for _ in range(n)]
+
+    async def read(index: int, events: Any) -> None:
+        async for event in events:
+            if type(event) is TextDelta:
+                texts[index].append(event.text)
+
+    async with (
+        engine.stream_choices(await engine.prepare(request), n) as streams,
+        trio.open_nursery() as nursery,
+    ):
+        for index, events in enumerate(streams):
+            nursery.start_soon(read, index, events)
+    return ["".join(parts) for parts in texts]
+
+
+async def test_the_cells_shared_between_choices_are_exact_in_host_memory(
+    model_path: str, uncached_backend: LlamaBackend
+) -> None:
+    """``n`` = 2 shares the prompt's cells; those cells, saved to host memory when the
+    follower's id is taken again and restored later, give the fresh-server text. (A
+    copy that llama.cpp applies only at the next decode — ``llama_memory_seq_cp``
+    between streams — saved stale cells here: the restored prompt answered otherwise.)"""
+    topic = uuid.uuid4().hex
+    prompt = _turn(topic, 1) * 3  # > 2 chunks
+    others = [_turn(uuid.uuid4().hex, 2) * 3 for _ in range(2)]
+    async with _engine(uncached_backend) as fresh:
+        reference, _ = await _complete(fresh, prompt, max_tokens=16)
+    # no idle recompute: its decode would apply a copy llama.cpp had left pending, and
+    # hide it
+    settings = LlamaSettings(model_path, n_ctx=2048, n_threads=THREADS, slots=2, idle_recompute=False)
+    batched_backend = await LlamaBackend.aload(settings)
+    async with Engine(batched_backend) as engine:
+        for other in others:  # both ids hold other cells: nothing of the prompt is left
+            await _complete(engine, other, max_tokens=1)
+        assert await _choices(engine, prompt, 2, 1)  # both ids keep the prompt's chunks
+        assert batched_backend.cache_stats()["sequences"] == [512, 512]
+        assert await _choices(engine, prompt, 2, 1)  # the follower's id: its prefix saved
+        for other in others:  # both ids taken by other prompts
+            await _complete(engine, other, max_tokens=1)
+        restores = batched_backend.cache_stats()["ram"]["restores"]  # type: ignore[index]
+        text, usage = await _complete(engine, prompt, max_tokens=16)
+        assert batched_backend.cache_stats()["ram"]["restores"] == restores + 1  # type: ignore[index]
+        assert usage.cached_tokens > 0
+        assert text == reference
+        assert await _choices(engine, prompt, 2, 16) == [reference, reference]

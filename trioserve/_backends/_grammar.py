@@ -46,6 +46,15 @@ class GrammarCompiler:
         self.n_vocab = n_vocab
         self._tokenizer: Any = None
         self._lock = threading.Lock()
+        #: compiles running (worker threads a cancel may have abandoned): the model must
+        #: outlive them, they read its vocabulary (:meth:`wait_idle`)
+        self._running = 0
+        self._idle = threading.Condition()
+
+    def wait_idle(self) -> None:
+        """Block until no compile is running (before the model is freed)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._running == 0)
 
     def tokenizer(self) -> Any:
         with self._lock:
@@ -90,6 +99,16 @@ class GrammarCompiler:
             InvalidRequestError: the grammar is invalid, or uses a feature that cannot
                 be enforced (the message names it).
         """
+        with self._idle:
+            self._running += 1
+        try:
+            return self._compile(constraint, param)
+        finally:
+            with self._idle:
+                self._running -= 1
+                self._idle.notify_all()
+
+    def _compile(self, constraint: Constraint, param: str | None) -> TokenMask:
         import llguidance
 
         param = param or _PARAM[constraint.kind]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
 import logging
 import math
 import os
@@ -219,6 +218,8 @@ class LlamaModel(Backend):
         self.n_vocab: int = lib.llama_vocab_n_tokens(self.vocab)
         self._bos: int = lib.llama_vocab_bos(self.vocab)
         self._piece_cache: dict[int, bytes] = {}
+        #: the constraint compiler (its view of the vocabulary is built on first use)
+        self.grammars = GrammarCompiler(lib, self.vocab, self.n_vocab)
         self._piece_lock = threading.Lock()
         train_ctx = lib.llama_model_n_ctx_train(model)
         if settings.n_ctx > train_ctx:
@@ -292,6 +293,7 @@ class LlamaModel(Backend):
         if self._freed:
             return
         self._freed = True
+        self.grammars.wait_idle()  # a compile a cancel abandoned still reads the vocabulary
         self._release_contexts()
         self.lib.llama_model_free(self.model)
         with LlamaModel._count_lock:
@@ -419,11 +421,6 @@ class LlamaModel(Backend):
             )
             prepared = dataclasses.replace(prepared, compiled=mask)
         return prepared
-
-    @functools.cached_property
-    def grammars(self) -> GrammarCompiler:
-        """The constraint compiler for this model's vocabulary."""
-        return GrammarCompiler(self.lib, self.vocab, self.n_vocab)
 
     def _sampler(self, params: SamplingParams, *, max_new_tokens: int = 0, seed_offset: int = 0) -> Any:
         """llama.cpp's sampler chain for ``params``, in llama-server's order: logit

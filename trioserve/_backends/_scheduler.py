@@ -677,20 +677,35 @@ class _Scheduler:
         self, leader: _Sequence, outputs: list[tuple[_Sequence, int]]
     ) -> list[tuple[_Sequence, int]]:
         """``leader``'s prompt is evaluated: copy its cells to each waiting choice of its
-        group, which then draws its first token from the same logits."""
+        group, which then draws its first token from the same logits.
+
+        The copy is the leader's sequence state (``llama_state_seq_get_data``, then
+        ``set_data`` into each follower: its prompt cells only, done when the call
+        returns). Not ``llama_memory_seq_cp``: between sequences of a non-unified cache
+        that copies the follower's whole stream, and only at the start of the next
+        ``llama_decode`` — after a save to or restore from the host tier could already
+        have read or written those cells (measured: logits off by up to 11.5)."""
         lib = self._backend.lib
         index = next(i for s, i in outputs if s is leader)
+        waiting = [f for f in leader.followers if not f.cancelled]  # (the cancelled: dropped next step)
+        leader.followers = []
+        if not waiting:
+            return []
+        size = lib.llama_state_seq_get_size(self.ctx, leader.seq_id)
+        state = (ctypes.c_uint8 * size)()
+        written = lib.llama_state_seq_get_data(self.ctx, state, size, leader.seq_id)
         shared = []
-        for follower in leader.followers:
-            if follower.cancelled:
-                continue  # dropped at the next step
+        for follower in waiting:
+            follower.leader = None
             lib.llama_memory_seq_rm(self.memory, follower.seq_id, -1, -1)
-            lib.llama_memory_seq_cp(self.memory, leader.seq_id, follower.seq_id, -1, -1)
+            if not written or not lib.llama_state_seq_set_data(self.ctx, state, written, follower.seq_id):
+                # pragma: no cover - llama.cpp refused: this choice evaluates the prompt itself
+                logger.warning("could not share a prompt's cells; a choice evaluates it again")
+                lib.llama_memory_seq_rm(self.memory, follower.seq_id, -1, -1)
+                continue
             follower.prefilled = follower.pos = leader.prefilled
             follower.progress.prefill_seconds = leader.progress.prefill_seconds
-            follower.leader = None
             shared.append((follower, index))
-        leader.followers = []
         return shared
 
     def _sample_special(self, sequence: _Sequence, index: int) -> tuple[int, TokenLogprob | None]:
@@ -732,6 +747,9 @@ def _logprob_entry(logits: numpy.ndarray, token: int, top: int, bias: Any, piece
     if top:
         best = numpy.argpartition(values, -top)[-top:]
         best = best[numpy.argsort(-values[best], kind="stable")]
+        # a token the mask or a -100 bias forbids has no probability: not an alternative
+        # (fewer than ``top`` may be left: OpenAI's logprob is a number, never -inf)
+        best = best[numpy.isfinite(values[best])]
         alternatives = tuple((piece(int(i)), float(values[i] - log_total)) for i in best)
     return TokenLogprob(
         token=token, piece=piece(token), logprob=float(values[token] - log_total), top=alternatives

@@ -82,14 +82,14 @@ def refuse_unsupported(request: GenerationRequest, backend: str) -> None:
 
 
 class ChoiceGroup:
-    """The ``n`` choices of one request (``size``: how many are still to be served).
-    Backends that share the prompt's evaluation keep their own state in ``members``."""
+    """The ``n`` choices of one request: a token their prompts share (``size``: how
+    many are still to be served; a backend that shares the evaluation counts down the
+    choices cancelled before they started)."""
 
-    __slots__ = ("members", "size")
+    __slots__ = ("size",)
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.members: list[object] = []
 
 
 def fit_to_context(request: GenerationRequest, tokens: Sequence[int], n_ctx: int) -> PreparedPrompt:

@@ -484,6 +484,7 @@ class GenerationHandler:
                 for index, events in enumerate(choices):
                     nursery.start_soon(read, index, events, send.clone())
             left = len(choices)
+            failed: Finished | None = None
             async for index, event in receive:
                 if request.phase is Phase.QUEUED:  # the first event
                     if heartbeat is not None:
@@ -497,12 +498,15 @@ class GenerationHandler:
                 assert isinstance(event, Finished)
                 data = writers[index].finish(event.reason, event.message)
                 request.ended_choices.add(index)
+                if event.reason == "error":
+                    failed = event  # the log and the metrics say a choice failed
                 left -= 1
                 if left:
                     await body(data)
                 else:
                     # (every choice's producer has returned: the usage is final)
-                    await self._end(request, data + request.encoders[0].end(_usage(choices)), event)
+                    end = data + request.encoders[0].end(_usage(choices))
+                    await self._end(request, end, failed or event)
 
     async def _collect(self, request: InFlightRequest, parsed: _Parsed) -> None:
         choices = request.choices

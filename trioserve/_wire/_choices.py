@@ -70,9 +70,11 @@ class ChoiceStream:
         encoder = self._encoder
         out = b""
         if self._parser is not None:
-            rest = self._parser.finish()
+            rest = self._parser.finish(complete=cause == "stop")
             if rest and self._called:
                 out += encoder.tool_call_arguments(0, rest)
+            elif rest:  # cut before the name was complete: what there is, as content
+                out += encoder.delta(rest)
         elif self._held:
             calls = parse_calls(self._held, self._names) if cause == "stop" else None
             if calls:
@@ -100,7 +102,7 @@ def finished_choice(
     if mode == "forced":
         parser = StreamedCallParser()
         _, arguments = parser.feed(text)
-        arguments += parser.finish()
+        arguments += parser.finish(complete=cause == "stop")
         if parser.name is not None:
             return ChoiceResult(text="", cause=cause, tool_calls=[(new_call_id(), parser.name, arguments)])
     elif mode == "auto" and cause == "stop":

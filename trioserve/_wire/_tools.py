@@ -169,7 +169,11 @@ class StreamedCallParser:
         fragment, self._buffer = self._buffer[:-1], self._buffer[-1:]
         return None, fragment
 
-    def finish(self) -> str:
-        """The last argument text (the held ``}`` of the wrapper is dropped)."""
+    def finish(self, *, complete: bool = True) -> str:
+        """The last argument text: the held ``}`` is the wrapper's and dropped when the
+        call is ``complete``; a call cut short (``max_tokens``) keeps it (it belongs to
+        the arguments). Before the name, the text held so far."""
         rest, self._buffer = self._buffer, ""
-        return rest[:-1] if rest.endswith("}") and self.name is not None else rest
+        if complete and self.name is not None and rest.endswith("}"):
+            return rest[:-1]
+        return rest
