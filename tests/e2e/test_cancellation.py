@@ -72,13 +72,12 @@ def llama_backend(request: pytest.FixtureRequest, llama_backend: LlamaBackend) -
     return llama_backend
 
 
-@pytest.fixture(scope="module")
-def reference_text(llama_backend: LlamaBackend) -> str:
-    """What a fresh server answers to REFERENCE (computed on a fresh engine)."""
+def _fresh_reference(backend: LlamaBackend) -> str:
+    """What a fresh server on ``backend`` answers to REFERENCE."""
 
     async def fresh() -> str:
         async with trio.open_nursery() as nursery:
-            running = await start_server(nursery, llama_backend)
+            running = await start_server(nursery, backend)
             async with running.client() as client:
                 response = await client.post("/v1/completions", json=REFERENCE)
                 text: str = response.json()["choices"][0]["text"]
@@ -88,17 +87,26 @@ def reference_text(llama_backend: LlamaBackend) -> str:
     return trio.run(fresh)
 
 
-@pytest.fixture
-async def server(llama_backend: LlamaBackend, nursery: trio.Nursery) -> AsyncIterator[RunningServer]:
-    running = await start_server(
+async def _victims_server(nursery: trio.Nursery, backend: LlamaBackend) -> RunningServer:
+    return await start_server(
         nursery,
-        llama_backend,
+        backend,
         max_queue=4,
         shutdown_grace=0.0,
         stall_timeout=STALL_TIMEOUT,
         send_buffer_bytes=4096,
         http=HTTPSettings(),
     )
+
+
+@pytest.fixture(scope="module")
+def reference_text(llama_backend: LlamaBackend) -> str:
+    return _fresh_reference(llama_backend)
+
+
+@pytest.fixture
+async def server(llama_backend: LlamaBackend, nursery: trio.Nursery) -> AsyncIterator[RunningServer]:
+    running = await _victims_server(nursery, llama_backend)
     yield running
     running.server.shutdown()
 
@@ -281,33 +289,14 @@ async def test_cancel_cell_constrained(
 
 @pytest.fixture(scope="module")
 def choices_reference(batched_backend: LlamaBackend) -> str:
-    """REFERENCE's text on the two-sequence backend, fresh."""
-
-    async def fresh() -> str:
-        async with trio.open_nursery() as nursery:
-            running = await start_server(nursery, batched_backend)
-            async with running.client() as client:
-                response = await client.post("/v1/completions", json=REFERENCE)
-            running.server.shutdown()
-        text: str = response.json()["choices"][0]["text"]
-        return text
-
-    return trio.run(fresh)
+    return _fresh_reference(batched_backend)
 
 
 @pytest.fixture
 async def choices_server(
     batched_backend: LlamaBackend, nursery: trio.Nursery
 ) -> AsyncIterator[RunningServer]:
-    running = await start_server(
-        nursery,
-        batched_backend,
-        max_queue=4,
-        shutdown_grace=0.0,
-        stall_timeout=STALL_TIMEOUT,
-        send_buffer_bytes=4096,
-        http=HTTPSettings(),
-    )
+    running = await _victims_server(nursery, batched_backend)
     yield running
     running.server.shutdown()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy
@@ -40,8 +41,10 @@ class GrammarCompiler:
     """Compiles constraints for one model. The llguidance tokenizer (built from the
     llama.cpp vocabulary, about 2.5 s for 262,144 tokens) is built on first use."""
 
-    def __init__(self, lib: Any, vocab: Any, n_vocab: int) -> None:
+    def __init__(self, lib: Any, vocab: Any, n_vocab: int, token_bytes: Callable[..., bytes]) -> None:
         self._lib = lib
+        #: ``token_bytes(token, special=True)``: the model's ``llama_token_to_piece``
+        self._token_bytes = token_bytes
         self._vocab = vocab
         self.n_vocab = n_vocab
         self._tokenizer: Any = None
@@ -69,16 +72,11 @@ class GrammarCompiler:
         import llguidance
 
         lib, vocab = self._lib, self._vocab
-        size = 1024
-        buffer = ctypes.create_string_buffer(size)
         control = lib.LLAMA_TOKEN_ATTR_CONTROL
         user_defined = lib.LLAMA_TOKEN_ATTR_USER_DEFINED
         tokens: list[bytes] = []
         for token in range(self.n_vocab):
-            n = lib.llama_token_to_piece(vocab, token, buffer, size, 0, True)
-            if n < 0:  # pragma: no cover - no token of a real vocabulary is this long
-                raise ValueError(f"token {token} is longer than {size} bytes")
-            piece = buffer.raw[:n]
+            piece = self._token_bytes(token, special=True)
             attr = lib.llama_vocab_get_attr(vocab, token)
             if attr & control or (attr & user_defined and piece.startswith(b"<") and piece.endswith(b">")):
                 piece = b"\xff" + piece

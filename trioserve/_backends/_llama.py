@@ -219,7 +219,7 @@ class LlamaModel(Backend):
         self._bos: int = lib.llama_vocab_bos(self.vocab)
         self._piece_cache: dict[int, bytes] = {}
         #: the constraint compiler (its view of the vocabulary is built on first use)
-        self.grammars = GrammarCompiler(lib, self.vocab, self.n_vocab)
+        self.grammars = GrammarCompiler(lib, self.vocab, self.n_vocab, self.token_bytes)
         self._piece_lock = threading.Lock()
         train_ctx = lib.llama_model_n_ctx_train(model)
         if settings.n_ctx > train_ctx:
@@ -347,12 +347,7 @@ class LlamaModel(Backend):
         cached = self._piece_cache.get(token)
         if cached is not None:
             return cached
-        buffer = ctypes.create_string_buffer(256)
-        n = self.lib.llama_token_to_piece(self.vocab, token, buffer, 256, 0, False)
-        if n < 0:
-            buffer = ctypes.create_string_buffer(-n)
-            n = self.lib.llama_token_to_piece(self.vocab, token, buffer, -n, 0, False)
-        piece = buffer.raw[:n]
+        piece = self.token_bytes(token, special=False)
         with self._piece_lock:
             self._piece_cache[token] = piece
         return piece
@@ -365,13 +360,16 @@ class LlamaModel(Backend):
         llama.cpp's ``common_token_to_piece``. :meth:`piece` renders those as nothing
         (generated text never shows them); every other token is the same in both."""
         piece = self.piece(token)
-        if piece:
-            return piece
+        return piece if piece else self.token_bytes(token, special=True)
+
+    def token_bytes(self, token: int, *, special: bool) -> bytes:
+        """llama.cpp's ``llama_token_to_piece`` (uncached): ``special`` renders control
+        tokens as their text."""
         buffer = ctypes.create_string_buffer(256)
-        n = self.lib.llama_token_to_piece(self.vocab, token, buffer, 256, 0, True)
+        n = self.lib.llama_token_to_piece(self.vocab, token, buffer, 256, 0, special)
         if n < 0:
             buffer = ctypes.create_string_buffer(-n)
-            n = self.lib.llama_token_to_piece(self.vocab, token, buffer, -n, 0, True)
+            n = self.lib.llama_token_to_piece(self.vocab, token, buffer, -n, 0, special)
         return buffer.raw[:n]
 
     async def tokenize_text(

@@ -87,9 +87,11 @@ class EventStream:
         self._progress = progress
         self._producer_scope = producer_scope
         self._assembler = TextAssembler(prompt.request.stop)
-        #: log-probabilities: pieces come with their entries, given out with the text
+        #: log-probabilities: pieces come with their entries (``(bytes, TokenLogprob)``),
+        #: kept until the text they are part of is given out
         self._logprobs = prompt.request.logprobs is not None
         self._pending: list[TokenLogprob] = []
+        self._feed = self._feed_logged if self._logprobs else self._assembler.feed
         self._final: Finished | None = None
         self._done = False
         self._stopped_by_sequence = False
@@ -123,10 +125,8 @@ class EventStream:
             raise StopAsyncIteration
         if self._stopped_by_sequence:
             return await self._finish()
-        if self._logprobs:
-            return await self._next_with_logprobs()
         receive = self._channel.receive_batch
-        feed = self._assembler.feed
+        feed = self._feed
         while True:
             try:
                 pieces = await receive()
@@ -152,34 +152,13 @@ class EventStream:
             if text:
                 return self._delta(text)
 
-    async def _next_with_logprobs(self) -> Event:
-        """:meth:`__anext__` when pieces carry their log-probabilities: a delta comes
-        with the entries of every token fed since the last one (a token whose text is
-        held back — half a character, a possible stop sequence — is given out with the
-        text it completes)."""
-        receive = self._channel.receive_batch
-        feed = self._assembler.feed
-        pending = self._pending
-        while True:
-            try:
-                items = await receive()
-            except trio.EndOfChannel:
-                return await self._finish()
-            parts = []
-            for piece, entry in cast("list[tuple[bytes, TokenLogprob]]", items):
-                parts.append(feed(piece))
-                pending.append(entry)
-                if self._assembler.stopped:
-                    break
-            text = "".join(parts)
-            if self._assembler.stopped:
-                self._stopped_by_sequence = True
-                self._producer_scope.cancel()
-                if text:
-                    return self._delta(text)
-                return await self._finish()
-            if text:
-                return self._delta(text)
+    def _feed_logged(self, item: bytes) -> str:
+        """``feed`` for a piece that carries its log-probability: the entry waits for
+        the delta its text goes out in (a token whose text is held back — half a
+        character, a possible stop sequence — comes with the text it completes)."""
+        piece, entry = cast("tuple[bytes, TokenLogprob]", item)
+        self._pending.append(entry)
+        return self._assembler.feed(piece)
 
     def _delta(self, text: str) -> TextDelta:
         if self.timings.first_token is None:

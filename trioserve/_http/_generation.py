@@ -24,7 +24,7 @@ from typing import Literal
 import trio
 
 from .._core._backend import PreparedPrompt
-from .._core._engine import Engine, EventStream
+from .._core._engine import EventStream
 from .._core._errors import unwrap_group
 from .._core._exceptions import (
     ContextLengthError,
@@ -299,7 +299,7 @@ class GenerationHandler:
         scope, exchange = request.asgi, request.exchange
         _check_content_type(scope)
         body = await _read_body(scope, receive, state.settings.max_body_bytes)
-        engine = self._engine()  # shutting down, not loaded: refuse before any work
+        engine = self.state.serving_engine()  # shutting down, not loaded: refuse before any work
         if len(body) > _INLINE_PARSE_BYTES:
             # decoding a large body, rendering a long chat: off the event loop
             parsed = await trio.to_thread.run_sync(self._parse, request.kind, body)
@@ -375,20 +375,6 @@ class GenerationHandler:
         if request.cancel_scope.cancelled_caught or request.cause is not None:
             request.note_deadline()  # no-op if another cause came first
             await self._cancelled(request)
-
-    def _engine(self) -> Engine:
-        state = self.state
-        if state.shutting_down:
-            raise ServiceUnavailableError(
-                "the server is shutting down; retry on another instance", retry_after=1
-            )
-        if state.engine is None:
-            if state.load_error:
-                raise ServiceUnavailableError(f"the model failed to load: {state.load_error}")
-            raise ServiceUnavailableError(
-                "the model is still loading; retry shortly", retry_after=1, code="loading"
-            )
-        return state.engine
 
     def _parse(self, kind: Literal["text", "chat"], body: bytes) -> _Parsed:
         request: CompletionRequest | ChatCompletionRequest

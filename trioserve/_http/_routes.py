@@ -14,7 +14,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response
 from quart_trio import QuartTrio
 
-from .._core._engine import Engine
 from .._core._exceptions import (
     HeadersTooLargeError,
     MethodNotAllowedError,
@@ -86,19 +85,6 @@ def _model_object(name: str, created: int, context_length: int) -> dict[str, obj
         "owned_by": "trioserve",
         "context_length": context_length,
     }
-
-
-def _serving_engine(state: ServerState) -> Engine:
-    """The engine, or the 503 a generation request would get (loading, shutting down)."""
-    if state.shutting_down:
-        raise ServiceUnavailableError("the server is shutting down; retry on another instance", retry_after=1)
-    if state.engine is None:
-        if state.load_error:
-            raise ServiceUnavailableError(f"the model failed to load: {state.load_error}")
-        raise ServiceUnavailableError(
-            "the model is still loading; retry shortly", retry_after=1, code="loading"
-        )
-    return state.engine
 
 
 async def _json_body[T](decode: Callable[[bytes], T]) -> T:
@@ -193,7 +179,7 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
     @app.post("/tokenize")
     async def tokenize() -> Response:
         try:
-            engine = _serving_engine(state)
+            engine = state.serving_engine()
             request = await _json_body(decode_tokenize_request)
             backend = engine.backend
             tokens = await backend.tokenize_text(
@@ -207,7 +193,7 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
     @app.post("/detokenize")
     async def detokenize() -> Response:
         try:
-            engine = _serving_engine(state)
+            engine = state.serving_engine()
             request = await _json_body(decode_detokenize_request)
             pieces = await engine.backend.token_pieces(request.tokens)
         except TrioserveError as exc:

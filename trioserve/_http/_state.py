@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import trio
 
 from .._core._engine import Engine
+from .._core._exceptions import ServiceUnavailableError
 from .._core._types import EndCause
 from .._wire._chat import ChatFormat, chat_format_for
 from ._metrics import Metrics
@@ -74,6 +75,21 @@ class ServerState:
         """Return once no request is in flight."""
         if self.requests:
             await self._idle.wait()
+
+    def serving_engine(self) -> Engine:
+        """The engine, or the 503 a request gets while the model loads, after a load
+        failure, or during shutdown."""
+        if self.shutting_down:
+            raise ServiceUnavailableError(
+                "the server is shutting down; retry on another instance", retry_after=1
+            )
+        if self.engine is None:
+            if self.load_error:
+                raise ServiceUnavailableError(f"the model failed to load: {self.load_error}")
+            raise ServiceUnavailableError(
+                "the model is still loading; retry shortly", retry_after=1, code="loading"
+            )
+        return self.engine
 
     def set_engine(self, engine: Engine) -> None:
         info = engine.backend.info

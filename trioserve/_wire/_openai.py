@@ -404,7 +404,11 @@ def decode_chat_request(body: bytes) -> ChatCompletionRequest:
             )
     elif request.tool_choice is not None and not request.tools and request.tool_choice != "none":
         raise InvalidRequestError(f"tool_choice {request.tool_choice!r} needs tools", param="tool_choice")
-    if mode not in ("none", "auto") and _constraint(request) is not None:
+    fmt = request.response_format
+    asks_constraint = (
+        (fmt is not None and fmt.type != "text") or request.json_schema is not None or request.grammar
+    )
+    if mode not in ("none", "auto") and asks_constraint:
         raise InvalidRequestError(
             "a forced tool call cannot also follow response_format; send one of them", param="tool_choice"
         )
