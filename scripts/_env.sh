@@ -45,5 +45,41 @@ ensure_venv() {
         .venv/bin/python -m pip install --quiet --upgrade pip
     fi
     # llama-cpp-python compiles llama.cpp on first install (~4 min on 2 cores; pip caches the wheel)
+    export CMAKE_ARGS="${CMAKE_ARGS:-} $(no_amx_cmake_args)"
     .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[${extras}]"
+    ensure_no_amx
+}
+
+# llama.cpp's AMX kernels crash on CPUs that have AMX (Xeon Sapphire Rapids and later,
+# most current x86 cloud instances): SIGSEGV in ggml_backend_amx_mul_mat at ldtilecfg on
+# the first decode (ggml-org/llama.cpp #20824, open; PR #26954). A native build compiles
+# them in when the CPU reports amx_int8, so every build here turns AMX off; the repacked
+# AVX2/AVX-512 kernels (REPACK = 1) are kept. docs/platforms.md has the measurements.
+no_amx_cmake_args() {
+    case "$(uname -m)" in
+        x86_64|amd64)
+            echo "-DCMAKE_C_FLAGS='-mno-amx-int8 -mno-amx-tile -mno-amx-bf16'" \
+                 "-DCMAKE_CXX_FLAGS='-mno-amx-int8 -mno-amx-tile -mno-amx-bf16'" ;;
+    esac
+}
+
+# pip's wheel cache keys a built wheel by the sdist, not by CMAKE_ARGS: a machine that once
+# built llama-cpp-python with AMX reinstalls that wheel. Check what was installed, and
+# rebuild it from source, bypassing the cache, when its llama.cpp reports AMX_INT8.
+ensure_no_amx() {
+    local info
+    info="$(.venv/bin/python -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode())')"
+    case "$info" in
+        *AMX_INT8*)
+            echo "llama-cpp-python was built with AMX kernels (ggml-org/llama.cpp #20824):" \
+                 "rebuilding it without AMX (about 4 min)" >&2
+            local version
+            version="$(.venv/bin/python -c 'import llama_cpp; print(llama_cpp.__version__)')"
+            .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-cache-dir \
+                --force-reinstall --no-deps --no-binary llama-cpp-python "llama-cpp-python==$version"
+            info="$(.venv/bin/python -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode())')"
+            case "$info" in
+                *AMX_INT8*) echo "error: llama-cpp-python still reports AMX_INT8 after a rebuild" >&2; return 1 ;;
+            esac ;;
+    esac
 }

@@ -10,6 +10,7 @@ from trioserve import InvalidRequestError, Usage
 from trioserve._wire._openai import (
     ChunkEncoder,
     decode_chat_request,
+    decode_completion_prompts,
     decode_completion_request,
     non_stream_response,
 )
@@ -64,7 +65,9 @@ def test_token_id_prompt() -> None:
         (b"{}", None, "missing required field `prompt`"),
         (b'{"prompt": 5}', "prompt", "Expected `str | array`"),
         (b'{"prompt": ""}', "prompt", "must not be empty"),
-        (b'{"prompt": ["a", "b"]}', "prompt", "batches of prompts are not supported"),
+        (b'{"prompt": ["a", 5]}', "prompt", "not a mix"),
+        (b'{"prompt": ["a", ""]}', "prompt", "prompt 1 of the batch"),
+        (b'{"prompt": [[1, 2], []]}', "prompt", "must not be empty"),
         (b'{"prompt": "x", "n": 17}', "n", "<= 16"),
         (b'{"prompt": "x", "echo": true}', "echo", "echo is not supported"),
         (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", ">= 1"),
@@ -149,7 +152,8 @@ def test_final_chunk_of_a_deadline_says_why() -> None:
     encoder = ChunkEncoder("text", "m")
     final = encoder.final("deadline", Usage(prompt_tokens=1, completion_tokens=2))
     finish = json.loads(final.split(b"\n\n")[0].removeprefix(b"data: "))
-    assert finish["choices"][0]["finish_reason"] == "deadline"
+    # OpenAI's value (strict clients refuse others); the cause in trioserve's own field
+    assert finish["choices"][0]["finish_reason"] == "length"
     assert finish["trioserve"]["end_cause"] == "deadline"
     assert final.endswith(b"data: [DONE]\n\n")
 
@@ -162,3 +166,17 @@ def test_non_stream_bodies() -> None:
     chat = json.loads(non_stream_response("chat", model="m", text="ab", cause="length", usage=usage))
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
     assert chat["object"] == "chat.completion"
+
+
+def test_a_batch_of_prompts_is_one_generation_each() -> None:
+    _, generations = decode_completion_prompts(b'{"prompt": ["a", "b"], "max_tokens": 3, "stop": "x"}')
+    assert [g.prompt for g in generations] == ["a", "b"]
+    assert all(g.max_tokens == 3 and g.stop == ("x",) for g in generations)
+    _, generations = decode_completion_prompts(b'{"prompt": [[2, 3], [4]]}')
+    assert [list(g.prompt) for g in generations] == [[2, 3], [4]]
+    _, generations = decode_completion_prompts(b'{"prompt": [2, 3]}')  # token ids: one prompt
+    assert [list(g.prompt) for g in generations] == [[2, 3]]
+    with pytest.raises(InvalidRequestError, match="at most 64 prompts"):
+        decode_completion_prompts(json.dumps({"prompt": ["a"] * 65}).encode())
+    with pytest.raises(InvalidRequestError, match="takes no batch"):
+        decode_completion_request(b'{"prompt": ["a", "b"]}')

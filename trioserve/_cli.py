@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import json
 import logging
@@ -89,6 +90,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="make each request's numerics independent of the others, so a temperature-0 "
         "text equals the request's text alone (costs throughput at high concurrency)",
+    )
+    model.add_argument(
+        "--repack",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="let llama.cpp repack weights for this CPU's kernels (its extra buffer types); "
+        "auto: on, unless the installed llama.cpp has AMX kernels, which crash on AMX CPUs "
+        "(ggml-org/llama.cpp #20824; docs/platforms.md) (default: auto)",
     )
     model.add_argument(
         "--scripted",
@@ -291,6 +300,7 @@ def _loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backe
         cache_mode=args.cache_mode,
         batch_invariant=args.batch_invariant,
         model_id=args.model_id,
+        repack={"auto": None, "on": True, "off": False}[args.repack],
     )
     description = (
         f"model {path} ({settings.slots} sequences of {settings.n_ctx} tokens, "
@@ -308,6 +318,12 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # a native crash (in llama.cpp, say) leaves every thread's Python stack in the log
+    if not faulthandler.is_enabled():
+        try:
+            faulthandler.enable()
+        except (AttributeError, ValueError, OSError):  # pragma: no cover - stderr has no file
+            logger.warning("faulthandler could not be enabled: stderr is not a file")
     args = _parser().parse_args(argv)
     _configure_logging(args.log_level, args.log_format)
     try:

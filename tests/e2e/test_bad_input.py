@@ -95,13 +95,13 @@ BAD_INPUTS: list[tuple[str, str, str, dict[str, Any], int, str | None, str]] = [
     ),
     ("empty prompt", "POST", COMP, {"json": {"prompt": ""}}, 400, None, "prompt must not be empty"),
     (
-        "a batch of prompts",
+        "a batch mixing texts and token ids",
         "POST",
         COMP,
-        {"json": {"prompt": ["a", "b"]}},
+        {"json": {"prompt": ["a", 5]}},
         400,
         None,
-        "batches of prompts are not supported",
+        "not a mix",
     ),
     ("empty messages", "POST", CHAT, {"json": {"messages": []}}, 400, None, "at least one message"),
     (

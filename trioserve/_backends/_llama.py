@@ -27,6 +27,7 @@ from .._core._backend import Backend, ModelInfo, PreparedPrompt, check_token_ids
 from .._core._exceptions import BackendError, InvalidRequestError
 from .._core._types import GenerationRequest, SamplingParams
 from ._grammar import GrammarCompiler
+from ._platform import RepackDecision, decide_repack
 
 __all__ = ["LlamaModel", "LlamaSettings"]
 
@@ -112,7 +113,11 @@ class LlamaSettings:
             repacking).
         model_id: the name clients use; default: the file name without ``.gguf``.
         repack: let llama.cpp repack weights for this CPU's SIMD kernels
-            (``use_extra_bufts``); off in batch-invariant mode.
+            (``use_extra_bufts``): ``True`` (on), ``False`` (off), ``None`` (auto: on,
+            unless the loaded llama.cpp has AMX kernels, which crash: ``_platform.py``);
+            off in batch-invariant mode.
+        warm_up: decode one token at load (as llama-server does), so a llama.cpp that
+            cannot run on this CPU fails at startup, not at the first request.
     """
 
     def __init__(
@@ -130,15 +135,20 @@ class LlamaSettings:
         cache_mode: Literal["exact", "fast"] = "exact",
         batch_invariant: bool = False,
         model_id: str | None = None,
-        repack: bool = True,
+        repack: bool | None = None,
+        warm_up: bool = True,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
+        if slots > n_batch:
+            # every step decodes one token of each sequence in one batch of n_batch rows
+            raise ValueError(f"slots ({slots}) may be at most n_batch ({n_batch}): raise the batch size")
         if not 1 <= prefill_chunk <= n_batch:
             raise ValueError(f"prefill_chunk must be in [1, n_batch={n_batch}], got {prefill_chunk}")
         self.model_path = Path(model_path)
         self.batch_invariant = batch_invariant
-        self.repack = repack and not batch_invariant
+        self.repack = repack
+        self.warm_up = warm_up
         self.n_ctx = n_ctx
         # llama.cpp's threads spin while they wait for each other: more threads than
         # cores makes every decode slower, so one context gets exactly the cores.
@@ -208,6 +218,10 @@ class LlamaModel(Backend):
     loaded = 0
     _count_lock = threading.Lock()
 
+    #: ``llama_print_system_info()`` of the loaded llama.cpp, and the repack decision
+    system_info = ""
+    repack: RepackDecision | None = None
+
     def __init__(self, settings: LlamaSettings, lib: Any, model: Any) -> None:
         super().__init__()
         self._freed = False
@@ -259,13 +273,24 @@ class LlamaModel(Backend):
         llama_cpp.llama_backend_init()
         _LazyLogCallback.loading += 1
         try:
+            system_info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+            decision = decide_repack(system_info, settings.repack, batch_invariant=settings.batch_invariant)
+            logger.info("llama.cpp system info: %s", system_info)
+            (logger.warning if decision.amx else logger.info)(
+                "weights %s: %s",
+                "repacked (extra buffer types)" if decision.extra_buffers else "not repacked",
+                decision.reason,
+            )
             params = llama_cpp.llama_model_default_params()
-            params.use_extra_bufts = settings.repack
+            params.use_extra_bufts = decision.extra_buffers
             model = llama_cpp.llama_model_load_from_file(str(settings.model_path).encode(), params)
             if not model:
                 raise BackendError(f"llama.cpp could not load {settings.model_path}")
             try:
-                return cls(settings, llama_cpp, model)
+                backend = cls(settings, llama_cpp, model)
+                backend.system_info = system_info
+                backend.repack = decision
+                return backend
             except BaseException:
                 llama_cpp.llama_model_free(model)
                 raise

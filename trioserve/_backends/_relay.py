@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 import msgspec
@@ -39,7 +39,7 @@ from .._core._exceptions import (
     OverloadedError,
     TrioserveError,
 )
-from .._core._types import GenerationRequest
+from .._core._types import GenerationEnd, GenerationRequest
 from .._wire._sse import SSEDecoder
 from ._balancer import UpstreamState
 
@@ -254,7 +254,7 @@ class UpstreamClient:
 
     async def stream(
         self, upstream: UpstreamState, body: dict[str, Any], sink: Sink, answered: Callable[[], None]
-    ) -> Literal["stop", "length"]:
+    ) -> GenerationEnd:
         """Stream one completion from ``upstream`` into ``sink``; ``answered()`` is
         called as soon as the upstream has answered (it is up, whatever it answered)."""
         request = self._client.build_request(
@@ -274,9 +274,7 @@ class UpstreamClient:
             return await _read(upstream, chunks, sink)
 
 
-async def _read(
-    upstream: UpstreamState, chunks: AsyncIterator[bytes], sink: Sink
-) -> Literal["stop", "length"]:
+async def _read(upstream: UpstreamState, chunks: AsyncIterator[bytes], sink: Sink) -> GenerationEnd:
     decoder = SSEDecoder()
     state = _StreamState()
     try:
@@ -335,7 +333,7 @@ async def _event(upstream: UpstreamState, data: str, state: _StreamState, sink: 
             state.finish_reason = str(reason)
 
 
-async def _finish(upstream: UpstreamState, state: _StreamState) -> Literal["stop", "length"]:
+async def _finish(upstream: UpstreamState, state: _StreamState) -> GenerationEnd:
     reason = state.finish_reason
     if reason in ("stop", "length"):
         return reason  # type: ignore[return-value]

@@ -33,7 +33,7 @@ import trio
 from .._core._backend import ChoiceGroup, GenerationProgress, PreparedPrompt
 from .._core._channel import PieceChannel
 from .._core._exceptions import BackendError
-from .._core._types import TokenLogprob
+from .._core._types import GenerationEnd, TokenLogprob
 from ._grammar import TokenMask
 from ._invariance import probe_invariant_width, probe_shared_context_limit
 from ._llama import LlamaModel, LlamaSettings, _Context
@@ -46,7 +46,6 @@ logger = logging.getLogger("trioserve.llama")
 _DECODE_ABORTED = 2
 _as_array = numpy.ctypeslib.as_array
 
-Reason = Literal["stop", "length"]
 #: the result of a sequence dropped because its request was cancelled
 _CANCELLED: Literal["cancelled"] = "cancelled"
 
@@ -124,7 +123,7 @@ class _Sequence:
         self.token = trio.lowlevel.current_trio_token()
         self.channel = channel
         self.removed = trio.Event()
-        self.result: Reason | Literal["cancelled"] | BaseException | None = None
+        self.result: GenerationEnd | Literal["cancelled"] | BaseException | None = None
         self.cancelled = False
         self.seq_id = -1
         self.prefilled = 0
@@ -194,7 +193,20 @@ class _Scheduler:
         #: sequence id keeps — whole chunks aligned to absolute positions, computed
         #: exactly as a fresh server computes them — and when each id was last used
         self.chunk = settings.prefill_chunk
-        self.cache_enabled = settings.prompt_cache
+        lib = backend.lib
+        #: recurrent and hybrid models (Mamba, RWKV, Granite-4-H, LFM2, Jamba…) refuse to
+        #: remove part of a sequence's state (``llama_memory_seq_rm`` returns false): no
+        #: partial reuse, no idle recompute, no shared prompt for n > 1, and a decode call
+        #: is aborted only when every sequence in it is cancelled (docs/prompt-cache.md)
+        self.partial_removal = not (
+            lib.llama_model_is_recurrent(backend.model) or lib.llama_model_is_hybrid(backend.model)
+        )
+        if not self.partial_removal:
+            logger.info(
+                "a recurrent or hybrid model: the prompt cache, idle recompute and shared prompts "
+                "for n > 1 are off (llama.cpp cannot remove part of its state)"
+            )
+        self.cache_enabled = settings.prompt_cache and self.partial_removal
         #: ``fast`` mode: keep and reuse every computed cell (the reply too, any matching
         #: length), as llama-server does — not exact (docs/prompt-cache.md)
         self.fast = settings.cache_mode == "fast"
@@ -206,13 +218,13 @@ class _Scheduler:
         #: measured on the first prefix kept (``llama_state_seq_get_size``), for the gauge
         self.kv_bytes_per_token = 0.0
         #: prefixes evicted from KV cells, in host memory (``--cache-ram``)
-        self.host = HostCache(settings.cache_ram_bytes if settings.prompt_cache else 0)
+        self.host = HostCache(settings.cache_ram_bytes if self.cache_enabled else 0, chunk=self.reuse_unit)
         self.restore_seconds = 0.0
         self.save_seconds = 0.0
         #: idle recompute: the whole conversation (prompt + reply) of a finished request,
         #: per id, whose chunks past the cached prompt are evaluated while nothing else
         #: runs — aligned, so the next turn reuses its reply exactly
-        self.idle_recompute = settings.prompt_cache and settings.idle_recompute and not self.fast
+        self.idle_recompute = self.cache_enabled and settings.idle_recompute and not self.fast
         self._history: dict[int, list[int]] = {}
         self._idle_in_flight = False
         self.idle_chunks = 0
@@ -231,6 +243,12 @@ class _Scheduler:
         #: batch-invariant mode: a sequence whose context (cells, the token being decoded
         #: included) is longer than this decodes in a call of its own
         self.shared_context_limit = settings.n_ctx
+        if settings.warm_up:
+            try:
+                _warm_up(backend, self)
+            except BaseException:
+                self.context.free(backend.lib)
+                raise
         if settings.batch_invariant:
             try:
                 self.max_call_width, self.shared_context_limit = _probe_invariance(backend, self)
@@ -269,7 +287,12 @@ class _Scheduler:
                 self.abort_flag.value = 1
             if sequence in self._in_flight:
                 wasted = sum(n for s, n in self._in_flight.items() if s.cancelled)
-                if 2 * wasted >= self._in_flight_tokens:
+                # (without partial removal, the survivors of an aborted call could not
+                # be rolled back: abort only a call that is all waste)
+                needed = (
+                    self._in_flight_tokens if not self.partial_removal else (self._in_flight_tokens + 1) // 2
+                )
+                if wasted >= needed:
                     self.abort_flag.value = 1
             self._condition.notify()
 
@@ -291,18 +314,20 @@ class _Scheduler:
 
     # ------------------------------------------------------- scheduler thread
 
-    def _next_admission(self) -> list[_Sequence] | None:
+    def _next_admission(self, free: int | None = None) -> list[_Sequence] | None:
         """The sequences admissible now, in order: the inbox's head, or — for a group
         (``n`` > 1) — all its choices, once they have all arrived and as many ids are
-        free. (Called under the lock.)"""
-        if not self._inbox or not self._free_ids:
+        free (``free``: the ids not yet promised). (Called under the lock.)"""
+        if free is None:
+            free = len(self._free_ids)
+        if not self._inbox or not free:
             return None
         head = self._inbox[0]
         group = head.group
         if group is None:
             return [head]
         members = sorted((s for s in self._inbox if s.group is group), key=_choice)
-        if len(members) < group.size or len(members) > len(self._free_ids):
+        if len(members) < group.size or len(members) > free:
             return None  # the others are being submitted, or ids are still busy
         return members
 
@@ -335,26 +360,27 @@ class _Scheduler:
                         self._inbox.remove(sequence)
                         if sequence.group is not None:
                             sequence.group.size -= 1  # the others need not wait for it
-                    admitted: list[_Sequence] = []
-                    while (members := self._next_admission()) is not None:
-                        leader = members[0]
+                    # Take the admissible sequences out of the inbox; their prefix
+                    # matching runs after the lock is released (the Trio thread takes
+                    # it in submit, cancel, wake and every /health or /metrics read).
+                    groups: list[list[_Sequence]] = []
+                    free = len(self._free_ids)
+                    while (members := self._next_admission(free)) is not None:
                         for sequence in members:
                             self._inbox.remove(sequence)
-                            if sequence is leader:
-                                self._assign(sequence)
-                            else:
-                                self._assign_follower(sequence, leader)
-                            self._active.append(sequence)
-                            admitted.append(sequence)
+                        free -= len(members)
+                        groups.append(members)
                 for sequence in gone:
                     self._remove(sequence, _CANCELLED)
+                admitted = self._admit(groups)
                 for sequence in admitted:
-                    self._prepare_cells(sequence)
+                    if sequence.result is None:  # (not failed at admission)
+                        self._contained(self._prepare_cells, sequence, "preparing its cached prefix")
                 if idle:
-                    self._recompute_chunk()
+                    self._recompute_safely()
                 else:
                     self._step()
-        except BaseException as exc:  # pragma: no cover - a bug or a llama.cpp failure
+        except BaseException as exc:  # pragma: no cover - a bug in the loop itself
             logger.exception("the batch scheduler failed")
             with self._condition:
                 self.failure = exc
@@ -366,46 +392,116 @@ class _Scheduler:
                 self._active = []
                 self._inbox.clear()
             for sequence in leaving:
-                self._remove(sequence, failure)
+                try:
+                    self._remove(sequence, failure)
+                except BaseException:  # pragma: no cover - _remove hands back in any case
+                    logger.exception("could not release a sequence at shutdown")
+
+    def _admit(self, groups: list[list[_Sequence]]) -> list[_Sequence]:
+        """Give each admitted sequence its id and cached prefix (the plan is made outside
+        the lock: only this thread writes the cache's bookkeeping; the commit is under
+        it). A sequence whose admission fails fails alone."""
+        admitted: list[_Sequence] = []
+        for members in groups:
+            leader = members[0]
+            for sequence in members:
+                shares = sequence is not leader and self.partial_removal and leader.result is None
+                if shares:
+                    ok = self._contained(self._assign_follower, sequence, "admission", leader)
+                else:
+                    ok = self._contained(self._assign, sequence, "admission")
+                if ok:
+                    with self._condition:
+                        self._active.append(sequence)
+                    admitted.append(sequence)
+        return admitted
+
+    def _contained(self, step: Any, sequence: _Sequence, what: str, *args: Any) -> bool:
+        """Run ``step(sequence, *args)``; if it raises, only ``sequence`` fails (its
+        cells cleared, its request told why) and the server goes on."""
+        try:
+            step(sequence, *args)
+        except Exception as exc:
+            logger.exception("a request failed in the scheduler (%s); the others go on", what)
+            if sequence.result is None:
+                self._remove(sequence, BackendError(f"inference failed while {what}: {exc!r}"))
+            return False
+        return True
+
+    def _recompute_safely(self) -> None:
+        try:
+            self._recompute_chunk()
+        except Exception:
+            logger.exception("the idle recompute failed; its conversation is dropped from the cache")
+            for seq_id in list(self._history):
+                self._history.pop(seq_id, None)
+                if seq_id in self._free_ids:
+                    self._forget(seq_id)
+
+    def _forget(self, seq_id: int) -> None:
+        """Drop what a free id caches: its cells and its bookkeeping."""
+        self._cached[seq_id] = []
+        self._history.pop(seq_id, None)
+        if not self._backend.lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1):  # pragma: no cover
+            logger.error("llama.cpp could not clear the cells of sequence %d", seq_id)
+
+    def _trim(self, seq_id: int, keep: int) -> int:
+        """Remove ``seq_id``'s cells from position ``keep`` on; the cells kept. Where
+        llama.cpp refuses a partial removal (``llama_memory_seq_rm`` returns false:
+        recurrent state), every cell goes and 0 is kept."""
+        lib = self._backend.lib
+        if keep > 0 and lib.llama_memory_seq_rm(self.memory, seq_id, keep, -1):
+            return keep
+        if keep > 0:
+            logger.warning("llama.cpp refused to keep %d cells of sequence %d: clearing it", keep, seq_id)
+        if not lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1):
+            raise BackendError(f"llama.cpp could not clear the cells of sequence {seq_id}")
+        return 0
 
     def _assign(self, sequence: _Sequence) -> None:
         """Give ``sequence`` the free id whose cached prompt shares the longest prefix of
         whole chunks with its prompt (ties, and no prefix: the least recently used id),
-        and start it after that prefix. (Called under the lock.)"""
+        and start it after that prefix. The plan is computed without the lock; the
+        commit takes it."""
         chunk = self.reuse_unit
         prompt = sequence.prompt
+        free_ids = list(self._free_ids)
         # at least the last chunk (fast: token) is evaluated: its logits are needed
         limit = (len(prompt) - 1) // chunk * chunk if self.cache_enabled and sequence.cache_prompt else 0
-        shared = {i: shared_chunks(self._cached[i], prompt, limit, chunk) for i in self._free_ids}
-        best = max(self._free_ids, key=lambda i: (shared[i], -self._used_at[i]))
+        shared = {i: shared_chunks(self._cached[i], prompt, limit, chunk) for i in free_ids}
+        best = max(free_ids, key=lambda i: (shared[i], -self._used_at[i]))
         reused = shared[best]
-        found = self.host.best(prompt, limit, chunk) if limit else None
+        restore = None
+        found = self.host.best(prompt, limit, chunk) if limit and self.host.budget else None
         if found is not None and found[0] > reused:
             # host memory holds more of it: restore into the least recently used id
-            best = min(self._free_ids, key=lambda i: self._used_at[i])
-            reused, sequence.restore = found
-        self._free_ids.remove(best)
+            best = min(free_ids, key=lambda i: self._used_at[i])
+            reused, restore = found
         cached = self._cached[best]
-        if cached and self.host.budget and (sequence.restore is not None or len(cached) > reused):
-            sequence.save = cached  # (some of) its cells are about to be overwritten
-        self._cached[best] = []  # (the id's cells now belong to this sequence)
-        self._history.pop(best, None)
-        sequence.seq_id = best
+        save = None
+        if cached and self.host.budget and (restore is not None or len(cached) > reused):
+            save = cached  # (some of) its cells are about to be overwritten
+        with self._condition:
+            self._free_ids.remove(best)
+            self._cached[best] = []  # (the id's cells now belong to this sequence)
+            self._history.pop(best, None)
+            sequence.seq_id = best
+        sequence.save, sequence.restore = save, restore
         sequence.prefilled = sequence.pos = reused
         sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = reused
 
     def _assign_follower(self, sequence: _Sequence, leader: _Sequence) -> None:
         """Give ``sequence`` (a later choice of ``leader``'s group) the least recently
-        used free id; it gets a copy of the leader's cells once the prompt is evaluated.
-        (Called under the lock.)"""
+        used free id; it gets a copy of the leader's cells once the prompt is evaluated."""
         best = min(self._free_ids, key=lambda i: self._used_at[i])
-        self._free_ids.remove(best)
         cached = self._cached[best]
+        with self._condition:
+            self._free_ids.remove(best)
+            self._cached[best] = []
+            self._history.pop(best, None)
+            sequence.seq_id = best
         if cached and self.host.budget:
             sequence.save = cached
-        self._cached[best] = []
-        self._history.pop(best, None)
-        sequence.seq_id = best
         sequence.leader = leader
         leader.followers.append(sequence)
 
@@ -416,31 +512,45 @@ class _Scheduler:
         seq_id = sequence.seq_id
         if sequence.save is not None:
             started = time.perf_counter()
-            size = lib.llama_state_seq_get_size(self.ctx, seq_id)
-            if size <= self.host.budget:
-                buffer = (ctypes.c_uint8 * size)()
-                written = lib.llama_state_seq_get_data(self.ctx, buffer, size, seq_id)
-                if written:
-                    self.host.put(sequence.save, ctypes.string_at(buffer, written))
+            save, sequence.save = sequence.save, None
+            try:
+                size = lib.llama_state_seq_get_size(self.ctx, seq_id)
+                if size <= self.host.budget:
+                    buffer = (ctypes.c_uint8 * size)()
+                    written = lib.llama_state_seq_get_data(self.ctx, buffer, size, seq_id)
+                    if written:
+                        self.host.put(save, ctypes.string_at(buffer, written))
+            except Exception:
+                # the save is an optimisation: without it, a later turn evaluates again
+                logger.exception("could not save a cached prefix to host memory; it is dropped")
             self.save_seconds += time.perf_counter() - started
-            sequence.save = None
         if sequence.restore is not None:
             started = time.perf_counter()
             state, sequence.restore = sequence.restore, None
-            lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+            self._trim(seq_id, 0)
             buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
             if lib.llama_state_seq_set_data(self.ctx, buffer, len(state), seq_id):
                 self.host.restores += 1
             else:  # pragma: no cover - llama.cpp refused the state: evaluate it all
                 logger.warning("could not restore a cached prefix; evaluating the prompt")
-                lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
-                sequence.prefilled = sequence.pos = 0
-                sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = 0
+                self._reuse(sequence, 0)
             self.restore_seconds += time.perf_counter() - started
         # the cells past the reused prefix go (the rest of the cached prompt)
-        lib.llama_memory_seq_rm(self.memory, seq_id, sequence.prefilled, -1)
+        kept = self._trim(seq_id, sequence.prefilled)
+        if kept != sequence.prefilled:
+            self._reuse(sequence, kept)
 
-    def _release(self, sequence: _Sequence, result: Reason | Literal["cancelled"] | BaseException) -> None:
+    def _reuse(self, sequence: _Sequence, tokens: int) -> None:
+        """Start ``sequence`` after ``tokens`` cached tokens (fewer than planned: a restore
+        or a partial removal failed)."""
+        if tokens == 0:
+            self._trim(sequence.seq_id, 0)
+        sequence.prefilled = sequence.pos = tokens
+        sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = tokens
+
+    def _release(
+        self, sequence: _Sequence, result: GenerationEnd | Literal["cancelled"] | BaseException
+    ) -> None:
         """Take ``sequence`` out of the context: keep the cells of its whole prompt
         chunks for the cache and clear the rest (the reply, a partial chunk), free its
         id and sampler. The caller hands it back to Trio (``_hand_back``)."""
@@ -453,33 +563,62 @@ class _Scheduler:
         if sequence.leader is not None and sequence in sequence.leader.followers:
             sequence.leader.followers.remove(sequence)
         if sequence.seq_id >= 0:
+            seq_id = sequence.seq_id
             keep = 0
             if self.cache_enabled and sequence.cache_prompt and not isinstance(result, BaseException):
                 # fast: every cell computed (the reply's too); exact: whole prompt chunks
                 keep = sequence.pos if self.fast else sequence.prefilled // self.chunk * self.chunk
-            lib.llama_memory_seq_rm(self.memory, sequence.seq_id, keep, -1)
+            self._cached[seq_id] = []  # (until the cells below are known to be kept)
+            keep = self._trim(seq_id, keep)
             if keep > len(sequence.prompt):
-                self._cached[sequence.seq_id] = (sequence.prompt + sequence.generated_tokens)[:keep]
+                self._cached[seq_id] = (sequence.prompt + sequence.generated_tokens)[:keep]
             else:
-                self._cached[sequence.seq_id] = sequence.prompt[:keep]
+                self._cached[seq_id] = sequence.prompt[:keep]
             if self.idle_recompute and keep and (result == "stop" or result == "length"):
                 history = sequence.prompt + sequence.generated_tokens
                 if len(history) // self.chunk * self.chunk > keep:
-                    self._history[sequence.seq_id] = history
+                    self._history[seq_id] = history
             if keep and not self.kv_bytes_per_token:
-                self.kv_bytes_per_token = lib.llama_state_seq_get_size(self.ctx, sequence.seq_id) / keep
+                self.kv_bytes_per_token = lib.llama_state_seq_get_size(self.ctx, seq_id) / keep
             self._uses += 1
-            self._used_at[sequence.seq_id] = self._uses
-            self._free_ids.append(sequence.seq_id)
-            sequence.seq_id = -1
-        lib.llama_sampler_free(sequence.sampler)
-        sequence.sampler = None
+            self._used_at[seq_id] = self._uses
+            self._free_id(sequence)
+        if sequence.sampler is not None:
+            lib.llama_sampler_free(sequence.sampler)
+            sequence.sampler = None
         sequence.result = result
         sequence.progress.inference_ended = time.perf_counter()
 
-    def _remove(self, sequence: _Sequence, result: Reason | Literal["cancelled"] | BaseException) -> None:
+    def _free_id(self, sequence: _Sequence) -> None:
+        if sequence.seq_id >= 0:
+            with self._condition:
+                if sequence.seq_id not in self._free_ids:
+                    self._free_ids.append(sequence.seq_id)
+                sequence.seq_id = -1
+
+    def _remove(
+        self, sequence: _Sequence, result: GenerationEnd | Literal["cancelled"] | BaseException
+    ) -> None:
         try:
             self._release(sequence, result)
+        except Exception:
+            # the cache's bookkeeping failed (e.g. a MemoryError): this sequence's
+            # cells are dropped and its id freed; the request still gets its result
+            # (its text went out whole: only the cache lost it)
+            logger.exception("could not keep a finished sequence's cells; they are dropped")
+            if sequence in self._active:
+                self._active.remove(sequence)
+            if sequence.seq_id >= 0:
+                try:
+                    self._forget(sequence.seq_id)
+                finally:
+                    self._free_id(sequence)
+            if sequence.sampler is not None:
+                self._backend.lib.llama_sampler_free(sequence.sampler)
+                sequence.sampler = None
+            if sequence.result is None:
+                sequence.result = result
+            sequence.progress.inference_ended = time.perf_counter()
         finally:
             _hand_back(sequence)  # its request must never wait forever
 
@@ -508,7 +647,10 @@ class _Scheduler:
         with self._condition:
             self._idle_in_flight = False
         if result != 0:
-            lib.llama_memory_seq_rm(self.memory, seq_id, start, -1)
+            if (
+                self._trim(seq_id, start) != start
+            ):  # pragma: no cover - (partial removal is always possible here)
+                self._forget(seq_id)
             if result == _DECODE_ABORTED:
                 self.idle_aborted += 1  # tried again when idle
             else:  # pragma: no cover - llama.cpp failed: leave this conversation
@@ -563,7 +705,14 @@ class _Scheduler:
             calls.append([(first, min(chunk - first.prefilled % chunk, len(first.prompt) - first.prefilled))])
         # 3. run them
         for call in calls:
-            self._decode_call(call)
+            try:
+                self._decode_call(call)
+            except Exception as exc:
+                # (a bookkeeping error around the call: its sequences fail, not the server)
+                logger.exception("a decode call failed in the scheduler; its requests fail, the others go on")
+                for sequence, _ in call:
+                    if sequence.result is None:
+                        self._remove(sequence, BackendError(f"inference failed: {exc!r}"))
         self.steps += 1
 
     def _decode_call(self, call: list[tuple[_Sequence, int]]) -> None:
@@ -620,7 +769,9 @@ class _Scheduler:
             self.aborted_calls += 1
             for sequence, count in call:
                 start = sequence.pos if count == 0 else sequence.prefilled
-                lib.llama_memory_seq_rm(self.memory, sequence.seq_id, start, -1)
+                if self._trim(sequence.seq_id, start) != start and not sequence.cancelled:
+                    # (a model without partial removal aborts only all-cancelled calls)
+                    self._remove(sequence, BackendError("an aborted decode call could not be rolled back"))
             return
         if result != 0:
             error = BackendError(f"llama_decode failed with code {result}")
@@ -662,7 +813,9 @@ class _Scheduler:
             if sequence.mask is not None:
                 refused = sequence.mask.consume(token)
                 if refused is not None:
-                    self._remove(sequence, BackendError(f"constrained decoding failed: {refused}"))
+                    self._remove(
+                        sequence, BackendError(f"constrained decoding failed: {refused}", should_retry=False)
+                    )
                     continue
             sequence.generated += 1
             sequence.generated_tokens.append(token)
@@ -697,11 +850,11 @@ class _Scheduler:
         shared = []
         for follower in waiting:
             follower.leader = None
-            lib.llama_memory_seq_rm(self.memory, follower.seq_id, -1, -1)
+            self._trim(follower.seq_id, 0)
             if not written or not lib.llama_state_seq_set_data(self.ctx, state, written, follower.seq_id):
                 # pragma: no cover - llama.cpp refused: this choice evaluates the prompt itself
                 logger.warning("could not share a prompt's cells; a choice evaluates it again")
-                lib.llama_memory_seq_rm(self.memory, follower.seq_id, -1, -1)
+                self._trim(follower.seq_id, 0)
                 continue
             follower.prefilled = follower.pos = leader.prefilled
             follower.progress.prefill_seconds = leader.progress.prefill_seconds
@@ -716,7 +869,9 @@ class _Scheduler:
         if sequence.mask is not None:
             error = sequence.mask.apply(logits)  # in place: the draw below sees it
             if error is not None:
-                self._remove(sequence, BackendError(f"constrained decoding failed: {error}"))
+                self._remove(
+                    sequence, BackendError(f"constrained decoding failed: {error}", should_retry=False)
+                )
                 return -1, None
         if sequence.greedy:
             token = int(logits.argmax())
@@ -767,6 +922,40 @@ _PROBE_TEXTS = (
     "The three laws of robotics are",
     "In 1969, the first",
 )
+
+
+def _warm_up(backend: LlamaBackend, scheduler: _Scheduler) -> None:
+    """One decode at load, as llama-server does: a llama.cpp that cannot run on this CPU
+    (a bad build, kernels the CPU lacks) fails here, at startup, with a message, instead
+    of at a user's first request. (A native crash cannot be caught: ``trioserve serve``
+    turns on ``faulthandler``, and the log line before says what was running.)"""
+    lib = backend.lib
+    batch = scheduler.batch
+    token = backend._bos if backend._bos >= 0 else 0
+    batch.token[0] = token
+    batch.pos[0] = 0
+    batch.seq_id[0][0] = 0
+    batch.logits[0] = 1
+    batch.n_tokens = 1
+    logger.info("warm-up: one llama_decode call")
+    started = time.perf_counter()
+    result = lib.llama_decode(scheduler.ctx, batch)
+    try:
+        if result != 0:
+            raise BackendError(
+                f"the warm-up decode failed (llama_decode returned {result}): this llama.cpp build "
+                f"cannot run this model on this machine (system info: {backend.system_info})"
+            )
+        row = _as_array(lib.llama_get_logits_ith(scheduler.ctx, 0), (backend.n_vocab,))
+        if not numpy.isfinite(row).all():
+            raise BackendError(
+                "the warm-up decode gave non-finite logits: this llama.cpp build computes wrong "
+                f"results on this machine (system info: {backend.system_info})"
+            )
+    finally:
+        if not lib.llama_memory_seq_rm(scheduler.memory, 0, -1, -1):  # pragma: no cover
+            raise BackendError("llama.cpp could not clear the warm-up's KV cells")
+    logger.info("warm-up done in %.1f ms", (time.perf_counter() - started) * 1000)
 
 
 def _probe_invariance(backend: LlamaBackend, scheduler: _Scheduler) -> tuple[int, int]:
@@ -859,6 +1048,13 @@ class LlamaBackend(LlamaModel):
             },
         }
 
+    def platform(self) -> dict[str, object]:
+        """For ``/health``: llama.cpp's system info, and whether weights are repacked."""
+        return {
+            "system_info": self.system_info,
+            "repack": self.repack.to_dict() if self.repack is not None else None,
+        }
+
     def stats(self) -> dict[str, object]:
         """For ``/health``: the batch's shape and counters, and the prompt cache."""
         return {
@@ -882,7 +1078,7 @@ class LlamaBackend(LlamaModel):
 
     async def generate(
         self, prompt: PreparedPrompt, channel: PieceChannel, progress: GenerationProgress
-    ) -> Reason:
+    ) -> GenerationEnd:
         if prompt.max_new_tokens <= 0:
             await trio.lowlevel.checkpoint()
             return "length"  # nothing to generate
@@ -909,7 +1105,8 @@ class LlamaBackend(LlamaModel):
         if isinstance(result, BaseException):
             # one error object can end several sequences (a failed call, a dead
             # scheduler): give each request its own
-            raise BackendError(str(result)) from None
+            retry = result.should_retry if isinstance(result, BackendError) else None
+            raise BackendError(str(result), should_retry=retry) from None
         if result == "stop" or result == "length":
             return result
         # removed as cancelled: the request's own Cancelled is raised here

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 from .._core._backend import (
     GenerationProgress,
@@ -22,7 +21,7 @@ from .._core._backend import (
     refuse_unsupported,
 )
 from .._core._channel import Aborted, PieceChannel
-from .._core._types import GenerationRequest
+from .._core._types import GenerationEnd, GenerationRequest
 from ._threaded import Emit, ThreadedBackend
 
 __all__ = ["ScriptedBackend"]
@@ -97,12 +96,12 @@ class ScriptedBackend(ThreadedBackend):
         prompt: PreparedPrompt,
         channel: PieceChannel,
         progress: GenerationProgress,
-    ) -> Literal["stop", "length"]:
+    ) -> GenerationEnd:
         return await self.run_in_thread(self._infer, prompt, channel, progress)
 
     def _infer(
         self, prompt: PreparedPrompt, emit: Emit, aborted: Callable[[], bool], progress: GenerationProgress
-    ) -> Literal["stop", "length"]:
+    ) -> GenerationEnd:
         emitted = 0
         try:
             started = time.perf_counter()

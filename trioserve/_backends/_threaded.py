@@ -22,11 +22,12 @@ from .._core._backend import Backend, GenerationProgress, PreparedPrompt
 from .._core._channel import Aborted, PieceChannel
 from .._core._errors import unwrap_group
 from .._core._exceptions import BackendError
+from .._core._types import GenerationEnd
 
 __all__ = ["Emit", "Infer", "ThreadedBackend"]
 
 Emit = Callable[[bytes], None]
-Infer = Callable[[PreparedPrompt, Emit, Callable[[], bool], GenerationProgress], Literal["stop", "length"]]
+Infer = Callable[[PreparedPrompt, Emit, Callable[[], bool], GenerationProgress], GenerationEnd]
 
 
 async def _abort_on_cancel(channel: PieceChannel) -> None:
@@ -41,7 +42,7 @@ class ThreadedBackend(Backend):
 
     async def run_in_thread(
         self, infer: Infer, prompt: PreparedPrompt, channel: PieceChannel, progress: GenerationProgress
-    ) -> Literal["stop", "length"]:
+    ) -> GenerationEnd:
         """Run ``infer(prompt, emit, aborted, progress)`` in a worker thread.
 
         Cancellation: not abandoned. A cancel sets the channel's abort flag, which
@@ -52,7 +53,7 @@ class ThreadedBackend(Backend):
         def aborted() -> bool:
             return channel.aborted
 
-        def in_thread() -> Literal["stop", "length", "aborted"]:
+        def in_thread() -> GenerationEnd | Literal["aborted"]:
             with self.generations:
                 try:
                     return infer(prompt, channel.put_wait, aborted, progress)

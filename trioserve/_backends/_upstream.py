@@ -14,7 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import trio
 
@@ -27,7 +27,7 @@ from .._core._exceptions import (
     ServiceUnavailableError,
     TrioserveError,
 )
-from .._core._types import GenerationRequest
+from .._core._types import GenerationEnd, GenerationRequest
 from ._balancer import Balancer, UpstreamState
 from ._relay import Retry, Sink, UpstreamClient, UpstreamUnavailable, base_url, completion_payload
 
@@ -239,7 +239,7 @@ class UpstreamBackend(Backend):
         prompt: PreparedPrompt,
         send: PieceChannel,
         progress: GenerationProgress,
-    ) -> Literal["stop", "length"]:
+    ) -> GenerationEnd:
         """Stream from the least busy available upstream; retry on another while no
         byte has been sent. Cancellation: the upstream connection is closed before
         this raises ``Cancelled``."""
@@ -254,7 +254,7 @@ class UpstreamBackend(Backend):
         prompt: PreparedPrompt,
         send: PieceChannel,
         progress: GenerationProgress,
-    ) -> Literal["stop", "length"]:
+    ) -> GenerationEnd:
         payload = completion_payload(
             prompt.request, bos_token=self._info.bos_token, extra_body=self.extra_body
         )

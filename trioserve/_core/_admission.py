@@ -9,6 +9,7 @@ shutdown) leaves the queue at that instant; nothing polls.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -50,12 +51,23 @@ class SlotLease:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            for _ in range(self.count):
-                self._admission._semaphore.release()
+            self._admission._give_back(self.count)
+
+
+class _Waiter:
+    __slots__ = ("count", "granted")
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.granted = trio.Event()
 
 
 class Admission:
     """``slots`` concurrent holders; at most ``max_queue`` waiting, served in order.
+
+    A request that needs several slots (``n`` choices) waits for all of them at once,
+    in its place in the queue: it never holds some while waiting for the rest, and no
+    later request overtakes it (first come, first served, whatever each needs).
 
     Args:
         slots: how many requests may hold a slot at once (≥ 1).
@@ -74,18 +86,46 @@ class Admission:
         self.slots = slots
         self.max_queue = max_queue
         self.expected_service_time = expected_service_time
-        # trio's Semaphore wakes waiters in FIFO order (its ParkingLot is a FIFO).
-        self._semaphore = trio.Semaphore(slots)
-        #: a request taking several slots takes them one by one while holding this
-        #: (FIFO too): two such requests never each hold part of what they need
-        self._multi = trio.Lock()
+        self._free = slots
+        #: the queue, first come first served: the head is granted as soon as its count
+        #: of slots is free
+        self._waiters: deque[_Waiter] = deque()
         self.queued = 0
         #: places held by requests between the check and the queue (see reserve())
         self.reserved = 0
 
     @property
     def in_use(self) -> int:
-        return self.slots - self._semaphore.value
+        return self.slots - self._free
+
+    def _give_back(self, count: int) -> None:
+        self._free += count
+        self._grant()
+
+    def _grant(self) -> None:
+        waiters = self._waiters
+        while waiters and waiters[0].count <= self._free:
+            waiter = waiters.popleft()
+            self._free -= waiter.count
+            waiter.granted.set()
+
+    async def _acquire(self, count: int) -> None:
+        if not self._waiters and count <= self._free:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            self._free -= count
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        waiter = _Waiter(count)
+        self._waiters.append(waiter)
+        try:
+            await waiter.granted.wait()
+        except BaseException:
+            if waiter.granted.is_set():
+                self._give_back(count)  # granted as the cancel arrived: not taken
+            else:
+                self._waiters.remove(waiter)
+                self._grant()  # the ones behind it may fit now
+            raise
 
     def retry_after(self) -> float:
         """Seconds a refused client should wait before trying again."""
@@ -148,19 +188,7 @@ class Admission:
             raise ValueError(f"count must be in [1, {self.slots}], got {count}")
         self.queued += 1
         try:
-            if count == 1:
-                await self._semaphore.acquire()
-            else:
-                async with self._multi:
-                    taken = 0
-                    try:
-                        while taken < count:
-                            await self._semaphore.acquire()
-                            taken += 1
-                    except BaseException:
-                        for _ in range(taken):
-                            self._semaphore.release()
-                        raise
+            await self._acquire(count)
         finally:
             self.queued -= 1
         lease = SlotLease(self, count)

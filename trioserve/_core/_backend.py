@@ -21,11 +21,10 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from ._channel import PieceChannel
 from ._exceptions import ContextLengthError, InvalidRequestError, NotSupportedError
-from ._types import GenerationRequest
+from ._types import GenerationEnd, GenerationRequest
 
 __all__ = [
     "Backend",
@@ -178,7 +177,7 @@ class Backend(ABC):
         prompt: PreparedPrompt,
         channel: PieceChannel,
         progress: GenerationProgress,
-    ) -> Literal["stop", "length"]:
+    ) -> GenerationEnd:
         """Generate into ``channel`` until end-of-sequence (``"stop"``) or the token limit
         (``"length"``). Cancellation: see the module docstring."""
 
@@ -200,6 +199,11 @@ class Backend(ABC):
     def stats(self) -> dict[str, object] | None:
         """Backend-specific figures for ``/health`` (the llama backend: its batch).
         Default: none."""
+        return None
+
+    def platform(self) -> dict[str, object] | None:
+        """What the backend runs on, for ``/health`` (the llama backend: llama.cpp's
+        system info and whether weights were repacked, and why). Default: none."""
         return None
 
     # Tokenizing (``POST /tokenize``, ``POST /detokenize``): optional. A backend without

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Literal, Self, cast
+from typing import Self, cast
 
 import trio
 
@@ -30,7 +30,7 @@ from ._channel import PieceChannel
 from ._errors import unwrap_group
 from ._exceptions import BackendError, ServiceUnavailableError, TrioserveError
 from ._text import TextAssembler
-from ._types import Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
+from ._types import Finished, GenerationEnd, GenerationRequest, TextDelta, TokenLogprob, Usage
 
 __all__ = ["WINDOW", "Engine", "EventStream", "StreamTimings"]
 
@@ -97,7 +97,7 @@ class EventStream:
         self._stopped_by_sequence = False
         self.timings = timings
         # set by the producer before it closes the channel
-        self.backend_result: Literal["stop", "length"] | None = None
+        self.backend_result: GenerationEnd | None = None
         self.backend_error: BaseException | None = None
 
     @property
@@ -112,6 +112,12 @@ class EventStream:
     @property
     def progress(self) -> GenerationProgress:
         return self._progress
+
+    @property
+    def choice_index(self) -> int:
+        """Which of its prompt's ``n`` choices this is (0: the one whose usage counts
+        the prompt)."""
+        return self._prompt.choice
 
     def __aiter__(self) -> Self:
         return self
@@ -275,12 +281,20 @@ class Engine:
 
     @asynccontextmanager
     async def stream_choices(
-        self, request: GenerationRequest | PreparedPrompt, n: int, *, reservation: Reservation | None = None
+        self,
+        request: GenerationRequest | PreparedPrompt | Sequence[GenerationRequest | PreparedPrompt],
+        n: int,
+        *,
+        reservation: Reservation | None = None,
     ) -> AsyncIterator[list[EventStream]]:
         """Run ``n`` generations of one prompt (OpenAI's ``n``), holding ``n`` slots;
         the body consumes their events (one stream per choice, in a task each or in
         turn). A backend that can shares one evaluation of the prompt between them
         (``PreparedPrompt.group``); each choice is drawn with ``seed + index``.
+
+        A sequence of requests is a batch (``/v1/completions`` with a list of prompts):
+        ``n`` choices of each, ``len × n`` slots taken at once, the streams prompt by
+        prompt.
 
         Args:
             request: what to generate.
@@ -312,26 +326,34 @@ class Engine:
             raise
         try:
             with scope:
+                requests = list(request) if isinstance(request, Sequence) else [request]
                 try:
-                    prepared = request if isinstance(request, PreparedPrompt) else await self.prepare(request)
+                    prompts = [
+                        r if isinstance(r, PreparedPrompt) else await self.prepare(r) for r in requests
+                    ]
                 except BaseException:
                     if reservation is not None:
                         reservation.release()
                     raise
-                async with self.admission.slot(reservation, count=n) as lease:
+                async with self.admission.slot(reservation, count=n * len(prompts)) as lease:
                     timings.admitted = time.perf_counter()
-                    group = ChoiceGroup(n) if n > 1 else None
-                    choices = []
-                    for index in range(n):
-                        prompt = prepared if group is None else replace(prepared, group=group, choice=index)
-                        channel = PieceChannel(WINDOW)
-                        progress = GenerationProgress(len(prepared.tokens))
-                        choice_timings = timings if index == 0 else replace(timings)
-                        events = EventStream(prompt, channel, progress, trio.CancelScope(), choice_timings)
-                        choices.append((prompt, events))
+                    choices: list[tuple[PreparedPrompt, EventStream]] = []
+                    for prepared in prompts:
+                        group = ChoiceGroup(n) if n > 1 else None
+                        for index in range(n):
+                            prompt = (
+                                prepared if group is None else replace(prepared, group=group, choice=index)
+                            )
+                            channel = PieceChannel(WINDOW)
+                            progress = GenerationProgress(len(prepared.tokens))
+                            choice_timings = timings if not choices else replace(timings)
+                            events = EventStream(
+                                prompt, channel, progress, trio.CancelScope(), choice_timings
+                            )
+                            choices.append((prompt, events))
                     all_events = [events for _, events in choices]
                     self.streams.update(all_events)
-                    remaining = [n]
+                    remaining = [len(choices)]
 
                     def release_one() -> None:
                         # the slots are given back once every choice's inference has ended

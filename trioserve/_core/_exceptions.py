@@ -13,6 +13,7 @@ from typing import ClassVar
 __all__ = [
     "AuthenticationError",
     "BackendError",
+    "ChatTemplateError",
     "ContextLengthError",
     "DeadlineExceededError",
     "HeadersTooLargeError",
@@ -36,12 +37,25 @@ class TrioserveError(Exception):
     default_code: ClassVar[str | None] = None
     #: seconds after which a retry may succeed (sent as ``Retry-After``); ``None``: no advice
     retry_after: float | None = None
+    #: whether the same request sent again can succeed (sent as ``x-should-retry``, which
+    #: the OpenAI and Anthropic SDKs obey instead of their own rule: they retry every 5xx,
+    #: 408, 409 and 429 twice by default); ``None``: no advice
+    should_retry: bool | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        should_retry: bool | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code if code is not None else self.default_code
+        if should_retry is not None:
+            self.should_retry = should_retry
 
     def to_dict(self) -> dict[str, object]:
         """The OpenAI-style error body."""
@@ -108,7 +122,8 @@ class OverloadedError(TrioserveError):
     default_code = "overloaded"
 
     def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
-        super().__init__(message, code=code)
+        # the same request's deadline would pass again in the same queue
+        super().__init__(message, code=code, should_retry=False if code == "deadline_unreachable" else None)
         self.retry_after = retry_after
 
 
@@ -123,9 +138,12 @@ class ServiceUnavailableError(TrioserveError):
 
 
 class DeadlineExceededError(TrioserveError):
+    """The request's own deadline passed: sent again, it gets the same budget."""
+
     status = 504
     error_type = "timeout_error"
     default_code = "deadline_exceeded"
+    should_retry = False
 
 
 class NotSupportedError(TrioserveError):
@@ -136,9 +154,20 @@ class NotSupportedError(TrioserveError):
     status = 501
     error_type = "not_supported_error"
     default_code = "not_supported"
+    should_retry = False
 
 
 class BackendError(TrioserveError):
     status = 500
     error_type = "server_error"
     default_code = "backend_error"
+
+
+class ChatTemplateError(TrioserveError):
+    """The model's chat template failed on these messages (a bug in the template, not a
+    refusal: that is a 400). Sent again, the same messages fail the same way."""
+
+    status = 500
+    error_type = "server_error"
+    default_code = "chat_template_error"
+    should_retry = False

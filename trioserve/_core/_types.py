@@ -13,6 +13,7 @@ __all__ = [
     "Constraint",
     "EndCause",
     "Finished",
+    "GenerationEnd",
     "GenerationRequest",
     "SamplingParams",
     "TextDelta",
@@ -20,9 +21,17 @@ __all__ = [
     "Usage",
 ]
 
-#: Why a stream ended. ``stop`` and ``length`` are OpenAI's; the others are trioserve's
-#: own and reach clients as the ``finish_reason`` of the final chunk.
-EndCause = Literal["stop", "length", "deadline", "disconnect", "shutdown", "stall", "error"]
+#: Why a stream ended: the one type for it, from the backend to the log line and
+#: ``trioserve_stream_ends_total``. A backend's generation ends ``stop`` (the model's end
+#: token, a stop sequence) or ``length`` (``max_tokens``, the context: :data:`GenerationEnd`);
+#: the request around it may end early: ``deadline``, ``disconnect``, ``stall`` (the client
+#: stopped reading), ``shutdown``, ``error``, or ``overloaded`` (refused with 429 before it
+#: started). On the wire ``finish_reason`` carries only OpenAI's values
+#: (``_wire._openai.openai_finish_reason``); the cause goes in the ``trioserve`` field.
+EndCause = Literal["stop", "length", "deadline", "disconnect", "shutdown", "stall", "error", "overloaded"]
+#: How a backend's generation ends on its own (the rest of :data:`EndCause` is decided
+#: around it).
+GenerationEnd = Literal["stop", "length"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -37,7 +37,7 @@ from .._core._exceptions import (
     ServiceUnavailableError,
     TrioserveError,
 )
-from .._core._types import Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
+from .._core._types import EndCause, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
 from .._wire._choices import ChoiceStream, ToolMode, finished_choice
 from .._wire._openai import (
     ChatCompletionRequest,
@@ -45,7 +45,8 @@ from .._wire._openai import (
     CompletionRequest,
     chat_generation,
     decode_chat_request,
-    decode_completion_request,
+    decode_completion_prompts,
+    error_event,
     non_stream_response,
 )
 from .._wire._sse import HEARTBEAT
@@ -62,7 +63,7 @@ from ._exchange import (
     headers_too_large,
 )
 from ._hypercorn_patches import shut_down_connection
-from ._request import Ending, InFlightRequest, Phase
+from ._request import InFlightRequest, Phase
 from ._state import HTTPSettings, ServerState
 
 __all__ = ["FINAL_EVENT_TIMEOUT", "GENERATION_PATHS", "GenerationHandler"]
@@ -74,6 +75,8 @@ GENERATION_PATHS: dict[str, Literal["text", "chat"]] = {
     "/v1/completions": "text",
     "/v1/chat/completions": "chat",
 }
+
+_ENDPOINTS = {kind: path for path, kind in GENERATION_PATHS.items()}
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -223,27 +226,39 @@ class _Parsed:
 
     stream: bool
     include_usage: bool
-    generation: GenerationRequest
+    #: one per prompt (``/v1/completions`` takes a batch)
+    generations: tuple[GenerationRequest, ...]
     model: str
     n: int = 1
     tool_mode: ToolMode = "none"
     tool_names: tuple[str, ...] = ()
 
     @property
+    def generation(self) -> GenerationRequest:
+        return self.generations[0]
+
+    @property
+    def choices(self) -> int:
+        """The response's choices: ``n`` per prompt."""
+        return self.n * len(self.generations)
+
+    @property
     def plain(self) -> bool:
         """Text only, one choice: the hot path."""
-        return self.n == 1 and self.tool_mode == "none" and self.generation.logprobs is None
+        return self.choices == 1 and self.tool_mode == "none" and self.generation.logprobs is None
 
 
 def _usage(choices: list[EventStream]) -> Usage:
-    """The usage of a response: the prompt once, the completions of every choice."""
+    """The usage of a response: each prompt once (the first choice of each ``n``; the
+    others shared its evaluation), the completions of every choice."""
     first = choices[0].usage
     if len(choices) == 1:
         return first
+    prompts = [events for events in choices if events.choice_index == 0]
     return Usage(
-        prompt_tokens=first.prompt_tokens,
+        prompt_tokens=sum(events.usage.prompt_tokens for events in prompts),
         completion_tokens=sum(events.usage.completion_tokens for events in choices),
-        cached_tokens=first.cached_tokens,
+        cached_tokens=sum(events.usage.cached_tokens for events in prompts),
     )
 
 
@@ -269,7 +284,7 @@ class GenerationHandler:
             request.end("disconnect")
         except TrioserveError as exc:
             if isinstance(exc, OverloadedError):
-                cause: Ending = "overloaded"
+                cause: EndCause = "overloaded"
             elif isinstance(exc, ServiceUnavailableError) and self.state.shutting_down:
                 cause = "shutdown"
             else:
@@ -280,9 +295,7 @@ class GenerationHandler:
                 await exchange.error(exc)
             elif request.encoder is not None and not exchange.ended:
                 # the stream had started (e.g. refused by a race for the last queue place)
-                final = request.encoder.final(
-                    "error", Usage(prompt_tokens=0, completion_tokens=0), exc.message
-                )
+                final = error_event(exc.to_dict())
                 await _send_last(request, FINAL_EVENT_TIMEOUT, lambda: exchange.body(final, more=False))
         except BaseException as exc:
             # Cancelled from outside the request's scope (hypercorn closing connections
@@ -305,12 +318,18 @@ class GenerationHandler:
             parsed = await trio.to_thread.run_sync(self._parse, request.kind, body)
         else:
             parsed = self._parse(request.kind, body)
-        stream, generation, request.model = parsed.stream, parsed.generation, parsed.model
-        if parsed.n > engine.admission.slots:
+        stream, request.model = parsed.stream, parsed.model
+        slots = engine.admission.slots
+        if parsed.choices > slots:
+            if len(parsed.generations) == 1:
+                raise InvalidRequestError(
+                    f"n may be at most {slots} on this server (its number of slots); got {parsed.n}",
+                    param="n",
+                )
             raise InvalidRequestError(
-                f"n may be at most {engine.admission.slots} on this server (its number of "
-                f"slots); got {parsed.n}",
-                param="n",
+                f"a batch of {len(parsed.generations)} prompts × n={parsed.n} needs "
+                f"{parsed.choices} slots at once; this server has {slots}: send fewer prompts per request",
+                param="prompt",
             )
         request.set_timeout(_request_timeout(scope, state.settings))
         encoder = request.encoder = ChunkEncoder(
@@ -320,15 +339,16 @@ class GenerationHandler:
             ChunkEncoder(
                 request.kind, request.model, include_usage=parsed.include_usage, index=i, first=encoder
             )
-            for i in range(1, parsed.n)
+            for i in range(1, parsed.choices)
         ]
 
         with request.cancel_scope:
             request.advance(Phase.QUEUED)
             state.add_request(request)
             try:
-                prepared = await engine.prepare(generation)
-                _check_limits(prepared, state.settings)
+                prompts = [await engine.prepare(generation) for generation in parsed.generations]
+                for prepared in prompts:
+                    _check_limits(prepared, state.settings)
                 with unwrap_group():
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(_watch_disconnect, receive, request)
@@ -353,7 +373,9 @@ class GenerationHandler:
                                     heartbeat = _Heartbeat(exchange, interval)
                                     nursery.start_soon(heartbeat.run)
                             async with engine.stream_choices(
-                                prepared, parsed.n, reservation=request.reservation
+                                prompts if len(prompts) > 1 else prompts[0],
+                                parsed.n,
+                                reservation=request.reservation,
                             ) as choices:
                                 request.events, request.choices = choices[0], choices
                                 if stream and parsed.plain:
@@ -381,7 +403,7 @@ class GenerationHandler:
         tool_mode: ToolMode = "none"
         names: tuple[str, ...] = ()
         if kind == "text":
-            request, generation = decode_completion_request(body)
+            request, generations = decode_completion_prompts(body)
         else:
             chat = decode_chat_request(body)
             if self.state.chat_format is None:
@@ -391,7 +413,7 @@ class GenerationHandler:
             mode = chat.tool_mode()
             tools = chat.tools if mode != "none" else None
             rendered = self.state.chat_format.render(chat.messages, tools=tools)
-            generation = chat_generation(chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos)
+            generations = [chat_generation(chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos)]
             request = chat
             if mode != "none":
                 tool_mode = "auto" if mode == "auto" else "forced"
@@ -401,7 +423,7 @@ class GenerationHandler:
         return _Parsed(
             stream=request.stream,
             include_usage=include_usage,
-            generation=generation,
+            generations=tuple(generations),
             model=model,
             n=request.n,
             tool_mode=tool_mode,
@@ -445,7 +467,10 @@ class GenerationHandler:
                 await body(delta(event.text))
             else:
                 assert isinstance(event, Finished)
-                final = encoder.final(event.reason, event.usage, event.message)
+                if event.reason == "error":
+                    final = error_event(_failure(events, event).to_dict())
+                else:
+                    final = encoder.final(event.reason, event.usage, event.message)
                 await self._end(request, final, event)
 
     async def _stream_choices(
@@ -456,6 +481,7 @@ class GenerationHandler:
         body = request.exchange.body
         choices = request.choices
         writers = [ChoiceStream(encoder, parsed.tool_mode, parsed.tool_names) for encoder in request.encoders]
+        request.writers = writers  # a deadline or shutdown finishes them: the held text goes out
         send, receive = trio.open_memory_channel[tuple[int, TextDelta | Finished]](0)
 
         async def read(
@@ -470,7 +496,6 @@ class GenerationHandler:
                 for index, events in enumerate(choices):
                     nursery.start_soon(read, index, events, send.clone())
             left = len(choices)
-            failed: Finished | None = None
             async for index, event in receive:
                 if request.phase is Phase.QUEUED:  # the first event
                     if heartbeat is not None:
@@ -482,17 +507,22 @@ class GenerationHandler:
                         await body(data)
                     continue
                 assert isinstance(event, Finished)
+                if event.reason == "error":
+                    # one choice failed: the response has failed (the SDKs raise on the
+                    # error event); the other choices' readers stop here
+                    nursery.cancel_scope.cancel()
+                    request.ended_choices.update(range(len(choices)))
+                    await self._end(request, error_event(_failure(choices[index], event).to_dict()), event)
+                    return
                 data = writers[index].finish(event.reason, event.message)
                 request.ended_choices.add(index)
-                if event.reason == "error":
-                    failed = event  # the log and the metrics say a choice failed
                 left -= 1
                 if left:
                     await body(data)
                 else:
                     # (every choice's producer has returned: the usage is final)
                     end = data + request.encoders[0].end(_usage(choices))
-                    await self._end(request, end, failed or event)
+                    await self._end(request, end, event)
 
     async def _collect(self, request: InFlightRequest, parsed: _Parsed) -> None:
         choices = request.choices
@@ -587,8 +617,13 @@ class GenerationHandler:
         async def send() -> None:
             if encoder is not None:
                 usage = _usage(choices) if choices else Usage(prompt_tokens=0, completion_tokens=0)
-                encoders = request.encoders or [encoder]
-                finals = b"".join(e.finish(cause) for e in encoders if e.index not in request.ended_choices)
+                # through the choice writers where there are some: text held in auto
+                # tool mode goes out before the finish chunk
+                left = [i for i in range(max(1, len(request.encoders))) if i not in request.ended_choices]
+                if request.writers:
+                    finals = b"".join(request.writers[i].finish(cause) for i in left)
+                else:
+                    finals = b"".join((request.encoders or [encoder])[i].finish(cause) for i in left)
                 await exchange.body(finals + encoder.end(usage), more=False)
             elif cause == "deadline":
                 await exchange.error(
@@ -625,7 +660,9 @@ class GenerationHandler:
                     max(0, events.progress.completion_tokens - request.tokens_at_cancel)
                 )
         path = request.asgi["path"]
-        metrics.requests.labels(endpoint=path, status=str(exchange.status or 0)).inc()
+        # the endpoint's own path, not the raw one (``/v1/completions//``): bounded labels
+        endpoint = _ENDPOINTS[request.kind]
+        metrics.requests.labels(endpoint=endpoint, status=str(exchange.status or 0)).inc()
         metrics.stream_ends.labels(cause=cause or "unknown").inc()
         metrics.request_duration.observe(duration)
         for choice in request.choices or ([events] if events is not None else []):
@@ -658,6 +695,14 @@ class GenerationHandler:
             f" cancel_latency_ms={cancel_latency * 1000:.2f}" if cancel_latency is not None else "",
             f" error={request.error!r}" if request.error else "",
         )
+
+
+def _failure(events: EventStream, event: Finished) -> TrioserveError:
+    """The error a failed choice reports to the client."""
+    failure = events.backend_error
+    if isinstance(failure, TrioserveError):
+        return failure
+    return _BackendFailed(event.message or "inference failed")
 
 
 class _BackendFailed(TrioserveError):

@@ -27,14 +27,11 @@ from .._core._types import EndCause
 if TYPE_CHECKING:
     from .._core._admission import Reservation
     from .._core._engine import EventStream
+    from .._wire._choices import ChoiceStream
     from .._wire._openai import ChunkEncoder
     from ._exchange import Exchange, Scope
 
-__all__ = ["Ending", "InFlightRequest", "Phase"]
-
-#: how a request ended, as the log line and ``trioserve_stream_ends_total`` say it: an
-#: :data:`EndCause`, or ``overloaded`` (refused with 429 before it started)
-Ending = EndCause | Literal["overloaded"]
+__all__ = ["InFlightRequest", "Phase"]
 
 
 class Phase(enum.IntEnum):
@@ -70,6 +67,7 @@ class InFlightRequest:
         "started",
         "tokens_at_cancel",
         "watch_scope",
+        "writers",
     )
 
     def __init__(self, asgi: Scope, exchange: Exchange, kind: Literal["text", "chat"]) -> None:
@@ -82,7 +80,7 @@ class InFlightRequest:
         #: the one scope every cause cancels; its deadline is set when the request is parsed
         self.cancel_scope = trio.CancelScope()
         #: why the request ended (``None`` while nothing has ended it)
-        self.cause: Ending | None = None
+        self.cause: EndCause | None = None
         #: the message of the error that ended it, for the log line
         self.error: str | None = None
         #: the model name the response carries
@@ -96,6 +94,8 @@ class InFlightRequest:
         #: every choice's event stream and encoder (``n`` > 1: several)
         self.choices: list[EventStream] = []
         self.encoders: list[ChunkEncoder] = []
+        #: the choice writers of a stream that needs them (tools, logprobs, ``n``)
+        self.writers: list[ChoiceStream] = []
         #: the choices whose finish chunk went out (a cancel ends only the others)
         self.ended_choices: set[int] = set()
         #: the disconnect watcher's scope: stopped before the last send
@@ -142,7 +142,7 @@ class InFlightRequest:
             late = max(0.0, trio.current_time() - self.cancel_scope.deadline)
             self.cancelled_at = time.perf_counter() - late
 
-    def end(self, cause: Ending, error: str | None = None) -> None:
+    def end(self, cause: EndCause, error: str | None = None) -> None:
         """Record how a request that was not cancelled ended (stop, length, error, …)."""
         self.cause = cause
         if error is not None:

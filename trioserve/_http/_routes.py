@@ -3,7 +3,6 @@ quart-trio, behind the access policy."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from importlib import resources
@@ -120,6 +119,9 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
         stats = engine.backend.stats()
         if stats is not None:
             body["batch"] = stats
+        platform = engine.backend.platform()
+        if platform is not None:
+            body["platform"] = platform
         return _json_response(
             {
                 **body,
@@ -150,7 +152,7 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
         if engine is None:
             return _error_response(ServiceUnavailableError("the model is still loading", code="loading"))
         info = engine.backend.info
-        created = int(time.time())
+        created = state.loaded_at
         return _json_response(
             {
                 "object": "list",
@@ -173,7 +175,7 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
                     code="model_not_found",
                 )
             )
-        return _json_response(_model_object(model_id, int(time.time()), engine.backend.info.context_length))
+        return _json_response(_model_object(model_id, state.loaded_at, engine.backend.info.context_length))
 
     # llama-server's tokenizer endpoints (docs/api.md, "Tokenizing")
     @app.post("/tokenize")

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import trio
@@ -60,6 +61,8 @@ class ServerState:
     requests: set[InFlightRequest] = field(default_factory=set[InFlightRequest])
     metrics: Metrics = field(default_factory=Metrics)
     _idle: trio.Event = field(default_factory=trio.Event)
+    #: when the model was loaded (Unix seconds): ``/v1/models``' ``created``
+    loaded_at: int = 0
 
     def add_request(self, request: InFlightRequest) -> None:
         self.requests.add(request)
@@ -100,6 +103,7 @@ class ServerState:
             eos_token=info.eos_token,
         )
         self.engine = engine
+        self.loaded_at = int(time.time())
         self.metrics.bind_engine(engine)
 
     def model_names(self) -> tuple[str, ...]:

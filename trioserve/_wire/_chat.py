@@ -8,15 +8,20 @@ else ChatML). The fallbacks: ``docs/api.md``, "Chat prompts".
 
 from __future__ import annotations
 
+import datetime
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from .._core._exceptions import InvalidRequestError
+from .._core._exceptions import ChatTemplateError, InvalidRequestError
 from ._openai import ChatMessage
 from ._tools import Tool, parameters_of
 
-__all__ = ["ChatFormat", "chat_format_for"]
+__all__ = ["ChatFormat", "chat_format_for", "template_environment"]
+
+logger = logging.getLogger("trioserve.chat")
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,20 +151,68 @@ class ChatMLFormat(ChatFormat):
         return ChatPrompt(text="".join(parts), stops=("<|im_end|>", "<|im_start|>"), has_bos=False)
 
 
+def _tojson(
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """HF's ``tojson``: plain ``json.dumps`` (Jinja's own escapes ``<``, ``>``, ``&`` and
+    ``'`` as HTML, which changes the prompt a model was trained on)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
+
+
+def _generation_extension() -> type:
+    """HF's ``{% generation %}…{% endgeneration %}`` (it marks the assistant's tokens for
+    training masks): rendered as its body."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}  # noqa: RUF012 - (jinja2 declares a set)
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return GenerationTag
+
+
+def template_environment() -> Any:
+    """The Jinja environment chat templates are written for: Hugging Face transformers'
+    (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``loopcontrols``, the ``generation``
+    tag, ``tojson`` without HTML escaping, ``raise_exception``, ``strftime_now``)."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise InvalidRequestError(
+            f"the model's chat template refused the messages: {message}", param="messages"
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_extension()]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
 class JinjaFormat(ChatFormat):
     name = "gguf-template"
 
     def __init__(self, template: str, *, bos_token: str, eos_token: str) -> None:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise InvalidRequestError(
-                f"the model's chat template refused the messages: {message}", param="messages"
-            )
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        self._template = env.from_string(template)
+        # raises jinja2.TemplateSyntaxError: chat_format_for falls back, and says so
+        self._template = template_environment().from_string(template)
         self._bos = bos_token
         self._eos = eos_token
 
@@ -178,13 +231,20 @@ class JinjaFormat(ChatFormat):
                 }
                 for t in tools
             ]
-        text = self._template.render(
-            messages=[_template_message(m) for m in messages],
-            bos_token=self._bos,
-            eos_token=self._eos,
-            add_generation_prompt=True,
-            **extra,
-        )
+        try:
+            text = self._template.render(
+                messages=[_template_message(m) for m in messages],
+                bos_token=self._bos,
+                eos_token=self._eos,
+                add_generation_prompt=True,
+                **extra,
+            )
+        except InvalidRequestError:
+            raise  # the template's own raise_exception: it refused these messages
+        except Exception as exc:
+            raise ChatTemplateError(
+                f"the model's chat template failed to render these messages: {type(exc).__name__}: {exc}"
+            ) from None
         has_bos = bool(self._bos) and text.startswith(self._bos)
         stops = (self._eos,) if self._eos else ()
         return ChatPrompt(text=text, stops=stops, has_bos=has_bos)
@@ -213,9 +273,27 @@ def _template_message(message: ChatMessage) -> dict[str, object]:
 def chat_format_for(
     *, template: str | None, architecture: str | None, bos_token: str = "", eos_token: str = ""
 ) -> ChatFormat:
-    """Pick the chat format: the model's own template, else a fallback by architecture."""
+    """Pick the chat format: the model's own template, else a fallback by architecture
+    (also when the template does not compile: logged, as llama-server does)."""
     if template:
-        return JinjaFormat(template, bos_token=bos_token, eos_token=eos_token)
+        from jinja2 import TemplateError
+
+        try:
+            return JinjaFormat(template, bos_token=bos_token, eos_token=eos_token)
+        except TemplateError as exc:
+            fallback = _fallback(architecture)
+            logger.error(
+                "the model's chat template does not compile (%s: %s); chats are rendered in the %s "
+                'format instead (docs/api.md, "Chat prompts")',
+                type(exc).__name__,
+                exc,
+                fallback.name,
+            )
+            return fallback
+    return _fallback(architecture)
+
+
+def _fallback(architecture: str | None) -> ChatFormat:
     if architecture and architecture.startswith("gemma"):
         return GemmaFormat()
     return ChatMLFormat()

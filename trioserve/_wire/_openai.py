@@ -28,9 +28,12 @@ __all__ = [
     "ChunkEncoder",
     "CompletionRequest",
     "decode_chat_request",
+    "decode_completion_prompts",
     "decode_completion_request",
     "encode_json",
+    "error_event",
     "non_stream_response",
+    "openai_finish_reason",
 ]
 
 encode_json = msgspec.json.Encoder().encode
@@ -92,7 +95,8 @@ class _CommonFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_CommonFields, kw_only=True):
-    prompt: str | list[str | int]
+    #: a text, token ids, or a batch of either (one choice per prompt, × ``n``)
+    prompt: str | list[str | int | list[int]]
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     echo: Any = None
     suffix: Any = None
@@ -349,35 +353,71 @@ def _constraint(request: _CommonFields) -> Constraint | None:
     return asked[0][1] if asked else None
 
 
-def decode_completion_request(body: bytes) -> tuple[CompletionRequest, GenerationRequest]:
-    """Parse and validate a ``/v1/completions`` body."""
-    request = _decode(_completion_decoder, body)
-    _check_common(request)
-    prompt: str | list[int]
-    if isinstance(request.prompt, str):
-        prompt = request.prompt
-    elif all(isinstance(item, int) for item in request.prompt) and request.prompt:
-        prompt = [int(item) for item in request.prompt]
-    elif len(request.prompt) == 1 and isinstance(request.prompt[0], str):
-        prompt = request.prompt[0]
+#: prompts in one /v1/completions batch, at most (each takes ``n`` slots as well)
+MAX_BATCH_PROMPTS = 64
+
+
+def _completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
+    """The prompts of a ``/v1/completions`` body: a text, token ids, or a batch (a list
+    of texts or of token-id lists, as OpenAI and llama-server accept)."""
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif prompt and all(isinstance(item, int) for item in prompt):
+        prompts = [[int(item) for item in prompt]]  # type: ignore[arg-type]
+    elif prompt and all(isinstance(item, str) for item in prompt):
+        prompts = [str(item) for item in prompt]
+    elif prompt and all(isinstance(item, list) for item in prompt):
+        prompts = [list(item) for item in prompt]  # type: ignore[arg-type]
+    elif not prompt:
+        prompts = [[]]
     else:
         raise InvalidRequestError(
-            "prompt must be a string, a list with one string, or a list of token ids; "
-            "batches of prompts are not supported (send one request per prompt)",
+            "prompt must be a string, a list of token ids, or a batch: a list of strings or a "
+            "list of token-id lists (not a mix)",
             param="prompt",
         )
-    if prompt == "" or prompt == []:
-        raise InvalidRequestError("prompt must not be empty", param="prompt")
-    generation = GenerationRequest(
-        prompt=prompt,
-        max_tokens=16 if request.max_tokens is None else request.max_tokens,
-        sampling=_sampling(request),
-        stop=_stops(request.stop),
-        cache_prompt=request.cache_prompt,
-        constraint=_constraint(request),
-        logprobs=request.logprobs,
-    )
-    return request, generation
+    if len(prompts) > MAX_BATCH_PROMPTS:
+        raise InvalidRequestError(
+            f"a batch may hold at most {MAX_BATCH_PROMPTS} prompts; got {len(prompts)}", param="prompt"
+        )
+    for index, item in enumerate(prompts):
+        if item == "" or item == []:
+            where = "" if len(prompts) == 1 else f" (prompt {index} of the batch)"
+            raise InvalidRequestError(f"prompt must not be empty{where}", param="prompt")
+    return prompts
+
+
+def decode_completion_prompts(body: bytes) -> tuple[CompletionRequest, list[GenerationRequest]]:
+    """Parse and validate a ``/v1/completions`` body: one generation per prompt (a
+    batch has several; the response has ``n`` choices per prompt, prompt by prompt)."""
+    request = _decode(_completion_decoder, body)
+    _check_common(request)
+    prompts = _completion_prompts(request.prompt)
+    sampling = _sampling(request)
+    stops = _stops(request.stop)
+    constraint = _constraint(request)
+    generations = [
+        GenerationRequest(
+            prompt=prompt,
+            max_tokens=16 if request.max_tokens is None else request.max_tokens,
+            sampling=sampling,
+            stop=stops,
+            cache_prompt=request.cache_prompt,
+            constraint=constraint,
+            logprobs=request.logprobs,
+        )
+        for prompt in prompts
+    ]
+    return request, generations
+
+
+def decode_completion_request(body: bytes) -> tuple[CompletionRequest, GenerationRequest]:
+    """Parse and validate a ``/v1/completions`` body of one prompt (a batch is refused:
+    :func:`decode_completion_prompts` takes both)."""
+    request, generations = decode_completion_prompts(body)
+    if len(generations) != 1:
+        raise InvalidRequestError("send one prompt (this call takes no batch)", param="prompt")
+    return request, generations[0]
 
 
 def decode_chat_request(body: bytes) -> ChatCompletionRequest:
@@ -440,8 +480,19 @@ def chat_generation(
     )
 
 
-def _finish_reason(cause: EndCause) -> str:
-    return cause
+def openai_finish_reason(cause: EndCause) -> Literal["stop", "length"]:
+    """OpenAI's ``finish_reason`` for ``cause``: ``stop`` when the model ended the text
+    (its end token, a stop sequence), else ``length`` — the text was cut short (by
+    ``max_tokens``, the context, a deadline, shutdown). Strict clients (typed SDKs,
+    async-openai) refuse any other value; the real cause goes in the ``trioserve``
+    extension field of the chunk and in the log (docs/api.md, "Why a stream ended")."""
+    return "stop" if cause == "stop" else "length"
+
+
+def error_event(error: dict[str, object]) -> bytes:
+    """A failure after the stream started: an SSE event holding OpenAI's error object
+    (``{"error": {...}}``, which the OpenAI SDKs raise as ``APIError``), then ``[DONE]``."""
+    return encode_data(encode_json(error)) + DONE
 
 
 def _usage_dict(usage: Usage) -> dict[str, object]:
@@ -600,7 +651,7 @@ class ChunkEncoder:
         choice: dict[str, object] = {
             "index": self.index,
             "logprobs": None,
-            "finish_reason": finish_reason or _finish_reason(cause),
+            "finish_reason": finish_reason or openai_finish_reason(cause),
         }
         if self.kind == "text":
             choice["text"] = ""
@@ -676,12 +727,12 @@ def non_stream_response(
                     "index": index,
                     "text": result.text,
                     "logprobs": logprobs,
-                    "finish_reason": _finish_reason(result.cause),
+                    "finish_reason": openai_finish_reason(result.cause),
                 }
             )
             continue
         message: dict[str, object] = {"role": "assistant", "content": result.text}
-        finish = _finish_reason(result.cause)
+        finish: str = openai_finish_reason(result.cause)
         if result.tool_calls:
             message["content"] = None
             message["tool_calls"] = [
