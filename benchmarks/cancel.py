@@ -141,7 +141,12 @@ def run_job(server: Any, cause: str, round_: int, args: Any) -> dict[str, Any]:
     gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(stream.token_times())] if cause == DECODE else []
     done_ms = (stream.done_at - stream.sent_at) * 1e3 if stream.done_at else None
     s = {"server": server.name, "cause": cause, "round": round_, "id": rid, "step_gaps_ms": gaps}
-    s.update(done_ms=done_ms, events_before_cause=stream.data_events(), finish_reason=stream.finish_reason())
+    s.update(
+        done_ms=done_ms,
+        events_before_cause=stream.data_events(),
+        finish_reason=stream.finish_reason(),
+        end_cause=stream.end_cause(),
+    )
     if t_cause is not None:
         idle = wait_cpu_idle(server.work.pid, t_cause, args.idle_cap)
         s["idle_ms"] = math.inf if idle.after_s is None else idle.after_s * 1e3
@@ -221,7 +226,9 @@ def notes(samples: list[dict[str, Any]], args: Any) -> list[str]:
         logged = (s["log_cause"], s["cancel_latency_ms"])
         if s["server"] == servers.TRIOSERVE and (logged[0] != expected or logged[1] is None):
             out.append(f"{where}: log cause, cancel_latency_ms {logged}; expected {expected}")
-        if s["cause"] == DEADLINE and (s["finish_reason"] != "deadline" or s["done_ms"] is None):
+        if s["server"] == servers.TRIOSERVE and s["cause"] == DEADLINE and s["end_cause"] != "deadline":
+            out.append(f"{where}: end_cause {s['end_cause']!r}, expected 'deadline'")
+        if s["cause"] == DEADLINE and (s["finish_reason"] != "length" or s["done_ms"] is None):
             out.append(f"{where}: finish_reason {s['finish_reason']!r}, [DONE] after {s['done_ms']} ms")
     return out
 

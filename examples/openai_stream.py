@@ -5,7 +5,8 @@
 
 Pass ``--url`` for another server and ``--timeout`` to set a per-request deadline
 (sent as ``X-Request-Timeout``); a stream cut by its deadline ends with
-``finish_reason == "deadline"``.
+``finish_reason == "length"`` and says why in trioserve's own field
+(``chunk.model_extra["trioserve"]["end_cause"] == "deadline"``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def main() -> None:
             if chunk.choices:
                 print(chunk.choices[0].delta.content or "", end="", flush=True)
                 finish = chunk.choices[0].finish_reason or finish
+                extra = (chunk.model_extra or {}).get("trioserve")
+                if extra:  # cut short: why (deadline, shutdown)
+                    finish = f"{finish}: {extra['end_cause']}"
         print(f"\n[{finish}]")
 
 

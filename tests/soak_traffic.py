@@ -69,6 +69,8 @@ REQUEST_LINE = re.compile(
     r"status=(?P<status>\S+) cause=(?P<cause>\S+)"
 )
 FINISH_REASON = re.compile(rb'"finish_reason":\s*"(\w+)"')
+END_CAUSE = re.compile(rb'"end_cause":\s*"(\w+)"')
+ERROR_EVENT = re.compile(rb'data: \{"error":')
 STATUS_LINE = re.compile(rb"HTTP/1\.[01] (\d{3})")
 #: words of the conversations' text (each a token or so)
 WORDS = (  # noqa: SIM905
@@ -408,7 +410,15 @@ def ended(data: bytes) -> bool:
 
 
 def finish_reason(data: bytes) -> str | None:
-    """The last non-null ``finish_reason`` in a response body (JSON or SSE)."""
+    """Why a response body (JSON or SSE) says it ended: ``error`` for an error event
+    (a failure after the stream started), the ``trioserve.end_cause`` of a stream cut
+    short (its ``finish_reason`` is OpenAI's ``length``), else the last non-null
+    ``finish_reason``."""
+    if ERROR_EVENT.search(data):
+        return "error"
+    cause = END_CAUSE.findall(data)
+    if cause:
+        return cause[-1].decode()
     found = FINISH_REASON.findall(data)
     return found[-1].decode() if found else None
 

@@ -17,7 +17,8 @@ import httpx
 from .proc import unread_bytes
 
 STATUS, FINISH = re.compile(rb"HTTP/1\.[01] (\d{3})"), re.compile(rb'"finish_reason": ?"(\w+)"')
-OPEN = re.compile(rb'"finish_reason": ?null')  # an event that carries a token
+OPEN = re.compile(rb'"finish_reason": ?null')
+END_CAUSE = re.compile(rb'"end_cause": ?"(\w+)"')  # an event that carries a token
 PROGRESS = b'"prompt_progress"'  # llama-server's event per prompt batch (return_progress): no token
 
 
@@ -132,6 +133,11 @@ class RawStream:
 
     def finish_reason(self) -> str | None:
         found = [m for _, event in self.events for m in FINISH.findall(event)]
+        return found[-1].decode() if found else None
+
+    def end_cause(self) -> str | None:
+        """trioserve's ``trioserve.end_cause`` of a stream cut short (``deadline``…)."""
+        found = [m for _, event in self.events for m in END_CAUSE.findall(event)]
         return found[-1].decode() if found else None
 
     def unread(self) -> int:

@@ -89,7 +89,7 @@ def test_openai_stream_example_against_a_server() -> None:
             check=True,
         )
         assert server.stop() == 0
-    assert result.stdout.rstrip().endswith("[deadline]")
+    assert result.stdout.rstrip().endswith("[length: deadline]")
 
 
 def test_two_generations_under_one_deadline() -> None:

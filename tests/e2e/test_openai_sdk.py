@@ -106,8 +106,9 @@ def test_sdk_accepts_a_deadline_final_event(client: openai.OpenAI) -> None:
         prompt="Once upon a time",
         max_tokens=2000,
         stream=True,
-        extra_headers={"X-Request-Timeout": "0.5"},
+        extra_headers={"X-Request-Timeout": "1.5"},
     )
     chunks = list(stream)
-    assert chunks[-1].choices[0].finish_reason == "deadline"
+    assert chunks[-1].choices[0].finish_reason == "length"  # OpenAI's value: the SDK's type holds it
+    assert (chunks[-1].model_extra or {})["trioserve"]["end_cause"] == "deadline"
     assert sum(len(c.choices[0].text) for c in chunks if c.choices) > 0

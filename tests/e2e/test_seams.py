@@ -5,6 +5,7 @@ leaks on the library path (reservations, a cancelled load)."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -95,12 +96,16 @@ async def test_a_backend_failure_reaches_the_client_with_its_message(
         message = response.json()["error"]["message"]
         assert "llama_decode failed with code -1" in message
         assert "Exceptions from Trio nursery" not in message
-        # streamed: the final event carries the same message
+        # streamed: an error event with the same message (the SDKs raise on it), then [DONE]
         body = {"prompt": "Hello", "max_tokens": 5, "stream": True}
         async with client.stream("POST", "/v1/completions", json=body) as streamed:
             text = (await streamed.aread()).decode()
-    assert '"finish_reason":"error"' in text
-    assert "llama_decode failed with code -1" in text
+    events = [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "llama_decode failed with code -1" in error["message"]
+    assert error["type"] == "server_error"
+    assert '"finish_reason"' not in text
     failing_decode.armed = False
     await running.wait_idle()
     running.server.shutdown()
