@@ -129,3 +129,70 @@ async def test_a_reservation_holds_its_place_until_the_queue_takes_it() -> None:
     unused.release()
     unused.release()  # idempotent
     assert admission.reserved == 0
+
+
+async def test_several_slots_are_taken_at_once_in_the_requests_place() -> None:
+    """A request for n slots waits for all of them together, in its place in the queue:
+    it holds none while it waits, and a later one-slot request does not overtake it."""
+    admission = Admission(slots=2, max_queue=10)
+    order: list[str] = []
+    release_first = trio.Event()
+    release_all = trio.Event()
+    async with trio.open_nursery() as nursery:
+
+        async def take(name: str, count: int, release: trio.Event) -> None:
+            async with admission.slot(count=count):
+                order.append(name)
+                await release.wait()
+
+        nursery.start_soon(take, "one", 1, release_first)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(take, "pair", 2, release_all)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(take, "later", 1, release_all)
+        await trio.testing.wait_all_tasks_blocked()
+        # one slot is free, but the pair (first in the queue) needs two: nobody overtakes it
+        assert order == ["one"]
+        assert admission.in_use == 1
+        assert admission.queued == 2
+        release_first.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["one", "pair"]
+        assert admission.in_use == 2
+        release_all.set()
+    assert order == ["one", "pair", "later"]
+    assert admission.in_use == 0
+    assert admission.queued == 0
+
+
+async def test_a_cancelled_multi_slot_request_lets_the_ones_behind_it_through() -> None:
+    admission = Admission(slots=2, max_queue=10)
+    order: list[str] = []
+    release = trio.Event()
+
+    async def take(name: str, count: int) -> None:
+        async with admission.slot(count=count):
+            order.append(name)
+            await release.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(take, "one", 1)
+        await trio.testing.wait_all_tasks_blocked()
+        pair_scope = trio.CancelScope()
+
+        async def pair() -> None:
+            with pair_scope:
+                await take("pair", 2)
+
+        nursery.start_soon(pair)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(take, "later", 1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["one"]  # "later" waits behind the pair, though a slot is free
+        pair_scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["one", "later"]  # the pair left the queue: the one behind it fits
+        assert admission.in_use == 2
+        assert admission.queued == 0
+        release.set()
+    assert admission.in_use == 0

@@ -57,3 +57,35 @@ def test_template_raise_exception_becomes_a_400() -> None:
 def test_a_user_message_is_required() -> None:
     with pytest.raises(InvalidRequestError, match="at least one user message"):
         GemmaFormat().render(_messages(("system", "x")))
+
+
+def test_templates_get_hugging_face_s_environment() -> None:
+    """What real templates use: {% break %} (loopcontrols), tojson without HTML escaping,
+    strftime_now, the {% generation %} tag."""
+    template = (
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+        "{% generation %}{{ m['content'] | tojson }}{% endgeneration %};{% endfor %}"
+        "{{ strftime_now('%Y') | length }}"
+    )
+    fmt = JinjaFormat(template, bos_token="", eos_token="")
+    prompt = fmt.render(_messages(("user", "<b>a & b's</b>"), ("assistant", "é"), ("user", "dropped")))
+    # json.dumps: no &lt; / &#39; escapes, non-ASCII kept (ensure_ascii=False, as HF)
+    assert prompt.text == '"<b>a & b\'s</b>";"é";4'
+
+
+def test_a_template_that_does_not_compile_falls_back_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    fmt = chat_format_for(template="{% for m in messages %}", architecture="gemma3")
+    assert isinstance(fmt, GemmaFormat)
+    assert any("does not compile" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
+
+
+def test_a_template_that_fails_on_the_messages_is_a_500_with_a_body() -> None:
+    from trioserve._core._exceptions import ChatTemplateError
+
+    fmt = JinjaFormat("{{ messages[0]['content'] + 1 }}", bos_token="", eos_token="")
+    with pytest.raises(ChatTemplateError) as info:
+        fmt.render(_messages(("user", "hi")))
+    assert info.value.status == 500
+    assert info.value.code == "chat_template_error"
+    assert info.value.should_retry is False
+    assert "TypeError" in info.value.message

@@ -209,3 +209,21 @@ async def test_a_refused_partial_removal_records_no_cells(
             assert health["batch"]["cache"]["tokens"] == 0
     assert refused  # the partial removals were asked for, and refused
     running.server.shutdown()
+
+
+def test_a_llama_cpp_that_cannot_decode_fails_at_load_with_a_message(
+    model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warm-up decode at load: a build that cannot run here fails at startup, naming
+    the system info, and leaves nothing loaded (not a crash at a user's first request)."""
+    import llama_cpp
+
+    from trioserve import BackendError, LlamaSettings
+    from trioserve._backends._llama import LlamaModel
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", lambda ctx, batch: -1)
+    loaded = LlamaModel.loaded
+    with pytest.raises(BackendError, match=r"warm-up decode failed \(llama_decode returned -1\)") as info:
+        LlamaBackend.load(LlamaSettings(model_path, n_ctx=512, n_threads=2, slots=1))
+    assert "system info: CPU :" in info.value.message
+    assert LlamaModel.loaded == loaded

@@ -222,8 +222,18 @@ class LlamaModel(Backend):
     system_info = ""
     repack: RepackDecision | None = None
 
-    def __init__(self, settings: LlamaSettings, lib: Any, model: Any) -> None:
+    def __init__(
+        self,
+        settings: LlamaSettings,
+        lib: Any,
+        model: Any,
+        *,
+        system_info: str = "",
+        repack: RepackDecision | None = None,
+    ) -> None:
         super().__init__()
+        self.system_info = system_info
+        self.repack = repack
         self._freed = False
         self.settings = settings
         self.lib = lib
@@ -287,10 +297,7 @@ class LlamaModel(Backend):
             if not model:
                 raise BackendError(f"llama.cpp could not load {settings.model_path}")
             try:
-                backend = cls(settings, llama_cpp, model)
-                backend.system_info = system_info
-                backend.repack = decision
-                return backend
+                return cls(settings, llama_cpp, model, system_info=system_info, repack=decision)
             except BaseException:
                 llama_cpp.llama_model_free(model)
                 raise

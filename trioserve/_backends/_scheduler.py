@@ -37,6 +37,7 @@ from .._core._types import GenerationEnd, TokenLogprob
 from ._grammar import TokenMask
 from ._invariance import probe_invariant_width, probe_shared_context_limit
 from ._llama import LlamaModel, LlamaSettings, _Context
+from ._platform import RepackDecision
 from ._prompt_cache import HostCache, shared_chunks
 
 __all__ = ["LlamaBackend"]
@@ -978,8 +979,16 @@ class LlamaBackend(LlamaModel):
     yet removed with their KV cells cleared): what a cancel must bring back to zero.
     """
 
-    def __init__(self, settings: LlamaSettings, lib: Any, model: Any) -> None:
-        super().__init__(settings, lib, model)
+    def __init__(
+        self,
+        settings: LlamaSettings,
+        lib: Any,
+        model: Any,
+        *,
+        system_info: str = "",
+        repack: RepackDecision | None = None,
+    ) -> None:
+        super().__init__(settings, lib, model, system_info=system_info, repack=repack)
 
     def _create_contexts(self) -> None:
         self._scheduler = _Scheduler(self)
