@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,8 @@ import trio
 from benchmarks.harness.servers import TRIOSERVE, free_port, trioserve_command
 from benchmarks.harness.servers import Server as HarnessServer
 from trioserve import Backend, Engine, HTTPSettings, Server, ServerSettings
+
+from . import _openai_validation as openai_validation
 
 
 async def wait_for(predicate: Callable[[], object], limit: float = 10.0, step: float = 0.005) -> None:
@@ -155,7 +158,14 @@ class ServerProcess:
     def __init__(self, *args: str) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="trioserve-test-"))
         port = free_port()
-        self.server = HarnessServer(TRIOSERVE, trioserve_command(port, *args), port, self._dir)
+        # run through tests/_openai_validation.py: every generation response it sends is
+        # checked against the openai SDK's types, into a file the running test reads
+        self._checks = openai_validation.ProcessLog(self._dir / "openai-validation.jsonl")
+        command = trioserve_command(port, *args)
+        assert command[:3] == [sys.executable, "-m", "trioserve"], command
+        command = [*openai_validation.script_command(self._checks.path), *command[3:]]
+        self.server = HarnessServer(TRIOSERVE, command, port, self._dir)
+        openai_validation.process_logs.append(self._checks)
         self.url = self.server.url
         self._log: str | None = None
 
@@ -193,7 +203,16 @@ class ServerProcess:
         self.process.wait()
         self.server.stop()  # (closes the log)
         self._log = self.server.log_text()
+        openai_validation.process_logs.remove(self._checks)
+        responses, violations = self._checks.drain()
         shutil.rmtree(self._dir, ignore_errors=True)
+        collector = openai_validation.current
+        if collector is not None:  # inside a test: its teardown reports them
+            collector.responses += responses
+            collector.violations += violations
+        elif violations and exc_info[0] is None:  # a module's server: fail its last test
+            last = openai_validation.Collector("the server process's last responses", violations=violations)
+            raise AssertionError(last.failure())
 
 
 class H2Stream:

@@ -15,9 +15,37 @@ import trio
 
 from trioserve import LlamaBackend, LlamaSettings, default_model_path
 
+from . import _openai_validation as openai_validation
 from ._helpers import RunningServer, start_server
 
 THREADS = int(os.environ.get("TRIOSERVE_TEST_THREADS", "2"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _openai_validation_seam() -> Iterator[None]:
+    """Every in-process server's generation responses are checked against the openai
+    SDK's types (tests/_openai_validation.py); server processes check their own."""
+    with pytest.MonkeyPatch.context() as patch:
+        openai_validation.install_in_process(patch.setattr)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def openai_validation_collector(request: pytest.FixtureRequest) -> Iterator[openai_validation.Collector]:
+    """Fails the test (at teardown, with the offending bytes) if a generation response
+    it received is not what an OpenAI client accepts. Opt out with
+    ``@pytest.mark.no_openai_validation("why")``."""
+    exempt = request.node.get_closest_marker(openai_validation.MARKER) is not None
+    collector = openai_validation.Collector(request.node.nodeid, exempt=exempt)
+    openai_validation.current = collector
+    try:
+        yield collector
+    finally:
+        openai_validation.current = None
+        openai_validation.drain_processes(collector)
+    failure = collector.failure()
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +105,14 @@ async def llama_server(llama_backend: LlamaBackend, nursery: trio.Nursery) -> As
     running.server.shutdown()
 
 
-def pytest_sessionfinish() -> None:
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if openai_validation.unattributed:  # checked while no test ran: fail the session
+        import sys
+
+        print("\ngeneration responses outside any test that OpenAI clients would reject:", file=sys.stderr)
+        for violation in openai_validation.unattributed:
+            print(f"  {violation}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     # llama-cpp-python opens two /dev/null files at import and never closes them
     # (llama_cpp/_utils.py); close them so the interpreter exits without a ResourceWarning.
     import sys
