@@ -140,7 +140,13 @@ def check_prompt(api: Api) -> None:
     assert text_of(as_ids["choices"][0]) == text_of(as_text["choices"][0])
     assert as_ids["usage"]["prompt_tokens"] == as_text["usage"]["prompt_tokens"] == len(ids)
     assert text_of(api.ok(prompt=[PROMPT])["choices"][0]) == text_of(as_text["choices"][0])
-    assert api.error(400, prompt=["a", "b"])["param"] == "prompt"  # no batches
+    # a batch: one choice per prompt, each its own prompt's text, every prompt in the usage
+    batch = api.ok(prompt=[PROMPT, PROMPT])
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    assert [text_of(c) for c in batch["choices"]] == [text_of(as_text["choices"][0])] * 2
+    assert batch["usage"]["prompt_tokens"] == 2 * len(ids)
+    assert api.error(400, prompt=[PROMPT] * (SLOTS + 1))["param"] == "prompt"  # more than the slots
+    assert api.error(400, prompt=["a", 5])["param"] == "prompt"  # a mix
 
 
 def prompt_tokens(api: Api, messages: list[dict[str, object]]) -> int:
