@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import cli, groups, servers
+from benchmarks.harness import cli, groups, plots, servers
 from benchmarks.harness.decode_loop import DecodeLoop
 
 DECODE_ONLY, T, INVARIANT = "decode-only", servers.TRIOSERVE, "trioserve-invariant"
@@ -118,44 +118,9 @@ def report(result: dict[str, Any], args: Any) -> None:
         print("\nevery stream:\n\n" + groups.streams_table(streams, solo=False))
     if not args.no_chart:
         try:
-            chart(cfg, summary, goal, args.chart)
+            cli.log(f"wrote {plots.batched_chart(cfg, summary, goal, args.chart)}")
         except ImportError:
             cli.log("no chart: matplotlib is missing (pip install -e '.[bench]')")
-
-
-def chart(cfg: dict[str, Any], summary: list[dict[str, Any]], goal: Any, path: Path) -> None:
-    """Median total tok/s against N (min–max bars), one line per contestant; targets dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    styles, top = {DECODE_ONLY: ("k", ":", "s"), T: ("C0", "-", "o"), INVARIANT: ("C2", "-", "^")}, 1.0
-    for i, name in enumerate(dict.fromkeys(r["contestant"] for r in summary)):
-        rows = sorted((r for r in summary if r["contestant"] == name), key=lambda r: r["n"])
-        ys = [r["total_tps"] for r in rows]
-        low, high = [min(r["total_tps_reps"]) for r in rows], [max(r["total_tps_reps"]) for r in rows]
-        bars = [[y - v for y, v in zip(ys, low, strict=True)], [v - y for y, v in zip(ys, high, strict=True)]]
-        color, line, marker = styles.get(name, (f"C{i + 2}", "-", "D"))
-        style = {"color": color, "linestyle": line, "marker": marker, "label": servers.LABELS.get(name, name)}
-        ax.errorbar([r["n"] for r in rows], ys, yerr=bars, capsize=3, **style)
-        top = max(top, *high)
-    for factor, dashes in zip(TARGETS, ((6, 3), (2, 2)), strict=True) if goal else ():
-        label = f"target: {factor}× {T} N=1"
-        ax.axhline(goal[f"{factor}x"], color="0.4", dashes=dashes, linewidth=1, label=label)
-        top = max(top, goal[f"{factor}x"])
-    labels = {"xlabel": "concurrent streams (N)", "ylabel": "total tokens/s"}
-    ax.set(xticks=cfg["streams"], ylim=(0, 1.1 * top), **labels)
-    what = f"{cfg['max_tokens']} tokens per stream, {cfg['threads']} threads, {cfg['cpu_count']} CPUs"
-    ax.set_title(f"{Path(cfg['model']).name}: {what}, median of {cfg['reps']}", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    cli.log(f"wrote {path}")
 
 
 if __name__ == "__main__":

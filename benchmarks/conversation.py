@@ -11,7 +11,7 @@ prompt + the server's reply + the next user text (~180 tokens a turn); the user 
 CPU idle after the close, then it again). Exactness, after: every trioserve prompt again
 on ``trioserve --no-prompt-cache``, every llama-server prompt with ``cache_prompt: false``.
 TTFT: send → first event with text. Method: docs/benchmarks.md, "Method"; results:
-"Conversations and the prompt cache (issue 14)".
+"Conversations and the prompt cache".
 
     python benchmarks/conversation.py --json artifacts/conversation.json
 """

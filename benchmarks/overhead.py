@@ -61,8 +61,8 @@ def run(args: Any) -> dict[str, Any]:
 
 
 def report(result: dict[str, Any], args: Any) -> None:
-    what = f"{args.tokens} tokens per stream, --scripted-interval {args.interval:g}"
-    print(cli.header(result["config"], what))
+    cfg = result["config"]  # (the run's settings, not today's defaults)
+    print(cli.header(cfg, f"{cfg['tokens']} tokens per stream, --scripted-interval {cfg['interval']:g}"))
     rows = [["stream", "server CPU per token (µs)", "SSE events"]]
     pairs = enumerate(zip(result["per_token_us"], result["events"], strict=True))
     rows += [[str(i + 1), f"{v:.1f}", str(e)] for i, (v, e) in pairs]

@@ -89,7 +89,8 @@ def run_case(server: servers.Server, rcvbuf: int | None, args: Any) -> dict[str,
 def run(args: Any) -> dict[str, Any]:
     model = cli.resolve_model(args)
     sysctl = {k: Path(f"/proc/sys/net/ipv4/{k}").read_text().strip() for k in ("tcp_rmem", "tcp_wmem")}
-    names = "threads ctx_size max_tokens prompt duration read_bytes read_interval rcvbuf"
+    names = "threads ctx_size max_tokens prompt duration read_bytes read_interval rcvbuf idle_cap cpu_bar"
+    names += " rss_bar_kb"
     cfg = cli.environment(model, **cli.pick(args, names), **sysctl)
     cases: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as logs, servers.running([]) as running:
@@ -131,7 +132,9 @@ def notes(cases: list[dict[str, Any]], args: Any) -> list[str]:
 
 
 def report(result: dict[str, Any], args: Any) -> None:
-    cfg, cases, d = result["config"], result["cases"], args.duration
+    cfg, cases, d = result["config"], result["cases"], result["config"]["duration"]
+    for key in ("idle_cap", "cpu_bar", "rss_bar_kb"):  # the run's (an older JSON: the options')
+        setattr(args, key, cfg.get(key, getattr(args, key)))
     read = f"client reads {cfg['read_bytes']} B every {cfg['read_interval']:g} s for {d} s"
     read += f"; tcp_rmem {cfg['tcp_rmem']}"
     print(cli.header(cfg, f"max_tokens {cfg['max_tokens']}, {cfg['threads']} threads; {read}"))

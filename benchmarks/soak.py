@@ -144,6 +144,28 @@ def leaks_table(result: dict[str, Any]) -> str:
     )
 
 
+def cache_table(cache: dict[str, Any]) -> str:
+    """The prompt cache's figures: conversations, cut turns, the host tier against its budget, exactness."""
+    ram, exact = (cache.get("end") or {}).get("ram", {}), cache["exact"]
+    cuts = ", ".join(f"{k} {v}" for k, v in sorted(cache["cuts"].items())) or "none"
+    causes = ", ".join(f"{k} {v}" for k, v in sorted(cache["cut_causes"].items())) or "—"
+    host = ", ".join(f"{k} {ram[k]}" for k in ("saves", "restores", "evictions") if k in ram) or "—"
+    rows = [
+        ["prompt cache", ""],
+        ["conversations (turns)", f"{cache['conversations']} ({cache['turns']})"],
+        ["turns cut by the client: where (logged cause)", f"{cuts} ({causes})"],
+        ["turns with cache_prompt: false", str(cache["no_cache_turns"])],
+        ["host tier at the end", host],
+        ["/health ram.bytes: max / budget", f"{cache['max_ram_bytes']:,} / {cache['budget_bytes']:,}"],
+        ["… samples over budget", f"{cache['over_budget_samples']} of {cache['samples']}"],
+        ["RSS growth MiB / bound", f"{cache['rss_growth_mib']:.1f} / {cache['rss_bound_mib']:.1f}"],
+        ["exact turns: = cache_prompt false", f"{exact['equal']}/{exact['turns']}"],
+    ]
+    if exact["cached_tokens"]:
+        rows.append(["… cached tokens", f"{min(exact['cached_tokens'])}–{max(exact['cached_tokens'])}"])
+    return table(rows)
+
+
 def report(result: dict[str, Any], args: Any) -> None:
     cfg, records = result["config"], result["records"]
     interval = f"scripted backend ({1000 * cfg['scripted_interval']:g} ms/token)"
@@ -164,7 +186,7 @@ def report(result: dict[str, Any], args: Any) -> None:
     print(f"metrics trioserve_stream_ends_total: {dict(sorted(result['stream_ends_total'].items()))}")
     print(f"server exit code after SIGTERM: {result['exit_code']}\n")
     if result["cache"]:  # figures: conversations, cuts, /health ram (max vs budget), exactness, the end
-        print(f"prompt cache: { {k: v for k, v in result['cache'].items() if k != 'end'} }\n")
+        print(cache_table(result["cache"]) + "\n")
     for warning in result["warnings"]:
         print(f"warning: {warning}")
     problems = result["problems"]

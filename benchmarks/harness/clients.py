@@ -24,7 +24,7 @@ PROGRESS = b'"prompt_progress"'  # llama-server's event per prompt batch (return
 
 def body(prompt: str, max_tokens: int, **more: Any) -> dict[str, Any]:
     """A streamed, greedy completion request. ``repeat_penalty`` 1.0 is llama-cpp-python's
-    ``create_completion`` default (its server's is 1.1; llama-server's is 1.0; trioserve ignores it)."""
+    ``create_completion`` default (its server's is 1.1; llama-server's and trioserve's is 1.0)."""
     fields = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     return {**fields, "repeat_penalty": 1.0, **more}
 
