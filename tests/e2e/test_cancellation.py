@@ -315,6 +315,22 @@ async def test_cancel_cell_choices(
     await _cancel_cell(cause, phase, choices_server, batched_backend, choices_reference, caplog, extra=extra)
 
 
+@pytest.mark.parametrize(("cause", "phase"), EXTRA_CELLS, ids=[f"{c}-{p}" for c, p in EXTRA_CELLS])
+async def test_cancel_cell_batch(
+    cause: str,
+    phase: str,
+    choices_server: RunningServer,
+    batched_backend: LlamaBackend,
+    choices_reference: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A batch of two prompts on /v1/completions (two sequences, two slots taken at
+    once): one cause ends both."""
+    prompt = LONG_PROMPT if phase == "prefill" else "Once upon a time"
+    extra = {"prompt": [prompt, prompt]}
+    await _cancel_cell(cause, phase, choices_server, batched_backend, choices_reference, caplog, extra=extra)
+
+
 async def _cancel_cell(
     cause: str,
     phase: str,
@@ -335,10 +351,11 @@ async def _cancel_cell(
             await _wait_queued(server)
         elif phase == "prefill":
             await wait_for(lambda: server.engine.streams)
-            stream = _only_stream(server)
+            streams = list(server.engine.streams)
             if victim.cause != "deadline":  # (its 0.3 s deadline is already ticking)
-                # a prompt chunk is being evaluated inside llama.cpp right now
-                await wait_for(lambda: llama_backend.in_flight(stream.progress) == "prefill")
+                # a prompt chunk is being evaluated inside llama.cpp right now (a batch's
+                # prompts are evaluated one after the other: one of them)
+                await wait_for(lambda: any(llama_backend.in_flight(s.progress) == "prefill" for s in streams))
         elif phase == "decode":
             if victim.streaming:
                 await victim.read_events(3)
