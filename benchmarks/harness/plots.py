@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .servers import LABELS
+from .stats import nearest_rank
 
 DECODE_ONLY, TRIOSERVE, INVARIANT = "decode-only", "trioserve", "trioserve-invariant"
 #: one colour, line and marker per contestant, the same in every chart
@@ -138,7 +139,7 @@ def cancel(result: dict[str, Any], path: Path) -> Path:
             spread = [i + 0.25 * ((k * 0.618) % 1 - 0.5) for k in range(len(values))]
             line = style(name, i)
             ax.scatter(spread, values, color=line["color"], marker=line["marker"], alpha=0.6, s=22)
-            mid = statistics.median(values)
+            mid = nearest_rank(values, 0.5)  # (the tables' p50)
             ax.hlines(mid, i - 0.3, i + 0.3, color=line["color"], linewidth=2)
         if cause == "prefill":
             ax.axhline(100, color="0.4", dashes=(6, 3), linewidth=1, label="bar: 100 ms")
@@ -147,24 +148,28 @@ def cancel(result: dict[str, Any], path: Path) -> Path:
         ax.set_xticks(range(len(names)), [LABELS.get(n, n) for n in names], fontsize=8)
         ax.set(ylabel="CPU idle − cause, ms (log)", title=titles[cause], xlim=(-0.6, len(names) - 0.4))
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(_title(cfg, "every run a dot, the median a bar"), fontsize=10)
+    fig.suptitle(_title(cfg, "every run a dot, the p50 a bar"), fontsize=10)
     return _save(fig, path)
 
 
 def health(result: dict[str, Any], path: Path) -> Path:
-    """Every ``/health`` poll's latency against time (idle, then under load); the bar dashed."""
+    """Every ``/health`` poll's latency against time: idle, the ramp, the measured window
+    (shaded); the bar dashed."""
     plt, cfg, bar = _pyplot(), result["config"], result["bar"]
     fig, ax = plt.subplots(figsize=(9, 4.5), dpi=120)
-    for phase, color, label in (("idle", "0.5", "idle server"), ("busy", "C0", f"{cfg['clients']} streams")):
+    phases = [("idle", "0.5", "idle server"), ("ramp", "C9", "ramp: the conversations' first turns")]
+    phases.append(("busy", "C0", f"{cfg['clients']} streams: the window"))
+    for phase, color, label in phases:
         polls = [p for p in result["polls"] if p["phase"] == phase]
         ok = [p for p in polls if p["status"] == 200]
         ax.scatter([p["t"] for p in ok], [p["ms"] for p in ok], s=6, color=color, alpha=0.6, label=label)
         if failed := [p for p in polls if p["status"] != 200]:
             ax.scatter([p["t"] for p in failed], [p["ms"] for p in failed], s=20, color="C3", marker="x")
+    ax.axvspan(*result["window"], color="C0", alpha=0.06)
     limit = f"bar: p99 ≤ {bar['limit_ms']:g} ms"
     ax.axhline(bar["limit_ms"], color="C3", dashes=(6, 3), linewidth=1, label=limit)
     if bar.get("p99_ms") is not None:
-        ax.axhline(bar["p99_ms"], color="C0", linewidth=1, label=f"p99 under load: {bar['p99_ms']:.1f} ms")
+        ax.axhline(bar["p99_ms"], color="C0", linewidth=1, label=f"p99 in the window: {bar['p99_ms']:.1f} ms")
     ax.set(xlabel="s since the streams started", ylabel="GET /health, ms (log)")
     _log_axis(ax)
     ax.grid(alpha=0.3)
