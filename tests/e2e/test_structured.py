@@ -24,9 +24,18 @@ pytestmark = pytest.mark.model
 
 
 class Person(pydantic.BaseModel):
-    name: str
+    name: str = pydantic.Field(max_length=20)
     age: int
-    city: str
+    city: str = pydantic.Field(max_length=20)
+
+
+#: the longest answer ``Person``'s schema allows, at one token a byte: a string character
+#: is at most 6 bytes (``\uXXXX``), an integer at most 17 (the digit bound,
+#: docs/structured-output.md): 9 + 120 + 8 + 17 + 9 + 120 + 2 = 285. So the constraint
+#: finishes every answer within it, whatever tokens the sampler draws (on another CPU,
+#: seeded sampling draws others: with unbounded strings 3 of 200 seeds at temperature
+#: 0.7 ran a name on past 100 tokens here)
+PERSON_TOKENS = 300
 
 
 #: twenty different people to extract (name, age, city)
@@ -61,7 +70,7 @@ WEATHER = {
         "parameters": {
             "type": "object",
             "properties": {
-                "city": {"type": "string"},
+                "city": {"type": "string", "maxLength": 24},
                 "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
             },
             "required": ["city", "unit"],
@@ -76,13 +85,16 @@ TIME = {
         "description": "Get the local time in a time zone",
         "parameters": {
             "type": "object",
-            "properties": {"zone": {"type": "string"}, "hours24": {"type": "boolean"}},
+            "properties": {"zone": {"type": "string", "maxLength": 24}, "hours24": {"type": "boolean"}},
             "required": ["zone", "hours24"],
             "additionalProperties": False,
         },
     },
 }
 TOOLS = [WEATHER, TIME]
+#: the longest forced call of ``TOOLS``, at one token a byte (as ``PERSON_TOKENS``):
+#: ``{"name":"get_weather","arguments":{"city":"`` 42 + 144 + ``","unit":"fahrenheit"}}`` 24
+TOOL_TOKENS = 240
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}  # type: ignore[index]
 
 
@@ -118,7 +130,11 @@ def test_parse_with_a_pydantic_model_20_of_20(client: openai.OpenAI, model: str)
     right = 0
     for name, age, city in PEOPLE:
         completion = client.chat.completions.parse(
-            model=model, messages=_ask(name, age, city), response_format=Person, temperature=0, max_tokens=100
+            model=model,
+            messages=_ask(name, age, city),
+            response_format=Person,
+            temperature=0,
+            max_tokens=PERSON_TOKENS,
         )
         choice = completion.choices[0]
         assert choice.finish_reason == "stop"
@@ -129,7 +145,10 @@ def test_parse_with_a_pydantic_model_20_of_20(client: openai.OpenAI, model: str)
 
 
 def test_parse_streamed_20_of_20(client: openai.OpenAI, model: str) -> None:
-    """The same through the SDK's streaming helper, sampled at temperature 0.7."""
+    """The same through the SDK's streaming helper, sampled at temperature 0.7: every
+    answer is finished by the constraint (``stop``, never ``length``) and parses. The
+    verdict holds whatever tokens are drawn: ``Person`` is a bounded grammar and
+    ``PERSON_TOKENS`` covers its longest text."""
     for i, (name, age, city) in enumerate(PEOPLE):
         with client.chat.completions.stream(
             model=model,
@@ -137,10 +156,58 @@ def test_parse_streamed_20_of_20(client: openai.OpenAI, model: str) -> None:
             response_format=Person,
             temperature=0.7,
             seed=i,
-            max_tokens=100,
+            max_tokens=PERSON_TOKENS,
         ) as stream:
             completion = stream.get_final_completion()
-        assert isinstance(completion.choices[0].message.parsed, Person), completion.choices[0].message.content
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, Person), choice.message.content
+
+
+def _digit_runs(text: str) -> list[tuple[int, int, int]]:
+    """(integral, fraction, exponent) digits of each number outside a string in ``text``."""
+    runs = []
+    for match in re.finditer(r'"(?:[^"\\]|\\.)*"|-?([0-9]+)(?:\.([0-9]+))?(?:[eE][+-]?([0-9]+))?', text):
+        if match.group(1) is not None:
+            runs.append(tuple(len(g or "") for g in match.groups()))
+    return runs  # type: ignore[return-value]
+
+
+def test_unbounded_numbers_keep_the_digit_bound(client: openai.OpenAI, model: str) -> None:
+    """A schema's numbers without bounds are written with at most 16 digits before the
+    point, 16 after and 2 in the exponent, so the model finishes its object (before the
+    bound, this prompt at temperature 0 wrote ``2.1111…`` until max_tokens). Checked on
+    the text, whatever the sampler drew: temperature 0, then 1.0 with five seeds."""
+    schema = {
+        "type": "object",
+        "properties": {"population_millions": {"type": "number"}, "founded": {"type": "integer"}},
+        "required": ["population_millions", "founded"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [
+        {
+            "role": "user",
+            "content": "Paris is in France; 2.1 million people live there. It was founded long ago.",
+        }
+    ]
+    # the longest answer: {"population_millions": 38 bytes ,"founded": 17 bytes }
+    for temperature, seed in [(0.0, None), *((1.0, s) for s in range(5))]:
+        completion = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            response_format=fmt,  # type: ignore[typeddict-item]
+            temperature=temperature,
+            seed=seed,
+            max_tokens=100,
+        )
+        choice = completion.choices[0]
+        text = choice.message.content or ""
+        assert choice.finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+        runs = _digit_runs(text)
+        assert len(runs) == 2, text
+        assert all(i <= 16 and f <= 16 and e <= 2 for i, f, e in runs), text
 
 
 def test_json_object_and_an_unenforceable_schema(client: openai.OpenAI, model: str) -> None:
@@ -173,7 +240,12 @@ def test_tool_choice_required_round_trip_20_of_20(client: openai.OpenAI, model: 
         question = f"What is the weather in {city} right now?" if i % 2 else f"What time is it in {city}?"
         messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": question}]
         first = client.chat.completions.create(
-            model=model, messages=messages, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=80
+            model=model,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice="required",
+            temperature=0,
+            max_tokens=TOOL_TOKENS,
         )
         choice = first.choices[0]
         assert choice.finish_reason == "tool_calls"
@@ -206,7 +278,7 @@ def test_named_function_and_streamed_tool_calls(client: openai.OpenAI, model: st
         "tools": TOOLS,
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
         "temperature": 0,
-        "max_tokens": 80,
+        "max_tokens": TOOL_TOKENS,
     }
     whole = client.chat.completions.create(**request)  # type: ignore[call-overload]
     (call,) = whole.choices[0].message.tool_calls
@@ -362,7 +434,7 @@ def test_chat_n_with_tool_calls_each_choice(client: openai.OpenAI, model: str) -
         n=3,
         temperature=1.0,
         seed=3,
-        max_tokens=80,
+        max_tokens=TOOL_TOKENS,
     )
     assert [c.index for c in completion.choices] == [0, 1, 2]
     for choice in completion.choices:
