@@ -170,6 +170,7 @@ def test_explicit_bounds_keep_every_value_they_name(
         {"enum": ["a", [-(10**25) - 1]]},
         {"type": "integer", "minimum": 9007199254740993},
         {"properties": {"a": {"type": "integer", "multipleOf": 2**60 + 1}}},
+        {"type": "integer", "maximum": 10**400},  # beyond any double (float() overflows)
     ],
 )
 def test_an_integer_a_double_cannot_hold_is_refused(

@@ -166,8 +166,13 @@ def _inexact(schema: Any) -> tuple[str, int] | None:
     every number of a schema as a double, so it would enforce another value —
     ``{"const": 9007199254740993}`` would write 9007199254740992."""
     for key, number in _literals(schema):
-        if isinstance(number, int) and abs(number) > 2**53 and int(float(number)) != number:
-            return key, number
+        if isinstance(number, int) and abs(number) > 2**53:
+            try:
+                exact = int(float(number)) == number
+            except OverflowError:  # beyond any double
+                exact = False
+            if not exact:
+                return key, number
     return None
 
 
@@ -269,10 +274,14 @@ class GrammarCompiler:
                 raise InvalidRequestError("the JSON Schema must be an object", param=param)
             inexact = _inexact(schema)
             if inexact is not None:
+                try:
+                    written = f"it would write {int(float(inexact[1]))}"
+                except OverflowError:
+                    written = "this one is beyond any double"
                 raise InvalidRequestError(
-                    f"the JSON Schema cannot be enforced: the integer {inexact[1]} in {inexact[0]!r} is "
-                    "beyond 2**53, and the grammar engine reads numbers as doubles (it would write "
-                    f"{int(float(inexact[1]))})",
+                    f"the JSON Schema cannot be enforced: the integer {str(inexact[1])[:40]} in "
+                    f"{inexact[0]!r} is beyond 2**53, and the grammar engine reads numbers as doubles "
+                    f"({written})",
                     param=param,
                 )
             # (the text, not the dict: llguidance cannot take a Python int beyond 64 bits)
@@ -327,7 +336,9 @@ class GrammarCompiler:
             if template.is_error():  # pragma: no cover - the regex is ours
                 raise RuntimeError(f"the digit bound {bound} does not compile: {template.get_error()}")
             with self._lock:
-                if len(self._bounds) < _BOUNDS_KEPT:
+                # the default bound is always kept (most schemas use it); widened ones
+                # up to _BOUNDS_KEPT
+                if bound == DEFAULT_DIGIT_BOUND or len(self._bounds) < _BOUNDS_KEPT:
                     template = self._bounds.setdefault(key, template)
         return template.deep_copy()
 

@@ -320,8 +320,13 @@ async def _event(upstream: UpstreamState, data: str, state: _StreamState, sink: 
         if isinstance(prompt_tokens, int) and isinstance(completion_tokens, int):
             state.usage = (prompt_tokens, completion_tokens)
     extension = chunk.get("trioserve")
+    cause = None
     if isinstance(extension, dict):
         state.message = extension.get("message")
+        # an upstream trioserve: finish_reason is OpenAI's ("length" for a stream it cut
+        # short); why it ended is here
+        if isinstance(extension.get("end_cause"), str):
+            cause = extension["end_cause"]
     for choice in chunk.get("choices") or ():
         if not isinstance(choice, dict) or choice.get("index", 0) != 0:
             continue
@@ -330,7 +335,7 @@ async def _event(upstream: UpstreamState, data: str, state: _StreamState, sink: 
             await sink.send(text)
         reason = choice.get("finish_reason")
         if reason:
-            state.finish_reason = str(reason)
+            state.finish_reason = cause or str(reason)
 
 
 async def _finish(upstream: UpstreamState, state: _StreamState) -> GenerationEnd:

@@ -189,6 +189,8 @@ class _Scheduler:
         self._condition = threading.Condition()
         self._inbox: deque[_Sequence] = deque()
         self._active: list[_Sequence] = []
+        #: out of the inbox, not yet active: being given their ids and cached prefixes
+        self._admitting: list[_Sequence] = []
         self._free_ids = list(range(settings.slots))
         #: the prompt cache (docs/prompt-cache.md): the prompt tokens whose KV cells each
         #: sequence id keeps — whole chunks aligned to absolute positions, computed
@@ -369,6 +371,7 @@ class _Scheduler:
                     while (members := self._next_admission(free)) is not None:
                         for sequence in members:
                             self._inbox.remove(sequence)
+                            self._admitting.append(sequence)  # (handed back at exit, if it comes to that)
                         free -= len(members)
                         groups.append(members)
                 for sequence in gone:
@@ -390,8 +393,10 @@ class _Scheduler:
             with self._condition:
                 self._stopping = True  # nothing submitted from now on is left unserved
                 leaving = self._active + list(self._inbox)
+                leaving += [s for s in self._admitting if s not in leaving and s.result is None]
                 self._active = []
                 self._inbox.clear()
+                self._admitting = []
             for sequence in leaving:
                 try:
                     self._remove(sequence, failure)
@@ -411,9 +416,11 @@ class _Scheduler:
                     ok = self._contained(self._assign_follower, sequence, "admission", leader)
                 else:
                     ok = self._contained(self._assign, sequence, "admission")
-                if ok:
-                    with self._condition:
+                with self._condition:
+                    if ok:
                         self._active.append(sequence)
+                    self._admitting.remove(sequence)
+                if ok:
                     admitted.append(sequence)
         return admitted
 
@@ -425,9 +432,15 @@ class _Scheduler:
         except Exception as exc:
             logger.exception("a request failed in the scheduler (%s); the others go on", what)
             if sequence.result is None:
-                self._remove(sequence, BackendError(f"inference failed while {what}: {exc!r}"))
+                self._remove(sequence, self._failed(sequence, f"inference failed while {what}: {exc!r}"))
             return False
         return True
+
+    @staticmethod
+    def _failed(sequence: _Sequence, message: str) -> BackendError | Literal["cancelled"]:
+        """The result of a sequence that failed: a cancelled one (its client left, a stop
+        sequence matched) is reported cancelled — a cancel is never an error."""
+        return _CANCELLED if sequence.cancelled else BackendError(message)
 
     def _recompute_safely(self) -> None:
         try:
@@ -713,7 +726,7 @@ class _Scheduler:
                 logger.exception("a decode call failed in the scheduler; its requests fail, the others go on")
                 for sequence, _ in call:
                     if sequence.result is None:
-                        self._remove(sequence, BackendError(f"inference failed: {exc!r}"))
+                        self._remove(sequence, self._failed(sequence, f"inference failed: {exc!r}"))
         self.steps += 1
 
     def _decode_call(self, call: list[tuple[_Sequence, int]]) -> None:
@@ -775,9 +788,8 @@ class _Scheduler:
                     self._remove(sequence, BackendError("an aborted decode call could not be rolled back"))
             return
         if result != 0:
-            error = BackendError(f"llama_decode failed with code {result}")
             for sequence, _ in call:
-                self._remove(sequence, error)
+                self._remove(sequence, self._failed(sequence, f"llama_decode failed with code {result}"))
             return
         now = time.perf_counter()
         for sequence, count in call:
@@ -843,6 +855,10 @@ class _Scheduler:
         index = next(i for s, i in outputs if s is leader)
         waiting = [f for f in leader.followers if not f.cancelled]  # (the cancelled: dropped next step)
         leader.followers = []
+        for follower in waiting:
+            # detached first: if what follows fails, each evaluates the prompt itself
+            # rather than waiting for a leader that has gone
+            follower.leader = None
         if not waiting:
             return []
         size = lib.llama_state_seq_get_size(self.ctx, leader.seq_id)
@@ -850,7 +866,6 @@ class _Scheduler:
         written = lib.llama_state_seq_get_data(self.ctx, state, size, leader.seq_id)
         shared = []
         for follower in waiting:
-            follower.leader = None
             self._trim(follower.seq_id, 0)
             if not written or not lib.llama_state_seq_set_data(self.ctx, state, written, follower.seq_id):
                 # pragma: no cover - llama.cpp refused: this choice evaluates the prompt itself
