@@ -355,7 +355,10 @@ async def test_the_cells_shared_between_choices_are_exact_in_host_memory(
         for other in others:  # both ids hold other cells: nothing of the prompt is left
             await _complete(engine, other, max_tokens=1)
         assert await _choices(engine, prompt, 2, 1)  # both ids keep the prompt's chunks
-        assert batched_backend.cache_stats()["sequences"] == [512, 512]
+        # (the prompt's length depends on how its random topic tokenizes: whole chunks of it)
+        chunks = len((await engine.prepare(GenerationRequest(prompt=prompt))).tokens) // 128 * 128
+        assert chunks >= 256
+        assert batched_backend.cache_stats()["sequences"] == [chunks, chunks]
         assert await _choices(engine, prompt, 2, 1)  # the follower's id: its prefix saved
         for other in others:  # both ids taken by other prompts
             await _complete(engine, other, max_tokens=1)
