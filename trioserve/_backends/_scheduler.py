@@ -36,8 +36,7 @@ from .._core._exceptions import BackendError
 from .._core._types import GenerationEnd, TokenLogprob
 from ._grammar import TokenMask
 from ._invariance import probe_invariant_width, probe_shared_context_limit
-from ._llama import LlamaModel, LlamaSettings, _Context
-from ._platform import RepackDecision
+from ._llama import LlamaModel, _Context
 from ._prompt_cache import HostCache, shared_chunks
 
 __all__ = ["LlamaBackend"]
@@ -993,17 +992,6 @@ class LlamaBackend(LlamaModel):
     ``generations`` counts the generations inside the scheduler (submitted and not
     yet removed with their KV cells cleared): what a cancel must bring back to zero.
     """
-
-    def __init__(
-        self,
-        settings: LlamaSettings,
-        lib: Any,
-        model: Any,
-        *,
-        system_info: str = "",
-        repack: RepackDecision | None = None,
-    ) -> None:
-        super().__init__(settings, lib, model, system_info=system_info, repack=repack)
 
     def _create_contexts(self) -> None:
         self._scheduler = _Scheduler(self)
