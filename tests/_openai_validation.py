@@ -509,7 +509,7 @@ def validating_app(
         kind = None
         if scope.get("type") == "http" and scope.get("method") == "POST":
             kind = GENERATION_PATHS.get(scope.get("path", "").rstrip("/") or "/")
-        if kind is None:
+        if kind not in TYPES:
             await app(scope, receive, send)
             return
         check = ResponseCheck(kind, f"POST {scope['path']}", report, done)

@@ -47,6 +47,14 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--model", type=Path, help="path to a GGUF file (default: Gemma 3 270M, from PyPI)")
     model.add_argument("--model-id", help="the model name clients use (default: the file name)")
     model.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name clients may use for the model (repeatable; e.g. the names Claude Code "
+        "sends: --model-alias claude-sonnet-4-5)",
+    )
+    model.add_argument(
         "--ctx-size", type=int, default=4096, help="context length per sequence (default: 4096)"
     )
     model.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
@@ -212,6 +220,13 @@ def _parser() -> argparse.ArgumentParser:
     admission.add_argument(
         "--max-header-bytes", type=int, default=16 * 1024, help="request head limit (default: 16 KiB)"
     )
+    dialects = serve.add_argument_group("API dialects (docs/dialects.md)")
+    dialects.add_argument(
+        "--keep-billing-header",
+        action="store_true",
+        help="keep Claude Code's x-anthropic-billing-header system block in the prompt (by default "
+        "it is removed: it changes every request and would defeat the prompt cache)",
+    )
     logs = serve.add_argument_group("logging")
     logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     logs.add_argument("--log-format", default="human", choices=["human", "json"])
@@ -351,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_tokens_limit=args.max_tokens_limit,
             default_timeout=args.default_timeout,
             max_timeout=args.max_timeout,
+            model_aliases=tuple(args.model_alias),
+            keep_billing_header=args.keep_billing_header,
         ),
     )
     server = Server(load, settings)

@@ -191,7 +191,7 @@ class EventStream:
         if self.backend_error is not None:
             final = Finished(reason="error", usage=self.usage, message=str(self.backend_error))
         elif self._stopped_by_sequence:
-            final = Finished(reason="stop", usage=self.usage)
+            final = Finished(reason="stop", usage=self.usage, stop_sequence=self._assembler.stop_sequence)
         else:
             assert self.backend_result is not None
             final = Finished(reason=self.backend_result, usage=self.usage)

@@ -47,12 +47,14 @@ class StopMatcher:
     and everything after it are dropped, and the matcher must not be fed again.
     """
 
-    __slots__ = ("_held", "_max_hold", "_stops")
+    __slots__ = ("_held", "_max_hold", "_stops", "matched")
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = tuple(stop for stop in stops if stop)
         self._max_hold = max((len(stop) for stop in self._stops), default=1) - 1
         self._held = ""
+        #: the stop sequence that was hit (``None``: none yet)
+        self.matched: str | None = None
 
     def feed(self, text: str) -> tuple[str, bool]:
         if not self._stops:
@@ -63,6 +65,7 @@ class StopMatcher:
             index = buffer.find(stop)
             if index != -1 and (first == -1 or index < first):
                 first = index
+                self.matched = stop
         if first != -1:
             self._held = ""
             return buffer[:first], True
@@ -113,3 +116,8 @@ class TextAssembler:
             if self.stopped:
                 return text
         return text + self._stop.flush()
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop sequence that ended the text (``None``: none did)."""
+        return self._stop.matched

@@ -136,3 +136,6 @@ class Finished:
     usage: Usage
     #: For ``reason == "error"``: what went wrong, for the client.
     message: str | None = None
+    #: For ``reason == "stop"``: the stop sequence that ended the text (``None``: the
+    #: model's end token)
+    stop_sequence: str | None = None

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
 from .._core._exceptions import AuthenticationError
-from ._errors import render_error
+from ._errors import render_anthropic_error, render_error
 
 __all__ = ["AccessPolicy", "with_access_control"]
 
@@ -56,9 +56,16 @@ class AccessPolicy:
             return
         authorization = _header(scope, b"authorization")
         if authorization is None:
-            raise AuthenticationError(
-                "no API key: send it as 'Authorization: Bearer <key>' (in the openai SDK: api_key=...)"
-            )
+            # Anthropic's clients send the key as x-api-key
+            api_key = _header(scope, b"x-api-key")
+            if api_key is None:
+                raise AuthenticationError(
+                    "no API key: send it as 'Authorization: Bearer <key>' (in the openai SDK: api_key=...) "
+                    "or as 'x-api-key: <key>' (the anthropic SDK's api_key)"
+                )
+            if not self.key_is_valid(api_key.strip()):
+                raise AuthenticationError("the API key is not valid for this server")
+            return
         scheme, _, presented = authorization.partition(" ")
         if scheme.lower() != "bearer" or not self.key_is_valid(presented.strip()):
             raise AuthenticationError("the API key is not valid for this server")
@@ -109,7 +116,8 @@ def with_access_control(app: ASGIApp, policy: AccessPolicy) -> ASGIApp:
                         (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
                         (
                             b"access-control-allow-headers",
-                            b"authorization, content-type, x-request-timeout, x-request-id",
+                            b"authorization, content-type, x-request-timeout, x-request-id, x-api-key, "
+                            b"anthropic-version, anthropic-beta",
                         ),
                         (b"access-control-max-age", b"600"),
                     ],
@@ -118,7 +126,8 @@ def with_access_control(app: ASGIApp, policy: AccessPolicy) -> ASGIApp:
         try:
             policy.check(scope)
         except AuthenticationError as exc:
-            status, headers, body = render_error(exc)
+            render = render_anthropic_error if scope["path"].startswith("/v1/messages") else render_error
+            status, headers, body = render(exc)
             await _respond(send, status, body, [*headers, *cors_headers])
             return
         if not cors_headers:

@@ -13,7 +13,7 @@ from .._core._exceptions import (
     TrioserveError,
     UnsupportedMediaTypeError,
 )
-from ._errors import JSON_HEADERS, render_error
+from ._errors import JSON_HEADERS, ErrorRenderer, render_error
 from ._state import HTTPSettings
 
 __all__ = ["Exchange", "Message", "Receive", "Scope", "Send"]
@@ -30,6 +30,7 @@ class Exchange:
     __slots__ = (
         "ended",
         "last_sent",
+        "render",
         "request_id",
         "send",
         "sending_since",
@@ -37,9 +38,11 @@ class Exchange:
         "status",
     )
 
-    def __init__(self, send: Send, request_id: str) -> None:
+    def __init__(self, send: Send, request_id: str, render: ErrorRenderer = render_error) -> None:
         self.send = send
         self.request_id = request_id
+        #: how an error response is rendered (OpenAI's body; Anthropic's on its endpoints)
+        self.render = render
         self.started = False
         #: the last body message (``more_body`` false) went out
         self.ended = False
@@ -77,7 +80,7 @@ class Exchange:
         await self.body(body, more=False)
 
     async def error(self, exc: TrioserveError) -> None:
-        status, headers, body = render_error(exc)
+        status, headers, body = self.render(exc)
         await self.start(status, headers)
         await self.body(body, more=False)
 

@@ -38,18 +38,20 @@ from .._core._exceptions import (
     TrioserveError,
 )
 from .._core._types import EndCause, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
-from .._wire._choices import ChoiceStream, ToolMode, finished_choice
+from .._wire._anthropic import AnthropicDialect, decode_messages_request, messages_conversation
+from .._wire._chat import ChatFormat
+from .._wire._choices import ToolMode, finished_choice
+from .._wire._conversation import generation_for
+from .._wire._dialect import Dialect, OpenAIDialect
 from .._wire._openai import (
     ChatCompletionRequest,
-    ChunkEncoder,
     CompletionRequest,
     chat_generation,
     decode_chat_request,
     decode_completion_prompts,
-    error_event,
-    non_stream_response,
 )
-from .._wire._sse import HEARTBEAT
+from .._wire._responses import ResponsesDialect, decode_responses_request, responses_conversation
+from ._errors import render_anthropic_error, render_error
 from ._exchange import (
     Exchange,
     Receive,
@@ -63,7 +65,7 @@ from ._exchange import (
     headers_too_large,
 )
 from ._hypercorn_patches import shut_down_connection
-from ._request import InFlightRequest, Phase
+from ._request import InFlightRequest, Kind, Phase
 from ._state import HTTPSettings, ServerState
 
 __all__ = ["FINAL_EVENT_TIMEOUT", "GENERATION_PATHS", "GenerationHandler"]
@@ -71,9 +73,11 @@ __all__ = ["FINAL_EVENT_TIMEOUT", "GENERATION_PATHS", "GenerationHandler"]
 logger = logging.getLogger("trioserve.http")
 request_logger = logging.getLogger("trioserve.requests")
 
-GENERATION_PATHS: dict[str, Literal["text", "chat"]] = {
+GENERATION_PATHS: dict[str, Kind] = {
     "/v1/completions": "text",
     "/v1/chat/completions": "chat",
+    "/v1/messages": "messages",
+    "/v1/responses": "responses",
 }
 
 _ENDPOINTS = {kind: path for path, kind in GENERATION_PATHS.items()}
@@ -199,9 +203,10 @@ class _Heartbeat:
     and waits until it has returned, so two sends never overlap. A timer, not a poll:
     the task sleeps until the next moment a heartbeat is due."""
 
-    def __init__(self, exchange: Exchange, interval: float) -> None:
+    def __init__(self, exchange: Exchange, interval: float, beat: bytes) -> None:
         self.exchange = exchange
         self.interval = interval
+        self.beat = beat
         self.scope = trio.CancelScope()
         self.done = trio.Event()
 
@@ -211,7 +216,7 @@ class _Heartbeat:
             with self.scope:
                 while True:
                     await trio.sleep(max(0.0, exchange.last_sent + self.interval - time.perf_counter()))
-                    await exchange.body(HEARTBEAT)
+                    await exchange.body(self.beat)
         finally:
             self.done.set()
 
@@ -225,10 +230,11 @@ class _Parsed:
     """A generation request, decoded: what to run and how to answer."""
 
     stream: bool
-    include_usage: bool
     #: one per prompt (``/v1/completions`` takes a batch)
     generations: tuple[GenerationRequest, ...]
     model: str
+    #: how the response is written
+    dialect: Dialect
     n: int = 1
     tool_mode: ToolMode = "none"
     tool_names: tuple[str, ...] = ()
@@ -268,10 +274,9 @@ class GenerationHandler:
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
-    async def __call__(
-        self, scope: Scope, receive: Receive, send: Send, kind: Literal["text", "chat"]
-    ) -> None:
-        exchange = Exchange(send, _header(scope, b"x-request-id") or uuid.uuid4().hex)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
+        render = render_anthropic_error if kind == "messages" else render_error
+        exchange = Exchange(send, _header(scope, b"x-request-id") or uuid.uuid4().hex, render)
         request = InFlightRequest(scope, exchange, kind)
         try:
             limit = self.state.settings.max_header_bytes
@@ -293,9 +298,9 @@ class GenerationHandler:
             request.advance(Phase.FINISHING)
             if not exchange.started:
                 await exchange.error(exc)
-            elif request.encoder is not None and not exchange.ended:
+            elif request.dialect is not None and not exchange.ended:
                 # the stream had started (e.g. refused by a race for the last queue place)
-                final = error_event(exc.to_dict())
+                final = request.dialect.stream_error(exc)
                 await _send_last(request, FINAL_EVENT_TIMEOUT, lambda: exchange.body(final, more=False))
         except BaseException as exc:
             # Cancelled from outside the request's scope (hypercorn closing connections
@@ -332,15 +337,7 @@ class GenerationHandler:
                 param="prompt",
             )
         request.set_timeout(_request_timeout(scope, state.settings))
-        encoder = request.encoder = ChunkEncoder(
-            request.kind, request.model, include_usage=parsed.include_usage
-        )
-        request.encoders = [encoder] + [
-            ChunkEncoder(
-                request.kind, request.model, include_usage=parsed.include_usage, index=i, first=encoder
-            )
-            for i in range(1, parsed.choices)
-        ]
+        dialect = request.dialect = parsed.dialect
 
         with request.cancel_scope:
             request.advance(Phase.QUEUED)
@@ -366,11 +363,12 @@ class GenerationHandler:
                                 # and in prefill.
                                 request.reservation = engine.admission.reserve()
                                 await exchange.start(200, SSE_HEADERS)
-                                if encoder.kind == "chat":
-                                    await exchange.body(b"".join(e.role() for e in request.encoders))
+                                opening = dialect.opening(sum(len(p.tokens) for p in prompts))
+                                if opening:
+                                    await exchange.body(opening)
                                 interval = state.settings.heartbeat_interval
                                 if interval:
-                                    heartbeat = _Heartbeat(exchange, interval)
+                                    heartbeat = _Heartbeat(exchange, interval, dialect.heartbeat)
                                     nursery.start_soon(heartbeat.run)
                             async with engine.stream_choices(
                                 prompts if len(prompts) > 1 else prompts[0],
@@ -398,7 +396,9 @@ class GenerationHandler:
             request.note_deadline()  # no-op if another cause came first
             await self._cancelled(request)
 
-    def _parse(self, kind: Literal["text", "chat"], body: bytes) -> _Parsed:
+    def _parse(self, kind: Kind, body: bytes) -> _Parsed:
+        if kind == "messages" or kind == "responses":
+            return self._parse_conversation(kind, body)
         request: CompletionRequest | ChatCompletionRequest
         tool_mode: ToolMode = "none"
         names: tuple[str, ...] = ()
@@ -406,13 +406,9 @@ class GenerationHandler:
             request, generations = decode_completion_prompts(body)
         else:
             chat = decode_chat_request(body)
-            if self.state.chat_format is None:
-                raise ServiceUnavailableError(
-                    "the model is still loading; retry shortly", retry_after=1, code="loading"
-                )
             mode = chat.tool_mode()
             tools = chat.tools if mode != "none" else None
-            rendered = self.state.chat_format.render(chat.messages, tools=tools)
+            rendered = self._chat_format().render(chat.messages, tools=tools)
             generations = [chat_generation(chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos)]
             request = chat
             if mode != "none":
@@ -422,13 +418,61 @@ class GenerationHandler:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         return _Parsed(
             stream=request.stream,
-            include_usage=include_usage,
             generations=tuple(generations),
             model=model,
+            dialect=OpenAIDialect(
+                kind,
+                model,
+                include_usage=include_usage,
+                choices=request.n * len(generations),
+                tool_mode=tool_mode,
+                tool_names=names,
+            ),
             n=request.n,
             tool_mode=tool_mode,
             tool_names=names,
         )
+
+    def _parse_conversation(self, kind: Literal["messages", "responses"], body: bytes) -> _Parsed:
+        """An Anthropic Messages or OpenAI Responses request: the same chat, rendered by
+        the same template, as a chat completion (docs/dialects.md)."""
+        dialect: Dialect
+        if kind == "messages":
+            messages = decode_messages_request(body)
+            keep = self.state.settings.keep_billing_header
+            conversation = messages_conversation(messages, keep_billing_header=keep)
+            stream, requested = messages.stream, messages.model
+            model = self._model(requested)
+            dialect = AnthropicDialect(
+                model,
+                tool_mode=conversation.tool_mode,
+                tool_names=conversation.tool_names,
+                stops=conversation.stops,
+            )
+        else:
+            responses = decode_responses_request(body)
+            conversation = responses_conversation(responses)
+            stream, requested = responses.stream, responses.model
+            model = self._model(requested)
+            dialect = ResponsesDialect(
+                model, responses, tool_mode=conversation.tool_mode, tool_names=conversation.tool_names
+            )
+        generation = generation_for(conversation, self._chat_format())
+        return _Parsed(
+            stream=stream,
+            generations=(generation,),
+            model=model,
+            dialect=dialect,
+            tool_mode=conversation.tool_mode,
+            tool_names=conversation.tool_names,
+        )
+
+    def _chat_format(self) -> ChatFormat:
+        if self.state.chat_format is None:
+            raise ServiceUnavailableError(
+                "the model is still loading; retry shortly", retry_after=1, code="loading"
+            )
+        return self.state.chat_format
 
     def _model(self, requested: str | None) -> str:
         names = self.state.model_names()
@@ -447,10 +491,10 @@ class GenerationHandler:
     async def _stream(
         self, request: InFlightRequest, events: EventStream, heartbeat: _Heartbeat | None
     ) -> None:
-        encoder = request.encoder
-        assert encoder is not None
+        dialect = request.dialect
+        assert dialect is not None
         body = request.exchange.body
-        delta = encoder.delta
+        delta = dialect.plain_delta
         observe_gap = self.state.metrics.inter_token_latency.observe
         perf_counter = time.perf_counter
         previous = 0.0
@@ -468,9 +512,11 @@ class GenerationHandler:
             else:
                 assert isinstance(event, Finished)
                 if event.reason == "error":
-                    final = error_event(_failure(events, event).to_dict())
+                    final = dialect.stream_error(_failure(events, event))
                 else:
-                    final = encoder.final(event.reason, event.usage, event.message)
+                    writer = dialect.writers[0]
+                    final = writer.finish(event.reason, event.message, event.stop_sequence)
+                    final += dialect.end(event.usage)
                 await self._end(request, final, event)
 
     async def _stream_choices(
@@ -480,8 +526,9 @@ class GenerationHandler:
         has several choices: one reader per choice, one writer (this task)."""
         body = request.exchange.body
         choices = request.choices
-        writers = [ChoiceStream(encoder, parsed.tool_mode, parsed.tool_names) for encoder in request.encoders]
-        request.writers = writers  # a deadline or shutdown finishes them: the held text goes out
+        dialect = parsed.dialect
+        # (a deadline or shutdown finishes the writers too: text they hold goes out)
+        writers = dialect.writers
         send, receive = trio.open_memory_channel[tuple[int, TextDelta | Finished]](0)
 
         async def read(
@@ -512,16 +559,16 @@ class GenerationHandler:
                     # error event); the other choices' readers stop here
                     nursery.cancel_scope.cancel()
                     request.ended_choices.update(range(len(choices)))
-                    await self._end(request, error_event(_failure(choices[index], event).to_dict()), event)
+                    await self._end(request, dialect.stream_error(_failure(choices[index], event)), event)
                     return
-                data = writers[index].finish(event.reason, event.message)
+                data = writers[index].finish(event.reason, event.message, event.stop_sequence)
                 request.ended_choices.add(index)
                 left -= 1
                 if left:
                     await body(data)
                 else:
                     # (every choice's producer has returned: the usage is final)
-                    end = data + request.encoders[0].end(_usage(choices))
+                    end = data + dialect.end(_usage(choices))
                     await self._end(request, end, event)
 
     async def _collect(self, request: InFlightRequest, parsed: _Parsed) -> None:
@@ -560,13 +607,18 @@ class GenerationHandler:
         assert last is not None
         assert request.model is not None
         results = [
-            finished_choice("".join(parts), final.reason, parsed.tool_mode, parsed.tool_names, entries)
+            finished_choice(
+                "".join(parts),
+                final.reason,
+                parsed.tool_mode,
+                parsed.tool_names,
+                entries,
+                final.stop_sequence,
+            )
             for parts, final, entries in zip(texts, finals, logprobs, strict=True)
             if final is not None
         ]
-        response = non_stream_response(
-            request.kind, model=request.model, usage=_usage(choices), choices=results
-        )
+        response = parsed.dialect.body(results, _usage(choices))
         await self._end(request, response, last, json=True)
 
     async def _end(
@@ -611,20 +663,18 @@ class GenerationHandler:
         assert cause is not None
         assert cause != "overloaded"
         request.advance(Phase.FINISHING)
-        encoder = request.encoder if exchange.started else None
+        dialect = request.dialect if exchange.started else None
         choices = request.choices
 
         async def send() -> None:
-            if encoder is not None:
+            if dialect is not None:
                 usage = _usage(choices) if choices else Usage(prompt_tokens=0, completion_tokens=0)
-                # through the choice writers where there are some: text held in auto
-                # tool mode goes out before the finish chunk
-                left = [i for i in range(max(1, len(request.encoders))) if i not in request.ended_choices]
-                if request.writers:
-                    finals = b"".join(request.writers[i].finish(cause) for i in left)
-                else:
-                    finals = b"".join((request.encoders or [encoder])[i].finish(cause) for i in left)
-                await exchange.body(finals + encoder.end(usage), more=False)
+                # through the choice writers: text held in auto tool mode goes out
+                # before the finish
+                writers = dialect.writers
+                left = [i for i in range(len(writers)) if i not in request.ended_choices]
+                finals = b"".join(writers[i].finish(cause) for i in left)
+                await exchange.body(finals + dialect.end(usage), more=False)
             elif cause == "deadline":
                 await exchange.error(
                     DeadlineExceededError("the request's deadline passed before the response was complete")

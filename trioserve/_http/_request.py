@@ -27,11 +27,14 @@ from .._core._types import EndCause
 if TYPE_CHECKING:
     from .._core._admission import Reservation
     from .._core._engine import EventStream
-    from .._wire._choices import ChoiceStream
-    from .._wire._openai import ChunkEncoder
+    from .._wire._dialect import Dialect
     from ._exchange import Exchange, Scope
 
-__all__ = ["InFlightRequest", "Phase"]
+__all__ = ["InFlightRequest", "Kind", "Phase"]
+
+#: the generation endpoints: ``/v1/completions``, ``/v1/chat/completions``,
+#: ``/v1/messages`` (Anthropic), ``/v1/responses`` (OpenAI Responses)
+Kind = Literal["text", "chat", "messages", "responses"]
 
 
 class Phase(enum.IntEnum):
@@ -54,8 +57,7 @@ class InFlightRequest:
         "choices",
         "connection_cut",
         "delivered",
-        "encoder",
-        "encoders",
+        "dialect",
         "ended_choices",
         "error",
         "events",
@@ -67,13 +69,12 @@ class InFlightRequest:
         "started",
         "tokens_at_cancel",
         "watch_scope",
-        "writers",
     )
 
-    def __init__(self, asgi: Scope, exchange: Exchange, kind: Literal["text", "chat"]) -> None:
+    def __init__(self, asgi: Scope, exchange: Exchange, kind: Kind) -> None:
         self.asgi = asgi
         self.exchange = exchange
-        self.kind: Literal["text", "chat"] = kind
+        self.kind: Kind = kind
         self.phase = Phase.RECEIVING
         #: ``time.perf_counter()`` when the request arrived
         self.started = time.perf_counter()
@@ -85,17 +86,15 @@ class InFlightRequest:
         self.error: str | None = None
         #: the model name the response carries
         self.model: str | None = None
-        self.encoder: ChunkEncoder | None = None
+        #: how the response is written (its API dialect), once the request is parsed
+        self.dialect: Dialect | None = None
         #: the admission place held for a streamed request before its headers go out
         self.reservation: Reservation | None = None
         #: the engine's event stream, once it is open (usage, timings, progress); the
         #: first choice's when ``n`` > 1
         self.events: EventStream | None = None
-        #: every choice's event stream and encoder (``n`` > 1: several)
+        #: every choice's event stream (``n`` > 1: several)
         self.choices: list[EventStream] = []
-        self.encoders: list[ChunkEncoder] = []
-        #: the choice writers of a stream that needs them (tools, logprobs, ``n``)
-        self.writers: list[ChoiceStream] = []
         #: the choices whose finish chunk went out (a cancel ends only the others)
         self.ended_choices: set[int] = set()
         #: the disconnect watcher's scope: stopped before the last send

@@ -21,7 +21,10 @@ from .._core._exceptions import (
     ServiceUnavailableError,
     TrioserveError,
 )
+from .._wire._anthropic import decode_count_tokens_request, messages_conversation
+from .._wire._conversation import Conversation, generation_for
 from .._wire._openai import encode_json
+from .._wire._responses import decode_input_tokens_request, responses_conversation
 from .._wire._tokenize import (
     decode_detokenize_request,
     decode_tokenize_request,
@@ -29,7 +32,7 @@ from .._wire._tokenize import (
     tokenize_response,
 )
 from ._access import AccessPolicy, with_access_control
-from ._errors import render_error
+from ._errors import ErrorRenderer, render_anthropic_error, render_error
 from ._exchange import Exchange, Receive, Scope, Send, _check_content_type, headers_too_large
 from ._generation import _INLINE_PARSE_BYTES, GENERATION_PATHS, GenerationHandler
 from ._state import ServerState
@@ -70,8 +73,8 @@ def _json_response(
     return Response(encode_json(body), status=status, content_type="application/json", headers=headers)
 
 
-def _error_response(exc: TrioserveError) -> Response:
-    status, headers, body = render_error(exc)
+def _error_response(exc: TrioserveError, render: ErrorRenderer = render_error) -> Response:
+    status, headers, body = render(exc)
     return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
 
 
@@ -201,6 +204,59 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
         except TrioserveError as exc:
             return _error_response(exc)
         return Response(detokenize_response(pieces), content_type="application/json")
+
+    # token counting (docs/dialects.md, "Token counting"): the prompt generation would
+    # render, counted by the model's tokenizer; nothing is evaluated or queued
+    def check_model(requested: str | None) -> None:
+        names = state.model_names()
+        if requested is not None and requested not in names:
+            raise NotFoundError(
+                f"the model {requested!r} does not exist on this server; available: {', '.join(names)}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def count(read: Callable[[bytes], tuple[str | None, Conversation]]) -> int:
+        engine = state.serving_engine()
+        chat_format = state.chat_format
+        assert chat_format is not None  # set with the engine
+
+        def prepare(body: bytes) -> tuple[str | None, str, bool]:
+            model, conversation = read(body)
+            generation = generation_for(conversation, chat_format)
+            assert isinstance(generation.prompt, str)
+            return model, generation.prompt, generation.add_bos
+
+        model, prompt, add_bos = await _json_body(prepare)
+        check_model(model)
+        tokens = await engine.backend.tokenize_text(prompt, add_special=add_bos, parse_special=True)
+        return len(tokens)
+
+    keep_billing_header = state.settings.keep_billing_header
+
+    def read_messages(body: bytes) -> tuple[str | None, Conversation]:
+        request = decode_count_tokens_request(body)
+        return request.model, messages_conversation(request, keep_billing_header=keep_billing_header)
+
+    def read_responses(body: bytes) -> tuple[str | None, Conversation]:
+        request = decode_input_tokens_request(body)
+        return request.model, responses_conversation(request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens() -> Response:
+        try:
+            tokens = await count(read_messages)
+        except TrioserveError as exc:
+            return _error_response(exc, render_anthropic_error)
+        return _json_response({"input_tokens": tokens})
+
+    @app.post("/v1/responses/input_tokens")
+    async def input_tokens() -> Response:
+        try:
+            tokens = await count(read_responses)
+        except TrioserveError as exc:
+            return _error_response(exc)
+        return _json_response({"object": "response.input_tokens", "input_tokens": tokens})
 
     @app.errorhandler(404)
     async def not_found(_error: Exception) -> Response:

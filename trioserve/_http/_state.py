@@ -34,6 +34,9 @@ class HTTPSettings:
         heartbeat_interval: a stream silent this long (queued, in a long prefill) gets
             an SSE comment line; ``None`` or 0: no heartbeats.
         model_aliases: other names accepted in the ``model`` field.
+        keep_billing_header: keep Claude Code's ``x-anthropic-billing-header`` system
+            block in the prompt (by default it is removed: it changes every request and
+            would defeat the prompt cache; docs/dialects.md).
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
@@ -44,6 +47,7 @@ class HTTPSettings:
     default_timeout: float | None = None
     max_timeout: float | None = 600.0
     model_aliases: tuple[str, ...] = ()
+    keep_billing_header: bool = False
 
 
 @dataclass(kw_only=True)

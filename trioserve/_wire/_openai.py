@@ -704,6 +704,8 @@ class ChoiceResult(msgspec.Struct, kw_only=True):
     logprobs: list[TokenLogprob] | None = None
     #: (id, name, arguments JSON) of each tool call the text was read as
     tool_calls: list[tuple[str, str, str]] | None = None
+    #: the stop sequence that ended the text (``None``: the model's end token, or no stop)
+    stop_sequence: str | None = None
 
 
 def non_stream_response(

@@ -1,0 +1,624 @@
+"""Anthropic's Messages API, sans-IO: ``POST /v1/messages`` (and ``count_tokens``)
+bodies in, a :class:`~trioserve._wire._conversation.Conversation` out; the response as
+Anthropic's events or ``Message`` body; errors as Anthropic's error bodies.
+
+Requests are decoded by msgspec in one pass (unknown fields ignored, as Anthropic's
+clients expect); a known field trioserve cannot honour is a 400 naming it. How the
+request maps onto a chat, and every choice: ``docs/dialects.md``; the field table:
+``docs/api.md``, "Anthropic Messages".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from .._core._exceptions import InvalidRequestError, OverloadedError, TrioserveError
+from .._core._types import Constraint, EndCause, SamplingParams, TokenLogprob, Usage
+from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ToolMode
+from ._conversation import Conversation, fold_system_messages
+from ._openai import CallFunction, ChatMessage, ChoiceResult, MessageToolCall, _decode, encode_json
+from ._tools import FunctionDef, Tool
+
+__all__ = [
+    "BILLING_HEADER_PREFIX",
+    "AnthropicDialect",
+    "CountTokensRequest",
+    "MessagesRequest",
+    "anthropic_error",
+    "decode_count_tokens_request",
+    "decode_messages_request",
+    "messages_conversation",
+]
+
+#: the text Claude Code's per-request system block starts with
+BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
+
+
+class Block(msgspec.Struct, kw_only=True):
+    """One content block (``text``, ``tool_use``, ``tool_result``, ``thinking``, …):
+    every type's fields, so that a type trioserve cannot read is refused by name."""
+
+    type: str
+    text: str | None = None
+    # tool_use
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+    # tool_result
+    tool_use_id: str | None = None
+    content: str | list[Block] | None = None
+    is_error: bool | None = None
+    # accepted everywhere: the prompt cache is automatic
+    cache_control: Any = None
+    citations: Any = None
+
+
+class Message(msgspec.Struct, kw_only=True):
+    #: ``system``/``developer``: Claude Code (≥ 2.1.154) sends them inside ``messages``
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Block]
+
+
+class AnthropicTool(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    #: ``custom`` (or absent); Anthropic's server tools have other types
+    type: str | None = None
+    cache_control: Any = None
+    strict: bool | None = None
+
+
+class ToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(msgspec.Struct, kw_only=True):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
+class OutputFormat(msgspec.Struct, kw_only=True):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = msgspec.field(name="schema")
+
+
+class OutputConfig(msgspec.Struct, kw_only=True):
+    format: OutputFormat | None = None
+    effort: Any = None
+
+
+class _MessagesFields(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    messages: list[Message]
+    system: str | list[Block] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    #: the older name of ``output_config.format`` (structured-outputs beta)
+    output_format: OutputFormat | None = None
+    # accepted: the cache is automatic
+    cache_control: Any = None
+    # known, not honoured: refused when set (_REFUSED)
+    container: Any = None
+    mcp_servers: Any = None
+    context_management: Any = None
+    diagnostics: Any = None
+    inference_geo: Any = None
+    speed: Any = None
+
+
+class CountTokensRequest(_MessagesFields, kw_only=True):
+    pass
+
+
+class MessagesRequest(_MessagesFields, kw_only=True):
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    stream: bool = False
+    stop_sequences: list[str] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    #: ``{"user_id": …}``: accepted, not used (an identifier)
+    metadata: dict[str, Any] | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+    # identifiers: accepted, not used
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+
+
+_messages_decoder = msgspec.json.Decoder(MessagesRequest)
+_count_decoder = msgspec.json.Decoder(CountTokensRequest)
+
+#: (field, why it is refused); any value but ``null`` is a 400 naming the field
+_REFUSED: tuple[tuple[str, str], ...] = (
+    ("container", "this server runs no code-execution containers"),
+    ("mcp_servers", "this server connects to no MCP servers; run the tools on the client"),
+    ("context_management", "this server does not edit the context; send the messages to use"),
+    ("diagnostics", "this server reports no prompt-cache diagnostics (usage shows what was reused)"),
+    ("inference_geo", "this server runs where it runs"),
+)
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def _text_of(blocks: str | list[Block] | None, where: str) -> str:
+    if blocks is None:
+        return ""
+    if isinstance(blocks, str):
+        return blocks
+    parts = []
+    for i, block in enumerate(blocks):
+        if block.type != "text" or block.text is None:
+            raise InvalidRequestError(
+                f"{where}[{i}] is a {block.type!r} block; this model reads text only", param=f"{where}[{i}]"
+            )
+        parts.append(block.text)
+    return "\n".join(parts)
+
+
+def _system_text(system: str | list[Block] | None, keep_billing_header: bool) -> str:
+    if isinstance(system, list) and not keep_billing_header:
+        system = [
+            b for b in system if not (b.type == "text" and (b.text or "").startswith(BILLING_HEADER_PREFIX))
+        ]
+    return _text_of(system, "system")
+
+
+def _chat_messages(messages: Sequence[Message]) -> list[ChatMessage]:
+    out: list[ChatMessage] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}].content"
+        content = message.content
+        if message.role in ("system", "developer"):
+            out.append(ChatMessage(role=message.role, content=_text_of(content, where)))
+            continue
+        if isinstance(content, str):
+            out.append(ChatMessage(role=message.role, content=content))
+            continue
+        if message.role == "user":
+            texts: list[str] = []
+            for j, block in enumerate(content):
+                if block.type == "tool_result":
+                    if texts:
+                        out.append(ChatMessage(role="user", content="\n".join(texts)))
+                        texts = []
+                    if not block.tool_use_id:
+                        raise InvalidRequestError(
+                            f"{where}[{j}] (tool_result) needs tool_use_id", param=f"{where}[{j}].tool_use_id"
+                        )
+                    result = _text_of(block.content, f"{where}[{j}].content")
+                    out.append(
+                        ChatMessage(
+                            role="tool",
+                            content=f"error: {result}" if block.is_error else result,
+                            tool_call_id=block.tool_use_id,
+                        )
+                    )
+                elif block.type == "text" and block.text is not None:
+                    texts.append(block.text)
+                else:
+                    raise InvalidRequestError(
+                        f"{where}[{j}] is a {block.type!r} block; a user message holds text and "
+                        "tool_result blocks here (this model reads text only)",
+                        param=f"{where}[{j}]",
+                    )
+            if texts:
+                out.append(ChatMessage(role="user", content="\n".join(texts)))
+            continue
+        texts, calls = [], []
+        for j, block in enumerate(content):
+            if block.type == "text" and block.text is not None:
+                texts.append(block.text)
+            elif block.type == "tool_use":
+                if not block.id or not block.name:
+                    raise InvalidRequestError(
+                        f"{where}[{j}] (tool_use) needs id and name", param=f"{where}[{j}]"
+                    )
+                arguments = json.dumps(block.input if block.input is not None else {}, separators=(",", ":"))
+                calls.append(
+                    MessageToolCall(id=block.id, function=CallFunction(name=block.name, arguments=arguments))
+                )
+            elif block.type in ("thinking", "redacted_thinking"):
+                continue  # earlier turns' reasoning is not part of the prompt (as Anthropic does)
+            else:
+                raise InvalidRequestError(
+                    f"{where}[{j}] is a {block.type!r} block; an assistant message holds text and "
+                    "tool_use blocks here",
+                    param=f"{where}[{j}]",
+                )
+        if texts or calls:
+            out.append(ChatMessage(role="assistant", content="".join(texts), tool_calls=calls or None))
+    return out
+
+
+def _tools(tools: Sequence[AnthropicTool] | None) -> list[Tool]:
+    out: list[Tool] = []
+    seen: set[str] = set()
+    for i, tool in enumerate(tools or ()):
+        if tool.type not in (None, "custom"):
+            raise InvalidRequestError(
+                f"tools[{i}] is Anthropic's server tool {tool.type!r}; this server runs custom tools only "
+                "(name, description, input_schema), executed by the client",
+                param=f"tools[{i}].type",
+            )
+        if not _NAME.match(tool.name):
+            raise InvalidRequestError(
+                f"tools[{i}].name {tool.name!r} must be 1-128 letters, digits, '_' or '-'",
+                param=f"tools[{i}].name",
+            )
+        if tool.name in seen:
+            raise InvalidRequestError(f"two tools are named {tool.name!r}", param="tools")
+        seen.add(tool.name)
+        schema = tool.input_schema
+        if schema is None:
+            raise InvalidRequestError(f"tools[{i}] needs input_schema", param=f"tools[{i}].input_schema")
+        if schema.get("type", "object") != "object":
+            raise InvalidRequestError(
+                f"tools[{i}].input_schema must describe an object (type: object)",
+                param=f"tools[{i}].input_schema.type",
+            )
+        out.append(
+            Tool(
+                type="function",
+                function=FunctionDef(name=tool.name, description=tool.description, parameters=schema),
+            )
+        )
+    return out
+
+
+def _tool_choice(choice: ToolChoice | None, tools: list[Tool]) -> str:
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice.type == "none":
+        return "none"
+    if not tools:
+        raise InvalidRequestError(f"tool_choice {choice.type!r} needs tools", param="tool_choice")
+    if choice.type == "auto":
+        return "auto"
+    if choice.type == "any":
+        return "required"
+    names = [tool.function.name for tool in tools]
+    if choice.name not in names:
+        raise InvalidRequestError(
+            f"tool_choice names the tool {choice.name!r}, which is not in tools ({', '.join(names)})",
+            param="tool_choice.name",
+        )
+    return choice.name
+
+
+def _check_common(request: _MessagesFields, max_tokens: int | None) -> None:
+    for name, why in _REFUSED:
+        if getattr(request, name) is not None:
+            raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
+    if request.speed not in (None, "standard"):
+        raise InvalidRequestError(
+            "speed is not supported: only the standard speed exists here", param="speed"
+        )
+    config = request.output_config
+    if config is not None and config.effort is not None:
+        raise InvalidRequestError(
+            "output_config.effort is not supported: the model has no effort control",
+            param="output_config.effort",
+        )
+    thinking = request.thinking
+    if thinking is not None and thinking.type == "enabled":
+        budget = thinking.budget_tokens
+        if budget is None:
+            raise InvalidRequestError("thinking.enabled needs budget_tokens", param="thinking.budget_tokens")
+        if budget < 1024:
+            raise InvalidRequestError(
+                f"thinking.budget_tokens must be at least 1024; got {budget}", param="thinking.budget_tokens"
+            )
+        if max_tokens is not None and budget >= max_tokens:
+            raise InvalidRequestError(
+                f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
+                param="thinking.budget_tokens",
+            )
+    if not request.messages:
+        raise InvalidRequestError("messages must hold at least one message", param="messages")
+
+
+def _constraint(request: _MessagesFields) -> Constraint | None:
+    formats = [
+        f for f in (request.output_config and request.output_config.format, request.output_format) if f
+    ]
+    if len(formats) > 1:
+        raise InvalidRequestError(
+            "send output_config.format or output_format, not both", param="output_format"
+        )
+    if not formats:
+        return None
+    return Constraint(kind="json_schema", source=json.dumps(formats[0].schema_))
+
+
+def messages_conversation(request: _MessagesFields, *, keep_billing_header: bool = False) -> Conversation:
+    """The conversation a Messages (or count_tokens) request asks for."""
+    full = request if isinstance(request, MessagesRequest) else None
+    _check_common(request, full.max_tokens if full else None)
+    messages = _chat_messages(request.messages)
+    system = _system_text(request.system, keep_billing_header)
+    if system:
+        messages.insert(0, ChatMessage(role="system", content=system))
+    prefill = ""
+    if messages and messages[-1].role == "assistant":
+        last = messages.pop()
+        if last.tool_calls:
+            raise InvalidRequestError(
+                "the last message is an assistant tool_use; send its tool_result in a user message",
+                param="messages",
+            )
+        prefill = last.text()
+        if prefill != prefill.rstrip():
+            raise InvalidRequestError(
+                "final assistant content cannot end with trailing whitespace", param="messages"
+            )
+    tools = _tools(request.tools)
+    choice = _tool_choice(request.tool_choice, tools)
+    constraint = _constraint(request)
+    if constraint is not None and choice not in ("none", "auto"):
+        raise InvalidRequestError(
+            "a forced tool call cannot also follow output_config.format; send one of them",
+            param="tool_choice",
+        )
+    sampling = SamplingParams()
+    stops: tuple[str, ...] = ()
+    max_tokens = None
+    if full is not None:
+        sampling = SamplingParams(
+            temperature=full.temperature, top_p=full.top_p or 1.0, top_k=full.top_k or 0
+        )
+        stops = tuple(s for s in full.stop_sequences or () if s)
+        max_tokens = full.max_tokens
+    return Conversation(
+        messages=fold_system_messages(messages),
+        tools=tools,
+        tool_choice=choice,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stops=stops,
+        constraint=constraint,
+        prefill=prefill,
+    )
+
+
+def decode_messages_request(body: bytes) -> MessagesRequest:
+    return _decode(_messages_decoder, body)
+
+
+def decode_count_tokens_request(body: bytes) -> CountTokensRequest:
+    return _decode(_count_decoder, body)
+
+
+# -- errors ------------------------------------------------------------------------
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error(exc: TrioserveError) -> tuple[int, dict[str, object]]:
+    """Anthropic's status and error body for ``exc``: a full queue is 529
+    ``overloaded_error`` (what Anthropic's clients retry on), the rest keep their status."""
+    status = 529 if isinstance(exc, OverloadedError) else exc.status
+    error_type = _ERROR_TYPES.get(status, "api_error")
+    return status, {"type": "error", "error": {"type": error_type, "message": exc.message}}
+
+
+# -- responses ------------------------------------------------------------------------
+
+
+def _event(name: bytes, payload: dict[str, object]) -> bytes:
+    return b"event: " + name + b"\ndata: " + encode_json(payload) + b"\n\n"
+
+
+_PING = b'event: ping\ndata: {"type":"ping"}\n\n'
+_STOP_BLOCK = b'event: content_block_stop\ndata: {"type":"content_block_stop","index":%d}\n\n'
+_MESSAGE_STOP = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+
+_END_MESSAGES = {
+    "deadline": "the request's deadline passed; the text so far is complete up to here",
+    "shutdown": "the server is shutting down; retry on another instance or later",
+}
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+class AnthropicDialect:
+    """One Messages response: its events (one content block open at a time) or its
+    ``Message`` body. One choice: the dialect is its own writer."""
+
+    heartbeat = _PING
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tool_mode: ToolMode = "none",
+        tool_names: Sequence[str] = (),
+        stops: Sequence[str] = (),
+    ) -> None:
+        self.model = model
+        self.id = _new_id("msg_")
+        self._reader = ChoiceReader(tool_mode, tool_names)
+        self._stops = frozenset(stops)
+        #: the index and type of the open block (``None``: none is open)
+        self._index = -1
+        self._open: str | None = None
+        self._stop_reason = "end_turn"
+        self._stop_sequence: str | None = None
+        self._cause: EndCause = "stop"
+        self._message: str | None = None
+        self._prompt_tokens = 0
+        self.writers = [self]
+        self._text_prefix = b""
+        self._text_suffix = b"}}\n\n"
+
+    def _start(self, block: dict[str, object]) -> bytes:
+        out = self._close()
+        self._index += 1
+        self._open = str(block["type"])
+        if self._open == "text":
+            self._text_prefix = (
+                b'event: content_block_delta\ndata: {"type":"content_block_delta","index":'
+                + str(self._index).encode()
+                + b',"delta":{"type":"text_delta","text":'
+            )
+        return out + _event(
+            b"content_block_start",
+            {"type": "content_block_start", "index": self._index, "content_block": block},
+        )
+
+    def _close(self) -> bytes:
+        if self._open is None:
+            return b""
+        self._open = None
+        return _STOP_BLOCK % self._index
+
+    def plain_delta(self, text: str) -> bytes:
+        return self._text_prefix + encode_json(text) + self._text_suffix
+
+    def opening(self, prompt_tokens: int) -> bytes:
+        self._prompt_tokens = prompt_tokens
+        message: dict[str, object] = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "content": [],
+            "model": self.model,
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": prompt_tokens,
+                "output_tokens": 0,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0,
+            },
+        }
+        out = _event(b"message_start", {"type": "message_start", "message": message})
+        if self._reader.mode == "none":
+            out += self._start({"type": "text", "text": ""})
+        return out
+
+    def _encode(self, parts: tuple[Part, ...]) -> bytes:
+        out = b""
+        for part in parts:
+            if type(part) is TextPart:
+                if self._open != "text":
+                    out += self._start({"type": "text", "text": ""})
+                out += self.plain_delta(part.text)
+            elif type(part) is CallStart:
+                out += self._start(
+                    {"type": "tool_use", "id": _new_id("toolu_"), "name": part.name, "input": {}}
+                )
+                if part.arguments:
+                    out += self._json_delta(part.arguments)
+            else:
+                assert isinstance(part, CallArguments)
+                out += self._json_delta(part.fragment)
+        return out
+
+    def _json_delta(self, fragment: str) -> bytes:
+        return _event(
+            b"content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": self._index,
+                "delta": {"type": "input_json_delta", "partial_json": fragment},
+            },
+        )
+
+    def delta(self, text: str, logprobs: Sequence[TokenLogprob] | None) -> bytes:
+        return self._encode(self._reader.feed(text, logprobs))
+
+    def _decide(self, cause: EndCause, message: str | None, stop_sequence: str | None, called: bool) -> None:
+        self._cause, self._message = cause, message
+        if cause == "stop":
+            if called:
+                self._stop_reason = "tool_use"
+            elif stop_sequence is not None and stop_sequence in self._stops:
+                self._stop_reason, self._stop_sequence = "stop_sequence", stop_sequence
+            else:
+                self._stop_reason = "end_turn"
+        else:  # length, or cut short by a deadline or shutdown: the text is not complete
+            self._stop_reason = "max_tokens"
+
+    def finish(self, cause: EndCause, message: str | None = None, stop_sequence: str | None = None) -> bytes:
+        out = self._encode(self._reader.finish(cause))
+        self._decide(cause, message, stop_sequence, self._reader.called)
+        return out + self._close()
+
+    def _usage(self, usage: Usage) -> dict[str, object]:
+        return {
+            "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+            "output_tokens": usage.completion_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": usage.cached_tokens,
+        }
+
+    def _extension(self, body: dict[str, object]) -> dict[str, object]:
+        if self._cause not in ("stop", "length"):
+            body["trioserve"] = {
+                "end_cause": self._cause,
+                "message": self._message or _END_MESSAGES.get(self._cause, ""),
+            }
+        return body
+
+    def end(self, usage: Usage) -> bytes:
+        delta: dict[str, object] = {
+            "type": "message_delta",
+            "delta": {"stop_reason": self._stop_reason, "stop_sequence": self._stop_sequence},
+            "usage": self._usage(usage),
+        }
+        return _event(b"message_delta", self._extension(delta)) + _MESSAGE_STOP
+
+    def stream_error(self, error: TrioserveError) -> bytes:
+        _, body = anthropic_error(error)
+        return _event(b"error", body)
+
+    def body(self, choices: Sequence[ChoiceResult], usage: Usage) -> bytes:
+        (result,) = choices
+        content: list[dict[str, object]] = []
+        called = False
+        if result.text:
+            content.append({"type": "text", "text": result.text})
+        for _call_id, name, arguments in result.tool_calls or ():
+            try:
+                value = json.loads(arguments)
+            except ValueError:  # cut short (max_tokens): what there is, as text
+                content.append({"type": "text", "text": arguments})
+                continue
+            called = True
+            content.append({"type": "tool_use", "id": _new_id("toolu_"), "name": name, "input": value})
+        self._decide(result.cause, None, result.stop_sequence, called)
+        message: dict[str, object] = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "content": content,
+            "model": self.model,
+            "stop_reason": self._stop_reason,
+            "stop_sequence": self._stop_sequence,
+            "usage": self._usage(usage),
+        }
+        return encode_json(self._extension(message))

@@ -1,0 +1,102 @@
+"""What the Anthropic and Responses dialects share on the way in: a conversation's
+mid-stream ``system`` messages folded so its rendered prefix stays stable, and one
+prompt for a request (docs/dialects.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .._core._types import Constraint, GenerationRequest, SamplingParams
+from ._chat import ChatFormat
+from ._choices import ToolMode
+from ._openai import ChatMessage
+from ._tools import Tool, call_constraint
+
+__all__ = ["Conversation", "fold_system_messages", "generation_for"]
+
+
+def _joined(first: ChatMessage, text: str) -> ChatMessage:
+    before = first.text()
+    return ChatMessage(role="user", content=f"{before}\n\n{text}" if before else text, name=first.name)
+
+
+def fold_system_messages(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+    """The messages with every ``system``/``developer`` message after the first other
+    one folded into user text, causally (what a message becomes depends only on the
+    messages before it, so appending turns never changes an earlier turn's text):
+    appended to the user message right before it, or starting a user message that the
+    next user message joins. Consecutive user messages join with a blank line (as
+    Anthropic combines consecutive turns). Leading system messages stay as they are."""
+    out: list[ChatMessage] = []
+    leading = True
+    for message in messages:
+        if message.role in ("system", "developer"):
+            if leading:
+                out.append(message)
+                continue
+            text = message.text()
+            if out and out[-1].role == "user":
+                out[-1] = _joined(out[-1], text)
+            else:
+                out.append(ChatMessage(role="user", content=text))
+            continue
+        leading = False
+        if message.role == "user" and out and out[-1].role == "user":
+            out[-1] = _joined(out[-1], message.text())
+        else:
+            out.append(message)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """A request of either dialect, read: what to render and how to generate."""
+
+    messages: list[ChatMessage]
+    tools: list[Tool]
+    #: ``none``, ``auto``, ``required``, or the name of the one tool to call
+    tool_choice: str
+    max_tokens: int | None
+    sampling: SamplingParams
+    stops: tuple[str, ...]
+    #: a JSON Schema the text must follow (Anthropic's ``output_config.format``, the
+    #: Responses ``text.format``)
+    constraint: Constraint | None = None
+    #: Anthropic's prefill: the answer continues this text
+    prefill: str = ""
+
+    @property
+    def tool_mode(self) -> ToolMode:
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        return "auto" if self.tool_choice == "auto" else "forced"
+
+    @property
+    def tool_names(self) -> tuple[str, ...]:
+        return tuple(tool.function.name for tool in self.tools)
+
+
+def generation_for(conversation: Conversation, chat_format: ChatFormat) -> GenerationRequest:
+    """The generation a conversation asks for: its messages rendered by the model's
+    chat format, exactly as ``/v1/chat/completions`` renders them."""
+    mode = conversation.tool_mode
+    tools = conversation.tools if mode != "none" else None
+    rendered = chat_format.render(conversation.messages, tools=tools)
+    constraint = conversation.constraint
+    if mode == "forced":
+        choice = conversation.tool_choice
+        chosen = (
+            conversation.tools
+            if choice == "required"
+            else [tool for tool in conversation.tools if tool.function.name == choice]
+        )
+        constraint = call_constraint(chosen)
+    return GenerationRequest(
+        prompt=rendered.text + conversation.prefill,
+        max_tokens=conversation.max_tokens,
+        sampling=conversation.sampling,
+        stop=conversation.stops + rendered.stops,
+        add_bos=not rendered.has_bos,
+        constraint=constraint,
+    )

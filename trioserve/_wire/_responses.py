@@ -1,0 +1,652 @@
+"""OpenAI's Responses API, stateless, sans-IO: ``POST /v1/responses`` (and
+``/v1/responses/input_tokens``) bodies in, a
+:class:`~trioserve._wire._conversation.Conversation` out; the response as Responses
+events (each with its ``sequence_number``) or a ``Response`` body.
+
+Nothing is stored: ``store: true`` and ``previous_response_id`` are refused by name, as
+Codex CLI needs nothing else (``store: false``, the whole ``input`` each turn). The
+mapping and choices: ``docs/dialects.md``; the field table: ``docs/api.md``,
+"OpenAI Responses".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from .._core._exceptions import InvalidRequestError, TrioserveError
+from .._core._types import Constraint, EndCause, SamplingParams, TokenLogprob, Usage
+from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ToolMode
+from ._conversation import Conversation, fold_system_messages
+from ._openai import (
+    _ANY_OBJECT,
+    CallFunction,
+    ChatMessage,
+    ChoiceResult,
+    MessageToolCall,
+    _decode,
+    encode_json,
+)
+from ._tools import FunctionDef, Tool, check_tools
+
+__all__ = [
+    "InputTokensRequest",
+    "ResponsesDialect",
+    "ResponsesRequest",
+    "decode_input_tokens_request",
+    "decode_responses_request",
+    "responses_conversation",
+]
+
+
+class InputContent(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class InputItem(msgspec.Struct, kw_only=True):
+    """One ``input`` item: a message (``type`` ``message`` or absent), a
+    ``function_call``, a ``function_call_output``, a ``reasoning`` item…"""
+
+    type: str | None = None
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[InputContent] | None = None
+    # function_call
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    # function_call_output
+    output: str | list[InputContent] | None = None
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponsesTool(msgspec.Struct, kw_only=True):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolChoiceFunction(msgspec.Struct, kw_only=True):
+    type: str
+    name: str | None = None
+
+
+class TextFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_schema", "json_object"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class TextConfig(msgspec.Struct, kw_only=True):
+    format: TextFormat | None = None
+    #: "medium" is OpenAI's default
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class _ResponsesFields(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    input: str | list[InputItem] = ""
+    instructions: str | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    text: TextConfig | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: Any = None
+    truncation: Literal["disabled", "auto"] | None = None
+    # known, not honoured: refused (_REFUSED)
+    previous_response_id: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    background: Any = None
+
+
+class InputTokensRequest(_ResponsesFields, kw_only=True):
+    pass
+
+
+class ResponsesRequest(_ResponsesFields, kw_only=True):
+    max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    stream: bool = False
+    store: bool | None = None
+    include: list[str] | None = None
+    #: echoed in the response (up to 16 string pairs, as OpenAI)
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    max_tool_calls: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    stream_options: Any = None
+    # identifiers: accepted, not used
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+
+
+_responses_decoder = msgspec.json.Decoder(ResponsesRequest)
+_input_tokens_decoder = msgspec.json.Decoder(InputTokensRequest)
+
+_REFUSED: tuple[tuple[str, str], ...] = (
+    ("previous_response_id", "responses are not stored here; send the whole conversation in input"),
+    ("conversation", "conversations are not stored here; send the whole conversation in input"),
+    ("prompt", "there are no stored prompt templates here; send instructions and input"),
+    ("background", "responses run in the foreground here (stream to see progress)"),
+)
+#: ``include`` values that are honoured trivially: this server produces no reasoning
+_INCLUDE_NOTHING = frozenset({"reasoning.encrypted_content"})
+
+
+def _content_text(content: str | list[InputContent] | None, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for i, part in enumerate(content):
+        if part.type not in ("input_text", "output_text", "text") or part.text is None:
+            raise InvalidRequestError(
+                f"{where}[{i}] is of type {part.type!r}; this model reads text only (input_text)",
+                param=f"{where}[{i}]",
+            )
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _chat_messages(items: str | list[InputItem]) -> list[ChatMessage]:
+    if isinstance(items, str):
+        return [ChatMessage(role="user", content=items)]
+    out: list[ChatMessage] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.type or "message"
+        if kind == "message":
+            if item.role is None:
+                raise InvalidRequestError(f"{where} (a message) needs a role", param=f"{where}.role")
+            out.append(ChatMessage(role=item.role, content=_content_text(item.content, f"{where}.content")))
+        elif kind == "function_call":
+            if not item.call_id or not item.name:
+                raise InvalidRequestError(f"{where} (function_call) needs call_id and name", param=where)
+            call = MessageToolCall(
+                id=item.call_id, function=CallFunction(name=item.name, arguments=item.arguments or "{}")
+            )
+            previous = out[-1] if out else None
+            if previous is not None and previous.role == "assistant":
+                previous.tool_calls = [*(previous.tool_calls or ()), call]
+            else:
+                out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
+        elif kind == "function_call_output":
+            if not item.call_id:
+                raise InvalidRequestError(
+                    f"{where} (function_call_output) needs call_id", param=f"{where}.call_id"
+                )
+            out.append(
+                ChatMessage(
+                    role="tool",
+                    content=_content_text(item.output, f"{where}.output"),
+                    tool_call_id=item.call_id,
+                )
+            )
+        elif kind == "reasoning":
+            continue  # another model's reasoning: not part of the prompt (as templates drop it)
+        else:
+            raise InvalidRequestError(
+                f"{where} is of type {kind!r}; this server reads messages, function_call and "
+                "function_call_output items",
+                param=f"{where}.type",
+            )
+    return out
+
+
+def _tools(tools: Sequence[ResponsesTool] | None) -> list[Tool]:
+    out = []
+    for i, tool in enumerate(tools or ()):
+        if tool.type != "function":
+            raise InvalidRequestError(
+                f"tools[{i}].type is {tool.type!r}; only function tools are supported "
+                "(run the rest on the client)",
+                param=f"tools[{i}].type",
+            )
+        if not tool.name:
+            raise InvalidRequestError(f"tools[{i}] needs a name", param=f"tools[{i}].name")
+        out.append(
+            Tool(
+                type="function",
+                function=FunctionDef(
+                    name=tool.name,
+                    description=tool.description,
+                    parameters=tool.parameters,
+                    strict=tool.strict,
+                ),
+            )
+        )
+    check_tools(out)
+    return out
+
+
+def _tool_choice(choice: str | ToolChoiceFunction | None, tools: list[Tool]) -> str:
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, ToolChoiceFunction):
+        if choice.type != "function" or not choice.name:
+            raise InvalidRequestError(
+                f"tool_choice of type {choice.type!r} is not supported; send a function's name",
+                param="tool_choice",
+            )
+        names = [tool.function.name for tool in tools]
+        if choice.name not in names:
+            raise InvalidRequestError(
+                f"tool_choice names the function {choice.name!r}, which is not in tools ({', '.join(names)})",
+                param="tool_choice.name",
+            )
+        return choice.name
+    if choice != "none" and not tools:
+        raise InvalidRequestError(f"tool_choice {choice!r} needs tools", param="tool_choice")
+    return choice
+
+
+def _constraint(text: TextConfig | None) -> Constraint | None:
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return Constraint(kind="json_schema", source=_ANY_OBJECT)
+    if fmt.schema_ is None:
+        raise InvalidRequestError(
+            "text.format of type json_schema needs schema (a JSON Schema object)", param="text.format.schema"
+        )
+    return Constraint(kind="json_schema", source=json.dumps(fmt.schema_))
+
+
+def _check(request: _ResponsesFields) -> None:
+    for name, why in _REFUSED:
+        if getattr(request, name) is not None:
+            raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
+    if request.reasoning is not None and request.reasoning not in ({}, {"effort": None}, {"effort": "none"}):
+        raise InvalidRequestError(
+            "reasoning is not supported: the model has no reasoning mode", param="reasoning"
+        )
+    if request.truncation == "auto":
+        raise InvalidRequestError(
+            "truncation 'auto' is not supported: a prompt too long for the context is a 400; shorten input",
+            param="truncation",
+        )
+    text = request.text
+    if text is not None and text.verbosity not in (None, "medium"):
+        raise InvalidRequestError(
+            "text.verbosity is not supported: the model has no verbosity control", param="text.verbosity"
+        )
+    if not isinstance(request, ResponsesRequest):
+        return
+    if request.store:
+        raise InvalidRequestError(
+            "store is not supported: responses are not stored here; send store: false", param="store"
+        )
+    for value in request.include or ():
+        if value not in _INCLUDE_NOTHING:
+            raise InvalidRequestError(f"include {value!r} is not supported", param="include")
+    if request.top_logprobs:
+        raise InvalidRequestError(
+            "top_logprobs is not supported on /v1/responses; use /v1/chat/completions", param="top_logprobs"
+        )
+    if request.service_tier not in (None, "auto", "default"):
+        raise InvalidRequestError("only the default service tier exists here", param="service_tier")
+
+
+def responses_conversation(request: _ResponsesFields) -> Conversation:
+    """The conversation a Responses (or input_tokens) request asks for."""
+    _check(request)
+    messages = _chat_messages(request.input)
+    if request.instructions:
+        messages.insert(0, ChatMessage(role="system", content=request.instructions))
+    if not any(m.role != "system" and m.role != "developer" for m in messages):
+        raise InvalidRequestError("input must hold at least one message", param="input")
+    tools = _tools(request.tools)
+    choice = _tool_choice(request.tool_choice, tools)
+    constraint = _constraint(request.text)
+    if constraint is not None and choice not in ("none", "auto"):
+        raise InvalidRequestError(
+            "a forced tool call cannot also follow text.format; send one of them", param="tool_choice"
+        )
+    full = request if isinstance(request, ResponsesRequest) else None
+    sampling = SamplingParams()
+    max_tokens = None
+    if full is not None:
+        sampling = SamplingParams(temperature=full.temperature, top_p=full.top_p)
+        max_tokens = full.max_output_tokens
+    return Conversation(
+        messages=fold_system_messages(messages),
+        tools=tools,
+        tool_choice=choice,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stops=(),
+        constraint=constraint,
+    )
+
+
+def decode_responses_request(body: bytes) -> ResponsesRequest:
+    return _decode(_responses_decoder, body)
+
+
+def decode_input_tokens_request(body: bytes) -> InputTokensRequest:
+    return _decode(_input_tokens_decoder, body)
+
+
+# -- responses ------------------------------------------------------------------------
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+_END_MESSAGES = {
+    "deadline": "the request's deadline passed; the text so far is complete up to here",
+    "shutdown": "the server is shutting down; retry on another instance or later",
+}
+
+
+class ResponsesDialect:
+    """One Responses response: its events or its ``Response`` body. One choice: the
+    dialect is its own writer."""
+
+    heartbeat = b": ping\n\n"
+
+    def __init__(
+        self,
+        model: str,
+        request: ResponsesRequest,
+        *,
+        tool_mode: ToolMode = "none",
+        tool_names: Sequence[str] = (),
+    ) -> None:
+        self.model = model
+        self.id = _new_id("resp_")
+        self.created_at = int(time.time())
+        self._request = request
+        self._reader = ChoiceReader(tool_mode, tool_names)
+        self._sequence = 0
+        #: the finished output items, and the open one (a message or a call)
+        self._output: list[dict[str, object]] = []
+        self._item: dict[str, object] | None = None
+        self._texts: list[str] = []
+        self._cause: EndCause = "stop"
+        self._message: str | None = None
+        self.writers = [self]
+        self._delta_prefix = b""
+
+    # -- the response object
+
+    def _tools(self) -> list[dict[str, object]]:
+        return [
+            {
+                "type": "function",
+                "name": tool.name,
+                "description": tool.description,
+                "parameters": tool.parameters,
+                "strict": tool.strict,
+            }
+            for tool in self._request.tools or ()
+        ]
+
+    def _tool_choice(self) -> object:
+        choice = self._request.tool_choice
+        if isinstance(choice, ToolChoiceFunction):
+            return {"type": "function", "name": choice.name}
+        return choice or "auto"
+
+    def _text_format(self) -> dict[str, object]:
+        text = self._request.text
+        fmt = text.format if text is not None else None
+        if fmt is None or fmt.type != "json_schema":
+            return {"type": fmt.type if fmt is not None else "text"}
+        return {
+            "type": "json_schema",
+            "name": fmt.name or "response",
+            "schema": fmt.schema_,
+            "strict": fmt.strict,
+            "description": fmt.description,
+        }
+
+    def _response(
+        self, status: str, usage: Usage | None, error: TrioserveError | None = None
+    ) -> dict[str, object]:
+        request = self._request
+        body: dict[str, object] = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": {"code": "server_error", "message": error.message} if error is not None else None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": request.instructions,
+            "max_output_tokens": request.max_output_tokens,
+            "metadata": request.metadata or {},
+            "model": self.model,
+            "output": list(self._output),
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "previous_response_id": None,
+            "reasoning": None,
+            "store": False,
+            "temperature": request.temperature,
+            "text": {"format": self._text_format()},
+            "tool_choice": self._tool_choice(),
+            "tools": self._tools(),
+            "top_p": request.top_p,
+            "truncation": "disabled",
+            "usage": _usage(usage) if usage is not None else None,
+        }
+        if status != "in_progress" and self._cause not in ("stop", "length"):
+            body["trioserve"] = {
+                "end_cause": self._cause,
+                "message": self._message or _END_MESSAGES.get(self._cause, ""),
+            }
+        return body
+
+    # -- events
+
+    def _event(self, payload: dict[str, object]) -> bytes:
+        payload["sequence_number"] = self._sequence
+        self._sequence += 1
+        return b"event: " + str(payload["type"]).encode() + b"\ndata: " + encode_json(payload) + b"\n\n"
+
+    def _open_message(self) -> bytes:
+        item: dict[str, object] = {
+            "id": _new_id("msg_"),
+            "type": "message",
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
+        self._item, self._texts = item, []
+        index = len(self._output)
+        self._delta_prefix = (
+            b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","item_id":'
+            + encode_json(item["id"])
+            + b',"output_index":'
+            + str(index).encode()
+            + b',"content_index":0,"logprobs":[],"delta":'
+        )
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return self._event(
+            {"type": "response.output_item.added", "output_index": index, "item": dict(item)}
+        ) + self._event(
+            {
+                "type": "response.content_part.added",
+                "item_id": item["id"],
+                "output_index": index,
+                "content_index": 0,
+                "part": part,
+            }
+        )
+
+    def _open_call(self, name: str) -> bytes:
+        out = self._close()
+        item: dict[str, object] = {
+            "id": _new_id("fc_"),
+            "type": "function_call",
+            "status": "in_progress",
+            "call_id": _new_id("call_"),
+            "name": name,
+            "arguments": "",
+        }
+        self._item, self._texts = item, []
+        return out + self._event(
+            {"type": "response.output_item.added", "output_index": len(self._output), "item": dict(item)}
+        )
+
+    def _close(self, status: str = "completed") -> bytes:
+        item = self._item
+        if item is None:
+            return b""
+        self._item = None
+        index = len(self._output)
+        text = "".join(self._texts)
+        item["status"] = status
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            item["content"] = [part]
+            out = self._event(
+                {
+                    "type": "response.output_text.done",
+                    "item_id": item["id"],
+                    "output_index": index,
+                    "content_index": 0,
+                    "text": text,
+                    "logprobs": [],
+                }
+            ) + self._event(
+                {
+                    "type": "response.content_part.done",
+                    "item_id": item["id"],
+                    "output_index": index,
+                    "content_index": 0,
+                    "part": part,
+                }
+            )
+        else:
+            item["arguments"] = text
+            out = self._event(
+                {
+                    "type": "response.function_call_arguments.done",
+                    "item_id": item["id"],
+                    "output_index": index,
+                    "name": item["name"],
+                    "arguments": text,
+                }
+            )
+        self._output.append(item)
+        return out + self._event({"type": "response.output_item.done", "output_index": index, "item": item})
+
+    def plain_delta(self, text: str) -> bytes:
+        self._texts.append(text)
+        sequence = self._sequence
+        self._sequence = sequence + 1
+        return (
+            self._delta_prefix
+            + encode_json(text)
+            + b',"sequence_number":'
+            + str(sequence).encode()
+            + b"}\n\n"
+        )
+
+    def _arguments(self, fragment: str) -> bytes:
+        assert self._item is not None
+        self._texts.append(fragment)
+        return self._event(
+            {
+                "type": "response.function_call_arguments.delta",
+                "item_id": self._item["id"],
+                "output_index": len(self._output),
+                "delta": fragment,
+            }
+        )
+
+    def opening(self, prompt_tokens: int) -> bytes:
+        response = self._response("in_progress", None)
+        out = self._event({"type": "response.created", "response": response}) + self._event(
+            {"type": "response.in_progress", "response": response}
+        )
+        if self._reader.mode == "none":
+            out += self._open_message()
+        return out
+
+    def _encode(self, parts: tuple[Part, ...]) -> bytes:
+        out = b""
+        for part in parts:
+            if type(part) is TextPart:
+                if self._item is None or self._item["type"] != "message":
+                    out += self._close() + self._open_message()
+                out += self.plain_delta(part.text)
+            elif type(part) is CallStart:
+                out += self._open_call(part.name)
+                if part.arguments:
+                    out += self._arguments(part.arguments)
+            else:
+                assert isinstance(part, CallArguments)
+                out += self._arguments(part.fragment)
+        return out
+
+    def delta(self, text: str, logprobs: Sequence[TokenLogprob] | None) -> bytes:
+        return self._encode(self._reader.feed(text, logprobs))
+
+    def finish(self, cause: EndCause, message: str | None = None, stop_sequence: str | None = None) -> bytes:
+        out = self._encode(self._reader.finish(cause))
+        self._cause, self._message = cause, message
+        return out + self._close("completed" if cause == "stop" else "incomplete")
+
+    def end(self, usage: Usage) -> bytes:
+        status = "completed" if self._cause == "stop" else "incomplete"
+        return self._event({"type": f"response.{status}", "response": self._response(status, usage)})
+
+    def stream_error(self, error: TrioserveError) -> bytes:
+        self._cause, self._message = "error", error.message
+        return self._event({"type": "response.failed", "response": self._response("failed", None, error)})
+
+    def body(self, choices: Sequence[ChoiceResult], usage: Usage) -> bytes:
+        (result,) = choices
+        self._cause = result.cause
+        status = "completed" if result.cause == "stop" else "incomplete"
+        if result.text or not result.tool_calls:
+            part = {"type": "output_text", "text": result.text, "annotations": [], "logprobs": []}
+            self._output.append(
+                {
+                    "id": _new_id("msg_"),
+                    "type": "message",
+                    "status": status,
+                    "role": "assistant",
+                    "content": [part],
+                }
+            )
+        for _call_id, name, arguments in result.tool_calls or ():
+            self._output.append(
+                {
+                    "id": _new_id("fc_"),
+                    "type": "function_call",
+                    "status": status,
+                    "call_id": _new_id("call_"),
+                    "name": name,
+                    "arguments": arguments,
+                }
+            )
+        return encode_json(self._response(status, usage))
+
+
+def _usage(usage: Usage) -> dict[str, object]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    }
