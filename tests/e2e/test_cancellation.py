@@ -11,7 +11,9 @@ For every cell the test asserts:
 * that the end was recorded with its cause (the request's log line).
 
 Every cell runs against the llama backend with one sequence and with two (the queued
-phase occupies both; "inference thread" is "sequence in the batch").
+phase occupies both; "inference thread" is "sequence in the batch"), and on each API
+dialect: ``/v1/completions`` (the plain matrix), Anthropic's ``/v1/messages`` and OpenAI's
+``/v1/responses`` (``test_cancel_cell_dialects``).
 
 Causes: TCP close, half-close, HTTP/2 stream reset, close during a non-streaming
 request, deadline (``X-Request-Timeout``), server shutdown, and deadline and shutdown
@@ -111,20 +113,36 @@ async def server(llama_backend: LlamaBackend, nursery: trio.Nursery) -> AsyncIte
     running.server.shutdown()
 
 
+#: the API dialects: endpoint, and the body of a prompt (docs/dialects.md)
+DIALECT_PATHS = {"completions": "/v1/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
+
+
+def _dialect_body(dialect: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    if dialect == "messages":
+        return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+    if dialect == "responses":
+        return {"input": prompt, "max_output_tokens": max_tokens}
+    return {"prompt": prompt, "max_tokens": max_tokens}
+
+
 class Victim:
     """The request that gets cancelled, over the transport the cause needs (``extra``:
-    more body fields — a constraint, ``n``)."""
+    more body fields — a constraint, ``n``), in an API dialect."""
 
-    def __init__(self, cause: str, phase: str, extra: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, cause: str, phase: str, extra: dict[str, Any] | None = None, dialect: str = "completions"
+    ) -> None:
         self.streaming = not cause.startswith("non_stream_")
         self.cause = cause.removeprefix("non_stream_") if cause != "non_stream_close" else cause
         self.phase = phase
+        self.dialect = dialect
+        self.path = DIALECT_PATHS[dialect]
         self.request_id = uuid.uuid4().hex
         self.raw: RawStream | None = None
         self.h2: H2Stream | None = None
+        prompt = LONG_PROMPT if phase == "prefill" else "Once upon a time"
         self.body: dict[str, Any] = {
-            "prompt": LONG_PROMPT if phase == "prefill" else "Once upon a time",
-            "max_tokens": 40 if phase == "prefill" else 3000,
+            **_dialect_body(dialect, prompt, 40 if phase == "prefill" else 3000),
             "temperature": 0,
             "stream": self.streaming,
             **(extra or {}),
@@ -141,17 +159,19 @@ class Victim:
     async def send(self, url: str) -> None:
         if self.cause == "h2_reset":
             window = 256 if self.phase == "blocked" else None
-            self.h2 = await H2Stream.post(url, "/v1/completions", self.body, self.headers, window=window)
+            self.h2 = await H2Stream.post(url, self.path, self.body, self.headers, window=window)
         else:
             self.raw = await RawStream.post(
                 url,
-                "/v1/completions",
+                self.path,
                 self.body,
                 self.headers,
                 receive_buffer=1024 if self.phase == "blocked" else None,
             )
 
     async def read_events(self, count: int) -> None:
+        """Read ``count`` text events (after the events a dialect opens its stream with)."""
+        count += {"messages": 2, "responses": 4}.get(self.dialect, 0)
         if self.h2 is not None:
             await self.h2.read_until(b"data: ", count, acknowledge=self.phase != "blocked")
         else:
@@ -331,6 +351,29 @@ async def test_cancel_cell_batch(
     await _cancel_cell(cause, phase, choices_server, batched_backend, choices_reference, caplog, extra=extra)
 
 
+#: the dialects' cells: every cause but the two transport variants (half-close and an
+#: HTTP/2 reset end the request through the same watcher as a close), every phase
+DIALECT_CELLS = [
+    (d, c, p) for d in ("messages", "responses") for c, p in CELLS if c not in ("half_close", "h2_reset")
+]
+
+
+@pytest.mark.parametrize(
+    ("dialect", "cause", "phase"), DIALECT_CELLS, ids=[f"{d}-{c}-{p}" for d, c, p in DIALECT_CELLS]
+)
+async def test_cancel_cell_dialects(
+    dialect: str,
+    cause: str,
+    phase: str,
+    server: RunningServer,
+    llama_backend: LlamaBackend,
+    reference_text: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Anthropic Messages and OpenAI Responses (docs/dialects.md) in every cell."""
+    await _cancel_cell(cause, phase, server, llama_backend, reference_text, caplog, dialect=dialect)
+
+
 async def _cancel_cell(
     cause: str,
     phase: str,
@@ -339,11 +382,12 @@ async def _cancel_cell(
     reference_text: str,
     caplog: pytest.LogCaptureFixture,
     extra: dict[str, Any] | None = None,
+    dialect: str = "completions",
 ) -> None:
     caplog.set_level(logging.INFO, logger="trioserve.requests")
     occupiers = await _occupy_the_slots(server) if phase == "queued" else []
     threads_started = llama_backend.generations.started
-    victim = Victim(cause, phase, extra)
+    victim = Victim(cause, phase, extra, dialect)
     await victim.send(server.url)
     try:
         # --- bring the victim into its phase
@@ -441,8 +485,27 @@ def _check_final_event(victim: Victim, data: bytes) -> None:
         status = victim.h2.headers.get(b":status") if victim.h2 else data.split(b" ", 2)[1]
         assert status == (b"504" if cause == "deadline" else b"503"), data[:200]
         assert b'"error"' in data
+        if victim.dialect == "messages":  # Anthropic's error body
+            assert b'"type":"error"' in data, data[-300:]
         return
     events = _events(data)
+    if victim.dialect == "messages":
+        # the open block closed, then message_delta (a stop reason strict clients accept)
+        # with trioserve's cause, then message_stop
+        assert events[-1] == {"type": "message_stop"}, data[-300:]
+        final = events[-2]
+        assert isinstance(final, dict)
+        assert final["type"] == "message_delta"
+        assert final["delta"]["stop_reason"] == "max_tokens"
+        assert final["trioserve"]["end_cause"] == cause
+        return
+    if victim.dialect == "responses":
+        final = events[-1]
+        assert isinstance(final, dict), data[-300:]
+        assert final["type"] == "response.incomplete"
+        assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+        assert final["response"]["trioserve"]["end_cause"] == cause
+        return
     assert events[-1] == "[DONE]", data[-300:]
     final = events[-2]
     assert isinstance(final, dict)
