@@ -105,6 +105,8 @@ def fit_to_context(request: GenerationRequest, tokens: Sequence[int], n_ctx: int
         )
     room = n_ctx - len(tokens)
     max_new = room if request.max_tokens is None else request.max_tokens
+    if max_new > room and request.clamp_max_tokens:
+        max_new = room
     if max_new > room:
         raise ContextLengthError(
             f"max_tokens is {max_new} but only {room} tokens fit after the "

@@ -94,6 +94,9 @@ class GenerationRequest:
     constraint: Constraint | None = None
     #: report each token's log-probability and this many alternatives (``None``: none)
     logprobs: int | None = None
+    #: ``max_tokens`` is only an upper bound: when fewer fit after the prompt, generate
+    #: until the context is full (Anthropic's semantics) instead of refusing the request
+    clamp_max_tokens: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

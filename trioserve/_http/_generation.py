@@ -448,6 +448,7 @@ class GenerationHandler:
                 tool_mode=conversation.tool_mode,
                 tool_names=conversation.tool_names,
                 stops=conversation.stops,
+                max_tokens=conversation.max_tokens,
             )
         else:
             responses = decode_responses_request(body)

@@ -387,6 +387,9 @@ def messages_conversation(request: _MessagesFields, *, keep_billing_header: bool
         stops=stops,
         constraint=constraint,
         prefill=prefill,
+        # Claude Code asks for 32,000 tokens whatever the context: generate until it is
+        # full, and say so (stop_reason model_context_window_exceeded)
+        clamp_max_tokens=True,
     )
 
 
@@ -457,8 +460,10 @@ class AnthropicDialect:
         tool_mode: ToolMode = "none",
         tool_names: Sequence[str] = (),
         stops: Sequence[str] = (),
+        max_tokens: int | None = None,
     ) -> None:
         self.model = model
+        self._max_tokens = max_tokens
         self.id = _new_id("msg_")
         self._reader = ChoiceReader(tool_mode, tool_names)
         self._stops = frozenset(stops)
@@ -568,6 +573,15 @@ class AnthropicDialect:
         self._decide(cause, message, stop_sequence, self._reader.called)
         return out + self._close()
 
+    def _stop_reason_for(self, usage: Usage) -> str:
+        if (
+            self._cause == "length"
+            and self._max_tokens is not None
+            and usage.completion_tokens < self._max_tokens
+        ):
+            return "model_context_window_exceeded"  # (max_tokens was more than the context had room for)
+        return self._stop_reason
+
     def _usage(self, usage: Usage) -> dict[str, object]:
         return {
             "input_tokens": usage.prompt_tokens - usage.cached_tokens,
@@ -587,7 +601,7 @@ class AnthropicDialect:
     def end(self, usage: Usage) -> bytes:
         delta: dict[str, object] = {
             "type": "message_delta",
-            "delta": {"stop_reason": self._stop_reason, "stop_sequence": self._stop_sequence},
+            "delta": {"stop_reason": self._stop_reason_for(usage), "stop_sequence": self._stop_sequence},
             "usage": self._usage(usage),
         }
         return _event(b"message_delta", self._extension(delta)) + _MESSAGE_STOP
@@ -617,7 +631,7 @@ class AnthropicDialect:
             "role": "assistant",
             "content": content,
             "model": self.model,
-            "stop_reason": self._stop_reason,
+            "stop_reason": self._stop_reason_for(usage),
             "stop_sequence": self._stop_sequence,
             "usage": self._usage(usage),
         }

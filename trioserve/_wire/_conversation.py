@@ -65,6 +65,8 @@ class Conversation:
     constraint: Constraint | None = None
     #: Anthropic's prefill: the answer continues this text
     prefill: str = ""
+    #: ``max_tokens`` is an upper bound, clamped to the room the context has left
+    clamp_max_tokens: bool = False
 
     @property
     def tool_mode(self) -> ToolMode:
@@ -99,4 +101,5 @@ def generation_for(conversation: Conversation, chat_format: ChatFormat) -> Gener
         stop=conversation.stops + rendered.stops,
         add_bos=not rendered.has_bos,
         constraint=constraint,
+        clamp_max_tokens=conversation.clamp_max_tokens,
     )

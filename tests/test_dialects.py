@@ -1,0 +1,438 @@
+"""The Anthropic Messages and OpenAI Responses dialects, sans-IO: requests → the chat a
+chat completion would render, and the events and bodies they write (docs/dialects.md).
+No model: the renders use the Gemma fallback format, the events are parsed back."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import anthropic.types
+import pydantic
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+
+from trioserve._core._exceptions import InvalidRequestError, OverloadedError
+from trioserve._core._types import Usage
+from trioserve._wire._anthropic import (
+    AnthropicDialect,
+    anthropic_error,
+    decode_count_tokens_request,
+    decode_messages_request,
+    messages_conversation,
+)
+from trioserve._wire._chat import GemmaFormat
+from trioserve._wire._conversation import fold_system_messages, generation_for
+from trioserve._wire._openai import ChatMessage, ChoiceResult
+from trioserve._wire._responses import (
+    ResponsesDialect,
+    decode_responses_request,
+    responses_conversation,
+)
+
+CLAUDE_CODE = Path(__file__).parent / "data" / "claude_code_request.json"
+GEMMA = GemmaFormat()
+
+
+def _messages(body: dict[str, Any]) -> Any:
+    return messages_conversation(decode_messages_request(json.dumps(body).encode()))
+
+
+def _prompt(body: dict[str, Any], **kwargs: Any) -> str:
+    request = decode_messages_request(json.dumps(body).encode())
+    prompt = generation_for(messages_conversation(request, **kwargs), GEMMA).prompt
+    assert isinstance(prompt, str)
+    return prompt
+
+
+def _sse(data: bytes) -> list[tuple[str | None, dict[str, Any]]]:
+    events = []
+    for block in data.decode().split("\n\n"):
+        if not block.strip() or block.startswith(":"):
+            continue
+        name = re.search(r"^event: (.*)$", block, re.M)
+        payload = re.search(r"^data: (.*)$", block, re.M)
+        assert payload is not None, block
+        events.append((name.group(1) if name else None, json.loads(payload.group(1))))
+    return events
+
+
+# -- the Claude Code shape -------------------------------------------------------------
+
+
+def test_claude_code_billing_header_is_removed_and_the_prefix_survives_a_new_hash() -> None:
+    body = json.loads(CLAUDE_CODE.read_text())
+    first = _prompt(body)
+    assert "x-anthropic-billing-header" not in first
+    assert "You are Claude Code" in first
+    body["system"][0]["text"] = body["system"][0]["text"].replace("cch=8f3c2a91d4", "cch=00aa11bb22")
+    assert _prompt(body) == first  # the hash changes every request: the prompt does not
+    kept = _prompt(body, keep_billing_header=True)
+    assert "cch=00aa11bb22" in kept  # --keep-billing-header
+
+
+def test_system_messages_inside_messages_fold_causally() -> None:
+    """A turn appended to the conversation never changes an earlier turn's text: the
+    first turn's prompt is a prefix of the second's (Claude Code's system messages
+    inside ``messages`` included)."""
+    body = json.loads(CLAUDE_CODE.read_text())
+    first = _prompt(body)
+    assert "The user opened the file" in first  # folded into the user turn, not dropped
+    body["messages"] += [
+        {"role": "assistant", "content": [{"type": "text", "text": "It describes the project."}]},
+        {"role": "system", "content": "<system-reminder>Todo list is empty.</system-reminder>"},
+        {"role": "user", "content": "Summarise it in one line."},
+    ]
+    second = _prompt(body)
+    assert second.startswith(first + "It describes the project.")
+    assert "Todo list is empty." in second.removeprefix(first)
+
+
+def test_fold_system_messages_rules() -> None:
+    def m(role: Any, text: str) -> ChatMessage:
+        return ChatMessage(role=role, content=text)
+
+    folded = fold_system_messages(
+        [m("system", "S0"), m("developer", "D0"), m("user", "U1"), m("system", "S1"), m("assistant", "A1"),
+         m("system", "S2"), m("user", "U2"), m("user", "U3")]
+    )  # fmt: skip
+    assert [(x.role, x.text()) for x in folded] == [
+        ("system", "S0"),
+        ("developer", "D0"),  # leading: kept as they are
+        ("user", "U1\n\nS1"),  # appended to the user message right before it
+        ("assistant", "A1"),
+        ("user", "S2\n\nU2\n\nU3"),  # starts a user message the next ones join
+    ]
+
+
+def test_tool_use_and_tool_result_blocks_become_calls_and_results() -> None:
+    conversation = _messages(
+        {
+            "max_tokens": 10,
+            "tools": [{"name": "get_weather", "input_schema": {"type": "object", "properties": {}}}],
+            "messages": [
+                {"role": "user", "content": "Weather?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "hmm", "signature": "x"},
+                        {"type": "text", "text": "Let me check."},
+                        {
+                            "type": "tool_use",
+                            "id": "toolu_1",
+                            "name": "get_weather",
+                            "input": {"city": "Paris"},
+                        },
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_1",
+                            "content": [{"type": "text", "text": "21C"}],
+                        },
+                        {"type": "text", "text": "Thanks"},
+                    ],
+                },
+            ],
+        }
+    )
+    roles = [(m.role, m.text()) for m in conversation.messages]
+    assert roles == [
+        ("user", "Weather?"),
+        ("assistant", "Let me check."),
+        ("tool", "21C"),
+        ("user", "Thanks"),
+    ]
+    call = conversation.messages[1].tool_calls[0]
+    assert (call.id, call.function.name, json.loads(call.function.arguments)) == (
+        "toolu_1",
+        "get_weather",
+        {"city": "Paris"},
+    )
+    assert conversation.messages[2].tool_call_id == "toolu_1"
+    assert conversation.tool_mode == "auto"
+
+
+@pytest.mark.parametrize(
+    ("choice", "mode", "tool_choice"),
+    [
+        ({"type": "auto"}, "auto", "auto"),
+        ({"type": "any"}, "forced", "required"),
+        ({"type": "tool", "name": "b"}, "forced", "b"),
+        ({"type": "none"}, "none", "none"),
+        ({"type": "any", "disable_parallel_tool_use": True}, "forced", "required"),
+    ],
+)
+def test_tool_choice(choice: dict[str, Any], mode: str, tool_choice: str) -> None:
+    tools = [{"name": n, "input_schema": {"type": "object"}} for n in ("a", "b")]
+    conversation = _messages(
+        {
+            "max_tokens": 5,
+            "tools": tools,
+            "tool_choice": choice,
+            "messages": [{"role": "user", "content": "x"}],
+        }
+    )
+    assert (conversation.tool_mode, conversation.tool_choice) == (mode, tool_choice)
+    generation = generation_for(conversation, GEMMA)
+    assert (generation.constraint is not None) == (mode == "forced")
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"container": "c1"}, "container"),
+        ({"mcp_servers": [{"type": "url", "url": "http://x"}]}, "mcp_servers"),
+        ({"context_management": {"edits": []}}, "context_management"),
+        ({"output_config": {"effort": "high"}}, "output_config.effort"),
+        ({"speed": "fast"}, "speed"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking.budget_tokens"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking.budget_tokens"),  # ≥ max_tokens
+        ({"tools": [{"name": "web_search", "type": "web_search_20250305"}]}, "tools[0].type"),
+        ({"tools": [{"name": "a"}]}, "tools[0].input_schema"),
+        ({"tool_choice": {"type": "tool", "name": "x"}}, "tool_choice"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "messages[0].content[0]",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y "}]},
+            "messages",
+        ),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused_by_name(extra: dict[str, Any], named: str) -> None:
+    body = {"max_tokens": 1024, "messages": [{"role": "user", "content": "x"}], **extra}
+    with pytest.raises(InvalidRequestError) as caught:
+        _messages(body)
+    assert caught.value.param == named or named in caught.value.message, caught.value
+
+
+def test_thinking_budget_and_cache_control_are_accepted() -> None:
+    conversation = _messages(
+        {
+            "max_tokens": 4096,
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "cache_control": {"type": "ephemeral"},
+            "metadata": {"user_id": "u"},
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}],
+                }
+            ],
+        }
+    )
+    assert conversation.messages[0].text() == "x"
+
+
+def test_prefill_continues_the_last_assistant_message() -> None:
+    body = {
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}],
+    }
+    assert _prompt(body).endswith("<start_of_turn>model\n1, 2,")
+
+
+def test_count_tokens_request_renders_like_messages() -> None:
+    body = json.loads(CLAUDE_CODE.read_text())
+    counted = messages_conversation(
+        decode_count_tokens_request(json.dumps({**body, "max_tokens": None}).encode())
+    )
+    assert generation_for(counted, GEMMA).prompt == _prompt(body)
+
+
+# -- Anthropic output ------------------------------------------------------------------
+
+
+def _check_anthropic_stream(data: bytes) -> list[dict[str, Any]]:
+    adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)
+    events = _sse(data)
+    payloads = []
+    open_index = None
+    for name, payload in events:
+        assert name == payload["type"]
+        if name not in ("ping", "error"):
+            adapter.validate_python(payload)
+        if name == "content_block_start":
+            assert open_index is None, "one block open at a time"
+            open_index = payload["index"]
+        elif name == "content_block_delta":
+            assert payload["index"] == open_index
+        elif name == "content_block_stop":
+            assert payload["index"] == open_index
+            open_index = None
+        elif name == "message_delta":
+            assert open_index is None
+        payloads.append(payload)
+    assert payloads[0]["type"] == "message_start"
+    return payloads
+
+
+def test_anthropic_plain_stream_and_stop_sequence() -> None:
+    dialect = AnthropicDialect("m", stops=["END"], max_tokens=50)
+    data = dialect.opening(7) + dialect.plain_delta("Hello") + dialect.plain_delta(" world")
+    data += dialect.finish("stop", stop_sequence="END") + dialect.end(
+        Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=4)
+    )
+    events = _check_anthropic_stream(data)
+    assert [e["type"] for e in events] == [
+        "message_start", "content_block_start", "content_block_delta", "content_block_delta",
+        "content_block_stop", "message_delta", "message_stop",
+    ]  # fmt: skip
+    delta = events[-2]
+    assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    assert delta["usage"]["input_tokens"] == 3
+    assert delta["usage"]["cache_read_input_tokens"] == 4
+    # the template's own stop (the turn's end) is not a stop_sequence: end_turn
+    other = AnthropicDialect("m", stops=["END"])
+    other.opening(1)
+    other.finish("stop", stop_sequence="<end_of_turn>")
+    assert (
+        _sse(other.end(Usage(prompt_tokens=1, completion_tokens=1)))[0][1]["delta"]["stop_reason"]
+        == "end_turn"
+    )
+
+
+def test_anthropic_auto_tool_call_and_forced_call_streams() -> None:
+    call = '{"name":"get_weather","arguments":{"city":"Paris"}}'
+    auto = AnthropicDialect("m", tool_mode="auto", tool_names=["get_weather"])
+    data = auto.opening(3) + b"".join(auto.delta(c, None) for c in call) + auto.finish("stop")
+    events = _check_anthropic_stream(data + auto.end(Usage(prompt_tokens=3, completion_tokens=9)))
+    starts = [e for e in events if e["type"] == "content_block_start"]
+    assert [s["content_block"]["type"] for s in starts] == ["tool_use"]
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    forced = AnthropicDialect("m", tool_mode="forced", tool_names=["get_weather"])
+    data = forced.opening(3) + b"".join(forced.delta(c, None) for c in call) + forced.finish("stop")
+    events = _check_anthropic_stream(data + forced.end(Usage(prompt_tokens=3, completion_tokens=9)))
+    joined = "".join(e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta")
+    assert json.loads(joined) == {"city": "Paris"}
+    # auto: text that is not a call is a text block, then the call would be another block
+    text = AnthropicDialect("m", tool_mode="auto", tool_names=["get_weather"], max_tokens=50)
+    data = text.opening(1) + text.delta("Sunny", None) + text.finish("length")
+    events = _check_anthropic_stream(data + text.end(Usage(prompt_tokens=1, completion_tokens=2)))
+    assert events[-2]["delta"]["stop_reason"] == "model_context_window_exceeded"  # length before max_tokens
+
+
+def test_anthropic_cut_short_says_why() -> None:
+    dialect = AnthropicDialect("m", max_tokens=100)
+    data = dialect.opening(1) + dialect.plain_delta("a") + dialect.finish("deadline")
+    events = _check_anthropic_stream(data + dialect.end(Usage(prompt_tokens=1, completion_tokens=1)))
+    assert events[-2]["delta"]["stop_reason"] == "max_tokens"
+    assert events[-2]["trioserve"]["end_cause"] == "deadline"
+
+
+def test_anthropic_body_and_errors() -> None:
+    dialect = AnthropicDialect("m", max_tokens=10)
+    result = ChoiceResult(text="", cause="stop", tool_calls=[("call_1", "f", '{"a":1}')])
+    message = anthropic.types.Message.model_validate_json(
+        dialect.body([result], Usage(prompt_tokens=5, completion_tokens=4))
+    )
+    assert message.stop_reason == "tool_use"
+    assert message.content[0].type == "tool_use"
+    assert message.content[0].input == {"a": 1}
+    assert anthropic_error(OverloadedError("full", retry_after=1))[0] == 529
+    status, body = anthropic_error(InvalidRequestError("bad", param="x"))
+    assert (status, body) == (
+        400,
+        {"type": "error", "error": {"type": "invalid_request_error", "message": "bad"}},
+    )
+
+
+# -- OpenAI Responses --------------------------------------------------------------------
+
+
+def _responses(body: dict[str, Any]) -> Any:
+    request = decode_responses_request(json.dumps(body).encode())
+    return request, responses_conversation(request)
+
+
+def test_responses_input_items_become_a_chat() -> None:
+    _, conversation = _responses(
+        {
+            "instructions": "Be terse",
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "function_call", "call_id": "c1", "name": "w", "arguments": '{"city":"Paris"}'},
+                {"type": "function_call_output", "call_id": "c1", "output": "21C"},
+                {"role": "developer", "content": "Answer in French"},
+            ],
+            "tools": [{"type": "function", "name": "w", "parameters": {"type": "object"}}],
+        }
+    )
+    assert [(m.role, m.text()) for m in conversation.messages] == [
+        ("system", "Be terse"),
+        ("user", "Weather?"),
+        ("assistant", ""),
+        ("tool", "21C"),
+        ("user", "Answer in French"),  # a developer message mid-conversation: folded
+    ]
+    assert conversation.messages[2].tool_calls[0].id == "c1"
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"store": True}, "store"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"background": True}, "background"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0]",
+        ),
+    ],
+)
+def test_responses_refuses_by_name(extra: dict[str, Any], named: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        _responses({"input": "x", **extra})
+    assert caught.value.param == named, caught.value
+
+
+def test_responses_stream_events_validate_and_number_in_sequence() -> None:
+    request, _ = _responses({"input": "x", "tools": [{"type": "function", "name": "w", "parameters": {}}]})
+    dialect = ResponsesDialect("m", request, tool_mode="auto", tool_names=["w"])
+    data = (
+        dialect.opening(4)
+        + dialect.delta("Hi", None)
+        + dialect.delta(" there", None)
+        + dialect.finish("stop")
+    )
+    data += dialect.end(Usage(prompt_tokens=4, completion_tokens=2))
+    adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
+    events = _sse(data)
+    for number, (name, payload) in enumerate(events):
+        assert name == payload["type"]
+        assert payload["sequence_number"] == number
+        adapter.validate_python(payload)
+    assert [p["type"] for _, p in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    final = Response.model_validate(events[-1][1]["response"])
+    assert final.output_text == "Hi there"
+
+
+def test_responses_plain_stream_and_incomplete() -> None:
+    request, _ = _responses({"input": "x", "max_output_tokens": 2})
+    dialect = ResponsesDialect("m", request)
+    data = dialect.opening(4) + dialect.plain_delta("a") + dialect.plain_delta("b") + dialect.finish("length")
+    data += dialect.end(Usage(prompt_tokens=4, completion_tokens=2))
+    events = _sse(data)
+    assert [p["sequence_number"] for _, p in events] == list(range(len(events)))
+    final = Response.model_validate(events[-1][1]["response"])
+    assert (events[-1][0], final.status, final.output_text) == ("response.incomplete", "incomplete", "ab")
+    assert final.incomplete_details is not None
+    assert final.incomplete_details.reason == "max_output_tokens"
