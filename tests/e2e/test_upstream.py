@@ -301,6 +301,87 @@ async def test_deadline_ends_the_stream_and_the_upstream_request(
     await llama_front.wait_idle()
 
 
+#: a conversation in each API dialect (docs/dialects.md): the front renders it with the
+#: model's chat format and relays the prompt as a /v1/completions stream
+DIALECT_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story."}]}),
+    "messages": ("/v1/messages", {"messages": [{"role": "user", "content": "Tell me a story."}]}),
+    "responses": ("/v1/responses", {"input": "Tell me a story."}),
+}
+
+
+def _dialect_text(dialect: str, body: dict[str, Any]) -> str:
+    if dialect == "chat":
+        return str(body["choices"][0]["message"]["content"])
+    if dialect == "messages":
+        return "".join(block["text"] for block in body["content"] if block["type"] == "text")
+    return "".join(
+        part["text"] for item in body["output"] if item["type"] == "message" for part in item["content"]
+    )
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("dialect", ["messages", "responses"])
+async def test_the_dialects_through_the_relay(
+    dialect: str, llama_server_upstream: LlamaUpstream, serve: Serve
+) -> None:
+    """Anthropic Messages and OpenAI Responses in front of llama-server, relayed as
+    completions: the same text as the front's chat completion of the same conversation
+    (the same render, the same prompt relayed); a deadline ends the stream with its
+    reason and the upstream request; a client that leaves mid-stream makes the upstream
+    go idle. (llama-server's /props names the architecture: the front renders Gemma's
+    turns, whose end markers are special tokens that the logit bias bans — with an
+    upstream that names none, the ChatML fallback's markers are plain text the model can
+    write.)"""
+    upstream = llama_server_upstream
+    # EOS and the turn markers banned on every relayed request: the stream outlasts the test
+    no_turn_end = {**_NO_EOS, "105": -100.0}
+    front = await serve(
+        await UpstreamBackend.aload(
+            [upstream.url], extra_body={**upstream.extra_body, "logit_bias": no_turn_end}
+        )
+    )
+    path, conversation = DIALECT_BODIES[dialect]
+    limit = {"max_tokens": 12} if dialect != "responses" else {"max_output_tokens": 12}
+    async with front.client() as client:
+        chat_path, chat = DIALECT_BODIES["chat"]
+        expected = (await client.post(chat_path, json={**chat, "max_tokens": 12, "temperature": 0})).json()
+        response = await client.post(path, json={**conversation, **limit, "temperature": 0})
+        assert response.status_code == 200, response.text
+        text = _dialect_text(dialect, response.json())
+        assert text  # (the turn's end is banned: 12 tokens of text)
+        assert text == _dialect_text("chat", expected)
+
+        long = {"max_tokens": 1500} if dialect != "responses" else {"max_output_tokens": 1500}
+        started = time.perf_counter()
+        async with client.stream(
+            "POST", path, json={**conversation, **long, "stream": True}, headers={"X-Request-Timeout": "1.0"}
+        ) as streamed:
+            data = await streamed.aread()
+        ended = time.perf_counter()
+    events = _events(data)
+    final = events[-2] if dialect == "messages" else events[-1]
+    assert isinstance(final, dict), data[-500:]
+    assert (final.get("trioserve") or final["response"]["trioserve"])["end_cause"] == "deadline"
+    assert 0.9 < ended - started < 5.0
+    assert await _seconds_until_idle(upstream.pid, ended) < 1.0
+
+    client_stream = await RawStream.post(front.url, path, {**conversation, **long, "stream": True})
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client_stream.read_to_eof)
+            await wait_for(lambda: client_stream.received.count(b"data: ") >= 10, limit=60)
+            nursery.cancel_scope.cancel()
+    finally:
+        await client_stream.aclose()
+    closed = time.perf_counter()
+    idle_after = await _seconds_until_idle(upstream.pid, closed)
+    print(f"\n{upstream.kind} upstream idle {idle_after * 1000:.0f} ms after a {dialect} client left")
+    assert idle_after < 1.0, f"the upstream kept using CPU for {idle_after * 1000:.0f} ms"
+    health = await front.wait_idle()
+    assert health["generations_running"] == 0
+
+
 async def _slot(client: httpx.AsyncClient) -> dict[str, Any]:
     """llama-server's only slot (``GET /slots``; answered between two batches)."""
     slots = (await client.get("/slots")).json()
