@@ -538,3 +538,48 @@ async def test_deadline_half_a_second_ends_the_stream_and_frees_the_server(serve
     assert 0.5 <= elapsed < 1.0  # generous; the benchmark reports the real figure
     health = await server.wait_idle(limit=0.5)
     assert health["generations_running"] == 0
+
+
+async def test_a_queued_request_that_leaves_never_touches_the_running_ones(
+    server: RunningServer, llama_backend: LlamaBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every slot busy with a /v1/messages stream, one more queued behind them: the queued
+    client leaves (a cancel cascade would end a running stream too, ik_llama.cpp #1929).
+    Every running stream ends on its own (``max_tokens``), with the text the same request
+    gets afterwards, and its log line says so."""
+    caplog.set_level(logging.INFO, logger="trioserve.requests")
+    body = {
+        "messages": [{"role": "user", "content": "Once upon a time"}],
+        "max_tokens": 60,
+        "temperature": 0,
+        "stream": True,
+    }
+    ids = [uuid.uuid4().hex for _ in range(llama_backend.slots)]
+    running = [
+        await RawStream.post(server.url, "/v1/messages", body, {"X-Request-Id": request_id})
+        for request_id in ids
+    ]
+    for stream in running:
+        await stream.read_until(b"content_block_delta")  # decoding
+    queued = await RawStream.post(server.url, "/v1/messages", body)
+    await _wait_queued(server)
+    await queued.aclose()
+    await wait_for(lambda: server.engine.admission.queued == 0)
+    texts = []
+    for stream in running:
+        with trio.fail_after(60):
+            data = await stream.read_to_eof_or(b"0\r\n\r\n")
+        await stream.aclose()
+        events = [e for e in _events(data) if isinstance(e, dict)]
+        assert events[-1] == {"type": "message_stop"}, data[-300:]
+        assert events[-2]["delta"]["stop_reason"] in ("max_tokens", "end_turn")
+        texts.append(
+            "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+        )
+    async with server.client() as client:
+        again = (await client.post("/v1/messages", json={**body, "stream": False})).json()
+    assert texts == [again["content"][0]["text"]] * len(running)
+    for request_id in ids:
+        await wait_for(lambda request_id=request_id: _has_log_line(caplog, request_id))  # type: ignore[misc]
+        line = _log_line(caplog, request_id)
+        assert "cause=length" in line or "cause=stop" in line, line
