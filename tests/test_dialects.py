@@ -42,7 +42,7 @@ def _messages(body: dict[str, Any]) -> Any:
 
 def _prompt(body: dict[str, Any], **kwargs: Any) -> str:
     request = decode_messages_request(json.dumps(body).encode())
-    prompt = generation_for(messages_conversation(request, **kwargs), GEMMA).prompt
+    prompt = generation_for(messages_conversation(request, **kwargs), GEMMA)[0].prompt
     assert isinstance(prompt, str)
     return prompt
 
@@ -179,7 +179,7 @@ def test_tool_choice(choice: dict[str, Any], mode: str, tool_choice: str) -> Non
         }
     )
     assert (conversation.tool_mode, conversation.tool_choice) == (mode, tool_choice)
-    generation = generation_for(conversation, GEMMA)
+    generation, _ = generation_for(conversation, GEMMA)
     assert (generation.constraint is not None) == (mode == "forced")
 
 
@@ -244,7 +244,7 @@ def test_count_tokens_request_renders_like_messages() -> None:
     counted = messages_conversation(
         decode_count_tokens_request(json.dumps({**body, "max_tokens": None}).encode())
     )
-    assert generation_for(counted, GEMMA).prompt == _prompt(body)
+    assert generation_for(counted, GEMMA)[0].prompt == _prompt(body)
 
 
 # -- Anthropic output ------------------------------------------------------------------
@@ -436,3 +436,88 @@ def test_responses_plain_stream_and_incomplete() -> None:
     assert (events[-1][0], final.status, final.output_text) == ("response.incomplete", "incomplete", "ab")
     assert final.incomplete_details is not None
     assert final.incomplete_details.reason == "max_output_tokens"
+
+
+# -- reasoning ---------------------------------------------------------------------------
+
+THINK = ("<think>", "</think>")
+
+
+@pytest.mark.parametrize("inside", [False, True])
+@pytest.mark.parametrize("split", [1, 3, 1000])
+def test_reasoning_is_read_out_of_the_text_however_it_is_split(inside: bool, split: int) -> None:
+    from trioserve._wire._choices import ChoiceReader, TextPart, ThinkingPart
+
+    text = ("" if inside else "\n<think>") + "Let me think.\nOK.</think>\n\nThe answer is 4."
+    reader = ChoiceReader("none", reasoning=THINK, inside=inside)
+    parts = [p for i in range(0, len(text), split) for p in reader.feed(text[i : i + split])]
+    parts += reader.finish("stop")
+    assert "".join(p.text for p in parts if isinstance(p, ThinkingPart)) == "Let me think.\nOK."
+    assert "".join(p.text for p in parts if isinstance(p, TextPart)) == "The answer is 4."
+    assert reader.reasoned
+
+
+def test_no_reasoning_when_the_model_does_not_open_it() -> None:
+    from trioserve._wire._choices import ChoiceReader, TextPart
+
+    reader = ChoiceReader("none", reasoning=THINK)
+    parts = reader.feed("<th") + reader.feed("ere") + reader.finish("stop")
+    assert parts == (TextPart("<there"),)
+    assert not reader.reasoned
+    cut = ChoiceReader("none", reasoning=THINK)
+    parts = cut.feed("<think>half a thought</") + cut.finish("length")  # cut short: all of it reasoning
+    assert [type(p).__name__ for p in parts] == ["ThinkingPart"] * 2
+    assert "".join(p.text for p in parts) == "half a thought</"
+
+
+def test_a_template_with_think_markers_reasons_and_reads_enable_thinking() -> None:
+    from trioserve._wire._chat import JinjaFormat
+
+    template = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>"
+        "{% else %}<think>{% endif %}"
+    )
+    chat = JinjaFormat(template, bos_token="", eos_token="<|end|>")
+    assert chat.reasoning == THINK
+    messages = [ChatMessage(role="user", content="2+2?")]
+    assert chat.render(messages).opens_reasoning
+    assert not chat.render(messages, thinking=False).opens_reasoning
+
+
+def test_reasoning_in_each_dialect() -> None:
+    from trioserve._wire._dialect import OpenAIDialect
+
+    pieces = ["<think>", "Two and two", ".</think>", "\n\n", "Four."]
+    usage = Usage(prompt_tokens=3, completion_tokens=5)
+    # Anthropic: a thinking block (its signature_delta before it closes), then the text
+    anthropic_dialect = AnthropicDialect("m", reasoning=THINK, max_tokens=50)
+    data = anthropic_dialect.opening(3) + b"".join(anthropic_dialect.delta(p, None) for p in pieces)
+    events = _check_anthropic_stream(data + anthropic_dialect.finish("stop") + anthropic_dialect.end(usage))
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert [d["type"] for d in deltas] == [
+        "thinking_delta",
+        "thinking_delta",
+        "signature_delta",
+        "text_delta",
+    ]
+    # OpenAI chat: reasoning_content deltas
+    chat = OpenAIDialect("chat", "m", reasoning=THINK)
+    (writer,) = chat.writers
+    chunks = [payload for _, payload in _sse(b"".join(writer.delta(p, None) for p in pieces))]
+    reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content", "") for c in chunks)
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert (reasoning, content) == ("Two and two.", "Four.")
+    # Responses: a reasoning item, then the message
+    request, _ = _responses({"input": "x"})
+    responses_dialect = ResponsesDialect("m", request, reasoning=THINK)
+    data = responses_dialect.opening(3) + b"".join(responses_dialect.delta(p, None) for p in pieces)
+    data += responses_dialect.finish("stop") + responses_dialect.end(usage)
+    adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
+    responses_events = [adapter.validate_python(payload) for _, payload in _sse(data)]
+    final = responses_events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == "Two and two."
+    assert final.output_text == "Four."

@@ -45,6 +45,8 @@ class ScriptedBackend(ThreadedBackend):
         slots: concurrent generations.
         context_length: the simulated context size.
         model_id: the name ``/v1/models`` reports.
+        chat_template: a Jinja chat template for the chat endpoints (default: none, the
+            fallback format).
     """
 
     def __init__(
@@ -56,13 +58,16 @@ class ScriptedBackend(ThreadedBackend):
         slots: int = 1,
         context_length: int = 4096,
         model_id: str = "scripted",
+        chat_template: str | None = None,
     ) -> None:
         super().__init__()
         self.script = list(script) if script is not None else _default_script()
         self.token_interval = token_interval
         self.prefill_seconds_per_token = prefill_seconds_per_token
         self._slots = slots
-        self._info = ModelInfo(id=model_id, context_length=context_length, architecture="scripted")
+        self._info = ModelInfo(
+            id=model_id, context_length=context_length, architecture="scripted", chat_template=chat_template
+        )
         #: per finished or cancelled generation: how many pieces it emitted
         self.completed_runs: list[int] = []
 

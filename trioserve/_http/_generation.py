@@ -238,6 +238,10 @@ class _Parsed:
     n: int = 1
     tool_mode: ToolMode = "none"
     tool_names: tuple[str, ...] = ()
+    #: a reasoning model's markers (its thinking is read out of the text), and whether
+    #: the prompt opened its reasoning
+    reasoning: tuple[str, str] | None = None
+    inside: bool = False
 
     @property
     def generation(self) -> GenerationRequest:
@@ -251,7 +255,12 @@ class _Parsed:
     @property
     def plain(self) -> bool:
         """Text only, one choice: the hot path."""
-        return self.choices == 1 and self.tool_mode == "none" and self.generation.logprobs is None
+        return (
+            self.choices == 1
+            and self.tool_mode == "none"
+            and self.generation.logprobs is None
+            and self.reasoning is None
+        )
 
 
 def _usage(choices: list[EventStream]) -> Usage:
@@ -402,6 +411,8 @@ class GenerationHandler:
         request: CompletionRequest | ChatCompletionRequest
         tool_mode: ToolMode = "none"
         names: tuple[str, ...] = ()
+        reasoning: tuple[str, str] | None = None
+        inside = False
         if kind == "text":
             request, generations = decode_completion_prompts(body)
         else:
@@ -410,6 +421,7 @@ class GenerationHandler:
             tools = chat.tools if mode != "none" else None
             rendered = self._chat_format().render(chat.messages, tools=tools)
             generations = [chat_generation(chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos)]
+            reasoning, inside = rendered.reasoning, rendered.opens_reasoning
             request = chat
             if mode != "none":
                 tool_mode = "auto" if mode == "auto" else "forced"
@@ -427,10 +439,14 @@ class GenerationHandler:
                 choices=request.n * len(generations),
                 tool_mode=tool_mode,
                 tool_names=names,
+                reasoning=reasoning,
+                inside=inside,
             ),
             n=request.n,
             tool_mode=tool_mode,
             tool_names=names,
+            reasoning=reasoning,
+            inside=inside,
         )
 
     def _parse_conversation(self, kind: Literal["messages", "responses"], body: bytes) -> _Parsed:
@@ -441,24 +457,32 @@ class GenerationHandler:
             messages = decode_messages_request(body)
             keep = self.state.settings.keep_billing_header
             conversation = messages_conversation(messages, keep_billing_header=keep)
-            stream, requested = messages.stream, messages.model
-            model = self._model(requested)
+            model = self._model(messages.model)
+            generation, rendered = generation_for(conversation, self._chat_format())
+            stream = messages.stream
             dialect = AnthropicDialect(
                 model,
                 tool_mode=conversation.tool_mode,
                 tool_names=conversation.tool_names,
                 stops=conversation.stops,
                 max_tokens=conversation.max_tokens,
+                reasoning=rendered.reasoning,
+                inside=rendered.opens_reasoning,
             )
         else:
             responses = decode_responses_request(body)
             conversation = responses_conversation(responses)
-            stream, requested = responses.stream, responses.model
-            model = self._model(requested)
+            model = self._model(responses.model)
+            generation, rendered = generation_for(conversation, self._chat_format())
+            stream = responses.stream
             dialect = ResponsesDialect(
-                model, responses, tool_mode=conversation.tool_mode, tool_names=conversation.tool_names
+                model,
+                responses,
+                tool_mode=conversation.tool_mode,
+                tool_names=conversation.tool_names,
+                reasoning=rendered.reasoning,
+                inside=rendered.opens_reasoning,
             )
-        generation = generation_for(conversation, self._chat_format())
         return _Parsed(
             stream=stream,
             generations=(generation,),
@@ -466,6 +490,8 @@ class GenerationHandler:
             dialect=dialect,
             tool_mode=conversation.tool_mode,
             tool_names=conversation.tool_names,
+            reasoning=rendered.reasoning,
+            inside=rendered.opens_reasoning,
         )
 
     def _chat_format(self) -> ChatFormat:
@@ -615,6 +641,8 @@ class GenerationHandler:
                 parsed.tool_names,
                 entries,
                 final.stop_sequence,
+                reasoning=parsed.reasoning,
+                inside=parsed.inside,
             )
             for parts, final, entries in zip(texts, finals, logprobs, strict=True)
             if final is not None

@@ -223,7 +223,7 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
 
         def prepare(body: bytes) -> tuple[str | None, str, bool]:
             model, conversation = read(body)
-            generation = generation_for(conversation, chat_format)
+            generation, _ = generation_for(conversation, chat_format)
             assert isinstance(generation.prompt, str)
             return model, generation.prompt, generation.add_bos
 

@@ -20,7 +20,7 @@ import msgspec
 
 from .._core._exceptions import InvalidRequestError, OverloadedError, TrioserveError
 from .._core._types import Constraint, EndCause, SamplingParams, TokenLogprob, Usage
-from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ToolMode
+from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ThinkingPart, ToolMode
 from ._conversation import Conversation, fold_system_messages
 from ._openai import CallFunction, ChatMessage, ChoiceResult, MessageToolCall, _decode, encode_json
 from ._tools import FunctionDef, Tool
@@ -390,6 +390,10 @@ def messages_conversation(request: _MessagesFields, *, keep_billing_header: bool
         # Claude Code asks for 32,000 tokens whatever the context: generate until it is
         # full, and say so (stop_reason model_context_window_exceeded)
         clamp_max_tokens=True,
+        thinking=None if request.thinking is None else request.thinking.type != "disabled",
+        thinking_budget=request.thinking.budget_tokens
+        if request.thinking is not None and request.thinking.type == "enabled"
+        else None,
     )
 
 
@@ -461,11 +465,14 @@ class AnthropicDialect:
         tool_names: Sequence[str] = (),
         stops: Sequence[str] = (),
         max_tokens: int | None = None,
+        reasoning: tuple[str, str] | None = None,
+        inside: bool = False,
     ) -> None:
         self.model = model
         self._max_tokens = max_tokens
         self.id = _new_id("msg_")
-        self._reader = ChoiceReader(tool_mode, tool_names)
+        self._reader = ChoiceReader(tool_mode, tool_names, reasoning=reasoning, inside=inside)
+        self._reasoning = reasoning is not None
         self._stops = frozenset(stops)
         #: the index and type of the open block (``None``: none is open)
         self._index = -1
@@ -497,8 +504,14 @@ class AnthropicDialect:
     def _close(self) -> bytes:
         if self._open is None:
             return b""
+        out = b""
+        if self._open == "thinking":  # (no signature: nothing here verifies one)
+            delta = {"type": "signature_delta", "signature": ""}
+            out = _event(
+                b"content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta}
+            )
         self._open = None
-        return _STOP_BLOCK % self._index
+        return out + _STOP_BLOCK % self._index
 
     def plain_delta(self, text: str) -> bytes:
         return self._text_prefix + encode_json(text) + self._text_suffix
@@ -521,7 +534,7 @@ class AnthropicDialect:
             },
         }
         out = _event(b"message_start", {"type": "message_start", "message": message})
-        if self._reader.mode == "none":
+        if self._reader.mode == "none" and not self._reasoning:
             out += self._start({"type": "text", "text": ""})
         return out
 
@@ -532,6 +545,14 @@ class AnthropicDialect:
                 if self._open != "text":
                     out += self._start({"type": "text", "text": ""})
                 out += self.plain_delta(part.text)
+            elif type(part) is ThinkingPart:
+                if self._open != "thinking":
+                    out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+                delta = {"type": "thinking_delta", "thinking": part.text}
+                out += _event(
+                    b"content_block_delta",
+                    {"type": "content_block_delta", "index": self._index, "delta": delta},
+                )
             elif type(part) is CallStart:
                 out += self._start(
                     {"type": "tool_use", "id": _new_id("toolu_"), "name": part.name, "input": {}}
@@ -543,15 +564,13 @@ class AnthropicDialect:
                 out += self._json_delta(part.fragment)
         return out
 
-    def _json_delta(self, fragment: str) -> bytes:
+    def _block_delta(self, delta: dict[str, object]) -> bytes:
         return _event(
-            b"content_block_delta",
-            {
-                "type": "content_block_delta",
-                "index": self._index,
-                "delta": {"type": "input_json_delta", "partial_json": fragment},
-            },
+            b"content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta}
         )
+
+    def _json_delta(self, fragment: str) -> bytes:
+        return self._block_delta({"type": "input_json_delta", "partial_json": fragment})
 
     def delta(self, text: str, logprobs: Sequence[TokenLogprob] | None) -> bytes:
         return self._encode(self._reader.feed(text, logprobs))
@@ -614,6 +633,8 @@ class AnthropicDialect:
         (result,) = choices
         content: list[dict[str, object]] = []
         called = False
+        if result.reasoning is not None:
+            content.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
         if result.text:
             content.append({"type": "text", "text": result.text})
         for _call_id, name, arguments in result.tool_calls or ():

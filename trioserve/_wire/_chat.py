@@ -30,16 +30,30 @@ class ChatPrompt:
     stops: tuple[str, ...]
     #: the text already holds the BOS token (templates usually write it themselves)
     has_bos: bool
+    #: the model reasons before it answers: the markers around its reasoning
+    #: (``("<think>", "</think>")``), else ``None`` (docs/dialects.md, "Reasoning")
+    reasoning: tuple[str, str] | None = None
+    #: the prompt ends inside the reasoning (the template opened it): the answer
+    #: starts with reasoning, without the opening marker
+    opens_reasoning: bool = False
 
 
 class ChatFormat:
     """Renders chat messages (and the tools the model may call) for one model."""
 
     name = "base"
+    #: the markers around the model's reasoning, if its template has them
+    reasoning: tuple[str, str] | None = None
 
     def render(
-        self, messages: Sequence[ChatMessage], *, tools: Sequence[Tool] | None = None
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[Tool] | None = None,
+        thinking: bool | None = None,
     ) -> ChatPrompt:  # pragma: no cover
+        """``thinking``: ``False`` asks a reasoning template not to reason (its
+        ``enable_thinking``), ``None`` leaves the template's default."""
         raise NotImplementedError
 
 
@@ -100,7 +114,13 @@ def _check_roles(messages: Sequence[ChatMessage]) -> None:
 class GemmaFormat(ChatFormat):
     name = "gemma"
 
-    def render(self, messages: Sequence[ChatMessage], *, tools: Sequence[Tool] | None = None) -> ChatPrompt:
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[Tool] | None = None,
+        thinking: bool | None = None,
+    ) -> ChatPrompt:
         _check_roles(messages)
         system = "\n\n".join(m.text() for m in messages if m.role in ("system", "developer"))
         if tools:
@@ -138,7 +158,13 @@ class GemmaFormat(ChatFormat):
 class ChatMLFormat(ChatFormat):
     name = "chatml"
 
-    def render(self, messages: Sequence[ChatMessage], *, tools: Sequence[Tool] | None = None) -> ChatPrompt:
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[Tool] | None = None,
+        thinking: bool | None = None,
+    ) -> ChatPrompt:
         _check_roles(messages)
         parts = [f"<|im_start|>system\n{tools_preamble(tools)}<|im_end|>\n"] if tools else []
         for m in messages:
@@ -215,8 +241,18 @@ class JinjaFormat(ChatFormat):
         self._template = template_environment().from_string(template)
         self._bos = bos_token
         self._eos = eos_token
+        # a template that writes reasoning markers: the model reasons (Qwen3, DeepSeek-R1,
+        # gpt-oss-style templates use <think>…</think>)
+        if "<think>" in template and "</think>" in template:
+            self.reasoning = ("<think>", "</think>")
 
-    def render(self, messages: Sequence[ChatMessage], *, tools: Sequence[Tool] | None = None) -> ChatPrompt:
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[Tool] | None = None,
+        thinking: bool | None = None,
+    ) -> ChatPrompt:
         _check_roles(messages)
         extra: dict[str, object] = {}
         if tools:
@@ -231,6 +267,8 @@ class JinjaFormat(ChatFormat):
                 }
                 for t in tools
             ]
+        if thinking is not None:
+            extra["enable_thinking"] = thinking
         try:
             text = self._template.render(
                 messages=[_template_message(m) for m in messages],
@@ -247,7 +285,9 @@ class JinjaFormat(ChatFormat):
             ) from None
         has_bos = bool(self._bos) and text.startswith(self._bos)
         stops = (self._eos,) if self._eos else ()
-        return ChatPrompt(text=text, stops=stops, has_bos=has_bos)
+        reasoning = self.reasoning
+        opens = reasoning is not None and text.rstrip().endswith(reasoning[0])
+        return ChatPrompt(text=text, stops=stops, has_bos=has_bos, reasoning=reasoning, opens_reasoning=opens)
 
 
 def _template_message(message: ChatMessage) -> dict[str, object]:

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
+
 from .._core._types import EndCause, TokenLogprob
 from ._openai import ChoiceResult, ChunkEncoder
 from ._tools import StreamedCallParser, new_call_id, parse_calls
@@ -22,6 +24,7 @@ __all__ = [
     "ChoiceStream",
     "Part",
     "TextPart",
+    "ThinkingPart",
     "ToolMode",
     "finished_choice",
 ]
@@ -63,8 +66,23 @@ class CallArguments:
     fragment: str
 
 
-Part = TextPart | CallStart | CallArguments
+@dataclass(frozen=True, slots=True)
+class ThinkingPart:
+    """The model's reasoning, before its answer (a reasoning template's ``<think>``)."""
+
+    text: str
+
+
+Part = TextPart | CallStart | CallArguments | ThinkingPart
 _NOTHING: tuple[Part, ...] = ()
+
+
+def _held_back(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that could begin ``marker``."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
 
 
 class ChoiceReader:
@@ -73,12 +91,45 @@ class ChoiceReader:
 
     ``none``: every delta is text. ``forced``: the constraint makes the text one call,
     read as it streams. ``auto``: text is held while it may still be a call, and read
-    as one at the end if it is exactly one."""
+    as one at the end if it is exactly one.
 
-    __slots__ = ("_held", "_held_logprobs", "_mode", "_names", "_parser", "_plain", "called")
+    ``reasoning``: the markers around a reasoning model's thinking (``inside``: the
+    prompt opened it). Thinking at the start of the text is read as
+    :class:`ThinkingPart`; the rest as above."""
 
-    def __init__(self, mode: ToolMode, names: Sequence[str] = ()) -> None:
+    __slots__ = (
+        "_held",
+        "_held_logprobs",
+        "_mode",
+        "_names",
+        "_parser",
+        "_pending",
+        "_plain",
+        "_reasoning",
+        "_state",
+        "_strip",
+        "called",
+        "reasoned",
+    )
+
+    def __init__(
+        self,
+        mode: ToolMode,
+        names: Sequence[str] = (),
+        *,
+        reasoning: tuple[str, str] | None = None,
+        inside: bool = False,
+    ) -> None:
         self._mode = mode
+        self._reasoning = reasoning
+        #: ``answer``: past any reasoning; ``start``: reasoning may still open; ``inside``
+        self._state = "answer" if reasoning is None else ("inside" if inside else "start")
+        #: reasoning: text held while a marker may be forming
+        self._pending = ""
+        #: the reasoning has just closed: the whitespace after it is not the answer's
+        self._strip = False
+        #: some reasoning was read
+        self.reasoned = False
         self._names = tuple(names)
         self._parser = StreamedCallParser() if mode == "forced" else None
         #: auto: text held while it may still be a call
@@ -92,7 +143,50 @@ class ChoiceReader:
     def mode(self) -> ToolMode:
         return self._mode
 
+    def _think(self, text: str) -> tuple[tuple[Part, ...], str]:
+        """Reasoning: (the thinking read from ``text``, the answer text after it)."""
+        assert self._reasoning is not None
+        opening, closing = self._reasoning
+        buffer = self._pending + text
+        self._pending = ""
+        if self._state == "start":
+            stripped = buffer.lstrip()
+            if stripped.startswith(opening):
+                self._state, buffer = "inside", stripped[len(opening) :]
+            elif opening.startswith(stripped):  # (also: only whitespace so far)
+                self._pending = buffer
+                return _NOTHING, ""
+            else:
+                self._state = "answer"
+                return _NOTHING, buffer
+        end = buffer.find(closing)
+        if end != -1:
+            self._state = "answer"
+            thought, rest = buffer[:end], buffer[end + len(closing) :].lstrip()
+            self._strip = not rest
+        else:
+            hold = _held_back(buffer, closing)
+            thought, rest = buffer[: len(buffer) - hold], ""
+            self._pending = buffer[len(buffer) - hold :]
+        if not thought:
+            return _NOTHING, rest
+        self.reasoned = True
+        return (ThinkingPart(thought),), rest
+
     def feed(self, text: str, logprobs: Sequence[TokenLogprob] | None = None) -> tuple[Part, ...]:
+        if self._state != "answer":
+            thought, text = self._think(text)
+            if not text:
+                return thought
+            return thought + self._answer(text, None)
+        if self._strip:
+            text = text.lstrip()
+            if not text:
+                return _NOTHING
+            self._strip = False
+        return self._answer(text, logprobs)
+
+    def _answer(self, text: str, logprobs: Sequence[TokenLogprob] | None) -> tuple[Part, ...]:
         if self._parser is not None:
             name, fragment = self._parser.feed(text)
             if name is not None:
@@ -113,6 +207,15 @@ class ChoiceReader:
     def finish(self, cause: EndCause) -> tuple[Part, ...]:
         """The rest of the choice: what was held, read now that the text is complete
         (``cause``: a text cut short is never read as a call)."""
+        if self._state != "answer":
+            pending, self._pending = self._pending, ""
+            if self._state == "inside":  # reasoning cut short
+                self._state = "answer"
+                if pending:
+                    self.reasoned = True
+                return (ThinkingPart(pending),) if pending else _NOTHING
+            self._state = "answer"
+            return self._answer(pending, None) + self.finish(cause) if pending else self.finish(cause)
         if self._parser is not None:
             rest = self._parser.finish(complete=cause == "stop")
             if rest and self.called:
@@ -136,9 +239,17 @@ class ChoiceStream:
 
     __slots__ = ("_call_ids", "_encoder", "_reader")
 
-    def __init__(self, encoder: ChunkEncoder, mode: ToolMode, names: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        encoder: ChunkEncoder,
+        mode: ToolMode,
+        names: Sequence[str] = (),
+        *,
+        reasoning: tuple[str, str] | None = None,
+        inside: bool = False,
+    ) -> None:
         self._encoder = encoder
-        self._reader = ChoiceReader(mode, names)
+        self._reader = ChoiceReader(mode, names, reasoning=reasoning, inside=inside)
         self._call_ids: dict[int, str] = {}
 
     def _encode(self, parts: tuple[Part, ...]) -> bytes:
@@ -150,6 +261,8 @@ class ChoiceStream:
                     out += encoder.delta_logprobs(part.text, part.logprobs)
                 else:
                     out += encoder.delta(part.text)
+            elif type(part) is ThinkingPart:
+                out += encoder.reasoning_delta(part.text)
             elif type(part) is CallStart:
                 call_id = self._call_ids[part.index] = new_call_id()
                 out += encoder.tool_call_start(part.index, call_id, part.name, part.arguments)
@@ -175,8 +288,19 @@ def finished_choice(
     names: Sequence[str] = (),
     logprobs: list[TokenLogprob] | None = None,
     stop_sequence: str | None = None,
+    *,
+    reasoning: tuple[str, str] | None = None,
+    inside: bool = False,
 ) -> ChoiceResult:
-    """A non-streamed choice: its text read as content or as a tool call."""
+    """A non-streamed choice: its text read as content or as a tool call (after the
+    reasoning, if the model reasons)."""
+    if reasoning is not None:
+        reader = ChoiceReader("none", reasoning=reasoning, inside=inside)
+        parts = reader.feed(text) + reader.finish(cause)
+        thought = "".join(p.text for p in parts if type(p) is ThinkingPart)
+        answer = "".join(p.text for p in parts if type(p) is TextPart)
+        result = finished_choice(answer, cause, mode, names, None, stop_sequence)
+        return msgspec.structs.replace(result, reasoning=thought if reader.reasoned else None)
     if mode == "forced":
         parser = StreamedCallParser()
         _, arguments = parser.feed(text)

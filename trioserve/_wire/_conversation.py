@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .._core._exceptions import InvalidRequestError
 from .._core._types import Constraint, GenerationRequest, SamplingParams
-from ._chat import ChatFormat
+from ._chat import ChatFormat, ChatPrompt
 from ._choices import ToolMode
 from ._openai import ChatMessage
 from ._tools import Tool, call_constraint
@@ -67,6 +68,11 @@ class Conversation:
     prefill: str = ""
     #: ``max_tokens`` is an upper bound, clamped to the room the context has left
     clamp_max_tokens: bool = False
+    #: ``False``: asked not to reason (a reasoning template's ``enable_thinking``);
+    #: ``None``: the template's default
+    thinking: bool | None = None
+    #: a bound on the reasoning's tokens that was asked for
+    thinking_budget: int | None = None
 
     @property
     def tool_mode(self) -> ToolMode:
@@ -79,12 +85,21 @@ class Conversation:
         return tuple(tool.function.name for tool in self.tools)
 
 
-def generation_for(conversation: Conversation, chat_format: ChatFormat) -> GenerationRequest:
-    """The generation a conversation asks for: its messages rendered by the model's
-    chat format, exactly as ``/v1/chat/completions`` renders them."""
+def generation_for(
+    conversation: Conversation, chat_format: ChatFormat
+) -> tuple[GenerationRequest, ChatPrompt]:
+    """The generation a conversation asks for, and its rendered prompt: its messages
+    rendered by the model's chat format, exactly as ``/v1/chat/completions`` renders
+    them."""
+    if conversation.thinking_budget is not None and chat_format.reasoning is not None:
+        raise InvalidRequestError(
+            "thinking.budget_tokens cannot be honoured: this server does not bound the length of "
+            "this model's reasoning; send thinking {type: adaptive} (or disabled)",
+            param="thinking.budget_tokens",
+        )
     mode = conversation.tool_mode
     tools = conversation.tools if mode != "none" else None
-    rendered = chat_format.render(conversation.messages, tools=tools)
+    rendered = chat_format.render(conversation.messages, tools=tools, thinking=conversation.thinking)
     constraint = conversation.constraint
     if mode == "forced":
         choice = conversation.tool_choice
@@ -94,7 +109,7 @@ def generation_for(conversation: Conversation, chat_format: ChatFormat) -> Gener
             else [tool for tool in conversation.tools if tool.function.name == choice]
         )
         constraint = call_constraint(chosen)
-    return GenerationRequest(
+    generation = GenerationRequest(
         prompt=rendered.text + conversation.prefill,
         max_tokens=conversation.max_tokens,
         sampling=conversation.sampling,
@@ -103,3 +118,4 @@ def generation_for(conversation: Conversation, chat_format: ChatFormat) -> Gener
         constraint=constraint,
         clamp_max_tokens=conversation.clamp_max_tokens,
     )
+    return generation, rendered

@@ -82,6 +82,8 @@ class OpenAIDialect:
         choices: int = 1,
         tool_mode: ToolMode = "none",
         tool_names: Sequence[str] = (),
+        reasoning: tuple[str, str] | None = None,
+        inside: bool = False,
     ) -> None:
         self.kind = kind
         self.model = model
@@ -91,7 +93,8 @@ class OpenAIDialect:
             for i in range(1, choices)
         ]
         self.writers: list[ChoiceStream] = [
-            ChoiceStream(encoder, tool_mode, tool_names) for encoder in self.encoders
+            ChoiceStream(encoder, tool_mode, tool_names, reasoning=reasoning, inside=inside)
+            for encoder in self.encoders
         ]
         self.plain_delta: Callable[[str], bytes] = first.delta
 

@@ -624,6 +624,20 @@ class ChunkEncoder:
         choice["finish_reason"] = None
         return self._chunk([choice])
 
+    def reasoning_delta(self, text: str) -> bytes:
+        """A reasoning model's thinking (``reasoning_content``, as llama-server and vLLM
+        send it)."""
+        return self._chunk(
+            [
+                {
+                    "index": self.index,
+                    "delta": {"reasoning_content": text},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
+
     def tool_call_start(self, call_index: int, call_id: str, name: str, arguments: str = "") -> bytes:
         """A tool call begins: its id and name (OpenAI's first chunk of a call)."""
         call = {
@@ -706,6 +720,8 @@ class ChoiceResult(msgspec.Struct, kw_only=True):
     tool_calls: list[tuple[str, str, str]] | None = None
     #: the stop sequence that ended the text (``None``: the model's end token, or no stop)
     stop_sequence: str | None = None
+    #: a reasoning model's thinking, before the text
+    reasoning: str | None = None
 
 
 def non_stream_response(
@@ -734,6 +750,8 @@ def non_stream_response(
             )
             continue
         message: dict[str, object] = {"role": "assistant", "content": result.text}
+        if result.reasoning is not None:
+            message["reasoning_content"] = result.reasoning
         finish: str = openai_finish_reason(result.cause)
         if result.tool_calls:
             message["content"] = None

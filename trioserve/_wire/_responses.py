@@ -21,7 +21,7 @@ import msgspec
 
 from .._core._exceptions import InvalidRequestError, TrioserveError
 from .._core._types import Constraint, EndCause, SamplingParams, TokenLogprob, Usage
-from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ToolMode
+from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ThinkingPart, ToolMode
 from ._conversation import Conversation, fold_system_messages
 from ._openai import (
     _ANY_OBJECT,
@@ -369,12 +369,15 @@ class ResponsesDialect:
         *,
         tool_mode: ToolMode = "none",
         tool_names: Sequence[str] = (),
+        reasoning: tuple[str, str] | None = None,
+        inside: bool = False,
     ) -> None:
         self.model = model
         self.id = _new_id("resp_")
         self.created_at = int(time.time())
         self._request = request
-        self._reader = ChoiceReader(tool_mode, tool_names)
+        self._reader = ChoiceReader(tool_mode, tool_names, reasoning=reasoning, inside=inside)
+        self._reasoning = reasoning is not None
         self._sequence = 0
         #: the finished output items, and the open one (a message or a call)
         self._output: list[dict[str, object]] = []
@@ -505,6 +508,32 @@ class ResponsesDialect:
             {"type": "response.output_item.added", "output_index": len(self._output), "item": dict(item)}
         )
 
+    def _open_reasoning(self) -> bytes:
+        out = self._close()
+        item: dict[str, object] = {
+            "id": _new_id("rs_"),
+            "type": "reasoning",
+            "summary": [],
+            "status": "in_progress",
+        }
+        self._item, self._texts = item, []
+        return out + self._event(
+            {"type": "response.output_item.added", "output_index": len(self._output), "item": dict(item)}
+        )
+
+    def _reasoning_delta(self, text: str) -> bytes:
+        assert self._item is not None
+        self._texts.append(text)
+        return self._event(
+            {
+                "type": "response.reasoning_text.delta",
+                "item_id": self._item["id"],
+                "output_index": len(self._output),
+                "content_index": 0,
+                "delta": text,
+            }
+        )
+
     def _close(self, status: str = "completed") -> bytes:
         item = self._item
         if item is None:
@@ -513,7 +542,18 @@ class ResponsesDialect:
         index = len(self._output)
         text = "".join(self._texts)
         item["status"] = status
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            item["content"] = [{"type": "reasoning_text", "text": text}]
+            out = self._event(
+                {
+                    "type": "response.reasoning_text.done",
+                    "item_id": item["id"],
+                    "output_index": index,
+                    "content_index": 0,
+                    "text": text,
+                }
+            )
+        elif item["type"] == "message":
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             item["content"] = [part]
             out = self._event(
@@ -577,7 +617,7 @@ class ResponsesDialect:
         out = self._event({"type": "response.created", "response": response}) + self._event(
             {"type": "response.in_progress", "response": response}
         )
-        if self._reader.mode == "none":
+        if self._reader.mode == "none" and not self._reasoning:
             out += self._open_message()
         return out
 
@@ -588,6 +628,10 @@ class ResponsesDialect:
                 if self._item is None or self._item["type"] != "message":
                     out += self._close() + self._open_message()
                 out += self.plain_delta(part.text)
+            elif type(part) is ThinkingPart:
+                if self._item is None or self._item["type"] != "reasoning":
+                    out += self._open_reasoning()
+                out += self._reasoning_delta(part.text)
             elif type(part) is CallStart:
                 out += self._open_call(part.name)
                 if part.arguments:
@@ -617,6 +661,17 @@ class ResponsesDialect:
         (result,) = choices
         self._cause = result.cause
         status = "completed" if result.cause == "stop" else "incomplete"
+        if result.reasoning is not None:
+            content = [{"type": "reasoning_text", "text": result.reasoning}]
+            self._output.append(
+                {
+                    "id": _new_id("rs_"),
+                    "type": "reasoning",
+                    "summary": [],
+                    "content": content,
+                    "status": status,
+                }
+            )
         if result.text or not result.tool_calls:
             part = {"type": "output_text", "text": result.text, "annotations": [], "logprobs": []}
             self._output.append(
