@@ -200,3 +200,34 @@ async def test_four_concurrent_streams_run_at_once_each_as_alone_in_invariant_mo
     assert together == solo
     await server.wait_idle()
     server.server.shutdown()
+
+
+async def test_a_full_queue_is_529_overloaded_error_on_the_anthropic_endpoint(nursery: trio.Nursery) -> None:
+    """Anthropic's clients retry on 529 ``overloaded_error``: a full queue says so on
+    ``/v1/messages`` (with ``retry-after``), and stays OpenAI's 429 elsewhere."""
+    backend = ScriptedBackend(token_interval=0.01, slots=1)
+    server = await start_server(nursery, backend, close_backend=True, max_queue=0)
+    running = await RawStream.post(
+        server.url,
+        "/v1/messages",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000, "stream": True},
+    )
+    await running.read_until(b"content_block_delta")
+    async with server.client() as client:
+        messages = await client.post(
+            "/v1/messages", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 5}
+        )
+        chat = await client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+        )
+    await running.aclose()
+    assert messages.status_code == 529
+    assert int(messages.headers["retry-after"]) >= 1
+    body = messages.json()
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "overloaded_error"
+    assert "at capacity" in body["error"]["message"]
+    assert chat.status_code == 429
+    assert chat.json()["error"]["code"] == "overloaded"
+    await server.wait_idle()
+    server.server.shutdown()
