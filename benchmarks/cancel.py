@@ -13,8 +13,18 @@ Rounds run every (server, cause) job once, the start rotating; before each job e
 server must be idle. Method and bars: docs/benchmarks.md, "Method" and "Cancel latency";
 llama-server settings: docs/deployment.md, "Upstream llama-server".
 
+``--endpoint messages``: the same causes as streamed Anthropic ``POST /v1/messages``
+(``{"model", "max_tokens", "messages": [{"role": "user", "content": the same text}],
+"stream": true, "temperature": 0}``; the server renders its chat template around it), on
+trioserve, llama-server (which serves it too) and front-llama-server (trioserve relays it
+as a completion); not llama-cpp-python, which has no such endpoint. An event read in
+decode is a ``content_block_delta``; the deadline's stream ends with ``message_delta``
+(``stop_reason`` ``max_tokens`` + ``trioserve.end_cause``) and ``message_stop``, timed
+as send → ``message_stop``.
+
     python benchmarks/cancel.py --markdown --json artifacts/cancel.json
     python benchmarks/cancel.py --contestants llama-server,front-llama-server --llama-server-args="-b 16"
+    python benchmarks/cancel.py --endpoint messages --contestants trioserve,llama-server --causes prefill
 """
 
 from __future__ import annotations
@@ -33,15 +43,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import cli, servers
-from benchmarks.harness.clients import PROGRESS, RawStream, body
+from benchmarks.harness.clients import COMPLETIONS, MESSAGES, PROGRESS, RawStream, body, messages_body
 from benchmarks.harness.proc import cpu_seconds, wait_cpu_idle
 from benchmarks.harness.stats import dict_table, dist, fmt, median, rows_table
 
 DECODE, PREFILL, DEADLINE, TS, LS = "decode", "prefill", "deadline", servers.TRIOSERVE, servers.LLAMA_SERVER
 SERVERS, FRONT = (TS, servers.LLAMA_CPP_PYTHON, LS), f"front-{LS}"
 SENTENCE = "The history of the city is long and varied. "
+CAUSES = {DECODE: "disconnect in decode", PREFILL: "disconnect mid-prefill", DEADLINE: "deadline in decode"}
 NO_WORK_MS = 50.0  # a prefill run with less CPU than this before and after the close did no prefill
 TIMINGS = re.compile(rb'"(prompt_n|prompt_per_second)": ?([\d.]+)')
+INPUT_TOKENS = re.compile(rb'"input_tokens": ?(\d+)')  # Anthropic message_start's usage
+ENDPOINTS = {"completions": COMPLETIONS, "messages": MESSAGES}
 LOG_LINE = re.compile(r"trioserve\.requests: request (\S+) \S+ (.*)")
 
 
@@ -51,7 +64,11 @@ def parse_args() -> Any:
     cli.option(p, "--llama-server-args", "", "extra llama-server flags (also behind front-llama-server)")
     help_ = "JSON merged into each request llama-server gets (front-llama-server: its --upstream-body)"
     p.add_argument("--request-extra", type=json.loads, default={}, help=help_)
-    p.add_argument("--prefill-reps", type=int, help="mid-prefill runs per server (default: half of --reps)")
+    p.add_argument(
+        "--prefill-reps",
+        type=int,
+        help="mid-prefill runs per server (default: half of --reps; all of it with --causes prefill)",
+    )
     cli.option(p, "--events", 5, "decode: events read before the close")
     cli.option(p, "--prefill-repeats", 170, "prefill: sentences in the prompt (170: ~1,700 tokens)")
     cli.option(p, "--prefill-delay", 0.3, "prefill: seconds from the send to the close")
@@ -59,9 +76,26 @@ def parse_args() -> Any:
     cli.option(p, "--deadline", 0.5, "deadline: X-Request-Timeout, seconds")
     cli.option(p, "--close", "rst", "how the client leaves: rst (SO_LINGER 0) or fin")
     cli.option(p, "--idle-cap", 15.0, "seconds to wait for idle per run")
+    help_ = "completions: streamed POST /v1/completions; messages: streamed Anthropic POST /v1/messages"
+    help_ += " (trioserve, llama-server, front-llama-server; default: completions)"
+    p.add_argument("--endpoint", choices=ENDPOINTS, default="completions", help=help_)
+    help_ = f"comma-separated subset of {','.join(CAUSES)} (deadline: trioserve only; default: all)"
+    p.add_argument("--causes", type=causes, default=list(CAUSES), help=help_)
     args = p.parse_args()
-    args.prefill_reps = (args.reps + 1) // 2 if args.prefill_reps is None else args.prefill_reps
+    half = (args.reps + 1) // 2 if args.causes != [PREFILL] else args.reps
+    args.prefill_reps = half if args.prefill_reps is None else args.prefill_reps
+    if args.endpoint == "messages" and servers.LLAMA_CPP_PYTHON in args.contestants:
+        if args.contestants != p.get_default("contestants"):
+            p.error("--endpoint messages: llama-cpp-python serves no /v1/messages")
+        args.contestants.remove(servers.LLAMA_CPP_PYTHON)  # (the default set)
     return args
+
+
+def causes(text: str) -> list[str]:
+    chosen = {x.strip() for x in text.split(",") if x.strip()}
+    if not chosen or chosen - set(CAUSES):
+        raise ValueError(text)
+    return [c for c in CAUSES if c in chosen]
 
 
 def log_fields(server: servers.Server, request_id: str) -> dict[str, str]:
@@ -108,9 +142,19 @@ def start(name: str, model: Path, logs: Path, args: Any, running: list[servers.S
 
 
 def request(server: servers.Server, args: Any, tag: str | None, max_tokens: int) -> dict[str, Any]:
-    """The long prompt behind ``tag``, or ``"Once upon a time"`` (``tag`` ``None``)."""
+    """The long prompt behind ``tag``, or ``"Once upon a time"`` (``tag`` ``None``); with
+    ``--endpoint messages`` as the user message of an Anthropic request."""
     text = "Once upon a time" if tag is None else f"Record {tag}. " + SENTENCE * args.prefill_repeats
-    return body(text, max_tokens, **(args.request_extra if server.name == LS else {}))
+    extra = args.request_extra if server.name == LS else {}
+    if args.endpoint == "messages":
+        return messages_body(text, max_tokens, args.model_name, **extra)
+    return body(text, max_tokens, **extra)
+
+
+def open_stream(
+    server: servers.Server, payload: dict[str, Any], headers: dict[str, str], args: Any
+) -> RawStream:
+    return RawStream(server.port, payload, headers, path=ENDPOINTS[args.endpoint])
 
 
 def run_job(server: Any, cause: str, round_: int, args: Any) -> dict[str, Any]:
@@ -119,7 +163,7 @@ def run_job(server: Any, cause: str, round_: int, args: Any) -> dict[str, Any]:
     timeout = {"X-Request-Timeout": f"{args.deadline:g}"} if cause == DEADLINE else {}
     headers, cpu_at_send, t_cause = {"X-Request-Id": rid, **timeout}, cpu_seconds(server.work.pid), None
     payload = request(server, args, rid, 5) if cause == PREFILL else request(server, args, None, 2000)
-    stream = RawStream(server.port, payload, headers)
+    stream = open_stream(server, payload, headers, args)
     if cause == DECODE:
         if not stream.read_until(lambda: stream.data_events() >= args.events, stream.sent_at + 60):
             raise RuntimeError(f"{server.name} {rid}: {stream.data_events()} of {args.events} events in 60 s")
@@ -173,24 +217,27 @@ def exclusion(s: dict[str, Any]) -> str | None:
 
 def warm_up(server: servers.Server, args: Any) -> dict[str, Any]:
     """A short completion, then the long prompt with ``max_tokens`` 1: its TTFT is the prefill
-    (llama-server: and its ``timings``)."""
+    (llama-server: and its ``timings``; messages: the first ``content_block_delta``)."""
     for long in (False, True):
         rid = str(uuid.uuid4())
         payload = request(server, args, rid if long else None, 1 if long else 8)
-        stream = RawStream(server.port, payload, {"X-Request-Id": rid})
+        stream = open_stream(server, payload, {"X-Request-Id": rid}, args)
         if not stream.read_until(stream.done, stream.sent_at + 120):
-            raise RuntimeError(f"{server.name}: warm-up: no [DONE] in 120 s ({stream.status})")
+            raise RuntimeError(f"{server.name}: warm-up: no {END[args.endpoint]} in 120 s ({stream.status})")
         stream.close()
     line, first = log_fields(server, rid), next(t for t, e in stream.events if PROGRESS not in e)
+    first = stream.token_times()[0] if stream.anthropic and stream.token_times() else first
     timings = {k.decode(): json.loads(v) for e in stream.events for k, v in TIMINGS.findall(e[1])}
-    prompt_tokens = line.get("prompt_tokens") or timings.get("prompt_n")
+    inputs = [int(n) for _, e in stream.events for n in INPUT_TOKENS.findall(e)][:1]
+    prompt_tokens = line.get("prompt_tokens") or timings.get("prompt_n") or (inputs or [None])[0]
     return {"prefill_ms": (first - stream.sent_at) * 1e3, "prompt_tokens": prompt_tokens, **timings}
 
 
 def run(args: Any) -> dict[str, Any]:
     model = cli.resolve_model(args)
+    args.model_name = model.stem  # the id trioserve serves it as (messages: the request's "model")
     names = "threads ctx_size reps prefill_reps events prefill_repeats prefill_delay prefill_close_cpu"
-    names += " deadline close idle_cap llama_server_args request_extra"
+    names += " deadline close idle_cap llama_server_args request_extra endpoint causes"
     cfg, samples, warnings, reference = cli.environment(model, **cli.pick(args, names)), [], [], {}
     with tempfile.TemporaryDirectory() as logs, servers.running([]) as running:
         contestants = [start(name, model, Path(logs), args, running) for name in args.contestants]
@@ -204,11 +251,13 @@ def run(args: Any) -> dict[str, Any]:
         for round_ in range(max(args.reps, args.prefill_reps)):
             todo = {DECODE: round_ < args.reps, PREFILL: round_ < args.prefill_reps}
             todo[DEADLINE] = todo[DECODE]
+            todo = {c: todo[c] and c in args.causes for c in todo}
             jobs = [(s, c) for c in todo for s in contestants if todo[c] and (c != DEADLINE or s.name == TS)]
-            for server, cause in jobs[round_ % len(jobs) :] + jobs[: round_ % len(jobs)]:
+            turn = round_ % len(jobs) if jobs else 0
+            for server, cause in jobs[turn:] + jobs[:turn]:
                 wait_idle(running, args, warnings)
                 samples.append(s := run_job(server, cause, round_, args))
-                times = f"idle {fmt(s.get('idle_ms'))} ms, [DONE] {fmt(s['done_ms'])} ms"
+                times = f"idle {fmt(s.get('idle_ms'))} ms, {END[args.endpoint]} {fmt(s['done_ms'])} ms"
                 times += f", log {fmt(s['cancel_latency_ms'])} ms"
                 cli.log(f"{round_:>2} {server.name:<16} {cause:<8} {times}")
         wait_idle(running, args, warnings)
@@ -222,19 +271,20 @@ def notes(samples: list[dict[str, Any]], args: Any) -> list[str]:
         where = f"{s['server']} {s['cause']} round {s['round']} ({s['id']})"
         out += [f"{where}: left out: {s['excluded']}"] if s["excluded"] else []
         out += [f"{where}: CPU not idle within {args.idle_cap:g} s"] if s.get("idle_ms") == math.inf else []
-        expected = "deadline" if s["cause"] == DEADLINE else "disconnect"
+        expected, end = "deadline" if s["cause"] == DEADLINE else "disconnect", END[args.endpoint]
         logged = (s["log_cause"], s["cancel_latency_ms"])
         if s["server"] == servers.TRIOSERVE and (logged[0] != expected or logged[1] is None):
             out.append(f"{where}: log cause, cancel_latency_ms {logged}; expected {expected}")
         if s["server"] == servers.TRIOSERVE and s["cause"] == DEADLINE and s["end_cause"] != "deadline":
             out.append(f"{where}: end_cause {s['end_cause']!r}, expected 'deadline'")
-        if s["cause"] == DEADLINE and (s["finish_reason"] != "length" or s["done_ms"] is None):
-            out.append(f"{where}: finish_reason {s['finish_reason']!r}, [DONE] after {s['done_ms']} ms")
+        length = "max_tokens" if args.endpoint == "messages" else "length"
+        if s["cause"] == DEADLINE and (s["finish_reason"] != length or s["done_ms"] is None):
+            out.append(f"{where}: finish_reason {s['finish_reason']!r}, {end} after {s['done_ms']} ms")
     return out
 
 
-CAUSES = {DECODE: "disconnect in decode", PREFILL: "disconnect mid-prefill", DEADLINE: "deadline in decode"}
 METRICS = {"idle_ms": "CPU idle − cause (black-box)", "cancel_latency_ms": "cancel_latency_ms (log)"}
+END = {"completions": "[DONE]", "messages": "message_stop"}  # what ends a stream, per --endpoint
 
 
 def summary(samples: list[dict[str, Any]], cfg: dict[str, Any], step: dict[str, float]) -> list[Any]:
@@ -249,7 +299,8 @@ def summary(samples: list[dict[str, Any]], cfg: dict[str, Any], step: dict[str, 
         bar = None if cause == PREFILL and key != "idle_ms" else bar
         cpu = dist([s["cpu_after_cause_ms"] for s in runs]) if key == "idle_ms" else None
         cpu_text = f"{cpu['p50']:.0f} / {cpu['max']:.0f}" if cpu else "—"
-        metric, label = METRICS.get(key, "send → [DONE]"), servers.LABELS.get(name, name)
+        end = END[cfg.get("endpoint", "completions")]
+        metric, label = METRICS.get(key, f"send → {end}"), servers.LABELS.get(name, name)
         label = name if cfg.get("llama_server_args") else label  # (LABELS: llama-server's defaults)
         rows.append({"server": label, "cause": CAUSES[cause], "metric": metric, **d})
         rows[-1].update(cpu=cpu_text, bar=bar, met="—" if bar is None else "yes" if d["p99"] <= bar else "no")
@@ -263,6 +314,9 @@ def report(result: dict[str, Any], args: Any) -> None:
         keys += " cancel_latency_ms done_ms log_cause finish_reason excluded"
         print(dict_table(samples, keys) + "\n")
     runs = f"{cfg['reps']} decode/deadline and {cfg['prefill_reps']} prefill runs per server"
+    endpoint = ENDPOINTS[cfg.get("endpoint", "completions")]
+    only = "" if cfg.get("causes", list(CAUSES)) == list(CAUSES) else f" ({', '.join(cfg['causes'])} only)"
+    runs = f"POST {endpoint}{only}, {runs}"
     what = f"{cfg['threads']} threads, ctx {cfg['ctx_size']}, {runs}, close={cfg['close']}"
     cpu, delay = cfg.get("prefill_close_cpu"), f"{cfg['prefill_delay']:g} s"
     what += f", prefill closed after {f'{cpu:g} CPU-s' if cpu else delay}, deadline {cfg['deadline']:g} s"

@@ -114,6 +114,10 @@ def cancel_headline(r: dict[str, Any]) -> str:
     return "CPU idle after the client leaves, p50 — " + join(parts)
 
 
+def cancel_messages_headline(r: dict[str, Any]) -> str:
+    return "streamed POST /v1/messages: " + cancel_headline(r)
+
+
 def slow_reader_headline(r: dict[str, Any]) -> str:
     small = [c for c in r["cases"] if c["rcvbuf"] != "default"]
     cells = [f"{label(c['server'])} {c['cpu_after_first_s']:.0f} %" for c in small]
@@ -251,6 +255,18 @@ SCENARIOS = [
         cancel_headline,
         "benchmarks.cancel",
         what="cancel latency per server",
+    ),
+    Scenario(
+        "cancel_messages",
+        "benchmarks/cancel.py",
+        {
+            DEFAULT: "--endpoint messages --contestants trioserve,llama-server --reps 10",
+            QUICK: "--endpoint messages --contestants trioserve,llama-server --causes prefill --reps 4",
+        },
+        {DEFAULT: 3, QUICK: 1},
+        cancel_messages_headline,
+        "benchmarks.cancel",
+        what="cancel latency, Anthropic Messages",
     ),
     Scenario(
         "slow_reader",
@@ -693,6 +709,7 @@ SECTIONS = {
     "overhead": "cpu-per-streamed-token",
     "overhead_paced": "cpu-per-streamed-token",
     "cancel": "cancel-latency",
+    "cancel_messages": "cancel-latency-anthropic-messages",
     "slow_reader": "slow-readers",
     "batched": "batched-decoding",
     "conversation": "conversations-and-the-prompt-cache",

@@ -1,5 +1,6 @@
 """Clients: :class:`RawStream` (a plain socket: the lightest client, the one that decides
-how a connection ends, and the slow reader) and :func:`timed_stream` (httpx, timed)."""
+how a connection ends, and the slow reader; OpenAI SSE, or Anthropic Messages events with
+``path="/v1/messages"``) and :func:`timed_stream` (httpx, timed)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ STATUS, FINISH = re.compile(rb"HTTP/1\.[01] (\d{3})"), re.compile(rb'"finish_rea
 OPEN = re.compile(rb'"finish_reason": ?null')
 END_CAUSE = re.compile(rb'"end_cause": ?"(\w+)"')  # an event that carries a token
 PROGRESS = b'"prompt_progress"'  # llama-server's event per prompt batch (return_progress): no token
+COMPLETIONS, MESSAGES = "/v1/completions", "/v1/messages"
+#: Anthropic Messages events (``path`` MESSAGES): a token's, the last one, the stop reason
+DELTA, MESSAGE_STOP = b"event: content_block_delta", b"event: message_stop"
+STOP_REASON = re.compile(rb'"stop_reason": ?"(\w+)"')  # message_delta's (message_start's is null)
 
 
 def body(prompt: str, max_tokens: int, **more: Any) -> dict[str, Any]:
@@ -29,10 +34,18 @@ def body(prompt: str, max_tokens: int, **more: Any) -> dict[str, Any]:
     return {**fields, "repeat_penalty": 1.0, **more}
 
 
-def request_bytes(port: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> bytes:
-    """One HTTP/1.1 ``POST /v1/completions`` with ``Connection: close``, ``headers`` last."""
+def messages_body(prompt: str, max_tokens: int, model: str, **more: Any) -> dict[str, Any]:
+    """A streamed, greedy Anthropic Messages request: ``prompt`` as the one user message."""
+    fields = {"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": prompt}]}
+    return {**fields, "stream": True, "temperature": 0, **more}
+
+
+def request_bytes(
+    port: int, payload: dict[str, Any], headers: dict[str, str] | None = None, path: str = COMPLETIONS
+) -> bytes:
+    """One HTTP/1.1 ``POST path`` with ``Connection: close``, ``headers`` last."""
     data = json.dumps(payload).encode()
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
     head += f"Accept: text/event-stream\r\nContent-Length: {len(data)}\r\nConnection: close\r\n"
     head += "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
     return (head + "\r\n").encode() + data
@@ -42,7 +55,9 @@ class RawStream:
     """One streamed POST on a plain socket, sent on construction. Events are split on blank
     lines and never parsed (no de-chunking, no JSON: a chunk size may precede an event's
     ``data:``), so the client's CPU per token stays small and the caller decides exactly
-    when and how the connection ends. ``rcvbuf``: ``SO_RCVBUF``, set before connecting."""
+    when and how the connection ends. ``rcvbuf``: ``SO_RCVBUF``, set before connecting.
+    ``path`` :data:`MESSAGES`: Anthropic events: a token is a ``content_block_delta``, the
+    end ``message_stop``, the finish reason ``message_delta``'s ``stop_reason``."""
 
     def __init__(
         self,
@@ -52,7 +67,9 @@ class RawStream:
         *,
         rcvbuf: int | None = None,
         timeout: float = 10.0,
+        path: str = COMPLETIONS,
     ) -> None:
+        self.path, self.anthropic = path, path.split("?")[0] == MESSAGES
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             if rcvbuf is not None:
@@ -60,7 +77,7 @@ class RawStream:
             self.sock.settimeout(timeout)
             self.sock.connect(("127.0.0.1", port))
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.sock.sendall(request_bytes(port, payload, headers))
+            self.sock.sendall(request_bytes(port, payload, headers, path))
         except BaseException:
             self.sock.close()
             raise
@@ -68,7 +85,8 @@ class RawStream:
         self.head = b""  # the response's first bytes
         self.received, self.eof, self._pending = 0, False, b""
         self.events: list[tuple[float, bytes]] = []  # (arrival, event)
-        self.done_at: float | None = None  # when ``data: [DONE]`` arrived
+        self.done_at: float | None = None  # when ``data: [DONE]`` (Anthropic: ``message_stop``) arrived
+        self._done_marker = MESSAGE_STOP if self.anthropic else b"data: [DONE]"
 
     def feed(self, data: bytes, now: float) -> list[bytes]:
         """Take bytes read from the socket; return the events they completed."""
@@ -78,7 +96,7 @@ class RawStream:
         *complete, self._pending = (self._pending + data).split(b"\n\n")
         for event in complete:
             self.events.append((now, event))
-            if self.done_at is None and b"data: [DONE]" in event:
+            if self.done_at is None and self._done_marker in event:
                 self.done_at = now
         return complete
 
@@ -125,14 +143,23 @@ class RawStream:
         return int(match.group(1)) if match else None
 
     def token_times(self) -> list[float]:
-        """Arrival times of the events that carry a token (``finish_reason`` null)."""
+        """Arrival times of the events that carry a token (``finish_reason`` null; Anthropic:
+        ``content_block_delta``)."""
+        if self.anthropic:
+            return [t for t, event in self.events if DELTA in event]
         return [t for t, event in self.events if OPEN.search(event) and PROGRESS not in event]
 
     def data_events(self) -> int:
+        """The events with data, but ``[DONE]`` and llama-server's progress (Anthropic: the
+        ``content_block_delta`` events only, not ``message_start``, ``ping``…)."""
+        if self.anthropic:
+            return sum(DELTA in e for _, e in self.events)
         return sum(b"data: " in e and b"[DONE]" not in e and PROGRESS not in e for _, e in self.events)
 
     def finish_reason(self) -> str | None:
-        found = [m for _, event in self.events for m in FINISH.findall(event)]
+        """The last ``finish_reason`` (Anthropic: ``stop_reason``, e.g. ``max_tokens``)."""
+        pattern = STOP_REASON if self.anthropic else FINISH
+        found = [m for _, event in self.events for m in pattern.findall(event)]
         return found[-1].decode() if found else None
 
     def end_cause(self) -> str | None:
