@@ -284,6 +284,10 @@ def test_a_claude_code_conversation_reuses_the_cache_on_its_next_turn(server_url
         assert response.status_code == 200, response.text
         second = anthropic.types.Message.model_validate(response.json())
     cached = second.usage.cache_read_input_tokens or 0
+    print(
+        f"\nClaude Code shape: turn 1 prompt {first_prompt} tokens; "
+        f"turn 2 reused {cached}, evaluated {second.usage.input_tokens}"
+    )
     assert first_prompt > 3 * CHUNK  # the tools and system prompt: several chunks
     assert cached >= first_prompt - CHUNK, (cached, first_prompt)
     assert second.usage.input_tokens + cached > first_prompt
