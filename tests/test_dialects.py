@@ -100,7 +100,7 @@ def test_fold_system_messages_rules() -> None:
     )  # fmt: skip
     assert [(x.role, x.text()) for x in folded] == [
         ("system", "S0"),
-        ("developer", "D0"),  # leading: kept as they are
+        ("system", "D0"),  # leading: kept, as system (templates know that role)
         ("user", "U1\n\nS1"),  # appended to the user message right before it
         ("assistant", "A1"),
         ("user", "S2\n\nU2\n\nU3"),  # starts a user message the next ones join
@@ -188,7 +188,23 @@ def test_tool_choice(choice: dict[str, Any], mode: str, tool_choice: str) -> Non
     [
         ({"container": "c1"}, "container"),
         ({"mcp_servers": [{"type": "url", "url": "http://x"}]}, "mcp_servers"),
-        ({"context_management": {"edits": []}}, "context_management"),
+        (
+            {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+            "context_management.edits[0].type",
+        ),
+        ({"compaction": {"type": "auto"}}, "compaction"),
+        (
+            {"tools": [{"name": "a", "input_schema": {"type": "object"}, "defer_loading": True}]},
+            "tools[0].defer_loading",
+        ),
+        (
+            {
+                "tools": [{"name": "a", "input_schema": {"type": "object"}}],
+                "tool_choice": {"type": "any"},
+                "stop_sequences": ["}"],
+            },
+            "stop_sequences",
+        ),
         ({"output_config": {"effort": "high"}}, "output_config.effort"),
         ({"speed": "fast"}, "speed"),
         ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking.budget_tokens"),
@@ -211,6 +227,23 @@ def test_what_cannot_be_honoured_is_refused_by_name(extra: dict[str, Any], named
     with pytest.raises(InvalidRequestError) as caught:
         _messages(body)
     assert caught.value.param == named or named in caught.value.message, caught.value
+
+
+def test_what_claude_code_sends_with_thinking_is_accepted() -> None:
+    """Claude Code 2.x sends ``clear_thinking`` context edits whenever it thinks; earlier
+    thinking never reaches the prompt here, so they are honoured; ``temperature: null``
+    is the default."""
+    conversation = _messages(
+        {
+            "max_tokens": 32000,
+            "temperature": None,
+            "thinking": {"type": "adaptive", "display": "omitted"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "messages": [{"role": "user", "content": "x"}],
+        }
+    )
+    assert conversation.sampling.temperature == 1.0
+    assert conversation.omit_thinking
 
 
 def test_thinking_budget_and_cache_control_are_accepted() -> None:
@@ -441,6 +474,11 @@ def test_responses_plain_stream_and_incomplete() -> None:
 # -- reasoning ---------------------------------------------------------------------------
 
 THINK = ("<think>", "</think>")
+REASONING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>"
+    "{% else %}<think>{% endif %}"
+)
 
 
 @pytest.mark.parametrize("inside", [False, True])
@@ -521,3 +559,55 @@ def test_reasoning_in_each_dialect() -> None:
     assert [item.type for item in final.output] == ["reasoning", "message"]
     assert final.output[0].content[0].text == "Two and two."
     assert final.output_text == "Four."
+
+
+def test_a_constrained_answer_is_never_read_as_reasoning() -> None:
+    """A template that opens ``<think>``: a forced call or a JSON Schema holds from the
+    first token, so the prompt is rendered with ``enable_thinking: false`` and the text
+    is the answer, not reasoning."""
+    from trioserve._wire._chat import JinjaFormat
+
+    chat = JinjaFormat(REASONING_TEMPLATE, bos_token="", eos_token="<|end|>")
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    for extra in (
+        {"tools": tools, "tool_choice": {"type": "any"}},
+        {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+    ):
+        body = {"max_tokens": 20, "messages": [{"role": "user", "content": "x"}], **extra}
+        generation, rendered = generation_for(_messages(body), chat)
+        assert generation.constraint is not None
+        assert rendered.reasoning is None
+        assert not rendered.opens_reasoning
+        assert str(generation.prompt).endswith("<think></think>")
+    plain = generation_for(
+        _messages({"max_tokens": 20, "messages": [{"role": "user", "content": "x"}]}), chat
+    )[1]
+    assert plain.opens_reasoning
+
+
+async def test_bytes_a_cancel_kept_from_the_socket_are_sent_by_whatever_ends_the_response() -> None:
+    """A cancel that lands as a send starts (hypercorn checks for it before writing)
+    leaves the bytes unsent while the dialect's state counts them: the exchange keeps
+    them for the response's end (docs/dialects.md, "Cancellation")."""
+    import trio
+
+    from trioserve._http._exchange import Exchange
+
+    sent: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        await trio.lowlevel.checkpoint()  # where hypercorn's send lock checks for a cancel
+        sent.append(message.get("body", b"head"))
+
+    exchange = Exchange(send, "r1")
+    await exchange.start(200, [])
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await exchange.body(b"event: content_block_start\n\n")
+    assert sent == [b"head"]
+    assert exchange.take_unsent() == b"event: content_block_start\n\n"
+    assert exchange.take_unsent() == b""
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await exchange.body(b": ping\n\n", keep_unsent=False)  # a heartbeat's are not kept
+    assert exchange.take_unsent() == b""

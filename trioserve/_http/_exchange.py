@@ -7,6 +7,8 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+import trio
+
 from .._core._exceptions import (
     InvalidRequestError,
     PayloadTooLargeError,
@@ -36,6 +38,7 @@ class Exchange:
         "sending_since",
         "started",
         "status",
+        "unsent",
     )
 
     def __init__(self, send: Send, request_id: str, render: ErrorRenderer = render_error) -> None:
@@ -52,28 +55,48 @@ class Exchange:
         self.sending_since: float | None = None
         #: when the last body bytes went out (for heartbeats)
         self.last_sent = 0.0
+        #: the body bytes of a send that a cancel stopped before they went out (hypercorn
+        #: checks for a cancel before it writes, then writes shielded): the writer's
+        #: state already counts them, so whatever ends the response sends them first
+        #: (:meth:`take_unsent`)
+        self.unsent = b""
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
         self.status = status
         self.last_sent = time.perf_counter()
-        await self.send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [*headers, (b"x-request-id", self.request_id.encode())],
-            }
-        )
+        # Shielded: the headers are a few hundred bytes on a fresh connection (nothing
+        # to wait for), and a cancel between hypercorn's protocol state and the socket
+        # would leave a response that has neither started nor not.
+        with trio.CancelScope(shield=True):
+            await self.send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [*headers, (b"x-request-id", self.request_id.encode())],
+                }
+            )
 
-    async def body(self, data: bytes, *, more: bool = True) -> None:
+    async def body(self, data: bytes, *, more: bool = True, keep_unsent: bool = True) -> None:
+        """Send body bytes (``keep_unsent``: if a cancel stops them, keep them for
+        whatever ends the response; a heartbeat's are not)."""
         self.sending_since = time.perf_counter()
         try:
             await self.send({"type": "http.response.body", "body": data, "more_body": more})
+        except trio.Cancelled:
+            if keep_unsent:
+                self.unsent = data
+            raise
         finally:
             self.sending_since = None
         self.last_sent = time.perf_counter()
         if not more:
             self.ended = True
+
+    def take_unsent(self) -> bytes:
+        """The bytes a cancel kept from going out (see :attr:`unsent`), once."""
+        unsent, self.unsent = self.unsent, b""
+        return unsent
 
     async def json(self, status: int, body: bytes, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
         await self.start(status, [*JSON_HEADERS, *extra_headers])

@@ -13,6 +13,7 @@ every bound: ``docs/architecture.md``, ``docs/cancellation.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -176,8 +177,9 @@ async def _watch_stall(request: InFlightRequest, stall_timeout: float, stall_sco
                     await request.cancelled.wait()
 
 
-def _check_limits(prepared: PreparedPrompt, settings: HTTPSettings) -> None:
-    """The server's own limits, on top of what fits the context."""
+def _check_limits(prepared: PreparedPrompt, settings: HTTPSettings, dialect: Dialect) -> PreparedPrompt:
+    """The server's own limits, on top of what fits the context (a request whose
+    ``max_tokens`` is only an upper bound, Anthropic's, is held to the limit instead)."""
     limit = settings.max_prompt_tokens
     if limit is not None and len(prepared.tokens) > limit:
         raise ContextLengthError(
@@ -185,6 +187,10 @@ def _check_limits(prepared: PreparedPrompt, settings: HTTPSettings) -> None:
             param="prompt",
         )
     limit = settings.max_tokens_limit
+    if limit is not None and prepared.max_new_tokens > limit and prepared.request.clamp_max_tokens:
+        if isinstance(dialect, AnthropicDialect):
+            dialect.limit_max_tokens(limit)
+        return dataclasses.replace(prepared, max_new_tokens=limit)
     if limit is not None and prepared.max_new_tokens > limit:
         asked = prepared.request.max_tokens
         raise InvalidRequestError(
@@ -192,6 +198,7 @@ def _check_limits(prepared: PreparedPrompt, settings: HTTPSettings) -> None:
             + (f"; got {asked}" if asked is not None else "; set max_tokens"),
             param="max_tokens",
         )
+    return prepared
 
 
 class _Heartbeat:
@@ -216,7 +223,7 @@ class _Heartbeat:
             with self.scope:
                 while True:
                     await trio.sleep(max(0.0, exchange.last_sent + self.interval - time.perf_counter()))
-                    await exchange.body(self.beat)
+                    await exchange.body(self.beat, keep_unsent=False)
         finally:
             self.done.set()
 
@@ -309,7 +316,7 @@ class GenerationHandler:
                 await exchange.error(exc)
             elif request.dialect is not None and not exchange.ended:
                 # the stream had started (e.g. refused by a race for the last queue place)
-                final = request.dialect.stream_error(exc)
+                final = exchange.take_unsent() + request.dialect.stream_error(exc)
                 await _send_last(request, FINAL_EVENT_TIMEOUT, lambda: exchange.body(final, more=False))
         except BaseException as exc:
             # Cancelled from outside the request's scope (hypercorn closing connections
@@ -352,9 +359,10 @@ class GenerationHandler:
             request.advance(Phase.QUEUED)
             state.add_request(request)
             try:
-                prompts = [await engine.prepare(generation) for generation in parsed.generations]
-                for prepared in prompts:
-                    _check_limits(prepared, state.settings)
+                prompts = [
+                    _check_limits(await engine.prepare(generation), state.settings, parsed.dialect)
+                    for generation in parsed.generations
+                ]
                 with unwrap_group():
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(_watch_disconnect, receive, request)
@@ -420,8 +428,16 @@ class GenerationHandler:
             mode = chat.tool_mode()
             tools = chat.tools if mode != "none" else None
             rendered = self._chat_format().render(chat.messages, tools=tools)
-            generations = [chat_generation(chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos)]
-            reasoning, inside = rendered.reasoning, rendered.opens_reasoning
+            generation = chat_generation(chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos)
+            if generation.constraint is not None and rendered.reasoning is not None:
+                # the constraint holds from the first token: the answer is never reasoning
+                rendered = self._chat_format().render(chat.messages, tools=tools, thinking=False)
+                generation = chat_generation(
+                    chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos
+                )
+            else:
+                reasoning, inside = rendered.reasoning, rendered.opens_reasoning
+            generations = [generation]
             request = chat
             if mode != "none":
                 tool_mode = "auto" if mode == "auto" else "forced"
@@ -468,6 +484,7 @@ class GenerationHandler:
                 max_tokens=conversation.max_tokens,
                 reasoning=rendered.reasoning,
                 inside=rendered.opens_reasoning,
+                omit_thinking=conversation.omit_thinking,
             )
         else:
             responses = decode_responses_request(body)
@@ -703,7 +720,8 @@ class GenerationHandler:
                 writers = dialect.writers
                 left = [i for i in range(len(writers)) if i not in request.ended_choices]
                 finals = b"".join(writers[i].finish(cause) for i in left)
-                await exchange.body(finals + dialect.end(usage), more=False)
+                # (first what a cancel kept from going out: the writers' state counts it)
+                await exchange.body(exchange.take_unsent() + finals + dialect.end(usage), more=False)
             elif cause == "deadline":
                 await exchange.error(
                     DeadlineExceededError("the request's deadline passed before the response was complete")

@@ -262,7 +262,8 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
     async def not_found(_error: Exception) -> Response:
         from quart import request
 
-        return _error_response(NotFoundError(f"no route for {request.method} {request.path}"))
+        render = render_anthropic_error if request.path.startswith("/v1/messages") else render_error
+        return _error_response(NotFoundError(f"no route for {request.method} {request.path}"), render)
 
     @app.errorhandler(405)
     async def method_not_allowed(_error: Exception) -> Response:

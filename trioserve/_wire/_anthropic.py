@@ -73,6 +73,9 @@ class AnthropicTool(msgspec.Struct, kw_only=True):
     type: str | None = None
     cache_control: Any = None
     strict: bool | None = None
+    # known, not honoured: refused when set
+    defer_loading: bool | None = None
+    input_examples: Any = None
 
 
 class ToolChoice(msgspec.Struct, kw_only=True):
@@ -84,6 +87,16 @@ class ToolChoice(msgspec.Struct, kw_only=True):
 class Thinking(msgspec.Struct, kw_only=True):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
+    #: ``omitted``: thinking blocks carry no text (the thinking still happens)
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class ContextEdit(msgspec.Struct, kw_only=True):
+    type: str
+
+
+class ContextManagement(msgspec.Struct, kw_only=True):
+    edits: list[ContextEdit] = msgspec.field(default_factory=list)
 
 
 class OutputFormat(msgspec.Struct, kw_only=True):
@@ -111,8 +124,13 @@ class _MessagesFields(msgspec.Struct, kw_only=True):
     # known, not honoured: refused when set (_REFUSED)
     container: Any = None
     mcp_servers: Any = None
-    context_management: Any = None
+    #: Claude Code sends ``clear_thinking_*`` edits with thinking: honoured (earlier
+    #: thinking never reaches the prompt); other edits are refused
+    context_management: ContextManagement | None = None
     diagnostics: Any = None
+    compaction: Any = None
+    fallbacks: Any = None
+    thread: Any = None
     inference_geo: Any = None
     speed: Any = None
 
@@ -125,7 +143,7 @@ class MessagesRequest(_MessagesFields, kw_only=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1)]
     stream: bool = False
     stop_sequences: list[str] | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
     #: ``{"user_id": …}``: accepted, not used (an identifier)
@@ -143,9 +161,11 @@ _count_decoder = msgspec.json.Decoder(CountTokensRequest)
 _REFUSED: tuple[tuple[str, str], ...] = (
     ("container", "this server runs no code-execution containers"),
     ("mcp_servers", "this server connects to no MCP servers; run the tools on the client"),
-    ("context_management", "this server does not edit the context; send the messages to use"),
     ("diagnostics", "this server reports no prompt-cache diagnostics (usage shows what was reused)"),
     ("inference_geo", "this server runs where it runs"),
+    ("compaction", "this server does not compact conversations; send the messages to use"),
+    ("fallbacks", "there is no other model to fall back to here"),
+    ("thread", "this server keeps no threads; send the whole conversation"),
 )
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -250,6 +270,16 @@ def _tools(tools: Sequence[AnthropicTool] | None) -> list[Tool]:
                 "(name, description, input_schema), executed by the client",
                 param=f"tools[{i}].type",
             )
+        if tool.defer_loading:
+            raise InvalidRequestError(
+                f"tools[{i}].defer_loading is not supported: every tool is in the prompt here",
+                param=f"tools[{i}].defer_loading",
+            )
+        if tool.input_examples:
+            raise InvalidRequestError(
+                f"tools[{i}].input_examples is not supported: put examples in the description",
+                param=f"tools[{i}].input_examples",
+            )
         if not _NAME.match(tool.name):
             raise InvalidRequestError(
                 f"tools[{i}].name {tool.name!r} must be 1-128 letters, digits, '_' or '-'",
@@ -299,6 +329,14 @@ def _check_common(request: _MessagesFields, max_tokens: int | None) -> None:
     for name, why in _REFUSED:
         if getattr(request, name) is not None:
             raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
+    if request.context_management is not None:
+        for i, edit in enumerate(request.context_management.edits):
+            if not edit.type.startswith("clear_thinking_"):
+                raise InvalidRequestError(
+                    f"context_management.edits[{i}] ({edit.type!r}) is not supported: this server does not "
+                    "edit the context (clear_thinking edits are: earlier thinking never reaches the prompt)",
+                    param=f"context_management.edits[{i}].type",
+                )
     if request.speed not in (None, "standard"):
         raise InvalidRequestError(
             "speed is not supported: only the standard speed exists here", param="speed"
@@ -372,9 +410,16 @@ def messages_conversation(request: _MessagesFields, *, keep_billing_header: bool
     sampling = SamplingParams()
     stops: tuple[str, ...] = ()
     max_tokens = None
+    if full is not None and full.stop_sequences and choice not in ("none", "auto"):
+        raise InvalidRequestError(
+            "stop_sequences cannot cut a forced tool call (its input would be cut short); send one of them",
+            param="stop_sequences",
+        )
     if full is not None:
         sampling = SamplingParams(
-            temperature=full.temperature, top_p=full.top_p or 1.0, top_k=full.top_k or 0
+            temperature=1.0 if full.temperature is None else full.temperature,
+            top_p=full.top_p or 1.0,
+            top_k=full.top_k or 0,
         )
         stops = tuple(s for s in full.stop_sequences or () if s)
         max_tokens = full.max_tokens
@@ -390,7 +435,8 @@ def messages_conversation(request: _MessagesFields, *, keep_billing_header: bool
         # Claude Code asks for 32,000 tokens whatever the context: generate until it is
         # full, and say so (stop_reason model_context_window_exceeded)
         clamp_max_tokens=True,
-        thinking=None if request.thinking is None else request.thinking.type != "disabled",
+        thinking=None if request.thinking is None or request.thinking.type != "disabled" else False,
+        omit_thinking=request.thinking is not None and request.thinking.display == "omitted",
         thinking_budget=request.thinking.budget_tokens
         if request.thinking is not None and request.thinking.type == "enabled"
         else None,
@@ -467,8 +513,10 @@ class AnthropicDialect:
         max_tokens: int | None = None,
         reasoning: tuple[str, str] | None = None,
         inside: bool = False,
+        omit_thinking: bool = False,
     ) -> None:
         self.model = model
+        self._omit_thinking = omit_thinking
         self._max_tokens = max_tokens
         self.id = _new_id("msg_")
         self._reader = ChoiceReader(tool_mode, tool_names, reasoning=reasoning, inside=inside)
@@ -592,6 +640,12 @@ class AnthropicDialect:
         self._decide(cause, message, stop_sequence, self._reader.called)
         return out + self._close()
 
+    def limit_max_tokens(self, limit: int) -> None:
+        """The server's ``--max-tokens-limit`` bounds this response below what it asked
+        for: reaching it is ``max_tokens``, not the context's end."""
+        if self._max_tokens is None or limit < self._max_tokens:
+            self._max_tokens = limit
+
     def _stop_reason_for(self, usage: Usage) -> str:
         if (
             self._cause == "length"
@@ -634,7 +688,8 @@ class AnthropicDialect:
         content: list[dict[str, object]] = []
         called = False
         if result.reasoning is not None:
-            content.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
+            thought = "" if self._omit_thinking else result.reasoning
+            content.append({"type": "thinking", "thinking": thought, "signature": ""})
         if result.text:
             content.append({"type": "text", "text": result.text})
         for _call_id, name, arguments in result.tool_calls or ():

@@ -4,6 +4,7 @@ prompt for a request (docs/dialects.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,7 +35,8 @@ def fold_system_messages(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
     for message in messages:
         if message.role in ("system", "developer"):
             if leading:
-                out.append(message)
+                # (as system: chat templates know that role; some render nothing for developer)
+                out.append(ChatMessage(role="system", content=message.text()))
                 continue
             text = message.text()
             if out and out[-1].role == "user":
@@ -73,6 +75,8 @@ class Conversation:
     thinking: bool | None = None
     #: a bound on the reasoning's tokens that was asked for
     thinking_budget: int | None = None
+    #: Anthropic's ``thinking.display: omitted``: thinking blocks without their text
+    omit_thinking: bool = False
 
     @property
     def tool_mode(self) -> ToolMode:
@@ -99,7 +103,15 @@ def generation_for(
         )
     mode = conversation.tool_mode
     tools = conversation.tools if mode != "none" else None
-    rendered = chat_format.render(conversation.messages, tools=tools, thinking=conversation.thinking)
+    constrained = mode == "forced" or conversation.constraint is not None
+    thinking = conversation.thinking
+    if constrained and chat_format.reasoning is not None:
+        thinking = False  # the constraint holds from the first token: no room to think
+    rendered = chat_format.render(conversation.messages, tools=tools, thinking=thinking)
+    if constrained and rendered.reasoning is not None:
+        # the answer is the constrained text, never reasoning (even where the template
+        # still opened <think>: the grammar writes the answer in it)
+        rendered = dataclasses.replace(rendered, reasoning=None, opens_reasoning=False)
     constraint = conversation.constraint
     if mode == "forced":
         choice = conversation.tool_choice

@@ -108,6 +108,8 @@ class _ResponsesFields(msgspec.Struct, kw_only=True):
     conversation: Any = None
     prompt: Any = None
     background: Any = None
+    context_management: Any = None
+    moderation: Any = None
 
 
 class InputTokensRequest(_ResponsesFields, kw_only=True):
@@ -116,8 +118,8 @@ class InputTokensRequest(_ResponsesFields, kw_only=True):
 
 class ResponsesRequest(_ResponsesFields, kw_only=True):
     max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
     stream: bool = False
     store: bool | None = None
     include: list[str] | None = None
@@ -142,8 +144,11 @@ _REFUSED: tuple[tuple[str, str], ...] = (
     ("conversation", "conversations are not stored here; send the whole conversation in input"),
     ("prompt", "there are no stored prompt templates here; send instructions and input"),
     ("background", "responses run in the foreground here (stream to see progress)"),
+    ("context_management", "this server does not compact the context; send the input to use"),
+    ("moderation", "this server runs no moderation"),
 )
-#: ``include`` values that are honoured trivially: this server produces no reasoning
+#: ``include`` values that are honoured trivially: no reasoning is ever encrypted here
+#: (a reasoning model's reasoning is sent as text, in a ``reasoning`` item)
 _INCLUDE_NOTHING = frozenset({"reasoning.encrypted_content"})
 
 
@@ -274,7 +279,9 @@ def _check(request: _ResponsesFields) -> None:
             raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
     if request.reasoning is not None and request.reasoning not in ({}, {"effort": None}, {"effort": "none"}):
         raise InvalidRequestError(
-            "reasoning is not supported: the model has no reasoning mode", param="reasoning"
+            "reasoning is not supported: this server does not control reasoning effort "
+            "(send reasoning: {effort: none} to ask a reasoning model not to reason)",
+            param="reasoning",
         )
     if request.truncation == "auto":
         raise InvalidRequestError(
@@ -306,6 +313,8 @@ def _check(request: _ResponsesFields) -> None:
 def responses_conversation(request: _ResponsesFields) -> Conversation:
     """The conversation a Responses (or input_tokens) request asks for."""
     _check(request)
+    if not request.input:
+        raise InvalidRequestError("input is required: a text or a list of items", param="input")
     messages = _chat_messages(request.input)
     if request.instructions:
         messages.insert(0, ChatMessage(role="system", content=request.instructions))
@@ -322,7 +331,10 @@ def responses_conversation(request: _ResponsesFields) -> Conversation:
     sampling = SamplingParams()
     max_tokens = None
     if full is not None:
-        sampling = SamplingParams(temperature=full.temperature, top_p=full.top_p)
+        sampling = SamplingParams(
+            temperature=1.0 if full.temperature is None else full.temperature,
+            top_p=1.0 if full.top_p is None else full.top_p,
+        )
         max_tokens = full.max_output_tokens
     return Conversation(
         messages=fold_system_messages(messages),
@@ -332,6 +344,7 @@ def responses_conversation(request: _ResponsesFields) -> Conversation:
         sampling=sampling,
         stops=(),
         constraint=constraint,
+        thinking=False if request.reasoning == {"effort": "none"} else None,
     )
 
 
@@ -441,11 +454,11 @@ class ResponsesDialect:
             "previous_response_id": None,
             "reasoning": None,
             "store": False,
-            "temperature": request.temperature,
+            "temperature": 1.0 if request.temperature is None else request.temperature,
             "text": {"format": self._text_format()},
             "tool_choice": self._tool_choice(),
             "tools": self._tools(),
-            "top_p": request.top_p,
+            "top_p": 1.0 if request.top_p is None else request.top_p,
             "truncation": "disabled",
             "usage": _usage(usage) if usage is not None else None,
         }
@@ -592,13 +605,7 @@ class ResponsesDialect:
         self._texts.append(text)
         sequence = self._sequence
         self._sequence = sequence + 1
-        return (
-            self._delta_prefix
-            + encode_json(text)
-            + b',"sequence_number":'
-            + str(sequence).encode()
-            + b"}\n\n"
-        )
+        return b'%b%b,"sequence_number":%d}\n\n' % (self._delta_prefix, encode_json(text), sequence)
 
     def _arguments(self, fragment: str) -> bytes:
         assert self._item is not None
