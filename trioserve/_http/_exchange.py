@@ -55,10 +55,9 @@ class Exchange:
         self.sending_since: float | None = None
         #: when the last body bytes went out (for heartbeats)
         self.last_sent = 0.0
-        #: the body bytes of a send that a cancel stopped before they went out (hypercorn
-        #: checks for a cancel before it writes, then writes shielded): the writer's
-        #: state already counts them, so whatever ends the response sends them first
-        #: (:meth:`take_unsent`)
+        #: the body bytes of a send that a cancel stopped before they went out (the
+        #: writer's state already counts them): whatever ends the response sends them
+        #: first (:meth:`take_unsent`)
         self.unsent = b""
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
@@ -80,13 +79,18 @@ class Exchange:
     async def body(self, data: bytes, *, more: bool = True, keep_unsent: bool = True) -> None:
         """Send body bytes (``keep_unsent``: if a cancel stops them, keep them for
         whatever ends the response; a heartbeat's are not)."""
-        self.sending_since = time.perf_counter()
+        # A cancel already delivered: nothing of ``data`` goes out; keep it. (Past this
+        # check nothing yields before hypercorn writes, shielded: a cancel that comes
+        # later comes after the bytes were written, or while they were being.)
         try:
-            await self.send({"type": "http.response.body", "body": data, "more_body": more})
+            await trio.lowlevel.checkpoint_if_cancelled()
         except trio.Cancelled:
             if keep_unsent:
                 self.unsent = data
             raise
+        self.sending_since = time.perf_counter()
+        try:
+            await self.send({"type": "http.response.body", "body": data, "more_body": more})
         finally:
             self.sending_since = None
         self.last_sent = time.perf_counter()
