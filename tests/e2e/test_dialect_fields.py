@@ -872,7 +872,7 @@ RESPONSES_REFUSED: dict[str, tuple[dict[str, object], tuple[dict[str, object], .
     "previous_response_id": ({"previous_response_id": "resp_123"}, ({"previous_response_id": None},)),
     "conversation": ({"conversation": "conv_123"}, ({"conversation": None},)),
     "prompt": ({"prompt": {"id": "pmpt_123"}}, ({"prompt": None},)),
-    "background": ({"background": True}, ({"background": None},)),
+    "background": ({"background": True}, ({"background": None}, {"background": False})),
     "context_management": (
         {"context_management": [{"type": "compaction", "compact_threshold": 200000}]},
         ({"context_management": None},),

@@ -359,10 +359,17 @@ class GenerationHandler:
             request.advance(Phase.QUEUED)
             state.add_request(request)
             try:
-                prompts = [
-                    _check_limits(await engine.prepare(generation), state.settings, parsed.dialect)
-                    for generation in parsed.generations
-                ]
+                try:
+                    prompts = [
+                        _check_limits(await engine.prepare(generation), state.settings, parsed.dialect)
+                        for generation in parsed.generations
+                    ]
+                except InvalidRequestError as exc:
+                    if request.kind == "responses" and exc.param == "max_tokens":
+                        # (the engine's name for it)
+                        exc.message = exc.message.replace("max_tokens", "max_output_tokens")
+                        exc.param = "max_output_tokens"
+                    raise
                 with unwrap_group():
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(_watch_disconnect, receive, request)

@@ -269,10 +269,16 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
     async def method_not_allowed(_error: Exception) -> Response:
         from quart import request
 
-        return _error_response(MethodNotAllowedError(f"{request.path} does not accept {request.method}"))
+        render = render_anthropic_error if request.path.startswith("/v1/messages") else render_error
+        return _error_response(
+            MethodNotAllowedError(f"{request.path} does not accept {request.method}"), render
+        )
 
     @app.errorhandler(413)
     async def too_large(_error: Exception) -> Response:
-        return _error_response(PayloadTooLargeError("the request body is too large"))
+        from quart import request
+
+        render = render_anthropic_error if request.path.startswith("/v1/messages") else render_error
+        return _error_response(PayloadTooLargeError("the request body is too large"), render)
 
     return app

@@ -12,6 +12,7 @@ mapping and choices: ``docs/dialects.md``; the field table: ``docs/api.md``,
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -136,6 +137,7 @@ class ResponsesRequest(_ResponsesFields, kw_only=True):
     prompt_cache_retention: str | None = None
 
 
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _responses_decoder = msgspec.json.Decoder(ResponsesRequest)
 _input_tokens_decoder = msgspec.json.Decoder(InputTokensRequest)
 
@@ -222,8 +224,11 @@ def _tools(tools: Sequence[ResponsesTool] | None) -> list[Tool]:
                 "(run the rest on the client)",
                 param=f"tools[{i}].type",
             )
-        if not tool.name:
-            raise InvalidRequestError(f"tools[{i}] needs a name", param=f"tools[{i}].name")
+        if not tool.name or not _TOOL_NAME.match(tool.name):
+            raise InvalidRequestError(
+                f"tools[{i}].name {tool.name!r} must be 1-64 letters, digits, '_' or '-'",
+                param=f"tools[{i}].name",
+            )
         out.append(
             Tool(
                 type="function",
@@ -275,7 +280,8 @@ def _constraint(text: TextConfig | None) -> Constraint | None:
 
 def _check(request: _ResponsesFields) -> None:
     for name, why in _REFUSED:
-        if getattr(request, name) is not None:
+        value = getattr(request, name)
+        if value is not None and not (name == "background" and value is False):  # (false: OpenAI's default)
             raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
     if request.reasoning is not None and request.reasoning not in ({}, {"effort": None}, {"effort": "none"}):
         raise InvalidRequestError(
@@ -285,7 +291,8 @@ def _check(request: _ResponsesFields) -> None:
         )
     if request.truncation == "auto":
         raise InvalidRequestError(
-            "truncation 'auto' is not supported: a prompt too long for the context is a 400; shorten input",
+            "truncation is not supported: 'auto' would drop input; a prompt too long for the context "
+            "is a 400 (shorten input)",
             param="truncation",
         )
     text = request.text
@@ -301,13 +308,16 @@ def _check(request: _ResponsesFields) -> None:
         )
     for value in request.include or ():
         if value not in _INCLUDE_NOTHING:
-            raise InvalidRequestError(f"include {value!r} is not supported", param="include")
+            raise InvalidRequestError(
+                f"include is not supported: {value!r} cannot be included here "
+                "(reasoning.encrypted_content can: nothing is encrypted)",
+                param="include",
+            )
     if request.top_logprobs:
         raise InvalidRequestError(
-            "top_logprobs is not supported on /v1/responses; use /v1/chat/completions", param="top_logprobs"
+            "top_logprobs is not supported: use /v1/chat/completions for log-probabilities",
+            param="top_logprobs",
         )
-    if request.service_tier not in (None, "auto", "default"):
-        raise InvalidRequestError("only the default service tier exists here", param="service_tier")
 
 
 def responses_conversation(request: _ResponsesFields) -> Conversation:
