@@ -144,9 +144,15 @@ async def test_heartbeats_keep_a_silent_stream_alive(
     server = await start_server(nursery, llama_backend, http=HTTPSettings(heartbeat_interval=0.1))
     occupier = None
     if phase == "queued":
-        occupier = await RawStream.post(
-            server.url, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True}
-        )
+        # (greedy, its end tokens banned: it holds the slot until it is closed, whatever it draws)
+        occupier_body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 3000,
+            "stream": True,
+            "temperature": 0,
+            "logit_bias": {"1": -100, "106": -100},
+        }
+        occupier = await RawStream.post(server.url, "/v1/completions", occupier_body)
         await occupier.read_until(b"data: ", 2)
         prompt = "Hi"
     else:
@@ -154,13 +160,17 @@ async def test_heartbeats_keep_a_silent_stream_alive(
     client = await RawStream.post(
         server.url, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "stream": True}
     )
-    await client.read_until(b": ping\n\n", 3)
-    assert b"data: {" not in client.received  # three heartbeats before any token
-    if occupier is not None:
-        await occupier.aclose()
-    data = await client.read_to_eof_or(b"0\r\n\r\n")
-    assert b"data: [DONE]" in data
-    await client.aclose()
+    try:
+        await client.read_until(b": ping\n\n", 3)
+        assert b"data: {" not in client.received  # three heartbeats before any token
+        if occupier is not None:
+            await occupier.aclose()
+        data = await client.read_to_eof_or(b"0\r\n\r\n")
+        assert b"data: [DONE]" in data
+    finally:  # (a failure must not leave sockets for a later test's garbage collection)
+        await client.aclose()
+        if occupier is not None:
+            await occupier.aclose()
     server.server.shutdown()
 
 
