@@ -108,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
         "(ggml-org/llama.cpp #20824; docs/platforms.md) (default: auto)",
     )
     model.add_argument(
+        "--pooling",
+        choices=("mean", "cls", "last"),
+        default=None,
+        help="how /v1/embeddings pools token vectors (default: the model's own; mean for a model "
+        "that has none; docs/embeddings.md)",
+    )
+    model.add_argument(
         "--scripted",
         action="store_true",
         help="serve the scripted test backend instead of a model (for benchmarking the stack)",
@@ -316,6 +323,7 @@ def _loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backe
         batch_invariant=args.batch_invariant,
         model_id=args.model_id,
         repack={"auto": None, "on": True, "off": False}[args.repack],
+        pooling=args.pooling,
     )
     description = (
         f"model {path} ({settings.slots} sequences of {settings.n_ctx} tokens, "

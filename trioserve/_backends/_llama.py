@@ -118,6 +118,9 @@ class LlamaSettings:
             off in batch-invariant mode.
         warm_up: decode one token at load (as llama-server does), so a llama.cpp that
             cannot run on this CPU fails at startup, not at the first request.
+        pooling: how ``/v1/embeddings`` pools a model's token vectors: ``None`` (the
+            GGUF's; mean for a model that has none), ``"mean"``, ``"cls"``, ``"last"``
+            (docs/embeddings.md).
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class LlamaSettings:
         model_id: str | None = None,
         repack: bool | None = None,
         warm_up: bool = True,
+        pooling: Literal["mean", "cls", "last"] | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
@@ -165,6 +169,9 @@ class LlamaSettings:
             raise ValueError(f"cache_mode must be 'exact' or 'fast', got {cache_mode!r}")
         self.cache_mode = cache_mode
         self.model_id = model_id or self.model_path.name.removesuffix(".gguf")
+        if pooling not in (None, "mean", "cls", "last"):
+            raise ValueError(f"pooling must be 'mean', 'cls' or 'last', got {pooling!r}")
+        self.pooling: Literal["mean", "cls", "last"] | None = pooling
 
 
 class _Context:

@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy
@@ -32,8 +33,9 @@ import trio
 
 from .._core._backend import ChoiceGroup, GenerationProgress, PreparedPrompt
 from .._core._channel import PieceChannel
-from .._core._exceptions import BackendError
+from .._core._exceptions import BackendError, InvalidRequestError
 from .._core._types import GenerationEnd, TokenLogprob
+from ._embeddings import Embedder
 from ._grammar import TokenMask
 from ._invariance import probe_invariant_width, probe_shared_context_limit
 from ._llama import LlamaModel, _Context
@@ -995,6 +997,27 @@ class LlamaBackend(LlamaModel):
 
     def _create_contexts(self) -> None:
         self._scheduler = _Scheduler(self)
+        # the embedding context: created on the first /v1/embeddings (docs/embeddings.md)
+        self._embedder = Embedder(self, self.settings.pooling)
+
+    @property
+    def embedding_size(self) -> int | None:
+        return int(self.lib.llama_model_n_embd(self.model))
+
+    @property
+    def embedder(self) -> Embedder:
+        return self._embedder
+
+    async def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        for i, item in enumerate(inputs):
+            bad = [t for t in item if not 0 <= t < self.n_vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"input[{i}] holds {bad[0]}, which is not a token id of this model: its ids are 0 to "
+                    f"{self.n_vocab - 1}",
+                    param="input",
+                )
+        return await self._embedder.embed(inputs)
 
     @property
     def max_call_width(self) -> int:
@@ -1087,6 +1110,7 @@ class LlamaBackend(LlamaModel):
     def _release_contexts(self) -> None:
         self._stop_scheduler()
         self._scheduler.free()
+        self._embedder.free()
 
     async def generate(
         self, prompt: PreparedPrompt, channel: PieceChannel, progress: GenerationProgress

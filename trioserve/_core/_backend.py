@@ -223,6 +223,19 @@ class Backend(ABC):
             f"this server's backend ({type(self).__name__}) has no tokenizer", code="no_tokenizer"
         )
 
+    @property
+    def embedding_size(self) -> int | None:
+        """The length of the vectors :meth:`embed` returns (``None``: it computes none)."""
+        return None
+
+    async def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Each input's (token ids') embedding, pooled and L2-normalised. Must stop
+        promptly when cancelled, leaving nothing behind. Default:
+        :class:`NotSupportedError` (501)."""
+        raise NotSupportedError(
+            f"this server's backend ({type(self).__name__}) computes no embeddings", code="no_embeddings"
+        )
+
     async def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
         """The bytes of each token, special tokens rendered as their text (``<bos>``),
         as llama.cpp's ``common_token_to_piece``. Raises :class:`InvalidRequestError`

@@ -423,6 +423,7 @@ class GenerationHandler:
     def _parse(self, kind: Kind, body: bytes) -> _Parsed:
         if kind == "messages" or kind == "responses":
             return self._parse_conversation(kind, body)
+        assert kind == "text" or kind == "chat"  # (embeddings have their own handler)
         request: CompletionRequest | ChatCompletionRequest
         tool_mode: ToolMode = "none"
         names: tuple[str, ...] = ()

@@ -34,7 +34,7 @@ __all__ = ["InFlightRequest", "Kind", "Phase"]
 
 #: the generation endpoints: ``/v1/completions``, ``/v1/chat/completions``,
 #: ``/v1/messages`` (Anthropic), ``/v1/responses`` (OpenAI Responses)
-Kind = Literal["text", "chat", "messages", "responses"]
+Kind = Literal["text", "chat", "messages", "responses", "embeddings"]
 
 
 class Phase(enum.IntEnum):

@@ -32,6 +32,7 @@ from .._wire._tokenize import (
     tokenize_response,
 )
 from ._access import AccessPolicy, with_access_control
+from ._embeddings import EMBEDDINGS_PATH, EmbeddingsHandler
 from ._errors import ErrorRenderer, render_anthropic_error, render_error
 from ._exchange import Exchange, Receive, Scope, Send, _check_content_type, headers_too_large
 from ._generation import _INLINE_PARSE_BYTES, GENERATION_PATHS, GenerationHandler
@@ -47,6 +48,7 @@ def create_app(
     behind the access policy (API keys, CORS) if one is given."""
     quart: Any = _create_quart_app(state)  # its ASGI types are narrower than ours
     generation = GenerationHandler(state)
+    embeddings = EmbeddingsHandler(state)
 
     header_limit = state.settings.max_header_bytes
 
@@ -55,6 +57,9 @@ def create_app(
             kind = GENERATION_PATHS.get(scope["path"].rstrip("/") or "/")
             if kind is not None:
                 await generation(scope, receive, send, kind)  # checks headers, logs, counts
+                return
+            if (scope["path"].rstrip("/") or "/") == EMBEDDINGS_PATH:
+                await embeddings(scope, receive, send)
                 return
             if headers_too_large(scope, header_limit):
                 error = HeadersTooLargeError(f"the request headers exceed the limit of {header_limit} bytes")

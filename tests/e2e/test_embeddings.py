@@ -1,0 +1,207 @@
+"""``POST /v1/embeddings`` on the default model, on a real socket: the official openai
+SDK (float and base64), llama.cpp's llama-server ``--embeddings`` as the reference, bad
+input, and a disconnect or deadline mid-batch (docs/embeddings.md). No verdict depends
+on sampling: embeddings are deterministic up to the kernels' rounding, compared by
+cosine."""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+
+from benchmarks.harness.servers import LLAMA_SERVER, Server, free_port
+from trioserve import HTTPSettings, LlamaBackend, default_model_path
+
+from .._helpers import RawStream, RunningServer, start_server, wait_for
+from .test_upstream import _llama_server_command
+
+pytestmark = pytest.mark.model
+
+TEXTS = [
+    "The cat sat on the mat.",
+    "A kitten rests on a rug.",
+    "Stock markets fell sharply on Monday.",
+    "Investors sold shares as prices dropped.",
+    "Photosynthesis turns light into chemical energy.",
+    "Plants use sunlight to make sugar.",
+    "The train leaves at seven in the morning.",
+    "Paris is the capital of France.",
+    "Berlin is the capital of Germany.",
+    "She plays the violin beautifully.",
+    "He repaired the bicycle's chain.",
+    "Rain is expected over the weekend.",
+    "The recipe needs two eggs and flour.",
+    "Quantum computers use qubits.",
+    "The museum opens at nine.",
+    "Dogs are loyal companions.",
+    "The river flooded the valley.",
+    "A new phone was released today.",
+    "Mountains were covered in snow.",
+    "The library lends books for free.",
+]
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    dot = math.fsum(x * y for x, y in zip(a, b, strict=True))
+    return dot / math.sqrt(math.fsum(x * x for x in a) * math.fsum(y * y for y in b))
+
+
+@pytest.fixture
+async def server(llama_backend: LlamaBackend, nursery: trio.Nursery) -> AsyncIterator[RunningServer]:
+    running = await start_server(nursery, llama_backend, http=HTTPSettings())
+    yield running
+    running.server.shutdown()
+
+
+async def test_the_openai_sdk_gets_unit_vectors_in_float_and_base64(
+    server: RunningServer, llama_backend: LlamaBackend
+) -> None:
+    def calls() -> tuple[Any, Any, Any]:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as sdk:
+            model = sdk.models.list().data[0].id
+            default = sdk.embeddings.create(model=model, input=TEXTS)  # the SDK asks for base64, decodes it
+            floats = sdk.embeddings.create(model=model, input=TEXTS, encoding_format="float")
+            raw = sdk.embeddings.create(model=model, input=TEXTS[0], encoding_format="base64")
+        return default, floats, raw
+
+    default, floats, raw = await trio.to_thread.run_sync(calls)
+    size = llama_backend.embedding_size
+    assert size is not None
+    assert [item.index for item in floats.data] == list(range(len(TEXTS)))
+    for a, b in zip(default.data, floats.data, strict=True):
+        assert len(b.embedding) == size
+        assert abs(math.fsum(x * x for x in b.embedding) - 1.0) < 1e-4  # normalised
+        assert max(abs(x - y) for x, y in zip(a.embedding, b.embedding, strict=True)) < 1e-6
+    decoded = struct.unpack(f"<{size}f", base64.b64decode(raw.data[0].embedding))  # type: ignore[arg-type]
+    assert max(abs(x - y) for x, y in zip(decoded, floats.data[0].embedding, strict=True)) < 1e-6
+    tokens = [len(await llama_backend.tokenize_text(t, add_special=True)) for t in TEXTS]
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens == sum(tokens)
+    # alone or in a batch: the same vector (up to the kernels' rounding)
+    async with server.client() as client:
+        alone = (await client.post("/v1/embeddings", json={"input": TEXTS[3]})).json()["data"][0]["embedding"]
+    assert alone == floats.data[3].embedding  # one input per call: the same bits
+    # and they mean something: paraphrases are nearer each other than unrelated texts
+    vectors = [item.embedding for item in floats.data]
+    assert _cosine(vectors[0], vectors[1]) > _cosine(vectors[0], vectors[2])
+
+
+@pytest.fixture(scope="module")
+def llama_server_embeddings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """llama.cpp's llama-server with ``--embeddings --pooling mean`` (the default model
+    has no pooling of its own; trioserve's default for such a model is mean) and one
+    slot: with its default four, it evaluates inputs side by side and their vectors
+    move with what they were batched with (one of 20 by a cosine of 4.5e-4, measured);
+    with one, each input is evaluated alone, as trioserve evaluates every input."""
+    port = free_port()
+    model = default_model_path(progress=False)
+    argv = _llama_server_command(model, port, ["--embeddings", "--pooling", "mean", "--parallel", "1"])
+    server = Server(LLAMA_SERVER, argv, port, tmp_path_factory.mktemp("llama-server-embeddings"))
+    try:
+        server.wait_ready(timeout=120)
+        yield server.url
+    finally:
+        server.stop(grace=10)
+
+
+async def test_the_vectors_equal_llama_servers(server: RunningServer, llama_server_embeddings: str) -> None:
+    async with httpx.AsyncClient(timeout=120) as client:
+        ours = (await client.post(server.url + "/v1/embeddings", json={"input": TEXTS})).json()
+        theirs = (await client.post(llama_server_embeddings + "/v1/embeddings", json={"input": TEXTS})).json()
+    assert len(ours["data"]) == len(theirs["data"]) == len(TEXTS)
+    cosines = [
+        _cosine(a["embedding"], b["embedding"]) for a, b in zip(ours["data"], theirs["data"], strict=True)
+    ]
+    print(f"\ncosine with llama-server's: min {min(cosines):.7f} over {len(cosines)} inputs")
+    assert min(cosines) >= 0.9999, cosines
+    assert ours["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"input": ""}, 400, "input"),
+        ({"input": []}, 400, "input"),
+        ({"input": ["ok", ""]}, 400, "input"),
+        ({"input": "x", "dimensions": 3}, 400, "dimensions"),
+        ({"input": [[1, 2, 10**9]]}, 400, "input"),
+        ({"input": "word " * 600}, 400, "input"),  # longer than the batch size
+        ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+        ({"input": "x", "model": "nope"}, 404, "model"),
+    ],
+)
+async def test_bad_input_is_refused_by_name(
+    server: RunningServer, body: dict[str, Any], status: int, param: str
+) -> None:
+    async with server.client() as client:
+        response = await client.post("/v1/embeddings", json=body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+    assert response.json()["error"]["message"]
+
+
+LONG_INPUTS = [f"Input number {i}: " + "the history of the city is long and varied. " * 5 for i in range(256)]
+
+
+async def test_a_client_that_leaves_mid_batch_stops_the_evaluation(
+    server: RunningServer, llama_backend: LlamaBackend
+) -> None:
+    """256 inputs (dozens of llama_decode calls): the client leaves once the first call
+    is running; the call in flight is aborted inside llama.cpp, no further call is made,
+    and the embedding lock is free again at once."""
+    embedder = llama_backend.embedder
+    before = embedder.context.calls if embedder.context is not None else 0
+    client = await RawStream.post(server.url, "/v1/embeddings", {"input": LONG_INPUTS})
+    await wait_for(lambda: embedder.context is not None and embedder.context.calls > before, limit=60)
+    await client.aclose()
+    left = trio.current_time()
+    await wait_for(lambda: not embedder._lock.locked(), limit=5)
+    stopped_after = trio.current_time() - left
+    context = embedder.context
+    assert context is not None
+    calls = context.calls - before
+    print(
+        f"\nthe client left during the first call: {calls} call(s) made, "
+        f"stopped {stopped_after * 1000:.0f} ms after"
+    )
+    assert calls <= 2  # the one in flight (and at most the next, started before the flag was read)
+    assert stopped_after < 1.0
+    health = await server.wait_idle()
+    assert health["status"] == "ok"
+    # the next request is answered, the same as before
+    async with server.client() as http:
+        again = (await http.post("/v1/embeddings", json={"input": TEXTS[:2]})).json()
+    assert len(again["data"]) == 2
+
+
+async def test_a_deadline_mid_batch_is_504_and_stops_the_evaluation(
+    server: RunningServer, llama_backend: LlamaBackend
+) -> None:
+    embedder = llama_backend.embedder
+    async with server.client() as client:
+        started = trio.current_time()
+        response = await client.post(
+            "/v1/embeddings", json={"input": LONG_INPUTS}, headers={"X-Request-Timeout": "0.5"}
+        )
+        elapsed = trio.current_time() - started
+    assert response.status_code == 504, response.text
+    assert 0.5 <= elapsed < 2.0
+    assert not embedder._lock.locked()
+
+
+async def test_a_backend_without_embeddings_says_so(nursery: trio.Nursery) -> None:
+    from trioserve import ScriptedBackend
+
+    running = await start_server(nursery, ScriptedBackend([b"x"]), close_backend=True)
+    async with running.client() as client:
+        response = await client.post("/v1/embeddings", json={"input": "hi"})
+    assert response.status_code == 501
+    assert response.json()["error"]["code"] == "no_embeddings"
+    running.server.shutdown()

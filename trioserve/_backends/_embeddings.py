@@ -1,0 +1,245 @@
+"""Embeddings on a loaded model: one llama context with ``embeddings = true``, its
+batch and its abort flag (docs/embeddings.md).
+
+The context returns every token's vector (llama.cpp's pooling off) and the pooling —
+the mean, the first token (CLS), the last — is done here, in float64. Each input is its
+own ``llama_decode`` call: batching inputs changes their numerics (on this CPU, a call of
+8 or more short inputs moved the first one's vector by a cosine of 6e-4 against the
+same input alone, whichever pooling did the mean: the kernels change with the width of
+the call), and an input's vector should not depend on what it was sent with. One input
+per call gives the same bits for the same input, always.
+
+:class:`EmbeddingContext` is used by one thread at a time (:class:`Embedder` holds the
+lock); :meth:`EmbeddingContext.embed` evaluates the inputs in as few ``llama_decode``
+calls as fit — each input its own sequence — and returns each input's pooled,
+L2-normalised vector. The abort flag stops a call within one graph node, as
+generation's does; :class:`Embedder` raises it when the caller's scope is cancelled.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy
+import trio
+
+from .._core._channel import Aborted
+from .._core._exceptions import BackendError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from ._llama import LlamaModel
+
+logger = logging.getLogger("trioserve.embeddings")
+
+__all__ = ["POOLINGS", "Embedder", "EmbeddingContext", "Pooling"]
+
+Pooling = Literal["mean", "cls", "last"]
+#: llama.cpp's ``llama_pooling_type`` values
+POOLINGS: dict[str, int] = {"none": 0, "mean": 1, "cls": 2, "last": 3}
+_NAMES = {value: name for name, value in POOLINGS.items()}
+_UNSPECIFIED = -1
+#: inputs (sequences) per ``llama_decode`` call, at most: one (see the module's docstring)
+MAX_SEQUENCES = 1
+
+
+class EmbeddingContext:
+    """A llama context for pooled embeddings: room for ``n_batch`` tokens of up to
+    :data:`MAX_SEQUENCES` inputs per call (one ubatch: a pooled vector needs its whole
+    input in one evaluation)."""
+
+    def __init__(self, model: LlamaModel, *, pooling: Pooling | None = None) -> None:
+        from ._llama import _make_abort_callback
+
+        lib = model.lib
+        settings = model.settings
+        self.lib = lib
+        self.n_batch = settings.n_batch
+        self.n_embd: int = lib.llama_model_n_embd(model.model)
+        self.has_encoder = bool(lib.llama_model_has_encoder(model.model))
+        if pooling is not None:
+            resolved, self.pooling_source = POOLINGS[pooling], "--pooling"
+        else:
+            probe = self._create(model, _UNSPECIFIED)  # what the GGUF says
+            resolved = lib.llama_pooling_type(probe)
+            lib.llama_free(probe)
+            self.pooling_source = "the model's"
+            if resolved == POOLINGS["none"]:
+                # a generative model has no pooling of its own: mean, the usual default
+                resolved, self.pooling_source = POOLINGS["mean"], "default (the model has none)"
+        if resolved not in _NAMES or resolved == POOLINGS["none"]:
+            raise BackendError(
+                f"llama.cpp pools this model's embeddings as type {resolved}, which is not supported"
+            )
+        self.pooling: str = _NAMES[resolved]
+        logger.info(
+            "embeddings: %s pooling (%s), %d dimensions", self.pooling, self.pooling_source, self.n_embd
+        )
+        # every token's vector; pooled by embed()
+        ctx = self._create(model, POOLINGS["none"])
+        self.ctx = ctx
+        self.memory = lib.llama_get_memory(ctx)
+        self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        for i in range(self.n_batch):
+            self.batch.n_seq_id[i] = 1
+        # the callback object and its flag must outlive the context: keep references
+        self.abort_flag = ctypes.c_ubyte(0)
+        self._abort_callback, _ = _make_abort_callback(lib)
+        lib.llama_set_abort_callback(ctx, self._abort_callback, ctypes.addressof(self.abort_flag))
+        #: ``llama_decode`` calls made, and aborted (tests and /health)
+        self.calls = 0
+        self.aborted_calls = 0
+
+    def _create(self, model: LlamaModel, pooling: int) -> Any:
+        lib = self.lib
+        settings = model.settings
+        params = lib.llama_context_default_params()
+        params.n_ctx = self.n_batch
+        params.n_batch = self.n_batch
+        params.n_ubatch = self.n_batch
+        params.n_seq_max = MAX_SEQUENCES
+        params.n_threads = settings.n_threads
+        params.n_threads_batch = settings.n_threads
+        params.embeddings = True
+        params.pooling_type = pooling
+        params.kv_unified = True  # the inputs of one call share the n_batch cells
+        ctx = lib.llama_init_from_model(model.model, params)
+        if not ctx:
+            raise BackendError(f"llama.cpp could not create an embedding context of {self.n_batch} tokens")
+        return ctx
+
+    def groups(self, inputs: Sequence[Sequence[int]]) -> list[range]:
+        """The inputs of each call: consecutive, ≤ ``n_batch`` tokens, ≤ 64 inputs."""
+        out: list[range] = []
+        start, tokens = 0, 0
+        for i, item in enumerate(inputs):
+            if i > start and (tokens + len(item) > self.n_batch or i - start >= MAX_SEQUENCES):
+                out.append(range(start, i))
+                start, tokens = i, 0
+            tokens += len(item)
+        if inputs:
+            out.append(range(start, len(inputs)))
+        return out
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Each input's pooled, L2-normalised vector (blocking). Raises
+        :class:`~trioserve._backends._threaded.Aborted` when the abort flag stops it."""
+        lib = self.lib
+        batch = self.batch
+        out: list[list[float]] = []
+        for group in self.groups(inputs):
+            if self.abort_flag.value:
+                raise Aborted
+            lib.llama_memory_clear(self.memory, True)
+            n = 0
+            for seq, index in enumerate(group):
+                for pos, token in enumerate(inputs[index]):
+                    batch.token[n] = token
+                    batch.pos[n] = pos
+                    batch.seq_id[n][0] = seq
+                    batch.logits[n] = 1
+                    n += 1
+            batch.n_tokens = n
+            self.calls += 1
+            rc = lib.llama_encode(self.ctx, batch) if self.has_encoder else lib.llama_decode(self.ctx, batch)
+            if rc == 2 or (rc != 0 and self.abort_flag.value):
+                self.aborted_calls += 1
+                lib.llama_memory_clear(self.memory, True)
+                raise Aborted
+            if rc != 0:
+                raise BackendError(
+                    f"llama.cpp could not evaluate the embedding batch (llama_decode returned {rc})"
+                )
+            pointer = lib.llama_get_embeddings(self.ctx)
+            if not pointer:
+                raise BackendError("llama.cpp returned no embeddings")
+            rows = numpy.ctypeslib.as_array(pointer, shape=(n, self.n_embd)).astype(numpy.float64)
+            start = 0
+            for index in group:
+                end = start + len(inputs[index])
+                if self.pooling == "mean":
+                    vector = rows[start:end].mean(axis=0)
+                elif self.pooling == "cls":
+                    vector = rows[start]
+                else:
+                    vector = rows[end - 1]
+                norm = float(numpy.linalg.norm(vector))
+                out.append((vector / norm if norm > 0 else vector).tolist())
+                start = end
+        lib.llama_memory_clear(self.memory, True)
+        return out
+
+    def free(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+
+
+class Embedder:
+    """A model's embedding context, created on first use, one request at a time (the
+    others wait in arrival order, each in its own cancel scope)."""
+
+    def __init__(self, model: LlamaModel, pooling: Pooling | None = None) -> None:
+        self._model = model
+        self._pooling: Pooling | None = pooling
+        self._context: EmbeddingContext | None = None
+        self._lock = trio.Lock()
+        self._closed = False
+
+    @property
+    def context(self) -> EmbeddingContext | None:
+        return self._context
+
+    def check(self, inputs: Sequence[Sequence[int]]) -> None:
+        limit = self._model.settings.n_batch
+        for i, item in enumerate(inputs):
+            if not item:
+                raise InvalidRequestError(f"input[{i}] is empty", param="input")
+            if len(item) > limit:
+                raise InvalidRequestError(
+                    f"input[{i}] has {len(item)} tokens; an input may have at most {limit} (the batch size: "
+                    "its pooled vector needs it evaluated at once; raise --batch-size)",
+                    param="input",
+                )
+
+    async def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        """The vectors of ``inputs`` (token ids). Cancellation: the call in flight is
+        aborted inside llama.cpp; ``Cancelled`` propagates once the thread has
+        returned (never abandoned)."""
+        self.check(inputs)
+        async with self._lock:
+            if self._closed:
+                raise BackendError("the model is closed")
+            if self._context is None:
+                self._context = await trio.to_thread.run_sync(
+                    lambda: EmbeddingContext(self._model, pooling=self._pooling)
+                )
+            context = self._context
+            context.abort_flag.value = 0
+            done = False
+
+            async def abort_on_cancel() -> None:
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    if not done:
+                        context.abort_flag.value = 1
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(abort_on_cancel)
+                try:
+                    vectors = await trio.to_thread.run_sync(context.embed, list(inputs))
+                except Aborted:
+                    await trio.lowlevel.checkpoint()  # the cancel that raised the flag
+                    raise BackendError("the embedding batch was aborted") from None
+                done = True
+                nursery.cancel_scope.cancel()
+            return vectors
+
+    def free(self) -> None:
+        """Free the context (blocking; the caller holds no embed in flight)."""
+        self._closed = True
+        if self._context is not None:
+            self._context.free()
+            self._context = None

@@ -1,0 +1,156 @@
+"""``POST /v1/embeddings``, at the ASGI level like the generation endpoints: the request
+in one cancel scope (its deadline), a disconnect watcher, shutdown reaching it through
+:class:`~trioserve._http._state.ServerState` (docs/embeddings.md)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import trio
+
+from .._core._errors import unwrap_group
+from .._core._exceptions import (
+    DeadlineExceededError,
+    HeadersTooLargeError,
+    MethodNotAllowedError,
+    NotFoundError,
+    ServiceUnavailableError,
+    TrioserveError,
+)
+from .._wire._embeddings import (
+    check_dimensions,
+    decode_embeddings_request,
+    embeddings_inputs,
+    embeddings_response,
+)
+from ._exchange import (
+    Exchange,
+    Receive,
+    Scope,
+    Send,
+    _check_content_type,
+    _ClientGone,
+    _header,
+    _read_body,
+    _request_timeout,
+    headers_too_large,
+)
+from ._generation import _INLINE_PARSE_BYTES, _watch_disconnect
+from ._request import InFlightRequest, Phase
+from ._state import ServerState
+
+__all__ = ["EMBEDDINGS_PATH", "EmbeddingsHandler"]
+
+EMBEDDINGS_PATH = "/v1/embeddings"
+request_logger = logging.getLogger("trioserve.requests")
+
+
+class EmbeddingsHandler:
+    """Serves one embeddings request from parse to final byte."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        exchange = Exchange(send, _header(scope, b"x-request-id") or uuid.uuid4().hex)
+        request = InFlightRequest(scope, exchange, "embeddings")
+        inputs_count = tokens_count = 0
+        try:
+            limit = self.state.settings.max_header_bytes
+            if headers_too_large(scope, limit):
+                raise HeadersTooLargeError(f"the request headers exceed the limit of {limit} bytes")
+            if scope["method"] != "POST":
+                raise MethodNotAllowedError(f"{scope['path']} accepts POST only, not {scope['method']}")
+            inputs_count, tokens_count = await self._serve(request, receive)
+        except _ClientGone:
+            request.end("disconnect")
+        except TrioserveError as exc:
+            request.end(request.cause or "error", exc.message)
+            if not exchange.started:
+                await exchange.error(exc)
+        finally:
+            request.advance(Phase.DONE)
+            self._log(request, inputs_count, tokens_count)
+
+    async def _serve(self, request: InFlightRequest, receive: Receive) -> tuple[int, int]:
+        state = self.state
+        scope, exchange = request.asgi, request.exchange
+        _check_content_type(scope)
+        body = await _read_body(scope, receive, state.settings.max_body_bytes)
+        engine = state.serving_engine()
+        if len(body) > _INLINE_PARSE_BYTES:
+            parsed = await trio.to_thread.run_sync(decode_embeddings_request, body)
+        else:
+            parsed = decode_embeddings_request(body)
+        names = state.model_names()
+        if parsed.model is not None and parsed.model not in names:
+            raise NotFoundError(
+                f"the model {parsed.model!r} does not exist on this server; available: {', '.join(names)}",
+                param="model",
+                code="model_not_found",
+            )
+        request.model = names[0]
+        inputs = embeddings_inputs(parsed)
+        backend = engine.backend
+        size = backend.embedding_size
+        if size is None:
+            raise ServiceUnavailableError(
+                f"this server's backend ({type(backend).__name__}) computes no embeddings",
+                code="no_embeddings",
+            )
+        check_dimensions(parsed, size)
+        request.set_timeout(_request_timeout(scope, state.settings))
+        with request.cancel_scope:
+            request.advance(Phase.QUEUED)
+            state.add_request(request)
+            try:
+                tokens = [
+                    item
+                    if isinstance(item, list)
+                    else await backend.tokenize_text(item, add_special=True, parse_special=True)
+                    for item in inputs
+                ]
+                with unwrap_group():
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_watch_disconnect, receive, request)
+                        vectors = await backend.embed(tokens)
+                        nursery.cancel_scope.cancel()
+            finally:
+                state.remove_request(request)
+        count = sum(len(item) for item in tokens) if request.cause is None else 0
+        if request.cancel_scope.cancelled_caught or request.cause is not None:
+            request.note_deadline()
+            if request.cause == "deadline":
+                raise DeadlineExceededError("the request's deadline passed before the embeddings were done")
+            if request.cause == "shutdown":
+                raise ServiceUnavailableError("the server is shutting down; retry on another instance")
+            return len(inputs), 0  # the client has gone
+        request.advance(Phase.FINISHING)
+        response = embeddings_response(
+            vectors, model=request.model, prompt_tokens=count, encoding=parsed.encoding_format
+        )
+        request.end("stop")
+        request.delivered = True
+        request.watch_scope.cancel()
+        await exchange.json(200, response)
+        return len(inputs), count
+
+    def _log(self, request: InFlightRequest, inputs: int, tokens: int) -> None:
+        metrics = self.state.metrics
+        exchange = request.exchange
+        duration = time.perf_counter() - request.started
+        metrics.requests.labels(endpoint=EMBEDDINGS_PATH, status=str(exchange.status or 0)).inc()
+        request_logger.info(
+            "request %s %s model=%s status=%s cause=%s inputs=%d prompt_tokens=%d duration_ms=%.1f%s",
+            exchange.request_id,
+            EMBEDDINGS_PATH,
+            request.model or "-",
+            exchange.status or "-",
+            request.cause,
+            inputs,
+            tokens,
+            duration * 1000,
+            f" error={request.error!r}" if request.error else "",
+        )
