@@ -202,6 +202,6 @@ async def test_a_backend_without_embeddings_says_so(nursery: trio.Nursery) -> No
     running = await start_server(nursery, ScriptedBackend([b"x"]), close_backend=True)
     async with running.client() as client:
         response = await client.post("/v1/embeddings", json={"input": "hi"})
-    assert response.status_code == 501
+    assert response.status_code == 501, response.text
     assert response.json()["error"]["code"] == "no_embeddings"
     running.server.shutdown()

@@ -16,6 +16,7 @@ from .._core._exceptions import (
     HeadersTooLargeError,
     MethodNotAllowedError,
     NotFoundError,
+    NotSupportedError,
     ServiceUnavailableError,
     TrioserveError,
 )
@@ -96,7 +97,7 @@ class EmbeddingsHandler:
         backend = engine.backend
         size = backend.embedding_size
         if size is None:
-            raise ServiceUnavailableError(
+            raise NotSupportedError(
                 f"this server's backend ({type(backend).__name__}) computes no embeddings",
                 code="no_embeddings",
             )
