@@ -120,7 +120,6 @@ class EmbeddingsHandler:
                         nursery.cancel_scope.cancel()
             finally:
                 state.remove_request(request)
-        count = sum(len(item) for item in tokens) if request.cause is None else 0
         if request.cancel_scope.cancelled_caught or request.cause is not None:
             request.note_deadline()
             if request.cause == "deadline":
@@ -129,6 +128,7 @@ class EmbeddingsHandler:
                 raise ServiceUnavailableError("the server is shutting down; retry on another instance")
             return len(inputs), 0  # the client has gone
         request.advance(Phase.FINISHING)
+        count = sum(len(item) for item in tokens)
         response = embeddings_response(
             vectors, model=request.model, prompt_tokens=count, encoding=parsed.encoding_format
         )
