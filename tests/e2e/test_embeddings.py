@@ -205,3 +205,27 @@ async def test_a_backend_without_embeddings_says_so(nursery: trio.Nursery) -> No
     assert response.status_code == 501, response.text
     assert response.json()["error"]["code"] == "no_embeddings"
     running.server.shutdown()
+
+
+async def test_shutdown_mid_batch_is_503_and_stops_the_evaluation(
+    llama_backend: LlamaBackend, nursery: trio.Nursery
+) -> None:
+    """Shutdown (grace 0) reaches an embeddings request as it reaches a generation: the
+    call in flight is aborted, the client is told 503, the server stops."""
+    running = await start_server(nursery, llama_backend, shutdown_grace=0.0)
+    embedder = llama_backend.embedder
+    before = embedder.context.calls if embedder.context is not None else 0
+    client = await RawStream.post(running.url, "/v1/embeddings", {"input": LONG_INPUTS})
+    try:
+        await wait_for(lambda: embedder.context is not None and embedder.context.calls > before, limit=60)
+        running.server.shutdown()
+        with trio.fail_after(10):
+            data = await client.read_to_eof()
+            await running.server.stopped.wait()
+    finally:
+        await client.aclose()
+    assert data.startswith(b"HTTP/1.1 503"), data[:200]
+    assert not embedder._lock.locked()
+    context = embedder.context
+    assert context is not None
+    assert context.calls - before <= 2
