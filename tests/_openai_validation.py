@@ -110,7 +110,7 @@ if __name__ == "__main__":  # run as a script: make the repository importable (b
 # imported at once: importing the SDKs takes seconds, too long for the event loop mid-test
 from anthropic.types import Message as AnthropicMessage
 from anthropic.types import RawMessageStreamEvent
-from openai.types import Completion, CompletionChoice
+from openai.types import Completion, CompletionChoice, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 
@@ -134,12 +134,14 @@ __all__ = [
 #: the opt-out marker (registered in pyproject.toml)
 MARKER = "no_openai_validation"
 
-Kind = Literal["text", "chat", "messages", "responses"]
+Kind = Literal["text", "chat", "messages", "responses", "embeddings"]
 GENERATION_PATHS: dict[str, Kind] = {
     "/v1/completions": "text",
     "/v1/chat/completions": "chat",
     "/v1/messages": "messages",
     "/v1/responses": "responses",
+    # (never streamed: its 200 body is checked)
+    "/v1/embeddings": "embeddings",
 }
 
 # The legacy completions stream's chunks are ``Completion`` objects, but OpenAI sends
@@ -167,6 +169,7 @@ BODY_TYPES: dict[Kind, type[pydantic.BaseModel]] = {
     "chat": ChatCompletion,
     "messages": AnthropicMessage,
     "responses": Response,
+    "embeddings": CreateEmbeddingResponse,
 }
 
 _SHOWN_BYTES = 1500
@@ -473,6 +476,32 @@ def _json(flag: Flag, where: str, text: str | bytes, raw: bytes) -> object:
 
 def _is_int(value: object) -> typing.TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _decoded_embeddings(flag: Flag, payload: Any, body: bytes) -> Any:
+    """An embeddings body with each base64 vector (``encoding_format: base64``: what the
+    openai SDK asks for by default and decodes itself) decoded as little-endian float32,
+    so that the type checks the numbers; a string that is not such a vector is flagged."""
+    import base64
+    import binascii
+    import struct
+
+    if not isinstance(payload, dict) or not isinstance(payload.get("data"), list):
+        return payload
+    data = []
+    for i, item in enumerate(payload["data"]):
+        if isinstance(item, dict) and isinstance(item.get("embedding"), str):
+            try:
+                raw = base64.b64decode(item["embedding"], validate=True)
+            except binascii.Error:
+                flag(f"data[{i}].embedding is a string that is not base64", body)
+                raw = b""
+            if len(raw) % 4:
+                flag(f"data[{i}].embedding: {len(raw)} bytes is not a float32 vector", body)
+                raw = raw[: len(raw) - len(raw) % 4]
+            item = {**item, "embedding": list(struct.unpack(f"<{len(raw) // 4}f", raw))}
+        data.append(item)
+    return {**payload, "data": data}
 
 
 class _OpenAIStream:
@@ -966,7 +995,7 @@ class ResponseCheck:
             self._stream = _AnthropicStream(self._flag)
         elif kind == "responses":
             self._stream = _ResponsesStream(self._flag)
-        else:
+        elif kind != "embeddings":
             self._stream = _OpenAIStream(kind, self._flag)
 
     # the ASGI side
@@ -984,6 +1013,9 @@ class ResponseCheck:
             media = _header(headers, b"content-type").split(";")[0].strip().lower()
             if self.status != 200:
                 self.mode = "error"
+            elif media == "text/event-stream" and self.kind == "embeddings":
+                self.mode = "other"
+                self._flag("an embeddings response streamed as server-sent events", b"")
             elif media == "text/event-stream":
                 self.mode = "sse"
             elif media == "application/json":
@@ -1050,6 +1082,8 @@ class ResponseCheck:
         payload = _json(self._flag, "the body", body, body)
         if payload is _INVALID:
             return
+        if self.kind == "embeddings":
+            payload = _decoded_embeddings(self._flag, payload, body)
         problems = check_payload(model, payload)
         if self.kind == "messages" and isinstance(payload, dict) and isinstance(payload.get("content"), list):
             blocks = [

@@ -4,8 +4,10 @@ object."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
+import struct
 from pathlib import Path
 
 import httpx
@@ -209,6 +211,29 @@ def test_non_streamed_bodies() -> None:
     assert "Content-Type 'text/plain'" in check(b"hi", headers=[(b"content-type", b"text/plain")])[0].problem
 
 
+def test_embeddings_bodies() -> None:
+    """``/v1/embeddings``: its 200 body is the openai SDK's ``CreateEmbeddingResponse``;
+    it is never a stream."""
+    good = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": 0, "embedding": [0.6, 0.8]}],
+        "model": "m",
+        "usage": {"prompt_tokens": 3, "total_tokens": 3},
+    }
+    assert check(json.dumps(good).encode(), "embeddings", JSON_HEADERS) == []
+    bad = {**good, "data": [{"object": "vector", "index": 0, "embedding": [0.6, 0.8]}]}
+    (problem, *_) = [v.problem for v in check(json.dumps(bad).encode(), "embeddings", JSON_HEADERS)]
+    assert "'vector'" in problem
+    missing = {key: value for key, value in good.items() if key != "usage"}
+    assert check(json.dumps(missing).encode(), "embeddings", JSON_HEADERS)
+    assert "server-sent events" in check(b"data: {}\n\n", "embeddings")[0].problem
+    packed = base64.b64encode(struct.pack("<2f", 0.6, 0.8)).decode()  # encoding_format base64
+    as_base64 = {**good, "data": [{"object": "embedding", "index": 0, "embedding": packed}]}
+    assert check(json.dumps(as_base64).encode(), "embeddings", JSON_HEADERS) == []
+    broken = {**good, "data": [{"object": "embedding", "index": 0, "embedding": "AAA"}]}
+    assert check(json.dumps(broken).encode(), "embeddings", JSON_HEADERS)
+
+
 # --- the contract with openai-python --------------------------------------------------
 
 
@@ -269,7 +294,7 @@ async def test_a_wrapped_app_reports_what_it_sends_and_changes_nothing() -> None
     async with httpx.AsyncClient(transport=httpx.ASGITransport(wrapped), base_url="http://t") as client:  # type: ignore[arg-type]
         response = await client.post("/v1/chat/completions", json={})
         assert response.content == body
-        await client.post("/v1/embeddings", json={})  # not a generation path: not checked
+        await client.post("/v1/tokenize", json={})  # not a generation path: not checked
     assert len(done) == 1
     assert [v.problem.split(":")[0] for v in seen] == ["event 2"]
     assert "x-request-id" not in seen[0].where
