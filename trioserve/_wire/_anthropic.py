@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -21,8 +20,16 @@ import msgspec
 from .._core._exceptions import InvalidRequestError, OverloadedError, TrioserveError
 from .._core._types import Constraint, EndCause, SamplingParams, TokenLogprob, Usage
 from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ThinkingPart, ToolMode
-from ._conversation import Conversation, fold_system_messages
-from ._openai import CallFunction, ChatMessage, ChoiceResult, MessageToolCall, _decode, encode_json
+from ._conversation import Conversation, fold_system_messages, new_id
+from ._openai import (
+    _END_MESSAGES,
+    CallFunction,
+    ChatMessage,
+    ChoiceResult,
+    MessageToolCall,
+    _decode,
+    encode_json,
+)
 from ._tools import FunctionDef, Tool
 
 __all__ = [
@@ -487,15 +494,6 @@ _PING = b'event: ping\ndata: {"type":"ping"}\n\n'
 _STOP_BLOCK = b'event: content_block_stop\ndata: {"type":"content_block_stop","index":%d}\n\n'
 _MESSAGE_STOP = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
 
-_END_MESSAGES = {
-    "deadline": "the request's deadline passed; the text so far is complete up to here",
-    "shutdown": "the server is shutting down; retry on another instance or later",
-}
-
-
-def _new_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex[:24]
-
 
 class AnthropicDialect:
     """One Messages response: its events (one content block open at a time) or its
@@ -518,7 +516,7 @@ class AnthropicDialect:
         self.model = model
         self._omit_thinking = omit_thinking
         self._max_tokens = max_tokens
-        self.id = _new_id("msg_")
+        self.id = new_id("msg_")
         self._reader = ChoiceReader(tool_mode, tool_names, reasoning=reasoning, inside=inside)
         self._reasoning = reasoning is not None
         self._stops = frozenset(stops)
@@ -603,7 +601,7 @@ class AnthropicDialect:
                 )
             elif type(part) is CallStart:
                 out += self._start(
-                    {"type": "tool_use", "id": _new_id("toolu_"), "name": part.name, "input": {}}
+                    {"type": "tool_use", "id": new_id("toolu_"), "name": part.name, "input": {}}
                 )
                 if part.arguments:
                     out += self._json_delta(part.arguments)
@@ -699,7 +697,7 @@ class AnthropicDialect:
                 content.append({"type": "text", "text": arguments})
                 continue
             called = True
-            content.append({"type": "tool_use", "id": _new_id("toolu_"), "name": name, "input": value})
+            content.append({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": value})
         self._decide(result.cause, None, result.stop_sequence, called)
         message: dict[str, object] = {
             "id": self.id,

@@ -5,6 +5,7 @@ prompt for a request (docs/dialects.md)."""
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,7 +16,12 @@ from ._choices import ToolMode
 from ._openai import ChatMessage
 from ._tools import Tool, call_constraint
 
-__all__ = ["Conversation", "fold_system_messages", "generation_for"]
+__all__ = ["Conversation", "fold_system_messages", "generation_for", "new_id"]
+
+
+def new_id(prefix: str) -> str:
+    """An id for a message, block, item or call: ``prefix`` and 24 hex digits."""
+    return prefix + uuid.uuid4().hex[:24]
 
 
 def _joined(first: ChatMessage, text: str) -> ChatMessage:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import re
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -23,9 +22,10 @@ import msgspec
 from .._core._exceptions import InvalidRequestError, TrioserveError
 from .._core._types import Constraint, EndCause, SamplingParams, TokenLogprob, Usage
 from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ThinkingPart, ToolMode
-from ._conversation import Conversation, fold_system_messages
+from ._conversation import Conversation, fold_system_messages, new_id
 from ._openai import (
     _ANY_OBJECT,
+    _END_MESSAGES,
     CallFunction,
     ChatMessage,
     ChoiceResult,
@@ -369,16 +369,6 @@ def decode_input_tokens_request(body: bytes) -> InputTokensRequest:
 # -- responses ------------------------------------------------------------------------
 
 
-def _new_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex[:24]
-
-
-_END_MESSAGES = {
-    "deadline": "the request's deadline passed; the text so far is complete up to here",
-    "shutdown": "the server is shutting down; retry on another instance or later",
-}
-
-
 class ResponsesDialect:
     """One Responses response: its events or its ``Response`` body. One choice: the
     dialect is its own writer."""
@@ -396,7 +386,7 @@ class ResponsesDialect:
         inside: bool = False,
     ) -> None:
         self.model = model
-        self.id = _new_id("resp_")
+        self.id = new_id("resp_")
         self.created_at = int(time.time())
         self._request = request
         self._reader = ChoiceReader(tool_mode, tool_names, reasoning=reasoning, inside=inside)
@@ -488,7 +478,7 @@ class ResponsesDialect:
 
     def _open_message(self) -> bytes:
         item: dict[str, object] = {
-            "id": _new_id("msg_"),
+            "id": new_id("msg_"),
             "type": "message",
             "status": "in_progress",
             "role": "assistant",
@@ -519,10 +509,10 @@ class ResponsesDialect:
     def _open_call(self, name: str) -> bytes:
         out = self._close()
         item: dict[str, object] = {
-            "id": _new_id("fc_"),
+            "id": new_id("fc_"),
             "type": "function_call",
             "status": "in_progress",
-            "call_id": _new_id("call_"),
+            "call_id": new_id("call_"),
             "name": name,
             "arguments": "",
         }
@@ -534,7 +524,7 @@ class ResponsesDialect:
     def _open_reasoning(self) -> bytes:
         out = self._close()
         item: dict[str, object] = {
-            "id": _new_id("rs_"),
+            "id": new_id("rs_"),
             "type": "reasoning",
             "summary": [],
             "status": "in_progress",
@@ -682,7 +672,7 @@ class ResponsesDialect:
             content = [{"type": "reasoning_text", "text": result.reasoning}]
             self._output.append(
                 {
-                    "id": _new_id("rs_"),
+                    "id": new_id("rs_"),
                     "type": "reasoning",
                     "summary": [],
                     "content": content,
@@ -693,7 +683,7 @@ class ResponsesDialect:
             part = {"type": "output_text", "text": result.text, "annotations": [], "logprobs": []}
             self._output.append(
                 {
-                    "id": _new_id("msg_"),
+                    "id": new_id("msg_"),
                     "type": "message",
                     "status": status,
                     "role": "assistant",
@@ -703,10 +693,10 @@ class ResponsesDialect:
         for _call_id, name, arguments in result.tool_calls or ():
             self._output.append(
                 {
-                    "id": _new_id("fc_"),
+                    "id": new_id("fc_"),
                     "type": "function_call",
                     "status": status,
-                    "call_id": _new_id("call_"),
+                    "call_id": new_id("call_"),
                     "name": name,
                     "arguments": arguments,
                 }
