@@ -64,7 +64,8 @@ def test_create_and_stream_give_the_same_text(client: anthropic.Anthropic) -> No
     with client.messages.stream(**request) as stream:
         deltas = list(stream.text_stream)
         final = stream.get_final_message()
-    assert len(deltas) > 1  # streamed, not one piece
+    # streamed, not one piece (unless the greedy answer, which differs by CPU, is a token or two)
+    assert len(deltas) > 1 or message.usage.output_tokens <= 2
     assert "".join(deltas) == message.content[0].text
     assert final.content[0].type == "text"
     assert final.content[0].text == message.content[0].text

@@ -64,7 +64,8 @@ def test_create_and_stream_give_the_same_text(client: openai.OpenAI, model: str)
             if event.type in ("response.completed", "response.incomplete"):
                 final = event.response
     assert kinds[0] == "response.created"
-    assert len(deltas) > 1
+    # streamed, not one piece (unless the greedy answer, which differs by CPU, is a token or two)
+    assert len(deltas) > 1 or response.usage.output_tokens <= 2
     assert "".join(deltas) == response.output_text
     assert final.output_text == response.output_text
     assert final.status == response.status
