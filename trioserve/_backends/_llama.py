@@ -17,19 +17,21 @@ import math
 import os
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Self
 
 import trio
 
 from .._core._backend import Backend, ModelInfo, PreparedPrompt, check_token_ids, fit_to_context
+from .._core._errors import unwrap_group
 from .._core._exceptions import BackendError, InvalidRequestError
 from .._core._types import GenerationRequest, SamplingParams
 from ._grammar import GrammarCompiler
 from ._platform import RepackDecision, decide_repack
+from ._prompt_cache import HostCache
 
-__all__ = ["LlamaModel", "LlamaSettings"]
+__all__ = ["LlamaModel", "LlamaSettings", "LoadAborted"]
 
 logger = logging.getLogger("trioserve.llama")
 
@@ -78,6 +80,10 @@ def _make_log_callback() -> Any:
     import llama_cpp
 
     return llama_cpp.llama_log_callback(_forward_log)
+
+
+class LoadAborted(BackendError):
+    """A load stopped because nobody wanted it any more (``aload``'s cancel)."""
 
 
 class _LazyLogCallback:
@@ -237,8 +243,14 @@ class LlamaModel(Backend):
         *,
         system_info: str = "",
         repack: RepackDecision | None = None,
+        host_cache: HostCache | None = None,
+        abort: threading.Event | None = None,
     ) -> None:
         super().__init__()
+        #: the prompt cache's host tier to use (a registry entry's, kept across loads)
+        self._host_cache = host_cache
+        #: set when the load should stop (checked between its phases)
+        self._load_abort = abort
         self.system_info = system_info
         self.repack = repack
         self._freed = False
@@ -263,9 +275,15 @@ class LlamaModel(Backend):
             bos_token=self._token_text(self._bos),
             eos_token=self._token_text(lib.llama_vocab_eos(self.vocab)),
         )
+        self.check_abort()
         self._create_contexts()
         with LlamaModel._count_lock:
             LlamaModel.loaded += 1
+
+    def check_abort(self) -> None:
+        """Between the load's phases: raise :class:`LoadAborted` if the load was aborted."""
+        if self._load_abort is not None and self._load_abort.is_set():
+            raise LoadAborted(f"the load of {self.settings.model_path} was aborted")
 
     def _create_contexts(self) -> None:
         """Create the llama contexts (called once the model and vocabulary are ready)."""
@@ -278,8 +296,22 @@ class LlamaModel(Backend):
     # ----------------------------------------------------------------- loading
 
     @classmethod
-    def load(cls, settings: LlamaSettings) -> Self:
-        """Load the model and create the contexts (blocking: seconds for big models)."""
+    def load(
+        cls,
+        settings: LlamaSettings,
+        *,
+        progress: Callable[[float], None] | None = None,
+        abort: threading.Event | None = None,
+        host_cache: HostCache | None = None,
+    ) -> Self:
+        """Load the model and create the contexts (blocking: seconds for big models).
+
+        ``progress`` is called (in this thread) with llama.cpp's load progress, 0…1;
+        once ``abort`` is set, the progress callback returns false — llama.cpp stops
+        reading and frees the partial model — and the phases after the weights
+        (contexts, warm-up) are skipped: :class:`LoadAborted` is raised, nothing stays
+        allocated. ``host_cache``: the prompt cache's host tier to start with (a
+        registry entry's, which outlives an unload)."""
         import llama_cpp
 
         if not settings.model_path.is_file():
@@ -300,11 +332,35 @@ class LlamaModel(Backend):
             )
             params = llama_cpp.llama_model_default_params()
             params.use_extra_bufts = decision.extra_buffers
+
+            def on_progress(value: float, _data: object) -> bool:
+                # called by llama.cpp from this thread; it must never raise
+                try:
+                    if progress is not None:
+                        progress(min(max(float(value), 0.0), 1.0))
+                except Exception:  # pragma: no cover - a listener's bug
+                    logger.exception("the load progress listener failed")
+                return abort is None or not abort.is_set()
+
+            callback = llama_cpp.llama_progress_callback(on_progress)  # referenced until the load returns
+            params.progress_callback = callback
             model = llama_cpp.llama_model_load_from_file(str(settings.model_path).encode(), params)
             if not model:
+                if abort is not None and abort.is_set():
+                    raise LoadAborted(f"the load of {settings.model_path} was aborted")
                 raise BackendError(f"llama.cpp could not load {settings.model_path}")
             try:
-                return cls(settings, llama_cpp, model, system_info=system_info, repack=decision)
+                if abort is not None and abort.is_set():
+                    raise LoadAborted(f"the load of {settings.model_path} was aborted")
+                return cls(
+                    settings,
+                    llama_cpp,
+                    model,
+                    system_info=system_info,
+                    repack=decision,
+                    host_cache=host_cache,
+                    abort=abort,
+                )
             except BaseException:
                 llama_cpp.llama_model_free(model)
                 raise
@@ -312,18 +368,49 @@ class LlamaModel(Backend):
             _LazyLogCallback.loading -= 1
 
     @classmethod
-    async def aload(cls, settings: LlamaSettings) -> Self:
-        """:meth:`load` in a worker thread. Cancellation: the load is not interrupted
-        (llama.cpp cannot stop it); once it has finished, the model is freed and the
-        ``Cancelled`` propagates."""
-        backend = await trio.to_thread.run_sync(cls.load, settings)
+    async def aload(
+        cls,
+        settings: LlamaSettings,
+        *,
+        progress: Callable[[float], None] | None = None,
+        host_cache: HostCache | None = None,
+    ) -> Self:
+        """:meth:`load` in a worker thread.
+
+        Cancellation: a cancel aborts the load — llama.cpp's progress callback returns
+        false at its next tensor, or the next phase (contexts, warm-up) is skipped — and
+        waits until the thread has freed what it had allocated; then the ``Cancelled``
+        propagates. A load that completes as the cancel arrives is freed."""
+        abort = threading.Event()
+        box: list[Self] = []
+
+        def run() -> None:
+            box.append(cls.load(settings, progress=progress, abort=abort, host_cache=host_cache))
+
+        async def watch() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:
+                abort.set()
+
         try:
-            await trio.lowlevel.checkpoint_if_cancelled()
+            with unwrap_group():
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(watch)
+                    try:
+                        with trio.CancelScope(shield=True):
+                            await trio.to_thread.run_sync(run)
+                    except LoadAborted:
+                        pass  # (the cancel that set the flag comes out of the nursery)
+                    nursery.cancel_scope.cancel()
         except BaseException:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(backend._free)
+            if box:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(box[0]._free)
             raise
-        return backend
+        if not box:  # pragma: no cover - aborted without a cancel: cannot happen
+            raise LoadAborted(f"the load of {settings.model_path} was aborted")
+        return box[0]
 
     async def aclose(self) -> None:
         await trio.to_thread.run_sync(self._free)

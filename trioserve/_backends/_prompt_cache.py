@@ -93,6 +93,13 @@ class HostCache:
             self._drop(next(iter(self._entries)))
             self.evictions += 1
 
+    def shrink(self) -> None:
+        """Drop the least recently used entries until the bytes held fit the budget
+        (after the budget changed)."""
+        while self.bytes > self.budget and self._entries:
+            self._drop(next(iter(self._entries)))
+            self.evictions += 1
+
     def best(self, prompt: list[int], limit: int, chunk: int) -> tuple[int, bytes] | None:
         """``(shared tokens, state)`` of the entry sharing the most whole chunks with
         ``prompt`` (at most ``limit`` tokens); ``None`` if none shares a chunk. The entry

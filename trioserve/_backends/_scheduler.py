@@ -222,7 +222,14 @@ class _Scheduler:
         #: measured on the first prefix kept (``llama_state_seq_get_size``), for the gauge
         self.kv_bytes_per_token = 0.0
         #: prefixes evicted from KV cells, in host memory (``--cache-ram``)
-        self.host = HostCache(settings.cache_ram_bytes if self.cache_enabled else 0, chunk=self.reuse_unit)
+        given = backend._host_cache
+        if given is not None and given.chunk == self.reuse_unit and self.cache_enabled:
+            given.budget = settings.cache_ram_bytes
+            given.shrink()
+            self.host = given  # a registry entry's: what the model cached before an unload
+        else:
+            budget = settings.cache_ram_bytes if self.cache_enabled else 0
+            self.host = HostCache(budget, chunk=self.reuse_unit)
         self.restore_seconds = 0.0
         self.save_seconds = 0.0
         #: idle recompute: the whole conversation (prompt + reply) of a finished request,
@@ -249,6 +256,7 @@ class _Scheduler:
         self.shared_context_limit = settings.n_ctx
         if settings.warm_up:
             try:
+                backend.check_abort()
                 _warm_up(backend, self)
             except BaseException:
                 self.context.free(backend.lib)
@@ -315,6 +323,32 @@ class _Scheduler:
 
     def free(self) -> None:
         self.context.free(self._backend.lib)
+
+    def spill(self) -> int:
+        """Before the context is freed (the thread has stopped): save every id's cached
+        prefix to the host tier, so that a registry entry loaded again restores it
+        (docs/models.md). Returns the prefixes saved."""
+        if not self.host.budget:
+            return 0
+        lib = self._backend.lib
+        saved = 0
+        # the most recently used last: the host tier keeps the newest when it is full
+        for seq_id in sorted(range(len(self._cached)), key=lambda i: self._used_at[i]):
+            tokens = self._cached[seq_id]
+            if not tokens or self.host.covers(tokens):
+                continue
+            try:
+                size = lib.llama_state_seq_get_size(self.ctx, seq_id)
+                if size > self.host.budget:
+                    continue
+                buffer = (ctypes.c_uint8 * size)()
+                written = lib.llama_state_seq_get_data(self.ctx, buffer, size, seq_id)
+                if written:
+                    self.host.put(list(tokens), ctypes.string_at(buffer, written))
+                    saved += 1
+            except Exception:  # an optimisation: without it, the prompt is evaluated again
+                logger.exception("could not save a cached prefix at unload; it is dropped")
+        return saved
 
     # ------------------------------------------------------- scheduler thread
 
@@ -1109,6 +1143,10 @@ class LlamaBackend(LlamaModel):
 
     def _release_contexts(self) -> None:
         self._stop_scheduler()
+        if self._host_cache is not None and self._scheduler.host is self._host_cache:
+            saved = self._scheduler.spill()
+            if saved:
+                logger.info("kept %d cached prefix(es) in host memory for the next load", saved)
         self._scheduler.free()
         self._embedder.free()
 

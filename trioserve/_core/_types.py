@@ -28,7 +28,9 @@ __all__ = [
 #: stopped reading), ``shutdown``, ``error``, or ``overloaded`` (refused with 429 before it
 #: started). On the wire ``finish_reason`` carries only OpenAI's values
 #: (``_wire._openai.openai_finish_reason``); the cause goes in the ``trioserve`` field.
-EndCause = Literal["stop", "length", "deadline", "disconnect", "shutdown", "stall", "error", "overloaded"]
+EndCause = Literal[
+    "stop", "length", "deadline", "disconnect", "shutdown", "stall", "error", "overloaded", "unload"
+]
 #: How a backend's generation ends on its own (the rest of :data:`EndCause` is decided
 #: around it).
 GenerationEnd = Literal["stop", "length"]

@@ -27,7 +27,9 @@ ASGIApp = Callable[
 
 _OPEN_PATHS = frozenset({"/", "/health", "/index.html", "/favicon.ico"})
 #: outside ``/v1/``, the paths that need a key (llama-server's tokenizer endpoints too)
-_KEYED_PATHS = frozenset({"/metrics", "/tokenize", "/detokenize"})
+_KEYED_PATHS = frozenset(
+    {"/metrics", "/tokenize", "/detokenize", "/models", "/models/load", "/models/unload"}
+)
 
 
 class AccessPolicy:

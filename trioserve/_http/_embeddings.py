@@ -15,7 +15,6 @@ from .._core._exceptions import (
     DeadlineExceededError,
     HeadersTooLargeError,
     MethodNotAllowedError,
-    NotFoundError,
     NotSupportedError,
     ServiceUnavailableError,
     TrioserveError,
@@ -34,6 +33,7 @@ from ._exchange import (
     _check_content_type,
     _ClientGone,
     _header,
+    _keep_alive,
     _read_body,
     _request_timeout,
     headers_too_large,
@@ -80,43 +80,44 @@ class EmbeddingsHandler:
         scope, exchange = request.asgi, request.exchange
         _check_content_type(scope)
         body = await _read_body(scope, receive, state.settings.max_body_bytes)
-        engine = state.serving_engine()
         if len(body) > _INLINE_PARSE_BYTES:
             parsed = await trio.to_thread.run_sync(decode_embeddings_request, body)
         else:
             parsed = decode_embeddings_request(body)
-        names = state.model_names()
-        if parsed.model is not None and parsed.model not in names:
-            raise NotFoundError(
-                f"the model {parsed.model!r} does not exist on this server; available: {', '.join(names)}",
-                param="model",
-                code="model_not_found",
-            )
-        request.model = names[0]
+        entry = state.resolve(parsed.model)
+        request.model = entry.name
         inputs = embeddings_inputs(parsed)
-        backend = engine.backend
-        size = backend.embedding_size
-        if size is None:
-            raise NotSupportedError(
-                f"this server's backend ({type(backend).__name__}) computes no embeddings",
-                code="no_embeddings",
-            )
-        check_dimensions(parsed, size)
+        keep_alive = _keep_alive(scope)
         request.set_timeout(_request_timeout(scope, state.settings))
+        tokens: list[list[int]] = []
+        vectors: list[list[float]] = []
         with request.cancel_scope:
-            request.advance(Phase.QUEUED)
+            request.advance(Phase.LOADING if entry.state != "loaded" else Phase.QUEUED)
             state.add_request(request)
             try:
-                tokens = [
-                    item
-                    if isinstance(item, list)
-                    else await backend.tokenize_text(item, add_special=True, parse_special=True)
-                    for item in inputs
-                ]
                 with unwrap_group():
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(_watch_disconnect, receive, request)
-                        vectors = await backend.embed(tokens)
+                        lease = await state.lease(entry, request, keep_alive)
+                        try:
+                            backend = lease.engine.backend
+                            size = backend.embedding_size
+                            if size is None:
+                                raise NotSupportedError(
+                                    f"this server's backend ({type(backend).__name__}) computes "
+                                    "no embeddings",
+                                    code="no_embeddings",
+                                )
+                            check_dimensions(parsed, size)
+                            tokens = [
+                                item
+                                if isinstance(item, list)
+                                else await backend.tokenize_text(item, add_special=True, parse_special=True)
+                                for item in inputs
+                            ]
+                            vectors = await backend.embed(tokens)
+                        finally:
+                            lease.release()
                         nursery.cancel_scope.cancel()
             finally:
                 state.remove_request(request)
@@ -126,6 +127,11 @@ class EmbeddingsHandler:
                 raise DeadlineExceededError("the request's deadline passed before the embeddings were done")
             if request.cause == "shutdown":
                 raise ServiceUnavailableError("the server is shutting down; retry on another instance")
+            if request.cause == "unload":
+                raise ServiceUnavailableError(
+                    f"the model {request.model!r} was unloaded before the embeddings were done",
+                    code="model_unloaded",
+                )
             return len(inputs), 0  # the client has gone
         request.advance(Phase.FINISHING)
         count = sum(len(item) for item in tokens)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+import msgspec
 import trio
 
 from .._core._exceptions import (
@@ -176,3 +177,48 @@ def _request_timeout(scope: Scope, settings: HTTPSettings) -> float | None:
     if timeout is not None and settings.max_timeout is not None:
         timeout = min(timeout, settings.max_timeout)
     return timeout
+
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(raw: str) -> float:
+    """Ollama's ``keep_alive``: seconds (``300``), a duration (``5m``, ``1h``, ``30s``),
+    0 (unload once idle) or a negative number (keep loaded)."""
+    text = raw.strip().lower()
+    unit = 1.0
+    for suffix in ("ms", "s", "m", "h"):
+        if text.endswith(suffix):
+            text, unit = text[: -len(suffix)], _DURATION_UNITS[suffix]
+            break
+    try:
+        value = float(text) * unit
+    except ValueError:
+        raise InvalidRequestError(
+            f"keep_alive must be seconds or a duration such as 5m, got {raw!r}", param="keep_alive"
+        ) from None
+    if math.isnan(value):
+        raise InvalidRequestError(f"keep_alive must be a number, got {raw!r}", param="keep_alive")
+    return math.inf if value < 0 else value
+
+
+def _keep_alive(scope: Scope) -> float | None:
+    """The request's ``X-Keep-Alive`` (docs/models.md), if it sent one."""
+    raw = _header(scope, b"x-keep-alive")
+    return None if raw is None else parse_keep_alive(raw)
+
+
+class _ModelField(msgspec.Struct):
+    model: str | None = None
+
+
+_peek_decoder = msgspec.json.Decoder(_ModelField)
+
+
+def _peek_model(body: bytes) -> str | None:
+    """The ``model`` a JSON body names (``None``: none). A body that is not a JSON
+    object, or whose ``model`` is not a string, is refused here (400), before any model
+    is loaded for it."""
+    from .._wire._openai import _decode
+
+    return _decode(_peek_decoder, body).model

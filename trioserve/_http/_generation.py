@@ -25,7 +25,7 @@ from typing import Literal
 import trio
 
 from .._core._backend import PreparedPrompt
-from .._core._engine import EventStream
+from .._core._engine import Engine, EventStream
 from .._core._errors import unwrap_group
 from .._core._exceptions import (
     ContextLengthError,
@@ -33,7 +33,6 @@ from .._core._exceptions import (
     HeadersTooLargeError,
     InvalidRequestError,
     MethodNotAllowedError,
-    NotFoundError,
     OverloadedError,
     ServiceUnavailableError,
     TrioserveError,
@@ -61,6 +60,8 @@ from ._exchange import (
     _check_content_type,
     _ClientGone,
     _header,
+    _keep_alive,
+    _peek_model,
     _read_body,
     _request_timeout,
     headers_too_large,
@@ -330,46 +331,18 @@ class GenerationHandler:
 
     async def _serve(self, request: InFlightRequest, receive: Receive) -> None:
         state = self.state
-        scope, exchange = request.asgi, request.exchange
+        scope = request.asgi
         _check_content_type(scope)
         body = await _read_body(scope, receive, state.settings.max_body_bytes)
-        engine = self.state.serving_engine()  # shutting down, not loaded: refuse before any work
-        if len(body) > _INLINE_PARSE_BYTES:
-            # decoding a large body, rendering a long chat: off the event loop
-            parsed = await trio.to_thread.run_sync(self._parse, request.kind, body)
-        else:
-            parsed = self._parse(request.kind, body)
-        stream, request.model = parsed.stream, parsed.model
-        slots = engine.admission.slots
-        if parsed.choices > slots:
-            if len(parsed.generations) == 1:
-                raise InvalidRequestError(
-                    f"n may be at most {slots} on this server (its number of slots); got {parsed.n}",
-                    param="n",
-                )
-            raise InvalidRequestError(
-                f"a batch of {len(parsed.generations)} prompts × n={parsed.n} needs "
-                f"{parsed.choices} slots at once; this server has {slots}: send fewer prompts per request",
-                param="prompt",
-            )
+        # which model: refused (404, 503 shutting down) before any work
+        entry = state.resolve(_peek_model(body))
+        request.model = entry.name
+        keep_alive = _keep_alive(scope)
         request.set_timeout(_request_timeout(scope, state.settings))
-        dialect = request.dialect = parsed.dialect
 
         with request.cancel_scope:
-            request.advance(Phase.QUEUED)
             state.add_request(request)
             try:
-                try:
-                    prompts = [
-                        _check_limits(await engine.prepare(generation), state.settings, parsed.dialect)
-                        for generation in parsed.generations
-                    ]
-                except InvalidRequestError as exc:
-                    if request.kind == "responses" and exc.param == "max_tokens":
-                        # (the engine's name for it)
-                        exc.message = exc.message.replace("max_tokens", "max_output_tokens")
-                        exc.param = "max_output_tokens"
-                    raise
                 with unwrap_group():
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(_watch_disconnect, receive, request)
@@ -380,32 +353,15 @@ class GenerationHandler:
                         stall_timeout = math.inf if state.stall_timeout is None else state.stall_timeout
                         nursery.start_soon(_watch_stall, request, stall_timeout, stall_scope)
                         try:
-                            heartbeat = None
-                            if stream:
-                                # Refuse (429) while a status code can still say so, and hold the
-                                # place; then start the stream, so heartbeats can flow while queued
-                                # and in prefill.
-                                request.reservation = engine.admission.reserve()
-                                await exchange.start(200, SSE_HEADERS)
-                                opening = dialect.opening(sum(len(p.tokens) for p in prompts))
-                                if opening:
-                                    await exchange.body(opening)
-                                interval = state.settings.heartbeat_interval
-                                if interval:
-                                    heartbeat = _Heartbeat(exchange, interval, dialect.heartbeat)
-                                    nursery.start_soon(heartbeat.run)
-                            async with engine.stream_choices(
-                                prompts if len(prompts) > 1 else prompts[0],
-                                parsed.n,
-                                reservation=request.reservation,
-                            ) as choices:
-                                request.events, request.choices = choices[0], choices
-                                if stream and parsed.plain:
-                                    await self._stream(request, choices[0], heartbeat)
-                                elif stream:
-                                    await self._stream_choices(request, parsed, heartbeat)
-                                else:
-                                    await self._collect(request, parsed)
+                            # the model, loaded (a load waits inside this request's
+                            # deadline; a disconnect leaves it: docs/models.md)
+                            if entry.state != "loaded":
+                                request.advance(Phase.LOADING)
+                            lease = await state.lease(entry, request, keep_alive)
+                            try:
+                                await self._generate(request, lease.engine, body)
+                            finally:
+                                lease.release()
                             nursery.cancel_scope.cancel()  # the watcher: this request is done
                         finally:
                             stall_scope.cancel()
@@ -420,9 +376,75 @@ class GenerationHandler:
             request.note_deadline()  # no-op if another cause came first
             await self._cancelled(request)
 
-    def _parse(self, kind: Kind, body: bytes) -> _Parsed:
+    async def _generate(self, request: InFlightRequest, engine: Engine, body: bytes) -> None:
+        """Parse, prepare and run the request on its model's engine."""
+        state = self.state
+        exchange = request.exchange
+        chat_format = state.chat_format(engine)
+        if len(body) > _INLINE_PARSE_BYTES:
+            # decoding a large body, rendering a long chat: off the event loop
+            parsed = await trio.to_thread.run_sync(self._parse, request.kind, body, chat_format)
+        else:
+            parsed = self._parse(request.kind, body, chat_format)
+        stream, request.model = parsed.stream, parsed.model
+        slots = engine.admission.slots
+        if parsed.choices > slots:
+            if len(parsed.generations) == 1:
+                raise InvalidRequestError(
+                    f"n may be at most {slots} on this server (its number of slots); got {parsed.n}",
+                    param="n",
+                )
+            raise InvalidRequestError(
+                f"a batch of {len(parsed.generations)} prompts × n={parsed.n} needs "
+                f"{parsed.choices} slots at once; this server has {slots}: send fewer prompts per request",
+                param="prompt",
+            )
+        dialect = request.dialect = parsed.dialect
+        request.advance(Phase.QUEUED)
+        try:
+            prompts = [
+                _check_limits(await engine.prepare(generation), state.settings, parsed.dialect)
+                for generation in parsed.generations
+            ]
+        except InvalidRequestError as exc:
+            if request.kind == "responses" and exc.param == "max_tokens":
+                # (the engine's name for it)
+                exc.message = exc.message.replace("max_tokens", "max_output_tokens")
+                exc.param = "max_output_tokens"
+            raise
+        with unwrap_group():
+            async with trio.open_nursery() as nursery:
+                heartbeat = None
+                if stream:
+                    # Refuse (429) while a status code can still say so, and hold the
+                    # place; then start the stream, so heartbeats can flow while queued
+                    # and in prefill.
+                    request.reservation = engine.admission.reserve()
+                    await exchange.start(200, SSE_HEADERS)
+                    opening = dialect.opening(sum(len(p.tokens) for p in prompts))
+                    if opening:
+                        await exchange.body(opening)
+                    interval = state.settings.heartbeat_interval
+                    if interval:
+                        heartbeat = _Heartbeat(exchange, interval, dialect.heartbeat)
+                        nursery.start_soon(heartbeat.run)
+                async with engine.stream_choices(
+                    prompts if len(prompts) > 1 else prompts[0],
+                    parsed.n,
+                    reservation=request.reservation,
+                ) as choices:
+                    request.events, request.choices = choices[0], choices
+                    if stream and parsed.plain:
+                        await self._stream(request, choices[0], heartbeat)
+                    elif stream:
+                        await self._stream_choices(request, parsed, heartbeat)
+                    else:
+                        await self._collect(request, parsed)
+                nursery.cancel_scope.cancel()  # the heartbeat
+
+    def _parse(self, kind: Kind, body: bytes, chat_format: ChatFormat) -> _Parsed:
         if kind == "messages" or kind == "responses":
-            return self._parse_conversation(kind, body)
+            return self._parse_conversation(kind, body, chat_format)
         assert kind == "text" or kind == "chat"  # (embeddings have their own handler)
         request: CompletionRequest | ChatCompletionRequest
         tool_mode: ToolMode = "none"
@@ -435,11 +457,11 @@ class GenerationHandler:
             chat = decode_chat_request(body)
             mode = chat.tool_mode()
             tools = chat.tools if mode != "none" else None
-            rendered = self._chat_format().render(chat.messages, tools=tools)
+            rendered = chat_format.render(chat.messages, tools=tools)
             generation = chat_generation(chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos)
             if generation.constraint is not None and rendered.reasoning is not None:
                 # the constraint holds from the first token: the answer is never reasoning
-                rendered = self._chat_format().render(chat.messages, tools=tools, thinking=False)
+                rendered = chat_format.render(chat.messages, tools=tools, thinking=False)
                 generation = chat_generation(
                     chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos
                 )
@@ -473,7 +495,9 @@ class GenerationHandler:
             inside=inside,
         )
 
-    def _parse_conversation(self, kind: Literal["messages", "responses"], body: bytes) -> _Parsed:
+    def _parse_conversation(
+        self, kind: Literal["messages", "responses"], body: bytes, chat_format: ChatFormat
+    ) -> _Parsed:
         """An Anthropic Messages or OpenAI Responses request: the same chat, rendered by
         the same template, as a chat completion (docs/dialects.md)."""
         dialect: Dialect
@@ -482,7 +506,7 @@ class GenerationHandler:
             keep = self.state.settings.keep_billing_header
             conversation = messages_conversation(messages, keep_billing_header=keep)
             model = self._model(messages.model)
-            generation, rendered = generation_for(conversation, self._chat_format())
+            generation, rendered = generation_for(conversation, chat_format)
             stream = messages.stream
             dialect = AnthropicDialect(
                 model,
@@ -498,7 +522,7 @@ class GenerationHandler:
             responses = decode_responses_request(body)
             conversation = responses_conversation(responses)
             model = self._model(responses.model)
-            generation, rendered = generation_for(conversation, self._chat_format())
+            generation, rendered = generation_for(conversation, chat_format)
             stream = responses.stream
             dialect = ResponsesDialect(
                 model,
@@ -519,26 +543,9 @@ class GenerationHandler:
             inside=rendered.opens_reasoning,
         )
 
-    def _chat_format(self) -> ChatFormat:
-        if self.state.chat_format is None:
-            raise ServiceUnavailableError(
-                "the model is still loading; retry shortly", retry_after=1, code="loading"
-            )
-        return self.state.chat_format
-
     def _model(self, requested: str | None) -> str:
-        names = self.state.model_names()
-        if not names:
-            raise ServiceUnavailableError(
-                "the model is still loading; retry shortly", retry_after=1, code="loading"
-            )
-        if requested is None or requested in names:
-            return names[0]
-        raise NotFoundError(
-            f"the model {requested!r} does not exist on this server; available: {', '.join(names)}",
-            param="model",
-            code="model_not_found",
-        )
+        """The name the response carries: the model's own (an alias resolves to it)."""
+        return self.state.resolve(requested).name
 
     async def _stream(
         self, request: InFlightRequest, events: EventStream, heartbeat: _Heartbeat | None
@@ -786,7 +793,7 @@ class GenerationHandler:
                 metrics.prefill.observe(events.progress.prefill_seconds)
         request_logger.info(
             "request %s %s model=%s status=%s cause=%s prompt_tokens=%s cached_tokens=%s "
-            "completion_tokens=%s ttft_ms=%s duration_ms=%.1f%s%s",
+            "completion_tokens=%s ttft_ms=%s duration_ms=%.1f%s%s%s",
             exchange.request_id,
             path,
             request.model or "-",
@@ -797,6 +804,7 @@ class GenerationHandler:
             usage.completion_tokens if usage else "-",
             f"{ttft * 1000:.1f}" if ttft is not None else "-",
             duration * 1000,
+            f" load_wait_ms={request.load_wait * 1000:.1f}" if request.load_wait else "",
             f" cancel_latency_ms={cancel_latency * 1000:.2f}" if cancel_latency is not None else "",
             f" error={request.error!r}" if request.error else "",
         )

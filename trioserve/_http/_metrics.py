@@ -2,7 +2,7 @@
 
 Per-token cost is one histogram observation (inter-token latency); everything else is
 observed once per request, and the gauges are read from the engine only when
-``/metrics`` is scraped.
+``/metrics`` is scraped (per model, with a ``model`` label: ``trioserve_model_*``).
 """
 
 from __future__ import annotations
@@ -15,13 +15,23 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .._core._backend import Backend
     from .._core._engine import Engine
+    from .._core._registry import ModelRegistry
 
 __all__ = ["CANCEL_CAUSES", "END_CAUSES", "Metrics"]
 
-CANCEL_CAUSES = ("disconnect", "stall", "deadline", "shutdown")
-END_CAUSES = ("stop", "length", "deadline", "disconnect", "stall", "overloaded", "shutdown", "error")
+CANCEL_CAUSES = ("disconnect", "stall", "deadline", "shutdown", "unload")
+END_CAUSES = (
+    "stop",
+    "length",
+    "deadline",
+    "disconnect",
+    "stall",
+    "overloaded",
+    "shutdown",
+    "unload",
+    "error",
+)
 
 # Latency buckets (seconds): from sub-millisecond (cancel latency, inter-token on a fast
 # model) to minutes (end-to-end of a long generation).
@@ -70,6 +80,13 @@ class Metrics:
             "inference thread leaving the model.",
             ["cause"],
             buckets=_FAST,
+            registry=registry,
+        )
+        self.load_wait = Histogram(
+            "trioserve_model_load_wait_seconds",
+            "How long a request waited for its model to load (0: it was loaded).",
+            ["model"],
+            buckets=_SLOW,
             registry=registry,
         )
         self.requests = Counter(
@@ -144,29 +161,43 @@ class Metrics:
         for cause in END_CAUSES:
             self.stream_ends.labels(cause=cause)
 
-    def bind_engine(self, engine: Engine) -> None:
-        """Gauges read the engine's state at scrape time: no cost per request."""
-        admission = engine.admission
-        self.active_streams.set_function(lambda: engine.active_streams)
-        self.queued_requests.set_function(lambda: admission.queued)
-        self.slots_in_use.set_function(lambda: admission.in_use)
-        self.slots_total.set_function(lambda: admission.slots)
-        backend = engine.backend
-        if backend.stats() is not None:  # the llama backend
+    def bind_registry(self, models: ModelRegistry) -> None:
+        """Gauges read the models' state at scrape time: no cost per request. The
+        unlabelled gauges are sums over the loaded models; ``trioserve_model_*`` say
+        each model's (label ``model``)."""
+        from .._core._registry import ModelRegistry as _Registry
 
-            def stat(name: str) -> Callable[[], float]:
-                return lambda: float(backend.stats()[name])  # type: ignore[index, arg-type]
+        assert isinstance(models, _Registry)
 
-            self.batch_sequences.set_function(stat("sequences"))
-            self.batch_steps.set_function(stat("steps"))
-            self.batch_aborted_calls.set_function(stat("aborted_calls"))
+        def engines() -> list[Engine]:
+            return [entry.engine for entry in models.entries if entry.engine is not None]
 
-            def cache(name: str) -> Callable[[], float]:
-                return lambda: float(backend.stats()["cache"][name])  # type: ignore[index]
+        def total(read: Callable[[Engine], float]) -> Callable[[], float]:
+            return lambda: float(sum(read(engine) for engine in engines()))
 
-            self.prompt_cache_tokens.set_function(cache("tokens"))
-            self.prompt_cache_bytes.set_function(cache("kv_bytes"))
-            self.registry.register(_HostCacheCollector(backend))
+        self.active_streams.set_function(total(lambda e: e.active_streams))
+        self.queued_requests.set_function(total(lambda e: e.admission.queued))
+        self.slots_in_use.set_function(total(lambda e: e.admission.in_use))
+        self.slots_total.set_function(total(lambda e: e.admission.slots))
+
+        def stat(name: str) -> Callable[[Engine], float]:
+            return lambda e: float((e.backend.stats() or {}).get(name, 0))  # type: ignore[arg-type]
+
+        def cache(name: str) -> Callable[[Engine], float]:
+            def read(e: Engine) -> float:
+                stats = e.backend.stats() or {}
+                values = stats.get("cache")
+                return float(values.get(name, 0)) if isinstance(values, dict) else 0.0
+
+            return read
+
+        self.batch_sequences.set_function(total(stat("sequences")))
+        self.batch_steps.set_function(total(stat("steps")))
+        self.batch_aborted_calls.set_function(total(stat("aborted_calls")))
+        self.prompt_cache_tokens.set_function(total(cache("tokens")))
+        self.prompt_cache_bytes.set_function(total(cache("kv_bytes")))
+        self.registry.register(_HostCacheCollector(engines))
+        self.registry.register(_ModelCollector(models))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -175,20 +206,26 @@ class Metrics:
 class _HostCacheCollector(Collector):
     """The prompt cache's host-memory tier and idle recompute, read at scrape time:
     bytes held (a gauge) and the saves, restores, evictions and recomputed chunks since
-    start (counters)."""
+    start (counters), summed over the loaded llama models."""
 
-    def __init__(self, backend: Backend) -> None:
-        self._backend = backend
+    def __init__(self, engines: Callable[[], list[Engine]]) -> None:
+        self._engines = engines
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # (collected on demand only: no describe-time backend call)
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._backend.stats()
-        cache = stats.get("cache") if stats else None
-        if not isinstance(cache, dict):
+        caches = []
+        for engine in self._engines():
+            stats = engine.backend.stats()
+            cache = stats.get("cache") if stats else None
+            if isinstance(cache, dict):
+                caches.append(cache)
+        if not caches:
             return
-        ram, idle = cache["ram"], cache["idle_recompute"]
+        keys = ("bytes", "budget_bytes", "saves", "restores", "evictions")
+        ram = {k: sum(c["ram"][k] for c in caches) for k in keys}
+        idle = {"chunks": sum(c["idle_recompute"]["chunks"] for c in caches)}
         yield GaugeMetricFamily(
             "trioserve_prompt_cache_ram_bytes",
             "llama backend: bytes of prompt prefixes kept in host memory (--cache-ram).",
@@ -206,3 +243,53 @@ class _HostCacheCollector(Collector):
             ("trioserve_prompt_cache_idle_chunks", idle["chunks"], "reply chunks recomputed while idle"),
         ):
             yield CounterMetricFamily(name, f"llama backend: {text}.", value=value)
+
+
+class _ModelCollector(Collector):
+    """Each known model's state (label ``model``), read at scrape time."""
+
+    def __init__(self, models: ModelRegistry) -> None:
+        self._models = models
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        states = GaugeMetricFamily(
+            "trioserve_model_state",
+            "1 for each model's current state (unloaded, loading, loaded, unloading, failed).",
+            labels=["model", "state"],
+        )
+        progress = GaugeMetricFamily("trioserve_model_load_progress", "Load progress, 0…1.", labels=["model"])
+        leases = GaugeMetricFamily(
+            "trioserve_model_requests_in_flight", "Requests holding the model loaded.", labels=["model"]
+        )
+        label = ["model"]
+        streams = GaugeMetricFamily("trioserve_model_active_streams", "Streams admitted.", labels=label)
+        queued = GaugeMetricFamily(
+            "trioserve_model_queued_requests", "Requests waiting for a slot.", labels=label
+        )
+        loads = CounterMetricFamily(
+            "trioserve_model_loads", "Loads ended (loaded, failed, aborted).", labels=label
+        )
+        seconds = GaugeMetricFamily(
+            "trioserve_model_load_seconds", "How long its last load took.", labels=label
+        )
+        footprint = GaugeMetricFamily(
+            "trioserve_model_memory_bytes",
+            "Bytes it takes (measured at its last load; before: the file size).",
+            labels=["model"],
+        )
+        for entry in self._models.entries:
+            name = entry.name
+            for state in ("unloaded", "loading", "loaded", "unloading", "failed"):
+                states.add_metric([name, state], 1.0 if entry.state == state else 0.0)
+            progress.add_metric([name], entry.progress if entry.state == "loading" else 0.0)
+            leases.add_metric([name], entry.leases)
+            engine = entry.engine
+            streams.add_metric([name], engine.active_streams if engine is not None else 0)
+            queued.add_metric([name], engine.admission.queued if engine is not None else 0)
+            loads.add_metric([name], entry.loads)
+            seconds.add_metric([name], entry.load_seconds or 0.0)
+            footprint.add_metric([name], entry.footprint())
+        yield from (states, progress, leases, streams, queued, loads, seconds, footprint)

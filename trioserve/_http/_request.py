@@ -39,10 +39,12 @@ Kind = Literal["text", "chat", "messages", "responses", "embeddings"]
 
 class Phase(enum.IntEnum):
     RECEIVING = 0
-    QUEUED = 1
-    STREAMING = 2
-    FINISHING = 3
-    DONE = 4
+    #: waiting for its model to load (or for room to load it: docs/models.md)
+    LOADING = 1
+    QUEUED = 2
+    STREAMING = 3
+    FINISHING = 4
+    DONE = 5
 
 
 class InFlightRequest:
@@ -63,6 +65,7 @@ class InFlightRequest:
         "events",
         "exchange",
         "kind",
+        "load_wait",
         "model",
         "phase",
         "reservation",
@@ -86,6 +89,8 @@ class InFlightRequest:
         self.error: str | None = None
         #: the model name the response carries
         self.model: str | None = None
+        #: seconds it waited for its model to load (``None``: it never got that far)
+        self.load_wait: float | None = None
         #: how the response is written (its API dialect), once the request is parsed
         self.dialect: Dialect | None = None
         #: the admission place held for a streamed request before its headers go out

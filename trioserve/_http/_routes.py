@@ -15,14 +15,17 @@ from quart_trio import QuartTrio
 
 from .._core._exceptions import (
     HeadersTooLargeError,
+    InvalidRequestError,
     MethodNotAllowedError,
     NotFoundError,
     PayloadTooLargeError,
     ServiceUnavailableError,
     TrioserveError,
 )
+from .._core._registry import ModelEntry
 from .._wire._anthropic import decode_count_tokens_request, messages_conversation
 from .._wire._conversation import Conversation, generation_for
+from .._wire._models import RouterModelRequest, decode_router_request
 from .._wire._openai import encode_json
 from .._wire._responses import decode_input_tokens_request, responses_conversation
 from .._wire._tokenize import (
@@ -34,7 +37,7 @@ from .._wire._tokenize import (
 from ._access import AccessPolicy, with_access_control
 from ._embeddings import EMBEDDINGS_PATH, EmbeddingsHandler
 from ._errors import ErrorRenderer, render_anthropic_error, render_error
-from ._exchange import Exchange, Receive, Scope, Send, _check_content_type, headers_too_large
+from ._exchange import Exchange, Receive, Scope, Send, _check_content_type, _peek_model, headers_too_large
 from ._generation import _INLINE_PARSE_BYTES, GENERATION_PATHS, GenerationHandler
 from ._state import ServerState
 
@@ -83,7 +86,7 @@ def _error_response(exc: TrioserveError, render: ErrorRenderer = render_error) -
     return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
 
 
-def _model_object(name: str, created: int, context_length: int) -> dict[str, object]:
+def _model_object(name: str, created: int, context_length: int | None) -> dict[str, object]:
     """One model as ``/v1/models`` lists it and ``/v1/models/{id}`` answers it."""
     return {
         "id": name,
@@ -112,36 +115,71 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
     app = QuartTrio("trioserve")
     app.config["MAX_CONTENT_LENGTH"] = state.settings.max_body_bytes
 
-    @app.get("/health")
-    async def health() -> Response:
-        if state.shutting_down:
-            return _json_response({"status": "shutting_down"}, 503, {"Retry-After": "1"})
-        if state.engine is None:
-            status = "error" if state.load_error else "loading"
-            return _json_response({"status": status, "error": state.load_error}, 503, {"Retry-After": "1"})
-        engine = state.engine
-        failure = engine.backend.failure
+    def model_health(entry: ModelEntry) -> dict[str, object]:
+        body: dict[str, object] = {"model": entry.name, **entry.describe()}
+        engine = entry.engine
+        if engine is None:
+            return body
+        backend = engine.backend
+        failure = backend.failure
         if failure is not None:  # e.g. the llama backend's scheduler thread died
-            return _json_response({"status": "error", "error": str(failure)}, 503)
-        body: dict[str, object] = {}
-        stats = engine.backend.stats()
+            body["state"] = "error"
+            body["error"] = str(failure)
+            return body
+        stats = backend.stats()
         if stats is not None:
             body["batch"] = stats
-        platform = engine.backend.platform()
-        if platform is not None:
-            body["platform"] = platform
+        body.update(
+            slots=engine.admission.slots,
+            slots_in_use=engine.admission.in_use,
+            queued=engine.admission.queued,
+            active_streams=engine.active_streams,
+            generations_running=backend.generations.running,
+        )
+        return body
+
+    @app.get("/health")
+    async def health() -> Response:
+        """The server's health: ``ok`` once the startup model has loaded (503 while it
+        loads, or after it failed), with each model's state (``models``); the default
+        model's figures at the top level, as before there were several."""
+        if state.shutting_down:
+            return _json_response({"status": "shutting_down"}, 503, {"Retry-After": "1"})
+        registry = state.registry
+        if registry is None:
+            return _json_response({"status": "loading", "error": None}, 503, {"Retry-After": "1"})
+        default = registry.default
+        models = {entry.name or "(loading)": model_health(entry) for entry in registry.entries}
+        if default.spec.preload and default.state != "loaded":
+            if default.state == "failed":
+                return _json_response({"status": "error", "error": default.error, "models": models}, 503)
+            if default.loads == 0:
+                return _json_response(
+                    {"status": "loading", "error": None, "models": models}, 503, {"Retry-After": "1"}
+                )
+        for entry in registry.entries:
+            failure = entry.engine.backend.failure if entry.engine is not None else None
+            if failure is not None:  # e.g. the llama backend's scheduler thread died
+                return _json_response({"status": "error", "error": str(failure), "models": models}, 503)
+        body: dict[str, object] = {}
+        engine = default.engine
+        if engine is not None:
+            stats = engine.backend.stats()
+            if stats is not None:
+                body["batch"] = stats
+            platform = engine.backend.platform()
+            if platform is not None:
+                body["platform"] = platform
+            body.update(
+                model=default.name,
+                slots=engine.admission.slots,
+                slots_in_use=engine.admission.in_use,
+                queued=engine.admission.queued,
+                active_streams=engine.active_streams,
+                generations_running=engine.backend.generations.running,
+            )
         return _json_response(
-            {
-                **body,
-                "status": "ok",
-                "model": engine.backend.info.id,
-                "slots": engine.admission.slots,
-                "slots_in_use": engine.admission.in_use,
-                "queued": engine.admission.queued,
-                "active_streams": engine.active_streams,
-                "generations_running": engine.backend.generations.running,
-                "requests_in_flight": len(state.requests),
-            }
+            {**body, "status": "ok", "requests_in_flight": len(state.requests), "models": models}
         )
 
     page = (resources.files("trioserve") / "static" / "index.html").read_bytes()
@@ -154,43 +192,98 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
     async def metrics() -> Response:
         return Response(state.metrics.render(), content_type=CONTENT_TYPE_LATEST)
 
+    def model_object(entry: ModelEntry, name: str) -> dict[str, object]:
+        engine = entry.engine
+        context = engine.backend.info.context_length if engine is not None else None
+        body = _model_object(name, entry.loaded_at, context)
+        body["status"] = entry.describe()
+        return body
+
     @app.get("/v1/models")
     async def models() -> Response:
-        engine = state.engine
-        if engine is None:
+        """Every known model, loaded or not, with its state (docs/models.md)."""
+        registry = state.registry
+        if registry is None or (registry.default.spec.preload and registry.default.loads == 0):
             return _error_response(ServiceUnavailableError("the model is still loading", code="loading"))
-        info = engine.backend.info
-        created = state.loaded_at
         return _json_response(
             {
                 "object": "list",
-                "data": [_model_object(name, created, info.context_length) for name in state.model_names()],
+                "data": [
+                    model_object(entry, name) for entry in registry.entries for name in entry.names if name
+                ],
             }
         )
 
     # ids may hold slashes (``--model-id org/name``, an upstream's id): ``path``
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        engine = state.engine
-        if engine is None:
-            return _error_response(ServiceUnavailableError("the model is still loading", code="loading"))
-        names = state.model_names()
-        if model_id not in names:
-            return _error_response(
-                NotFoundError(
-                    f"the model {model_id!r} does not exist on this server; available: {', '.join(names)}",
-                    param="model",
-                    code="model_not_found",
-                )
+        try:
+            entry = state.resolve(model_id)
+        except TrioserveError as exc:
+            return _error_response(exc)
+        return _json_response(model_object(entry, model_id))
+
+    # llama-server's router endpoints (docs/models.md, "Endpoints")
+    @app.get("/models")
+    async def router_models() -> Response:
+        registry = state.serving_registry()
+        data = []
+        for entry in registry.entries:
+            status: dict[str, object] = {"value": entry.state}
+            if entry.state == "failed":
+                status.update(value="unloaded", failed=True, error=entry.error)
+            if entry.state == "loading":
+                status["progress"] = round(entry.progress, 3)
+            data.append(
+                {
+                    "id": entry.name,
+                    "aliases": list(entry.spec.aliases),
+                    "path": entry.spec.source.description,
+                    "in_cache": True,
+                    "pinned": entry.spec.pinned,
+                    "status": status,
+                }
             )
-        return _json_response(_model_object(model_id, state.loaded_at, engine.backend.info.context_length))
+        return _json_response({"object": "list", "data": data})
+
+    def router_model_name(request: RouterModelRequest) -> str:
+        if not request.model:
+            raise InvalidRequestError('name the model: {"model": "NAME"}', param="model")
+        return request.model
+
+    @app.post("/models/load")
+    async def router_load() -> Response:
+        """Load a model (making room for it) and answer once it is loaded; a client
+        that leaves first leaves the load (aborted if nobody else waits for it)."""
+        try:
+            request = await _json_body(decode_router_request)
+            entry = await state.serving_registry().load(router_model_name(request))
+        except TrioserveError as exc:
+            return _error_response(exc)
+        return _json_response({"success": True, "model": entry.name, "status": entry.describe()})
+
+    @app.post("/models/unload")
+    async def router_unload() -> Response:
+        """Unload a model: running streams get the grace period (``--unload-grace``, or
+        ``grace_seconds`` in the body), then end with cause ``unload``."""
+        try:
+            request = await _json_body(decode_router_request)
+            if request.grace_seconds is not None and not request.grace_seconds >= 0:
+                raise InvalidRequestError("grace_seconds must be 0 or more", param="grace_seconds")
+            entry = await state.serving_registry().unload(
+                router_model_name(request), grace=request.grace_seconds
+            )
+        except TrioserveError as exc:
+            return _error_response(exc)
+        return _json_response({"success": True, "model": entry.name, "status": entry.describe()})
 
     # llama-server's tokenizer endpoints (docs/api.md, "Tokenizing")
     @app.post("/tokenize")
     async def tokenize() -> Response:
         try:
-            engine = state.serving_engine()
+            state.serving_engine()  # (503 before reading the body)
             request = await _json_body(decode_tokenize_request)
+            engine = state.serving_engine(request.model)
             backend = engine.backend
             tokens = await backend.tokenize_text(
                 request.content, add_special=request.add_special, parse_special=request.parse_special
@@ -203,8 +296,9 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
     @app.post("/detokenize")
     async def detokenize() -> Response:
         try:
-            engine = state.serving_engine()
+            state.serving_engine()
             request = await _json_body(decode_detokenize_request)
+            engine = state.serving_engine(request.model)
             pieces = await engine.backend.token_pieces(request.tokens)
         except TrioserveError as exc:
             return _error_response(exc)
@@ -212,29 +306,32 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
 
     # token counting (docs/dialects.md, "Token counting"): the prompt generation would
     # render, counted by the model's tokenizer; nothing is evaluated or queued
-    def check_model(requested: str | None) -> None:
-        names = state.model_names()
-        if requested is not None and requested not in names:
-            raise NotFoundError(
-                f"the model {requested!r} does not exist on this server; available: {', '.join(names)}",
-                param="model",
-                code="model_not_found",
-            )
-
     async def count(read: Callable[[bytes], tuple[str | None, Conversation]]) -> int:
-        engine = state.serving_engine()
-        chat_format = state.chat_format
-        assert chat_format is not None  # set with the engine
+        """The prompt's tokens, by the named model's template and tokenizer (loading
+        the model if it is not: the count is its tokenizer's)."""
+        registry = state.serving_registry()
+        from quart import request as quart_request
 
-        def prepare(body: bytes) -> tuple[str | None, str, bool]:
-            model, conversation = read(body)
-            generation, _ = generation_for(conversation, chat_format)
-            assert isinstance(generation.prompt, str)
-            return model, generation.prompt, generation.add_bos
+        _check_content_type(cast("Scope", quart_request.scope))
+        body = await quart_request.get_data(as_text=False)
+        assert isinstance(body, bytes)
+        entry = state.resolve(_peek_model(body))
+        async with registry.lease(entry.name) as lease:
+            engine = lease.engine
+            chat_format = state.chat_format(engine)
 
-        model, prompt, add_bos = await _json_body(prepare)
-        check_model(model)
-        tokens = await engine.backend.tokenize_text(prompt, add_special=add_bos, parse_special=True)
+            def prepare(body: bytes) -> tuple[str, bool]:
+                model, conversation = read(body)
+                state.resolve(model)
+                generation, _ = generation_for(conversation, chat_format)
+                assert isinstance(generation.prompt, str)
+                return generation.prompt, generation.add_bos
+
+            if len(body) > _INLINE_PARSE_BYTES:
+                prompt, add_bos = await trio.to_thread.run_sync(prepare, body)
+            else:
+                prompt, add_bos = prepare(body)
+            tokens = await engine.backend.tokenize_text(prompt, add_special=add_bos, parse_special=True)
         return len(tokens)
 
     keep_billing_header = state.settings.keep_billing_header

@@ -24,6 +24,7 @@ from hypercorn.utils import wrap_app
 from .._core._backend import Backend
 from .._core._engine import Engine
 from .._core._errors import unwrap_group
+from .._core._registry import BackendSource, ModelRegistry, ModelSpec
 from ._access import AccessPolicy
 from ._generation import FINAL_EVENT_TIMEOUT
 from ._hypercorn_patches import patch_hypercorn_connection_registry, patch_hypercorn_h2_backpressure
@@ -103,16 +104,17 @@ class Server:
     """A trioserve HTTP server. Run it with ``await nursery.start(server.run)``.
 
     Args:
-        load_backend: an async function returning the backend; called once, after the
-            socket is listening (so ``/health`` can say "loading" meanwhile).
+        models: the models to serve — a :class:`~trioserve._core._registry.ModelRegistry`
+            (docs/models.md), or an async function returning one backend (one model,
+            loaded at startup, pinned: the single-model server).
         settings: address, queue and shutdown settings.
-        close_backend: close the backend when the server stops (turn off to share one
-            loaded backend between servers, as the tests do).
+        close_backend: (with a loader) close the backend when the server stops (turn off
+            to share one loaded backend between servers, as the tests do).
     """
 
     def __init__(
         self,
-        load_backend: BackendLoader,
+        models: BackendLoader | ModelRegistry,
         settings: ServerSettings | None = None,
         *,
         close_backend: bool = True,
@@ -121,17 +123,34 @@ class Server:
         stall = self.settings.stall_timeout
         if stall is not None and not stall > 0:
             raise ValueError(f"stall_timeout must be positive seconds or None (never), got {stall}")
-        self._close_backend = close_backend
-        #: set once the model has loaded (or failed to: see ``state.load_error``)
+        if isinstance(models, ModelRegistry):
+            self.registry = models
+        else:
+            spec = ModelSpec(
+                name="",
+                source=BackendSource(models, description="the model"),
+                aliases=self.settings.http.model_aliases,
+                pinned=True,
+                preload=True,
+            )
+            self.registry = ModelRegistry(
+                [spec], max_queue=self.settings.max_queue, close_backends=close_backend
+            )
+        #: set once the startup models have loaded (or failed to: see ``/health``)
         self.ready = trio.Event()
         #: set when :meth:`run` has finished: every request and the backend are closed
         self.stopped = trio.Event()
         self.state = ServerState(settings=self.settings.http, stall_timeout=self.settings.stall_timeout)
+        self.state.metrics.bind_registry(self.registry)
+        self.registry.on_unloaded.append(lambda _entry, engine: self.state.forget(engine))
         self.app = create_app(self.state, AccessPolicy(self.settings.api_keys, self.settings.cors_origins))
-        self._load_backend = load_backend
         self._stop_accepting = trio.Event()
         self._shutdown_requested = trio.Event()
-        self.engine: Engine | None = None
+
+    @property
+    def engine(self) -> Engine | None:
+        """The default model's engine, once loaded."""
+        return self.registry.default.engine
 
     def shutdown(self) -> None:
         """Begin a graceful shutdown (idempotent; safe from any Trio task)."""
@@ -156,17 +175,14 @@ class Server:
         """Serve until :meth:`shutdown` is called (or this task is cancelled).
 
         ``task_status.started`` reports the bound URLs as soon as the socket listens;
-        the model loads afterwards. Cancellation: cancelling this task skips the grace
-        period — in-flight requests are cancelled at once and the backend is closed.
+        the startup models load afterwards. Cancellation: cancelling this task skips the
+        grace period — in-flight requests are cancelled at once, loads are aborted and
+        every model is closed.
         """
         try:
             with unwrap_group():
                 await self._serve(task_status)
         finally:
-            # also when this task is cancelled from outside: cancel what is left, wait
-            # for its inference to return, then free the model
-            if self.engine is not None:
-                await self.engine.aclose(close_backend=self._close_backend)
             logger.info("stopped")
             self.stopped.set()
 
@@ -189,35 +205,43 @@ class Server:
                 )
             )
             task_status.started(binds)
-            nursery.start_soon(self._load, binds)
             try:
-                await self._shutdown_requested.wait()
-                # not shielded: a second signal (a cancel) cuts the grace period short
-                await self._drain(self.settings.shutdown_grace)
+                # the registry closes (loads aborted, engines closed) after the drain
+                async with self.registry:
+                    self.state.registry = self.registry
+                    nursery.start_soon(self._announce, binds)
+                    try:
+                        await self._shutdown_requested.wait()
+                        # not shielded: a second signal (a cancel) cuts the grace period short
+                        await self._drain(self.settings.shutdown_grace)
+                    finally:
+                        with trio.CancelScope(shield=True):
+                            await self._drain(0.0)
             finally:
-                with trio.CancelScope(shield=True):
-                    await self._drain(0.0)
                 nursery.cancel_scope.cancel()
 
-    async def _load(self, binds: list[str]) -> None:
-        try:
-            backend = await self._load_backend()
-        except Exception as exc:
-            logger.exception("the model failed to load")
-            self.state.load_error = str(exc)
-            self.ready.set()
-            return
-        self.engine = Engine(backend, max_queue=self.settings.max_queue)
-        self.state.set_engine(self.engine)
+    async def _announce(self, binds: list[str]) -> None:
+        """Set :attr:`ready` once every startup model has loaded or failed; log it."""
+        preloads = [entry for entry in self.registry.entries if entry.spec.preload]
+        while any(entry.state == "loading" for entry in preloads):
+            await self.registry.changed()
+        for entry in preloads:
+            if entry.state == "loaded" and entry.engine is not None:
+                backend = entry.engine.backend
+                logger.info(
+                    "ready: model %s (context %d, %d slot(s)) at %s",
+                    entry.name,
+                    backend.info.context_length,
+                    backend.slots,
+                    ", ".join(binds),
+                )
+            else:
+                logger.error("the model %s failed to load: %s", entry.name or "", entry.error)
+        if not preloads:
+            names = ", ".join(entry.name for entry in self.registry.entries)
+            count = len(self.registry.entries)
+            logger.info("ready: %d model(s), loaded on demand (%s), at %s", count, names, ", ".join(binds))
         self.ready.set()
-        info = backend.info
-        logger.info(
-            "ready: model %s (context %d, %d slot(s)) at %s",
-            info.id,
-            info.context_length,
-            backend.slots,
-            ", ".join(binds),
-        )
 
     async def _drain(self, grace: float) -> None:
         """Stop accepting, give in-flight requests ``grace`` seconds, then cancel them

@@ -1,16 +1,16 @@
 """What the HTTP layer shares with the server: :class:`HTTPSettings`, and
-:class:`ServerState` (the engine once loaded, and every
+:class:`ServerState` (the model registry, and every
 :class:`~trioserve._http._request.InFlightRequest`, so that shutdown can reach each one)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import trio
 
 from .._core._engine import Engine
 from .._core._exceptions import ServiceUnavailableError
+from .._core._registry import Lease, ModelEntry, ModelRegistry
 from .._core._types import EndCause
 from .._wire._chat import ChatFormat, chat_format_for
 from ._metrics import Metrics
@@ -52,21 +52,20 @@ class HTTPSettings:
 
 @dataclass(kw_only=True)
 class ServerState:
-    """What the HTTP layer shares with the server: the engine once loaded, and the
+    """What the HTTP layer shares with the server: the model registry, and the
     in-flight requests (so that shutdown can reach each one)."""
 
     settings: HTTPSettings = field(default_factory=HTTPSettings)
-    engine: Engine | None = None
-    chat_format: ChatFormat | None = None
-    load_error: str | None = None
+    registry: ModelRegistry | None = None
     shutting_down: bool = False
     #: the server's stall timeout: a send blocked this long ends the request (cause ``stall``)
     stall_timeout: float | None = None
     requests: set[InFlightRequest] = field(default_factory=set[InFlightRequest])
     metrics: Metrics = field(default_factory=Metrics)
     _idle: trio.Event = field(default_factory=trio.Event)
-    #: when the model was loaded (Unix seconds): ``/v1/models``' ``created``
-    loaded_at: int = 0
+    _formats: dict[int, tuple[Engine, ChatFormat]] = field(
+        default_factory=dict[int, tuple[Engine, ChatFormat]]
+    )
 
     def add_request(self, request: InFlightRequest) -> None:
         self.requests.add(request)
@@ -83,37 +82,84 @@ class ServerState:
         if self.requests:
             await self._idle.wait()
 
-    def serving_engine(self) -> Engine:
-        """The engine, or the 503 a request gets while the model loads, after a load
-        failure, or during shutdown."""
+    def set_engine(self, engine: Engine) -> None:
+        """Serve one engine built by hand (a registry of it alone)."""
+        self.registry = ModelRegistry.of_engine(engine, aliases=self.settings.model_aliases)
+        self.metrics.bind_registry(self.registry)
+
+    @property
+    def engine(self) -> Engine | None:
+        """The default model's engine, if it is loaded."""
+        return None if self.registry is None else self.registry.default.engine
+
+    def serving_registry(self) -> ModelRegistry:
+        """The registry, or the 503 a request gets during shutdown."""
         if self.shutting_down:
             raise ServiceUnavailableError(
                 "the server is shutting down; retry on another instance", retry_after=1
             )
-        if self.engine is None:
-            if self.load_error:
-                raise ServiceUnavailableError(f"the model failed to load: {self.load_error}")
+        if self.registry is None:
             raise ServiceUnavailableError(
                 "the model is still loading; retry shortly", retry_after=1, code="loading"
             )
-        return self.engine
+        return self.registry
 
-    def set_engine(self, engine: Engine) -> None:
+    def resolve(self, name: str | None) -> ModelEntry:
+        """The model a request names (404 naming the models there are; 503 while the
+        server's startup model loads or after it failed to)."""
+        return self.serving_registry().resolve(name)
+
+    async def lease(self, entry: ModelEntry, request: InFlightRequest, keep_alive: float | None) -> Lease:
+        """Hold ``entry``'s model loaded for ``request`` (waiting for its load inside the
+        request's scope); an unload whose grace runs out ends the request with cause
+        ``unload``. The caller releases it."""
+        lease = await self.serving_registry().acquire(entry, keep_alive=keep_alive)
+        lease.on_unload = lambda: request.cancel("unload")
+        request.load_wait = lease.load_wait
+        self.metrics.load_wait.labels(model=entry.name).observe(lease.load_wait)
+        return lease
+
+    def serving_engine(self, name: str | None = None) -> Engine:
+        """A loaded model's engine, without waiting for a load: for the endpoints that
+        do not queue (``/tokenize``…): 503 if it is not loaded."""
+        entry = self.resolve(name)
+        if entry.engine is None or entry.state != "loaded":
+            if entry.state == "failed":
+                raise ServiceUnavailableError(f"the model failed to load: {entry.error}")
+            if entry.state == "loading":
+                raise ServiceUnavailableError(
+                    "the model is still loading; retry shortly", retry_after=1, code="loading"
+                )
+            raise ServiceUnavailableError(
+                f"the model {entry.name!r} is not loaded; a generation request loads it "
+                "(or POST /models/load)",
+                code="model_not_loaded",
+            )
+        return entry.engine
+
+    def chat_format(self, engine: Engine) -> ChatFormat:
+        """The chat format of a loaded model's template (built once per load)."""
+        cached = self._formats.get(id(engine))
+        if cached is not None and cached[0] is engine:
+            return cached[1]
         info = engine.backend.info
-        self.chat_format = chat_format_for(
+        chat_format = chat_format_for(
             template=info.chat_template,
             architecture=info.architecture,
             bos_token=info.bos_token,
             eos_token=info.eos_token,
         )
-        self.engine = engine
-        self.loaded_at = int(time.time())
-        self.metrics.bind_engine(engine)
+        self._formats[id(engine)] = (engine, chat_format)
+        return chat_format
+
+    def forget(self, engine: Engine) -> None:
+        """An unloaded model's engine: drop its chat format."""
+        self._formats.pop(id(engine), None)
 
     def model_names(self) -> tuple[str, ...]:
-        if self.engine is None:
+        if self.registry is None:
             return ()
-        return (self.engine.backend.info.id, *self.settings.model_aliases)
+        return tuple(self.registry.names())
 
     def cancel_all(self, cause: EndCause) -> None:
         for request in list(self.requests):

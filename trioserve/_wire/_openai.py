@@ -706,6 +706,7 @@ class ChunkEncoder:
 _END_MESSAGES: dict[str, str] = {
     "deadline": "the request's deadline passed; the text so far is complete up to here",
     "shutdown": "the server is shutting down; retry on another instance or later",
+    "unload": "the model was unloaded (POST /models/unload); the text so far is complete up to here",
     "error": "inference failed",
 }
 

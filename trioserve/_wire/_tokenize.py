@@ -33,6 +33,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     """``POST /tokenize``: llama-server's fields and defaults."""
 
     content: str
+    #: which model's tokenizer (several models: docs/models.md); default: the default model
+    model: str | None = None
     #: add the special tokens the model puts around a text (BOS)
     add_special: bool = False
     #: special tokens written in ``content`` are parsed as themselves, not as text
@@ -45,6 +47,7 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     """``POST /detokenize``."""
 
     tokens: list[TokenId]
+    model: str | None = None
 
 
 _tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)

@@ -1,0 +1,64 @@
+"""How a registry entry loads its model (:class:`~trioserve._core._registry.ModelSource`).
+
+:class:`LlamaSource` loads a GGUF with :class:`LlamaSettings`, abortably, and keeps the
+model's prompt-cache host tier across its loads: an unload saves every cached prefix
+there, and the next load starts from it — unless the file changed (size, mtime, inode),
+which drops it (docs/models.md, "The prompt cache outlives an unload").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+from .._core._backend import Backend
+from ._llama import LlamaSettings
+from ._prompt_cache import HostCache
+from ._scheduler import LlamaBackend
+
+__all__ = ["LlamaSource"]
+
+logger = logging.getLogger("trioserve.models")
+
+
+class LlamaSource:
+    """A GGUF file and the settings to run it with."""
+
+    def __init__(self, settings: LlamaSettings) -> None:
+        self.settings = settings
+        self.description = str(settings.model_path)
+        self._host: HostCache | None = None
+        self._stamp: tuple[int, int, int] | None = None
+
+    def footprint(self) -> int:
+        """The file's size: the weights, before the KV cells are known (the registry uses
+        the measured growth once the model has loaded)."""
+        try:
+            return self.settings.model_path.stat().st_size
+        except OSError:
+            return 0
+
+    def _file_stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.settings.model_path)
+        except OSError:
+            return None
+        return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+    def host_cache(self) -> HostCache | None:
+        """The host tier for the next load: the last load's, if the file is unchanged."""
+        settings = self.settings
+        if not settings.prompt_cache or not settings.cache_ram_bytes:
+            return None
+        stamp = self._file_stamp()
+        chunk = 1 if settings.cache_mode == "fast" else settings.prefill_chunk
+        if self._host is None or stamp != self._stamp or self._host.chunk != chunk:
+            if self._host is not None and len(self._host):
+                logger.info("%s changed since it was loaded: its cached prefixes go", self.description)
+            self._host = HostCache(settings.cache_ram_bytes, chunk=chunk)
+            self._stamp = stamp
+        return self._host
+
+    async def load(self, progress: Callable[[float], None]) -> Backend:
+        return await LlamaBackend.aload(self.settings, progress=progress, host_cache=self.host_cache())

@@ -1,0 +1,725 @@
+"""Many models on one server: :class:`ModelRegistry` (docs/models.md).
+
+Each known model is a :class:`ModelEntry` (unloaded → loading → loaded → unloading →
+unloaded, or failed). A request holds a :class:`Lease` on its model from before its
+prompt is prepared to after its last byte; a model with a lease is never evicted. The
+first request for an unloaded model starts its load, a task in the registry's own
+nursery shared by every request that waits for it; each waits inside its own scope,
+and when the last waiter has gone the load is cancelled (the source aborts it: for
+llama.cpp, its progress callback returns false). Room (``max_loaded`` models and a
+memory budget) is taken in arrival order; the least recently used idle model is
+evicted to make it; if none is idle, the claim waits for a lease to end — never a cut
+stream. An explicit unload gives running streams a grace period, then ends each with
+cause ``unload``.
+
+Every operation here runs on the Trio thread; the state changes between checkpoints
+only, so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Literal, Protocol, Self
+
+import trio
+
+from ._backend import Backend
+from ._engine import Engine
+from ._exceptions import NotFoundError, OverloadedError, ServiceUnavailableError
+
+__all__ = ["BackendSource", "Lease", "ModelEntry", "ModelRegistry", "ModelSource", "ModelSpec", "ModelState"]
+
+logger = logging.getLogger("trioserve.models")
+
+ModelState = Literal["unloaded", "loading", "loaded", "unloading", "failed"]
+
+
+class ModelSource(Protocol):
+    """How one model is loaded."""
+
+    #: what a log line or ``/v1/models`` says it is (a file path, say)
+    description: str
+
+    def footprint(self) -> int:
+        """Bytes the model is expected to take once loaded (for the memory budget; the
+        registry uses the measured figure once it has loaded it)."""
+        ...
+
+    async def load(self, progress: Callable[[float], None]) -> Backend:
+        """Load the model. ``progress`` may be called from any thread with 0…1.
+
+        Cancellation: a cancel must stop the load promptly (llama.cpp's progress
+        callback returns false) and free what it allocated before raising."""
+        ...
+
+
+class BackendSource:
+    """Any backend from an async loader (the scripted backend, an upstream relay, a
+    backend a library user built). Cancellation: as the loader's."""
+
+    def __init__(self, load: Callable[[], Awaitable[Backend]], *, description: str = "a backend") -> None:
+        self._load = load
+        self.description = description
+
+    def footprint(self) -> int:
+        return 0
+
+    async def load(self, progress: Callable[[float], None]) -> Backend:
+        backend = await self._load()
+        progress(1.0)
+        return backend
+
+
+@dataclass(kw_only=True)
+class ModelSpec:
+    """A model the registry knows.
+
+    Attributes:
+        name: the name clients send in ``model`` (empty: the backend's own id, once
+            loaded — for a single model whose name only its file knows).
+        source: how to load it.
+        aliases: other names for it.
+        pinned: never evicted nor unloaded by an idle timer.
+        keep_alive: seconds it stays loaded after its last request (``None``: the
+            registry's default; ``math.inf``: forever; 0: unloaded right after).
+        preload: loaded when the registry starts; requests that come during that first
+            load are refused with 503 ``loading`` (a readiness signal, as llama-server's
+            single model) instead of waiting.
+    """
+
+    name: str
+    source: ModelSource
+    aliases: tuple[str, ...] = ()
+    pinned: bool = False
+    keep_alive: float | None = None
+    preload: bool = False
+
+
+class _Load:
+    """One load in flight, shared by every request waiting for it."""
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()
+        self.done = trio.Event()
+        self.waiters = 0
+        self.started = time.monotonic()
+        #: set when the model has loaded: each waiter still there holds a lease from then
+        self.succeeded = False
+
+
+class _Ticket:
+    """A request's place: waiting for room (in the registry's queue), for a load, or
+    holding a lease."""
+
+    __slots__ = ("entry", "granted")
+
+    def __init__(self, entry: ModelEntry) -> None:
+        self.entry = entry
+        self.granted = False
+
+
+@dataclass(eq=False)
+class ModelEntry:
+    """One known model and its state."""
+
+    spec: ModelSpec
+    state: ModelState = "unloaded"
+    engine: Engine | None = None
+    #: 0…1 while loading
+    progress: float = 0.0
+    #: why the last load failed (``state == "failed"``)
+    error: str | None = None
+    #: leases held (requests between lease and their last byte)
+    leases: int = 0
+    #: when its last lease ended (monotonic), for least-recently-used eviction
+    last_used: float = 0.0
+    #: when it finished loading (Unix seconds): ``/v1/models``' ``created``
+    loaded_at: int = 0
+    #: seconds its last load took
+    load_seconds: float | None = None
+    #: measured bytes (RSS growth over its load), else the source's estimate
+    measured_bytes: int | None = None
+    #: chosen for eviction (or being unloaded): no new leases until it is unloaded
+    draining: bool = False
+    loads: int = 0
+    _load: _Load | None = None
+    _holders: set[Lease] = field(default_factory=set["Lease"])
+    _unloaded: trio.Event = field(default_factory=trio.Event)
+    #: the keep-alive of its latest request (``X-Keep-Alive``), if it said one
+    _keep_alive: float | None = None
+    _idle_generation: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.spec.name, *self.spec.aliases)
+
+    def footprint(self) -> int:
+        return self.measured_bytes if self.measured_bytes is not None else self.spec.source.footprint()
+
+    def describe(self) -> dict[str, object]:
+        """What ``/v1/models`` and ``GET /models`` say about it."""
+        body: dict[str, object] = {"state": self.state}
+        if self.state == "loading":
+            body["progress"] = round(self.progress, 3)
+        if self.state == "failed":
+            body["error"] = self.error
+        body["pinned"] = self.spec.pinned
+        body["in_use"] = self.leases
+        if self.load_seconds is not None:
+            body["load_seconds"] = round(self.load_seconds, 3)
+        return body
+
+
+class Lease:
+    """A request's hold on a loaded model: its ``engine`` stays loaded until the lease
+    is released. ``load_wait`` is how long the request waited for the model (seconds)."""
+
+    def __init__(self, registry: ModelRegistry, entry: ModelEntry, load_wait: float) -> None:
+        self._registry = registry
+        self.entry = entry
+        assert entry.engine is not None
+        self.engine: Engine = entry.engine
+        self.load_wait = load_wait
+        #: called when an unload's grace period ends with this lease still held
+        self.on_unload: Callable[[], None] | None = None
+        self._released = False
+
+    def release(self) -> None:
+        """Give the model back (idempotent)."""
+        if not self._released:
+            self._released = True
+            self._registry._release(self)
+
+
+class ModelRegistry:
+    """The models a server knows, loaded on demand within a budget.
+
+    Use it as an async context manager (it owns the nursery its loads and idle timers
+    run in); leaving it aborts loads in flight and unloads every model::
+
+        async with ModelRegistry([spec_a, spec_b], max_loaded=1) as registry:
+            async with registry.lease("a") as lease:
+                async with lease.engine.stream(request) as events:
+                    ...
+
+    Args:
+        specs: the models (the first is the default for requests that name none).
+        max_loaded: at most this many models loaded (or loading) at once (``None``: no
+            bound).
+        memory_budget: bytes the loaded models may take together (``None``: no bound).
+        keep_alive: seconds an idle model stays loaded (``math.inf``: until evicted).
+        unload_grace: seconds an explicit unload gives running streams.
+        max_queue: requests that may wait for room at once (more get 429), and each
+            model's engine's admission queue.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[ModelSpec],
+        *,
+        max_loaded: int | None = None,
+        memory_budget: int | None = None,
+        keep_alive: float = math.inf,
+        unload_grace: float = 10.0,
+        max_queue: int = 16,
+        close_backends: bool = True,
+    ) -> None:
+        if not specs:
+            raise ValueError("a registry needs at least one model")
+        if max_loaded is not None and max_loaded < 1:
+            raise ValueError(f"max_loaded must be at least 1, got {max_loaded}")
+        self.entries: list[ModelEntry] = []
+        self._by_name: dict[str, ModelEntry] = {}
+        for spec in specs:
+            entry = ModelEntry(spec)
+            entry._unloaded.set()
+            for name in entry.names:
+                if not name:
+                    continue
+                if name in self._by_name:
+                    raise ValueError(f"two models are named {name!r}")
+                self._by_name[name] = entry
+            self.entries.append(entry)
+        self.max_loaded = max_loaded
+        self.memory_budget = memory_budget
+        self.keep_alive = keep_alive
+        self.unload_grace = unload_grace
+        self.max_queue = max_queue
+        self._close_backends = close_backends
+        self._queue: deque[_Ticket] = deque()
+        self._changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._closing = False
+        #: listeners told when a model is loaded or unloaded (metrics, logs)
+        self.on_loaded: list[Callable[[ModelEntry], None]] = []
+        self.on_unloaded: list[Callable[[ModelEntry, Engine], None]] = []
+
+    @classmethod
+    def of_engine(cls, engine: Engine, *, aliases: tuple[str, ...] = ()) -> ModelRegistry:
+        """A registry of one model already loaded (pinned): for an engine built by hand.
+        It needs no ``async with`` (nothing loads or unloads by itself)."""
+
+        async def loaded() -> Backend:  # pragma: no cover - never called: already loaded
+            return engine.backend
+
+        spec = ModelSpec(
+            name=engine.backend.info.id, source=BackendSource(loaded), aliases=aliases, pinned=True
+        )
+        registry = cls([spec])
+        entry = registry.entries[0]
+        entry.engine, entry.state, entry.loads = engine, "loaded", 1
+        entry.loaded_at = int(time.time())
+        entry._unloaded = trio.Event()
+        return registry
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Self:
+        self._nursery_manager = trio.open_nursery()
+        self._nursery = await self._nursery_manager.__aenter__()
+        for entry in self.entries:
+            if entry.spec.preload:
+                self._start_load(entry)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        try:
+            await self.aclose()
+        finally:
+            assert self._nursery is not None
+            self._nursery.cancel_scope.cancel()
+            result = await self._nursery_manager.__aexit__(exc_type, exc, tb)
+        return result
+
+    async def aclose(self) -> None:
+        """Abort every load, cancel every stream, unload every model. Shielded: a model
+        is never freed while a thread still uses it. Idempotent."""
+        self._closing = True
+        self._notify()
+        with trio.CancelScope(shield=True):
+            for entry in self.entries:
+                if entry._load is not None:
+                    entry._load.scope.cancel()
+            for entry in self.entries:
+                if entry._load is not None:
+                    await entry._load.done.wait()
+            for entry in self.entries:
+                if entry.engine is not None:
+                    await self._close(entry)
+
+    # --------------------------------------------------------------- lookup
+
+    @property
+    def default(self) -> ModelEntry:
+        return self.entries[0]
+
+    def names(self) -> list[str]:
+        return [name for entry in self.entries for name in entry.names if name]
+
+    def resolve(self, name: str | None) -> ModelEntry:
+        """The entry for ``name`` (``None``: the default); :class:`NotFoundError` names
+        the models there are."""
+        if name is None:
+            return self.default
+        entry = self._by_name.get(name)
+        if entry is None:
+            unnamed = [e for e in self.entries if not e.spec.name]
+            if unnamed:  # its name is known once it has loaded
+                if unnamed[0].state == "failed":
+                    raise ServiceUnavailableError(f"the model failed to load: {unnamed[0].error}")
+                raise ServiceUnavailableError(
+                    "the model is still loading; retry shortly", retry_after=1, code="loading"
+                )
+            raise NotFoundError(
+                f"the model {name!r} does not exist on this server; available: {', '.join(self.names())}",
+                param="model",
+                code="model_not_found",
+            )
+        return entry
+
+    def loaded(self) -> list[ModelEntry]:
+        return [entry for entry in self.entries if entry.state == "loaded"]
+
+    # ---------------------------------------------------------------- leases
+
+    @asynccontextmanager
+    async def lease(
+        self,
+        name: str | None = None,
+        *,
+        keep_alive: float | None = None,
+        on_unload: Callable[[], None] | None = None,
+    ) -> AsyncIterator[Lease]:
+        """Hold model ``name`` loaded for the body of the block (loading it first, and
+        making room for it, if need be).
+
+        ``keep_alive`` overrides how long it stays loaded after this request (Ollama's
+        ``keep_alive``: 0 unloads it as soon as it is idle). ``on_unload`` is what an
+        unload whose grace has run out calls (default: cancel the body, which then
+        raises :class:`ServiceUnavailableError`, code ``model_unloaded``).
+
+        Raises:
+            NotFoundError: no model of that name.
+            OverloadedError: too many requests already wait for room.
+            ServiceUnavailableError: the load failed (the message names the file and
+                the cause), the registry is closing, or the model can never fit.
+
+        Cancellation: a cancel while waiting leaves only this request's place; a load
+        nobody waits for any more is aborted.
+        """
+        lease = await self.acquire(name, keep_alive=keep_alive)
+        scope = trio.CancelScope()
+        lease.on_unload = on_unload or scope.cancel
+        try:
+            with scope:
+                yield lease
+        finally:
+            lease.release()
+        if scope.cancelled_caught:
+            raise ServiceUnavailableError(
+                f"the model {lease.entry.name!r} was unloaded while this request ran", code="model_unloaded"
+            )
+
+    async def acquire(
+        self, name: str | ModelEntry | None = None, *, keep_alive: float | None = None
+    ) -> Lease:
+        """:meth:`lease` without the block: the caller must :meth:`Lease.release` it."""
+        entry = name if isinstance(name, ModelEntry) else self.resolve(name)
+        started = time.monotonic()
+        ticket = _Ticket(entry)
+        try:
+            while True:
+                if self._closing:
+                    raise ServiceUnavailableError(
+                        "the server is shutting down; retry on another instance", code="shutting_down"
+                    )
+                if ticket.granted:
+                    break
+                if entry.state == "loaded" and not entry.draining:
+                    entry.leases += 1
+                    ticket.granted = True
+                    break
+                if entry.state == "loading":
+                    if entry.spec.preload and entry.loads == 0:
+                        raise ServiceUnavailableError(
+                            "the model is still loading; retry shortly", retry_after=1, code="loading"
+                        )
+                    await self._wait_for_load(entry, ticket)
+                    continue
+                if entry.state == "unloading" or entry.draining:
+                    await entry._unloaded.wait()
+                    continue
+                if entry.state == "failed" and entry.spec.preload and entry.loads == 1:
+                    raise ServiceUnavailableError(f"the model failed to load: {entry.error}")
+                # unloaded or failed (a later request retries): take room, in order
+                await self._claim_room(ticket)
+                if entry.state in ("unloaded", "failed"):
+                    self._start_load(entry)
+        except BaseException:
+            if ticket.granted:
+                self._release_entry(entry)
+            raise
+        if keep_alive is not None:
+            entry._keep_alive = keep_alive
+        lease = Lease(self, entry, time.monotonic() - started)
+        entry._holders.add(lease)
+        return lease
+
+    async def _wait_for_load(self, entry: ModelEntry, ticket: _Ticket) -> None:
+        load = entry._load
+        assert load is not None
+        load.waiters += 1
+        try:
+            await load.done.wait()
+        finally:
+            if load.succeeded:
+                ticket.granted = True  # the load counted this waiter's lease already
+            else:
+                load.waiters -= 1
+                if load.waiters == 0 and not load.done.is_set():
+                    logger.info("model %s: every request waiting for its load has gone: abort", entry.name)
+                    load.scope.cancel()
+        if entry.state == "failed" and not ticket.granted:
+            raise ServiceUnavailableError(f"the model {entry.name!r} failed to load: {entry.error}")
+
+    def _release(self, lease: Lease) -> None:
+        lease.entry._holders.discard(lease)
+        self._release_entry(lease.entry)
+
+    def _release_entry(self, entry: ModelEntry) -> None:
+        entry.leases -= 1
+        entry.last_used = time.monotonic()
+        self._notify()
+        if entry.leases == 0 and entry.state == "loaded" and not entry.spec.pinned and not self._closing:
+            keep = entry._keep_alive if entry._keep_alive is not None else entry.spec.keep_alive
+            if keep is None:
+                keep = self.keep_alive
+            entry._idle_generation += 1
+            if keep <= 0:
+                self._spawn(self._unload_idle, entry, entry._idle_generation, 0.0)
+            elif math.isfinite(keep):
+                self._spawn(self._unload_idle, entry, entry._idle_generation, keep)
+
+    # ------------------------------------------------------------------ room
+
+    def _used(self, *, excluding: ModelEntry | None = None) -> tuple[int, int]:
+        count = memory = 0
+        for entry in self.entries:
+            if entry is not excluding and entry.state in ("loading", "loaded", "unloading"):
+                count += 1
+                memory += entry.footprint()
+        return count, memory
+
+    def _fits(self, entry: ModelEntry) -> bool:
+        count, memory = self._used(excluding=entry)
+        if self.max_loaded is not None and count >= self.max_loaded:
+            return False
+        return self.memory_budget is None or memory + entry.footprint() <= self.memory_budget
+
+    def _could_ever_fit(self, entry: ModelEntry) -> bool:
+        pinned = [e for e in self.entries if e.spec.pinned and e is not entry and e.state != "unloaded"]
+        if self.max_loaded is not None and len(pinned) >= self.max_loaded:
+            return False
+        if self.memory_budget is None:
+            return True
+        return sum(e.footprint() for e in pinned) + entry.footprint() <= self.memory_budget
+
+    async def _claim_room(self, ticket: _Ticket) -> None:
+        """Wait, in arrival order, until ``ticket``'s model fits; evict idle models (least
+        recently used first) to make room; mark busy ones to drain if none is idle."""
+        entry = ticket.entry
+        if not self._could_ever_fit(entry):
+            raise ServiceUnavailableError(
+                f"the model {entry.name!r} cannot fit beside the pinned models "
+                f"(--models-max {self.max_loaded}, memory budget {self.memory_budget} bytes)",
+                code="model_does_not_fit",
+            )
+        if len(self._queue) >= self.max_queue:
+            raise OverloadedError(
+                f"{len(self._queue)} requests already wait for a model to load; retry shortly",
+                retry_after=max(1.0, entry.load_seconds or 1.0),
+            )
+        self._queue.append(ticket)
+        try:
+            while True:
+                if self._closing:
+                    raise ServiceUnavailableError(
+                        "the server is shutting down; retry on another instance", code="shutting_down"
+                    )
+                if entry.state not in ("unloaded", "failed") and not entry.draining:
+                    return  # another request started its load meanwhile
+                if self._queue[0] is ticket:
+                    if self._fits(entry):
+                        return
+                    victim = self._victim(entry)
+                    if victim is not None:
+                        victim.draining = True
+                        if victim.leases == 0:
+                            await self._unload(victim, grace=0.0, why="evicted (least recently used)")
+                            continue
+                        logger.info(
+                            "model %s: waiting for %d request(s) on %s to finish before it is evicted",
+                            entry.name,
+                            victim.leases,
+                            victim.name,
+                        )
+                        self._spawn(self._evict_when_idle, victim)
+                changed = self._changed
+                await changed.wait()
+        finally:
+            self._queue.remove(ticket)
+            self._notify()
+
+    def _victim(self, entry: ModelEntry) -> ModelEntry | None:
+        """The model to evict for ``entry``: one already draining, else the least
+        recently used loaded model that is not pinned (idle ones first)."""
+        if any(e.draining and e.state in ("loaded", "unloading") for e in self.entries):
+            return None  # one is on its way out: wait for it
+        candidates = [e for e in self.entries if e is not entry and e.state == "loaded" and not e.spec.pinned]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda e: (e.leases > 0, e.last_used))
+
+    async def _evict_when_idle(self, victim: ModelEntry) -> None:
+        while victim.leases > 0 and victim.state == "loaded":
+            changed = self._changed
+            await changed.wait()
+        if victim.state == "loaded" and victim.draining:
+            await self._unload(victim, grace=0.0, why="evicted (least recently used)")
+
+    async def changed(self) -> None:
+        """Wait until a model's state, a lease or the room queue changes."""
+        await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _spawn(self, fn: Callable[..., object], *args: object) -> None:
+        if self._nursery is None:
+            raise RuntimeError("use the registry inside 'async with registry:'")
+        self._nursery.start_soon(fn, *args)  # type: ignore[arg-type]
+
+    # ----------------------------------------------------------------- loads
+
+    def _start_load(self, entry: ModelEntry) -> None:
+        entry.state = "loading"
+        entry.progress = 0.0
+        entry.error = None
+        entry._unloaded = trio.Event()
+        entry._load = _Load()
+        self._spawn(self._run_load, entry, entry._load)
+
+    async def _run_load(self, entry: ModelEntry, load: _Load) -> None:
+        def progress(value: float) -> None:
+            entry.progress = value  # (a float store, from the loading thread)
+
+        before = _rss_bytes()
+        backend: Backend | None = None
+        logger.info("model %s: loading %s", entry.name, entry.spec.source.description)
+        try:
+            with load.scope:
+                backend = await entry.spec.source.load(progress)
+        except Exception as exc:
+            entry.error = f"{entry.spec.source.description}: {exc}"
+            logger.error("model %s: the load failed: %s", entry.name, entry.error)
+        entry.loads += 1
+        entry._load = None
+        seconds = time.monotonic() - load.started
+        if backend is None:
+            if load.scope.cancelled_caught and entry.error is None:
+                logger.info("model %s: load aborted after %.2f s (nobody waits for it)", entry.name, seconds)
+                entry.state = "unloaded"
+            else:
+                entry.state = "failed"
+                if entry.error is None:
+                    entry.error = f"{entry.spec.source.description}: the load was cancelled"
+            entry._unloaded.set()
+            load.done.set()
+            self._notify()
+            return
+        after = _rss_bytes()
+        if before is not None and after is not None and after > before:
+            entry.measured_bytes = max(after - before, 1)
+        if not entry.spec.name:
+            entry.spec.name = backend.info.id
+            self._by_name.setdefault(entry.spec.name, entry)
+        entry.engine = Engine(backend, max_queue=self.max_queue)
+        entry.state = "loaded"
+        entry.draining = False
+        entry.loaded_at = int(time.time())
+        entry.load_seconds = seconds
+        entry.last_used = time.monotonic()
+        # the waiters hold their leases from now: nothing can evict it before they run
+        entry.leases += load.waiters
+        load.succeeded = True
+        logger.info("model %s: loaded in %.2f s (%d request(s) waiting)", entry.name, seconds, load.waiters)
+        for listener in self.on_loaded:
+            listener(entry)
+        load.done.set()
+        self._notify()
+        if load.waiters == 0 and entry.leases == 0:
+            self._release_idle(entry)
+
+    def _release_idle(self, entry: ModelEntry) -> None:
+        """A model loaded with nobody waiting (preload, ``POST /models/load``): its idle
+        timer starts now."""
+        entry.leases += 1
+        self._release_entry(entry)
+
+    async def load(self, name: str) -> ModelEntry:
+        """Load ``name`` if it is not (``POST /models/load``), making room for it, and
+        wait for the load. Cancellation: as a request waiting for it."""
+        lease = await self.acquire(name)
+        lease.release()
+        return lease.entry
+
+    # --------------------------------------------------------------- unloads
+
+    async def unload(self, name: str, *, grace: float | None = None) -> ModelEntry:
+        """Unload ``name`` (``POST /models/unload``): no new leases; running streams get
+        ``grace`` seconds (default: ``unload_grace``), then each is ended (its lease's
+        ``on_unload``: cause ``unload``); then the model is freed. Requests that arrive
+        meanwhile wait, and load it again afterwards.
+
+        Cancellation: the unload is the server's own; it goes on (shielded) once begun."""
+        entry = self.resolve(name)
+        if entry.state == "loading" and entry._load is not None:
+            entry._load.scope.cancel()
+            await entry._load.done.wait()
+            return entry
+        if entry.state != "loaded":
+            return entry
+        grace = self.unload_grace if grace is None else grace
+        await self._unload(entry, grace=grace, why="unloaded on request")
+        return entry
+
+    async def _unload_idle(self, entry: ModelEntry, generation: int, after: float) -> None:
+        await trio.sleep(after)
+        if (
+            entry.state == "loaded"
+            and entry.leases == 0
+            and entry._idle_generation == generation
+            and not entry.draining
+        ):
+            reason = "keep_alive 0" if after == 0 else f"idle for {after:g} s"
+            await self._unload(entry, grace=0.0, why=reason)
+
+    async def _unload(self, entry: ModelEntry, *, grace: float, why: str) -> None:
+        with trio.CancelScope(shield=True):
+            if entry.state != "loaded":
+                await entry._unloaded.wait()
+                return
+            entry.draining = True
+            entry.state = "unloading"
+            self._notify()
+            with trio.move_on_after(grace):
+                while entry.leases > 0:
+                    changed = self._changed
+                    await changed.wait()
+            if entry.leases:
+                logger.info("model %s: ending %d stream(s) (cause unload)", entry.name, entry.leases)
+                for lease in list(entry._holders):
+                    if lease.on_unload is not None:
+                        lease.on_unload()
+                with trio.move_on_after(30.0):
+                    while entry.leases > 0:
+                        changed = self._changed
+                        await changed.wait()
+            await self._close(entry)
+            logger.info("model %s: unloaded (%s)", entry.name, why)
+
+    async def _close(self, entry: ModelEntry) -> None:
+        engine, entry.engine = entry.engine, None
+        if engine is not None:
+            await engine.aclose(close_backend=self._close_backends)
+        entry.state = "unloaded"
+        entry.draining = False
+        entry._unloaded.set()
+        if engine is not None:
+            for listener in self.on_unloaded:
+                listener(entry, engine)
+        self._notify()
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident memory (Linux), for the measured footprint of a load."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # pragma: no cover - not Linux
+        return None
