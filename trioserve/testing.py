@@ -63,7 +63,9 @@ async def open_test_server(
             binds = await nursery.start(server.run)
             await server.ready.wait()
             if server.engine is None:
-                raise RuntimeError(f"the test server's backend failed to load: {server.registry.default.error}")
+                raise RuntimeError(
+                    f"the test server's backend failed to load: {server.registry.default.error}"
+                )
             try:
                 yield TestServer(url=binds[0], server=server, engine=server.engine)
             finally:

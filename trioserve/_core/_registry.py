@@ -90,9 +90,10 @@ class ModelSpec:
         pinned: never evicted nor unloaded by an idle timer.
         keep_alive: seconds it stays loaded after its last request (``None``: the
             registry's default; ``math.inf``: forever; 0: unloaded right after).
-        preload: loaded when the registry starts; requests that come during that first
-            load are refused with 503 ``loading`` (a readiness signal, as llama-server's
-            single model) instead of waiting.
+        preload: loaded when the registry starts (requests for it wait for that load).
+        ready_gate: (with ``preload``) requests that come during that first load are
+            refused with 503 ``loading`` instead of waiting, and a failed first load is
+            final: the single-model server's readiness signal, as llama-server's.
     """
 
     name: str
@@ -101,6 +102,7 @@ class ModelSpec:
     pinned: bool = False
     keep_alive: float | None = None
     preload: bool = False
+    ready_gate: bool = False
 
 
 class _Load:
@@ -414,7 +416,7 @@ class ModelRegistry:
                     ticket.granted = True
                     break
                 if entry.state == "loading":
-                    if entry.spec.preload and entry.loads == 0:
+                    if entry.spec.ready_gate and entry.loads == 0:
                         raise ServiceUnavailableError(
                             "the model is still loading; retry shortly", retry_after=1, code="loading"
                         )
@@ -423,7 +425,7 @@ class ModelRegistry:
                 if entry.state == "unloading" or entry.draining:
                     await entry._unloaded.wait()
                     continue
-                if entry.state == "failed" and entry.spec.preload and entry.loads == 1:
+                if entry.state == "failed" and entry.spec.ready_gate and entry.loads == 1:
                     raise ServiceUnavailableError(f"the model failed to load: {entry.error}")
                 # unloaded or failed (a later request retries): take room, in order
                 await self._claim_room(ticket)

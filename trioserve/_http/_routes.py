@@ -150,7 +150,7 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
             return _json_response({"status": "loading", "error": None}, 503, {"Retry-After": "1"})
         default = registry.default
         models = {entry.name or "(loading)": model_health(entry) for entry in registry.entries}
-        if default.spec.preload and default.state != "loaded":
+        if default.spec.ready_gate and default.state != "loaded":
             if default.state == "failed":
                 return _json_response({"status": "error", "error": default.error, "models": models}, 503)
             if default.loads == 0:
@@ -203,7 +203,7 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
     async def models() -> Response:
         """Every known model, loaded or not, with its state (docs/models.md)."""
         registry = state.registry
-        if registry is None or (registry.default.spec.preload and registry.default.loads == 0):
+        if registry is None or (registry.default.spec.ready_gate and registry.default.loads == 0):
             return _error_response(ServiceUnavailableError("the model is still loading", code="loading"))
         return _json_response(
             {

@@ -132,6 +132,7 @@ class Server:
                 aliases=self.settings.http.model_aliases,
                 pinned=True,
                 preload=True,
+                ready_gate=True,
             )
             self.registry = ModelRegistry(
                 [spec], max_queue=self.settings.max_queue, close_backends=close_backend

@@ -1,0 +1,130 @@
+"""``trioserve serve``: the command line. The flags: ``_parser.py`` (one function per
+group); what they serve: ``_models.py`` (one backend, or a model registry)."""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import trio
+
+from .._backends import Backend
+from .._core._registry import ModelRegistry
+from .._http import HTTPSettings
+from .._http._server import Server, ServerSettings, serve_until_signalled
+from . import _models
+from ._parser import parser as _parser
+
+__all__ = ["main"]
+
+logger = logging.getLogger("trioserve")
+
+
+def _loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backend]]]:
+    return _models.loader(args)
+
+
+class _JSONFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(
+            {
+                "time": self.formatTime(record),
+                "level": record.levelname.lower(),
+                "logger": record.name,
+                "message": record.getMessage(),
+            }
+        )
+
+
+def _configure_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JSONFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    logging.getLogger("trioserve").setLevel(level.upper())
+
+
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    keys = list(args.api_key)
+    keys += [k.strip() for k in os.environ.get("TRIOSERVE_API_KEYS", "").split(",") if k.strip()]
+    if args.api_key_file is not None:
+        keys += [line.strip() for line in args.api_key_file.read_text().splitlines() if line.strip()]
+    return tuple(keys)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # a native crash (in llama.cpp, say) leaves every thread's Python stack in the log
+    if not faulthandler.is_enabled():
+        try:
+            faulthandler.enable()
+        except (AttributeError, ValueError, OSError):  # pragma: no cover - stderr has no file
+            logger.warning("faulthandler could not be enabled: stderr is not a file")
+    args = _parser().parse_args(argv)
+    _configure_logging(args.log_level, args.log_format)
+    models: Callable[[], Awaitable[Backend]] | ModelRegistry
+    try:
+        if _models.is_registry(args):
+            description, models = _models.registry(args, max_queue=args.max_queue)
+        else:
+            description, models = _loader(args)
+    except (RuntimeError, FileNotFoundError, ValueError) as exc:
+        logger.error("%s", exc)
+        return 2
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        max_queue=args.max_queue,
+        shutdown_grace=args.shutdown_grace,
+        stall_timeout=args.stall_timeout or None,
+        api_keys=_api_keys(args),
+        cors_origins=tuple(args.cors_origin),
+        send_buffer_bytes=args.send_buffer_bytes,
+        http=HTTPSettings(
+            heartbeat_interval=args.heartbeat_interval or None,
+            max_body_bytes=args.max_body_bytes,
+            max_header_bytes=args.max_header_bytes,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_tokens_limit=args.max_tokens_limit,
+            default_timeout=args.default_timeout,
+            max_timeout=args.max_timeout,
+            model_aliases=tuple(args.model_alias),
+            keep_billing_header=args.keep_billing_header,
+        ),
+    )
+    server = Server(models, settings)
+    logger.info("trioserve %s (pid %d): loading %s", _version(), os.getpid(), description)
+    if settings.api_keys:
+        logger.info("API keys required on /v1/* and /metrics (%d key(s))", len(settings.api_keys))
+    started = time.perf_counter()
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(serve_until_signalled, server)
+            logger.info("listening on %s", ", ".join(binds))
+
+    trio.run(run)
+    logger.info("exited after %.1f s", time.perf_counter() - started)
+    return 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trioserve")
+    except PackageNotFoundError:
+        return "dev"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,276 @@
+"""What ``trioserve serve`` serves: one backend (a model, the scripted backend, upstream
+servers) or a model registry (``--model NAME=PATH``, ``--models-dir``,
+``--models-preset``), built from the flags (docs/models.md)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import math
+import os
+import sys
+import tomllib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._backends import Backend, LlamaBackend, LlamaSettings, ScriptedBackend, UpstreamBackend
+from .._backends._sources import LlamaSource
+from .._core._exceptions import InvalidRequestError
+from .._core._registry import ModelRegistry, ModelSpec
+from .._http._exchange import parse_keep_alive
+
+__all__ = ["discover", "is_registry", "loader", "read_preset", "registry"]
+
+logger = logging.getLogger("trioserve")
+
+#: the per-model keys of a preset file, and the flag each overrides
+PRESET_KEYS = {
+    "path": None,
+    "aliases": None,
+    "pinned": None,
+    "keep_alive": "--keep-alive",
+    "load_on_startup": None,
+    "ctx_size": "--ctx-size",
+    "slots": "--slots",
+    "threads": "--threads",
+    "batch_size": "--batch-size",
+    "prefill_chunk": "--prefill-chunk",
+    "prompt_cache": "--no-prompt-cache",
+    "cache_mode": "--cache-mode",
+    "cache_ram": "--cache-ram",
+    "batch_invariant": "--batch-invariant",
+    "repack": "--repack",
+    "pooling": "--pooling",
+}
+
+
+@dataclass
+class _Model:
+    name: str
+    path: Path | None = None
+    settings: dict[str, Any] = field(default_factory=dict[str, Any])
+
+
+def is_registry(args: argparse.Namespace) -> bool:
+    """Several models (or a preset): a registry; else the single-model server."""
+    named = any("=" in spec and not Path(spec).is_file() for spec in args.model)
+    return bool(args.models_dir or args.models_preset or named or len(args.model) > 1)
+
+
+def discover(directory: Path) -> dict[str, Path]:
+    """The models in ``directory``: each ``.gguf`` (named by its file name without
+    ``.gguf``) and each subfolder holding one (a multi-file model, named by the folder:
+    its first shard, ``*-00001-of-*.gguf``). Projector files (``mmproj*``) are not models."""
+    if not directory.is_dir():
+        raise RuntimeError(f"--models-dir {directory}: not a directory")
+    found: dict[str, Path] = {}
+    for item in sorted(directory.iterdir()):
+        if item.is_file() and item.suffix == ".gguf" and not item.name.startswith("mmproj"):
+            found[item.name.removesuffix(".gguf")] = item
+        elif item.is_dir():
+            files = sorted(f for f in item.glob("*.gguf") if not f.name.startswith("mmproj"))
+            shards = [f for f in files if "-00001-of-" in f.name]
+            if shards:
+                found[item.name] = shards[0]
+            elif len(files) == 1:
+                found[item.name] = files[0]
+            elif files:
+                logger.warning("%s holds %d GGUF files and no shard set: skipped", item, len(files))
+    return found
+
+
+def read_preset(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """``(defaults, {name: settings})`` from a TOML preset file::
+
+    [defaults]            # every model (any per-model key)
+    ctx_size = 4096
+
+    [models.gemma-small]  # a model: a name --models-dir found, or a new one with path
+    path = "gemma.gguf"   # relative to the preset file
+    ctx_size = 2048
+    pinned = true
+    keep_alive = "10m"
+    """
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise RuntimeError(f"--models-preset {path}: {exc}") from None
+    unknown = set(data) - {"defaults", "models"}
+    if unknown:
+        raise RuntimeError(f"--models-preset {path}: unknown table(s) {sorted(unknown)} (defaults, models)")
+    defaults = data.get("defaults", {})
+    models = data.get("models", {})
+    for name, table in [("defaults", defaults), *models.items()]:
+        if not isinstance(table, dict):
+            raise RuntimeError(f"--models-preset {path}: [{name}] must be a table")
+        bad = set(table) - set(PRESET_KEYS)
+        if bad:
+            raise RuntimeError(
+                f"--models-preset {path}: [{name}] has unknown key(s) {sorted(bad)}; "
+                f"known: {sorted(PRESET_KEYS)}"
+            )
+        if "path" in table:
+            table["path"] = (path.parent / str(table["path"])).resolve()
+    return defaults, models
+
+
+def _models(args: argparse.Namespace) -> tuple[list[_Model], dict[str, Any]]:
+    models: dict[str, _Model] = {}
+
+    def add(name: str, path: Path, origin: str) -> None:
+        if name in models:
+            raise RuntimeError(f"two models are named {name!r} ({models[name].path} and {path}, {origin})")
+        models[name] = _Model(name, path)
+
+    for directory in args.models_dir:
+        for name, path in discover(directory).items():
+            add(name, path, f"in --models-dir {directory}")
+    for spec in args.model:
+        if "=" in spec and not Path(spec).is_file():
+            name, _, path_text = spec.partition("=")
+            add(name, Path(path_text), "--model NAME=PATH")
+        else:
+            path = Path(spec)
+            add(args.model_id or path.name.removesuffix(".gguf"), path, "--model")
+    defaults: dict[str, Any] = {}
+    if args.models_preset is not None:
+        defaults, presets = read_preset(args.models_preset)
+        for name, table in presets.items():
+            model = models.get(name)
+            if model is None:
+                if "path" not in table:
+                    raise RuntimeError(
+                        f"--models-preset: [models.{name}] names no model found by --models-dir or "
+                        "--model; give it a path"
+                    )
+                model = models[name] = _Model(name, None)
+            if "path" in table:
+                model.path = table["path"]
+            model.settings = table
+    if not models:
+        raise RuntimeError("no models: --models-dir found no .gguf file, and no --model was given")
+    for model in models.values():
+        if model.path is None or not model.path.is_file():
+            raise RuntimeError(f"model file not found: {model.path} (model {model.name!r})")
+    return list(models.values()), defaults
+
+
+def _settings(args: argparse.Namespace, name: str, path: Path, table: dict[str, Any]) -> LlamaSettings:
+    def get(key: str, default: Any) -> Any:
+        return table.get(key, default)
+
+    repack = get("repack", args.repack)
+    return LlamaSettings(
+        path,
+        n_ctx=int(get("ctx_size", args.ctx_size)),
+        n_threads=get("threads", args.threads),
+        n_batch=int(get("batch_size", args.batch_size)),
+        slots=int(get("slots", args.slots or 8)),
+        prefill_chunk=int(get("prefill_chunk", args.prefill_chunk)),
+        prompt_cache=bool(get("prompt_cache", not args.no_prompt_cache)),
+        cache_ram_bytes=int(get("cache_ram", args.cache_ram)) * 1024 * 1024,
+        cache_mode=get("cache_mode", args.cache_mode),
+        batch_invariant=bool(get("batch_invariant", args.batch_invariant)),
+        model_id=name,
+        repack={"auto": None, "on": True, "off": False}[repack],
+        pooling=get("pooling", args.pooling),
+    )
+
+
+def _keep_alive(value: object, origin: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        return parse_keep_alive(str(value))
+    except InvalidRequestError as exc:
+        raise RuntimeError(f"{origin}: {exc.message}") from None
+
+
+def registry(args: argparse.Namespace, *, max_queue: int) -> tuple[str, ModelRegistry]:
+    """The registry the flags describe, and a line for the log."""
+    if args.scripted or args.upstream:
+        raise RuntimeError(
+            "--scripted and --upstream serve one backend: drop --models-dir / NAME=PATH / presets"
+        )
+    models, defaults = _models(args)
+    server_keep_alive = _keep_alive(args.keep_alive, "--keep-alive")
+    specs = []
+    for index, model in enumerate(models):
+        assert model.path is not None
+        table = {**defaults, **model.settings}
+        keep_alive = _keep_alive(table.get("keep_alive"), f"keep_alive of {model.name}")
+        aliases = tuple(table.get("aliases", ()))
+        if index == 0:
+            aliases += tuple(args.model_alias)  # --model-alias: the default model's
+        specs.append(
+            ModelSpec(
+                name=model.name,
+                source=LlamaSource(_settings(args, model.name, model.path, table)),
+                aliases=aliases,
+                pinned=bool(table.get("pinned", False)),
+                keep_alive=keep_alive,
+                preload=bool(table.get("load_on_startup", False)),
+            )
+        )
+    models_memory = None if args.models_memory is None else args.models_memory * 1024 * 1024
+    built = ModelRegistry(
+        specs,
+        max_loaded=args.models_max,
+        memory_budget=models_memory,
+        keep_alive=math.inf if server_keep_alive is None else server_keep_alive,
+        unload_grace=args.unload_grace,
+        max_queue=max_queue,
+    )
+    bound = f", at most {args.models_max} loaded" if args.models_max else ""
+    names = ", ".join(spec.name for spec in specs)
+    return f"{len(specs)} model(s) on demand{bound}: {names}", built
+
+
+def loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backend]]]:
+    """The single backend the flags describe (one model, scripted, upstreams)."""
+    if args.upstream:
+        if args.scripted or args.model:
+            raise RuntimeError("--upstream serves a model that runs elsewhere: drop --model / --scripted")
+        slots = args.slots or 8
+        load = functools.partial(
+            UpstreamBackend.aload,
+            args.upstream,
+            model_id=args.model_id,
+            slots_per_upstream=slots,
+            cooldown=args.upstream_cooldown,
+            extra_body=args.upstream_body,
+            api_key=os.environ.get("TRIOSERVE_UPSTREAM_API_KEY") or None,
+        )
+        return f"upstream(s) {', '.join(args.upstream)} ({slots} slot(s) each)", load
+    if args.batch:
+        logger.warning("--batch is the default now (and the only llama backend); the flag does nothing")
+    if args.slots is None:
+        args.slots = 8
+    if args.slots < 1:
+        raise RuntimeError(f"--slots must be at least 1, got {args.slots}")
+    if args.scripted:
+        backend = ScriptedBackend(
+            token_interval=args.scripted_interval, slots=args.slots, context_length=args.ctx_size
+        )
+
+        async def scripted() -> Backend:
+            return backend
+
+        return "scripted backend", functools.partial(scripted)
+    if not args.model:
+        from .._backends._models import default_model_path
+
+        path = default_model_path(progress=sys.stderr.isatty())
+    else:
+        path = Path(args.model[0])
+        if not path.is_file():
+            raise FileNotFoundError(f"model file not found: {path}")
+    settings = _settings(args, args.model_id or path.name.removesuffix(".gguf"), path, {})
+    description = (
+        f"model {path} ({settings.slots} sequences of {settings.n_ctx} tokens, "
+        f"{settings.n_threads} threads{', batch-invariant' if settings.batch_invariant else ''})"
+    )
+    return description, functools.partial(LlamaBackend.aload, settings)

@@ -1,0 +1,324 @@
+"""``trioserve serve``'s flags, one function per group (the order ``--help`` shows)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+__all__ = ["parser"]
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _json_object(text: str) -> dict[str, object]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"repeat_penalty\": 1.0}'")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(
+        prog="trioserve", description="A streaming LLM server where stop really stops."
+    )
+    commands = root.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve GGUF models over the OpenAI and Anthropic APIs")
+    _model(serve)
+    _models(serve)
+    _prompt_cache(serve)
+    _upstream(serve)
+    _network(serve)
+    _admission(serve)
+    _flow(serve)
+    _access(serve)
+    _dialects(serve)
+    _logging(serve)
+    return root
+
+
+def _model(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("model (each model's defaults; a preset file overrides them per model)")
+    group.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="[NAME=]PATH",
+        help="a GGUF file to serve (default: Gemma 3 270M, from PyPI); repeatable as NAME=PATH to "
+        "serve several, each loaded on demand (docs/models.md)",
+    )
+    group.add_argument("--model-id", help="the model name clients use (default: the file name)")
+    group.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name clients may use for the (default) model (repeatable; e.g. the names Claude "
+        "Code sends: --model-alias claude-sonnet-4-5)",
+    )
+    group.add_argument(
+        "--ctx-size", type=int, default=4096, help="context length per sequence (default: 4096)"
+    )
+    group.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    group.add_argument("--batch-size", type=int, default=512, help="llama.cpp's batch size (default: 512)")
+    group.add_argument(
+        "--batch",
+        action="store_true",
+        help=argparse.SUPPRESS,  # batched decoding is the default now; kept for old scripts
+    )
+    group.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="make each request's numerics independent of the others, so a temperature-0 "
+        "text equals the request's text alone (costs throughput at high concurrency)",
+    )
+    group.add_argument(
+        "--repack",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="let llama.cpp repack weights for this CPU's kernels (its extra buffer types); "
+        "auto: on, unless the installed llama.cpp has AMX kernels, which crash on AMX CPUs "
+        "(ggml-org/llama.cpp #20824; docs/platforms.md) (default: auto)",
+    )
+    group.add_argument(
+        "--pooling",
+        choices=("mean", "cls", "last"),
+        default=None,
+        help="how /v1/embeddings pools token vectors (default: the model's own; mean for a model "
+        "that has none; docs/embeddings.md)",
+    )
+    group.add_argument(
+        "--scripted",
+        action="store_true",
+        help="serve the scripted test backend instead of a model (for benchmarking the stack)",
+    )
+    group.add_argument(
+        "--scripted-interval", type=float, default=0.01, help="seconds per scripted token (default: 0.01)"
+    )
+
+
+def _models(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("many models (docs/models.md)")
+    group.add_argument(
+        "--models-dir",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="serve every .gguf in DIR (named by its file name; a subfolder is one multi-file "
+        "model, named by the folder), each loaded on demand (repeatable)",
+    )
+    group.add_argument(
+        "--models-preset",
+        type=Path,
+        metavar="FILE.toml",
+        help="per-model settings (context, slots, cache, pinned, keep_alive, aliases, paths): "
+        "docs/models.md, 'Presets'",
+    )
+    group.add_argument(
+        "--models-max",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N models loaded at once; the least recently used idle one is unloaded to "
+        "make room, and a request waits while every loaded model streams (default: no bound)",
+    )
+    group.add_argument(
+        "--models-memory",
+        type=int,
+        default=None,
+        metavar="MIB",
+        help="memory the loaded models may take together (each measured at its load; before, "
+        "its file size) (default: no bound)",
+    )
+    group.add_argument(
+        "--keep-alive",
+        default=None,
+        metavar="DURATION",
+        help="how long an idle model stays loaded: seconds or 5m / 1h; 0 unloads it after each "
+        "request; -1 keeps it (default: -1, until evicted). A request's X-Keep-Alive overrides it",
+    )
+    group.add_argument(
+        "--unload-grace",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds POST /models/unload gives running streams before it ends them with cause "
+        "'unload' (default: 10)",
+    )
+
+
+def _prompt_cache(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("prompt cache (docs/prompt-cache.md)")
+    group.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=128,
+        help="prompt tokens per llama_decode call, in chunks aligned to absolute positions "
+        "whatever the load, so a cached prefix is exact (default: 128)",
+    )
+    group.add_argument(
+        "--no-prompt-cache",
+        action="store_true",
+        help="clear every request's KV cells when it ends instead of keeping its prompt's "
+        "whole chunks for later requests (the cache never changes a text: docs/prompt-cache.md)",
+    )
+    group.add_argument(
+        "--cache-mode",
+        choices=("exact", "fast"),
+        default="exact",
+        help="exact: reuse only whole aligned prompt chunks, so a cached answer equals a fresh "
+        "server's; fast: reuse every matching cell, the reply's too, as llama-server does "
+        "(answers may differ: docs/prompt-cache.md) (default: exact)",
+    )
+    group.add_argument(
+        "--cache-ram",
+        type=int,
+        default=1024,
+        metavar="MIB",
+        help="host memory (per model) for cached prompt prefixes evicted from KV cells, least "
+        "recently used out first; it outlives the model's unload (default: 1024; 0: none)",
+    )
+
+
+def _upstream(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("upstream (serve a model that runs on other servers)")
+    group.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="forward generation to this OpenAI-compatible server (vLLM, llama-server, "
+        "llama-cpp-python, trioserve) instead of loading a model; repeatable: requests go to "
+        "the least busy one, and one that fails is skipped for a while. --slots is then the "
+        "capacity per upstream (default: 8); TRIOSERVE_UPSTREAM_API_KEY is sent as its bearer key",
+    )
+    group.add_argument(
+        "--upstream-cooldown",
+        type=_positive_float,
+        default=5.0,
+        help="seconds a failed upstream is skipped before a request probes it again (default: 5)",
+    )
+    group.add_argument(
+        "--upstream-body",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="fields merged into every upstream request, e.g. '{\"repeat_penalty\": 1.0}' for "
+        "llama-cpp-python (whose default is 1.1); llama-server is sent return_progress on its own",
+    )
+
+
+def _network(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("network")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
+
+
+def _admission(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("admission and limits")
+    group.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="generations at once (per model): sequences decoded together (default: 8); with "
+        "--upstream, per upstream (default: 8)",
+    )
+    group.add_argument("--max-queue", type=int, default=16, help="requests waiting for a slot (default: 16)")
+    group.add_argument(
+        "--default-timeout",
+        type=_positive_float,
+        default=None,
+        help="seconds a request may take (a model load, queue, prefill, decode) when it sends no "
+        "X-Request-Timeout (default: none)",
+    )
+    group.add_argument(
+        "--max-timeout", type=_positive_float, default=600.0, help="cap on X-Request-Timeout (default: 600)"
+    )
+    group.add_argument(
+        "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="request body limit (default: 4 MiB)"
+    )
+    group.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        help="seconds in-flight streams get to finish on SIGTERM before they are cancelled (default: 10)",
+    )
+    group.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="longest prompt accepted (default: the context)"
+    )
+    group.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="largest max_tokens accepted (default: the context)",
+    )
+    group.add_argument(
+        "--max-header-bytes", type=int, default=16 * 1024, help="request head limit (default: 16 KiB)"
+    )
+
+
+def _flow(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("flow control")
+    group.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=30.0,
+        help="disconnect a client that accepts no data for this many seconds (default: 30; 0: never)",
+    )
+    group.add_argument(
+        "--send-buffer-bytes",
+        type=int,
+        default=16 * 1024,
+        help="bytes a connection may queue in the kernel unsent (TCP_NOTSENT_LOWAT; default: 16384)",
+    )
+    group.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=15.0,
+        help="SSE comment after this many silent seconds (queued, long prefill; default: 15; 0: off)",
+    )
+
+
+def _access(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("access")
+    group.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/*, /models* and /metrics (repeatable; also "
+        "TRIOSERVE_API_KEYS=key1,key2)",
+    )
+    group.add_argument("--api-key-file", type=Path, help="a file with one API key per line")
+    group.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="allow browsers on this origin to call the API (repeatable; '*' for any; default: off)",
+    )
+
+
+def _dialects(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("API dialects (docs/dialects.md)")
+    group.add_argument(
+        "--keep-billing-header",
+        action="store_true",
+        help="keep Claude Code's x-anthropic-billing-header system block in the prompt (by default "
+        "it is removed: it changes every request and would defeat the prompt cache)",
+    )
+
+
+def _logging(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("logging")
+    group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    group.add_argument("--log-format", default="human", choices=["human", "json"])
