@@ -8,7 +8,10 @@
 * two scripted trioserve processes as upstreams, behind ``trioserve serve --upstream``:
   least-outstanding balancing, and one upstream killed mid-run;
 * backpressure: a client that stops reading stops the upstream's tokens;
-* errors: upstream 4xx, an unreachable upstream, token-id prompts.
+* errors: upstream 4xx, an unreachable upstream, token-id prompts;
+* embeddings through the relay (trioserve on the default model as the upstream): the
+  upstream's own vectors, a client that leaves mid-batch or a deadline stops the
+  upstream's evaluation, the upstream's 400s with its message; 501 and 503.
 
 The llama-server binary: ``$TRIOSERVE_LLAMA_SERVER``, else what ``scripts/build-llama-server``
 prints (it builds and caches it the first time, ~5 min). If neither works the llama-server
@@ -17,6 +20,7 @@ tests fail, saying why: they are never skipped.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import trio
 
@@ -39,6 +44,7 @@ from trioserve import (
     ContextLengthError,
     GenerationProgress,
     GenerationRequest,
+    LlamaBackend,
     ModelInfo,
     ScriptedBackend,
     ServiceUnavailableError,
@@ -611,6 +617,206 @@ async def test_errors_are_mapped_once(serve: Serve) -> None:
         await unreachable.aclose()
     with pytest.raises(BackendError, match="no upstream answered"):
         await UpstreamBackend.aload([dead], load_timeout=0.5)
+    await front.wait_idle()
+
+
+# ---------------------------------------------------------------------------- embeddings
+
+EMBED_TEXTS = [
+    "The cat sat on the mat.",
+    "Stock markets fell sharply on Monday.",
+    "Paris is the capital of France.",
+    "Plants use sunlight to make sugar.",
+]
+#: dozens of embedding calls upstream: a client can leave while they run
+LONG_INPUTS = [f"Input number {i}: " + "the history of the city is long and varied. " * 5 for i in range(256)]
+
+
+@pytest.fixture
+async def embeddings_upstream(
+    llama_backend: LlamaBackend, nursery: trio.Nursery
+) -> AsyncIterator[RunningServer]:
+    """trioserve on the default model (the session's backend: left open here)."""
+    running = await start_server(nursery, llama_backend)
+    yield running
+    running.server.shutdown()
+    with trio.fail_after(15):
+        await running.server.stopped.wait()
+
+
+@pytest.fixture
+async def embeddings_relay(embeddings_upstream: RunningServer, serve: Serve) -> RunningServer:
+    """A relay in front of ``embeddings_upstream`` (stopped first: set up after it)."""
+    return await serve(await UpstreamBackend.aload([embeddings_upstream.url]))
+
+
+def _relayed_upstream(relay: RunningServer) -> UpstreamBackend:
+    backend = relay.engine.backend
+    assert isinstance(backend, UpstreamBackend)
+    return backend
+
+
+@pytest.mark.model
+async def test_embeddings_through_the_relay_are_the_upstreams(
+    embeddings_upstream: RunningServer, embeddings_relay: RunningServer, llama_backend: LlamaBackend
+) -> None:
+    """A text, a list of texts, token-id lists and a token-id list, as floats and as
+    base64 (the SDK's default, which it decodes): the relay's answers are the
+    upstream's own, bit for bit (floats pass through as the upstream wrote them), with
+    its token counts."""
+    token_ids = [await llama_backend.tokenize_text(text, add_special=True) for text in EMBED_TEXTS[:2]]
+    cases: list[Any] = [EMBED_TEXTS[0], EMBED_TEXTS, token_ids, token_ids[1]]
+    size = llama_backend.embedding_size
+    assert size is not None
+
+    def calls(url: str) -> list[tuple[Any, Any]]:
+        with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as sdk:
+            model = sdk.models.list().data[0].id
+            return [
+                (
+                    sdk.embeddings.create(model=model, input=case, encoding_format="float"),
+                    sdk.embeddings.create(model=model, input=case),  # base64, decoded by the SDK
+                )
+                for case in cases
+            ]
+
+    direct = await trio.to_thread.run_sync(calls, embeddings_upstream.url)
+    relayed = await trio.to_thread.run_sync(calls, embeddings_relay.url)
+    for case, (direct_floats, direct_default), (floats, default) in zip(cases, direct, relayed, strict=True):
+        expected = 1 if isinstance(case, str) or isinstance(case[0], int) else len(case)
+        assert [item.index for item in floats.data] == list(range(expected))
+        assert [item.embedding for item in floats.data] == [item.embedding for item in direct_floats.data]
+        assert [item.embedding for item in default.data] == [item.embedding for item in direct_default.data]
+        assert all(len(item.embedding) == size for item in floats.data)
+        assert (
+            floats.usage.prompt_tokens == floats.usage.total_tokens == direct_floats.usage.prompt_tokens > 0
+        )
+        assert default.usage.prompt_tokens == direct_default.usage.prompt_tokens
+    assert relayed[2][0].usage.prompt_tokens == sum(len(ids) for ids in token_ids)
+    # the base64 text itself: the same bytes (float32 of the same floats)
+    async with httpx.AsyncClient(timeout=60) as client:
+        body = {"input": EMBED_TEXTS[:2], "encoding_format": "base64"}
+        ours = (await client.post(embeddings_relay.url + "/v1/embeddings", json=body)).json()
+        theirs = (await client.post(embeddings_upstream.url + "/v1/embeddings", json=body)).json()
+    assert [item["embedding"] for item in ours["data"]] == [item["embedding"] for item in theirs["data"]]
+    assert len(base64.b64decode(ours["data"][0]["embedding"])) == 4 * size
+    (upstream,) = _relayed_upstream(embeddings_relay).upstreams
+    assert upstream.outstanding == 0
+    assert upstream.failures == 0
+    await embeddings_relay.wait_idle()
+
+
+@pytest.mark.model
+async def test_a_client_that_leaves_the_relay_mid_batch_stops_the_upstream(
+    embeddings_upstream: RunningServer, embeddings_relay: RunningServer, llama_backend: LlamaBackend
+) -> None:
+    """256 inputs through the relay: the client leaves once the upstream's first
+    embedding call runs; the relay closes its upstream request, the upstream aborts the
+    call in flight and makes no more. A deadline does the same (504)."""
+    embedder = llama_backend.embedder
+    before = embedder.context.calls if embedder.context is not None else 0
+    client = await RawStream.post(embeddings_relay.url, "/v1/embeddings", {"input": LONG_INPUTS})
+    await wait_for(lambda: embedder.context is not None and embedder.context.calls > before, limit=60)
+    await client.aclose()
+    left = trio.current_time()
+    await wait_for(lambda: not embedder._lock.locked(), limit=5)
+    stopped_after = trio.current_time() - left
+    context = embedder.context
+    assert context is not None
+    calls = context.calls - before
+    print(
+        f"\nthe client left the relay during the upstream's first call: {calls} call(s) made, "
+        f"the upstream stopped {stopped_after * 1000:.0f} ms after"
+    )
+    assert calls <= 2  # the one in flight (and at most the next, started before the flag was read)
+    assert stopped_after < 1.0
+    await embeddings_relay.wait_idle()
+    await embeddings_upstream.wait_idle()
+    (upstream,) = _relayed_upstream(embeddings_relay).upstreams
+    assert upstream.outstanding == 0
+
+    # the deadline: it went upstream too; the relay answers 504 and the upstream stops
+    before = context.calls
+    async with embeddings_relay.client() as http:
+        started = trio.current_time()
+        response = await http.post(
+            "/v1/embeddings", json={"input": LONG_INPUTS}, headers={"X-Request-Timeout": "0.5"}
+        )
+        elapsed = trio.current_time() - started
+        assert response.status_code == 504, response.text
+        assert 0.5 <= elapsed < 2.0
+        await wait_for(lambda: not embedder._lock.locked(), limit=5)
+        assert context.calls - before < len(LONG_INPUTS) // 2
+        assert upstream.failures == 0  # a deadline is not a failed upstream
+        # and the next request is answered
+        again = await http.post("/v1/embeddings", json={"input": EMBED_TEXTS[:2]})
+        assert again.status_code == 200, again.text
+        assert len(again.json()["data"]) == 2
+    await embeddings_relay.wait_idle()
+
+
+@pytest.mark.model
+async def test_the_upstreams_embeddings_errors_come_back_with_its_message(
+    embeddings_upstream: RunningServer, embeddings_relay: RunningServer, serve: Serve
+) -> None:
+    bad = [
+        {"input": "x", "dimensions": 3},  # the relay does not know the size: the upstream checks it
+        {"input": [[1, 2, 10**9]]},  # not a token id of the upstream's model
+        {"input": "word " * 600},  # longer than the upstream's batch size
+    ]
+    async with httpx.AsyncClient(timeout=60) as client:
+        for body in bad:
+            direct = await client.post(embeddings_upstream.url + "/v1/embeddings", json=body)
+            relayed = await client.post(embeddings_relay.url + "/v1/embeddings", json=body)
+            assert direct.status_code == 400, direct.text
+            assert relayed.status_code == 400, relayed.text
+            assert relayed.json()["error"]["message"] == direct.json()["error"]["message"]
+            assert relayed.json()["error"]["param"] == direct.json()["error"]["param"]
+        # an empty list: refused by the relay itself, in the same words
+        empty = await client.post(embeddings_relay.url + "/v1/embeddings", json={"input": []})
+        direct = await client.post(embeddings_upstream.url + "/v1/embeddings", json={"input": []})
+        assert empty.status_code == direct.status_code == 400
+        assert empty.json()["error"] == direct.json()["error"]
+    (upstream,) = _relayed_upstream(embeddings_relay).upstreams
+    assert upstream.failures == 0  # a refused request is not a failed upstream
+
+    # an unreachable upstream beside it (no cooldown: picked in turn): each request
+    # that tries it first is retried on the other
+    dead = f"http://127.0.0.1:{free_port()}"
+    both = await UpstreamBackend.aload([dead, embeddings_upstream.url], cooldown=0.0)
+    front = await serve(both)
+    async with front.client() as client:
+        for _ in range(3):
+            response = await client.post("/v1/embeddings", json={"input": EMBED_TEXTS[0]})
+            assert response.status_code == 200, response.text
+    assert both.upstreams[0].failures >= 1  # (its turn came at least once)
+    assert both.upstreams[1].requests == 3
+    await front.wait_idle()
+
+
+async def test_relayed_embeddings_from_an_upstream_without_them_or_none_reachable(serve: Serve) -> None:
+    upstream = await serve(ScriptedBackend(context_length=4096))
+    backend = await UpstreamBackend.aload([upstream.url])
+    front = await serve(backend)
+    async with front.client() as client:
+        response = await client.post("/v1/embeddings", json={"input": "hi"})
+    assert response.status_code == 501, response.text
+    assert response.json()["error"]["code"] == "no_embeddings"
+    assert upstream.url in response.json()["error"]["message"]
+    assert backend.upstreams[0].failures == 0  # it answered: up, just not an embedding model
+
+    # none reachable: 503 naming the upstream, then 503 for its cooldown, Retry-After
+    dead = f"http://127.0.0.1:{free_port()}"
+    front = await serve(UpstreamBackend([dead], info=ModelInfo(id="m", context_length=100), cooldown=30))
+    async with front.client() as client:
+        first = await client.post("/v1/embeddings", json={"input": "hi"})
+        assert first.status_code == 503, first.text
+        assert f"cannot reach upstream {dead}" in first.json()["error"]["message"]
+        assert first.json()["error"]["code"] == "upstream_unavailable"
+        second = await client.post("/v1/embeddings", json={"input": "hi"})
+        assert second.status_code == 503, second.text
+        assert "every upstream failed recently" in second.json()["error"]["message"]
+        assert 25 <= float(second.headers["retry-after"]) <= 30
     await front.wait_idle()
 
 

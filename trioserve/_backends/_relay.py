@@ -1,6 +1,7 @@
 """Talking to one upstream server: a streamed ``POST /v1/completions`` relayed into a
-request's channel, ``GET /v1/models`` (and llama-server's ``/props``) to describe it,
-and every way an upstream can answer mapped to trioserve's errors. Promises:
+request's channel, a ``POST /v1/embeddings`` (read whole: nothing reaches the client
+before all the vectors), ``GET /v1/models`` (and llama-server's ``/props``) to describe
+it, and every way an upstream can answer mapped to trioserve's errors. Promises:
 
 * text goes into the channel (``await channel.send()``) before more bytes are read, over
   a socket with a small receive buffer: a client that stops reading stops the upstream;
@@ -9,8 +10,9 @@ and every way an upstream can answer mapped to trioserve's errors. Promises:
   ``X-Request-Timeout``;
 * :class:`UpstreamUnavailable`: the upstream is not serving (unreachable, 502/503/504, a
   stream broken off); :class:`Retry`: this attempt failed (429, other 5xx, a mid-stream
-  error), another upstream may do; a 4xx is the client's :class:`InvalidRequestError`
-  (:class:`ContextLengthError`) with the upstream's message.
+  error; for embeddings also a 501: not an embedding model), another upstream may do; a
+  4xx is the client's :class:`InvalidRequestError` (:class:`ContextLengthError`) with the
+  upstream's message.
 
 Why: ``docs/deployment.md``, "What each layer cancels".
 """
@@ -36,6 +38,7 @@ from .._core._exceptions import (
     BackendError,
     ContextLengthError,
     InvalidRequestError,
+    NotSupportedError,
     OverloadedError,
     TrioserveError,
 )
@@ -57,6 +60,8 @@ _MAX_ERROR_BODY = 64 * 1024
 _MAX_FORWARDED_STOPS = 4
 #: statuses that say "this upstream is not serving": cooldown, retry elsewhere
 _UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
+#: an embeddings answer longer than this is decoded in a worker thread
+_INLINE_DECODE_BYTES = 1 << 20
 
 _decode_json = msgspec.json.decode
 
@@ -196,8 +201,8 @@ class UpstreamClient:
     def _auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def _headers(self) -> dict[str, str]:
-        headers = {"Accept": "text/event-stream", **self._auth_headers()}
+    def _headers(self, accept: str = "text/event-stream") -> dict[str, str]:
+        headers = {"Accept": accept, **self._auth_headers()}
         deadline = trio.current_effective_deadline()
         if deadline != math.inf:
             # rounded up to the millisecond: the upstream's deadline must not come first
@@ -272,6 +277,101 @@ class UpstreamClient:
                 await _refused(upstream, response.status_code, chunks, answered)
             answered()
             return await _read(upstream, chunks, sink)
+
+    async def embeddings(
+        self, upstream: UpstreamState, body: dict[str, Any], answered: Callable[[], None]
+    ) -> tuple[list[list[float]], int]:
+        """``POST /v1/embeddings`` to ``upstream``: ``(vectors, prompt tokens)``, one
+        vector per input of ``body``. The same promises as :meth:`stream`: the deadline
+        goes upstream, a cancel (typically while the upstream computes, before it has
+        sent its headers) closes the connection before ``Cancelled`` propagates, and
+        the answer is mapped to the same errors."""
+        headers = {**self._headers("application/json"), "Accept-Encoding": "identity"}
+        request = self._client.build_request(
+            "POST", upstream.url + "/v1/embeddings", json=body, headers=headers
+        )
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.ReadTimeout:
+            # the answer is silent until all of it is computed: a long batch on a busy
+            # upstream, not a dead one (no cooldown)
+            raise Retry(
+                BackendError(f"upstream {upstream.url} did not answer within its read timeout")
+            ) from None
+        except httpx.TransportError as exc:
+            raise UpstreamUnavailable(
+                f"cannot reach upstream {upstream.url}: {_describe_error(exc)}"
+            ) from None
+        async with _body(response) as chunks:
+            if response.status_code != 200:
+                if response.status_code == 504:
+                    await _sleep_until_our_deadline()
+                if response.status_code == 501:  # not an embedding model; up, though
+                    answered()
+                    message = _error_fields(await _error_body(chunks), 501)[0]
+                    raise Retry(
+                        NotSupportedError(
+                            f"upstream {upstream.url} computes no embeddings: {message}", code="no_embeddings"
+                        )
+                    )
+                await _refused(upstream, response.status_code, chunks, answered)
+            answered()
+            parts: list[bytes] = []
+            try:
+                async for chunk in chunks:
+                    parts.append(chunk)
+            except httpx.TransportError as exc:
+                raise UpstreamUnavailable(
+                    f"upstream {upstream.url} broke off its embeddings answer: {_describe_error(exc)}"
+                ) from None
+        data = b"".join(parts)
+        if len(data) > _INLINE_DECODE_BYTES:
+            answer = await trio.to_thread.run_sync(_decode_embeddings, data)
+        else:
+            answer = _decode_embeddings(data)
+        if answer is None or sorted(item.index for item in answer.data) != list(range(len(body["input"]))):
+            raise Retry(
+                BackendError(
+                    f"upstream {upstream.url} answered POST /v1/embeddings with something other than "
+                    f"one embedding per input ({len(body['input'])})"
+                )
+            )
+        vectors = [item.embedding for item in sorted(answer.data, key=lambda item: item.index)]
+        usage = answer.usage
+        return vectors, usage.prompt_tokens if usage is not None else 0
+
+
+class _Embedding(msgspec.Struct):
+    index: int
+    embedding: list[float]
+
+
+class _EmbeddingsUsage(msgspec.Struct):
+    prompt_tokens: int = 0
+
+
+class _EmbeddingsAnswer(msgspec.Struct):
+    data: list[_Embedding]
+    usage: _EmbeddingsUsage | None = None
+
+
+_embeddings_decoder = msgspec.json.Decoder(_EmbeddingsAnswer)
+
+
+def _decode_embeddings(data: bytes) -> _EmbeddingsAnswer | None:
+    try:
+        return _embeddings_decoder.decode(data)
+    except msgspec.DecodeError:  # (ValidationError included)
+        return None
+
+
+async def _sleep_until_our_deadline() -> None:
+    """An upstream that answered at its deadline (504): ours, forwarded (rounded up),
+    so ours is due now; let it fire (the client's 504 then comes from this server, and
+    the upstream is not put in cooldown)."""
+    deadline = trio.current_effective_deadline()
+    if deadline - trio.current_time() < _TAIL_TIMEOUT:
+        await trio.sleep_until(deadline)
 
 
 async def _read(upstream: UpstreamState, chunks: AsyncIterator[bytes], sink: Sink) -> GenerationEnd:
@@ -362,16 +462,7 @@ async def _refused(
     upstream: UpstreamState, status: int, chunks: AsyncIterator[bytes], answered: Callable[[], None]
 ) -> None:
     """Map a non-200 answer to our error (always raises)."""
-    data = b""
-    try:
-        with trio.move_on_after(_TAIL_TIMEOUT):
-            async for chunk in chunks:
-                data += chunk
-                if len(data) >= _MAX_ERROR_BODY:
-                    break
-    except httpx.TransportError:
-        pass
-    message, param, code = _error_fields(data, status)
+    message, param, code = _error_fields(await _error_body(chunks), status)
     if status in _UNAVAILABLE_STATUSES:
         raise UpstreamUnavailable(f"upstream {upstream.url} answered {status}: {message}")
     answered()  # it answered: it is up, whatever it thinks of the request
@@ -383,6 +474,21 @@ async def _refused(
     if code == "context_length_exceeded":
         raise ContextLengthError(message, param=param)
     raise InvalidRequestError(message, param=param, code=code)
+
+
+async def _error_body(chunks: AsyncIterator[bytes]) -> bytes:
+    """An error answer's body: what arrives within ``_TAIL_TIMEOUT``, at most
+    ``_MAX_ERROR_BODY`` bytes."""
+    data = b""
+    try:
+        with trio.move_on_after(_TAIL_TIMEOUT):
+            async for chunk in chunks:
+                data += chunk
+                if len(data) >= _MAX_ERROR_BODY:
+                    break
+    except httpx.TransportError:
+        pass
+    return data
 
 
 @asynccontextmanager

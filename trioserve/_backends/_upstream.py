@@ -5,7 +5,8 @@ request before ``Cancelled`` propagates, the deadline travels (:mod:`._relay`).
 Upstreams are chosen by :mod:`._balancer`. A request whose upstream fails before a byte
 reached the client is retried on another; after the first byte it ends with an error.
 There is no local tokenizer: token counts come from the upstream's usage chunk, else
-``completion_tokens`` counts text chunks. ``docs/deployment.md`` has the why.
+``completion_tokens`` counts text chunks. ``POST /v1/embeddings`` is forwarded as it
+came (:meth:`UpstreamBackend.embed_inputs`). ``docs/deployment.md`` has the why.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ class UpstreamBackend(Backend):
             upstream's stream the kernel holds for a client that is not reading. Small,
             so a slow client slows the upstream soon.
         api_key: sent upstream as ``Authorization: Bearer …``.
-        extra_body: fields merged into every upstream request (e.g.
-            ``{"repeat_penalty": 1.0}`` for llama-cpp-python, whose default is 1.1).
+        extra_body: fields merged into every upstream completion request (e.g.
+            ``{"repeat_penalty": 1.0}`` for llama-cpp-python, whose default is 1.1);
+            not into embeddings requests.
     """
 
     def __init__(
@@ -291,3 +293,84 @@ class UpstreamBackend(Backend):
                 logger.warning("%s; retrying on another upstream", error.message)
             if isinstance(error, OverloadedError) and len(tried) == len(self.upstreams):
                 raise error from None
+
+    # --------------------------------------------------------------- embeddings
+
+    async def embed_inputs(
+        self, inputs: Sequence[str | Sequence[int]], *, dimensions: int | None = None
+    ) -> tuple[list[list[float]], int]:
+        """Forward the inputs (texts and token ids as given) to an upstream's
+        ``POST /v1/embeddings`` (``encoding_format`` float; ``dimensions`` if asked:
+        the upstream checks it): its vectors and ``usage.prompt_tokens`` (0 if it sends
+        no usage). Upstreams are picked as for :meth:`generate`, and since nothing
+        reaches the client before the whole answer, a failed attempt is always retried
+        on another upstream. Cancellation: the upstream connection is closed before
+        this raises ``Cancelled``.
+
+        Raises:
+            InvalidRequestError: the upstream's 4xx, with its message (not retried).
+            ServiceUnavailableError: no upstream could be reached (every one is in its
+                cooldown, unreachable, or answered 502/503/504): 503 ``Retry-After``.
+            NotSupportedError: every upstream tried answered 501 (not an embedding
+                model, or llama-server without ``--embeddings``).
+            OverloadedError: every upstream answered 429.
+            BackendError: the upstreams failed otherwise (5xx, a malformed answer).
+        """
+        wait = self.balancer.all_cooling_down()
+        if wait is not None:
+            raise ServiceUnavailableError(
+                f"every upstream failed recently; the next is retried in {wait:.1f} s",
+                retry_after=wait,
+                code="upstream_unavailable",
+            )
+        payload: dict[str, Any] = {
+            "input": [item if isinstance(item, str) else list(item) for item in inputs],
+            "encoding_format": "float",
+        }
+        if dimensions is not None:
+            payload["dimensions"] = dimensions
+        balancer = self.balancer
+        tried: set[int] = set()
+        errors: list[TrioserveError] = []
+        while True:
+            picked = balancer.pick(tried)
+            if picked is None:
+                raise self._embeddings_failed(errors)
+            index, upstream, probing = picked
+            tried.add(index)
+            body = {"model": upstream.model_id or self._info.id, **payload}
+            try:
+                with balancer.attempt(upstream, probing):
+                    answered = functools.partial(balancer.healthy, upstream)
+                    return await self._client.embeddings(upstream, body, answered)
+            except UpstreamUnavailable as exc:
+                balancer.failed(upstream, exc.message)
+                errors.append(
+                    ServiceUnavailableError(
+                        exc.message, retry_after=self.cooldown, code="upstream_unavailable"
+                    )
+                )
+            except Retry as retry:
+                errors.append(retry.error)
+            if len(tried) < len(self.upstreams):
+                logger.warning("%s; retrying on another upstream", errors[-1].message)
+
+    def _embeddings_failed(self, errors: list[TrioserveError]) -> TrioserveError:
+        """The error for an embeddings request no upstream served: the attempts' own
+        kind of error if they all failed alike (503, 501, 429), else a
+        :class:`BackendError` naming each."""
+        if not errors:
+            wait = self.balancer.all_cooling_down()
+            return ServiceUnavailableError(
+                "no upstream is available: "
+                + "; ".join(f"{u.url}: {u.last_error or 'cooling down'}" for u in self.upstreams),
+                retry_after=wait if wait is not None else self.cooldown,
+                code="upstream_unavailable",
+            )
+        if all(type(error) is type(errors[-1]) for error in errors):
+            last = errors[-1]
+            if len(errors) > 1:
+                last.message = "; ".join(error.message for error in errors)
+                last.args = (last.message,)
+            return last
+        return BackendError("; ".join(error.message for error in errors))

@@ -33,6 +33,7 @@ __all__ = [
     "GenerationProgress",
     "ModelInfo",
     "PreparedPrompt",
+    "check_dimensions",
     "check_token_ids",
     "fit_to_context",
     "refuse_unsupported",
@@ -126,6 +127,17 @@ def check_token_ids(tokens: Sequence[int], n_vocab: int, param: str = "tokens") 
                 f"its ids are 0 to {n_vocab - 1}",
                 param=f"{param}[{i}]",
             )
+
+
+def check_dimensions(dimensions: int | None, n_embd: int) -> None:
+    """Embeddings' ``dimensions``: refused by name unless it is the model's own size
+    ``n_embd`` (a model cannot produce vectors of another length)."""
+    if dimensions is not None and dimensions != n_embd:
+        raise InvalidRequestError(
+            f"dimensions is not supported: this model's embeddings have {n_embd} dimensions and it cannot "
+            f"produce others (omit dimensions, or send it as {n_embd})",
+            param="dimensions",
+        )
 
 
 class GenerationProgress:
@@ -223,9 +235,16 @@ class Backend(ABC):
             f"this server's backend ({type(self).__name__}) has no tokenizer", code="no_tokenizer"
         )
 
+    # Embeddings (``POST /v1/embeddings``): optional. The endpoint calls
+    # :meth:`embed_inputs`; its default tokenizes here and calls :meth:`embed`, so a
+    # backend with a local model implements ``embedding_size`` and ``embed``; one that
+    # forwards the request elsewhere (the upstream relay) overrides ``embed_inputs``.
+
     @property
     def embedding_size(self) -> int | None:
-        """The length of the vectors :meth:`embed` returns (``None``: it computes none)."""
+        """The length of the vectors :meth:`embed` returns (``None``: :meth:`embed` computes
+        none; a backend that overrides :meth:`embed_inputs` may still serve embeddings,
+        of a size it does not know in advance)."""
         return None
 
     async def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
@@ -235,6 +254,31 @@ class Backend(ABC):
         raise NotSupportedError(
             f"this server's backend ({type(self).__name__}) computes no embeddings", code="no_embeddings"
         )
+
+    async def embed_inputs(
+        self, inputs: Sequence[str | Sequence[int]], *, dimensions: int | None = None
+    ) -> tuple[list[list[float]], int]:
+        """One request's embeddings: ``(vectors, prompt tokens)``, a vector per input
+        (a text or token ids), in order. ``dimensions``: the length the client asked for
+        (``None``: the model's). Cancellation: as :meth:`embed`.
+
+        Default: :class:`NotSupportedError` (501) when :attr:`embedding_size` is ``None``;
+        else :func:`check_dimensions`, each text tokenized with the model's special
+        tokens (as llama-server does), :meth:`embed`, and the tokens evaluated."""
+        size = self.embedding_size
+        if size is None:
+            raise NotSupportedError(
+                f"this server's backend ({type(self).__name__}) computes no embeddings", code="no_embeddings"
+            )
+        check_dimensions(dimensions, size)
+        tokens = [
+            await self.tokenize_text(item, add_special=True, parse_special=True)
+            if isinstance(item, str)
+            else item
+            for item in inputs
+        ]
+        vectors = await self.embed(tokens)
+        return vectors, sum(len(item) for item in tokens)
 
     async def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
         """The bytes of each token, special tokens rendered as their text (``<bos>``),

@@ -15,16 +15,10 @@ from .._core._exceptions import (
     DeadlineExceededError,
     HeadersTooLargeError,
     MethodNotAllowedError,
-    NotSupportedError,
     ServiceUnavailableError,
     TrioserveError,
 )
-from .._wire._embeddings import (
-    check_dimensions,
-    decode_embeddings_request,
-    embeddings_inputs,
-    embeddings_response,
-)
+from .._wire._embeddings import decode_embeddings_request, embeddings_inputs, embeddings_response
 from ._exchange import (
     Exchange,
     Receive,
@@ -89,8 +83,8 @@ class EmbeddingsHandler:
         inputs = embeddings_inputs(parsed)
         keep_alive = _keep_alive(scope)
         request.set_timeout(_request_timeout(scope, state.settings))
-        tokens: list[list[int]] = []
         vectors: list[list[float]] = []
+        count = 0
         with request.cancel_scope:
             request.advance(Phase.LOADING if entry.state != "loaded" else Phase.QUEUED)
             state.add_request(request)
@@ -100,22 +94,11 @@ class EmbeddingsHandler:
                         nursery.start_soon(_watch_disconnect, receive, request)
                         lease = await state.lease(entry, request, keep_alive)
                         try:
-                            backend = lease.engine.backend
-                            size = backend.embedding_size
-                            if size is None:
-                                raise NotSupportedError(
-                                    f"this server's backend ({type(backend).__name__}) computes "
-                                    "no embeddings",
-                                    code="no_embeddings",
-                                )
-                            check_dimensions(parsed, size)
-                            tokens = [
-                                item
-                                if isinstance(item, list)
-                                else await backend.tokenize_text(item, add_special=True, parse_special=True)
-                                for item in inputs
-                            ]
-                            vectors = await backend.embed(tokens)
+                            # the backend tokenizes and embeds (501 if it computes no
+                            # embeddings), or forwards the inputs (the upstream relay)
+                            vectors, count = await lease.engine.backend.embed_inputs(
+                                inputs, dimensions=parsed.dimensions
+                            )
                         finally:
                             lease.release()
                         nursery.cancel_scope.cancel()
@@ -134,7 +117,6 @@ class EmbeddingsHandler:
                 )
             return len(inputs), 0  # the client has gone
         request.advance(Phase.FINISHING)
-        count = sum(len(item) for item in tokens)
         response = embeddings_response(
             vectors, model=request.model, prompt_tokens=count, encoding=parsed.encoding_format
         )

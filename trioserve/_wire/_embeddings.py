@@ -69,15 +69,6 @@ def embeddings_inputs(request: EmbeddingsRequest) -> list[str | list[int]]:
     return inputs
 
 
-def check_dimensions(request: EmbeddingsRequest, n_embd: int) -> None:
-    if request.dimensions is not None and request.dimensions != n_embd:
-        raise InvalidRequestError(
-            f"dimensions is not supported: this model's embeddings have {n_embd} dimensions and it cannot "
-            "produce others (omit dimensions, or send it as {n_embd})".replace("{n_embd}", str(n_embd)),
-            param="dimensions",
-        )
-
-
 def _base64(vector: Sequence[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
