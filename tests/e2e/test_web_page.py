@@ -1,19 +1,28 @@
 """The chat page in a real browser (Debian's Chromium, driven by Playwright) against a
 real server: tokens stream in, a conversation reuses its cached prompt prefix turn after
-turn (and the page shows it), Stop really stops the server's inference, and a fast
-stream never blocks the page's main thread."""
+turn (and the page shows it), Stop really stops the server's inference, a fast stream
+never blocks the page's main thread, and the model picker lists a registry's models with
+their states and sends the one picked."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import queue
+import re
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import trio
 from playwright.sync_api import Browser, Page, Request, expect, sync_playwright
+
+from trioserve import Backend, ScriptedBackend, Server, ServerSettings
+from trioserve._core._registry import BackendSource, ModelRegistry, ModelSpec
 
 from .._helpers import ServerProcess
 
@@ -272,3 +281,94 @@ def test_a_fast_stream_never_blocks_the_main_thread(page: Page) -> None:
         assert server.stop() == 0
     assert rate > 500  # a fast stream indeed
     assert [d for d in long_tasks if d > 50] == []
+
+
+@contextlib.contextmanager
+def _serving(registry: ModelRegistry) -> Iterator[str]:
+    """An in-process server for ``registry``, in its own thread's Trio run (the page's
+    tests drive the browser synchronously); yields its URL, shuts it down after."""
+    started: queue.Queue[tuple[Server, trio.lowlevel.TrioToken] | BaseException] = queue.Queue()
+    url: list[str] = []
+
+    async def main() -> None:
+        server = Server(registry, ServerSettings(host="127.0.0.1", port=0, shutdown_grace=0.0))
+        async with trio.open_nursery() as nursery:
+            url.extend(await nursery.start(server.run))
+            await server.ready.wait()
+            started.put((server, trio.lowlevel.current_trio_token()))
+
+    def run() -> None:
+        try:
+            trio.run(main)
+        except BaseException as exc:  # reported to the test, not lost in the thread
+            started.put(exc)
+
+    thread = threading.Thread(target=run, name="trioserve", daemon=True)
+    thread.start()
+    first = started.get(timeout=30)
+    if isinstance(first, BaseException):
+        raise first
+    server, token = first
+    try:
+        yield url[0]
+    finally:
+        trio.from_thread.run_sync(server.shutdown, trio_token=token)
+        thread.join(30)
+        assert not thread.is_alive(), "the server did not stop"
+    if not started.empty():
+        raise started.get()
+
+
+def test_the_model_picker_lists_the_models_and_sends_the_one_picked(page: Page) -> None:
+    beta_gate = threading.Event()  # beta's load waits here until the page has shown it loading
+
+    async def load_alpha() -> Backend:
+        return ScriptedBackend(script=[b"Alpha", b" here."], token_interval=0.005, model_id="alpha")
+
+    async def load_beta() -> Backend:
+        await trio.to_thread.run_sync(beta_gate.wait, abandon_on_cancel=True)
+        return ScriptedBackend(script=[b"Beta", b" says", b" hello."], token_interval=0.005, model_id="beta")
+
+    registry = ModelRegistry(
+        [
+            ModelSpec(name="alpha", source=BackendSource(load_alpha, description="alpha")),
+            ModelSpec(name="beta", source=BackendSource(load_beta, description="beta")),
+        ]
+    )
+    sent = _chat_requests(page)
+    options = page.locator("#model option")
+    try:
+        with _serving(registry) as url:
+            page.goto(url + "/")
+            # every model, with its state; the first is the default
+            expect(options).to_have_text(["alpha (unloaded)", "beta (unloaded)"])
+            expect(page.locator("#model")).to_have_value("alpha")
+
+            page.fill("#prompt", "Who are you?")
+            page.click("#send")
+            first = page.locator("#conversation .turn[data-turn='1']")
+            expect(first).to_have_attribute("data-state", "done")
+            expect(first.locator(".reply")).to_have_text("Alpha here.")
+            expect(options).to_have_text(["alpha (loaded)", "beta (unloaded)"])  # refreshed after the reply
+
+            page.select_option("#model", "beta")
+            page.fill("#prompt", "And you?")
+            page.click("#send")
+            # the request waits for beta's load, and the picker shows it loading meanwhile
+            expect(page.locator("#model option[value='beta']")).to_have_text(re.compile(r"^beta \(loading"))
+            second = page.locator("#conversation .turn[data-turn='2']")
+            expect(second).to_have_attribute("data-state", "streaming")
+            beta_gate.set()
+            expect(second).to_have_attribute("data-state", "done")
+            expect(second.locator(".reply")).to_have_text("Beta says hello.")
+            expect(second).to_have_attribute("data-model", "beta")
+            expect(options).to_have_text(["alpha (loaded)", "beta (loaded)"])
+            expect(page.locator("#model")).to_have_value("beta")  # the pick survives the refreshes
+    finally:
+        beta_gate.set()
+    assert [body.get("model") for body in sent] == ["alpha", "beta"]
+    assert sent[1]["messages"] == [
+        {"role": "user", "content": "Who are you?"},
+        {"role": "assistant", "content": "Alpha here."},
+        {"role": "user", "content": "And you?"},
+    ]
