@@ -20,8 +20,10 @@ from ._backends import (
     UpstreamState,
 )
 from ._backends._models import default_model_path
+from ._backends._sources import LlamaSource
 from ._core._channel import Aborted, PieceChannel
 from ._core._engine import Engine, EventStream, StreamTimings
+from ._core._registry import BackendSource, Lease, ModelEntry, ModelRegistry, ModelSource, ModelSpec
 from ._core._exceptions import (
     AuthenticationError,
     BackendError,
@@ -56,6 +58,7 @@ __all__ = [
     "AuthenticationError",
     "Backend",
     "BackendError",
+    "BackendSource",
     "Constraint",
     "ContextLengthError",
     "DeadlineExceededError",
@@ -68,10 +71,16 @@ __all__ = [
     "HTTPSettings",
     "HeadersTooLargeError",
     "InvalidRequestError",
+    "Lease",
     "LlamaBackend",
     "LlamaSettings",
+    "LlamaSource",
     "MethodNotAllowedError",
+    "ModelEntry",
     "ModelInfo",
+    "ModelRegistry",
+    "ModelSource",
+    "ModelSpec",
     "NotFoundError",
     "NotSupportedError",
     "OverloadedError",

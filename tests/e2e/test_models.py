@@ -10,6 +10,7 @@ sleep."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -436,3 +437,124 @@ async def test_a_conversation_comes_back_after_a_swap_from_the_host_tier_and_sta
             ]
         fresh.server.shutdown()
     assert results["swapped"][0] == results["stayed"][0] == expected
+
+
+LOAD_CAUSES = ["close", "non_stream_close", "deadline", "non_stream_deadline", "shutdown", "library"]
+
+
+@pytest.mark.parametrize("cause", LOAD_CAUSES)
+async def test_cancel_cell_loading(
+    cause: str,
+    nursery: trio.Nursery,
+    model_copies: dict[str, Path],
+    client_for: Callable[[str], httpx.AsyncClient],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The cancellation matrix's "loading" phase: every cause that ends a request
+    waiting for its model's load leaves nothing: the load it alone waited for is
+    aborted in llama.cpp's progress callback, and nothing stays allocated."""
+    caplog.set_level(logging.INFO, logger="trioserve.requests")
+    gamma = _source(model_copies["gamma"])
+    registry = ModelRegistry([ModelSpec(name="gamma", source=gamma)])
+    server, url = await _serve(nursery, registry)
+    entry = registry.entries[0]
+    before = LlamaBackend.loaded
+    gamma.gate.clear()
+    responses: list[httpx.Response] = []
+    stream = cause in ("close", "deadline", "shutdown")
+    headers = {"X-Request-Timeout": "1"} if "deadline" in cause else {}
+    body = {"model": "gamma", "prompt": "Hi", "max_tokens": 4, "stream": stream}
+    async with trio.open_nursery() as requests:
+        if cause == "library":
+
+            async def hold() -> None:
+                async with registry.lease("gamma"):
+                    raise AssertionError("the lease cannot be granted: its load is cancelled")
+
+            requests.start_soon(hold)
+        else:
+
+            async def ask() -> None:
+                responses.append(await client_for(url).post("/v1/completions", json=body, headers=headers))
+
+            requests.start_soon(ask)
+        await trio.to_thread.run_sync(gamma.waiting.wait, 30)
+        assert entry.state == "loading"
+        if cause in ("close", "non_stream_close", "library"):
+            requests.cancel_scope.cancel()
+        elif cause == "shutdown":
+            server.shutdown()
+        # (a deadline passes by itself)
+    await wait_for(lambda: entry._load is None or entry._load.scope.cancel_called, limit=10)
+    gamma.gate.set()
+    await wait_for(lambda: entry.state != "loading", limit=30)
+    assert entry.state == "unloaded"
+    assert entry.error is None
+    assert LlamaBackend.loaded == before
+    if "deadline" in cause:
+        assert responses[0].status_code == 504
+        assert responses[0].json()["error"]["code"] == "deadline_exceeded"
+    elif cause == "shutdown":
+        assert responses[0].status_code == 503
+    if cause != "library":
+        await wait_for(lambda: "/v1/completions model=gamma" in caplog.text)
+        expected = {"close": "disconnect", "non_stream_close": "disconnect"}.get(cause, cause.split("_")[-1])
+        assert f"cause={expected}" in caplog.text
+    server.shutdown()
+
+
+async def test_a_failed_load_names_the_file_and_the_cause_for_every_waiter(
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    model_copies: dict[str, Path],
+    client_for: Callable[[str], httpx.AsyncClient],
+) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(64))  # a header, no model
+    source = _source(broken)
+    registry = ModelRegistry(
+        [
+            ModelSpec(name="alpha", source=_source(model_copies["alpha"])),
+            ModelSpec(name="broken", source=source),
+        ]
+    )
+    server, url = await _serve(nursery, registry)
+    answers: list[httpx.Response] = []
+    async with trio.open_nursery() as requests:
+        for _ in range(2):
+
+            async def ask() -> None:
+                body = {"model": "broken", "prompt": "Hi", "max_tokens": 2}
+                answers.append(await client_for(url).post("/v1/completions", json=body))
+
+            requests.start_soon(ask)
+    assert source.loads_started == 1  # the two waited for one load
+    for answer in answers:
+        assert answer.status_code == 503
+        message = answer.json()["error"]["message"]
+        assert str(broken) in message
+        assert "unknown model architecture" in message  # llama.cpp's own reason
+    router = (await client_for(url).get("/models")).json()["data"]
+    assert router[1]["status"] == {"value": "unloaded", "failed": True, "error": registry.entries[1].error}
+    # the other model is untouched
+    assert (await _complete(client_for(url), "alpha"))["usage"]["completion_tokens"] == 4
+    server.shutdown()
+
+
+async def test_keep_alive_zero_unloads_the_model_after_the_request(
+    nursery: trio.Nursery, model_copies: dict[str, Path], client_for: Callable[[str], httpx.AsyncClient]
+) -> None:
+    registry = ModelRegistry([ModelSpec(name="alpha", source=_source(model_copies["alpha"]))])
+    server, url = await _serve(nursery, registry)
+    client = client_for(url)
+    body = {"model": "alpha", "prompt": "Hi", "max_tokens": 2}
+    response = await client.post("/v1/completions", json=body, headers={"X-Keep-Alive": "0"})
+    assert response.status_code == 200
+    await wait_for(lambda: registry.entries[0].state == "unloaded")
+    bad = await client.post("/v1/completions", json=body, headers={"X-Keep-Alive": "soon"})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "keep_alive"
+    response = await client.post("/v1/completions", json=body, headers={"X-Keep-Alive": "-1"})
+    assert response.status_code == 200
+    assert registry.entries[0].state == "loaded"  # and stays: no timer
+    server.shutdown()

@@ -71,7 +71,11 @@ def _forward_log(level: int, text: bytes, _data: object) -> None:
     llama.cpp's errors come back as return codes, which trioserve reports itself (an
     aborted decode logs three error lines that are not errors here)."""
     if level == 4 and _LazyLogCallback.loading:  # GGML_LOG_LEVEL_ERROR (NONE, DEBUG, INFO, WARN, ERROR, CONT)
-        _llama_cpp_logger.warning("%s", text.decode("utf-8", errors="replace").rstrip())
+        line = text.decode("utf-8", errors="replace").rstrip()
+        _llama_cpp_logger.warning("%s", line)
+        errors = getattr(_load_errors, "lines", None)
+        if errors is not None and len(errors) < 8:
+            errors.append(line)  # this thread's load: its error names the cause
     elif _llama_cpp_logger.isEnabledFor(logging.DEBUG):
         _llama_cpp_logger.debug("%s", text.decode("utf-8", errors="replace").rstrip())
 
@@ -84,6 +88,10 @@ def _make_log_callback() -> Any:
 
 class LoadAborted(BackendError):
     """A load stopped because nobody wanted it any more (``aload``'s cancel)."""
+
+
+#: the llama.cpp error lines of the load running in this thread
+_load_errors = threading.local()
 
 
 class _LazyLogCallback:
@@ -344,11 +352,18 @@ class LlamaModel(Backend):
 
             callback = llama_cpp.llama_progress_callback(on_progress)  # referenced until the load returns
             params.progress_callback = callback
-            model = llama_cpp.llama_model_load_from_file(str(settings.model_path).encode(), params)
+            _load_errors.lines = []
+            try:
+                model = llama_cpp.llama_model_load_from_file(str(settings.model_path).encode(), params)
+            finally:
+                said, _load_errors.lines = _load_errors.lines, None
             if not model:
                 if abort is not None and abort.is_set():
                     raise LoadAborted(f"the load of {settings.model_path} was aborted")
-                raise BackendError(f"llama.cpp could not load {settings.model_path}")
+                cause = "; ".join(line.strip() for line in said if line.strip())
+                raise BackendError(
+                    f"llama.cpp could not load {settings.model_path}" + (f": {cause}" if cause else "")
+                )
             try:
                 if abort is not None and abort.is_set():
                     raise LoadAborted(f"the load of {settings.model_path} was aborted")

@@ -597,7 +597,8 @@ class ModelRegistry:
             with load.scope:
                 backend = await entry.spec.source.load(progress)
         except Exception as exc:
-            entry.error = f"{entry.spec.source.description}: {exc}"
+            described = entry.spec.source.description
+            entry.error = str(exc) if described in str(exc) else f"{described}: {exc}"
             logger.error("model %s: the load failed: %s", entry.name, entry.error)
         entry.loads += 1
         entry._load = None
