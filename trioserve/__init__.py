@@ -23,7 +23,6 @@ from ._backends._models import default_model_path
 from ._backends._sources import LlamaSource
 from ._core._channel import Aborted, PieceChannel
 from ._core._engine import Engine, EventStream, StreamTimings
-from ._core._registry import BackendSource, Lease, ModelEntry, ModelRegistry, ModelSource, ModelSpec
 from ._core._exceptions import (
     AuthenticationError,
     BackendError,
@@ -40,6 +39,7 @@ from ._core._exceptions import (
     TrioserveError,
     UnsupportedMediaTypeError,
 )
+from ._core._registry import BackendSource, Lease, ModelEntry, ModelRegistry, ModelSource, ModelSpec
 from ._core._types import (
     Constraint,
     EndCause,
