@@ -216,6 +216,52 @@ def constrained_render(r: dict[str, Any]) -> str:
 
 
 ALL_SERVERS = "trioserve,llama-server,llama-server-matched,llama-cpp-python"
+def embeddings_render(r: dict[str, Any]) -> str:
+    rows = [["server", "inputs/s (median)", "min", "max 1 − cosine vs trioserve"]]
+    for name, x in r.items():
+        rows.append(
+            [
+                name,
+                f"{x['inputs_per_s_median']:.1f}",
+                f"{x['inputs_per_s_min']:.1f}",
+                f"{x['max_cosine_distance_to_trioserve']:.1e}",
+            ]
+        )
+    return table(rows)
+
+
+def embeddings_headline(r: dict[str, Any]) -> str:
+    ours = r["trioserve"]["inputs_per_s_median"]
+    return join([f"trioserve {ours:.1f} inputs/s"] + [
+        f"{name} {x['inputs_per_s_median']:.1f}" for name, x in r.items() if name != "trioserve"
+    ])
+
+
+def model_load_render(r: dict[str, Any]) -> str:
+    rows = [["server", "whole load (s)", "RSS unloaded → loaded (MiB)", "CPU idle after the leave (ms, median)",
+             "CPU spent after the leave (ms)", "loaded anyway", "RSS 2 s after (MiB)"]]
+    for name, x in r["summary"].items():
+        rows.append(
+            [
+                name,
+                f"{x['load_s']:.2f}",
+                f"{x['rss_unloaded_mib']:.0f} → {x['rss_loaded_mib']:.0f}",
+                f"{x['idle_after_leave_ms_median']:.0f}",
+                f"{x['cpu_after_leave_ms_median']:.0f}",
+                x["loaded_anyway"],
+                f"{x['rss_2s_later_mib_median']:.0f}",
+            ]
+        )
+    return table(rows)
+
+
+def model_load_headline(r: dict[str, Any]) -> str:
+    parts = []
+    for name, x in r["summary"].items():
+        parts.append(f"{name}: idle {x['idle_after_leave_ms_median']:.0f} ms after the leave, loaded anyway {x['loaded_anyway']}")
+    return join(parts)
+
+
 SCENARIOS = [
     Scenario(
         "single",
@@ -331,6 +377,24 @@ SCENARIOS = [
         constrained_headline,
         render=constrained_render,
         what="constrained decoding and logprobs",
+    ),
+    Scenario(
+        "embeddings",
+        "benchmarks/embeddings.py",
+        {DEFAULT: "--reps 5", QUICK: "--reps 3"},
+        {DEFAULT: 2, QUICK: 1.5},
+        embeddings_headline,
+        render=embeddings_render,
+        what="/v1/embeddings, 64 inputs",
+    ),
+    Scenario(
+        "model_load",
+        "benchmarks/model_load.py",
+        {DEFAULT: "--reps 5", QUICK: "--reps 3"},
+        {DEFAULT: 2, QUICK: 1.5},
+        model_load_headline,
+        render=model_load_render,
+        what="a client that leaves during its model's load",
     ),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
