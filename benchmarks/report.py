@@ -216,6 +216,8 @@ def constrained_render(r: dict[str, Any]) -> str:
 
 
 ALL_SERVERS = "trioserve,llama-server,llama-server-matched,llama-cpp-python"
+
+
 def embeddings_render(r: dict[str, Any]) -> str:
     rows = [["server", "inputs/s (median)", "min", "max 1 − cosine vs trioserve"]]
     for name, x in r.items():
@@ -232,14 +234,16 @@ def embeddings_render(r: dict[str, Any]) -> str:
 
 def embeddings_headline(r: dict[str, Any]) -> str:
     ours = r["trioserve"]["inputs_per_s_median"]
-    return join([f"trioserve {ours:.1f} inputs/s"] + [
-        f"{name} {x['inputs_per_s_median']:.1f}" for name, x in r.items() if name != "trioserve"
-    ])
+    return join(
+        [f"trioserve {ours:.1f} inputs/s"]
+        + [f"{name} {x['inputs_per_s_median']:.1f}" for name, x in r.items() if name != "trioserve"]
+    )
 
 
 def model_load_render(r: dict[str, Any]) -> str:
-    rows = [["server", "whole load (s)", "RSS unloaded → loaded (MiB)", "CPU idle after the leave (ms, median)",
-             "CPU spent after the leave (ms)", "loaded anyway", "RSS 2 s after (MiB)"]]
+    head = "server|whole load (s)|RSS unloaded → loaded (MiB)|CPU idle after the leave (ms, median)"
+    head += "|CPU spent after the leave (ms)|loaded anyway|RSS 2 s after (MiB)"
+    rows = [head.split("|")]
     for name, x in r["summary"].items():
         rows.append(
             [
@@ -258,7 +262,8 @@ def model_load_render(r: dict[str, Any]) -> str:
 def model_load_headline(r: dict[str, Any]) -> str:
     parts = []
     for name, x in r["summary"].items():
-        parts.append(f"{name}: idle {x['idle_after_leave_ms_median']:.0f} ms after the leave, loaded anyway {x['loaded_anyway']}")
+        idle = f"idle {x['idle_after_leave_ms_median']:.0f} ms after the leave"
+        parts.append(f"{name}: {idle}, loaded anyway {x['loaded_anyway']}")
     return join(parts)
 
 
