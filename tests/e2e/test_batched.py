@@ -307,6 +307,8 @@ async def test_health_is_503_once_the_scheduler_has_failed(
     finally:
         scheduler.failure = None
     assert response.status_code == 503
-    assert response.json() == {"status": "error", "error": "llama_decode crashed"}
+    body = response.json()
+    assert (body["status"], body["error"]) == ("error", "llama_decode crashed")
+    assert [m["error"] for m in body["models"].values()] == ["llama_decode crashed"]  # which model
     assert completion.status_code >= 500  # every request would fail: it is refused
     running.server.shutdown()
