@@ -598,7 +598,7 @@ class ModelRegistry:
                 backend = await entry.spec.source.load(progress)
         except Exception as exc:
             described = entry.spec.source.description
-            entry.error = str(exc) if described in str(exc) else f"{described}: {exc}"
+            entry.error = str(exc) if not described or described in str(exc) else f"{described}: {exc}"
             logger.error("model %s: the load failed: %s", entry.name, entry.error)
         entry.loads += 1
         entry._load = None

@@ -253,8 +253,7 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
 
     @app.post("/models/load")
     async def router_load() -> Response:
-        """Load a model (making room for it) and answer once it is loaded; a client
-        that leaves first leaves the load (aborted if nobody else waits for it)."""
+        """Load a model (making room for it) and answer once it is loaded."""
         try:
             request = await _json_body(decode_router_request)
             entry = await state.serving_registry().load(router_model_name(request))
@@ -281,7 +280,7 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
     @app.post("/tokenize")
     async def tokenize() -> Response:
         try:
-            state.serving_engine()  # (503 before reading the body)
+            state.serving_registry()  # (503 before reading the body)
             request = await _json_body(decode_tokenize_request)
             engine = state.serving_engine(request.model)
             backend = engine.backend
@@ -296,7 +295,7 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
     @app.post("/detokenize")
     async def detokenize() -> Response:
         try:
-            state.serving_engine()
+            state.serving_registry()
             request = await _json_body(decode_detokenize_request)
             engine = state.serving_engine(request.model)
             pieces = await engine.backend.token_pieces(request.tokens)

@@ -24,7 +24,7 @@ from hypercorn.utils import wrap_app
 from .._core._backend import Backend
 from .._core._engine import Engine
 from .._core._errors import unwrap_group
-from .._core._registry import BackendSource, ModelRegistry, ModelSpec
+from .._core._registry import BackendSource, ModelEntry, ModelRegistry, ModelSpec
 from ._access import AccessPolicy
 from ._generation import FINAL_EVENT_TIMEOUT
 from ._hypercorn_patches import patch_hypercorn_connection_registry, patch_hypercorn_h2_backpressure
@@ -128,7 +128,7 @@ class Server:
         else:
             spec = ModelSpec(
                 name="",
-                source=BackendSource(models, description="the model"),
+                source=BackendSource(models, description=""),
                 aliases=self.settings.http.model_aliases,
                 pinned=True,
                 preload=True,
@@ -144,14 +144,22 @@ class Server:
         self.state = ServerState(settings=self.settings.http, stall_timeout=self.settings.stall_timeout)
         self.state.metrics.bind_registry(self.registry)
         self.registry.on_unloaded.append(lambda _entry, engine: self.state.forget(engine))
+        self._last_engine: Engine | None = None
+
+        def loaded(entry: ModelEntry) -> None:
+            if entry is self.registry.default:
+                self._last_engine = entry.engine
+
+        self.registry.on_loaded.append(loaded)
         self.app = create_app(self.state, AccessPolicy(self.settings.api_keys, self.settings.cors_origins))
         self._stop_accepting = trio.Event()
         self._shutdown_requested = trio.Event()
 
     @property
     def engine(self) -> Engine | None:
-        """The default model's engine, once loaded."""
-        return self.registry.default.engine
+        """The default model's engine, once loaded (after the server stopped: the last
+        one, closed, for what its counters say)."""
+        return self.registry.default.engine or self._last_engine
 
     def shutdown(self) -> None:
         """Begin a graceful shutdown (idempotent; safe from any Trio task)."""
