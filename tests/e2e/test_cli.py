@@ -135,3 +135,73 @@ def test_upstream_body_is_a_json_object_merged_into_upstream_requests(
         _parser().parse_args(["serve", "--upstream", "http://x", "--upstream-body", "[1]"])
     assert exited.value.code == 2
     assert "--upstream-body: must be a JSON object" in capsys.readouterr().err
+
+
+def test_a_models_dir_with_a_preset_serves_each_model_with_its_settings(
+    tmp_path: object, model_path: str
+) -> None:
+    """The command line a user types for many models (docs/models.md): a directory of
+    GGUFs, a preset giving one another context, an alias and a pin."""
+    import os
+    from pathlib import Path
+
+    directory = Path(str(tmp_path)) / "models"
+    directory.mkdir()
+    for name in ("alpha", "beta"):
+        os.link(model_path, directory / f"{name}.gguf")
+    preset = Path(str(tmp_path)) / "models.toml"
+    preset.write_text(
+        '[defaults]\nslots = 2\n\n[models.beta]\nctx_size = 512\naliases = ["b"]\npinned = true\n'
+    )
+    args = (
+        "--models-dir",
+        str(directory),
+        "--models-preset",
+        str(preset),
+        "--models-max",
+        "1",
+        "--threads",
+        "2",
+    )
+    with ServerProcess(*args, "--ctx-size", "1024") as server:
+        url = server.wait_ready()
+        listed = {m["id"]: m["status"]["state"] for m in httpx.get(url + "/v1/models").json()["data"]}
+        body = {"model": "b", "prompt": "Once upon a time", "max_tokens": 3, "temperature": 0}
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        beta = httpx.get(url + "/v1/models/beta").json()
+        # alpha cannot load: beta is pinned and --models-max is 1
+        refused = httpx.post(url + "/v1/completions", json={**body, "model": "alpha"}, timeout=120)
+        exit_code = server.stop(signal.SIGINT)
+    assert listed == {"alpha": "unloaded", "beta": "unloaded", "b": "unloaded"}
+    assert answer["model"] == "beta"
+    assert answer["usage"]["completion_tokens"] == 3
+    assert beta["context_length"] == 512
+    assert beta["status"]["pinned"] is True
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "model_does_not_fit"
+    log = "".join(server.log)
+    assert "2 model(s) on demand, at most 1 loaded: alpha, beta" in log
+    assert "load_wait_ms=" in log
+    assert exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("preset", "message"),
+    [
+        ("[models.x]\nctx = 1\n", "[x] has unknown key(s) ['ctx']"),
+        ("[model.x]\n", "unknown table(s) ['model']"),
+        ("[models.nowhere]\nslots = 1\n", "[models.nowhere] names no model found"),
+        ("[defaults]\nkeep_alive = 'soon'\n", "keep_alive must be seconds or a duration"),
+    ],
+)
+def test_a_preset_that_cannot_work_exits_2_naming_what_is_wrong(
+    preset: str, message: str, tmp_path: object, model_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pathlib import Path
+
+    from trioserve._cli import main
+
+    path = Path(str(tmp_path)) / "p.toml"
+    path.write_text(preset)
+    assert main(["serve", "--port", "0", "--model", f"x={model_path}", "--models-preset", str(path)]) == 2
+    assert message in capsys.readouterr().err

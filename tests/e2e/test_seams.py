@@ -208,8 +208,8 @@ async def test_a_load_cancelled_midway_frees_the_model(
     release = threading.Event()
     real_load = LlamaBackend.load.__func__  # type: ignore[attr-defined]
 
-    def load(cls: type[LlamaBackend], settings: LlamaSettings) -> LlamaBackend:
-        backend: LlamaBackend = real_load(cls, settings)
+    def load(cls: type[LlamaBackend], settings: LlamaSettings, **options: Any) -> LlamaBackend:
+        backend: LlamaBackend = real_load(cls, settings, **options)
         in_load.set()  # loaded; the caller is cancelled before load() returns
         release.wait()
         return backend
