@@ -592,7 +592,8 @@ class ModelRegistry:
 
         before = _rss_bytes()
         backend: Backend | None = None
-        logger.info("model %s: loading %s", entry.name, entry.spec.source.description)
+        if entry.spec.source.description:
+            logger.info("model %s: loading %s", entry.name or "(default)", entry.spec.source.description)
         try:
             with load.scope:
                 backend = await entry.spec.source.load(progress)
