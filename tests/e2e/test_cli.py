@@ -192,6 +192,10 @@ def test_a_models_dir_with_a_preset_serves_each_model_with_its_settings(
         ("[model.x]\n", "unknown table(s) ['model']"),
         ("[models.nowhere]\nslots = 1\n", "[models.nowhere] names no model found"),
         ("[defaults]\nkeep_alive = 'soon'\n", "keep_alive must be seconds or a duration"),
+        ('[models.x]\npinned = "false"\n', "pinned must be bool, got 'false'"),
+        ("[models.x]\nctx_size = true\n", "ctx_size must be int, got True"),
+        ("[models.x]\nrepack = 'yes'\n", "repack must be one of auto, on, off"),
+        ("[defaults]\npath = 'a.gguf'\n", "[defaults] cannot have a path"),
     ],
 )
 def test_a_preset_that_cannot_work_exits_2_naming_what_is_wrong(

@@ -551,10 +551,59 @@ async def test_keep_alive_zero_unloads_the_model_after_the_request(
     response = await client.post("/v1/completions", json=body, headers={"X-Keep-Alive": "0"})
     assert response.status_code == 200
     await wait_for(lambda: registry.entries[0].state == "unloaded")
+    # the header was that request's: the next one, without it, leaves the model loaded
+    assert (await client.post("/v1/completions", json=body)).status_code == 200
+    assert registry.entries[0].state == "loaded"
+    assert registry.entries[0]._idle_deadline is None  # no timer: the server's keep-alive is forever
     bad = await client.post("/v1/completions", json=body, headers={"X-Keep-Alive": "soon"})
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "keep_alive"
     response = await client.post("/v1/completions", json=body, headers={"X-Keep-Alive": "-1"})
     assert response.status_code == 200
     assert registry.entries[0].state == "loaded"  # and stays: no timer
+    server.shutdown()
+
+
+async def test_a_startup_load_is_not_aborted_when_a_waiter_leaves(
+    nursery: trio.Nursery, model_copies: dict[str, Path], client_for: Callable[[str], httpx.AsyncClient]
+) -> None:
+    alpha = _source(model_copies["alpha"])
+    alpha.gate.clear()
+    registry = ModelRegistry([ModelSpec(name="alpha", source=alpha, preload=True)])
+    server, url = await _serve(nursery, registry)
+    entry = registry.entries[0]
+    await trio.to_thread.run_sync(alpha.waiting.wait, 30)
+    async with trio.open_nursery() as requests:
+        requests.start_soon(_complete, client_for(url), "alpha")
+        await wait_for(lambda: entry._load is not None and entry._load.waiters == 1)
+        requests.cancel_scope.cancel()
+    await wait_for(lambda: entry._load is not None and entry._load.waiters == 0)
+    alpha.gate.set()
+    await wait_for(lambda: entry.state != "loading", limit=30)
+    assert entry.state == "loaded"  # the server's own load: nobody's leaving cancels it
+    server.shutdown()
+
+
+async def test_an_unload_before_the_response_started_is_a_503_that_says_so(
+    nursery: trio.Nursery, model_copies: dict[str, Path], client_for: Callable[[str], httpx.AsyncClient]
+) -> None:
+    registry = ModelRegistry([ModelSpec(name="alpha", source=_source(model_copies["alpha"]))])
+    server, url = await _serve(nursery, registry)
+    client = client_for(url)
+    await _complete(client, "alpha")
+    engine = registry.entries[0].engine
+    assert engine is not None
+    body = {"model": "alpha", "prompt": "A story:", "max_tokens": 1000, "logit_bias": {"1": -100}}
+    answers: list[httpx.Response] = []
+    async with trio.open_nursery() as requests:
+
+        async def ask() -> None:
+            answers.append(await client_for(url).post("/v1/completions", json=body))
+
+        requests.start_soon(ask)
+        await wait_for(lambda: engine.active_streams == 1)
+        unload = await client.post("/models/unload", json={"model": "alpha", "grace_seconds": 0})
+        assert unload.json()["status"]["state"] == "unloaded"
+    assert answers[0].status_code == 503
+    assert answers[0].json()["error"]["code"] == "model_unloaded"
     server.shutdown()

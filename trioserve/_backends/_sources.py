@@ -8,6 +8,7 @@ which drops it (docs/models.md, "The prompt cache outlives an unload").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -34,10 +35,15 @@ class LlamaSource:
     def footprint(self) -> int:
         """The file's size: the weights, before the KV cells are known (the registry uses
         the measured growth once the model has loaded)."""
-        try:
-            return self.settings.model_path.stat().st_size
-        except OSError:
-            return 0
+        path = self.settings.model_path
+        files = [path]
+        if "-00001-of-" in path.name:  # a multi-file model: every shard
+            files = sorted(path.parent.glob(path.name.replace("-00001-of-", "-*-of-")))
+        total = 0
+        for file in files:
+            with contextlib.suppress(OSError):
+                total += file.stat().st_size
+        return total
 
     def _file_stamp(self) -> tuple[int, int, int] | None:
         try:

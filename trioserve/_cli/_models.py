@@ -47,6 +47,46 @@ PRESET_KEYS = {
 }
 
 
+#: each preset key's type (checked: TOML's types, never coerced)
+PRESET_TYPES: dict[str, tuple[type, ...]] = {
+    "path": (str,),
+    "aliases": (list,),
+    "pinned": (bool,),
+    "keep_alive": (str, int, float),
+    "load_on_startup": (bool,),
+    "ctx_size": (int,),
+    "slots": (int,),
+    "threads": (int,),
+    "batch_size": (int,),
+    "prefill_chunk": (int,),
+    "prompt_cache": (bool,),
+    "cache_mode": (str,),
+    "cache_ram": (int,),
+    "batch_invariant": (bool,),
+    "repack": (str,),
+    "pooling": (str,),
+}
+_CHOICES = {
+    "cache_mode": ("exact", "fast"),
+    "repack": ("auto", "on", "off"),
+    "pooling": ("mean", "cls", "last"),
+}
+
+
+def _check_value(origin: str, key: str, value: object) -> None:
+    kinds = PRESET_TYPES[key]
+    wrong = not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)
+    if wrong:
+        names = " or ".join(k.__name__ for k in kinds)
+        raise RuntimeError(f"{origin}: {key} must be {names}, got {value!r}")
+    if key == "aliases" and not all(isinstance(a, str) and a for a in value):  # type: ignore[attr-defined]
+        raise RuntimeError(f"{origin}: aliases must be a list of names, got {value!r}")
+    if key in _CHOICES and value not in _CHOICES[key]:
+        raise RuntimeError(f"{origin}: {key} must be one of {', '.join(_CHOICES[key])}, got {value!r}")
+    if kinds == (int,) and value < 0:  # type: ignore[operator]
+        raise RuntimeError(f"{origin}: {key} must be 0 or more, got {value!r}")
+
+
 @dataclass
 class _Model:
     name: str
@@ -112,6 +152,14 @@ def read_preset(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
                 f"--models-preset {path}: [{name}] has unknown key(s) {sorted(bad)}; "
                 f"known: {sorted(PRESET_KEYS)}"
             )
+        for key, value in table.items():
+            _check_value(f"--models-preset {path}: [{name}]", key, value)
+        if name == "defaults" and "path" in table:
+            raise RuntimeError(
+                f"--models-preset {path}: [defaults] cannot have a path (each model has its own)"
+            )
+        if not name:
+            raise RuntimeError(f"--models-preset {path}: a model needs a name ([models.NAME])")
         if "path" in table:
             table["path"] = (path.parent / str(table["path"])).resolve()
     return defaults, models
@@ -121,6 +169,8 @@ def _models(args: argparse.Namespace) -> tuple[list[_Model], dict[str, Any]]:
     models: dict[str, _Model] = {}
 
     def add(name: str, path: Path, origin: str) -> None:
+        if not name:
+            raise RuntimeError(f"a model needs a name ({origin}: {path})")
         if name in models:
             raise RuntimeError(f"two models are named {name!r} ({models[name].path} and {path}, {origin})")
         models[name] = _Model(name, path)
@@ -196,6 +246,12 @@ def registry(args: argparse.Namespace, *, max_queue: int) -> tuple[str, ModelReg
             "--scripted and --upstream serve one backend: drop --models-dir / NAME=PATH / presets"
         )
     models, defaults = _models(args)
+    if args.models_max is not None and args.models_max < 1:
+        raise RuntimeError(f"--models-max must be at least 1, got {args.models_max}")
+    if args.models_memory is not None and args.models_memory <= 0:
+        raise RuntimeError(f"--models-memory must be positive MiB, got {args.models_memory}")
+    if not args.unload_grace >= 0:
+        raise RuntimeError(f"--unload-grace must be 0 or more seconds, got {args.unload_grace}")
     server_keep_alive = _keep_alive(args.keep_alive, "--keep-alive")
     specs = []
     for index, model in enumerate(models):
@@ -231,6 +287,20 @@ def registry(args: argparse.Namespace, *, max_queue: int) -> tuple[str, ModelReg
 
 def loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backend]]]:
     """The single backend the flags describe (one model, scripted, upstreams)."""
+    ignored = [
+        flag
+        for flag, value in (
+            ("--models-max", args.models_max),
+            ("--models-memory", args.models_memory),
+            ("--keep-alive", args.keep_alive),
+        )
+        if value is not None
+    ]
+    if ignored:
+        raise RuntimeError(
+            f"{', '.join(ignored)}: for several models (--model NAME=PATH, --models-dir); "
+            "one model is loaded at startup and stays"
+        )
     if args.upstream:
         if args.scripted or args.model:
             raise RuntimeError("--upstream serves a model that runs elsewhere: drop --model / --scripted")

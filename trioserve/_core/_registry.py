@@ -115,6 +115,8 @@ class _Load:
         self.started = time.monotonic()
         #: set when the model has loaded: each waiter still there holds a lease from then
         self.succeeded = False
+        #: a load nobody asked for by waiting (a preload): not aborted when waiters leave
+        self.keep = False
 
 
 class _Ticket:
@@ -155,9 +157,9 @@ class ModelEntry:
     _load: _Load | None = None
     _holders: set[Lease] = field(default_factory=set["Lease"])
     _unloaded: trio.Event = field(default_factory=trio.Event)
-    #: the keep-alive of its latest request (``X-Keep-Alive``), if it said one
-    _keep_alive: float | None = None
-    _idle_generation: int = 0
+    #: when its idle timer unloads it (``trio.current_time()``; ``None``: no timer)
+    _idle_deadline: float | None = None
+    _timer_running: bool = False
 
     @property
     def name(self) -> str:
@@ -168,7 +170,10 @@ class ModelEntry:
         return (self.spec.name, *self.spec.aliases)
 
     def footprint(self) -> int:
-        return self.measured_bytes if self.measured_bytes is not None else self.spec.source.footprint()
+        """Bytes it counts against the memory budget: the larger of what its load was
+        measured to add (RSS) and its source's estimate (the weights' files)."""
+        estimate = self.spec.source.footprint()
+        return estimate if self.measured_bytes is None else max(self.measured_bytes, estimate)
 
     def describe(self) -> dict[str, object]:
         """What ``/v1/models`` and ``GET /models`` say about it."""
@@ -196,6 +201,8 @@ class Lease:
         self.load_wait = load_wait
         #: called when an unload's grace period ends with this lease still held
         self.on_unload: Callable[[], None] | None = None
+        #: this request's keep-alive (``X-Keep-Alive``): applies if it is the last to release
+        self.keep_alive: float | None = None
         self._released = False
 
     def release(self) -> None:
@@ -242,6 +249,10 @@ class ModelRegistry:
             raise ValueError("a registry needs at least one model")
         if max_loaded is not None and max_loaded < 1:
             raise ValueError(f"max_loaded must be at least 1, got {max_loaded}")
+        if memory_budget is not None and memory_budget <= 0:
+            raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
+        if not unload_grace >= 0:
+            raise ValueError(f"unload_grace must be 0 or more seconds, got {unload_grace}")
         self.entries: list[ModelEntry] = []
         self._by_name: dict[str, ModelEntry] = {}
         for spec in specs:
@@ -288,12 +299,28 @@ class ModelRegistry:
 
     # ------------------------------------------------------------ lifecycle
 
+    @property
+    def running(self) -> bool:
+        """Whether it has been entered (``async with``) and not left."""
+        return self._nursery is not None
+
     async def __aenter__(self) -> Self:
+        if self._nursery is not None:
+            raise RuntimeError("this registry is already running (entered once: by you or by its Server)")
         self._nursery_manager = trio.open_nursery()
         self._nursery = await self._nursery_manager.__aenter__()
         for entry in self.entries:
             if entry.spec.preload:
+                if not self._fits(entry):
+                    logger.warning(
+                        "model %s: not loaded at startup: it does not fit beside the models loaded "
+                        "before it (--models-max / --models-memory); it loads on demand",
+                        entry.name,
+                    )
+                    continue
                 self._start_load(entry)
+                assert entry._load is not None
+                entry._load.keep = True
         return self
 
     async def __aexit__(
@@ -305,6 +332,7 @@ class ModelRegistry:
             assert self._nursery is not None
             self._nursery.cancel_scope.cancel()
             result = await self._nursery_manager.__aexit__(exc_type, exc, tb)
+            self._nursery = None
         return result
 
     async def aclose(self) -> None:
@@ -361,7 +389,7 @@ class ModelRegistry:
     @asynccontextmanager
     async def lease(
         self,
-        name: str | None = None,
+        name: str | ModelEntry | None = None,
         *,
         keep_alive: float | None = None,
         on_unload: Callable[[], None] | None = None,
@@ -435,9 +463,9 @@ class ModelRegistry:
             if ticket.granted:
                 self._release_entry(entry)
             raise
-        if keep_alive is not None:
-            entry._keep_alive = keep_alive
+        entry._idle_deadline = None  # in use: its idle timer (if any) stops
         lease = Lease(self, entry, time.monotonic() - started)
+        lease.keep_alive = keep_alive
         entry._holders.add(lease)
         return lease
 
@@ -452,7 +480,7 @@ class ModelRegistry:
                 ticket.granted = True  # the load counted this waiter's lease already
             else:
                 load.waiters -= 1
-                if load.waiters == 0 and not load.done.is_set():
+                if load.waiters == 0 and not load.done.is_set() and not load.keep:
                     logger.info("model %s: every request waiting for its load has gone: abort", entry.name)
                     load.scope.cancel()
         if entry.state == "failed" and not ticket.granted:
@@ -460,21 +488,22 @@ class ModelRegistry:
 
     def _release(self, lease: Lease) -> None:
         lease.entry._holders.discard(lease)
-        self._release_entry(lease.entry)
+        self._release_entry(lease.entry, lease.keep_alive)
 
-    def _release_entry(self, entry: ModelEntry) -> None:
+    def _release_entry(self, entry: ModelEntry, keep_alive: float | None = None) -> None:
         entry.leases -= 1
         entry.last_used = time.monotonic()
         self._notify()
         if entry.leases == 0 and entry.state == "loaded" and not entry.spec.pinned and not self._closing:
-            keep = entry._keep_alive if entry._keep_alive is not None else entry.spec.keep_alive
+            # the last request's X-Keep-Alive, else the model's, else the server's
+            keep = keep_alive if keep_alive is not None else entry.spec.keep_alive
             if keep is None:
                 keep = self.keep_alive
-            entry._idle_generation += 1
-            if keep <= 0:
-                self._spawn(self._unload_idle, entry, entry._idle_generation, 0.0)
-            elif math.isfinite(keep):
-                self._spawn(self._unload_idle, entry, entry._idle_generation, keep)
+            if math.isfinite(keep):
+                entry._idle_deadline = trio.current_time() + max(0.0, keep)
+                if not entry._timer_running:  # one timer per model, its deadline moved
+                    entry._timer_running = True
+                    self._spawn(self._idle_timer, entry)
 
     # ------------------------------------------------------------------ room
 
@@ -493,7 +522,9 @@ class ModelRegistry:
         return self.memory_budget is None or memory + entry.footprint() <= self.memory_budget
 
     def _could_ever_fit(self, entry: ModelEntry) -> bool:
-        pinned = [e for e in self.entries if e.spec.pinned and e is not entry and e.state != "unloaded"]
+        pinned = [
+            e for e in self.entries if e.spec.pinned and e is not entry and e.state in ("loading", "loaded")
+        ]
         if self.max_loaded is not None and len(pinned) >= self.max_loaded:
             return False
         if self.memory_budget is None:
@@ -544,6 +575,11 @@ class ModelRegistry:
                 await changed.wait()
         finally:
             self._queue.remove(ticket)
+            if not self._queue:
+                # nobody waits for room any more: a busy model marked to go may stay
+                for e in self.entries:
+                    if e.draining and e.state == "loaded" and e.leases > 0:
+                        e.draining = False
             self._notify()
 
     def _victim(self, entry: ModelEntry) -> ModelEntry | None:
@@ -662,6 +698,8 @@ class ModelRegistry:
 
         Cancellation: the unload is the server's own; it goes on (shielded) once begun."""
         entry = self.resolve(name)
+        if grace is not None and not grace >= 0:
+            raise ValueError(f"grace must be 0 or more seconds, got {grace}")
         if entry.state == "loading" and entry._load is not None:
             entry._load.scope.cancel()
             await entry._load.done.wait()
@@ -672,16 +710,22 @@ class ModelRegistry:
         await self._unload(entry, grace=grace, why="unloaded on request")
         return entry
 
-    async def _unload_idle(self, entry: ModelEntry, generation: int, after: float) -> None:
-        await trio.sleep(after)
-        if (
-            entry.state == "loaded"
-            and entry.leases == 0
-            and entry._idle_generation == generation
-            and not entry.draining
-        ):
-            reason = "keep_alive 0" if after == 0 else f"idle for {after:g} s"
-            await self._unload(entry, grace=0.0, why=reason)
+    async def _idle_timer(self, entry: ModelEntry) -> None:
+        """Unload ``entry`` at its idle deadline, unless a lease came first (which clears
+        the deadline) or a later release moved it."""
+        try:
+            while True:
+                deadline = entry._idle_deadline
+                if deadline is None:
+                    return
+                if trio.current_time() >= deadline:
+                    break
+                await trio.sleep_until(deadline)
+        finally:
+            entry._timer_running = False
+        entry._idle_deadline = None
+        if entry.state == "loaded" and entry.leases == 0 and not entry.draining:
+            await self._unload(entry, grace=0.0, why="idle (keep_alive)")
 
     async def _unload(self, entry: ModelEntry, *, grace: float, why: str) -> None:
         with trio.CancelScope(shield=True):
@@ -700,24 +744,33 @@ class ModelRegistry:
                 for lease in list(entry._holders):
                     if lease.on_unload is not None:
                         lease.on_unload()
-                with trio.move_on_after(30.0):
-                    while entry.leases > 0:
-                        changed = self._changed
-                        await changed.wait()
+                # (never freed under a lease: each request's teardown is bounded by
+                # its own, cancelled scope)
+                while entry.leases > 0:
+                    changed = self._changed
+                    await changed.wait()
             await self._close(entry)
             logger.info("model %s: unloaded (%s)", entry.name, why)
 
     async def _close(self, entry: ModelEntry) -> None:
         engine, entry.engine = entry.engine, None
-        if engine is not None:
-            await engine.aclose(close_backend=self._close_backends)
-        entry.state = "unloaded"
-        entry.draining = False
-        entry._unloaded.set()
+        try:
+            if engine is not None:
+                await engine.aclose(close_backend=self._close_backends)
+        except Exception:  # the model is gone either way: never stuck "unloading"
+            logger.exception("model %s: closing it failed", entry.name)
+        finally:
+            entry.state = "unloaded"
+            entry.draining = False
+            entry._idle_deadline = None
+            entry._unloaded.set()
+            self._notify()
         if engine is not None:
             for listener in self.on_unloaded:
-                listener(entry, engine)
-        self._notify()
+                try:
+                    listener(entry, engine)
+                except Exception:
+                    logger.exception("an unload listener failed")
 
 
 def _rss_bytes() -> int | None:

@@ -741,6 +741,14 @@ class GenerationHandler:
                 await exchange.error(
                     DeadlineExceededError("the request's deadline passed before the response was complete")
                 )
+            elif cause == "unload":
+                await exchange.error(
+                    ServiceUnavailableError(
+                        f"the model {request.model!r} was unloaded (POST /models/unload) before the "
+                        "response was complete; retry to load it again",
+                        code="model_unloaded",
+                    )
+                )
             else:
                 await exchange.error(
                     ServiceUnavailableError("the server is shutting down; retry on another instance")

@@ -152,7 +152,9 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
         models = {entry.name or "(loading)": model_health(entry) for entry in registry.entries}
         if default.spec.ready_gate and default.state != "loaded":
             if default.state == "failed":
-                return _json_response({"status": "error", "error": default.error, "models": models}, 503)
+                return _json_response(
+                    {"status": "error", "error": default.error, "models": models}, 503, {"Retry-After": "1"}
+                )
             if default.loads == 0:
                 return _json_response(
                     {"status": "loading", "error": None, "models": models}, 503, {"Retry-After": "1"}
@@ -205,6 +207,9 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
         registry = state.registry
         if registry is None or (registry.default.spec.ready_gate and registry.default.loads == 0):
             return _error_response(ServiceUnavailableError("the model is still loading", code="loading"))
+        default = registry.default
+        if default.spec.ready_gate and default.state == "failed":
+            return _error_response(ServiceUnavailableError(f"the model failed to load: {default.error}"))
         return _json_response(
             {
                 "object": "list",
@@ -280,14 +285,15 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
     @app.post("/tokenize")
     async def tokenize() -> Response:
         try:
-            state.serving_registry()  # (503 before reading the body)
+            registry = state.serving_registry()  # (503 before reading the body)
             request = await _json_body(decode_tokenize_request)
-            engine = state.serving_engine(request.model)
-            backend = engine.backend
-            tokens = await backend.tokenize_text(
-                request.content, add_special=request.add_special, parse_special=request.parse_special
-            )
-            pieces = await backend.token_pieces(tokens) if request.with_pieces else None
+            # a lease: the model is not unloaded while its tokenizer runs (in a thread)
+            async with registry.lease(state.resolve(request.model)) as lease:
+                backend = lease.engine.backend
+                tokens = await backend.tokenize_text(
+                    request.content, add_special=request.add_special, parse_special=request.parse_special
+                )
+                pieces = await backend.token_pieces(tokens) if request.with_pieces else None
         except TrioserveError as exc:
             return _error_response(exc)
         return Response(tokenize_response(tokens, pieces), content_type="application/json")
@@ -295,10 +301,10 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
     @app.post("/detokenize")
     async def detokenize() -> Response:
         try:
-            state.serving_registry()
+            registry = state.serving_registry()
             request = await _json_body(decode_detokenize_request)
-            engine = state.serving_engine(request.model)
-            pieces = await engine.backend.token_pieces(request.tokens)
+            async with registry.lease(state.resolve(request.model)) as lease:
+                pieces = await lease.engine.backend.token_pieces(request.tokens)
         except TrioserveError as exc:
             return _error_response(exc)
         return Response(detokenize_response(pieces), content_type="application/json")
@@ -315,7 +321,7 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
         body = await quart_request.get_data(as_text=False)
         assert isinstance(body, bytes)
         entry = state.resolve(_peek_model(body))
-        async with registry.lease(entry.name) as lease:
+        async with registry.lease(entry) as lease:
             engine = lease.engine
             chat_format = state.chat_format(engine)
 

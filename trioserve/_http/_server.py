@@ -10,6 +10,7 @@ grace. Why the server, not hypercorn, owns it: ``docs/operations.md``, "Shutdown
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import socket
@@ -215,8 +216,10 @@ class Server:
             )
             task_status.started(binds)
             try:
-                # the registry closes (loads aborted, engines closed) after the drain
-                async with self.registry:
+                # the registry closes (loads aborted, engines closed) after the drain;
+                # one its owner already runs stays theirs
+                running = contextlib.nullcontext() if self.registry.running else self.registry
+                async with running:
                     self.state.registry = self.registry
                     nursery.start_soon(self._announce, binds)
                     try:
