@@ -570,7 +570,8 @@ async def test_a_startup_load_is_not_aborted_when_a_waiter_leaves(
     alpha = _source(model_copies["alpha"])
     alpha.gate.clear()
     registry = ModelRegistry([ModelSpec(name="alpha", source=alpha, preload=True)])
-    server, url = await _serve(nursery, registry)
+    server = Server(registry, ServerSettings(host="127.0.0.1", port=0, shutdown_grace=0.0))
+    url = (await nursery.start(server.run))[0]  # (not ready: its startup load is held)
     entry = registry.entries[0]
     await trio.to_thread.run_sync(alpha.waiting.wait, 30)
     async with trio.open_nursery() as requests:
@@ -591,8 +592,10 @@ async def test_an_unload_before_the_response_started_is_a_503_that_says_so(
     server, url = await _serve(nursery, registry)
     client = client_for(url)
     await _complete(client, "alpha")
-    engine = registry.entries[0].engine
+    entry = registry.entries[0]
+    engine = entry.engine
     assert engine is not None
+    await wait_for(lambda: entry.leases == 0 and engine.active_streams == 0)  # that one is over
     body = {"model": "alpha", "prompt": "A story:", "max_tokens": 1000, "logit_bias": {"1": -100}}
     answers: list[httpx.Response] = []
     async with trio.open_nursery() as requests:
@@ -604,6 +607,6 @@ async def test_an_unload_before_the_response_started_is_a_503_that_says_so(
         await wait_for(lambda: engine.active_streams == 1)
         unload = await client.post("/models/unload", json={"model": "alpha", "grace_seconds": 0})
         assert unload.json()["status"]["state"] == "unloaded"
-    assert answers[0].status_code == 503
+    assert answers[0].status_code == 503, answers[0].text
     assert answers[0].json()["error"]["code"] == "model_unloaded"
     server.shutdown()
