@@ -303,3 +303,20 @@ class H2Stream:
 
     async def aclose(self) -> None:
         await self.stream.aclose()
+
+
+async def leave_during_the_first_embedding_call(
+    url: str, embedder: Any, inputs: list[str]
+) -> tuple[int, float]:
+    """POST ``inputs`` to ``url``/v1/embeddings on a raw socket, close it once the
+    embedding context's first call of the request is running, and wait until the
+    embedder's lock is free: ``(llama_decode calls made, seconds from the close)``."""
+    before = embedder.context.calls if embedder.context is not None else 0
+    client = await RawStream.post(url, "/v1/embeddings", {"input": inputs})
+    await wait_for(lambda: embedder.context is not None and embedder.context.calls > before, limit=60)
+    await client.aclose()
+    left = trio.current_time()
+    await wait_for(lambda: not embedder._lock.locked(), limit=5)
+    stopped_after = trio.current_time() - left
+    assert embedder.context is not None
+    return embedder.context.calls - before, stopped_after

@@ -20,7 +20,7 @@ import trio
 from benchmarks.harness.servers import LLAMA_SERVER, Server, free_port
 from trioserve import HTTPSettings, LlamaBackend, default_model_path
 
-from .._helpers import RawStream, RunningServer, start_server, wait_for
+from .._helpers import RawStream, RunningServer, leave_during_the_first_embedding_call, start_server, wait_for
 from .test_upstream import _llama_server_command
 
 pytestmark = pytest.mark.model
@@ -157,16 +157,7 @@ async def test_a_client_that_leaves_mid_batch_stops_the_evaluation(
     is running; the call in flight is aborted inside llama.cpp, no further call is made,
     and the embedding lock is free again at once."""
     embedder = llama_backend.embedder
-    before = embedder.context.calls if embedder.context is not None else 0
-    client = await RawStream.post(server.url, "/v1/embeddings", {"input": LONG_INPUTS})
-    await wait_for(lambda: embedder.context is not None and embedder.context.calls > before, limit=60)
-    await client.aclose()
-    left = trio.current_time()
-    await wait_for(lambda: not embedder._lock.locked(), limit=5)
-    stopped_after = trio.current_time() - left
-    context = embedder.context
-    assert context is not None
-    calls = context.calls - before
+    calls, stopped_after = await leave_during_the_first_embedding_call(server.url, embedder, LONG_INPUTS)
     print(
         f"\nthe client left during the first call: {calls} call(s) made, "
         f"stopped {stopped_after * 1000:.0f} ms after"

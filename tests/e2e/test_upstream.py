@@ -52,7 +52,14 @@ from trioserve import (
     default_model_path,
 )
 
-from .._helpers import RawStream, RunningServer, ServerProcess, start_server, wait_for
+from .._helpers import (
+    RawStream,
+    RunningServer,
+    ServerProcess,
+    leave_during_the_first_embedding_call,
+    start_server,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -714,16 +721,11 @@ async def test_a_client_that_leaves_the_relay_mid_batch_stops_the_upstream(
     embedding call runs; the relay closes its upstream request, the upstream aborts the
     call in flight and makes no more. A deadline does the same (504)."""
     embedder = llama_backend.embedder
-    before = embedder.context.calls if embedder.context is not None else 0
-    client = await RawStream.post(embeddings_relay.url, "/v1/embeddings", {"input": LONG_INPUTS})
-    await wait_for(lambda: embedder.context is not None and embedder.context.calls > before, limit=60)
-    await client.aclose()
-    left = trio.current_time()
-    await wait_for(lambda: not embedder._lock.locked(), limit=5)
-    stopped_after = trio.current_time() - left
+    calls, stopped_after = await leave_during_the_first_embedding_call(
+        embeddings_relay.url, embedder, LONG_INPUTS
+    )
     context = embedder.context
     assert context is not None
-    calls = context.calls - before
     print(
         f"\nthe client left the relay during the upstream's first call: {calls} call(s) made, "
         f"the upstream stopped {stopped_after * 1000:.0f} ms after"
