@@ -37,7 +37,7 @@ from .._wire._tokenize import (
 from ._access import AccessPolicy, with_access_control
 from ._embeddings import EMBEDDINGS_PATH, EmbeddingsHandler
 from ._errors import ErrorRenderer, render_anthropic_error, render_error
-from ._exchange import Exchange, Receive, Scope, Send, _check_content_type, _peek_model, headers_too_large
+from ._exchange import Exchange, Receive, Scope, Send, _check_content_type, headers_too_large
 from ._generation import _INLINE_PARSE_BYTES, GENERATION_PATHS, GenerationHandler
 from ._state import ServerState
 
@@ -315,28 +315,14 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
         """The prompt's tokens, by the named model's template and tokenizer (loading
         the model if it is not: the count is its tokenizer's)."""
         registry = state.serving_registry()
-        from quart import request as quart_request
-
-        _check_content_type(cast("Scope", quart_request.scope))
-        body = await quart_request.get_data(as_text=False)
-        assert isinstance(body, bytes)
-        entry = state.resolve(_peek_model(body))
-        async with registry.lease(entry) as lease:
+        model, conversation = await _json_body(read)  # (large bodies: in a worker thread)
+        async with registry.lease(state.resolve(model)) as lease:
             engine = lease.engine
-            chat_format = state.chat_format(engine)
-
-            def prepare(body: bytes) -> tuple[str, bool]:
-                model, conversation = read(body)
-                state.resolve(model)
-                generation, _ = generation_for(conversation, chat_format)
-                assert isinstance(generation.prompt, str)
-                return generation.prompt, generation.add_bos
-
-            if len(body) > _INLINE_PARSE_BYTES:
-                prompt, add_bos = await trio.to_thread.run_sync(prepare, body)
-            else:
-                prompt, add_bos = prepare(body)
-            tokens = await engine.backend.tokenize_text(prompt, add_special=add_bos, parse_special=True)
+            generation, _ = generation_for(conversation, state.chat_format(engine))
+            assert isinstance(generation.prompt, str)
+            tokens = await engine.backend.tokenize_text(
+                generation.prompt, add_special=generation.add_bos, parse_special=True
+            )
         return len(tokens)
 
     keep_billing_header = state.settings.keep_billing_header
