@@ -1,61 +1,81 @@
-"""The prompt cache's bookkeeping: whole-chunk prefix matching and the host-memory tier's
+"""The prompt cache's bookkeeping: whole-piece prefix matching and the host-memory tier's
 byte budget (least recently used out first)."""
 
 from __future__ import annotations
 
-from trioserve._backends._prompt_cache import HostCache, shared_chunks
+from trioserve._backends._prompt_cache import HostCache, shared_prefix
 
 
-def test_only_whole_matching_chunks_count() -> None:
+def fours(tokens: list[int]) -> list[int]:
+    """Cuts every 4 tokens (the aligned rule with pieces of 4)."""
+    return list(range(4, len(tokens) + 1, 4))
+
+
+def test_only_whole_matching_pieces_count() -> None:
     cached = list(range(10))
-    assert shared_chunks(cached, list(range(10)), 10, 4) == 8
-    assert shared_chunks(cached, [*range(6), 99, 7, 8], 9, 4) == 4  # the second chunk differs
-    assert shared_chunks(cached, list(range(10)), 7, 4) == 4  # the limit, in whole chunks
-    assert shared_chunks([], list(range(10)), 10, 4) == 0
+    assert shared_prefix(cached, list(range(10)), [4, 8], 10) == 8
+    assert shared_prefix(cached, [*range(6), 99, 7, 8], [4, 8], 9) == 4  # the second piece differs
+    assert shared_prefix(cached, list(range(10)), [4, 8], 7) == 4  # the limit, in whole pieces
+    assert shared_prefix([], list(range(10)), [4, 8], 10) == 0
+    # pieces of any lengths: the cuts decide
+    assert shared_prefix(cached, list(range(10)), [3, 5, 9], 10) == 9
+    assert shared_prefix(cached, [0, 1, 2, 3, 4, 77, 6], [3, 5, 7], 7) == 5
 
 
 def test_the_host_cache_keeps_its_budget_and_drops_the_least_recently_used() -> None:
-    cache = HostCache(budget=100, chunk=4)
-    cache.put([1, 2, 3, 4], b"a" * 40)
-    cache.put([5, 6, 7, 8], b"b" * 40)
-    assert cache.best([1, 2, 3, 4, 9], 4, 4) == (4, b"a" * 40)  # now the most recent
-    cache.put([9, 9, 9, 9], b"c" * 40)  # over budget: [5, 6, 7, 8] goes
+    cache = HostCache(budget=100, rule="r")
+    cache.put([1, 2, 3, 4], [4], b"a" * 40)
+    cache.put([5, 6, 7, 8], [4], b"b" * 40)
+    assert cache.best([1, 2, 3, 4, 9], [4], 4) == (4, b"a" * 40)  # now the most recent
+    cache.put([9, 9, 9, 9], [4], b"c" * 40)  # over budget: [5, 6, 7, 8] goes
     assert cache.bytes == 80
     assert cache.evictions == 1
-    assert cache.best([5, 6, 7, 8, 0], 4, 4) is None
-    cache.put([1] * 8, b"d" * 101)  # larger than the whole budget: not kept
+    assert cache.best([5, 6, 7, 8, 0], [4], 4) is None
+    cache.put([1] * 8, [4, 8], b"d" * 101)  # larger than the whole budget: not kept
     assert cache.bytes == 80
 
 
 def test_a_longer_prefix_replaces_the_entries_it_extends() -> None:
-    cache = HostCache(budget=1000, chunk=4)
-    cache.put([1, 2, 3, 4], b"x" * 10)
-    cache.put([1, 2, 3, 4, 5, 6, 7, 8], b"y" * 20)
+    cache = HostCache(budget=1000, rule="r")
+    cache.put([1, 2, 3, 4], [4], b"x" * 10)
+    cache.put([1, 2, 3, 4, 5, 6, 7, 8], [4, 8], b"y" * 20)
     assert len(cache) == 1
     assert cache.bytes == 20
-    cache.put([1, 2, 3, 4], b"z" * 10)  # already covered
+    cache.put([1, 2, 3, 4], [4], b"z" * 10)  # already covered
     assert len(cache) == 1
-    assert cache.best([1, 2, 3, 4, 5, 6, 7, 8, 9], 8, 4) == (8, b"y" * 20)
+    assert cache.best([1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 8], 8) == (8, b"y" * 20)
 
 
-def test_the_host_cache_finds_the_longest_prefix_by_its_chunk_hashes() -> None:
-    cache = HostCache(budget=10_000, chunk=4)
-    cache.put(list(range(12)), b"a")
-    cache.put([*range(8), 50, 51, 52, 53], b"b")  # shares two chunks with the first
-    cache.put([7] * 8, b"c")
-    assert cache.best([*range(12), 99], 12, 4) == (12, b"a")
-    assert cache.best([*range(8), 50, 51, 52, 53, 0], 12, 4) == (12, b"b")
-    assert cache.best([*range(8), 0, 0, 0, 0], 12, 4)[0] == 8  # either entry: two chunks
-    assert cache.best([*range(12), 99], 5, 4) == (4, cache.best([*range(12)], 5, 4)[1])  # the limit
-    assert cache.best([1, 2, 3, 4], 4, 4) is None
+def test_the_host_cache_finds_the_longest_prefix_by_its_piece_hashes() -> None:
+    cache = HostCache(budget=10_000, rule="r")
+    for tokens, state in ((list(range(12)), b"a"), ([*range(8), 50, 51, 52, 53], b"b"), ([7] * 8, b"c")):
+        cache.put(tokens, fours(tokens), state)
+    prompt = [*range(12), 99]
+    assert cache.best(prompt, fours(prompt), 12) == (12, b"a")
+    prompt = [*range(8), 50, 51, 52, 53, 0]
+    assert cache.best(prompt, fours(prompt), 12) == (12, b"b")
+    prompt = [*range(8), 0, 0, 0, 0]
+    assert cache.best(prompt, fours(prompt), 12)[0] == 8  # either entry: two pieces
+    prompt = [*range(12), 99]
+    assert cache.best(prompt, fours(prompt), 5) == (4, cache.best(prompt, fours(prompt), 4)[1])  # the limit
+    assert cache.best([1, 2, 3, 4], [4], 4) is None
     # evicted and replaced entries leave the index
-    cache.put(list(range(16)), b"d")  # extends the first: it goes
+    cache.put(list(range(16)), fours(list(range(16))), b"d")  # extends the first: it goes
     assert len(cache) == 3
-    assert cache.best([*range(16), 1], 16, 4) == (16, b"d")
-    assert cache.covers(list(range(8)))
-    assert not cache.covers([9] * 4)
-    small = HostCache(budget=2, chunk=4)
-    small.put([1, 2, 3, 4], b"x")
-    small.put([5, 6, 7, 8], b"yy")  # over budget: the first goes, and its hashes
-    assert small.best([1, 2, 3, 4, 0], 4, 4) is None
-    assert small.best([5, 6, 7, 8, 0], 4, 4) == (4, b"yy")
+    assert cache.best([*range(16), 1], [4, 8, 12, 16], 16) == (16, b"d")
+    assert cache.covers(list(range(8)), [4, 8])
+    assert not cache.covers([9] * 4, [4])
+    small = HostCache(budget=2, rule="r")
+    small.put([1, 2, 3, 4], [4], b"x")
+    small.put([5, 6, 7, 8], [4], b"yy")  # over budget: the first goes, and its hashes
+    assert small.best([1, 2, 3, 4, 0], [4], 4) is None
+    assert small.best([5, 6, 7, 8, 0], [4], 4) == (4, b"yy")
+
+
+def test_pieces_of_other_lengths_index_other_prefixes() -> None:
+    # the same tokens cut elsewhere are other pieces: a prompt cut [3, 7] does not find
+    # an entry cut [4, 8] past their first common cut (there is none here)
+    cache = HostCache(budget=10_000, rule="r")
+    cache.put(list(range(8)), [4, 8], b"a")
+    assert cache.best([*range(8), 9], [3, 7], 8) is None
+    assert cache.best([*range(8), 9], [4, 8], 8) == (8, b"a")

@@ -70,7 +70,7 @@ def empty_cache(llama_backend: LlamaBackend) -> None:
     scheduler = llama_backend._scheduler
     for seq_id in list(scheduler._free_ids):
         scheduler._forget(seq_id)
-    scheduler.host = HostCache(scheduler.host.budget, chunk=scheduler.host.chunk)
+    scheduler.host = HostCache(scheduler.host.budget, rule=scheduler.host.rule)
 
 
 async def _reference(llama_backend: LlamaBackend, nursery: trio.Nursery) -> str:

@@ -24,7 +24,7 @@ from trioserve import (
     TextDelta,
     Usage,
 )
-from trioserve._backends._prompt_cache import shared_chunks
+from trioserve._backends._prompt_cache import shared_prefix
 
 from .._helpers import RunningServer, wait_for
 from ..conftest import THREADS
@@ -57,6 +57,16 @@ async def _complete(
         return "".join(parts), events.usage
 
 
+async def _complete_request(engine: Engine, request: GenerationRequest) -> tuple[str, Usage]:
+    prepared = await engine.prepare(request)
+    parts: list[str] = []
+    async with engine.stream(prepared) as events:
+        async for event in events:
+            if type(event) is TextDelta:
+                parts.append(event.text)
+        return "".join(parts), events.usage
+
+
 def _turn(topic: str, i: int) -> str:
     return f"\nUser: question {i}: what do you know about {topic}? Say it in detail, with examples. " * 4
 
@@ -65,7 +75,7 @@ async def test_a_conversation_served_from_the_cache_equals_the_cache_off_text(
     llama_backend: LlamaBackend, uncached_backend: LlamaBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # without the idle recompute of replies (tested below), what is reused is exactly
-    # what the previous prompt left in whole chunks and this one shares
+    # what the previous prompt left in whole pieces and this one shares
     monkeypatch.setattr(llama_backend._scheduler, "idle_recompute", False)
     # long enough to pass Gemma 3's 512-token sliding window: every layer's cells count
     tag = uuid.uuid4().hex
@@ -82,26 +92,27 @@ async def test_a_conversation_served_from_the_cache_equals_the_cache_off_text(
             prompts.append(prompt)
             cached.append(usage.cached_tokens)
             prompt += text
-    chunk = llama_backend.settings.prefill_chunk
+    rule = llama_backend.piece_rule
     assert usage.prompt_tokens > 600  # (the last turn's: past the 512-token window)
     assert cached[0] == 0
     for i in range(1, 6):
-        # what the previous turn left (its prompt's whole chunks) and this prompt shares
+        # what the previous turn left (its prompt's whole pieces) and this prompt shares
         before, now = llama_backend.tokenize(prompts[i - 1]), llama_backend.tokenize(prompts[i])
-        kept = len(before) // chunk * chunk
-        assert cached[i] == shared_chunks(before, now, min(kept, (len(now) - 1) // chunk * chunk), chunk)
+        kept = max(rule.cuts(before), default=0)
+        limit = max((c for c in rule.cuts(now) if c < len(now)), default=0)
+        assert cached[i] == shared_prefix(before[:kept], now, rule.cuts(now), min(kept, limit))
     assert cached[-1] >= 384
 
 
-async def test_the_same_prompt_again_reevaluates_only_its_last_chunk(llama_backend: LlamaBackend) -> None:
+async def test_the_same_prompt_again_reevaluates_only_its_last_piece(llama_backend: LlamaBackend) -> None:
     prompt = f"[{uuid.uuid4().hex}] " + "The history of the city is long and varied. " * 40
     async with _engine(llama_backend) as engine:
         first, cold = await _complete(engine, prompt)
         again, warm = await _complete(engine, prompt)
-    chunk = llama_backend.settings.prefill_chunk
+    tokens = llama_backend.tokenize(prompt)
     assert first == again
     assert cold.cached_tokens == 0
-    assert warm.cached_tokens == (warm.prompt_tokens - 1) // chunk * chunk
+    assert warm.cached_tokens == max(c for c in llama_backend.piece_rule.cuts(tokens) if c < len(tokens))
 
 
 async def test_cache_prompt_false_neither_reuses_nor_leaves_a_prefix(llama_backend: LlamaBackend) -> None:
@@ -272,30 +283,52 @@ async def test_a_prefix_evicted_to_host_memory_is_restored_exactly(
     assert 0 < stats["bytes"] <= stats["budget_bytes"]
 
 
-async def test_a_finished_reply_is_recomputed_while_idle_and_reused_exactly(
+def _gemma_turn(role: str, text: str) -> str:
+    return f"<start_of_turn>{role}\n{text}<end_of_turn>\n"
+
+
+async def test_a_finished_reply_is_recomputed_while_idle_and_the_next_turn_evaluates_only_its_own_text(
     llama_backend: LlamaBackend, uncached_backend: LlamaBackend
 ) -> None:
-    """The reply was decoded a token at a time, so as it is its cells are not reusable;
-    while the server is idle its chunks are evaluated again, aligned, and the next turn
-    reuses them — with the cache-off text."""
-    chunk = llama_backend.settings.prefill_chunk
-    prompt = f"[{uuid.uuid4().hex}] A conversation about lighthouses."
-    sentence = " The keeper climbs the stairs every evening to light the lamp."
-    while len(llama_backend.tokenize(prompt + sentence)) < 2 * chunk - 16:
-        prompt += sentence
-    assert len(llama_backend.tokenize(prompt)) < 2 * chunk  # one whole chunk kept, then the reply
+    """The reply was decoded a token at a time, so as it is its cells are not reusable.
+    While the server is idle it evaluates the reply again — with the end of the turn and
+    the next user header, guessed from the prompt's own turns — in the pieces the next
+    prompt will be cut into; the next turn then evaluates only its new text, and its
+    text is the cache-off text. (Token prompts: the next turn holds the very tokens the
+    server generated, whatever this CPU drew.)"""
+    rule = llama_backend.piece_rule
+    question = " Tell me about the keeper, the stairs, the lamp and the storms." * 3
+    first = llama_backend.tokenize(
+        f"[{uuid.uuid4().hex}] " + _gemma_turn("user", question) + "<start_of_turn>model\n"
+    )
+    assert len(first) in rule.cuts(first)  # the prompt ends on a cut: its last piece is kept
+    guess = rule.continuation(first)
+    assert guess == llama_backend.tokenize("<end_of_turn>\n<start_of_turn>user\n", add_bos=False)
     idle = llama_backend._scheduler
     async with _engine(llama_backend) as engine:
         before = idle.idle_chunks
-        reply, first = await _complete(engine, prompt, max_tokens=32)
-        assert first.completion_tokens == 32
-        # the user reads; the server recomputes the chunk holding the reply's start
-        await wait_for(lambda: idle.idle_chunks > before and not idle._history, limit=30)
-        follow_up = prompt + reply + " What happens in a storm?"
-        answer, usage = await _complete(engine, follow_up)
+        # the end tokens banned: 24 tokens, whatever this CPU draws
+        no_end = SamplingParams(temperature=0.0, logit_bias={1: -100.0, 106: -100.0})
+        request = GenerationRequest(prompt=first, max_tokens=24, sampling=no_end)
+        _, usage = await _complete_request(engine, request)
+        assert usage.completion_tokens == 24
+        # the user reads; the server recomputes the reply and the guessed header
+        await wait_for(lambda: idle.idle_chunks > before and not idle._history, limit=60)
+        kept = next(tokens for tokens in idle._cached if tokens[: len(first)] == first)
+        assert len(kept) == len(first) + 24 + len(guess)  # the reply and the guess, whole
+        assert kept[-len(guess) :] == guess
+        follow_up = kept + llama_backend.tokenize(
+            " What happens in a storm?<end_of_turn>\n<start_of_turn>model\n", add_bos=False
+        )
+        answer, usage = await _complete_request(
+            engine, GenerationRequest(prompt=follow_up, max_tokens=24, sampling=GREEDY)
+        )
     async with _engine(uncached_backend) as off:
-        reference, _ = await _complete(off, follow_up)
-    assert usage.cached_tokens >= 2 * chunk  # past the prompt: into the reply
+        reference, _ = await _complete_request(
+            off, GenerationRequest(prompt=follow_up, max_tokens=24, sampling=GREEDY)
+        )
+    # evaluated: the new text only — what llama-server evaluates, and exact
+    assert usage.cached_tokens == len(kept)
     assert answer == reference
 
 
@@ -355,8 +388,9 @@ async def test_the_cells_shared_between_choices_are_exact_in_host_memory(
         for other in others:  # both ids hold other cells: nothing of the prompt is left
             await _complete(engine, other, max_tokens=1)
         assert await _choices(engine, prompt, 2, 1)  # both ids keep the prompt's chunks
-        # (the prompt's length depends on how its random topic tokenizes: whole chunks of it)
-        chunks = len((await engine.prepare(GenerationRequest(prompt=prompt))).tokens) // 128 * 128
+        # (the prompt's length depends on how its random topic tokenizes: whole pieces of it)
+        tokens = list((await engine.prepare(GenerationRequest(prompt=prompt))).tokens)
+        chunks = max(batched_backend.piece_rule.cuts(tokens))
         assert chunks >= 256
         assert batched_backend.cache_stats()["sequences"] == [chunks, chunks]
         assert await _choices(engine, prompt, 2, 1)  # the follower's id: its prefix saved

@@ -28,12 +28,16 @@ from .._core._errors import unwrap_group
 from .._core._exceptions import BackendError, InvalidRequestError
 from .._core._types import GenerationRequest, SamplingParams
 from ._grammar import GrammarCompiler
+from ._pieces import classify_piece, make_rule
 from ._platform import RepackDecision, decide_repack
 from ._prompt_cache import HostCache
 
 __all__ = ["LlamaModel", "LlamaSettings", "LoadAborted"]
 
 logger = logging.getLogger("trioserve.llama")
+
+#: ``LLAMA_TOKEN_ATTR_CONTROL`` (llama.h)
+_ATTR_CONTROL = 1 << 3
 
 #: prompts shorter than this (characters) are tokenized on the Trio thread: cheaper than
 #: a thread hop. Longer ones go to a worker thread so the event loop never stalls.
@@ -110,15 +114,20 @@ class LlamaSettings:
         n_batch: llama.cpp's batch size (at least ``prefill_chunk``).
         slots: sequences decoded together, i.e. generations that run at once (each
             with ``n_ctx`` KV cells).
-        prefill_chunk: prompt tokens per ``llama_decode`` call, in chunks aligned to
-            absolute positions whatever the load (so cached chunks are exact).
-        prompt_cache: keep the KV cells of finished prompts' whole chunks and reuse the
+        prefill_chunk: the most prompt tokens per ``llama_decode`` call: a prompt is
+            evaluated in the pieces of a canonical cut (``piece_rule``), whatever the
+            load, so cached pieces are exact.
+        piece_rule: ``"text"`` (cut after turn headers, lines and sentences, pieces of
+            at most ``prefill_chunk``: a conversation's turns end on cuts the next turn
+            shares) or ``"aligned"`` (every ``prefill_chunk`` tokens from position 0);
+            ``docs/prompt-cache.md``, "The cut".
+        prompt_cache: keep the KV cells of finished prompts' whole pieces and reuse the
             longest cached prefix (``docs/prompt-cache.md``).
         cache_ram_bytes: host memory for cached prefixes evicted from KV cells (their
             sequence states), least recently used out first; 0: none.
         idle_recompute: while nothing else runs, evaluate a finished conversation's reply
-            in aligned chunks, so the next turn reuses it (aborted by any request).
-        cache_mode: ``"exact"`` (reuse only whole aligned prompt chunks: a cached answer
+            in the canonical pieces, so the next turn reuses it (aborted by any request).
+        cache_mode: ``"exact"`` (reuse only whole prompt pieces: a cached answer
             equals a fresh server's) or ``"fast"`` (reuse every cell that matches, the
             reply's too, as llama-server does: answers may differ).
         batch_invariant: make every stream's numerics independent of what else runs
@@ -146,6 +155,7 @@ class LlamaSettings:
         n_batch: int = 512,
         slots: int = 8,
         prefill_chunk: int = 128,
+        piece_rule: Literal["text", "aligned"] = "text",
         prompt_cache: bool = True,
         cache_ram_bytes: int = 1 << 30,
         idle_recompute: bool = True,
@@ -174,6 +184,9 @@ class LlamaSettings:
         self.n_batch = n_batch
         self.slots = slots
         self.prefill_chunk = prefill_chunk
+        if piece_rule not in ("text", "aligned"):
+            raise ValueError(f"piece_rule must be 'text' or 'aligned', got {piece_rule!r}")
+        self.piece_rule: Literal["text", "aligned"] = piece_rule
         self.prompt_cache = prompt_cache
         if cache_ram_bytes < 0:
             raise ValueError(f"cache_ram_bytes must be at least 0, got {cache_ram_bytes}")
@@ -272,6 +285,10 @@ class LlamaModel(Backend):
         #: the constraint compiler (its view of the vocabulary is built on first use)
         self.grammars = GrammarCompiler(lib, self.vocab, self.n_vocab, self.token_bytes)
         self._piece_lock = threading.Lock()
+        #: where prompts are cut into prefill calls (docs/prompt-cache.md, "The cut")
+        self.piece_rule = make_rule(
+            settings.piece_rule, settings.prefill_chunk, classify=self._classify_token, n_vocab=self.n_vocab
+        )
         train_ctx = lib.llama_model_n_ctx_train(model)
         if settings.n_ctx > train_ctx:
             logger.warning("n_ctx %d exceeds the model's training context %d", settings.n_ctx, train_ctx)
@@ -287,6 +304,14 @@ class LlamaModel(Backend):
         self._create_contexts()
         with LlamaModel._count_lock:
             LlamaModel.loaded += 1
+
+    def _classify_token(self, token: int) -> int:
+        """A token's class for the cut (``_pieces``): control or not, its text. (The BOS
+        token opens a sequence, not a turn: it is no header.)"""
+        lib = self.lib
+        control = token != self._bos and bool(lib.llama_vocab_get_attr(self.vocab, token) & _ATTR_CONTROL)
+        end = control and bool(lib.llama_vocab_is_eog(self.vocab, token))
+        return classify_piece(self.token_bytes(token, special=False), control=control, end=end)
 
     def check_abort(self) -> None:
         """Between the load's phases: raise :class:`LoadAborted` if the load was aborted."""

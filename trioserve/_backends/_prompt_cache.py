@@ -1,33 +1,43 @@
 """The prompt cache's bookkeeping (docs/prompt-cache.md): which cached prompt shares
-the longest prefix of whole chunks with a new prompt, and the host-memory tier that
+the longest prefix of whole pieces with a new prompt, and the host-memory tier that
 keeps prefixes evicted from KV cells under a byte budget, least recently used out
-first. Pure Python: the scheduler thread owns it and does the llama.cpp calls."""
+first. Pieces end at the prompt's cuts (:mod:`._pieces`: canonical and causal, so the
+cuts of a shared prefix are the same in both). Pure Python: the scheduler thread owns
+it and does the llama.cpp calls."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
-__all__ = ["HostCache", "shared_chunks"]
+__all__ = ["HostCache", "shared_prefix"]
 
 
-def shared_chunks(cached: list[int], prompt: list[int], limit: int, chunk: int) -> int:
-    """How many leading tokens of ``prompt`` ``cached`` holds, in whole chunks, at most
-    ``limit``."""
+def shared_prefix(cached: Sequence[int], prompt: Sequence[int], cuts: Sequence[int], limit: int) -> int:
+    """How many leading tokens of ``prompt`` ``cached`` holds, in whole pieces: the
+    longest cut ``c`` of ``prompt`` (``cuts``, ascending), at most ``limit``, with
+    ``cached[:c] == prompt[:c]``."""
     n = 0
-    while n + chunk <= limit and cached[n : n + chunk] == prompt[n : n + chunk]:
-        n += chunk
+    for c in cuts:
+        if c > limit or cached[n:c] != prompt[n:c]:
+            break
+        n = c
     return n
 
 
-def _chain(tokens: list[int] | tuple[int, ...], chunk: int, limit: int) -> list[int]:
-    """The hashes of ``tokens``' whole-chunk prefixes, at most ``limit`` tokens: entry k
-    identifies ``tokens[: (k + 1) * chunk]`` (each chained on the one before, so the
-    whole list costs one pass over the tokens)."""
-    hashes: list[int] = []
+def _chain(tokens: Sequence[int], cuts: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """``(cut, hash)`` of ``tokens``' prefixes ending at ``cuts`` (at most ``limit``):
+    each hash identifies ``tokens[:cut]`` (chained on the one before, so the whole list
+    costs one pass over the tokens)."""
+    hashes: list[tuple[int, int]] = []
     h = 0
-    for start in range(0, min(limit, len(tokens)) // chunk * chunk, chunk):
-        h = hash((h, tuple(tokens[start : start + chunk])))
-        hashes.append(h)
+    start = 0
+    for c in cuts:
+        if c > limit or c > len(tokens):
+            break
+        h = hash((h, tuple(tokens[start:c])))
+        hashes.append((c, h))
+        start = c
     return hashes
 
 
@@ -36,15 +46,17 @@ class HostCache:
 
     Holds at most ``budget`` bytes; an entry that does not fit alone is not kept. A
     prefix already held by a longer entry is not stored again. Entries are indexed by
-    the hashes of their whole-chunk prefixes (``chunk`` tokens each), so finding the
-    one that shares the most chunks with a prompt costs one pass over the prompt,
-    however many entries there are."""
+    the hashes of their prefixes at their cuts, so finding the one that shares the most
+    pieces with a prompt costs one pass over the prompt, however many entries there are.
+    ``rule`` names the cut (:attr:`PieceRule.key`, or ``"token"`` in fast mode: every
+    position): every call passes cuts made by that rule."""
 
-    def __init__(self, budget: int, *, chunk: int = 128) -> None:
+    def __init__(self, budget: int, *, rule: str) -> None:
         self.budget = budget
-        self.chunk = chunk
-        self._entries: OrderedDict[tuple[int, ...], bytes] = OrderedDict()
-        #: prefix hash → the entries with that whole-chunk prefix
+        self.rule = rule
+        #: entry tokens → (state, the hashes of its prefixes at its cuts)
+        self._entries: OrderedDict[tuple[int, ...], tuple[bytes, list[int]]] = OrderedDict()
+        #: prefix hash → the entries with that prefix
         self._index: dict[int, set[tuple[int, ...]]] = {}
         self.bytes = 0
         self.saves = 0
@@ -58,34 +70,38 @@ class HostCache:
     def tokens(self) -> int:
         return sum(len(key) for key in self._entries)
 
-    def covers(self, tokens: list[int]) -> bool:
+    def covers(self, tokens: Sequence[int], cuts: Sequence[int]) -> bool:
         """Whether an entry already holds ``tokens`` (as itself or as its prefix)."""
         n = len(tokens)
-        if n and n % self.chunk == 0:
-            keys = self._index.get(_chain(tokens, self.chunk, n)[-1], ())
-            return any(list(key[:n]) == tokens for key in keys)
-        return any(len(key) >= n and list(key[:n]) == tokens for key in self._entries)
+        chain = _chain(tokens, cuts, n)
+        if chain and chain[-1][0] == n:
+            keys = self._index.get(chain[-1][1], ())
+            return any(key[:n] == tuple(tokens) for key in keys)
+        wanted = tuple(tokens)
+        return any(len(key) >= n and key[:n] == wanted for key in self._entries)
 
     def _drop(self, key: tuple[int, ...]) -> bytes:
-        for h in _chain(key, self.chunk, len(key)):
+        state, hashes = self._entries.pop(key)
+        for h in hashes:
             keys = self._index.get(h)
             if keys is not None:
                 keys.discard(key)
                 if not keys:
                     del self._index[h]
-        state = self._entries.pop(key)
         self.bytes -= len(state)
         return state
 
-    def put(self, tokens: list[int], state: bytes) -> None:
-        if not tokens or len(state) > self.budget or self.covers(tokens):
+    def put(self, tokens: Sequence[int], cuts: Sequence[int], state: bytes) -> None:
+        """Keep ``state``, the cells of ``tokens`` (which end on one of its ``cuts``)."""
+        if not tokens or len(state) > self.budget or self.covers(tokens, cuts):
             return
         key = tuple(tokens)
         # entries this one extends are redundant now
         for other in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
             self._drop(other)
-        self._entries[key] = state
-        for h in _chain(key, self.chunk, len(key)):
+        hashes = [h for _, h in _chain(key, cuts, len(key))]
+        self._entries[key] = (state, hashes)
+        for h in hashes:
             self._index.setdefault(h, set()).add(key)
         self.bytes += len(state)
         self.saves += 1
@@ -100,34 +116,34 @@ class HostCache:
             self._drop(next(iter(self._entries)))
             self.evictions += 1
 
-    def best(self, prompt: list[int], limit: int, chunk: int) -> tuple[int, bytes] | None:
-        """``(shared tokens, state)`` of the entry sharing the most whole chunks with
-        ``prompt`` (at most ``limit`` tokens); ``None`` if none shares a chunk. The entry
-        becomes the most recently used."""
-        if chunk != self.chunk:
-            raise ValueError(f"this cache is indexed by chunks of {self.chunk} tokens, not {chunk}")
+    def best(self, prompt: Sequence[int], cuts: Sequence[int], limit: int) -> tuple[int, bytes] | None:
+        """``(shared tokens, state)`` of the entry sharing the most whole pieces with
+        ``prompt`` (``cuts``: its cuts; at most ``limit`` tokens); ``None`` if none shares
+        a piece. The entry becomes the most recently used."""
         best_key: tuple[int, ...] | None = None
         best_shared = 0
-        for k, h in enumerate(_chain(prompt, chunk, limit)):
+        for c, h in _chain(prompt, cuts, limit):
             keys = self._index.get(h)
             if not keys:
                 break
-            best_key, best_shared = next(iter(keys)), (k + 1) * chunk
+            best_key, best_shared = next(iter(keys)), c
         if best_key is None:
             return None
-        if list(best_key[:best_shared]) != prompt[:best_shared]:  # pragma: no cover - a hash collision
-            best_key, best_shared = self._scan(prompt, limit)
+        if list(best_key[:best_shared]) != list(prompt[:best_shared]):  # pragma: no cover - a hash collision
+            best_key, best_shared = self._scan(prompt, cuts, limit)
             if best_key is None:
                 return None
         self._entries.move_to_end(best_key)
-        return best_shared, self._entries[best_key]
+        return best_shared, self._entries[best_key][0]
 
-    def _scan(self, prompt: list[int], limit: int) -> tuple[tuple[int, ...] | None, int]:
+    def _scan(
+        self, prompt: Sequence[int], cuts: Sequence[int], limit: int
+    ) -> tuple[tuple[int, ...] | None, int]:
         """:meth:`best` the slow way, entry by entry (only after a hash collision)."""
         best_key: tuple[int, ...] | None = None
         best_shared = 0
         for key in self._entries:
-            shared = shared_chunks(list(key[: limit + 1]), prompt, min(limit, len(key)), self.chunk)
+            shared = shared_prefix(list(key[:limit]), list(prompt), cuts, min(limit, len(key)))
             if shared > best_shared:
                 best_key, best_shared = key, shared
         return best_key, best_shared

@@ -20,6 +20,7 @@ Design, defaults and measurements: ``docs/batching.md``.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import threading
@@ -39,7 +40,8 @@ from ._embeddings import Embedder
 from ._grammar import TokenMask
 from ._invariance import probe_invariant_width, probe_shared_context_limit
 from ._llama import LlamaModel, _Context
-from ._prompt_cache import HostCache, shared_chunks
+from ._pieces import PieceRule
+from ._prompt_cache import HostCache, shared_prefix
 
 __all__ = ["LlamaBackend"]
 
@@ -65,6 +67,7 @@ class _Sequence:
         "cancelled",
         "channel",
         "choice",
+        "cuts",
         "first_chunk_at",
         "followers",
         "generated",
@@ -129,6 +132,8 @@ class _Sequence:
         self.cancelled = False
         self.seq_id = -1
         self.prefilled = 0
+        #: where the canonical rule cuts the prompt (``_pieces.PieceRule``), set at admission
+        self.cuts: list[int] = []
         self.pos = 0
         self.generated = 0
         #: the tokens generated so far (the reply, for the idle recompute of its chunks)
@@ -176,6 +181,36 @@ def _seq_id(sequence: _Sequence) -> int:
     return sequence.seq_id
 
 
+def _last_cut(cuts: list[int], limit: int) -> int:
+    """The last of ``cuts`` (ascending) at most ``limit``; 0 if none."""
+    i = bisect.bisect_right(cuts, limit)
+    return cuts[i - 1] if i else 0
+
+
+def _next_cut(cuts: list[int], after: int, default: int) -> int:
+    """The first of ``cuts`` (ascending) past ``after``, at most ``default`` when
+    ``default`` is given (the prompt's end: its last call ends there, cut or not)."""
+    i = bisect.bisect_right(cuts, after)
+    if i < len(cuts) and (not default or cuts[i] <= default):
+        return cuts[i]
+    return default
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``, at most ``limit``
+    (binary search on slice equality: C-speed comparisons)."""
+    low, high = 0, min(limit, len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while low < high:  # a[:low] == b[:low]; the answer is at most high
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
 class _Scheduler:
     """The thread that owns the context: admits, batches, decodes, samples, removes."""
 
@@ -194,9 +229,10 @@ class _Scheduler:
         self._admitting: list[_Sequence] = []
         self._free_ids = list(range(settings.slots))
         #: the prompt cache (docs/prompt-cache.md): the prompt tokens whose KV cells each
-        #: sequence id keeps — whole chunks aligned to absolute positions, computed
-        #: exactly as a fresh server computes them — and when each id was last used
-        self.chunk = settings.prefill_chunk
+        #: sequence id keeps — whole pieces of the canonical cut, computed exactly as a
+        #: fresh server computes them — and when each id was last used
+        self.chunk = settings.prefill_chunk  # (the longest piece)
+        self.rule: PieceRule = backend.piece_rule
         lib = backend.lib
         #: recurrent and hybrid models (Mamba, RWKV, Granite-4-H, LFM2, Jamba…) refuse to
         #: remove part of a sequence's state (``llama_memory_seq_rm`` returns false): no
@@ -214,8 +250,8 @@ class _Scheduler:
         #: ``fast`` mode: keep and reuse every computed cell (the reply too, any matching
         #: length), as llama-server does — not exact (docs/prompt-cache.md)
         self.fast = settings.cache_mode == "fast"
-        #: the unit of reuse: a whole aligned chunk, or (fast) any token
-        self.reuse_unit = 1 if self.fast else self.chunk
+        #: what the host tier is indexed by: the rule's cuts, or (fast) every token
+        host_rule = "token" if self.fast else self.rule.key
         self._cached: list[list[int]] = [[] for _ in range(settings.slots)]
         self._used_at = [0] * settings.slots
         self._uses = 0
@@ -223,22 +259,24 @@ class _Scheduler:
         self.kv_bytes_per_token = 0.0
         #: prefixes evicted from KV cells, in host memory (``--cache-ram``)
         given = backend._host_cache
-        if given is not None and given.chunk == self.reuse_unit and self.cache_enabled:
+        if given is not None and given.rule == host_rule and self.cache_enabled:
             given.budget = settings.cache_ram_bytes
             given.shrink()
             self.host = given  # a registry entry's: what the model cached before an unload
         else:
             budget = settings.cache_ram_bytes if self.cache_enabled else 0
-            self.host = HostCache(budget, chunk=self.reuse_unit)
+            self.host = HostCache(budget, rule=host_rule)
         self.restore_seconds = 0.0
         self.save_seconds = 0.0
-        #: idle recompute: the whole conversation (prompt + reply) of a finished request,
-        #: per id, whose chunks past the cached prompt are evaluated while nothing else
-        #: runs — aligned, so the next turn reuses its reply exactly
+        #: idle recompute: the whole conversation (prompt + reply + the likely start of
+        #: the next turn) of a finished request, per id, with its cuts: its pieces past
+        #: the cached prompt are evaluated while nothing else runs — in the canonical
+        #: pieces, so the next turn reuses its reply exactly
         self.idle_recompute = self.cache_enabled and settings.idle_recompute and not self.fast
-        self._history: dict[int, list[int]] = {}
+        self._history: dict[int, tuple[list[int], list[int]]] = {}
         self._idle_in_flight = False
         self.idle_chunks = 0
+        self.idle_tokens = 0
         self.idle_aborted = 0
         #: the sequences of the llama_decode call in flight, with their token counts
         self._in_flight: dict[_Sequence, int] = {}
@@ -335,7 +373,7 @@ class _Scheduler:
         # the most recently used last: the host tier keeps the newest when it is full
         for seq_id in sorted(range(len(self._cached)), key=lambda i: self._used_at[i]):
             tokens = self._cached[seq_id]
-            if not tokens or self.host.covers(tokens):
+            if not tokens or self.host.covers(tokens, self._host_cuts(tokens)):
                 continue
             try:
                 size = lib.llama_state_seq_get_size(self.ctx, seq_id)
@@ -344,7 +382,7 @@ class _Scheduler:
                 buffer = (ctypes.c_uint8 * size)()
                 written = lib.llama_state_seq_get_data(self.ctx, buffer, size, seq_id)
                 if written:
-                    self.host.put(list(tokens), ctypes.string_at(buffer, written))
+                    self.host.put(tokens, self._host_cuts(tokens), ctypes.string_at(buffer, written))
                     saved += 1
             except Exception:  # an optimisation: without it, the prompt is evaluated again
                 logger.exception("could not save a cached prefix at unload; it is dropped")
@@ -487,6 +525,10 @@ class _Scheduler:
                 if seq_id in self._free_ids:
                     self._forget(seq_id)
 
+    def _host_cuts(self, tokens: list[int]) -> Sequence[int]:
+        """Where the host tier indexes ``tokens``' prefixes: at its cuts (fast: every token)."""
+        return range(1, len(tokens) + 1) if self.fast else self.rule.cuts(tokens)
+
     def _forget(self, seq_id: int) -> None:
         """Drop what a free id caches: its cells and its bookkeeping."""
         self._cached[seq_id] = []
@@ -512,16 +554,21 @@ class _Scheduler:
         whole chunks with its prompt (ties, and no prefix: the least recently used id),
         and start it after that prefix. The plan is computed without the lock; the
         commit takes it."""
-        chunk = self.reuse_unit
         prompt = sequence.prompt
+        sequence.cuts = cuts = self.rule.cuts(prompt)
         free_ids = list(self._free_ids)
-        # at least the last chunk (fast: token) is evaluated: its logits are needed
-        limit = (len(prompt) - 1) // chunk * chunk if self.cache_enabled and sequence.cache_prompt else 0
-        shared = {i: shared_chunks(self._cached[i], prompt, limit, chunk) for i in free_ids}
+        limit = 0
+        if self.cache_enabled and sequence.cache_prompt:
+            # at least the last piece (fast: token) is evaluated: its logits are needed
+            limit = len(prompt) - 1 if self.fast else _last_cut(cuts, len(prompt) - 1)
+        if self.fast:
+            shared = {i: _common_prefix(self._cached[i], prompt, limit) for i in free_ids}
+        else:
+            shared = {i: shared_prefix(self._cached[i], prompt, cuts, limit) for i in free_ids}
         best = max(free_ids, key=lambda i: (shared[i], -self._used_at[i]))
         reused = shared[best]
         restore = None
-        found = self.host.best(prompt, limit, chunk) if limit and self.host.budget else None
+        found = self.host.best(prompt, self._host_cuts(prompt), limit) if limit and self.host.budget else None
         if found is not None and found[0] > reused:
             # host memory holds more of it: restore into the least recently used id
             best = min(free_ids, key=lambda i: self._used_at[i])
@@ -551,6 +598,7 @@ class _Scheduler:
             sequence.seq_id = best
         if cached and self.host.budget:
             sequence.save = cached
+        sequence.cuts = leader.cuts if leader.cuts else self.rule.cuts(sequence.prompt)
         sequence.leader = leader
         leader.followers.append(sequence)
 
@@ -568,7 +616,7 @@ class _Scheduler:
                     buffer = (ctypes.c_uint8 * size)()
                     written = lib.llama_state_seq_get_data(self.ctx, buffer, size, seq_id)
                     if written:
-                        self.host.put(save, ctypes.string_at(buffer, written))
+                        self.host.put(save, self._host_cuts(save), ctypes.string_at(buffer, written))
             except Exception:
                 # the save is an optimisation: without it, a later turn evaluates again
                 logger.exception("could not save a cached prefix to host memory; it is dropped")
@@ -615,8 +663,8 @@ class _Scheduler:
             seq_id = sequence.seq_id
             keep = 0
             if self.cache_enabled and sequence.cache_prompt and not isinstance(result, BaseException):
-                # fast: every cell computed (the reply's too); exact: whole prompt chunks
-                keep = sequence.pos if self.fast else sequence.prefilled // self.chunk * self.chunk
+                # fast: every cell computed (the reply's too); exact: whole prompt pieces
+                keep = sequence.pos if self.fast else _last_cut(sequence.cuts, sequence.prefilled)
             self._cached[seq_id] = []  # (until the cells below are known to be kept)
             keep = self._trim(seq_id, keep)
             if keep > len(sequence.prompt):
@@ -624,9 +672,11 @@ class _Scheduler:
             else:
                 self._cached[seq_id] = sequence.prompt[:keep]
             if self.idle_recompute and keep and (result == "stop" or result == "length"):
-                history = sequence.prompt + sequence.generated_tokens
-                if len(history) // self.chunk * self.chunk > keep:
-                    self._history[seq_id] = history
+                prompt = sequence.prompt
+                history = prompt + sequence.generated_tokens + self.rule.continuation(prompt)
+                cuts = self.rule.cuts(history)
+                if cuts and cuts[-1] > keep:
+                    self._history[seq_id] = (history, cuts)
             if keep and not self.kv_bytes_per_token:
                 self.kv_bytes_per_token = lib.llama_state_seq_get_size(self.ctx, seq_id) / keep
             self._uses += 1
@@ -672,14 +722,18 @@ class _Scheduler:
             _hand_back(sequence)  # its request must never wait forever
 
     def _recompute_chunk(self) -> None:
-        """While nothing else runs: evaluate the next aligned chunk of the most recently
-        finished conversation (its reply, decoded a token at a time, is not reusable as
-        it is). Aborted by any request or resumed stream (``submit``, ``wake``)."""
+        """While nothing else runs: evaluate the next piece of the most recently finished
+        conversation (its reply, decoded a token at a time, is not reusable as it is).
+        Aborted by any request or resumed stream (``submit``, ``wake``)."""
         lib = self._backend.lib
         seq_id = max(self._history, key=lambda i: self._used_at[i])
-        history = self._history[seq_id]
+        history, cuts = self._history[seq_id]
         start = len(self._cached[seq_id])
-        chunk = self.chunk
+        end = _next_cut(cuts, start, 0)
+        if not end:  # (nothing left whole: done)
+            del self._history[seq_id]
+            return
+        chunk = end - start
         batch = self.batch
         for i in range(chunk):
             batch.token[i] = history[start + i]
@@ -706,8 +760,9 @@ class _Scheduler:
                 self._history.pop(seq_id, None)
             return
         self.idle_chunks += 1
-        self._cached[seq_id] = history[: start + chunk]
-        if len(history) - (start + chunk) < chunk:
+        self.idle_tokens += chunk
+        self._cached[seq_id] = history[:end]
+        if end >= cuts[-1]:
             del self._history[seq_id]
 
     def _step(self) -> None:
@@ -747,11 +802,11 @@ class _Scheduler:
         ]
         calls += [[(s, 0)] for s in alone]
         if prefillers:
-            # one chunk aligned to absolute positions, whatever the load: the calls a
-            # fresh server makes, so cached chunks are exactly what it would compute
+            # one piece of the canonical cut, whatever the load: the calls a fresh
+            # server makes, so cached pieces are exactly what it would compute
             first = prefillers[0]
-            chunk = self.chunk
-            calls.append([(first, min(chunk - first.prefilled % chunk, len(first.prompt) - first.prefilled))])
+            end = _next_cut(first.cuts, first.prefilled, len(first.prompt))
+            calls.append([(first, end - first.prefilled)])
         # 3. run them
         for call in calls:
             try:
@@ -1084,7 +1139,7 @@ class LlamaBackend(LlamaModel):
         return self._scheduler.failure
 
     def cache_stats(self) -> dict[str, object]:
-        """The prompt cache: the chunk, and the prompt tokens each idle sequence keeps."""
+        """The prompt cache: the cut, and the prompt tokens each idle sequence keeps."""
         scheduler = self._scheduler
         with scheduler._condition:
             free = set(scheduler._free_ids)
@@ -1095,6 +1150,7 @@ class LlamaBackend(LlamaModel):
             "enabled": scheduler.cache_enabled,
             "mode": "fast" if scheduler.fast else "exact",
             "chunk": scheduler.chunk,
+            "piece_rule": scheduler.rule.kind,
             "tokens": tokens,
             "kv_bytes": int(tokens * scheduler.kv_bytes_per_token),
             #: per sequence id: the prompt tokens it keeps (``null``: running a request)
@@ -1112,6 +1168,7 @@ class LlamaBackend(LlamaModel):
             "idle_recompute": {
                 "enabled": scheduler.idle_recompute,
                 "chunks": scheduler.idle_chunks,
+                "tokens": scheduler.idle_tokens,
                 "aborted": scheduler.idle_aborted,
                 "pending": len(scheduler._history),
             },

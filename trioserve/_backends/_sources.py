@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from .._core._backend import Backend
 from ._llama import LlamaSettings
+from ._pieces import host_rule
 from ._prompt_cache import HostCache
 from ._scheduler import LlamaBackend
 
@@ -58,11 +59,11 @@ class LlamaSource:
         if not settings.prompt_cache or not settings.cache_ram_bytes:
             return None
         stamp = self._file_stamp()
-        chunk = 1 if settings.cache_mode == "fast" else settings.prefill_chunk
-        if self._host is None or stamp != self._stamp or self._host.chunk != chunk:
+        rule = host_rule(settings.piece_rule, settings.prefill_chunk, fast=settings.cache_mode == "fast")
+        if self._host is None or stamp != self._stamp or self._host.rule != rule:
             if self._host is not None and len(self._host):
                 logger.info("%s changed since it was loaded: its cached prefixes go", self.description)
-            self._host = HostCache(settings.cache_ram_bytes, chunk=chunk)
+            self._host = HostCache(settings.cache_ram_bytes, rule=rule)
             self._stamp = stamp
         return self._host
 

@@ -38,6 +38,7 @@ PRESET_KEYS = {
     "threads": "--threads",
     "batch_size": "--batch-size",
     "prefill_chunk": "--prefill-chunk",
+    "piece_rule": "--piece-rule",
     "prompt_cache": "--no-prompt-cache",
     "cache_mode": "--cache-mode",
     "cache_ram": "--cache-ram",
@@ -59,6 +60,7 @@ PRESET_TYPES: dict[str, tuple[type, ...]] = {
     "threads": (int,),
     "batch_size": (int,),
     "prefill_chunk": (int,),
+    "piece_rule": (str,),
     "prompt_cache": (bool,),
     "cache_mode": (str,),
     "cache_ram": (int,),
@@ -68,6 +70,7 @@ PRESET_TYPES: dict[str, tuple[type, ...]] = {
 }
 _CHOICES = {
     "cache_mode": ("exact", "fast"),
+    "piece_rule": ("text", "aligned"),
     "repack": ("auto", "on", "off"),
     "pooling": ("mean", "cls", "last"),
 }
@@ -220,6 +223,7 @@ def _settings(args: argparse.Namespace, name: str, path: Path, table: dict[str, 
         n_batch=int(get("batch_size", args.batch_size)),
         slots=int(get("slots", args.slots or 8)),
         prefill_chunk=int(get("prefill_chunk", args.prefill_chunk)),
+        piece_rule=get("piece_rule", args.piece_rule),
         prompt_cache=bool(get("prompt_cache", not args.no_prompt_cache)),
         cache_ram_bytes=int(get("cache_ram", args.cache_ram)) * 1024 * 1024,
         cache_mode=get("cache_mode", args.cache_mode),

@@ -162,20 +162,28 @@ def _prompt_cache(serve: argparse.ArgumentParser) -> None:
         "--prefill-chunk",
         type=int,
         default=128,
-        help="prompt tokens per llama_decode call, in chunks aligned to absolute positions "
-        "whatever the load, so a cached prefix is exact (default: 128)",
+        help="the most prompt tokens per llama_decode call; a prompt is cut into pieces by a "
+        "rule of its tokens alone, whatever the load, so a cached prefix is exact (default: 128)",
+    )
+    group.add_argument(
+        "--piece-rule",
+        choices=("text", "aligned"),
+        default="text",
+        help="where prompts are cut into llama_decode calls: text (after turn headers, lines "
+        "and sentences: a conversation's next turn reuses all of the last prompt) or aligned "
+        "(every --prefill-chunk tokens from the start) (default: text)",
     )
     group.add_argument(
         "--no-prompt-cache",
         action="store_true",
         help="clear every request's KV cells when it ends instead of keeping its prompt's "
-        "whole chunks for later requests (the cache never changes a text: docs/prompt-cache.md)",
+        "whole pieces for later requests (the cache never changes a text: docs/prompt-cache.md)",
     )
     group.add_argument(
         "--cache-mode",
         choices=("exact", "fast"),
         default="exact",
-        help="exact: reuse only whole aligned prompt chunks, so a cached answer equals a fresh "
+        help="exact: reuse only whole prompt pieces, so a cached answer equals a fresh "
         "server's; fast: reuse every matching cell, the reply's too, as llama-server does "
         "(answers may differ: docs/prompt-cache.md) (default: exact)",
     )

@@ -225,7 +225,7 @@ class _HostCacheCollector(Collector):
             return
         keys = ("bytes", "budget_bytes", "saves", "restores", "evictions")
         ram = {k: sum(c["ram"][k] for c in caches) for k in keys}
-        idle = {"chunks": sum(c["idle_recompute"]["chunks"] for c in caches)}
+        idle = {k: sum(c["idle_recompute"][k] for c in caches) for k in ("chunks", "tokens")}
         yield GaugeMetricFamily(
             "trioserve_prompt_cache_ram_bytes",
             "llama backend: bytes of prompt prefixes kept in host memory (--cache-ram).",
@@ -240,7 +240,8 @@ class _HostCacheCollector(Collector):
             ("trioserve_prompt_cache_saves", ram["saves"], "prefixes saved from KV cells to host memory"),
             ("trioserve_prompt_cache_restores", ram["restores"], "prefixes restored from host memory"),
             ("trioserve_prompt_cache_evictions", ram["evictions"], "prefixes dropped from host memory"),
-            ("trioserve_prompt_cache_idle_chunks", idle["chunks"], "reply chunks recomputed while idle"),
+            ("trioserve_prompt_cache_idle_chunks", idle["chunks"], "reply pieces recomputed while idle"),
+            ("trioserve_prompt_cache_idle_tokens", idle["tokens"], "tokens recomputed while idle"),
         ):
             yield CounterMetricFamily(name, f"llama backend: {text}.", value=value)
 

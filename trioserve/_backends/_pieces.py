@@ -1,0 +1,210 @@
+"""Where a prompt is cut into ``llama_decode`` calls (docs/prompt-cache.md, "The cut").
+
+A prompt's KV cells depend on how it was cut into calls, so the exact prompt cache
+reuses only cells computed in the calls a fresh server would make for the same tokens.
+:class:`PieceRule` is that canonical cut: a function of the tokens alone, and *causal* —
+whether the rule cuts at position ``p`` depends only on ``tokens[:p]`` — so every cut of
+a prompt is a cut of every longer prompt that starts with it, and a cached prefix that
+ends on a cut is a whole number of the longer prompt's own pieces.
+
+The rule follows the text: it cuts after a turn header (a line that holds a control
+token that is not an end of generation: ``<start_of_turn>model\\n``,
+``<|im_start|>assistant\\n``, ``<|start_header_id|>user<|end_header_id|>\\n\\n``), after a
+line of text or a sentence once the piece is long enough to be efficient, and never
+lets a piece grow past ``max_piece`` tokens. A prompt with no structure at all is cut
+every ``max_piece`` tokens from its start: the absolute alignment of before, exactly.
+
+Pure Python and numpy: the scheduler thread computes cuts; a token's class is looked up
+once per token id (lazily: the vocabulary has up to 262,144 entries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import numpy
+
+__all__ = ["END", "NL", "SENT", "START", "WS", "PieceRule", "classify_piece", "host_rule", "make_rule"]
+
+#: token classes (bits)
+NL = 1  #: its text ends with a newline
+SENT = 2  #: its text ends a sentence (``.``, ``!``, ``?``, ``;``, ``:`` and CJK stops)
+WS = 4  #: its text is whitespace only
+START = 8  #: a control token that is not an end of generation (``<start_of_turn>``)
+END = 16  #: a control token that ends generation (``<end_of_turn>``, ``<|im_end|>``)
+_UNKNOWN = 255
+
+_SENTENCE_ENDS = tuple(s.encode() for s in (".", "!", "?", ";", ":", "。", "！", "？", "；"))
+
+
+def classify_piece(piece: bytes, *, control: bool, end: bool) -> int:
+    """The class bits of one token, from its text and its control attributes."""
+    if control:
+        return END if end else START
+    cls = 0
+    if piece.endswith(b"\n"):
+        cls |= NL
+    if piece and not piece.strip():
+        cls |= WS
+    elif piece.rstrip().endswith(_SENTENCE_ENDS) and not cls & NL:
+        cls |= SENT
+    return cls
+
+
+class PieceRule:
+    """The canonical cut of token sequences into prefill calls.
+
+    ``classify(token) -> bits`` gives a token's class; ``None`` makes the rule
+    ``aligned``: every ``max_piece`` tokens from position 0, whatever the text.
+    ``min_line`` / ``min_sentence``: the shortest piece a line end / a sentence end
+    closes (shorter pieces cost more per token: docs/prompt-cache.md); a turn header
+    closes a piece of any length. ``window``: the most tokens a header line holds."""
+
+    def __init__(
+        self,
+        classify: Callable[[int], int] | None,
+        *,
+        n_vocab: int = 0,
+        max_piece: int = 128,
+        min_line: int = 48,
+        min_sentence: int = 96,
+        window: int = 8,
+    ) -> None:
+        if max_piece < 1:
+            raise ValueError(f"max_piece must be at least 1, got {max_piece}")
+        self.max_piece = max_piece
+        self.min_line = min_line
+        self.min_sentence = min_sentence
+        self.window = window
+        self._classify = classify
+        self._table = numpy.full(n_vocab, _UNKNOWN, dtype=numpy.uint8) if classify is not None else None
+        self.kind: Literal["text", "aligned"] = "aligned" if classify is None else "text"
+        #: identifies the rule: a host tier of cached prefixes is valid only under it
+        self.key = f"{self.kind}/{max_piece}/{min_line}/{min_sentence}/{window}"
+
+    # ------------------------------------------------------------------ classes
+
+    def classes(self, tokens: Sequence[int]) -> list[int]:
+        """Each token's class bits (looked up; unseen token ids classified once)."""
+        table = self._table
+        if table is None:
+            return [0] * len(tokens)
+        ids = numpy.asarray(tokens, dtype=numpy.int64)
+        found = table[ids]
+        unknown = found == _UNKNOWN
+        if unknown.any():
+            assert self._classify is not None
+            for token in numpy.unique(ids[unknown]).tolist():
+                table[token] = self._classify(token)
+            found = table[ids]
+        classes: list[int] = found.tolist()
+        return classes
+
+    # --------------------------------------------------------------------- cuts
+
+    def cuts(self, tokens: Sequence[int]) -> list[int]:
+        """The positions ``p`` (``0 < p <= len(tokens)``) where the rule cuts, in order.
+        The end of ``tokens`` is listed only if the rule cuts there (a prompt's last
+        call always ends there; it is a *cut* — reusable by a longer prompt — only then)."""
+        n = len(tokens)
+        limit = self.max_piece
+        if self._table is None:
+            return list(range(limit, n + 1, limit))
+        cls = self.classes(tokens)
+        out: list[int] = []
+        b = 0
+        for i, c in enumerate(cls):
+            if not c & (NL | SENT):
+                continue
+            p = i + 1
+            while p - b > limit:
+                b += limit
+                out.append(b)
+            if p - b == limit or self._closes(cls, i, b, c):
+                out.append(p)
+                b = p
+        while n - b >= limit:
+            b += limit
+            out.append(b)
+        return out
+
+    def _closes(self, cls: list[int], i: int, b: int, c: int) -> bool:
+        """Whether token ``i`` (a line or sentence end) closes the piece that started at
+        ``b`` (the rule for cuts other than the length limit)."""
+        if c & NL:
+            if self._header_start(cls, i, b) >= 0:
+                return True
+            # a line of text (not a control token's own line: ``<end_of_turn>\n``)
+            return i + 1 - b >= self.min_line and i > 0 and not cls[i - 1] & (START | END)
+        return i + 1 - b >= self.min_sentence
+
+    def _header_start(self, cls: list[int], i: int, b: int) -> int:
+        """If the line that token ``i`` (a newline) ends is a turn header — a short line,
+        within the piece, holding a control token that does not end generation — the
+        index of that line's first such token; else -1."""
+        start = -1
+        j = i - 1
+        low = max(b, i - self.window)
+        while j >= low:
+            c = cls[j]
+            if c & NL:
+                break
+            if c & START:
+                start = j
+            j -= 1
+        return start
+
+    # ------------------------------------------------------------- continuation
+
+    def continuation(self, prompt: Sequence[int]) -> list[int]:
+        """The tokens a conversation's next prompt most likely holds right after the
+        reply to ``prompt``: the end of a turn and the next turn's header as ``prompt``
+        itself wrote them (``<end_of_turn>\\n<start_of_turn>user\\n``). Empty when
+        ``prompt`` does not end with a turn header. The idle recompute evaluates the reply
+        with this guess, so that the reply's last piece ends on the cut the next prompt
+        makes; a wrong guess only wastes idle time (its cells match nothing)."""
+        n = len(prompt)
+        if n < 2:
+            return []
+        cls = self.classes(prompt)
+        if not cls[-1] & NL:
+            return []
+        header = self._header_start(cls, n - 1, 0)
+        if header < 0:
+            return []
+        # the end of the turn before the header: end-of-generation tokens and whitespace
+        closer = header
+        while (
+            closer > 0
+            and header - closer < 4
+            and cls[closer - 1] & (END | WS)
+            and not cls[closer - 1] & START
+        ):
+            closer -= 1
+        # the turn header before that one (the user's, as a rule)
+        for i in range(closer - 1, 0, -1):
+            if cls[i] & NL:
+                start = self._header_start(cls, i, 0)
+                if start >= 0:
+                    return list(prompt[closer:header]) + list(prompt[start : i + 1])
+        return []
+
+
+def make_rule(
+    kind: Literal["text", "aligned"], max_piece: int, *, classify: Callable[[int], int], n_vocab: int
+) -> PieceRule:
+    """The rule a backend cuts prompts with (``LlamaSettings.piece_rule``)."""
+    return PieceRule(classify if kind == "text" else None, n_vocab=n_vocab, max_piece=max_piece)
+
+
+def host_rule(kind: Literal["text", "aligned"], max_piece: int, *, fast: bool) -> str:
+    """What a host tier made under these settings is indexed by (:attr:`PieceRule.key`,
+    or ``"token"`` in fast mode), without loading the model."""
+    if fast:
+        return "token"
+    return PieceRule(None if kind == "aligned" else _no_class, max_piece=max_piece).key
+
+
+def _no_class(token: int) -> int:  # pragma: no cover - never called (a key only)
+    return 0
