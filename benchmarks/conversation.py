@@ -109,12 +109,16 @@ def complete(client: httpx.Client, server: servers.Server, request: Any, tokens:
                 out["text"] += text or ""
             out.update({k: event[k] for k in ("usage", "timings") if event.get(k)})
     after = metrics(client, server)
+    key = "prompt_tokens_evaluated_total"
+    give_up = time.perf_counter() + 2.0
+    while after and after[key] <= before[key] and time.perf_counter() < give_up:
+        time.sleep(0.005)  # (the counter moves once the request has ended: after its last byte)
+        after = metrics(client, server)
     usage, timings = out.pop("usage"), out.pop("timings")
     out["cached"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", timings.get("cache_n"))
     n = sum(timings.get(k, 0) for k in ("prompt_n", "cache_n"))
     out["prompt_tokens"] = usage.get("prompt_tokens") or n or None
     out["completion_tokens"] = usage.get("completion_tokens") or timings.get("predicted_n")
-    key = "prompt_tokens_evaluated_total"
     out["evaluated"] = after[key] - before[key] if after else timings.get("prompt_n")
     out["idle_total"] = after.get("prompt_cache_idle_tokens_total")
     return out

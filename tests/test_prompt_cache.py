@@ -79,3 +79,16 @@ def test_pieces_of_other_lengths_index_other_prefixes() -> None:
     cache.put(list(range(8)), [4, 8], b"a")
     assert cache.best([*range(8), 9], [3, 7], 8) is None
     assert cache.best([*range(8), 9], [4, 8], 8) == (8, b"a")
+
+
+def test_an_entry_past_the_sliding_window_serves_only_itself() -> None:
+    # a saved state keeps a window layer's cells for its last `window` positions only
+    cache = HostCache(budget=10_000, rule="r", window=4)
+    assert cache.usable(4, 1)  # within the window: every cell is there
+    assert cache.usable(10, 9)  # the whole entry but its last token: its window is there
+    assert not cache.usable(10, 8)  # position 8 attends to 5..8; the state starts at 6
+    tokens = list(range(10))
+    cache.put(tokens, [2, 8, 10], b"a")
+    assert cache.best([*range(8), 99, 99], [2, 8], 9) is None
+    assert cache.best([*range(10), 99], [2, 8, 10], 10) == (10, b"a")
+    assert HostCache(budget=10, rule="r").usable(1000, 1)  # no window: any prefix

@@ -283,6 +283,38 @@ async def test_a_prefix_evicted_to_host_memory_is_restored_exactly(
     assert 0 < stats["bytes"] <= stats["budget_bytes"]
 
 
+async def test_a_saved_prefix_past_the_sliding_window_is_never_restored_short(
+    llama_backend: LlamaBackend, uncached_backend: LlamaBackend
+) -> None:
+    """A saved sequence state keeps a sliding-window layer's cells only for its last
+    ``n_swa`` positions (Gemma 3: 512). So an entry longer than that cannot give back a
+    much shorter prefix: the tokens after it would attend to cells the state dropped
+    (measured before this was handled: max |Δlogit| 22.6, and another text). The prefix
+    is then evaluated, and the text is the cache-off text."""
+    host = llama_backend._scheduler.host
+    assert host.window == 512  # (Gemma 3's; the model of these tests)
+    head = f"[{uuid.uuid4().hex}] " + "The history of the city is long and varied. " * 12
+    long = head + "The harbour was rebuilt in stone, and the market grew around it. " * 50
+    assert len(llama_backend.tokenize(long)) > 700
+    other = f"[{uuid.uuid4().hex}] " + "Once upon a time, a fox and a crow met by the river. " * 30
+    short = head + " What happened to the walls?"
+    rule = llama_backend.piece_rule
+    async with _engine(llama_backend) as engine:
+        await _complete(engine, long, max_tokens=1)
+        saves, restores = host.saves, host.restores
+        await _complete(engine, other, max_tokens=1)  # evicts the long prefix to host memory
+        await _complete(engine, other + " And?", max_tokens=1)
+        assert host.saves > saves
+        tokens = llama_backend.tokenize(short)
+        # the host tier shares some pieces with the short prompt, but cannot serve them
+        assert host.best(tokens, rule.cuts(tokens), len(tokens) - 1) is None
+        answer, _ = await _complete(engine, short)
+        assert host.restores == restores
+    async with _engine(uncached_backend) as off:
+        reference, _ = await _complete(off, short)
+    assert answer == reference
+
+
 def _gemma_turn(role: str, text: str) -> str:
     return f"<start_of_turn>{role}\n{text}<end_of_turn>\n"
 

@@ -49,11 +49,19 @@ class HostCache:
     the hashes of their prefixes at their cuts, so finding the one that shares the most
     pieces with a prompt costs one pass over the prompt, however many entries there are.
     ``rule`` names the cut (:attr:`PieceRule.key`, or ``"token"`` in fast mode: every
-    position): every call passes cuts made by that rule."""
+    position): every call passes cuts made by that rule.
 
-    def __init__(self, budget: int, *, rule: str) -> None:
+    ``window``: the model's sliding attention window (``llama_model_n_swa``; 0: none).
+    A saved state keeps a sliding-window layer's cells only for the last ``window``
+    positions (measured: a 689-token state restored starts its window cells at 177), so
+    an entry longer than the window restores a prefix exactly only when the tokens after
+    the prefix see no position the state dropped: it serves ``n`` shared tokens only if
+    ``len(entry) - window <= n - window + 1``, i.e. (almost) whole."""
+
+    def __init__(self, budget: int, *, rule: str, window: int = 0) -> None:
         self.budget = budget
         self.rule = rule
+        self.window = window
         #: entry tokens → (state, the hashes of its prefixes at its cuts)
         self._entries: OrderedDict[tuple[int, ...], tuple[bytes, list[int]]] = OrderedDict()
         #: prefix hash → the entries with that prefix
@@ -62,6 +70,13 @@ class HostCache:
         self.saves = 0
         self.restores = 0
         self.evictions = 0
+
+    def usable(self, length: int, shared: int) -> bool:
+        """Whether an entry of ``length`` tokens restores its first ``shared`` exactly
+        (every cell the tokens after them attend to is in the state)."""
+        if not self.window:
+            return True
+        return max(0, length - self.window) <= max(0, shared - self.window + 1)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -126,7 +141,9 @@ class HostCache:
             keys = self._index.get(h)
             if not keys:
                 break
-            best_key, best_shared = next(iter(keys)), c
+            usable = next((key for key in keys if self.usable(len(key), c)), None)
+            if usable is not None:
+                best_key, best_shared = usable, c
         if best_key is None:
             return None
         if list(best_key[:best_shared]) != list(prompt[:best_shared]):  # pragma: no cover - a hash collision
@@ -144,6 +161,6 @@ class HostCache:
         best_shared = 0
         for key in self._entries:
             shared = shared_prefix(list(key[:limit]), list(prompt), cuts, min(limit, len(key)))
-            if shared > best_shared:
+            if shared > best_shared and self.usable(len(key), shared):
                 best_key, best_shared = key, shared
         return best_key, best_shared

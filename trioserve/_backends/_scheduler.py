@@ -266,6 +266,8 @@ class _Scheduler:
         else:
             budget = settings.cache_ram_bytes if self.cache_enabled else 0
             self.host = HostCache(budget, rule=host_rule)
+        #: the sliding attention window: a saved state keeps only its last cells
+        self.host.window = max(0, int(lib.llama_model_n_swa(backend.model)))
         self.restore_seconds = 0.0
         self.save_seconds = 0.0
         #: idle recompute: the whole conversation (prompt + reply + the likely start of
@@ -626,16 +628,27 @@ class _Scheduler:
             state, sequence.restore = sequence.restore, None
             self._trim(seq_id, 0)
             buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-            if lib.llama_state_seq_set_data(self.ctx, buffer, len(state), seq_id):
-                self.host.restores += 1
-            else:  # pragma: no cover - llama.cpp refused the state: evaluate it all
+            if not lib.llama_state_seq_set_data(self.ctx, buffer, len(state), seq_id):
+                # pragma: no cover - llama.cpp refused the state: evaluate it all
                 logger.warning("could not restore a cached prefix; evaluating the prompt")
                 self._reuse(sequence, 0)
+            elif lib.llama_memory_seq_pos_min(self.memory, seq_id) > self._window_floor(sequence.prefilled):
+                # pragma: no cover - (planned against: HostCache.usable) the state lacks
+                # window cells the rest of the prompt attends to
+                logger.warning("a restored prefix lacks sliding-window cells; evaluating the prompt")
+                self._reuse(sequence, 0)
+            else:
+                self.host.restores += 1
             self.restore_seconds += time.perf_counter() - started
         # the cells past the reused prefix go (the rest of the cached prompt)
         kept = self._trim(seq_id, sequence.prefilled)
         if kept != sequence.prefilled:
             self._reuse(sequence, kept)
+
+    def _window_floor(self, reused: int) -> int:
+        """The lowest position the tokens after ``reused`` cached ones attend to."""
+        window = self.host.window
+        return max(0, reused - window + 1) if window else 0
 
     def _reuse(self, sequence: _Sequence, tokens: int) -> None:
         """Start ``sequence`` after ``tokens`` cached tokens (fewer than planned: a restore
