@@ -1,7 +1,7 @@
 """Conversations and the prompt cache (issues 14, 23): TTFT turn by turn, beside llama-server.
 
 Contestants at their defaults (``--threads`` given): trioserve, llama-server (4 slots,
-``cache_prompt`` on; ``--chat-template gemma``, so that its chat prompts are trioserve's:
+``cache_prompt`` on; trioserve's Gemma chat format as its ``--chat-template-file``:
 the default model has no template), llama-cpp-python (it reuses its last prompt's
 prefix; off by default). A turn is a streamed, greedy, 32-token request, nothing banned:
 ``completions`` — ``POST /v1/completions`` whose prompt this client renders in Gemma's
@@ -64,8 +64,18 @@ def parse_args() -> Any:
     return p.parse_args()
 
 
-def user_text(conv: int, turn: int, words: int = 85) -> str:
-    out, i = f"Conversation {conv}, question {turn}: tell me about the {TOPICS[(conv + turn) % 8]}.", 0
+#: llama-server's chat template for the default model, which has none (trioserve's Gemma
+#: fallback, as Jinja: this llama-server takes ``--chat-template gemma`` as a template text)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else 'user' %}"
+    "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def user_text(conv: int, turn: int, words: int = 85, tag: str = "") -> str:
+    """The user's text; ``tag`` names the run, so that no run reuses another's cells."""
+    out, i = f"Conversation {tag}{conv}, question {turn}: tell me about the {TOPICS[(conv + turn) % 8]}.", 0
     while len(out.split()) < words:
         i += 1
         out += f" In {1400 + 37 * turn + 11 * i + conv} the people of the {TOPICS[(turn + i) % 8]} met again."
@@ -131,14 +141,14 @@ def converse(
     prompts: dict[int, Any] = {c: "" if endpoint == "completions" else [] for c in convs}
     out: list[dict[str, Any]] = []
     idle_before: dict[int, float] = {}
+    tag = f"{endpoint[:4]}-{read:g}-{phase}-"
     for turn in range(1, args.turns + 1):
         for c in convs:
+            text = user_text(c, turn, tag=tag)
             if endpoint == "completions":
-                prompts[c] += (
-                    f"<start_of_turn>user\n{user_text(c, turn)}<end_of_turn>\n<start_of_turn>model\n"
-                )
+                prompts[c] += f"<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
             else:
-                prompts[c] = [*prompts[c], {"role": "user", "content": user_text(c, turn)}]
+                prompts[c] = [*prompts[c], {"role": "user", "content": text}]
             r = {"server": server.name, "phase": phase, "endpoint": endpoint, "read_time": read, "conv": c}
             r |= {"turn": turn, "prompt": prompts[c]}
             out.append(r | complete(client, server, prompts[c], args.max_tokens))
@@ -191,12 +201,14 @@ def run(args: Any) -> dict[str, Any]:
     wait, settings = httpx.Timeout(10.0, read=args.request_timeout), cli.pick(args, "threads ctx_size")
     client = httpx.Client(timeout=wait, headers={"Connection": "close"})  # (servers drop idle keep-alives)
     with tempfile.TemporaryDirectory() as logs, servers.running([]) as running, client:
+        template = Path(logs) / "gemma.jinja"
+        template.write_text(GEMMA_TEMPLATE)
         for name in args.contestants + [NO_CACHE] * (TS in args.contestants):
             extra = {
                 TS: args.trioserve_args.split(),
                 NO_CACHE: ["--no-prompt-cache", *args.trioserve_args.split()],
             }
-            extra[LS] = ["--chat-template", "gemma"]
+            extra[LS] = ["--jinja", "--chat-template-file", str(template)]
             running.append(
                 servers.Server.start(name, model, Path(logs), **settings, extra=extra.get(name, []))
             )
@@ -271,7 +283,7 @@ def report(result: dict[str, Any], args: Any) -> None:
     cfg, label, verdict = result["config"], servers.LABELS.get, lambda ok: "pass" if ok else "FAIL"
     names, what = cfg["contestants"], f"{cfg['threads']} threads, {cfg['max_tokens']}-token replies"
     what += "; Gemma turns rendered alike (completions) or by each server"
-    what += " (chat; llama-server --chat-template gemma)"
+    what += " (chat; llama-server --chat-template-file: trioserve's Gemma format)"
     print(cli.header(cfg, what))
     for endpoint, read, phase in runs_of(result):
         by = rows_of(result, endpoint, read, phase)
