@@ -139,17 +139,19 @@ def batched_headline(r: dict[str, Any]) -> str:
 
 
 def conversation_headline(r: dict[str, Any]) -> str:
+    from benchmarks.conversation import verdicts
+
     parts = []
-    for phase in ("multi", "interleaved"):
-        turns = [t for t in r["turns"] if t["phase"] == phase and t["turn"] >= 2]
-        names = list(dict.fromkeys(t["server"] for t in turns))
-        cells = [f"{label(n)} {median(t['ttft_ms'] for t in turns if t['server'] == n):.0f}" for n in names]
-        parts.append(f"{'one conversation' if phase == 'multi' else 'interleaved'}: {', '.join(cells)}")
+    for v in verdicts(r):
+        if v["phase"] != "multi" or not v["ratios"]:
+            continue
+        figures = f"median {median(v['ratios']):.2f}×, max {max(v['ratios']):.2f}×"
+        parts.append(f"{v['endpoint']}, reads {v['read_time']:g} s: {figures}")
     mine = [t for t in r["turns"] if t["server"] == "trioserve" and "equal_cache_off" in t]
     exact = f"trioserve's texts = cache off: {sum(t['equal_cache_off'] for t in mine)}/{len(mine)}" * bool(
         mine
     )
-    return "median TTFT ms from turn 2 — " + join([*parts, exact])
+    return "TTFT trioserve ÷ llama-server from turn 2, one conversation — " + join([*parts, exact])
 
 
 def health_headline(r: dict[str, Any]) -> str:
@@ -341,8 +343,8 @@ SCENARIOS = [
     Scenario(
         "conversation",
         "benchmarks/conversation.py",
-        {DEFAULT: "", QUICK: "--turns 4 --conversations 2 --read-time 0.5"},
-        {DEFAULT: 8, QUICK: 3},
+        {DEFAULT: "", QUICK: "--turns 4 --conversations 2"},
+        {DEFAULT: 26, QUICK: 12},
         conversation_headline,
         "benchmarks.conversation",
         what="conversations and the prompt cache",

@@ -93,30 +93,43 @@ def batched(result: dict[str, Any], path: Path) -> Path:
 
 
 def conversation(result: dict[str, Any], path: Path) -> Path:
-    """TTFT against the turn, per server: one conversation (left); interleaved ones (right:
-    the median over the conversations, every conversation's turn a dot)."""
+    """TTFT against the turn, per server: one row per endpoint and read time; one
+    conversation (left), interleaved ones (right: the median over the conversations,
+    every conversation's turn a dot)."""
     plt, cfg = _pyplot(), result["config"]
-    phases = [p for p in ("multi", "interleaved") if any(t["phase"] == p for t in result["turns"])]
-    fig, axes = plt.subplots(1, len(phases), figsize=(5.5 * len(phases), 4.5), dpi=120, squeeze=False)
+    turns_of = result["turns"]
+    rows = list(dict.fromkeys((t.get("endpoint", "completions"), t.get("read_time", 0.0)) for t in turns_of))
+    phases = [p for p in ("multi", "interleaved") if any(t["phase"] == p for t in turns_of)]
+    fig, axes = plt.subplots(
+        len(rows), len(phases), figsize=(5.5 * len(phases), 4.0 * len(rows)), dpi=120, squeeze=False
+    )
     titles = {"multi": "one conversation", "interleaved": f"{cfg['conversations']} interleaved conversations"}
-    for ax, phase in zip(axes[0], phases, strict=True):
-        turns = [t for t in result["turns"] if t["phase"] == phase and t["ttft_ms"] == t["ttft_ms"]]
-        for i, name in enumerate(dict.fromkeys(t["server"] for t in turns)):
-            mine = [t for t in turns if t["server"] == name]
-            by_turn: dict[int, list[float]] = {}
-            for t in mine:
-                by_turn.setdefault(t["turn"], []).append(t["ttft_ms"])
-            xs = sorted(by_turn)
-            ys = [statistics.median(by_turn[x]) for x in xs]
-            line = style(name, i)
-            ax.plot(xs, ys, **line)
-            if phase == "interleaved":
-                dots = {"color": line["color"], "marker": line["marker"], "alpha": 0.35, "s": 14}
-                ax.scatter([t["turn"] for t in mine], [t["ttft_ms"] for t in mine], **dots)
-        ax.set(xlabel="turn", ylabel="time to first token, ms", ylim=(0, None), title=titles[phase])
-        ax.set_xticks(range(1, cfg["turns"] + 1))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
+    for r, (endpoint, read) in enumerate(rows):
+        for ax, phase in zip(axes[r], phases, strict=True):
+            turns = [
+                t
+                for t in turns_of
+                if t["phase"] == phase
+                and (t.get("endpoint", "completions"), t.get("read_time", 0.0)) == (endpoint, read)
+                and t["ttft_ms"] == t["ttft_ms"]
+            ]
+            for i, name in enumerate(dict.fromkeys(t["server"] for t in turns)):
+                mine = [t for t in turns if t["server"] == name]
+                by_turn: dict[int, list[float]] = {}
+                for t in mine:
+                    by_turn.setdefault(t["turn"], []).append(t["ttft_ms"])
+                xs = sorted(by_turn)
+                ys = [statistics.median(by_turn[x]) for x in xs]
+                line = style(name, i)
+                ax.plot(xs, ys, **line)
+                if phase == "interleaved":
+                    dots = {"color": line["color"], "marker": line["marker"], "alpha": 0.35, "s": 14}
+                    ax.scatter([t["turn"] for t in mine], [t["ttft_ms"] for t in mine], **dots)
+            title = f"{titles[phase]} — {endpoint}, reads {read:g} s"
+            ax.set(xlabel="turn", ylabel="time to first token, ms", ylim=(0, None), title=title)
+            ax.set_xticks(range(1, cfg["turns"] + 1))
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8, loc="upper left")
     what = f"{cfg['max_tokens']}-token replies, ~140 tokens of new user text a turn"
     fig.suptitle(_title(cfg, what), fontsize=10)
     return _save(fig, path)

@@ -364,6 +364,71 @@ async def test_a_finished_reply_is_recomputed_while_idle_and_the_next_turn_evalu
     assert answer == reference
 
 
+async def test_a_request_aborts_the_idle_recompute_in_flight_and_stays_exact(
+    batched_backend: LlamaBackend, uncached_backend: LlamaBackend
+) -> None:
+    """A request that arrives while a reply is being recomputed aborts that call (the
+        abort flag, inside llama.cpp), the aborted piece's cells go, the request's text is
+        the cache-off text, and the recompute ends later, when idle (two sequences: the
+    request takes the other one). (The phase is reached by
+        waiting for the call to be in flight; the submit lands inside one of the reply's
+        ~128-token calls, ~240 ms each — a few conversations are tried until one does.)"""
+    idle = batched_backend._scheduler
+    no_end = SamplingParams(temperature=0.0, logit_bias={1: -100.0, 106: -100.0})
+    aborted = idle.idle_aborted
+    async with _engine(batched_backend) as engine:
+        for attempt in range(5):
+            first = batched_backend.tokenize(
+                f"[{uuid.uuid4().hex}] "
+                + _gemma_turn("user", "Write a long story about a lighthouse.")
+                + "<start_of_turn>model\n"
+            )
+            await _complete_request(engine, GenerationRequest(prompt=first, max_tokens=400, sampling=no_end))
+            await wait_for(lambda: idle._idle_in_flight, limit=30)
+            question = f"[{attempt}] What do you know about storms at sea? " * 3
+            answer, _ = await _complete_request(engine, GenerationRequest(prompt=question, sampling=GREEDY))
+            async with _engine(uncached_backend) as off:
+                reference, _ = await _complete_request(
+                    off, GenerationRequest(prompt=question, sampling=GREEDY)
+                )
+            assert answer == reference
+            if idle.idle_aborted > aborted:
+                break
+        assert idle.idle_aborted > aborted  # a recompute call was aborted by the request
+        await wait_for(lambda: not idle._history, limit=60)  # and finished when idle
+
+
+async def test_the_next_turn_sent_at_once_lets_the_recompute_of_its_own_reply_finish(
+    batched_backend: LlamaBackend, uncached_backend: LlamaBackend
+) -> None:
+    """An agent sends the next turn as soon as the reply ends: the recompute of that
+    reply is then the next turn's own first piece, so it is not aborted (it would be
+    evaluated again at once) — the turn reuses it, and its text is the cache-off text."""
+    idle = batched_backend._scheduler
+    no_end = SamplingParams(temperature=0.0, logit_bias={1: -100.0, 106: -100.0})
+    first = batched_backend.tokenize(
+        f"[{uuid.uuid4().hex}] "
+        + _gemma_turn("user", "Write a long story about a lighthouse.")
+        + "<start_of_turn>model\n"
+    )
+    aborted = idle.idle_aborted
+    async with _engine(batched_backend) as engine:
+        await _complete_request(engine, GenerationRequest(prompt=first, max_tokens=60, sampling=no_end))
+        await wait_for(lambda: idle._idle_in_flight, limit=30)
+        kept = list(idle._idle_tokens)  # the piece in flight: the reply and the guessed header
+        # (60 tokens and the guess: shorter than any break in running text, one piece)
+        assert len(kept) == len(first) + 60 + len(batched_backend.piece_rule.continuation(first))
+        follow_up = kept + batched_backend.tokenize(
+            " And then?<end_of_turn>\n<start_of_turn>model\n", add_bos=False
+        )
+        answer, usage = await _complete_request(engine, GenerationRequest(prompt=follow_up, sampling=GREEDY))
+    assert idle.idle_aborted == aborted
+    assert usage.cached_tokens == len(kept)
+    async with _engine(uncached_backend) as off:
+        reference, _ = await _complete_request(off, GenerationRequest(prompt=follow_up, sampling=GREEDY))
+    assert answer == reference
+
+
 async def test_fast_mode_reuses_the_reply_and_the_partial_chunk(model_path: str) -> None:
     """``cache_mode="fast"`` keeps every computed cell and reuses any matching prefix
     (as llama-server does; its answers may differ from a fresh server's, so only the

@@ -67,7 +67,7 @@ class PieceRule:
         *,
         n_vocab: int = 0,
         max_piece: int = 128,
-        min_line: int = 48,
+        min_line: int = 96,
         min_sentence: int = 96,
         window: int = 8,
     ) -> None:

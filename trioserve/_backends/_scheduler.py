@@ -277,6 +277,8 @@ class _Scheduler:
         self.idle_recompute = self.cache_enabled and settings.idle_recompute and not self.fast
         self._history: dict[int, tuple[list[int], list[int]]] = {}
         self._idle_in_flight = False
+        #: the tokens the idle recompute's call in flight completes (prefix included)
+        self._idle_tokens: list[int] = []
         self.idle_chunks = 0
         self.idle_tokens = 0
         self.idle_aborted = 0
@@ -326,9 +328,23 @@ class _Scheduler:
                 self._thread = threading.Thread(target=self._run, name="trioserve-batch", daemon=True)
                 self._thread.start()
             self._inbox.append(sequence)
-            if self._idle_in_flight:
+            if self._idle_in_flight and not self._continues_idle_work(sequence):
                 self.abort_flag.value = 1  # idle work never delays a request
             self._condition.notify()
+
+    def _continues_idle_work(self, sequence: _Sequence) -> bool:
+        """Whether ``sequence``'s prompt starts with the piece being recomputed (the next
+        turn of that conversation, sent at once): that call is the request's own first
+        piece, so it goes on instead of being aborted and evaluated again. (Under the
+        lock; only while nothing else is queued.)"""
+        tokens = self._idle_tokens
+        prompt = sequence.prompt
+        return (
+            len(self._inbox) == 1
+            and sequence.cache_prompt
+            and len(prompt) > len(tokens)
+            and prompt[: len(tokens)] == tokens
+        )
 
     def cancel(self, sequence: _Sequence) -> None:
         """Ask the scheduler to drop ``sequence``; abort the call in flight if most of
@@ -754,14 +770,17 @@ class _Scheduler:
             batch.seq_id[i][0] = seq_id
             batch.logits[i] = 0
         batch.n_tokens = chunk
+        tokens = history[:end]
         with self._condition:
             if self._stopping or self._active or self._inbox:
                 return
             self.abort_flag.value = 0
             self._idle_in_flight = True
+            self._idle_tokens = tokens
         result = lib.llama_decode(self.ctx, batch)
         with self._condition:
             self._idle_in_flight = False
+            self._idle_tokens = []
         if result != 0:
             if (
                 self._trim(seq_id, start) != start
