@@ -429,6 +429,39 @@ async def test_the_next_turn_sent_at_once_lets_the_recompute_of_its_own_reply_fi
     assert answer == reference
 
 
+async def test_a_changed_early_message_reuses_up_to_the_cut_before_the_change(
+    llama_backend: LlamaBackend, uncached_backend: LlamaBackend
+) -> None:
+    """A client edits an earlier message of its conversation: what comes back from the
+    cache is the prefix up to the last cut before the first changed token — the turn
+    header of the changed message, here — never a cell after it; the text is the
+    cache-off text."""
+    tag = uuid.uuid4().hex
+    turns = [
+        f"[{tag}] Question {i}: tell me about the harbour, the ships and the trade. " * 3 for i in range(3)
+    ]
+
+    def render(texts: list[str]) -> str:
+        replies = "".join(
+            _gemma_turn("user", t) + _gemma_turn("model", f"Answer {i}.") for i, t in enumerate(texts[:-1])
+        )
+        return replies + _gemma_turn("user", texts[-1]) + "<start_of_turn>model\n"
+
+    rule = llama_backend.piece_rule
+    async with _engine(llama_backend) as engine:
+        await _complete(engine, render(turns), max_tokens=4)
+        edited = [turns[0], turns[1].replace("harbour", "market"), turns[2]]
+        text, usage = await _complete(engine, render(edited))
+    before, after = llama_backend.tokenize(render(turns)), llama_backend.tokenize(render(edited))
+    changed = next(i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b)
+    header = max(c for c in rule.cuts(after) if c <= changed)
+    assert llama_backend.detokenize(after[header - 2 : header]) == b"user\n"  # the edited turn's header
+    assert usage.cached_tokens == header
+    async with _engine(uncached_backend) as off:
+        reference, _ = await _complete(off, render(edited))
+    assert text == reference
+
+
 async def test_fast_mode_reuses_the_reply_and_the_partial_chunk(model_path: str) -> None:
     """``cache_mode="fast"`` keeps every computed cell and reuses any matching prefix
     (as llama-server does; its answers may differ from a fresh server's, so only the
