@@ -826,7 +826,8 @@ class Traffic:
         if self.chunk is None or record.problem or "cached_tokens" not in details:
             return
         cached, prompt_tokens = details["cached_tokens"], usage["prompt_tokens"]  # type: ignore[index]
-        if cached % self.chunk or cached >= prompt_tokens or (cached and not cache):
+        # (whole pieces of the canonical cut: any length since issue 23, never the whole prompt)
+        if cached >= prompt_tokens or (cached and not cache):
             record.problem = (
                 f"cached_tokens {cached} of {prompt_tokens} (chunk {self.chunk}, cache_prompt {cache})"
             )
