@@ -211,7 +211,7 @@ def test_a_conversation_reuses_its_cached_prefix_and_the_page_shows_it(page: Pag
     chunk = 128  # the server's default --prefill-chunk
     cached = [turn["cached-tokens"] for turn in turns]
     assert turns[0]["prompt-tokens"] > chunk, turns  # (so turn 2 has a whole chunk to reuse)
-    assert cached[0] == 0
+    assert cached[0] < 16  # at most the first turn header, shared by every conversation
     assert chunk <= cached[1] < cached[2], turns
     for turn in turns[1:]:
         # whole pieces, never the whole prompt (its last piece is evaluated)
@@ -225,7 +225,7 @@ def test_a_conversation_reuses_its_cached_prefix_and_the_page_shows_it(page: Pag
     page.click("#send")
     fresh = _figures(page, 1)
     assert sent[-1]["messages"] == [{"role": "user", "content": ANOTHER_TOPIC}]
-    assert fresh["cached-tokens"] == 0
+    assert fresh["cached-tokens"] < 16  # (the first turn header at most)
     expect(page.locator("#conversation .turn")).to_have_count(1)
 
 
