@@ -48,13 +48,7 @@ async def _complete(
     engine: Engine, prompt: str, *, max_tokens: int = 24, cache: bool = True
 ) -> tuple[str, Usage]:
     request = GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=GREEDY, cache_prompt=cache)
-    prepared = await engine.prepare(request)
-    parts: list[str] = []
-    async with engine.stream(prepared) as events:
-        async for event in events:
-            if type(event) is TextDelta:
-                parts.append(event.text)
-        return "".join(parts), events.usage
+    return await _complete_request(engine, request)
 
 
 async def _complete_request(engine: Engine, request: GenerationRequest) -> tuple[str, Usage]:
