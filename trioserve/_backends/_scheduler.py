@@ -20,7 +20,6 @@ Design, defaults and measurements: ``docs/batching.md``.
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import logging
 import threading
@@ -29,26 +28,26 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import numpy
 import trio
 
 from .._core._backend import ChoiceGroup, GenerationProgress, PreparedPrompt
 from .._core._channel import PieceChannel
 from .._core._exceptions import BackendError, InvalidRequestError
-from .._core._types import GenerationEnd, TokenLogprob
+from .._core._types import GenerationEnd
+from ._cache_policy import CachePolicy, CacheStats, next_cut
+from ._draw import draw, draw_special
 from ._embeddings import Embedder
 from ._grammar import TokenMask
-from ._invariance import probe_invariant_width, probe_shared_context_limit
 from ._llama import LlamaModel, _Context
 from ._pieces import PieceRule
-from ._prompt_cache import HostCache, shared_prefix
+from ._prompt_cache import HostCache
+from ._warmup import probe_invariance, warm_up
 
 __all__ = ["LlamaBackend"]
 
 logger = logging.getLogger("trioserve.llama")
 
 _DECODE_ABORTED = 2
-_as_array = numpy.ctypeslib.as_array
 
 #: the result of a sequence dropped because its request was cancelled
 _CANCELLED: Literal["cancelled"] = "cancelled"
@@ -181,38 +180,12 @@ def _seq_id(sequence: _Sequence) -> int:
     return sequence.seq_id
 
 
-def _last_cut(cuts: list[int], limit: int) -> int:
-    """The last of ``cuts`` (ascending) at most ``limit``; 0 if none."""
-    i = bisect.bisect_right(cuts, limit)
-    return cuts[i - 1] if i else 0
-
-
-def _next_cut(cuts: list[int], after: int, default: int) -> int:
-    """The first of ``cuts`` (ascending) past ``after``, at most ``default`` when
-    ``default`` is given (the prompt's end: its last call ends there, cut or not)."""
-    i = bisect.bisect_right(cuts, after)
-    if i < len(cuts) and (not default or cuts[i] <= default):
-        return cuts[i]
-    return default
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """The length of the longest common prefix of ``a`` and ``b``, at most ``limit``
-    (binary search on slice equality: C-speed comparisons)."""
-    low, high = 0, min(limit, len(a), len(b))
-    if a[:high] == b[:high]:
-        return high
-    while low < high:  # a[:low] == b[:low]; the answer is at most high
-        mid = (low + high + 1) // 2
-        if a[:mid] == b[:mid]:
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
 class _Scheduler:
-    """The thread that owns the context: admits, batches, decodes, samples, removes."""
+    """The thread that owns the context: admits, batches, decodes, samples, removes.
+
+    It makes every llama.cpp call and holds the lock; the prompt cache's decisions are
+    :class:`~._cache_policy.CachePolicy`'s, a token's draw is :mod:`._draw`'s, and the
+    checks at load are :mod:`._warmup`'s."""
 
     def __init__(self, backend: LlamaBackend) -> None:
         self._backend = backend
@@ -228,10 +201,7 @@ class _Scheduler:
         #: out of the inbox, not yet active: being given their ids and cached prefixes
         self._admitting: list[_Sequence] = []
         self._free_ids = list(range(settings.slots))
-        #: the prompt cache (docs/prompt-cache.md): the prompt tokens whose KV cells each
-        #: sequence id keeps — whole pieces of the canonical cut, computed exactly as a
-        #: fresh server computes them — and when each id was last used
-        self.chunk = settings.prefill_chunk  # (the longest piece)
+        self.chunk = settings.prefill_chunk  # (the longest piece of the canonical cut)
         self.rule: PieceRule = backend.piece_rule
         lib = backend.lib
         #: recurrent and hybrid models (Mamba, RWKV, Granite-4-H, LFM2, Jamba…) refuse to
@@ -252,9 +222,6 @@ class _Scheduler:
         self.fast = settings.cache_mode == "fast"
         #: what the host tier is indexed by: the rule's cuts, or (fast) every token
         host_rule = "token" if self.fast else self.rule.key
-        self._cached: list[list[int]] = [[] for _ in range(settings.slots)]
-        self._used_at = [0] * settings.slots
-        self._uses = 0
         #: measured on the first prefix kept (``llama_state_seq_get_size``), for the gauge
         self.kv_bytes_per_token = 0.0
         #: prefixes evicted from KV cells, in host memory (``--cache-ram``)
@@ -270,12 +237,18 @@ class _Scheduler:
         self.host.window = max(0, int(lib.llama_model_n_swa(backend.model)))
         self.restore_seconds = 0.0
         self.save_seconds = 0.0
-        #: idle recompute: the whole conversation (prompt + reply + the likely start of
-        #: the next turn) of a finished request, per id, with its cuts: its pieces past
-        #: the cached prompt are evaluated while nothing else runs — in the canonical
-        #: pieces, so the next turn reuses its reply exactly
-        self.idle_recompute = self.cache_enabled and settings.idle_recompute and not self.fast
-        self._history: dict[int, tuple[list[int], list[int]]] = {}
+        #: the prompt cache (docs/prompt-cache.md): what each sequence id keeps, and the
+        #: decisions made on it, are the policy's; the cells and llama.cpp calls are here.
+        #: Idle recompute: a finished conversation's pieces past its cached prompt are
+        #: evaluated while nothing else runs (the policy remembers the conversations)
+        self.policy = CachePolicy(
+            settings.slots,
+            rule=self.rule,
+            host=self.host,
+            enabled=self.cache_enabled,
+            fast=self.fast,
+            idle_recompute=self.cache_enabled and settings.idle_recompute and not self.fast,
+        )
         self._idle_in_flight = False
         #: the tokens the idle recompute's call in flight completes (prefix included)
         self._idle_tokens: list[int] = []
@@ -299,13 +272,13 @@ class _Scheduler:
         if settings.warm_up:
             try:
                 backend.check_abort()
-                _warm_up(backend, self)
+                warm_up(backend, self.context)
             except BaseException:
                 self.context.free(backend.lib)
                 raise
         if settings.batch_invariant:
             try:
-                self.max_call_width, self.shared_context_limit = _probe_invariance(backend, self)
+                self.max_call_width, self.shared_context_limit = probe_invariance(backend, self.context)
             except BaseException:
                 self.context.free(backend.lib)
                 raise
@@ -315,6 +288,27 @@ class _Scheduler:
                 self.max_call_width,
                 self.shared_context_limit,
             )
+
+    @property
+    def idle_recompute(self) -> bool:
+        """Whether finished conversations are recomputed while idle (the policy's switch:
+        tests turn it off)."""
+        return self.policy.idle_recompute
+
+    @idle_recompute.setter
+    def idle_recompute(self, value: bool) -> None:
+        self.policy.idle_recompute = value
+
+    @property
+    def _cached(self) -> list[list[int]]:
+        """Per sequence id, the prompt tokens its cells keep (the policy's; tests read it)."""
+        return self.policy._cached
+
+    @property
+    def _history(self) -> dict[int, tuple[list[int], list[int]]]:
+        """The conversations the idle recompute has pieces left of (the policy's; tests
+        read it)."""
+        return self.policy._history
 
     # ------------------------------------------------------------ Trio side
 
@@ -370,6 +364,42 @@ class _Scheduler:
                 self.abort_flag.value = 1  # a paused stream may run again
             self._condition.notify()
 
+    def in_flight(self, progress: GenerationProgress) -> Literal["prefill", "decode"] | None:
+        """What the ``llama_decode`` call running now does for the generation whose
+        counters are ``progress`` (``LlamaBackend.in_flight``)."""
+        for sequence in list(self._in_flight):
+            if sequence.progress is progress:
+                return "decode" if sequence.decoding else "prefill"
+        return None
+
+    def cache_stats(self) -> CacheStats:
+        """The prompt cache now: what each idle id keeps (read under the lock), the host
+        tier and the idle recompute."""
+        with self._condition:
+            held = self.policy.held(self._free_ids)
+        host = self.host
+        return CacheStats(
+            enabled=self.cache_enabled,
+            fast=self.fast,
+            chunk=self.chunk,
+            piece_rule=self.rule.kind,
+            sequences=tuple(held),
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            ram_budget_bytes=host.budget,
+            ram_bytes=host.bytes,
+            ram_prefixes=len(host),
+            ram_saves=host.saves,
+            ram_restores=host.restores,
+            ram_evictions=host.evictions,
+            save_seconds=self.save_seconds,
+            restore_seconds=self.restore_seconds,
+            idle_recompute=self.idle_recompute,
+            idle_chunks=self.idle_chunks,
+            idle_tokens=self.idle_tokens,
+            idle_aborted=self.idle_aborted,
+            idle_pending=self.policy.pending,
+        )
+
     def stop(self) -> threading.Thread | None:
         with self._condition:
             self._stopping = True
@@ -387,11 +417,12 @@ class _Scheduler:
         if not self.host.budget:
             return 0
         lib = self._backend.lib
+        policy = self.policy
         saved = 0
         # the most recently used last: the host tier keeps the newest when it is full
-        for seq_id in sorted(range(len(self._cached)), key=lambda i: self._used_at[i]):
-            tokens = self._cached[seq_id]
-            if not tokens or self.host.covers(tokens, self._host_cuts(tokens)):
+        for seq_id in policy.spill_order():
+            tokens = policy.cached(seq_id)
+            if not tokens or policy.host_covers(tokens):
                 continue
             try:
                 size = lib.llama_state_seq_get_size(self.ctx, seq_id)
@@ -400,7 +431,7 @@ class _Scheduler:
                 buffer = (ctypes.c_uint8 * size)()
                 written = lib.llama_state_seq_get_data(self.ctx, buffer, size, seq_id)
                 if written:
-                    self.host.put(tokens, self._host_cuts(tokens), ctypes.string_at(buffer, written))
+                    self.host.put(tokens, policy.host_cuts(tokens), ctypes.string_at(buffer, written))
                     saved += 1
             except Exception:  # an optimisation: without it, the prompt is evaluated again
                 logger.exception("could not save a cached prefix at unload; it is dropped")
@@ -440,7 +471,7 @@ class _Scheduler:
             while True:
                 with self._condition:
                     while not self._stopping and not self._runnable():
-                        if self._history and not self._active and not self._inbox:
+                        if self.policy.pending and not self._active and not self._inbox:
                             # no request at all (a paused stream counts: its client
                             # reads on): recompute a finished reply
                             break
@@ -538,19 +569,13 @@ class _Scheduler:
             self._recompute_chunk()
         except Exception:
             logger.exception("the idle recompute failed; its conversation is dropped from the cache")
-            for seq_id in list(self._history):
-                self._history.pop(seq_id, None)
+            for seq_id in self.policy.drop_histories():
                 if seq_id in self._free_ids:
                     self._forget(seq_id)
 
-    def _host_cuts(self, tokens: list[int]) -> Sequence[int]:
-        """Where the host tier indexes ``tokens``' prefixes: at its cuts (fast: every token)."""
-        return range(1, len(tokens) + 1) if self.fast else self.rule.cuts(tokens)
-
     def _forget(self, seq_id: int) -> None:
         """Drop what a free id caches: its cells and its bookkeeping."""
-        self._cached[seq_id] = []
-        self._history.pop(seq_id, None)
+        self.policy.forget(seq_id)
         if not self._backend.lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1):  # pragma: no cover
             logger.error("llama.cpp could not clear the cells of sequence %d", seq_id)
 
@@ -574,48 +599,25 @@ class _Scheduler:
         commit takes it."""
         prompt = sequence.prompt
         sequence.cuts = cuts = self.rule.cuts(prompt)
-        free_ids = list(self._free_ids)
-        limit = 0
-        if self.cache_enabled and sequence.cache_prompt:
-            # at least the last piece (fast: token) is evaluated: its logits are needed
-            limit = len(prompt) - 1 if self.fast else _last_cut(cuts, len(prompt) - 1)
-        if self.fast:
-            shared = {i: _common_prefix(self._cached[i], prompt, limit) for i in free_ids}
-        else:
-            shared = {i: shared_prefix(self._cached[i], prompt, cuts, limit) for i in free_ids}
-        best = max(free_ids, key=lambda i: (shared[i], -self._used_at[i]))
-        reused = shared[best]
-        restore = None
-        found = self.host.best(prompt, self._host_cuts(prompt), limit) if limit and self.host.budget else None
-        if found is not None and found[0] > reused:
-            # host memory holds more of it: restore into the least recently used id
-            best = min(free_ids, key=lambda i: self._used_at[i])
-            reused, restore = found
-        cached = self._cached[best]
-        save = None
-        if cached and self.host.budget and (restore is not None or len(cached) > reused):
-            save = cached  # (some of) its cells are about to be overwritten
+        plan = self.policy.place(prompt, cuts, sequence.cache_prompt, list(self._free_ids))
         with self._condition:
-            self._free_ids.remove(best)
-            self._cached[best] = []  # (the id's cells now belong to this sequence)
-            self._history.pop(best, None)
-            sequence.seq_id = best
-        sequence.save, sequence.restore = save, restore
-        sequence.prefilled = sequence.pos = reused
-        sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = reused
+            self._free_ids.remove(plan.seq_id)
+            self.policy.take(plan.seq_id)  # (the id's cells now belong to this sequence)
+            sequence.seq_id = plan.seq_id
+        sequence.save, sequence.restore = plan.save, plan.restore
+        sequence.prefilled = sequence.pos = plan.reused
+        sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = plan.reused
 
     def _assign_follower(self, sequence: _Sequence, leader: _Sequence) -> None:
         """Give ``sequence`` (a later choice of ``leader``'s group) the least recently
         used free id; it gets a copy of the leader's cells once the prompt is evaluated."""
-        best = min(self._free_ids, key=lambda i: self._used_at[i])
-        cached = self._cached[best]
+        plan = self.policy.place_follower(self._free_ids)
         with self._condition:
-            self._free_ids.remove(best)
-            self._cached[best] = []
-            self._history.pop(best, None)
-            sequence.seq_id = best
-        if cached and self.host.budget:
-            sequence.save = cached
+            self._free_ids.remove(plan.seq_id)
+            self.policy.take(plan.seq_id)
+            sequence.seq_id = plan.seq_id
+        if plan.save is not None:
+            sequence.save = plan.save
         sequence.cuts = leader.cuts if leader.cuts else self.rule.cuts(sequence.prompt)
         sequence.leader = leader
         leader.followers.append(sequence)
@@ -634,7 +636,7 @@ class _Scheduler:
                     buffer = (ctypes.c_uint8 * size)()
                     written = lib.llama_state_seq_get_data(self.ctx, buffer, size, seq_id)
                     if written:
-                        self.host.put(save, self._host_cuts(save), ctypes.string_at(buffer, written))
+                        self.host.put(save, self.policy.host_cuts(save), ctypes.string_at(buffer, written))
             except Exception:
                 # the save is an optimisation: without it, a later turn evaluates again
                 logger.exception("could not save a cached prefix to host memory; it is dropped")
@@ -690,26 +692,26 @@ class _Scheduler:
             sequence.leader.followers.remove(sequence)
         if sequence.seq_id >= 0:
             seq_id = sequence.seq_id
-            keep = 0
-            if self.cache_enabled and sequence.cache_prompt and not isinstance(result, BaseException):
-                # fast: every cell computed (the reply's too); exact: whole prompt pieces
-                keep = sequence.pos if self.fast else _last_cut(sequence.cuts, sequence.prefilled)
-            self._cached[seq_id] = []  # (until the cells below are known to be kept)
+            policy = self.policy
+            # fast: every cell computed (the reply's too); exact: whole prompt pieces
+            keep = policy.keep(
+                cache_prompt=sequence.cache_prompt,
+                failed=isinstance(result, BaseException),
+                computed=sequence.pos,
+                prefilled=sequence.prefilled,
+                cuts=sequence.cuts,
+            )
+            policy.forget(seq_id)  # (until the cells below are known to be kept)
             keep = self._trim(seq_id, keep)
-            if keep > len(sequence.prompt):
-                self._cached[seq_id] = (sequence.prompt + sequence.generated_tokens)[:keep]
-            else:
-                self._cached[seq_id] = sequence.prompt[:keep]
-            if self.idle_recompute and keep and (result == "stop" or result == "length"):
-                prompt = sequence.prompt
-                history = prompt + sequence.generated_tokens + self.rule.continuation(prompt)
-                cuts = self.rule.cuts(history)
-                if cuts and cuts[-1] > keep:
-                    self._history[seq_id] = (history, cuts)
             if keep and not self.kv_bytes_per_token:
                 self.kv_bytes_per_token = lib.llama_state_seq_get_size(self.ctx, seq_id) / keep
-            self._uses += 1
-            self._used_at[seq_id] = self._uses
+            policy.release(
+                seq_id,
+                sequence.prompt,
+                sequence.generated_tokens,
+                keep,
+                finished=result == "stop" or result == "length",
+            )
             self._free_id(sequence)
         if sequence.sampler is not None:
             lib.llama_sampler_free(sequence.sampler)
@@ -755,13 +757,10 @@ class _Scheduler:
         conversation (its reply, decoded a token at a time, is not reusable as it is).
         Aborted by any request or resumed stream (``submit``, ``wake``)."""
         lib = self._backend.lib
-        seq_id = max(self._history, key=lambda i: self._used_at[i])
-        history, cuts = self._history[seq_id]
-        start = len(self._cached[seq_id])
-        end = _next_cut(cuts, start, 0)
-        if not end:  # (nothing left whole: done)
-            del self._history[seq_id]
+        job = self.policy.next_recompute()
+        if job is None:  # (nothing left whole: done)
             return
+        seq_id, history, start, end = job.seq_id, job.history, job.start, job.end
         chunk = end - start
         batch = self.batch
         for i in range(chunk):
@@ -789,13 +788,11 @@ class _Scheduler:
             if result == _DECODE_ABORTED:
                 self.idle_aborted += 1  # tried again when idle
             else:  # pragma: no cover - llama.cpp failed: leave this conversation
-                self._history.pop(seq_id, None)
+                self.policy.drop_history(seq_id)
             return
         self.idle_chunks += 1
         self.idle_tokens += chunk
-        self._cached[seq_id] = history[:end]
-        if end >= cuts[-1]:
-            del self._history[seq_id]
+        self.policy.recomputed(job)
 
     def _step(self) -> None:
         # 1. drop cancelled sequences
@@ -837,7 +834,7 @@ class _Scheduler:
             # one piece of the canonical cut, whatever the load: the calls a fresh
             # server makes, so cached pieces are exactly what it would compute
             first = prefillers[0]
-            end = _next_cut(first.cuts, first.prefilled, len(first.prompt))
+            end = next_cut(first.cuts, first.prefilled, len(first.prompt))
             calls.append([(first, end - first.prefilled)])
         # 3. run them
         for call in calls:
@@ -925,8 +922,6 @@ class _Scheduler:
                         outputs += self._share_prompt(sequence, outputs)
             else:
                 sequence.pos += 1
-        sample = lib.llama_sampler_sample
-        logits_at = lib.llama_get_logits_ith
         n_vocab = backend.n_vocab
         is_eog = lib.llama_vocab_is_eog
         vocab = backend.vocab
@@ -935,13 +930,27 @@ class _Scheduler:
         for sequence, index in outputs:
             entry = None
             if sequence.special:
-                token, entry = self._sample_special(sequence, index)
-                if token < 0:
-                    continue  # removed: its constraint failed
-            elif sequence.greedy:
-                token = int(_as_array(logits_at(ctx, index), (n_vocab,)).argmax())
+                # a constraint's mask and/or log-probabilities (docs/batching.md)
+                drawn = draw_special(
+                    lib,
+                    ctx,
+                    index,
+                    n_vocab,
+                    sequence.sampler,
+                    greedy=sequence.greedy,
+                    mask=sequence.mask,
+                    logprobs=sequence.logprobs,
+                    bias=sequence.bias,
+                    piece=piece,
+                )
+                if isinstance(drawn, str):
+                    self._remove(
+                        sequence, BackendError(f"constrained decoding failed: {drawn}", should_retry=False)
+                    )
+                    continue
+                token, entry = drawn
             else:
-                token = sample(sequence.sampler, ctx, index)
+                token = draw(lib, ctx, index, n_vocab, sequence.sampler, sequence.greedy)
             if is_eog(vocab, token):
                 self._remove(sequence, "stop")
                 continue
@@ -999,112 +1008,9 @@ class _Scheduler:
             shared.append((follower, index))
         return shared
 
-    def _sample_special(self, sequence: _Sequence, index: int) -> tuple[int, TokenLogprob | None]:
-        """Draw a token with a constraint's mask and/or log-probabilities: -1 if the
-        sequence was removed (its constraint failed)."""
-        backend = self._backend
-        logits = _as_array(backend.lib.llama_get_logits_ith(self.ctx, index), (backend.n_vocab,))
-        if sequence.mask is not None:
-            error = sequence.mask.apply(logits)  # in place: the draw below sees it
-            if error is not None:
-                self._remove(
-                    sequence, BackendError(f"constrained decoding failed: {error}", should_retry=False)
-                )
-                return -1, None
-        if sequence.greedy:
-            token = int(logits.argmax())
-        else:
-            token = backend.lib.llama_sampler_sample(sequence.sampler, self.ctx, index)
-        entry = None
-        if sequence.logprobs is not None:
-            entry = _logprob_entry(logits, token, sequence.logprobs, sequence.bias, backend.piece)
-        return token, entry
-
 
 def _choice(sequence: _Sequence) -> int:
     return sequence.choice
-
-
-def _logprob_entry(logits: numpy.ndarray, token: int, top: int, bias: Any, piece: Any) -> TokenLogprob:
-    """``token``'s log-probability, and the ``top`` most likely tokens', in the
-    distribution the draw started from: the model's logits with the logit bias and the
-    constraint's mask (before penalties, temperature and truncation)."""
-    values = logits
-    if bias:
-        values = logits.copy()
-        for biased, amount in bias.items():
-            values[biased] = -numpy.inf if amount <= -100 else values[biased] + amount
-    peak = values.max()
-    log_total = peak + numpy.log(numpy.exp(values - peak).sum())
-    alternatives: tuple[tuple[bytes, float], ...] = ()
-    if top:
-        best = numpy.argpartition(values, -top)[-top:]
-        best = best[numpy.argsort(-values[best], kind="stable")]
-        # a token the mask or a -100 bias forbids has no probability: not an alternative
-        # (fewer than ``top`` may be left: OpenAI's logprob is a number, never -inf)
-        best = best[numpy.isfinite(values[best])]
-        alternatives = tuple((piece(int(i)), float(values[i] - log_total)) for i in best)
-    return TokenLogprob(
-        token=token, piece=piece(token), logprob=float(values[token] - log_total), top=alternatives
-    )
-
-
-#: texts the batch-invariance probes build their sequences from
-_PROBE_TEXTS = (
-    "The quick brown fox jumps over the lazy dog.",
-    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
-    "Once upon a time, in a land far away, there lived a",
-    "Water boils at 100 degrees Celsius at sea level; at altitude",
-    "1, 2, 3, 5, 8, 13, 21, 34,",
-    "Bonjour, je m'appelle",
-    "The three laws of robotics are",
-    "In 1969, the first",
-)
-
-
-def _warm_up(backend: LlamaBackend, scheduler: _Scheduler) -> None:
-    """One decode at load, as llama-server does: a llama.cpp that cannot run on this CPU
-    (a bad build, kernels the CPU lacks) fails here, at startup, with a message, instead
-    of at a user's first request. (A native crash cannot be caught: ``trioserve serve``
-    turns on ``faulthandler``, and the log line before says what was running.)"""
-    lib = backend.lib
-    batch = scheduler.batch
-    token = backend._bos if backend._bos >= 0 else 0
-    batch.token[0] = token
-    batch.pos[0] = 0
-    batch.seq_id[0][0] = 0
-    batch.logits[0] = 1
-    batch.n_tokens = 1
-    logger.info("warm-up: one llama_decode call")
-    started = time.perf_counter()
-    result = lib.llama_decode(scheduler.ctx, batch)
-    try:
-        if result != 0:
-            raise BackendError(
-                f"the warm-up decode failed (llama_decode returned {result}): this llama.cpp build "
-                f"cannot run this model on this machine (system info: {backend.system_info})"
-            )
-        row = _as_array(lib.llama_get_logits_ith(scheduler.ctx, 0), (backend.n_vocab,))
-        if not numpy.isfinite(row).all():
-            raise BackendError(
-                "the warm-up decode gave non-finite logits: this llama.cpp build computes wrong "
-                f"results on this machine (system info: {backend.system_info})"
-            )
-    finally:
-        if not lib.llama_memory_seq_rm(scheduler.memory, 0, -1, -1):  # pragma: no cover
-            raise BackendError("llama.cpp could not clear the warm-up's KV cells")
-    logger.info("warm-up done in %.1f ms", (time.perf_counter() - started) * 1000)
-
-
-def _probe_invariance(backend: LlamaBackend, scheduler: _Scheduler) -> tuple[int, int]:
-    """(widest invariant decode call, longest context that may share a call), measured
-    on this machine's kernels at load (``_invariance.py``)."""
-    settings = backend.settings
-    prompts = [backend.tokenize(text) for text in _PROBE_TEXTS]
-    args = (backend.lib, scheduler.ctx, scheduler.memory, scheduler.batch, prompts, backend.n_vocab)
-    width = probe_invariant_width(*args, min(settings.slots, settings.n_batch))
-    limit = probe_shared_context_limit(*args) if settings.slots > 1 and width > 1 else 0
-    return width, limit
 
 
 class LlamaBackend(LlamaModel):
@@ -1159,10 +1065,7 @@ class LlamaBackend(LlamaModel):
         whose counters are ``progress``: evaluate a prompt chunk, decode a token, or
         nothing (between calls, paused, queued). An observable for tests and tools that
         must act while a request is inside llama.cpp."""
-        for sequence in list(self._scheduler._in_flight):
-            if sequence.progress is progress:
-                return "decode" if sequence.decoding else "prefill"
-        return None
+        return self._scheduler.in_flight(progress)
 
     @property
     def failure(self) -> BaseException | None:
@@ -1172,39 +1075,7 @@ class LlamaBackend(LlamaModel):
 
     def cache_stats(self) -> dict[str, object]:
         """The prompt cache: the cut, and the prompt tokens each idle sequence keeps."""
-        scheduler = self._scheduler
-        with scheduler._condition:
-            free = set(scheduler._free_ids)
-            held = [len(tokens) if i in free else None for i, tokens in enumerate(scheduler._cached)]
-        tokens = sum(n for n in held if n)
-        host = scheduler.host
-        return {
-            "enabled": scheduler.cache_enabled,
-            "mode": "fast" if scheduler.fast else "exact",
-            "chunk": scheduler.chunk,
-            "piece_rule": scheduler.rule.kind,
-            "tokens": tokens,
-            "kv_bytes": int(tokens * scheduler.kv_bytes_per_token),
-            #: per sequence id: the prompt tokens it keeps (``null``: running a request)
-            "sequences": held,
-            "ram": {
-                "budget_bytes": host.budget,
-                "bytes": host.bytes,
-                "prefixes": len(host),
-                "saves": host.saves,
-                "restores": host.restores,
-                "evictions": host.evictions,
-                "save_seconds": round(scheduler.save_seconds, 6),
-                "restore_seconds": round(scheduler.restore_seconds, 6),
-            },
-            "idle_recompute": {
-                "enabled": scheduler.idle_recompute,
-                "chunks": scheduler.idle_chunks,
-                "tokens": scheduler.idle_tokens,
-                "aborted": scheduler.idle_aborted,
-                "pending": len(scheduler._history),
-            },
-        }
+        return self._scheduler.cache_stats().as_dict()
 
     def platform(self) -> dict[str, object]:
         """For ``/health``: llama.cpp's system info, and whether weights are repacked."""

@@ -1,0 +1,315 @@
+"""The prompt cache's policy (docs/prompt-cache.md): what each sequence id's cells
+hold, which free id a new prompt takes and how much of it that id (or the host-memory
+tier) already holds, what a finished sequence keeps, and which finished conversation
+the idle recompute evaluates next, piece by piece.
+
+Pure Python, with no lock of its own: the scheduler thread owns it, makes the llama.cpp
+calls its plans ask for (``llama_memory_seq_rm``, the state saves and restores,
+``llama_decode``), and calls the methods whose results ``/health`` reads
+(:meth:`CachePolicy.take`) under the scheduler's lock. Matching and the host tier:
+:mod:`._prompt_cache`; the cut: :mod:`._pieces`."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._pieces import PieceRule
+from ._prompt_cache import HostCache, shared_prefix
+
+__all__ = ["CachePolicy", "CacheStats", "Placement", "next_cut"]
+
+
+def _last_cut(cuts: list[int], limit: int) -> int:
+    """The last of ``cuts`` (ascending) at most ``limit``; 0 if none."""
+    i = bisect.bisect_right(cuts, limit)
+    return cuts[i - 1] if i else 0
+
+
+def next_cut(cuts: list[int], after: int, default: int) -> int:
+    """The first of ``cuts`` (ascending) past ``after``, at most ``default`` when
+    ``default`` is given (the prompt's end: its last call ends there, cut or not)."""
+    i = bisect.bisect_right(cuts, after)
+    if i < len(cuts) and (not default or cuts[i] <= default):
+        return cuts[i]
+    return default
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``, at most ``limit``
+    (binary search on slice equality: C-speed comparisons)."""
+    low, high = 0, min(limit, len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while low < high:  # a[:low] == b[:low]; the answer is at most high
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a new sequence goes: its id, the prompt tokens it starts after, and the
+    host-memory work to do first (the scheduler thread does it, before the first call):
+    ``save``, the prefix the id caches, to keep in host memory before it is overwritten;
+    ``restore``, the host-memory state to load into the id."""
+
+    seq_id: int
+    reused: int = 0
+    save: list[int] | None = None
+    restore: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Recompute:
+    """The idle recompute's next call: ``history[start:end]`` (one piece) into
+    ``seq_id``, whose cells hold ``history[:start]`` (``cuts``: the history's)."""
+
+    seq_id: int
+    history: list[int]
+    cuts: list[int]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheStats:
+    """A snapshot of the prompt cache, for ``/health`` (:meth:`as_dict`)."""
+
+    enabled: bool
+    fast: bool
+    chunk: int
+    piece_rule: str
+    #: per sequence id: the prompt tokens it keeps (``None``: running a request)
+    sequences: tuple[int | None, ...]
+    kv_bytes_per_token: float
+    ram_budget_bytes: int
+    ram_bytes: int
+    ram_prefixes: int
+    ram_saves: int
+    ram_restores: int
+    ram_evictions: int
+    save_seconds: float
+    restore_seconds: float
+    idle_recompute: bool
+    idle_chunks: int
+    idle_tokens: int
+    idle_aborted: int
+    idle_pending: int
+
+    @property
+    def tokens(self) -> int:
+        """The prompt tokens the idle sequence ids keep."""
+        return sum(n for n in self.sequences if n)
+
+    def as_dict(self) -> dict[str, object]:
+        """The ``cache`` object of ``/health`` (``LlamaBackend.cache_stats``)."""
+        tokens = self.tokens
+        return {
+            "enabled": self.enabled,
+            "mode": "fast" if self.fast else "exact",
+            "chunk": self.chunk,
+            "piece_rule": self.piece_rule,
+            "tokens": tokens,
+            "kv_bytes": int(tokens * self.kv_bytes_per_token),
+            #: per sequence id: the prompt tokens it keeps (``null``: running a request)
+            "sequences": list(self.sequences),
+            "ram": {
+                "budget_bytes": self.ram_budget_bytes,
+                "bytes": self.ram_bytes,
+                "prefixes": self.ram_prefixes,
+                "saves": self.ram_saves,
+                "restores": self.ram_restores,
+                "evictions": self.ram_evictions,
+                "save_seconds": round(self.save_seconds, 6),
+                "restore_seconds": round(self.restore_seconds, 6),
+            },
+            "idle_recompute": {
+                "enabled": self.idle_recompute,
+                "chunks": self.idle_chunks,
+                "tokens": self.idle_tokens,
+                "aborted": self.idle_aborted,
+                "pending": self.idle_pending,
+            },
+        }
+
+
+class CachePolicy:
+    """What each of ``slots`` sequence ids caches, and the decisions made on it.
+
+    ``enabled``: the prompt cache is on (and the model allows partial removal);
+    ``fast``: keep and reuse every computed cell, any matching length (not exact);
+    ``idle_recompute``: remember finished conversations for the idle recompute;
+    ``host``: the host-memory tier (a budget of 0: off)."""
+
+    def __init__(
+        self,
+        slots: int,
+        *,
+        rule: PieceRule,
+        host: HostCache,
+        enabled: bool,
+        fast: bool,
+        idle_recompute: bool,
+    ) -> None:
+        self.rule = rule
+        self.host = host
+        self.enabled = enabled
+        self.fast = fast
+        self.idle_recompute = idle_recompute
+        #: the prompt tokens whose KV cells each sequence id keeps — whole pieces of the
+        #: canonical cut, computed exactly as a fresh server computes them
+        self._cached: list[list[int]] = [[] for _ in range(slots)]
+        #: when each id was last released (the LRU clock)
+        self._used_at = [0] * slots
+        self._uses = 0
+        #: idle recompute: the whole conversation (prompt + reply + the likely start of
+        #: the next turn) of a finished request, per id, with its cuts: its pieces past
+        #: the cached prompt are evaluated while nothing else runs — in the canonical
+        #: pieces, so the next turn reuses its reply exactly
+        self._history: dict[int, tuple[list[int], list[int]]] = {}
+
+    # ------------------------------------------------------------ reading
+
+    def cached(self, seq_id: int) -> list[int]:
+        """The prompt tokens whose cells ``seq_id`` keeps."""
+        return self._cached[seq_id]
+
+    def held(self, free_ids: Sequence[int]) -> list[int | None]:
+        """Per id: the tokens it keeps if free (``None``: running a request)."""
+        free = set(free_ids)
+        return [len(tokens) if i in free else None for i, tokens in enumerate(self._cached)]
+
+    @property
+    def pending(self) -> int:
+        """The finished conversations the idle recompute has pieces left of."""
+        return len(self._history)
+
+    def host_cuts(self, tokens: list[int]) -> Sequence[int]:
+        """Where the host tier indexes ``tokens``' prefixes: at its cuts (fast: every token)."""
+        return range(1, len(tokens) + 1) if self.fast else self.rule.cuts(tokens)
+
+    def spill_order(self) -> list[int]:
+        """Every id, the most recently used last (the order to save their prefixes to
+        the host tier in: it keeps the newest when it is full)."""
+        return sorted(range(len(self._cached)), key=lambda i: self._used_at[i])
+
+    def host_covers(self, tokens: list[int]) -> bool:
+        """Whether the host tier already holds ``tokens`` (as an entry or its prefix)."""
+        return self.host.covers(tokens, self.host_cuts(tokens))
+
+    # ------------------------------------------------------------ admission
+
+    def place(self, prompt: list[int], cuts: list[int], cache_prompt: bool, free_ids: list[int]) -> Placement:
+        """The free id whose cached prompt shares the longest prefix of whole pieces with
+        ``prompt`` (``cuts``: its cuts; ties, and no prefix: the least recently used id),
+        and how much of it is reused — or, when the host tier holds more of it, the
+        least recently used id with that state to restore. Changes nothing but the host
+        tier's recency; :meth:`take` commits."""
+        limit = 0
+        if self.enabled and cache_prompt:
+            # at least the last piece (fast: token) is evaluated: its logits are needed
+            limit = len(prompt) - 1 if self.fast else _last_cut(cuts, len(prompt) - 1)
+        cached = self._cached
+        if self.fast:
+            shared = {i: _common_prefix(cached[i], prompt, limit) for i in free_ids}
+        else:
+            shared = {i: shared_prefix(cached[i], prompt, cuts, limit) for i in free_ids}
+        best = max(free_ids, key=lambda i: (shared[i], -self._used_at[i]))
+        reused = shared[best]
+        restore = None
+        host = self.host
+        found = host.best(prompt, self.host_cuts(prompt), limit) if limit and host.budget else None
+        if found is not None and found[0] > reused:
+            # host memory holds more of it: restore into the least recently used id
+            best = min(free_ids, key=lambda i: self._used_at[i])
+            reused, restore = found
+        save = None
+        if cached[best] and host.budget and (restore is not None or len(cached[best]) > reused):
+            save = cached[best]  # (some of) its cells are about to be overwritten
+        return Placement(best, reused, save, restore)
+
+    def place_follower(self, free_ids: list[int]) -> Placement:
+        """A later choice of an ``n`` > 1 request: the least recently used free id (it
+        gets a copy of its leader's cells once the prompt is evaluated)."""
+        best = min(free_ids, key=lambda i: self._used_at[i])
+        cached = self._cached[best]
+        return Placement(best, save=cached if cached and self.host.budget else None)
+
+    def take(self, seq_id: int) -> None:
+        """``seq_id``'s cells now belong to a running sequence. (Under the scheduler's
+        lock: ``/health`` reads what the ids keep.)"""
+        self._cached[seq_id] = []
+        self._history.pop(seq_id, None)
+
+    # ------------------------------------------------------------ release
+
+    def keep(
+        self, *, cache_prompt: bool, failed: bool, computed: int, prefilled: int, cuts: list[int]
+    ) -> int:
+        """How many leading cells a finished sequence keeps: exact, the whole prompt
+        pieces it holds (``prefilled``: its prompt tokens in cells; ``cuts``: its
+        prompt's); fast, every cell it computed (``computed``, the reply's too); none
+        after an error or with the cache off for it."""
+        if not (self.enabled and cache_prompt and not failed):
+            return 0
+        return computed if self.fast else _last_cut(cuts, prefilled)
+
+    def forget(self, seq_id: int) -> None:
+        """``seq_id`` keeps nothing (its cells are being cleared)."""
+        self._cached[seq_id] = []
+        self._history.pop(seq_id, None)
+
+    def release(
+        self, seq_id: int, prompt: list[int], generated: list[int], kept: int, *, finished: bool
+    ) -> None:
+        """A sequence left ``seq_id`` with its first ``kept`` cells (``prompt`` then
+        ``generated``); ``finished``: it ended on its own (stop or length), so its
+        conversation is remembered for the idle recompute. The id becomes the most
+        recently used."""
+        if kept > len(prompt):
+            self._cached[seq_id] = (prompt + generated)[:kept]
+        else:
+            self._cached[seq_id] = prompt[:kept]
+        if self.idle_recompute and kept and finished:
+            history = prompt + generated + self.rule.continuation(prompt)
+            cuts = self.rule.cuts(history)
+            if cuts and cuts[-1] > kept:
+                self._history[seq_id] = (history, cuts)
+        self._uses += 1
+        self._used_at[seq_id] = self._uses
+
+    # ------------------------------------------------------------ idle recompute
+
+    def next_recompute(self) -> Recompute | None:
+        """The next piece of the most recently finished conversation; ``None`` (and the
+        conversation dropped) when nothing whole is left of it. (Only while
+        :attr:`pending`.)"""
+        seq_id = max(self._history, key=lambda i: self._used_at[i])
+        history, cuts = self._history[seq_id]
+        start = len(self._cached[seq_id])
+        end = next_cut(cuts, start, 0)
+        if not end:  # (nothing left whole: done)
+            del self._history[seq_id]
+            return None
+        return Recompute(seq_id, history, cuts, start, end)
+
+    def recomputed(self, job: Recompute) -> None:
+        """``job``'s piece is in its id's cells."""
+        self._cached[job.seq_id] = job.history[: job.end]
+        if job.end >= job.cuts[-1]:
+            del self._history[job.seq_id]
+
+    def drop_history(self, seq_id: int) -> None:
+        """Leave ``seq_id``'s conversation (its recompute failed)."""
+        self._history.pop(seq_id, None)
+
+    def drop_histories(self) -> list[int]:
+        """Leave every conversation; the ids they were on."""
+        ids = list(self._history)
+        self._history.clear()
+        return ids
