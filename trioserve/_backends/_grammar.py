@@ -435,6 +435,15 @@ class TokenMask:
         numpy.copyto(logits, -numpy.inf, where=self._forbidden)
         return None
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, from the start, the constraint accepts now (without
+        consuming them): a speculative guess is cut there. The digit bound is not
+        consulted — a guess it forbids is rejected by the masked draw."""
+        try:
+            return int(self._matcher.validate_tokens(tokens))
+        except Exception:  # pragma: no cover - a matcher in error: propose nothing
+            return 0
+
     def consume(self, token: int) -> str | None:
         """Advance past the sampled ``token``; an error message if it was not allowed."""
         if not self._matcher.consume_token(token):

@@ -15,9 +15,11 @@ import ctypes
 import logging
 from typing import Any
 
+import numpy
+
 from .._core._exceptions import BackendError
 
-__all__ = ["probe_invariant_width", "probe_shared_context_limit"]
+__all__ = ["probe_invariant_width", "probe_shared_context_limit", "probe_verify_width"]
 
 logger = logging.getLogger("trioserve.llama")
 
@@ -248,3 +250,72 @@ def probe_shared_context_limit(
         return limit
     finally:
         lib.llama_memory_clear(memory, True)
+
+
+def probe_verify_width(
+    lib: Any,
+    ctx: Any,
+    memory: Any,
+    batch: Any,
+    prompts: list[list[int]],
+    n_vocab: int,
+    widest: int,
+) -> int:
+    """The widest speculative verify call (rows of one sequence: the token being decoded
+    and the drafts after it) whose every row's logits equal, bit for bit, the logits of
+    the same token decoded in a one-row call from the same state (``docs/speculation.md``).
+    1: no verify call is exact, do not speculate.
+
+    For each prompt (sequence 0; short contexts only — past 256 cells a lone decode takes
+    flash attention's split-KV path, which no call of two rows or more takes), the
+    reference decodes ``widest`` tokens one per call (greedy), keeping each row; then for
+    each width 2…``widest`` one call decodes the first ``width`` of those tokens at their
+    positions, and one differing row ends the search. Arguments as for
+    :func:`probe_invariant_width`; the memory is left empty."""
+
+    def rows_of(index: int) -> bytes:
+        return ctypes.string_at(lib.llama_get_logits_ith(ctx, index), n_vocab * 4)
+
+    def decode(entries: list[tuple[int, int]]) -> None:
+        for i, (token, pos) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = 1
+        batch.n_tokens = len(entries)
+        result = lib.llama_decode(ctx, batch)
+        if result != 0:
+            raise BackendError(f"the verify-width probe's llama_decode failed with code {result}")
+
+    def clear() -> None:
+        if not lib.llama_memory_seq_rm(memory, 0, -1, -1):  # pragma: no cover
+            raise BackendError("the verify-width probe could not clear its cells")
+
+    exact = widest
+    try:
+        for prompt in prompts:
+            clear()
+            decode([(t, i) for i, t in enumerate(prompt)])
+            start = len(prompt)
+            token = prompt[-1]
+            # the reference: one row per call
+            tokens: list[int] = []
+            reference: list[bytes] = []
+            for i in range(exact):
+                tokens.append(token)
+                decode([(token, start + i)])
+                row = rows_of(0)
+                reference.append(row)
+                token = int(numpy.frombuffer(row, dtype=numpy.float32).argmax())
+            for width in range(2, exact + 1):
+                if not lib.llama_memory_seq_rm(memory, 0, start, -1):  # pragma: no cover
+                    raise BackendError("the verify-width probe could not clear its cells")
+                decode([(tokens[j], start + j) for j in range(width)])
+                if any(rows_of(j) != reference[j] for j in range(width)):
+                    exact = width - 1
+                    break
+            if exact < 2:
+                return 1
+    finally:
+        clear()
+    return exact

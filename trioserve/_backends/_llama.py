@@ -141,6 +141,13 @@ class LlamaSettings:
             off in batch-invariant mode.
         warm_up: decode one token at load (as llama-server does), so a llama.cpp that
             cannot run on this CPU fails at startup, not at the first request.
+        speculate: prompt-lookup speculative decoding of a stream that decodes alone
+            (``docs/speculation.md``): ``"auto"`` (the default: only where the verify
+            call's rows are computed exactly as one-token steps — the widths measured at
+            load, contexts where a lone step takes the same attention path — so the
+            text never changes), ``"fast"`` (wide verify calls at any context, as
+            llama-server's n-gram modes: faster, and a temperature-0 text may change) or
+            ``"off"``.
         pooling: how ``/v1/embeddings`` pools a model's token vectors: ``None`` (the
             GGUF's; mean for a model that has none), ``"mean"``, ``"cls"``, ``"last"``
             (docs/embeddings.md).
@@ -165,6 +172,7 @@ class LlamaSettings:
         repack: bool | None = None,
         warm_up: bool = True,
         pooling: Literal["mean", "cls", "last"] | None = None,
+        speculate: Literal["off", "auto", "fast"] = "auto",
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
@@ -195,6 +203,9 @@ class LlamaSettings:
         if cache_mode not in ("exact", "fast"):
             raise ValueError(f"cache_mode must be 'exact' or 'fast', got {cache_mode!r}")
         self.cache_mode = cache_mode
+        if speculate not in ("off", "auto", "fast"):
+            raise ValueError(f"speculate must be 'off', 'auto' or 'fast', got {speculate!r}")
+        self.speculate: Literal["off", "auto", "fast"] = speculate
         self.model_id = model_id or self.model_path.name.removesuffix(".gguf")
         if pooling not in (None, "mean", "cls", "last"):
             raise ValueError(f"pooling must be 'mean', 'cls' or 'last', got {pooling!r}")

@@ -41,7 +41,8 @@ from ._grammar import TokenMask
 from ._llama import LlamaModel, _Context
 from ._pieces import PieceRule
 from ._prompt_cache import HostCache
-from ._warmup import probe_invariance, warm_up
+from ._speculation import FAST_DRAFT, MAX_DRAFT, SPLIT_KV_CONTEXT, Drafter, SpeculationStats
+from ._warmup import probe_invariance, probe_speculation, warm_up
 
 __all__ = ["LlamaBackend"]
 
@@ -67,6 +68,8 @@ class _Sequence:
         "channel",
         "choice",
         "cuts",
+        "draft",
+        "drafter",
         "first_chunk_at",
         "followers",
         "generated",
@@ -89,6 +92,7 @@ class _Sequence:
         "save",
         "seq_id",
         "special",
+        "speculate",
         "token",
     )
 
@@ -144,6 +148,12 @@ class _Sequence:
         #: host-memory state to restore
         self.save: list[int] | None = None
         self.restore: bytes | None = None
+        #: speculative decoding (docs/speculation.md): only plain greedy draws (with or
+        #: without a mask and log-probabilities) are verified against a draft
+        self.speculate = prompt.request.speculate and self.greedy
+        self.drafter: Drafter | None = None
+        #: the tokens guessed for the decode call being planned or in flight
+        self.draft: list[int] = []
 
     @property
     def decoding(self) -> bool:
@@ -276,6 +286,30 @@ class _Scheduler:
             except BaseException:
                 self.context.free(backend.lib)
                 raise
+        #: speculative decoding (docs/speculation.md): the widest verify call (rows: the
+        #: token being decoded and its drafts; 1: no speculation), and the longest
+        #: context (cells) a verify call may reach ("auto": past it, a lone one-row step
+        #: takes flash attention's split-KV path, which no call of two rows takes)
+        self.speculation = settings.speculate if self.partial_removal else "off"
+        self.spec_stats = SpeculationStats()
+        self.verify_width = 1
+        self.verify_context_limit = settings.n_ctx
+        if self.speculation == "fast":
+            self.verify_width = min(1 + FAST_DRAFT, settings.n_batch)
+        elif self.speculation == "auto":
+            try:
+                self.verify_width = probe_speculation(backend, self.context, 1 + MAX_DRAFT)
+            except BaseException:
+                self.context.free(backend.lib)
+                raise
+            if settings.n_threads > 1:
+                self.verify_context_limit = min(settings.n_ctx, SPLIT_KV_CONTEXT)
+            logger.info(
+                "speculative decoding (auto, exact): verify calls of at most %d rows (measured), "
+                "while a context is at most %d tokens",
+                self.verify_width,
+                self.verify_context_limit,
+            )
         if settings.batch_invariant:
             try:
                 self.max_call_width, self.shared_context_limit = probe_invariance(backend, self.context)
@@ -826,6 +860,9 @@ class _Scheduler:
             alone = [s for s in decoders if s.pos + 1 > limit]
             if alone:
                 decoders = [s for s in decoders if s.pos + 1 <= limit]
+        if self.verify_width > 1 and len(decoders) + len(alone) == 1:
+            # a stream that decodes alone: guess its next tokens, verified in its call
+            self._plan_draft(decoders[0] if decoders else alone[0])
         calls: list[list[tuple[_Sequence, int]]] = [
             [(s, 0) for s in group] for group in _split(decoders, self.max_call_width)
         ]
@@ -860,6 +897,8 @@ class _Scheduler:
         logits = batch.logits
         n = 0
         outputs: list[tuple[_Sequence, int]] = []  # (sequence, batch index of its logits)
+        #: speculative decoding: the guessed tokens a sequence's rows verify
+        drafts: dict[_Sequence, list[int]] = {}
         for sequence, count in call:
             seq_id = sequence.seq_id
             if count == 0:  # decode one token
@@ -869,6 +908,16 @@ class _Scheduler:
                 logits[n] = 1
                 outputs.append((sequence, n))
                 n += 1
+                if sequence.draft:  # and verify the tokens guessed after it
+                    draft = sequence.draft
+                    sequence.draft = []
+                    drafts[sequence] = draft
+                    for j, guess in enumerate(draft, start=1):
+                        tokens[n] = guess
+                        positions[n] = sequence.pos + j
+                        seq_ids[n][0] = seq_id
+                        logits[n] = 1
+                        n += 1
             else:
                 if not sequence.first_chunk_at:
                     sequence.first_chunk_at = time.perf_counter()
@@ -888,7 +937,7 @@ class _Scheduler:
             if any(s.cancelled for s, _ in call) or self._stopping:
                 return  # dropped at the next step
             self.abort_flag.value = 0
-            self._in_flight = {s: (c or 1) for s, c in call}
+            self._in_flight = {s: (c or 1 + len(drafts.get(s, ()))) for s, c in call}
             self._in_flight_tokens = n
         result = lib.llama_decode(self.ctx, batch)
         with self._condition:
@@ -922,53 +971,119 @@ class _Scheduler:
                         outputs += self._share_prompt(sequence, outputs)
             else:
                 sequence.pos += 1
-        n_vocab = backend.n_vocab
-        is_eog = lib.llama_vocab_is_eog
-        vocab = backend.vocab
-        piece = backend.piece
-        ctx = self.ctx
+        emit = self._emit
         for sequence, index in outputs:
-            entry = None
-            if sequence.special:
-                # a constraint's mask and/or log-probabilities (docs/batching.md)
-                drawn = draw_special(
-                    lib,
-                    ctx,
-                    index,
-                    n_vocab,
-                    sequence.sampler,
-                    greedy=sequence.greedy,
-                    mask=sequence.mask,
-                    logprobs=sequence.logprobs,
-                    bias=sequence.bias,
-                    piece=piece,
+            token = emit(sequence, index)
+            if drafts and sequence in drafts:
+                self._verify(sequence, index, token, drafts[sequence])
+
+    def _emit(self, sequence: _Sequence, index: int) -> int:
+        """Draw ``sequence``'s token from output ``index`` of the last call and send its
+        piece; -1 if the sequence ended there (end of text, its length, a constraint
+        that failed)."""
+        backend = self._backend
+        lib = backend.lib
+        entry = None
+        if sequence.special:
+            # a constraint's mask and/or log-probabilities (docs/batching.md)
+            drawn = draw_special(
+                lib,
+                self.ctx,
+                index,
+                backend.n_vocab,
+                sequence.sampler,
+                greedy=sequence.greedy,
+                mask=sequence.mask,
+                logprobs=sequence.logprobs,
+                bias=sequence.bias,
+                piece=backend.piece,
+            )
+            if isinstance(drawn, str):
+                error = BackendError(f"constrained decoding failed: {drawn}", should_retry=False)
+                self._remove(sequence, error)
+                return -1
+            token, entry = drawn
+        else:
+            token = draw(lib, self.ctx, index, backend.n_vocab, sequence.sampler, sequence.greedy)
+        if lib.llama_vocab_is_eog(backend.vocab, token):
+            self._remove(sequence, "stop")
+            return -1
+        if sequence.mask is not None:
+            refused = sequence.mask.consume(token)
+            if refused is not None:
+                self._remove(
+                    sequence, BackendError(f"constrained decoding failed: {refused}", should_retry=False)
                 )
-                if isinstance(drawn, str):
-                    self._remove(
-                        sequence, BackendError(f"constrained decoding failed: {drawn}", should_retry=False)
-                    )
-                    continue
-                token, entry = drawn
-            else:
-                token = draw(lib, ctx, index, n_vocab, sequence.sampler, sequence.greedy)
-            if is_eog(vocab, token):
-                self._remove(sequence, "stop")
-                continue
-            if sequence.mask is not None:
-                refused = sequence.mask.consume(token)
-                if refused is not None:
-                    self._remove(
-                        sequence, BackendError(f"constrained decoding failed: {refused}", should_retry=False)
-                    )
-                    continue
-            sequence.generated += 1
-            sequence.generated_tokens.append(token)
-            sequence.progress.completion_tokens += 1
-            sequence.channel.put(piece(token) if entry is None else (piece(token), entry))  # type: ignore[arg-type]
-            if sequence.generated == sequence.max_new:
-                self._remove(sequence, "length")  # after its last piece: order is kept
-                continue
-            sequence.next_token = token
+                return -1
+        sequence.generated += 1
+        sequence.generated_tokens.append(token)
+        sequence.progress.completion_tokens += 1
+        piece = backend.piece(token)
+        sequence.channel.put(piece if entry is None else (piece, entry))  # type: ignore[arg-type]
+        if sequence.generated == sequence.max_new:
+            self._remove(sequence, "length")  # after its last piece: order is kept
+            return -1
+        sequence.next_token = token
+        return token
+
+    def _plan_draft(self, sequence: _Sequence) -> None:
+        """Guess the tokens after ``sequence``'s next one (prompt lookup), as many as its
+        verify call may hold: the exact width, the room in its channel, its token limit
+        and (auto) the context where a lone step's attention changes path."""
+        sequence.draft = []
+        if not sequence.speculate:
+            return
+        limit = min(
+            self.verify_width - 1,
+            sequence.channel.room - 1,
+            sequence.max_new - sequence.generated - 1,
+            self.verify_context_limit - sequence.pos - 1,
+        )
+        if limit <= 0:
+            return
+        drafter = sequence.drafter
+        if drafter is None:
+            drafter = sequence.drafter = Drafter(sequence.prompt, longest=self.verify_width - 1)
+        # the drafter's context: every token in the KV cells (the last one drawn is not yet)
+        generated = sequence.generated_tokens
+        done = len(drafter.context) - len(sequence.prompt)
+        if done < len(generated) - 1:
+            drafter.extend(generated[done:-1])
+        draft = drafter.propose(sequence.next_token, limit)
+        if draft and sequence.mask is not None:
+            # a guess the constraint forbids is not proposed
+            draft = draft[: sequence.mask.valid_prefix(draft)]
+        sequence.draft = draft
+
+    def _verify(self, sequence: _Sequence, index: int, token: int, draft: list[int]) -> None:
+        """After the call that decoded ``sequence``'s token at output ``index`` and its
+        ``draft`` in the rows after it: accept the longest prefix of the draft the model
+        agrees with (each accepted row's draw is that of a one-token step), remove the
+        cells of the rest."""
+        accepted = 0
+        for guess in draft:
+            if token != guess:
+                break
+            accepted += 1
+            token = self._emit(sequence, index + accepted)
+            if token < 0:
+                break
+        stats = self.spec_stats
+        stats.verify_calls += 1
+        stats.proposed += len(draft)
+        stats.accepted += accepted
+        progress = sequence.progress
+        progress.draft_proposed += len(draft)
+        progress.draft_accepted += accepted
+        if sequence.drafter is not None:
+            sequence.drafter.settle(len(draft), accepted)
+        if sequence.result is not None:
+            return  # ended inside the run: its cells are released already
+        sequence.pos += accepted
+        if accepted < len(draft) and not self._backend.lib.llama_memory_seq_rm(
+            self.memory, sequence.seq_id, sequence.pos, -1
+        ):  # pragma: no cover - (speculation needs partial removal: checked at load)
+            self._remove(sequence, BackendError("the rejected guesses' cells could not be removed"))
 
     def _share_prompt(
         self, leader: _Sequence, outputs: list[tuple[_Sequence, int]]

@@ -11,10 +11,10 @@ import time
 import numpy
 
 from .._core._exceptions import BackendError
-from ._invariance import probe_invariant_width, probe_shared_context_limit
+from ._invariance import probe_invariant_width, probe_shared_context_limit, probe_verify_width
 from ._llama import LlamaModel, _Context
 
-__all__ = ["probe_invariance", "warm_up"]
+__all__ = ["probe_invariance", "probe_speculation", "warm_up"]
 
 logger = logging.getLogger("trioserve.llama")
 
@@ -76,3 +76,11 @@ def probe_invariance(model: LlamaModel, context: _Context) -> tuple[int, int]:
     width = probe_invariant_width(*args, min(settings.slots, settings.n_batch))
     limit = probe_shared_context_limit(*args) if settings.slots > 1 and width > 1 else 0
     return width, limit
+
+
+def probe_speculation(model: LlamaModel, context: _Context, widest: int) -> int:
+    """The widest exact speculative verify call (rows), at most ``widest``, measured on
+    this machine's kernels at load (``_invariance.probe_verify_width``); 1: none."""
+    prompts = [model.tokenize(text) for text in _PROBE_TEXTS[:3]]
+    args = (model.lib, context.ctx, context.memory, context.batch, prompts, model.n_vocab)
+    return probe_verify_width(*args, min(widest, model.settings.n_batch))

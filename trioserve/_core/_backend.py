@@ -150,6 +150,8 @@ class GenerationProgress:
     __slots__ = (
         "cached_tokens",
         "completion_tokens",
+        "draft_accepted",
+        "draft_proposed",
         "inference_ended",
         "prefill_seconds",
         "prefilled_tokens",
@@ -163,6 +165,9 @@ class GenerationProgress:
         #: prompt tokens in the KV cells so far (reused or evaluated): prefill progress
         self.prefilled_tokens = 0
         self.completion_tokens = 0
+        #: speculative decoding: tokens guessed and verified, and how many were right
+        self.draft_proposed = 0
+        self.draft_accepted = 0
         self.prefill_seconds = 0.0
         #: ``time.perf_counter()`` when inference returned (its thread left the model);
         #: with the time a cancel was requested, this gives the cancel latency

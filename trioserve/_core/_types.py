@@ -92,6 +92,10 @@ class GenerationRequest:
     #: Reuse cached prompt prefixes, and leave this prompt's for later requests
     #: (llama-server's ``cache_prompt``). Reuse never changes the text (docs/prompt-cache.md).
     cache_prompt: bool = True
+    #: Let the backend guess tokens from the context and verify them several per decode
+    #: call (speculative decoding, where the server enables it). ``False``: one token per
+    #: call. At temperature 0 the text is the same either way (docs/speculation.md).
+    speculate: bool = True
     #: constrained decoding: the text must match this (docs/structured-output.md)
     constraint: Constraint | None = None
     #: report each token's log-probability and this many alternatives (``None``: none)
