@@ -406,6 +406,16 @@ class _Scheduler:
                 return "decode" if sequence.decoding else "prefill"
         return None
 
+    def rows_in_flight(self, progress: GenerationProgress) -> int:
+        """The rows of the ``llama_decode`` call running now that belong to the
+        generation whose counters are ``progress`` (a speculative verify call: more than
+        one while decoding); 0 if it has none in flight."""
+        with self._condition:
+            for sequence, rows in self._in_flight.items():
+                if sequence.progress is progress:
+                    return rows
+        return 0
+
     def cache_stats(self) -> CacheStats:
         """The prompt cache now: what each idle id keeps (read under the lock), the host
         tier and the idle recompute."""
@@ -1182,6 +1192,11 @@ class LlamaBackend(LlamaModel):
         must act while a request is inside llama.cpp."""
         return self._scheduler.in_flight(progress)
 
+    def rows_in_flight(self, progress: GenerationProgress) -> int:
+        """Rows of the call in flight for this generation: more than one while decoding
+        is a speculative verify call (docs/speculation.md). An observable for tests."""
+        return self._scheduler.rows_in_flight(progress)
+
     @property
     def failure(self) -> BaseException | None:
         """Why the scheduler thread stopped serving, if it failed (then every request
@@ -1209,6 +1224,21 @@ class LlamaBackend(LlamaModel):
             "batch_invariant": self.settings.batch_invariant,
             "steps": self.steps,
             "aborted_calls": self.aborted_calls,
+            "speculation": self.speculation_stats(),
+        }
+
+    def speculation_stats(self) -> dict[str, object]:
+        """Speculative decoding (docs/speculation.md): the mode, the verify call's measured
+        width and context limit, and the guessed tokens verified and accepted."""
+        scheduler = self._scheduler
+        stats = scheduler.spec_stats
+        return {
+            "mode": scheduler.speculation,
+            "verify_width": scheduler.verify_width,
+            "context_limit": scheduler.verify_context_limit,
+            "verify_calls": stats.verify_calls,
+            "proposed": stats.proposed,
+            "accepted": stats.accepted,
         }
 
     def _stop_scheduler(self) -> None:

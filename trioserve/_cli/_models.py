@@ -45,6 +45,7 @@ PRESET_KEYS = {
     "batch_invariant": "--batch-invariant",
     "repack": "--repack",
     "pooling": "--pooling",
+    "speculate": "--speculate",
 }
 
 
@@ -67,12 +68,14 @@ PRESET_TYPES: dict[str, tuple[type, ...]] = {
     "batch_invariant": (bool,),
     "repack": (str,),
     "pooling": (str,),
+    "speculate": (str,),
 }
 _CHOICES = {
     "cache_mode": ("exact", "fast"),
     "piece_rule": ("text", "aligned"),
     "repack": ("auto", "on", "off"),
     "pooling": ("mean", "cls", "last"),
+    "speculate": ("off", "auto", "fast"),
 }
 
 
@@ -231,6 +234,7 @@ def _settings(args: argparse.Namespace, name: str, path: Path, table: dict[str, 
         model_id=name,
         repack={"auto": None, "on": True, "off": False}[repack],
         pooling=get("pooling", args.pooling),
+        speculate=get("speculate", args.speculate),
     )
 
 

@@ -188,6 +188,15 @@ def _prompt_cache(serve: argparse.ArgumentParser) -> None:
         "(answers may differ: docs/prompt-cache.md) (default: exact)",
     )
     group.add_argument(
+        "--speculate",
+        choices=("off", "auto", "fast"),
+        default="auto",
+        help="prompt-lookup speculative decoding of a stream that decodes alone. auto: only "
+        "where it cannot change a text (verify calls as wide as measured exact at load, "
+        "contexts up to 256 tokens); fast: wide verify calls at any length, as llama-server's "
+        "n-gram modes (a temperature-0 text may change); off (default: auto; docs/speculation.md)",
+    )
+    group.add_argument(
         "--cache-ram",
         type=int,
         default=1024,

@@ -785,11 +785,17 @@ class GenerationHandler:
         metrics.requests.labels(endpoint=endpoint, status=str(exchange.status or 0)).inc()
         metrics.stream_ends.labels(cause=cause or "unknown").inc()
         metrics.request_duration.observe(duration)
+        proposed = accepted = 0
         for choice in request.choices or ([events] if events is not None else []):
             # (the choices of n > 1 that shared the first one's prompt evaluated none of it)
             progress = choice.progress
             metrics.prompt_tokens_cached.inc(progress.cached_tokens)
             metrics.prompt_tokens_evaluated.inc(max(0, progress.prefilled_tokens - progress.cached_tokens))
+            proposed += progress.draft_proposed
+            accepted += progress.draft_accepted
+        if proposed:
+            metrics.draft_tokens_proposed.inc(proposed)
+            metrics.draft_tokens_accepted.inc(accepted)
         if events is not None and usage is not None and timings is not None:
             metrics.prompt_tokens.inc(usage.prompt_tokens)
             metrics.completion_tokens.inc(usage.completion_tokens)
@@ -801,7 +807,7 @@ class GenerationHandler:
                 metrics.prefill.observe(events.progress.prefill_seconds)
         request_logger.info(
             "request %s %s model=%s status=%s cause=%s prompt_tokens=%s cached_tokens=%s "
-            "completion_tokens=%s ttft_ms=%s duration_ms=%.1f%s%s%s",
+            "completion_tokens=%s ttft_ms=%s duration_ms=%.1f%s%s%s%s",
             exchange.request_id,
             path,
             request.model or "-",
@@ -813,6 +819,7 @@ class GenerationHandler:
             f"{ttft * 1000:.1f}" if ttft is not None else "-",
             duration * 1000,
             f" load_wait_ms={request.load_wait * 1000:.1f}" if request.load_wait else "",
+            f" draft_accepted={accepted}/{proposed}" if proposed else "",
             f" cancel_latency_ms={cancel_latency * 1000:.2f}" if cancel_latency is not None else "",
             f" error={request.error!r}" if request.error else "",
         )

@@ -116,6 +116,16 @@ class Metrics:
             "Prompt tokens evaluated (cancelled prompts count what they evaluated).",
             registry=registry,
         )
+        self.draft_tokens_proposed = Counter(
+            "trioserve_draft_tokens_proposed",
+            "Speculative decoding: tokens guessed from the context and verified (docs/speculation.md).",
+            registry=registry,
+        )
+        self.draft_tokens_accepted = Counter(
+            "trioserve_draft_tokens_accepted",
+            "Speculative decoding: guessed tokens the model agreed with (each one a decode step saved).",
+            registry=registry,
+        )
         self.wasted_tokens = Counter(
             "trioserve_wasted_tokens",
             "Tokens generated after a cancel was requested (0 when cancellation reaches "

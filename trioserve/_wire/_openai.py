@@ -86,6 +86,9 @@ class _CommonFields(msgspec.Struct, kw_only=True):
     repeat_last_n: Annotated[int, msgspec.Meta(ge=-1)] = 64
     #: llama-server's field: ``false`` neither reuses nor leaves a cached prefix
     cache_prompt: bool = True
+    #: trioserve's: ``false`` decodes this request one token per call, without guessing
+    #: ahead (speculative decoding; the text at temperature 0 is the same either way)
+    speculate: bool = True
     #: llama-server's constraint fields: a JSON Schema, a GBNF grammar
     json_schema: dict[str, Any] | None = None
     grammar: str | None = None
@@ -403,6 +406,7 @@ def decode_completion_prompts(body: bytes) -> tuple[CompletionRequest, list[Gene
             sampling=sampling,
             stop=stops,
             cache_prompt=request.cache_prompt,
+            speculate=request.speculate,
             constraint=constraint,
             logprobs=request.logprobs,
         )
@@ -475,6 +479,7 @@ def chat_generation(
         stop=_stops(request.stop) + tuple(extra_stops),
         add_bos=add_bos,
         cache_prompt=request.cache_prompt,
+        speculate=request.speculate,
         constraint=constraint,
         logprobs=logprobs,
     )

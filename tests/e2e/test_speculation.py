@@ -1,0 +1,212 @@
+"""Speculative decoding (docs/speculation.md), with real llama.cpp inference on the default
+model: at temperature 0 every text equals the non-speculative text, on the
+configurations the backend measures exact on this machine; cancellation reaches a
+verify call; constraints, log-probabilities, stop sequences and ``max_tokens`` keep
+working inside an accepted run.
+
+Which configurations are exact here is printed (``-s``) and recorded in the assertion
+messages: the verify width the backend measured at load, the context limit, and the
+weights' layout (repacked or not).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+import trio
+
+from trioserve import (
+    Constraint,
+    Engine,
+    GenerationRequest,
+    LlamaBackend,
+    LlamaSettings,
+    SamplingParams,
+    TextDelta,
+)
+from trioserve._backends._speculation import SPLIT_KV_CONTEXT
+
+from .._helpers import wait_for
+
+pytestmark = pytest.mark.model
+
+GREEDY = SamplingParams(temperature=0)
+THREADS = 2
+
+_WORDS = ["apple", "river", "stone", "cloud", "amber", "violet", "copper", "maple", "harbor", "ember"]
+
+
+def _prompts(count: int) -> list[str]:
+    """``count`` different prompts, most of them inviting a copy of their own text (a
+    list, code, a passage to quote), some not."""
+    prompts = []
+    for i in range(count):
+        a, b, c = _WORDS[i % 10], _WORDS[(i * 3 + 1) % 10], _WORDS[(i * 7 + 2) % 10]
+        kind = i % 5
+        if kind == 0:
+            prompts.append(f"{a}, {b}, {c}, {a}, {b}, {c}, {a}, {b},")
+        elif kind == 1:
+            prompts.append(
+                f"def {a}_{i}(x):\n    return x + {i}\n\n"
+                f"def {b}_{i}(x):\n    return x + {i}\n\ndef {c}_{i}(x):\n"
+            )
+        elif kind == 2:
+            prompts.append(f"The {a} is near the {b}. The {c} is near the {a}. Repeat: The {a} is near the")
+        elif kind == 3:
+            prompts.append(f"Item {i}: {a} {b}\nItem {i + 1}: {b} {c}\nItem {i + 2}: {c} {a}\nItem {i + 3}:")
+        else:
+            prompts.append(f"Once upon a time, a {a} and a {b} went to see the {c}.")
+    return prompts
+
+
+async def _run(engine: Engine, request: GenerationRequest) -> tuple[str, list[tuple[int, float]], int]:
+    """(text, logprobs as (token, logprob), completion tokens)."""
+    parts: list[str] = []
+    logprobs: list[tuple[int, float]] = []
+    async with engine.stream(request) as events:
+        async for event in events:
+            if isinstance(event, TextDelta):
+                parts.append(event.text)
+                for entry in event.logprobs or ():
+                    logprobs.append((entry.token, entry.logprob))
+        usage = events.usage
+    assert usage is not None
+    return "".join(parts), logprobs, usage.completion_tokens
+
+
+def _configuration(backend: LlamaBackend) -> str:
+    stats = backend.speculation_stats()
+    repack = backend.repack.extra_buffers if backend.repack is not None else None
+    return (
+        f"speculate={stats['mode']} verify_width={stats['verify_width']} "
+        f"context_limit={stats['context_limit']} repacked={repack}"
+    )
+
+
+@pytest.fixture(scope="module", params=["repack-auto", "repack-off"])
+def backend(request: pytest.FixtureRequest, model_path: str) -> Iterator[LlamaBackend]:
+    """The default configuration (weights repacked where llama.cpp does it), and without
+    repacking (what batch-invariant mode and AMX machines run)."""
+    repack = None if request.param == "repack-auto" else False
+    loaded = LlamaBackend.load(
+        LlamaSettings(model_path, n_ctx=2048, n_threads=THREADS, slots=1, repack=repack, prompt_cache=False)
+    )
+    print(f"\n{request.param}: {_configuration(loaded)}")
+    yield loaded
+    loaded._free()
+
+
+async def test_every_text_equals_the_non_speculative_text(backend: LlamaBackend) -> None:
+    """200 prompts (the repacked configuration; 40 without repacking), varied
+    ``max_tokens`` and stop sequences: with speculation each text (and, without a stop
+    sequence, its token count) equals the text of the same request with speculation off — token for token
+    — and speculation did take place (guesses proposed and accepted)."""
+    config = _configuration(backend)
+    stats = backend.speculation_stats()
+    assert stats["mode"] == "auto"
+    if stats["verify_width"] == 1:
+        pytest.fail(f"no verify call is exact on this machine ({config}): nothing to compare")
+    count = 200 if backend.repack is None or backend.repack.extra_buffers else 40
+    engine = Engine(backend)
+    before = backend.speculation_stats()
+    differ = []
+    for i, prompt in enumerate(_prompts(count)):
+        stop = (f" {_WORDS[(i + 4) % 10]}",) if i % 4 == 3 else ()
+        common = {"prompt": prompt, "max_tokens": 4 + i % 29, "sampling": GREEDY, "stop": stop}
+        plain = await _run(engine, GenerationRequest(**common, speculate=False))
+        fast = await _run(engine, GenerationRequest(**common, speculate=True))
+        if stop:
+            # (a stop sequence is found by the engine, after the tokens that follow it in
+            # the same call were made: the usage counts them, with or without speculation)
+            plain, fast = plain[:2], fast[:2]
+        if plain != fast:
+            differ.append((prompt, plain, fast))
+    after = backend.speculation_stats()
+    proposed = int(after["proposed"]) - int(before["proposed"])  # type: ignore[call-overload]
+    accepted = int(after["accepted"]) - int(before["accepted"])  # type: ignore[call-overload]
+    print(f"{config}: {count} prompts, {proposed} tokens guessed, {accepted} accepted, {len(differ)} differ")
+    assert not differ, f"{config}: {len(differ)} of {count} texts changed, e.g. {differ[0]!r}"
+    assert accepted > 0, f"{config}: speculation never took place ({proposed} proposed)"
+
+
+async def test_constrained_and_logprob_streams_are_exact_too(backend: LlamaBackend) -> None:
+    """A JSON Schema constraint (the mask applies to every verified row; a guess the
+    grammar forbids is not proposed) and log-probabilities (each accepted token's are a
+    one-token step's): the same text and the same numbers with speculation."""
+    engine = Engine(backend)
+    schema = {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"type": "string"}, "maxItems": 6}},
+        "required": ["items"],
+    }
+    constraint = Constraint(kind="json_schema", source=json.dumps(schema))
+    before = backend.speculation_stats()
+    for i, prompt in enumerate(_prompts(10)):
+        prompt = f'{prompt}\nAs JSON: {{"items": ["{_WORDS[i % 10]}", "{_WORDS[(i + 1) % 10]}", "'
+        for extra in ({"constraint": constraint}, {"logprobs": 3}, {"constraint": constraint, "logprobs": 2}):
+            common = {"prompt": prompt, "max_tokens": 24, "sampling": GREEDY, **extra}
+            plain = await _run(engine, GenerationRequest(**common, speculate=False))  # type: ignore[arg-type]
+            fast = await _run(engine, GenerationRequest(**common, speculate=True))  # type: ignore[arg-type]
+            assert plain == fast, f"{_configuration(backend)} {sorted(extra)}: {plain!r} != {fast!r}"
+    after = backend.speculation_stats()
+    assert int(after["verify_calls"]) > int(before["verify_calls"])  # type: ignore[call-overload]
+
+
+async def test_no_speculation_past_the_context_limit(backend: LlamaBackend) -> None:
+    """Past the context where a one-row step's attention takes another path than a
+    verify call's (flash attention's split-KV path: 256 cells here, with 2 threads),
+    auto mode decodes one token per call — and its text is still the plain one."""
+    assert backend.speculation_stats()["context_limit"] == SPLIT_KV_CONTEXT
+    engine = Engine(backend)
+    prompt = "alpha beta gamma delta, " * 70  # ~350 tokens
+    assert len(backend.tokenize(prompt)) > SPLIT_KV_CONTEXT
+    before = backend.speculation_stats()
+    fast = await _run(engine, GenerationRequest(prompt=prompt, max_tokens=24, sampling=GREEDY))
+    after = backend.speculation_stats()
+    assert after["verify_calls"] == before["verify_calls"]
+    plain = await _run(
+        engine, GenerationRequest(prompt=prompt, max_tokens=24, sampling=GREEDY, speculate=False)
+    )
+    assert fast == plain
+
+
+async def test_a_cancel_reaches_a_verify_call(backend: LlamaBackend) -> None:
+    """The caller's scope is cancelled while a verify call (several rows of the stream)
+    is inside llama.cpp: the call is aborted, the sequence leaves with its cells
+    cleared, and the next request's text is the plain text."""
+    engine = Engine(backend)
+    endless = GenerationRequest(
+        prompt="1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,", max_tokens=200, sampling=GREEDY
+    )
+    reference = GenerationRequest(
+        prompt="The capital of France is", max_tokens=24, sampling=GREEDY, speculate=False
+    )
+    expected = await _run(engine, reference)
+    cancelled_at = 0.0
+    with trio.CancelScope() as scope:
+        async with engine.stream(endless) as events:
+            progress = events.progress
+
+            async def cancel_inside_a_verify_call() -> None:
+                nonlocal cancelled_at
+                # (a phase shown by an observable, never a sleep)
+                await wait_for(lambda: backend.rows_in_flight(progress) > 1, limit=60, step=0.0005)
+                cancelled_at = time.perf_counter()
+                scope.cancel()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancel_inside_a_verify_call)
+                async for _ in events:
+                    pass
+    assert scope.cancelled_caught
+    assert backend.generations.running == 0
+    assert engine.admission.in_use == 0
+    ended = progress.inference_ended
+    assert ended is not None
+    assert ended - cancelled_at < 0.25
+    lib = backend.lib
+    assert lib.llama_memory_seq_pos_max(backend._scheduler.memory, 0) == -1  # (no prompt cache here)
+    assert await _run(engine, reference) == expected
