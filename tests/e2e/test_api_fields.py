@@ -198,6 +198,26 @@ def check_cache_prompt(api: Api) -> None:
     )
 
 
+def _verified(api: Api) -> int:
+    speculation = api.client.get("/health").json()["batch"]["speculation"]
+    assert speculation["mode"] == "auto"
+    return int(speculation["verify_calls"])
+
+
+def check_speculate(api: Api) -> None:
+    # a text that invites a copy of itself: with speculate (the default) the server
+    # verifies guesses; false decodes one token per call; the text is the same
+    copy: dict[str, object] = (
+        {"messages": [user("Say: one two three, one two three, one two three")]}
+        if api.chat
+        else {"prompt": "one two three, one two three, one two three, one two"}
+    )
+    before = _verified(api)
+    plain = text_of(api.ok(max_tokens=24, speculate=False, **copy)["choices"][0])
+    assert _verified(api) == before
+    assert text_of(api.ok(max_tokens=24, **copy)["choices"][0]) == plain
+
+
 def check_penalty(name: str) -> Callable[[Api], None]:
     def check(api: Api) -> None:
         # greedy, and the text repeats itself: a penalty changes it
@@ -432,6 +452,7 @@ HONOURED: dict[str, Callable[[Api], None]] = {
     "repeat_penalty": check_repeat_penalty,
     "repeat_last_n": check_repeat_last_n,
     "cache_prompt": check_cache_prompt,
+    "speculate": check_speculate,
     "json_schema": check_json_schema,
     "grammar": check_grammar,
 }
@@ -509,6 +530,7 @@ ENDPOINTS: dict[str, tuple[str, ...]] = {
     "repeat_penalty": BOTH,
     "repeat_last_n": BOTH,
     "cache_prompt": BOTH,
+    "speculate": BOTH,
     "json_schema": BOTH,
     "grammar": BOTH,
 }
