@@ -60,6 +60,9 @@ PHASES = ["queued", "prefill", "decode", "blocked"]
 #: FINAL_EVENT_TIMEOUT anyway)
 STALL_TIMEOUT = 10.0
 LONG_PROMPT = "The history of the city is long and varied. " * 170  # ~1,700 tokens, ~2 s prefill
+#: a text that invites a copy of itself: the "verify" phase is a speculative verify call
+#: (several rows of the stream) inside llama.cpp (docs/speculation.md)
+COPY_PROMPT = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,"
 REFERENCE = {"prompt": "The capital of France is", "max_tokens": 40, "temperature": 0}
 #: a cancel must reach the thread well within this (measured: ~1 ms; the bound is generous)
 CANCEL_LATENCY_BOUND_MS = 250.0
@@ -140,7 +143,7 @@ class Victim:
         self.request_id = uuid.uuid4().hex
         self.raw: RawStream | None = None
         self.h2: H2Stream | None = None
-        prompt = LONG_PROMPT if phase == "prefill" else "Once upon a time"
+        prompt = {"prefill": LONG_PROMPT, "verify": COPY_PROMPT}.get(phase, "Once upon a time")
         self.body: dict[str, Any] = {
             **_dialect_body(dialect, prompt, 40 if phase == "prefill" else 3000),
             "temperature": 0,
@@ -351,6 +354,24 @@ async def test_cancel_cell_batch(
     await _cancel_cell(cause, phase, choices_server, batched_backend, choices_reference, caplog, extra=extra)
 
 
+#: speculative decoding (docs/speculation.md): every cause but the deadline (its timer
+#: starts with the request, before the phase can be reached), while a verify call of the
+#: stream is inside llama.cpp — on one sequence and on two (the victim decodes alone there
+#: too: only a stream alone in its step speculates)
+VERIFY_CAUSES = [c for c in CAUSES if "deadline" not in c]
+
+
+@pytest.mark.parametrize("cause", VERIFY_CAUSES)
+async def test_cancel_cell_verify(
+    cause: str,
+    server: RunningServer,
+    llama_backend: LlamaBackend,
+    reference_text: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    await _cancel_cell(cause, "verify", server, llama_backend, reference_text, caplog)
+
+
 #: the dialects' cells: every cause but the two transport variants (half-close and an
 #: HTTP/2 reset end the request through the same watcher as a close), every phase
 DIALECT_CELLS = [
@@ -410,6 +431,12 @@ async def _cancel_cell(
             if victim.cause != "deadline":
                 stream = _only_stream(server)
                 await wait_for(lambda: llama_backend.in_flight(stream.progress) == "decode")
+        elif phase == "verify":
+            await wait_for(lambda: server.engine.streams)
+            stream = _only_stream(server)
+            # (a verify call needs a guess: the text copies itself, but a CPU may take
+            # a while to start doing so)
+            await wait_for(lambda: llama_backend.rows_in_flight(stream.progress) > 1, limit=60, step=0.0005)
         elif phase == "blocked":
             await victim.read_events(1)
             paused_at = await _wait_inference_paused(server, llama_backend)
