@@ -3,6 +3,8 @@ byte budget (least recently used out first)."""
 
 from __future__ import annotations
 
+from trioserve._backends._cache_policy import CachePolicy
+from trioserve._backends._pieces import PieceRule
 from trioserve._backends._prompt_cache import HostCache, shared_prefix
 
 
@@ -92,3 +94,50 @@ def test_an_entry_past_the_sliding_window_serves_only_itself() -> None:
     assert cache.best([*range(8), 99, 99], [2, 8], 9) is None
     assert cache.best([*range(10), 99], [2, 8, 10], 10) == (10, b"a")
     assert HostCache(budget=10, rule="r").usable(1000, 1)  # no window: any prefix
+
+
+def test_a_state_whose_window_cells_start_late_is_not_kept() -> None:
+    # cells set from a state (an n > 1 choice's copy of its leader's prompt, taken at the
+    # prompt's end) hold window cells only from that state's start: trimmed back to a cut,
+    # they cannot give the cut back, so the host tier neither keeps nor offers them
+    cache = HostCache(budget=10_000, rule="r", window=4)
+    tokens = list(range(10))
+    assert not cache.put(tokens, [2, 8, 10], b"short", floor=8)  # position 9 attends to 6..9
+    assert len(cache) == 0
+    assert not cache.covers(tokens, [2, 8, 10])  # a whole state is still saved after it
+    assert cache.put(tokens, [2, 8, 10], b"whole", floor=0)
+    assert cache.best([*range(10), 99], [2, 8, 10], 10) == (10, b"whole")
+    assert cache.put(list(range(12)), [2, 8, 10, 12], b"late", floor=9)  # serves only 12
+    assert cache.covers(tokens, [2, 8, 10])  # the first entry stays: the second cannot serve it
+    assert cache.best([*range(10), 99], [2, 8, 10], 10) == (10, b"whole")
+    assert cache.usable(12, 12, floor=9)
+    assert not cache.usable(12, 11, floor=9)
+
+
+def test_cells_copied_from_a_state_are_reused_saved_and_recomputed_only_where_exact() -> None:
+    # pieces of 4, a window of 4; id 1 holds 8 tokens whose window cells start at 5 (an
+    # n > 1 choice given its leader's state at the prompt's end, 9, then trimmed to its
+    # last cut): the tokens after position 8 attend to 5..8, but from 4 on to 4..7
+    host = HostCache(budget=10_000, rule="r", window=4)
+    policy = CachePolicy(
+        2, rule=PieceRule(None, max_piece=4), host=host, enabled=True, fast=False, idle_recompute=True
+    )
+    prompt = list(range(9))
+    policy.release(0, prompt, [50, 51, 52, 53], 8, finished=True)  # whole: evaluated here
+    policy.release(1, prompt, [50, 51, 52, 53], 8, finished=True, floor=6)  # from a state: window cells 6..7
+    assert policy.cached(1) == prompt[:8]  # (kept, and shown as kept)
+    assert policy.serves(0, 8)
+    assert not policy.serves(1, 8)
+    assert policy.savable(0)
+    assert not policy.savable(1)
+    assert policy.pending == 1  # id 1's conversation is not recomputed on cells it lacks
+    again = [*prompt, 99]
+    plan = policy.place(again, [4, 8], True, [1])  # only id 1 free: it shares 8, serves none
+    assert (plan.seq_id, plan.reused, plan.save) == (1, 0, None)
+    plan = policy.place(again, [4, 8], True, [0, 1])
+    assert (plan.seq_id, plan.reused) == (0, 8)
+    assert policy.place_follower([1]).save is None  # its prefix is not saved either
+    policy.take(1)
+    policy.release(1, prompt, [], 8, finished=False, floor=5)  # 5 <= 8 - 4 + 1: exact
+    assert policy.serves(1, 8)
+    assert policy.savable(1)

@@ -164,6 +164,11 @@ class CachePolicy:
         #: the prompt tokens whose KV cells each sequence id keeps — whole pieces of the
         #: canonical cut, computed exactly as a fresh server computes them
         self._cached: list[list[int]] = [[] for _ in range(slots)]
+        #: the first position whose sliding-window cells each id holds: cells set from a
+        #: sequence state (a restore, an ``n`` > 1 choice's copy of its leader's prompt)
+        #: lack the window cells below that state's start, so they serve only the
+        #: prefixes whose following tokens attend to none of those (``HostCache.serves``)
+        self._floor = [0] * slots
         #: when each id was last released (the LRU clock)
         self._used_at = [0] * slots
         self._uses = 0
@@ -198,6 +203,17 @@ class CachePolicy:
         the host tier in: it keeps the newest when it is full)."""
         return sorted(range(len(self._cached)), key=lambda i: self._used_at[i])
 
+    def serves(self, seq_id: int, shared: int) -> bool:
+        """Whether ``seq_id``'s cells give back its first ``shared`` tokens exactly (a
+        sliding-window model: the window cells the tokens after them attend to are there)."""
+        return self.host.serves(self._floor[seq_id], shared)
+
+    def savable(self, seq_id: int) -> bool:
+        """Whether ``seq_id`` caches a prefix worth saving to the host tier: one its cells
+        give back exactly."""
+        tokens = self._cached[seq_id]
+        return bool(tokens) and bool(self.host.budget) and self.serves(seq_id, len(tokens))
+
     def host_covers(self, tokens: list[int]) -> bool:
         """Whether the host tier already holds ``tokens`` (as an entry or its prefix)."""
         return self.host.covers(tokens, self.host_cuts(tokens))
@@ -219,6 +235,9 @@ class CachePolicy:
             shared = {i: _common_prefix(cached[i], prompt, limit) for i in free_ids}
         else:
             shared = {i: shared_prefix(cached[i], prompt, cuts, limit) for i in free_ids}
+        # (a longer prefix needs fewer window cells: if an id's cells cannot give back what
+        # it shares, they give back nothing)
+        shared = {i: n if self.serves(i, n) else 0 for i, n in shared.items()}
         best = max(free_ids, key=lambda i: (shared[i], -self._used_at[i]))
         reused = shared[best]
         restore = None
@@ -229,7 +248,7 @@ class CachePolicy:
             best = min(free_ids, key=lambda i: self._used_at[i])
             reused, restore = found
         save = None
-        if cached[best] and host.budget and (restore is not None or len(cached[best]) > reused):
+        if self.savable(best) and (restore is not None or len(cached[best]) > reused):
             save = cached[best]  # (some of) its cells are about to be overwritten
         return Placement(best, reused, save, restore)
 
@@ -237,13 +256,13 @@ class CachePolicy:
         """A later choice of an ``n`` > 1 request: the least recently used free id (it
         gets a copy of its leader's cells once the prompt is evaluated)."""
         best = min(free_ids, key=lambda i: self._used_at[i])
-        cached = self._cached[best]
-        return Placement(best, save=cached if cached and self.host.budget else None)
+        return Placement(best, save=self._cached[best] if self.savable(best) else None)
 
     def take(self, seq_id: int) -> None:
         """``seq_id``'s cells now belong to a running sequence. (Under the scheduler's
         lock: ``/health`` reads what the ids keep.)"""
         self._cached[seq_id] = []
+        self._floor[seq_id] = 0
         self._history.pop(seq_id, None)
 
     # ------------------------------------------------------------ release
@@ -262,20 +281,30 @@ class CachePolicy:
     def forget(self, seq_id: int) -> None:
         """``seq_id`` keeps nothing (its cells are being cleared)."""
         self._cached[seq_id] = []
+        self._floor[seq_id] = 0
         self._history.pop(seq_id, None)
 
     def release(
-        self, seq_id: int, prompt: list[int], generated: list[int], kept: int, *, finished: bool
+        self,
+        seq_id: int,
+        prompt: list[int],
+        generated: list[int],
+        kept: int,
+        *,
+        finished: bool,
+        floor: int = 0,
     ) -> None:
         """A sequence left ``seq_id`` with its first ``kept`` cells (``prompt`` then
-        ``generated``); ``finished``: it ended on its own (stop or length), so its
-        conversation is remembered for the idle recompute. The id becomes the most
-        recently used."""
+        ``generated``), its sliding-window cells from position ``floor`` on;
+        ``finished``: it ended on its own (stop or length), so its conversation is
+        remembered for the idle recompute (when its cells give back what they keep: the
+        pieces after them attend to those). The id becomes the most recently used."""
         if kept > len(prompt):
             self._cached[seq_id] = (prompt + generated)[:kept]
         else:
             self._cached[seq_id] = prompt[:kept]
-        if self.idle_recompute and kept and finished:
+        self._floor[seq_id] = floor if kept else 0
+        if self.idle_recompute and kept and finished and self.serves(seq_id, kept):
             history = prompt + generated + self.rule.continuation(prompt)
             cuts = self.rule.cuts(history)
             if cuts and cuts[-1] > kept:

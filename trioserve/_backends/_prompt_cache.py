@@ -8,7 +8,7 @@ it and does the llama.cpp calls."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 __all__ = ["HostCache", "shared_prefix"]
 
@@ -56,14 +56,19 @@ class HostCache:
     positions (measured: a 689-token state restored starts its window cells at 177), so
     an entry longer than the window restores a prefix exactly only when the tokens after
     the prefix see no position the state dropped: it serves ``n`` shared tokens only if
-    ``len(entry) - window <= n - window + 1``, i.e. (almost) whole."""
+    ``len(entry) - window <= n - window + 1``, i.e. (almost) whole. And a sequence whose
+    cells were themselves set from a state (a restore, an ``n`` > 1 choice's copy of its
+    leader's prompt) lacks the window cells below that state's own start: ``put`` takes
+    that start (``floor``), and an entry that cannot serve even its own tokens is not
+    kept — it would be indexed under prefixes it cannot give back."""
 
     def __init__(self, budget: int, *, rule: str, window: int = 0) -> None:
         self.budget = budget
         self.rule = rule
         self.window = window
-        #: entry tokens → (state, the hashes of its prefixes at its cuts)
-        self._entries: OrderedDict[tuple[int, ...], tuple[bytes, list[int]]] = OrderedDict()
+        #: entry tokens → (state, the hashes of its prefixes at its cuts, the first
+        #: position whose sliding-window cells the state holds)
+        self._entries: OrderedDict[tuple[int, ...], tuple[bytes, list[int], int]] = OrderedDict()
         #: prefix hash → the entries with that prefix
         self._index: dict[int, set[tuple[int, ...]]] = {}
         self.bytes = 0
@@ -71,12 +76,23 @@ class HostCache:
         self.restores = 0
         self.evictions = 0
 
-    def usable(self, length: int, shared: int) -> bool:
-        """Whether an entry of ``length`` tokens restores its first ``shared`` exactly
-        (every cell the tokens after them attend to is in the state)."""
-        if not self.window:
-            return True
-        return max(0, length - self.window) <= max(0, shared - self.window + 1)
+    def serves(self, floor: int, shared: int) -> bool:
+        """Whether cells whose sliding-window layers start at position ``floor`` serve
+        their first ``shared`` tokens exactly: the tokens after them attend to the
+        positions from ``shared - window + 1`` on, and every one of those is there."""
+        return not self.window or floor <= max(0, shared - self.window + 1)
+
+    def floor(self, length: int, floor: int = 0) -> int:
+        """Where the sliding-window cells of a state of ``length`` tokens start: at most
+        its last ``window`` positions are written, and none below ``floor`` (the first
+        window position the saved sequence held)."""
+        return max(floor, length - self.window, 0) if self.window else 0
+
+    def usable(self, length: int, shared: int, floor: int = 0) -> bool:
+        """Whether an entry of ``length`` tokens (saved from cells whose window layers
+        started at ``floor``) restores its first ``shared`` exactly (every cell the
+        tokens after them attend to is in the state)."""
+        return self.serves(self.floor(length, floor), shared)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -86,17 +102,19 @@ class HostCache:
         return sum(len(key) for key in self._entries)
 
     def covers(self, tokens: Sequence[int], cuts: Sequence[int]) -> bool:
-        """Whether an entry already holds ``tokens`` (as itself or as its prefix)."""
+        """Whether an entry already holds ``tokens`` (as itself or as its prefix) and can
+        give them back (:meth:`serves`)."""
         n = len(tokens)
+        wanted = tuple(tokens)
         chain = _chain(tokens, cuts, n)
         if chain and chain[-1][0] == n:
-            keys = self._index.get(chain[-1][1], ())
-            return any(key[:n] == tuple(tokens) for key in keys)
-        wanted = tuple(tokens)
-        return any(len(key) >= n and key[:n] == wanted for key in self._entries)
+            keys: Iterable[tuple[int, ...]] = self._index.get(chain[-1][1], ())
+        else:
+            keys = (key for key in self._entries if len(key) >= n)
+        return any(key[:n] == wanted and self.serves(self._entries[key][2], n) for key in keys)
 
     def _drop(self, key: tuple[int, ...]) -> bytes:
-        state, hashes = self._entries.pop(key)
+        state, hashes, _ = self._entries.pop(key)
         for h in hashes:
             keys = self._index.get(h)
             if keys is not None:
@@ -106,16 +124,27 @@ class HostCache:
         self.bytes -= len(state)
         return state
 
-    def put(self, tokens: Sequence[int], cuts: Sequence[int], state: bytes) -> None:
-        """Keep ``state``, the cells of ``tokens`` (which end on one of its ``cuts``)."""
-        if not tokens or len(state) > self.budget or self.covers(tokens, cuts):
-            return
+    def put(self, tokens: Sequence[int], cuts: Sequence[int], state: bytes, *, floor: int = 0) -> bool:
+        """Keep ``state``, the cells of ``tokens`` (which end on one of its ``cuts``),
+        saved from a sequence whose sliding-window cells started at position ``floor``.
+        Whether it is kept: not when it cannot give back ``tokens`` themselves (its
+        window cells start too late: :meth:`serves`), is larger than the budget, or is
+        already covered."""
         key = tuple(tokens)
-        # entries this one extends are redundant now
-        for other in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
+        start = self.floor(len(key), floor)
+        if not key or len(state) > self.budget or not self.serves(start, len(key)):
+            return False
+        if self.covers(key, cuts):
+            return False
+        # entries this one extends (and gives back exactly) are redundant now
+        for other in [
+            k
+            for k in self._entries
+            if len(k) < len(key) and key[: len(k)] == k and self.serves(start, len(k))
+        ]:
             self._drop(other)
         hashes = [h for _, h in _chain(key, cuts, len(key))]
-        self._entries[key] = (state, hashes)
+        self._entries[key] = (state, hashes, start)
         for h in hashes:
             self._index.setdefault(h, set()).add(key)
         self.bytes += len(state)
@@ -123,6 +152,7 @@ class HostCache:
         while self.bytes > self.budget:
             self._drop(next(iter(self._entries)))
             self.evictions += 1
+        return True
 
     def shrink(self) -> None:
         """Drop the least recently used entries until the bytes held fit the budget
@@ -141,7 +171,7 @@ class HostCache:
             keys = self._index.get(h)
             if not keys:
                 break
-            usable = next((key for key in keys if self.usable(len(key), c)), None)
+            usable = next((key for key in keys if self.serves(self._entries[key][2], c)), None)
             if usable is not None:
                 best_key, best_shared = usable, c
         if best_key is None:
@@ -161,6 +191,6 @@ class HostCache:
         best_shared = 0
         for key in self._entries:
             shared = shared_prefix(list(key[:limit]), list(prompt), cuts, min(limit, len(key)))
-            if shared > best_shared and self.usable(len(key), shared):
+            if shared > best_shared and self.serves(self._entries[key][2], shared):
                 best_key, best_shared = key, shared
         return best_key, best_shared

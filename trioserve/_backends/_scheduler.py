@@ -466,7 +466,7 @@ class _Scheduler:
         # the most recently used last: the host tier keeps the newest when it is full
         for seq_id in policy.spill_order():
             tokens = policy.cached(seq_id)
-            if not tokens or policy.host_covers(tokens):
+            if not policy.savable(seq_id) or policy.host_covers(tokens):
                 continue
             try:
                 size = lib.llama_state_seq_get_size(self.ctx, seq_id)
@@ -474,8 +474,9 @@ class _Scheduler:
                     continue
                 buffer = (ctypes.c_uint8 * size)()
                 written = lib.llama_state_seq_get_data(self.ctx, buffer, size, seq_id)
-                if written:
-                    self.host.put(tokens, policy.host_cuts(tokens), ctypes.string_at(buffer, written))
+                floor = self._window_start(seq_id, len(tokens))
+                state = ctypes.string_at(buffer, written) if written else b""
+                if state and self.host.put(tokens, policy.host_cuts(tokens), state, floor=floor):
                     saved += 1
             except Exception:  # an optimisation: without it, the prompt is evaluated again
                 logger.exception("could not save a cached prefix at unload; it is dropped")
@@ -680,7 +681,9 @@ class _Scheduler:
                     buffer = (ctypes.c_uint8 * size)()
                     written = lib.llama_state_seq_get_data(self.ctx, buffer, size, seq_id)
                     if written:
-                        self.host.put(save, self.policy.host_cuts(save), ctypes.string_at(buffer, written))
+                        state = ctypes.string_at(buffer, written)
+                        floor = self._window_start(seq_id, len(save))
+                        self.host.put(save, self.policy.host_cuts(save), state, floor=floor)
             except Exception:
                 # the save is an optimisation: without it, a later turn evaluates again
                 logger.exception("could not save a cached prefix to host memory; it is dropped")
@@ -706,6 +709,15 @@ class _Scheduler:
         kept = self._trim(seq_id, sequence.prefilled)
         if kept != sequence.prefilled:
             self._reuse(sequence, kept)
+
+    def _window_start(self, seq_id: int, held: int) -> int:
+        """The first position whose sliding-window cells ``seq_id`` holds, with ``held``
+        cells (0 without a window). Cells set from a sequence state — a restore, a
+        choice's copy of its leader's prompt — start where that state's window cells did."""
+        if not self.host.window or not held:
+            return 0
+        start = int(self._backend.lib.llama_memory_seq_pos_min(self.memory, seq_id))
+        return start if start >= 0 else held  # (no window cells at all: they serve nothing)
 
     def _window_floor(self, reused: int) -> int:
         """The lowest position the tokens after ``reused`` cached ones attend to."""
@@ -755,6 +767,7 @@ class _Scheduler:
                 sequence.generated_tokens,
                 keep,
                 finished=result == "stop" or result == "length",
+                floor=self._window_start(seq_id, keep),
             )
             self._free_id(sequence)
         if sequence.sampler is not None:
