@@ -297,6 +297,7 @@ class _Scheduler:
         if self.speculation == "fast":
             self.verify_width = min(1 + FAST_DRAFT, settings.n_batch)
         elif self.speculation == "auto":
+            started = time.perf_counter()
             try:
                 self.verify_width = probe_speculation(backend, self.context, 1 + MAX_DRAFT)
             except BaseException:
@@ -305,10 +306,11 @@ class _Scheduler:
             if settings.n_threads > 1:
                 self.verify_context_limit = min(settings.n_ctx, SPLIT_KV_CONTEXT)
             logger.info(
-                "speculative decoding (auto, exact): verify calls of at most %d rows (measured), "
-                "while a context is at most %d tokens",
+                "speculative decoding (auto, exact): verify calls of at most %d rows, while a context "
+                "is at most %d tokens (measured in %.0f ms)",
                 self.verify_width,
                 self.verify_context_limit,
+                (time.perf_counter() - started) * 1000,
             )
         if settings.batch_invariant:
             try:
