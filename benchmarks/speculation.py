@@ -27,6 +27,8 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -429,6 +431,24 @@ def one_request(server: servers.Server, prompt: str, max_tokens: int, timeout: f
     }
 
 
+def wait_idle(server: servers.Server, limit: float = 30.0) -> None:
+    """Until trioserve's idle recompute of the reply it just sent is done (it runs while
+    the server has no request: the next contestant must not share the CPU with it)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=5) as response:
+            health = json.load(response)
+        models = health.get("models")
+        pending = 0
+        for model in models.values() if isinstance(models, dict) else [health]:
+            batch = model.get("batch") if isinstance(model, dict) else None
+            if isinstance(batch, dict):
+                pending += int(batch.get("cache", {}).get("idle_recompute", {}).get("pending", 0))
+        if not pending:
+            return
+        time.sleep(0.05)
+
+
 def run(args: Any) -> dict[str, Any]:
     model, settings = cli.resolve_model(args), {"threads": args.threads, "ctx_size": args.ctx_size}
     keep = args.prompts_per_workload or None
@@ -454,6 +474,8 @@ def run(args: Any) -> dict[str, Any]:
                     for server in running[shift:] + running[:shift]:
                         server.check_alive()
                         got = one_request(server, prompt, args.max_tokens, args.request_timeout)
+                        if servers.kind(server.name) == servers.TRIOSERVE:
+                            wait_idle(server)
                         got |= {"round": round_, "workload": workload, "prompt": i, "contestant": server.name}
                         requests.append(got)
                     cli.log(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trioserve._backends._speculation import MAX_NGRAM, MIN_NGRAM, PATIENCE, Drafter
+from trioserve._backends._speculation import MAX_NGRAM, MIN_NGRAM, PATIENCE, SHORTEST_DRAFT, Drafter
 
 
 def test_it_proposes_what_followed_the_longest_match_in_the_prompt() -> None:
@@ -56,15 +56,23 @@ def test_the_draft_length_follows_acceptance() -> None:
 
 
 def test_repeated_misses_ask_for_a_longer_match() -> None:
-    # "1 2" occurred once, followed by 3: a two-token match
-    drafter = Drafter([1, 2, 3, 0, 1], longest=6)
-    assert drafter.propose(2, 1) == [3]
+    # "1 2" occurred once, followed by 3 4: a two-token match
+    drafter = Drafter([1, 2, 3, 4, 0, 1], longest=6)
+    assert drafter.propose(2, 2) == [3, 4]
     for _ in range(PATIENCE):
-        drafter.settle(1, 0)
-    assert drafter.propose(2, 1) == []  # two tokens are no longer enough
+        drafter.settle(2, 0)
+    assert drafter.propose(2, 2) == []  # two tokens are no longer enough
     # a full acceptance resets it
-    drafter.settle(1, 1)
-    assert drafter.propose(2, 1) == [3]
+    drafter.settle(2, 2)
+    assert drafter.propose(2, 2) == [3, 4]
+
+
+def test_a_single_guess_is_never_proposed() -> None:
+    # a row costs what a one-token step does: one guess cannot pay for it
+    drafter = Drafter([1, 2, 3, 0, 1], longest=6)
+    assert SHORTEST_DRAFT == 2
+    assert drafter.propose(2, 2) == [3, 0]
+    assert drafter.propose(2, 1) == []  # the room for one guess only: none
 
 
 def test_ngram_bounds_are_sane() -> None:

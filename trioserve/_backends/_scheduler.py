@@ -41,7 +41,7 @@ from ._grammar import TokenMask
 from ._llama import LlamaModel, _Context
 from ._pieces import PieceRule
 from ._prompt_cache import HostCache
-from ._speculation import FAST_DRAFT, MAX_DRAFT, SPLIT_KV_CONTEXT, Drafter, SpeculationStats
+from ._speculation import FAST_DRAFT, MAX_DRAFT, SHORTEST_DRAFT, SPLIT_KV_CONTEXT, Drafter, SpeculationStats
 from ._warmup import probe_invariance, probe_speculation, warm_up
 
 __all__ = ["LlamaBackend"]
@@ -303,6 +303,8 @@ class _Scheduler:
             except BaseException:
                 self.context.free(backend.lib)
                 raise
+            if self.verify_width < 1 + SHORTEST_DRAFT:
+                self.verify_width = 1  # (a single guess per call cannot pay for its row)
             if settings.n_threads > 1:
                 self.verify_context_limit = min(settings.n_ctx, SPLIT_KV_CONTEXT)
             logger.info(

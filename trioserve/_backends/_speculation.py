@@ -19,7 +19,7 @@ Pure Python, no llama.cpp: the scheduler verifies the proposal (``_scheduler.py`
 
 from __future__ import annotations
 
-__all__ = ["FAST_DRAFT", "MAX_DRAFT", "SPLIT_KV_CONTEXT", "Drafter", "SpeculationStats"]
+__all__ = ["FAST_DRAFT", "MAX_DRAFT", "SHORTEST_DRAFT", "SPLIT_KV_CONTEXT", "Drafter", "SpeculationStats"]
 
 #: the shortest and longest suffix matched
 MIN_NGRAM = 2
@@ -41,6 +41,10 @@ SPLIT_KV_CONTEXT = 256
 START_DRAFT = 4
 #: consecutive fully rejected proposals after which a longer match is required
 PATIENCE = 3
+#: the shortest draft worth proposing: on the CPU measured, a call of 2 rows costs what
+#: two calls of one do (17.7 → 34.1 ms), 3 rows 39 ms, 4 rows 42 ms — a single guess
+#: cannot pay for its row (docs/speculation.md, "What a row costs")
+SHORTEST_DRAFT = 2
 
 
 class SpeculationStats:
@@ -96,7 +100,7 @@ class Drafter:
         """Up to ``min(limit, self.length)`` tokens that may follow ``current`` (the
         token about to be decoded, not yet in :attr:`context`); empty: no match."""
         limit = min(limit, self.length)
-        if limit <= 0:
+        if limit < SHORTEST_DRAFT:
             return []
         context = self.context
         index = self._index
@@ -111,7 +115,7 @@ class Drafter:
             draft = context[start : start + limit]
             if len(draft) < limit and start + len(draft) == len(context):
                 draft.append(current)
-            return draft[:limit]
+            return draft if len(draft) >= SHORTEST_DRAFT else []
         return []
 
     def settle(self, proposed: int, accepted: int) -> None:
@@ -123,7 +127,7 @@ class Drafter:
             self._misses = 0
             self._min_ngram = MIN_NGRAM
             return
-        self.length = max(1, accepted + 1)
+        self.length = max(SHORTEST_DRAFT, accepted + 1)
         if accepted == 0:
             self._misses += 1
             if self._misses >= PATIENCE and self._min_ngram < MAX_NGRAM:
