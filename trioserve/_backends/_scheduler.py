@@ -1060,9 +1060,16 @@ class _Scheduler:
         sequence.draft = []
         if not sequence.speculate:
             return
+        channel = sequence.channel
+        room = channel.room
+        if self.speculation == "fast" and room == channel.capacity:
+            # fast: a reader that has taken every piece may get a run longer than the
+            # channel's window (at most FAST_DRAFT + 1 pieces at once: still bounded); a
+            # reader that is behind keeps the window, and pauses the stream as before
+            room = self.verify_width
         limit = min(
             self.verify_width - 1,
-            sequence.channel.room - 1,
+            room - 1,
             sequence.max_new - sequence.generated - 1,
             self.verify_context_limit - sequence.pos - 1,
         )
