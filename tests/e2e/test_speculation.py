@@ -210,3 +210,31 @@ async def test_a_cancel_reaches_a_verify_call(backend: LlamaBackend) -> None:
     lib = backend.lib
     assert lib.llama_memory_seq_pos_max(backend._scheduler.memory, 0) == -1  # (no prompt cache here)
     assert await _run(engine, reference) == expected
+
+
+async def test_fast_mode_verifies_wide_calls_and_leaves_no_cells(model_path: str) -> None:
+    """``--speculate fast`` (opt-in, not exact): verify calls of up to 16 rows, a run
+    longer than the channel's window only when the reader has taken every piece; the
+    stream ends with its full token count and no cell of the reply or of a rejected
+    guess is left."""
+    backend = LlamaBackend.load(
+        LlamaSettings(
+            model_path, n_ctx=2048, n_threads=THREADS, slots=1, speculate="fast", prompt_cache=False
+        )
+    )
+    try:
+        stats = backend.speculation_stats()
+        assert (stats["mode"], stats["verify_width"], stats["context_limit"]) == ("fast", 16, 2048)
+        engine = Engine(backend)
+        prompt = "red, green, blue, " * 40  # past the exact mode's context limit
+        before = backend.speculation_stats()
+        text, _, tokens = await _run(engine, GenerationRequest(prompt=prompt, max_tokens=64, sampling=GREEDY))
+        assert 1 <= tokens <= 64
+        assert len(backend.tokenize(text, add_bos=False)) <= 64
+        # every verified guess was counted, and none was accepted beyond the limit
+        after = backend.speculation_stats()
+        assert int(after["accepted"]) - int(before["accepted"]) <= tokens  # type: ignore[call-overload]
+        assert backend.lib.llama_memory_seq_pos_max(backend._scheduler.memory, 0) == -1
+        assert backend.generations.running == 0
+    finally:
+        backend._free()
