@@ -889,7 +889,13 @@ class _Scheduler:
                 decoders = [s for s in decoders if s.pos + 1 <= limit]
         if self.verify_width > 1 and len(decoders) + len(alone) == 1:
             # a stream that decodes alone: guess its next tokens, verified in its call
-            self._plan_draft(decoders[0] if decoders else alone[0])
+            lone = decoders[0] if decoders else alone[0]
+            try:
+                self._plan_draft(lone)
+            except Exception:  # (an optimisation: never a reason to fail anything)
+                logger.exception("drafting failed; the stream decodes one token per call from now on")
+                lone.draft = []
+                lone.speculate = False
         calls: list[list[tuple[_Sequence, int]]] = [
             [(s, 0) for s in group] for group in _split(decoders, self.max_call_width)
         ]
@@ -1087,6 +1093,8 @@ class _Scheduler:
         if draft and sequence.mask is not None:
             # a guess the constraint forbids is not proposed
             draft = draft[: sequence.mask.valid_prefix(draft)]
+            if len(draft) < SHORTEST_DRAFT:
+                draft = []
         sequence.draft = draft
 
     def _verify(self, sequence: _Sequence, index: int, token: int, draft: list[int]) -> None:
@@ -1094,26 +1102,30 @@ class _Scheduler:
         ``draft`` in the rows after it: accept the longest prefix of the draft the model
         agrees with (each accepted row's draw is that of a one-token step), remove the
         cells of the rest."""
+        if token < 0:
+            return  # ended at the token itself: no guess was verified
+        # (counted before each piece is sent: the request may end with any of them, and
+        # it reads its counters as soon as it is handed back)
+        stats = self.spec_stats
+        progress = sequence.progress
+        stats.verify_calls += 1
+        stats.proposed += len(draft)
+        progress.draft_proposed += len(draft)
         accepted = 0
         for guess in draft:
             if token != guess:
                 break
             accepted += 1
+            stats.accepted += 1
+            progress.draft_accepted += 1
+            sequence.pos += 1  # the guess's cell is the sequence's now
             token = self._emit(sequence, index + accepted)
             if token < 0:
                 break
-        stats = self.spec_stats
-        stats.verify_calls += 1
-        stats.proposed += len(draft)
-        stats.accepted += accepted
-        progress = sequence.progress
-        progress.draft_proposed += len(draft)
-        progress.draft_accepted += accepted
         if sequence.drafter is not None:
             sequence.drafter.settle(len(draft), accepted)
         if sequence.result is not None:
             return  # ended inside the run: its cells are released already
-        sequence.pos += accepted
         if accepted < len(draft) and not self._backend.lib.llama_memory_seq_rm(
             self.memory, sequence.seq_id, sequence.pos, -1
         ):  # pragma: no cover - (speculation needs partial removal: checked at load)
