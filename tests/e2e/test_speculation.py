@@ -107,8 +107,8 @@ async def test_every_text_equals_the_non_speculative_text(backend: LlamaBackend)
     config = _configuration(backend)
     stats = backend.speculation_stats()
     assert stats["mode"] == "auto"
-    if stats["verify_width"] == 1:
-        pytest.fail(f"no verify call is exact on this machine ({config}): nothing to compare")
+    # (a machine where no verify call is exact must not speculate at all: checked below)
+    exact_somewhere = stats["verify_width"] != 1
     count = 200 if backend.repack is None or backend.repack.extra_buffers else 40
     engine = Engine(backend)
     before = backend.speculation_stats()
@@ -129,7 +129,10 @@ async def test_every_text_equals_the_non_speculative_text(backend: LlamaBackend)
     accepted = int(after["accepted"]) - int(before["accepted"])  # type: ignore[call-overload]
     print(f"{config}: {count} prompts, {proposed} tokens guessed, {accepted} accepted, {len(differ)} differ")
     assert not differ, f"{config}: {len(differ)} of {count} texts changed, e.g. {differ[0]!r}"
-    assert accepted > 0, f"{config}: speculation never took place ({proposed} proposed)"
+    if exact_somewhere:
+        assert accepted > 0, f"{config}: speculation never took place ({proposed} proposed)"
+    else:
+        assert proposed == 0, f"{config}: no verify call is exact here, yet {proposed} tokens were guessed"
 
 
 async def test_constrained_and_logprob_streams_are_exact_too(backend: LlamaBackend) -> None:
