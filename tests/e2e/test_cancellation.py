@@ -32,13 +32,13 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 import trio
 
-from trioserve import HTTPSettings, LlamaBackend
+from trioserve import HTTPSettings, LlamaBackend, LlamaSettings
 
 from .._helpers import H2Stream, RawStream, RunningServer, start_server, wait_for
 
@@ -361,15 +361,47 @@ async def test_cancel_cell_batch(
 VERIFY_CAUSES = [c for c in CAUSES if "deadline" not in c]
 
 
+@pytest.fixture(scope="module")
+def verify_backend(llama_backend: LlamaBackend, model_path: str) -> Iterator[LlamaBackend]:
+    """The backend of the verify cells: this module's, where a verify call is exact on
+    this CPU (``--speculate auto`` speculates); on a CPU where none is (measured width
+    1), the same sequences with ``--speculate fast``, which verifies several tokens a
+    call on any CPU — a verify call is reached either way."""
+    if llama_backend.speculation_stats()["verify_width"] != 1:
+        yield llama_backend
+        return
+    settings = llama_backend.settings
+    backend = LlamaBackend.load(
+        LlamaSettings(
+            model_path, n_ctx=4096, n_threads=settings.n_threads, slots=settings.slots, speculate="fast"
+        )
+    )
+    print("\nno verify call is exact on this CPU: the verify cells run on --speculate fast")
+    yield backend
+    backend._free()
+
+
+@pytest.fixture(scope="module")
+def verify_reference(verify_backend: LlamaBackend) -> str:
+    return _fresh_reference(verify_backend)
+
+
+@pytest.fixture
+async def verify_server(verify_backend: LlamaBackend, nursery: trio.Nursery) -> AsyncIterator[RunningServer]:
+    running = await _victims_server(nursery, verify_backend)
+    yield running
+    running.server.shutdown()
+
+
 @pytest.mark.parametrize("cause", VERIFY_CAUSES)
 async def test_cancel_cell_verify(
     cause: str,
-    server: RunningServer,
-    llama_backend: LlamaBackend,
-    reference_text: str,
+    verify_server: RunningServer,
+    verify_backend: LlamaBackend,
+    verify_reference: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    await _cancel_cell(cause, "verify", server, llama_backend, reference_text, caplog)
+    await _cancel_cell(cause, "verify", verify_server, verify_backend, verify_reference, caplog)
 
 
 #: the dialects' cells: every cause but the two transport variants (half-close and an

@@ -135,6 +135,60 @@ async def test_every_text_equals_the_non_speculative_text(backend: LlamaBackend)
         assert proposed == 0, f"{config}: no verify call is exact here, yet {proposed} tokens were guessed"
 
 
+#: sampled draws: each goes through the request's sampler chain (its penalties, its
+#: truncation, its seeded random numbers); ``top_k=1`` and the biased temperature 0 are
+#: sampled paths whose draws do not depend on the random numbers
+SAMPLED = [
+    {"temperature": 0.7},
+    {"temperature": 1.0, "top_p": 0.9},
+    {"temperature": 0.5, "top_k": 40, "min_p": 0.05, "repeat_penalty": 1.1},
+    {"temperature": 0.8, "frequency_penalty": 0.5, "presence_penalty": 0.3},
+    {"temperature": 1.0, "top_k": 1},
+    {"temperature": 0.0, "logit_bias": " apple"},  # (a bias of +2 on this word's token)
+]
+
+
+async def test_sampled_streams_keep_their_seeded_text(backend: LlamaBackend) -> None:
+    """Temperature > 0, penalties, truncation, a logit bias: a guess is accepted when the
+    row's own draw through the request's sampler chain equals it (for a one-token-per-
+    position draft, the standard acceptance rule), and the draws consume the seeded
+    random numbers as one-token steps do — so, on the configurations measured exact here,
+    each seeded text (and its log-probabilities) equals the non-speculative one, which
+    is the strongest form of "the output distribution is unchanged"."""
+    config = _configuration(backend)
+    stats = backend.speculation_stats()
+    exact_somewhere = stats["verify_width"] != 1
+    engine = Engine(backend)
+    before = backend.speculation_stats()
+    differ = []
+    prompts = _prompts(30 if backend.repack is None or backend.repack.extra_buffers else 12)
+    for i, prompt in enumerate(prompts):
+        options = dict(SAMPLED[i % len(SAMPLED)])
+        if "logit_bias" in options:
+            options["logit_bias"] = {backend.tokenize(str(options["logit_bias"]), add_bos=False)[0]: 2.0}
+        sampling = SamplingParams(**options, seed=1000 + i)  # type: ignore[arg-type]
+        common = {"prompt": prompt, "max_tokens": 8 + i % 25, "sampling": sampling}
+        if i % 3 == 2:
+            common["logprobs"] = 2
+        plain = await _run(engine, GenerationRequest(**common, speculate=False))  # type: ignore[arg-type]
+        fast = await _run(engine, GenerationRequest(**common, speculate=True))  # type: ignore[arg-type]
+        if plain != fast:
+            differ.append((options, prompt, plain, fast))
+    after = backend.speculation_stats()
+    calls = int(after["verify_calls"]) - int(before["verify_calls"])  # type: ignore[call-overload]
+    proposed = int(after["proposed"]) - int(before["proposed"])  # type: ignore[call-overload]
+    accepted = int(after["accepted"]) - int(before["accepted"])  # type: ignore[call-overload]
+    print(
+        f"{config}: {len(prompts)} sampled streams, {proposed} guessed, {accepted} accepted, "
+        f"{len(differ)} differ"
+    )
+    assert not differ, f"{config}: {len(differ)} of {len(prompts)} seeded texts changed, e.g. {differ[0]!r}"
+    if exact_somewhere:
+        assert calls > 0, f"{config}: no sampled stream was speculated"
+    else:
+        assert proposed == 0
+
+
 async def test_constrained_and_logprob_streams_are_exact_too(backend: LlamaBackend) -> None:
     """A JSON Schema constraint (the mask applies to every verified row; a guess the
     grammar forbids is not proposed) and log-probabilities (each accepted token's are a
@@ -176,10 +230,36 @@ async def test_no_speculation_past_the_context_limit(backend: LlamaBackend) -> N
     assert fast == plain
 
 
-async def test_a_cancel_reaches_a_verify_call(backend: LlamaBackend) -> None:
+@pytest.fixture
+def speculating(backend: LlamaBackend, model_path: str) -> Iterator[LlamaBackend]:
+    """``backend`` where a verify call is exact on this CPU; where none is (measured
+    width 1: auto never speculates), the same configuration with ``--speculate fast``,
+    which verifies several tokens a call on any CPU."""
+    if backend.speculation_stats()["verify_width"] != 1:
+        yield backend
+        return
+    settings = backend.settings
+    fast = LlamaBackend.load(
+        LlamaSettings(
+            model_path,
+            n_ctx=2048,
+            n_threads=THREADS,
+            slots=1,
+            repack=settings.repack,
+            prompt_cache=False,
+            speculate="fast",
+        )
+    )
+    print(f"\nno verify call is exact on this CPU: {_configuration(fast)}")
+    yield fast
+    fast._free()
+
+
+async def test_a_cancel_reaches_a_verify_call(speculating: LlamaBackend) -> None:
     """The caller's scope is cancelled while a verify call (several rows of the stream)
     is inside llama.cpp: the call is aborted, the sequence leaves with its cells
     cleared, and the next request's text is the plain text."""
+    backend = speculating
     engine = Engine(backend)
     endless = GenerationRequest(
         prompt="1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,", max_tokens=200, sampling=GREEDY

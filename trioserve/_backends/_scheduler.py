@@ -148,9 +148,13 @@ class _Sequence:
         #: host-memory state to restore
         self.save: list[int] | None = None
         self.restore: bytes | None = None
-        #: speculative decoding (docs/speculation.md): only plain greedy draws (with or
-        #: without a mask and log-probabilities) are verified against a draft
-        self.speculate = prompt.request.speculate and self.greedy
+        #: speculative decoding (docs/speculation.md): every draw, greedy or sampled. A
+        #: guess is accepted when the row's own draw (argmax, or the request's sampler
+        #: chain, advanced token by token) equals it: for a draft that is one token per
+        #: position, this is the standard acceptance rule (accept with probability
+        #: p(guess), else draw from p without the guess), and it consumes the sampler's
+        #: random numbers as a one-token step does: a seeded text is unchanged
+        self.speculate = prompt.request.speculate
         self.drafter: Drafter | None = None
         #: the tokens guessed for the decode call being planned or in flight
         self.draft: list[int] = []
