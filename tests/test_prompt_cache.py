@@ -141,3 +141,47 @@ def test_cells_copied_from_a_state_are_reused_saved_and_recomputed_only_where_ex
     policy.release(1, prompt, [], 8, finished=False, floor=5)  # 5 <= 8 - 4 + 1: exact
     assert policy.serves(1, 8)
     assert policy.savable(1)
+
+
+def test_a_prompt_the_recomputed_reply_pushed_past_the_window_is_checkpointed() -> None:
+    # pieces of 4, a window of 4: id 0's prompt is 8 tokens, the idle recompute extends
+    # its cells to 16 (prompt + reply). A state of 16 tokens holds the window cells of
+    # positions 12..15 only: it cannot give back the prompt's 8, so the eviction saves
+    # a checkpoint at 8 too — unless the id's next sequence reuses cells past it
+    host = HostCache(budget=10_000, rule="r", window=4)
+    policy = CachePolicy(
+        2, rule=PieceRule(None, max_piece=4), host=host, enabled=True, fast=False, idle_recompute=True
+    )
+    prompt = list(range(8))
+    policy.release(0, prompt, list(range(50, 58)), 8, finished=True)
+    assert policy.checkpoint(0) == 0  # (its cells hold the prompt alone: nothing to add)
+    while policy.pending:
+        job = policy.next_recompute()
+        if job is not None:
+            policy.recomputed(job)
+    assert len(policy.cached(0)) == 16
+    assert not host.usable(16, 8)
+    assert policy.checkpoint(0) == 8
+    assert policy.checkpoint(0, keep=12) == 0  # the next sequence reuses 12 of its cells
+    other = list(range(100, 110))
+    plan = policy.place(other, [4, 8], True, [0])
+    assert (plan.seq_id, plan.save, plan.checkpoint) == (0, policy.cached(0), 8)
+    # once the host tier holds the prompt, no second copy
+    host.put(prompt, [4, 8], b"state")
+    assert policy.checkpoint(0) == 0
+    # a model without a sliding window: the longer state gives the prompt back
+    flat = CachePolicy(
+        1,
+        rule=PieceRule(None, max_piece=4),
+        host=HostCache(budget=10_000, rule="r"),
+        enabled=True,
+        fast=False,
+        idle_recompute=True,
+    )
+    flat.release(0, prompt, list(range(50, 58)), 8, finished=True)
+    while flat.pending:
+        job = flat.next_recompute()
+        if job is not None:
+            flat.recomputed(job)
+    assert len(flat.cached(0)) == 16
+    assert flat.checkpoint(0) == 0

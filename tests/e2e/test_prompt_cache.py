@@ -309,6 +309,48 @@ async def test_a_saved_prefix_past_the_sliding_window_is_never_restored_short(
     assert answer == reference
 
 
+async def test_a_prompt_whose_reply_pushed_it_past_the_window_comes_back_from_host_memory(
+    llama_backend: LlamaBackend, uncached_backend: LlamaBackend
+) -> None:
+    """The same long prompt asked again after it was evicted (regenerate, a repeated
+    question): the idle recompute had extended its cells with the reply, past the
+    sliding window, and a state of all of them cannot give back the prompt alone (the
+    test above). So the eviction also saves a checkpoint at the prompt's end (its cells
+    alone, then their state): the prompt comes back from host memory, and the text is
+    the cache-off text."""
+    scheduler = llama_backend._scheduler
+    host = scheduler.host
+    rule = llama_backend.piece_rule
+    prompt = (
+        f"[{uuid.uuid4().hex}] " + "The harbour was rebuilt in stone, and the market grew around it. " * 30
+    )
+    tokens = llama_backend.tokenize(prompt)
+    assert 400 < len(tokens) < host.window
+    prompt_end = max(c for c in rule.cuts(tokens) if c < len(tokens))
+    other = f"[{uuid.uuid4().hex}] " + "Once upon a time, a fox and a crow met by the river. " * 10
+    async with _engine(llama_backend) as engine:
+        before = scheduler.idle_chunks
+        # the end tokens banned: 160 tokens, whatever this CPU draws
+        no_end = SamplingParams(temperature=0.0, logit_bias={1: -100.0, 106: -100.0})
+        _, usage = await _complete_request(
+            engine, GenerationRequest(prompt=prompt, max_tokens=160, sampling=no_end)
+        )
+        assert usage.completion_tokens == 160
+        await wait_for(lambda: scheduler.idle_chunks > before and not scheduler._history, limit=60)
+        kept = next(cached for cached in scheduler._cached if cached[: len(tokens)] == tokens)
+        # (what this test is about: a state of all the cells cannot give back the prompt)
+        assert not host.usable(len(kept), prompt_end)
+        saves, restores = host.saves, host.restores
+        await _complete(engine, other, max_tokens=1)  # evicts it to host memory
+        assert host.saves == saves + 2  # the whole and the checkpoint
+        answer, usage = await _complete(engine, prompt)
+        assert host.restores == restores + 1
+        assert usage.cached_tokens == prompt_end
+    async with _engine(uncached_backend) as off:
+        reference, _ = await _complete(off, prompt)
+    assert answer == reference
+
+
 def _gemma_turn(role: str, text: str) -> str:
     return f"<start_of_turn>{role}\n{text}<end_of_turn>\n"
 

@@ -56,12 +56,14 @@ class Placement:
     """Where a new sequence goes: its id, the prompt tokens it starts after, and the
     host-memory work to do first (the scheduler thread does it, before the first call):
     ``save``, the prefix the id caches, to keep in host memory before it is overwritten;
-    ``restore``, the host-memory state to load into the id."""
+    ``checkpoint``, a shorter prefix of ``save`` to keep too (0: none —
+    :meth:`CachePolicy.checkpoint`); ``restore``, the host-memory state to load into the id."""
 
     seq_id: int
     reused: int = 0
     save: list[int] | None = None
     restore: bytes | None = None
+    checkpoint: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +171,10 @@ class CachePolicy:
         #: lack the window cells below that state's start, so they serve only the
         #: prefixes whose following tokens attend to none of those (``HostCache.serves``)
         self._floor = [0] * slots
+        #: where the prompt of each id's last request ended (its whole pieces): the idle
+        #: recompute extends the cells past it with the reply, and a sliding-window
+        #: model's state of the longer prefix cannot give it back (:meth:`checkpoint`)
+        self._prompt_end = [0] * slots
         #: when each id was last released (the LRU clock)
         self._used_at = [0] * slots
         self._uses = 0
@@ -218,6 +224,24 @@ class CachePolicy:
         """Whether the host tier already holds ``tokens`` (as an entry or its prefix)."""
         return self.host.covers(tokens, self.host_cuts(tokens))
 
+    def checkpoint(self, seq_id: int, keep: int = 0) -> int:
+        """The prompt end of ``seq_id``'s last request, when its cells hold more than it
+        (the idle recompute added the reply's pieces) and a host-memory state of all of
+        them could not give it back: a sliding-window model's state keeps the window
+        cells of its last ``window`` positions only, so the same prompt asked again
+        would find nothing (measured: 4 of 5 prompts of 356–474 tokens with a
+        160-token reply). Saved beside the longer prefix, as llama-server keeps
+        checkpoints of its sliding-window slots. 0: none, or it is below ``keep`` (the
+        cells the id's next sequence reuses: saving it needs the cells past it gone)."""
+        tokens = self._cached[seq_id]
+        end = self._prompt_end[seq_id]
+        host = self.host
+        if not host.window or not host.budget or not keep <= end < len(tokens):
+            return 0
+        if host.usable(len(tokens), end, self._floor[seq_id]) or not self.serves(seq_id, end):
+            return 0  # (the longer state gives it back; the cells cannot)
+        return 0 if self.host_covers(tokens[:end]) else end
+
     # ------------------------------------------------------------ admission
 
     def place(self, prompt: list[int], cuts: list[int], cache_prompt: bool, free_ids: list[int]) -> Placement:
@@ -248,9 +272,12 @@ class CachePolicy:
             best = min(free_ids, key=lambda i: self._used_at[i])
             reused, restore = found
         save = None
+        checkpoint = 0
         if self.savable(best) and (restore is not None or len(cached[best]) > reused):
             save = cached[best]  # (some of) its cells are about to be overwritten
-        return Placement(best, reused, save, restore)
+            # (a restore replaces every cell: the checkpoint may go below ``reused``)
+            checkpoint = self.checkpoint(best, 0 if restore is not None else reused)
+        return Placement(best, reused, save, restore, checkpoint)
 
     def place_follower(self, free_ids: list[int]) -> Placement:
         """A later choice of an ``n`` > 1 request: the least recently used free id (it
@@ -263,6 +290,7 @@ class CachePolicy:
         lock: ``/health`` reads what the ids keep.)"""
         self._cached[seq_id] = []
         self._floor[seq_id] = 0
+        self._prompt_end[seq_id] = 0
         self._history.pop(seq_id, None)
 
     # ------------------------------------------------------------ release
@@ -282,6 +310,7 @@ class CachePolicy:
         """``seq_id`` keeps nothing (its cells are being cleared)."""
         self._cached[seq_id] = []
         self._floor[seq_id] = 0
+        self._prompt_end[seq_id] = 0
         self._history.pop(seq_id, None)
 
     def release(
@@ -304,6 +333,7 @@ class CachePolicy:
         else:
             self._cached[seq_id] = prompt[:kept]
         self._floor[seq_id] = floor if kept else 0
+        self._prompt_end[seq_id] = min(kept, len(prompt))
         if self.idle_recompute and kept and finished and self.serves(seq_id, kept):
             history = prompt + generated + self.rule.continuation(prompt)
             cuts = self.rule.cuts(history)

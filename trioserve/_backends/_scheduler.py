@@ -66,6 +66,7 @@ class _Sequence:
         "cache_prompt",
         "cancelled",
         "channel",
+        "checkpoint",
         "choice",
         "cuts",
         "draft",
@@ -147,6 +148,7 @@ class _Sequence:
         #: the cached prefix to save to host memory before it is overwritten, and the
         #: host-memory state to restore
         self.save: list[int] | None = None
+        self.checkpoint = 0
         self.restore: bytes | None = None
         #: speculative decoding (docs/speculation.md): every draw, greedy or sampled. A
         #: guess is accepted when the row's own draw (argmax, or the request's sampler
@@ -468,24 +470,20 @@ class _Scheduler:
         (docs/models.md). Returns the prefixes saved."""
         if not self.host.budget:
             return 0
-        lib = self._backend.lib
         policy = self.policy
         saved = 0
         # the most recently used last: the host tier keeps the newest when it is full
         for seq_id in policy.spill_order():
             tokens = policy.cached(seq_id)
-            if not policy.savable(seq_id) or policy.host_covers(tokens):
+            if not policy.savable(seq_id):
                 continue
+            checkpoint = policy.checkpoint(seq_id)
             try:
-                size = lib.llama_state_seq_get_size(self.ctx, seq_id)
-                if size > self.host.budget:
-                    continue
-                buffer = (ctypes.c_uint8 * size)()
-                written = lib.llama_state_seq_get_data(self.ctx, buffer, size, seq_id)
-                floor = self._window_start(seq_id, len(tokens))
-                state = ctypes.string_at(buffer, written) if written else b""
-                if state and self.host.put(tokens, policy.host_cuts(tokens), state, floor=floor):
+                if not policy.host_covers(tokens) and self._save_state(seq_id, tokens):
                     saved += 1
+                # (the context is freed next: its cells may go)
+                if checkpoint and self._trim(seq_id, checkpoint) == checkpoint:
+                    saved += self._save_state(seq_id, tokens[:checkpoint])
             except Exception:  # an optimisation: without it, the prompt is evaluated again
                 logger.exception("could not save a cached prefix at unload; it is dropped")
         return saved
@@ -658,6 +656,7 @@ class _Scheduler:
             self.policy.take(plan.seq_id)  # (the id's cells now belong to this sequence)
             sequence.seq_id = plan.seq_id
         sequence.save, sequence.restore = plan.save, plan.restore
+        sequence.checkpoint = plan.checkpoint
         sequence.prefilled = sequence.pos = plan.reused
         sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = plan.reused
 
@@ -683,15 +682,16 @@ class _Scheduler:
         if sequence.save is not None:
             started = time.perf_counter()
             save, sequence.save = sequence.save, None
+            checkpoint, sequence.checkpoint = sequence.checkpoint, 0
             try:
-                size = lib.llama_state_seq_get_size(self.ctx, seq_id)
-                if size <= self.host.budget:
-                    buffer = (ctypes.c_uint8 * size)()
-                    written = lib.llama_state_seq_get_data(self.ctx, buffer, size, seq_id)
-                    if written:
-                        state = ctypes.string_at(buffer, written)
-                        floor = self._window_start(seq_id, len(save))
-                        self.host.put(save, self.policy.host_cuts(save), state, floor=floor)
+                self._save_state(seq_id, save)
+                if checkpoint:
+                    # the prompt end too, which the longer state cannot give back
+                    # (CachePolicy.checkpoint): its cells alone, then their state
+                    if self._trim(seq_id, checkpoint) == checkpoint:
+                        self._save_state(seq_id, save[:checkpoint])
+                    else:  # pragma: no cover - (partial removal is checked at load)
+                        self._reuse(sequence, 0)
             except Exception:
                 # the save is an optimisation: without it, a later turn evaluates again
                 logger.exception("could not save a cached prefix to host memory; it is dropped")
@@ -717,6 +717,20 @@ class _Scheduler:
         kept = self._trim(seq_id, sequence.prefilled)
         if kept != sequence.prefilled:
             self._reuse(sequence, kept)
+
+    def _save_state(self, seq_id: int, tokens: list[int]) -> bool:
+        """Keep the state of ``seq_id``'s cells (which hold ``tokens``) in host memory."""
+        lib = self._backend.lib
+        size = lib.llama_state_seq_get_size(self.ctx, seq_id)
+        if size > self.host.budget:
+            return False
+        buffer = (ctypes.c_uint8 * size)()
+        written = lib.llama_state_seq_get_data(self.ctx, buffer, size, seq_id)
+        if not written:
+            return False
+        state = ctypes.string_at(buffer, written)
+        floor = self._window_start(seq_id, len(tokens))
+        return self.host.put(tokens, self.policy.host_cuts(tokens), state, floor=floor)
 
     def _window_start(self, seq_id: int, held: int) -> int:
         """The first position whose sliding-window cells ``seq_id`` holds, with ``held``
