@@ -155,7 +155,7 @@ def main() -> None:
                     lib.llama_memory_seq_rm(memory, 0, len(prompt), -1)
                 times.sort()
                 print(f"{name} ctx {len(prompt)} width {width}: median {times[20] * 1000:.2f} ms, min {times[0] * 1000:.2f}")
-        backend.close()
+        backend._free()
         return
     print(f"flash attention {args.flash_attn}, repack: {backend.repack.to_dict() if backend.repack else None}, threads {backend.settings.n_threads}")
     for name, text in (("short", SHORT), ("edit", EDIT)):
@@ -173,7 +173,7 @@ def main() -> None:
                 c2, d2 = verify(prompt, pad_ref, pad_rows, k, wrong)
                 print(f"   k={k:2d} wrong={wrong}: vs plain {d:3d}/{c} rows differ; vs pad-2 {d2:3d}/{c2}")
         sys.stdout.flush()
-    backend.close()
+    backend._free()
 
 
 if __name__ == "__main__":
