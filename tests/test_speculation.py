@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from trioserve._backends._speculation import MAX_NGRAM, MIN_NGRAM, PATIENCE, SHORTEST_DRAFT, Drafter
+from trioserve._backends._speculation import (
+    MAX_NGRAM,
+    MIN_NGRAM,
+    PATIENCE,
+    SHORTEST_DRAFT,
+    START_DRAFT,
+    Drafter,
+)
 
 
 def test_it_proposes_what_followed_the_longest_match_in_the_prompt() -> None:
@@ -46,13 +53,21 @@ def test_a_copy_that_reaches_the_present_continues_with_the_current_token() -> N
 
 
 def test_the_draft_length_follows_acceptance() -> None:
-    drafter = Drafter([1, 2, 3], longest=6)
+    drafter = Drafter([1, 2, 3], longest=15)
     start = drafter.length
+    assert start == START_DRAFT < 15
     drafter.settle(start, start)
-    assert drafter.length == min(6, start + 2)
-    drafter.settle(drafter.length, 1)
-    assert drafter.length == 2  # what was accepted, plus one
-    assert (drafter.proposed, drafter.accepted) == (start + min(6, start + 2), start + 1)
+    assert drafter.length == 15  # accepted whole: a copy is running, as far as a call holds
+    drafter.settle(15, 9)
+    assert drafter.length == 10  # what was accepted, plus one
+    drafter.settle(10, 1)
+    assert drafter.length == START_DRAFT  # never below the start length
+    assert (drafter.proposed, drafter.accepted) == (start + 25, start + 10)
+    # a call that holds fewer rows than the start length: no longer than it holds
+    narrow = Drafter([1, 2, 3], longest=2)
+    assert narrow.length == 2
+    narrow.settle(2, 0)
+    assert narrow.length == 2
 
 
 def test_repeated_misses_ask_for_a_longer_match() -> None:

@@ -7,8 +7,9 @@ proposes the tokens that followed that occurrence of the longest n-gram that end
 context now (a suffix match). Nothing matches: no proposal, and the step is an ordinary
 one-token step.
 
-How far it guesses is adaptive, per sequence: the draft length follows the lengths
-accepted lately (all accepted: longer; a rejection: back to what was accepted, plus one),
+How far it guesses is adaptive, per sequence: a proposal that was accepted whole means a
+copy is running, and the next one asks for as much as the verify call holds; a rejection
+brings the length back to what was accepted plus one (never below the start length),
 and after a run of proposals that were all rejected the drafter asks for a longer match
 before it proposes again — free text that merely echoes a word or two of its prompt
 stops costing verify rows.
@@ -19,7 +20,15 @@ Pure Python, no llama.cpp: the scheduler verifies the proposal (``_scheduler.py`
 
 from __future__ import annotations
 
-__all__ = ["FAST_DRAFT", "MAX_DRAFT", "SHORTEST_DRAFT", "SPLIT_KV_CONTEXT", "Drafter", "SpeculationStats"]
+__all__ = [
+    "FAST_DRAFT",
+    "MAX_DRAFT",
+    "SHORTEST_DRAFT",
+    "SPLIT_KV_CONTEXT",
+    "START_DRAFT",
+    "Drafter",
+    "SpeculationStats",
+]
 
 #: the shortest and longest suffix matched
 MIN_NGRAM = 2
@@ -123,11 +132,13 @@ class Drafter:
         self.proposed += proposed
         self.accepted += accepted
         if accepted == proposed:
-            self.length = min(self._longest, self.length + 2)
+            # a copy is running: guess as far as the call holds (a row past the fourth
+            # costs about a third of a one-token step, fast mode: docs/speculation.md)
+            self.length = self._longest
             self._misses = 0
             self._min_ngram = MIN_NGRAM
             return
-        self.length = max(SHORTEST_DRAFT, accepted + 1)
+        self.length = min(self._longest, max(START_DRAFT, accepted + 1))
         if accepted == 0:
             self._misses += 1
             if self._misses >= PATIENCE and self._min_ngram < MAX_NGRAM:
