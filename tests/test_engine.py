@@ -102,6 +102,25 @@ async def test_stop_sequence_across_pieces_is_not_leaked_and_generation_stops() 
     assert final.reason == "stop"
     # the producer was cancelled right after the stop: it never ran through the script
     assert backend.completed_runs[-1] < 10
+    # usage counts the tokens up to the one that completes the stop sequence
+    assert final.usage.completion_tokens == 5
+    assert_torn_down(engine)
+
+
+async def test_a_stop_sequence_found_in_a_batch_of_pieces_counts_the_tokens_up_to_it() -> None:
+    # the producer runs ahead (a full channel; a verify call's run): the tokens it made
+    # past the stop sequence are neither shown nor counted
+    engine = Engine(ScriptedBackend([b"a", b"b", b"c", b"STOP", *[b"x"] * 100], token_interval=0))
+    async with engine.stream(GenerationRequest(prompt="p", max_tokens=200, stop=["STOP"])) as events:
+        await wait_for(lambda: events.progress.completion_tokens >= WINDOW + 1)
+        produced = events.progress.completion_tokens
+        deltas = [event async for event in events]
+    final = deltas[-1]
+    assert isinstance(final, Finished)
+    assert final.reason == "stop"
+    assert "".join(d.text for d in deltas if isinstance(d, TextDelta)) == "abc"
+    assert produced > 4  # the producer made tokens past the stop …
+    assert final.usage.completion_tokens == 4  # … which are not counted
     assert_torn_down(engine)
 
 

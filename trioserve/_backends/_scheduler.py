@@ -105,6 +105,7 @@ class _Sequence:
         self.max_new = prompt.max_new_tokens
         self.cache_prompt = prompt.request.cache_prompt
         self.progress = progress
+        progress.piece_per_token = True  # _emit: one piece per token drawn
         self.sampler = sampler
         #: plain greedy (temperature 0, no logit bias): the scheduler takes the argmax of
         #: the logits itself — the token llama.cpp's greedy sampler picks (the first

@@ -108,6 +108,7 @@ class ScriptedBackend(ThreadedBackend):
         self, prompt: PreparedPrompt, emit: Emit, aborted: Callable[[], bool], progress: GenerationProgress
     ) -> GenerationEnd:
         emitted = 0
+        progress.piece_per_token = True  # each piece of the script counts as a token
         try:
             started = time.perf_counter()
             _busy_wait(len(prompt.tokens) * self.prefill_seconds_per_token, aborted)

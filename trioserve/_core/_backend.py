@@ -153,6 +153,7 @@ class GenerationProgress:
         "draft_accepted",
         "draft_proposed",
         "inference_ended",
+        "piece_per_token",
         "prefill_seconds",
         "prefilled_tokens",
         "prompt_tokens",
@@ -165,6 +166,11 @@ class GenerationProgress:
         #: prompt tokens in the KV cells so far (reused or evaluated): prefill progress
         self.prefilled_tokens = 0
         self.completion_tokens = 0
+        #: the producer sends one piece per token it counts in ``completion_tokens``
+        #: (then a stream cut by a stop sequence counts the tokens up to the stop, not
+        #: those the producer made past it before it was cancelled); an upstream's text
+        #: chunks are not tokens
+        self.piece_per_token = False
         #: speculative decoding: tokens guessed and verified, and how many were right
         self.draft_proposed = 0
         self.draft_accepted = 0

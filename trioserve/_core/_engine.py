@@ -95,6 +95,8 @@ class EventStream:
         self._final: Finished | None = None
         self._done = False
         self._stopped_by_sequence = False
+        #: pieces given to the assembler (a stop sequence: up to the one that ends it)
+        self._fed = 0
         self.timings = timings
         # set by the producer before it closes the channel
         self.backend_result: GenerationEnd | None = None
@@ -102,11 +104,19 @@ class EventStream:
 
     @property
     def usage(self) -> Usage:
-        """Token usage so far (final once the stream has finished or been torn down)."""
+        """Token usage so far (final once the stream has finished or been torn down).
+
+        A stream cut by a stop sequence counts the tokens up to the one that completes
+        it, as OpenAI does, not those its producer made past it in the same decode call
+        (where the producer's pieces are tokens)."""
+        progress = self._progress
+        completion = progress.completion_tokens
+        if self._stopped_by_sequence and progress.piece_per_token:
+            completion = min(completion, self._fed)
         return Usage(
-            prompt_tokens=self._progress.prompt_tokens,
-            completion_tokens=self._progress.completion_tokens,
-            cached_tokens=self._progress.cached_tokens,
+            prompt_tokens=progress.prompt_tokens,
+            completion_tokens=completion,
+            cached_tokens=progress.cached_tokens,
         )
 
     @property
@@ -139,10 +149,12 @@ class EventStream:
             except trio.EndOfChannel:
                 return await self._finish()
             if len(pieces) == 1:
+                self._fed += 1
                 text = feed(pieces[0])
             else:
                 parts = []
                 for piece in pieces:
+                    self._fed += 1
                     parts.append(feed(piece))
                     if self._assembler.stopped:
                         break
