@@ -788,6 +788,8 @@ SECTIONS = {
     "soak_scripted": "soak-hostile-traffic-then-proof-that-nothing-leaked",
     "soak_model": "soak-hostile-traffic-then-proof-that-nothing-leaked",
     "constrained": "constrained-decoding-and-logprobs",
+    "embeddings": "embeddings",
+    "model_load": "a-client-that-leaves-during-its-models-load",
 }
 
 

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ import trio
 
 from benchmarks.harness.servers import TRIOSERVE, free_port, trioserve_command
 from benchmarks.harness.servers import Server as HarnessServer
-from trioserve import Backend, Engine, HTTPSettings, Server, ServerSettings
+from trioserve import Backend, Engine, HTTPSettings, LlamaBackend, LlamaSettings, Server, ServerSettings
 
 from . import _openai_validation as openai_validation
 
@@ -27,6 +27,23 @@ async def wait_for(predicate: Callable[[], object], limit: float = 10.0, step: f
     with trio.fail_after(limit):
         while not predicate():  # noqa: ASYNC110 - see the docstring
             await trio.sleep(step)
+
+
+def verifying(backend: LlamaBackend, fast: LlamaSettings) -> Iterator[LlamaBackend]:
+    """A fixture's body: ``backend`` where a verify call is exact on this CPU (``--speculate
+    auto`` speculates there); on a CPU where none is (measured width 1: auto never
+    speculates), a backend loaded from ``fast`` (settings with ``speculate="fast"``, which
+    verifies several tokens a call on any CPU) — a verify call is reached either way."""
+    if backend.speculation_stats()["verify_width"] != 1:
+        yield backend
+        return
+    assert fast.speculate == "fast"
+    loaded = LlamaBackend.load(fast)
+    print("\nno verify call is exact on this CPU: verify calls run on --speculate fast")
+    try:
+        yield loaded
+    finally:
+        loaded._free()
 
 
 class RunningServer:

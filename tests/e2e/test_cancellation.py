@@ -40,7 +40,7 @@ import trio
 
 from trioserve import HTTPSettings, LlamaBackend, LlamaSettings
 
-from .._helpers import H2Stream, RawStream, RunningServer, start_server, wait_for
+from .._helpers import H2Stream, RawStream, RunningServer, start_server, verifying, wait_for
 
 pytestmark = pytest.mark.model
 
@@ -363,22 +363,13 @@ VERIFY_CAUSES = [c for c in CAUSES if "deadline" not in c]
 
 @pytest.fixture(scope="module")
 def verify_backend(llama_backend: LlamaBackend, model_path: str) -> Iterator[LlamaBackend]:
-    """The backend of the verify cells: this module's, where a verify call is exact on
-    this CPU (``--speculate auto`` speculates); on a CPU where none is (measured width
-    1), the same sequences with ``--speculate fast``, which verifies several tokens a
-    call on any CPU — a verify call is reached either way."""
-    if llama_backend.speculation_stats()["verify_width"] != 1:
-        yield llama_backend
-        return
+    """The backend of the verify cells: this module's where a verify call is exact on this
+    CPU, else the same sequences on ``--speculate fast`` (``verifying``)."""
     settings = llama_backend.settings
-    backend = LlamaBackend.load(
-        LlamaSettings(
-            model_path, n_ctx=4096, n_threads=settings.n_threads, slots=settings.slots, speculate="fast"
-        )
+    fast = LlamaSettings(
+        model_path, n_ctx=4096, n_threads=settings.n_threads, slots=settings.slots, speculate="fast"
     )
-    print("\nno verify call is exact on this CPU: the verify cells run on --speculate fast")
-    yield backend
-    backend._free()
+    yield from verifying(llama_backend, fast)
 
 
 @pytest.fixture(scope="module")

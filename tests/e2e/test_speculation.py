@@ -29,7 +29,7 @@ from trioserve import (
 )
 from trioserve._backends._speculation import SPLIT_KV_CONTEXT
 
-from .._helpers import wait_for
+from .._helpers import verifying, wait_for
 
 pytestmark = pytest.mark.model
 
@@ -229,27 +229,18 @@ async def test_no_speculation_past_the_context_limit(backend: LlamaBackend) -> N
 
 @pytest.fixture
 def speculating(backend: LlamaBackend, model_path: str) -> Iterator[LlamaBackend]:
-    """``backend`` where a verify call is exact on this CPU; where none is (measured
-    width 1: auto never speculates), the same configuration with ``--speculate fast``,
-    which verifies several tokens a call on any CPU."""
-    if backend.speculation_stats()["verify_width"] != 1:
-        yield backend
-        return
-    settings = backend.settings
-    fast = LlamaBackend.load(
-        LlamaSettings(
-            model_path,
-            n_ctx=2048,
-            n_threads=THREADS,
-            slots=1,
-            repack=settings.repack,
-            prompt_cache=False,
-            speculate="fast",
-        )
+    """``backend`` where a verify call is exact on this CPU; where none is, the same
+    configuration on ``--speculate fast`` (``verifying``)."""
+    settings = LlamaSettings(
+        model_path,
+        n_ctx=2048,
+        n_threads=THREADS,
+        slots=1,
+        repack=backend.settings.repack,
+        prompt_cache=False,
+        speculate="fast",
     )
-    print(f"\nno verify call is exact on this CPU: {_configuration(fast)}")
-    yield fast
-    fast._free()
+    yield from verifying(backend, settings)
 
 
 async def test_a_cancel_reaches_a_verify_call(speculating: LlamaBackend) -> None:
