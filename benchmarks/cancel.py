@@ -1,7 +1,7 @@
 """Cancel latency: how soon a server stops computing once a request is abandoned.
 
 Causes, each one streamed ``POST /v1/completions`` (greedy) on the raw-socket client:
-``decode`` (``"Once upon a time"``, ``max_tokens`` 2000: read ``--events`` events, then
+``decode`` (``"Once upon a time"`` or ``--decode-prompt``, ``max_tokens`` 2000: read ``--events`` events, then
 close, an RST by default), ``prefill`` (a ~1,700-token prompt behind a per-run tag, no
 cached prefix; close ``--prefill-delay`` after sending, or once the computing server has
 used ``--prefill-close-cpu`` CPU-s) and, trioserve only, ``deadline`` (the decode request
@@ -70,6 +70,8 @@ def parse_args() -> Any:
         help="mid-prefill runs per server (default: half of --reps; all of it with --causes prefill)",
     )
     cli.option(p, "--events", 5, "decode: events read before the close")
+    help_ = "decode (and deadline): the prompt (a list to continue keeps trioserve's verify calls busy)"
+    cli.option(p, "--decode-prompt", "Once upon a time", help_)
     cli.option(p, "--prefill-repeats", 170, "prefill: sentences in the prompt (170: ~1,700 tokens)")
     cli.option(p, "--prefill-delay", 0.3, "prefill: seconds from the send to the close")
     cli.option(p, "--prefill-close-cpu", 0.0, "prefill: close at this CPU-s since the send instead (0: off)")
@@ -142,9 +144,9 @@ def start(name: str, model: Path, logs: Path, args: Any, running: list[servers.S
 
 
 def request(server: servers.Server, args: Any, tag: str | None, max_tokens: int) -> dict[str, Any]:
-    """The long prompt behind ``tag``, or ``"Once upon a time"`` (``tag`` ``None``); with
+    """The long prompt behind ``tag``, or the decode prompt (``tag`` ``None``); with
     ``--endpoint messages`` as the user message of an Anthropic request."""
-    text = "Once upon a time" if tag is None else f"Record {tag}. " + SENTENCE * args.prefill_repeats
+    text = args.decode_prompt if tag is None else f"Record {tag}. " + SENTENCE * args.prefill_repeats
     extra = args.request_extra if server.name == LS else {}
     if args.endpoint == "messages":
         return messages_body(text, max_tokens, args.model_name, **extra)
@@ -198,7 +200,8 @@ def run_job(server: Any, cause: str, round_: int, args: Any) -> dict[str, Any]:
         s["cpu_before_cause_ms"] = (idle.cpu_at_start - cpu_at_send) * 1e3
     line = log_fields(server, rid)
     s.update(cancel_latency_ms=number(line, "cancel_latency_ms"), log_ttft_ms=number(line, "ttft_ms"))
-    s.update(log_cause=line.get("cause"), excluded=exclusion(s))
+    # speculation: "draft_accepted=A/P" (guesses accepted / proposed) when the stream speculated
+    s.update(log_cause=line.get("cause"), draft=line.get("draft_accepted"), excluded=exclusion(s))
     return s
 
 
@@ -237,7 +240,7 @@ def run(args: Any) -> dict[str, Any]:
     model = cli.resolve_model(args)
     args.model_name = model.stem  # the id trioserve serves it as (messages: the request's "model")
     names = "threads ctx_size reps prefill_reps events prefill_repeats prefill_delay prefill_close_cpu"
-    names += " deadline close idle_cap llama_server_args request_extra endpoint causes"
+    names += " deadline close idle_cap llama_server_args request_extra endpoint causes decode_prompt"
     cfg, samples, warnings, reference = cli.environment(model, **cli.pick(args, names)), [], [], {}
     with tempfile.TemporaryDirectory() as logs, servers.running([]) as running:
         contestants = [start(name, model, Path(logs), args, running) for name in args.contestants]
@@ -259,6 +262,7 @@ def run(args: Any) -> dict[str, Any]:
                 samples.append(s := run_job(server, cause, round_, args))
                 times = f"idle {fmt(s.get('idle_ms'))} ms, {END[args.endpoint]} {fmt(s['done_ms'])} ms"
                 times += f", log {fmt(s['cancel_latency_ms'])} ms"
+                times += f", drafts {s['draft']} accepted" if s.get("draft") else ""
                 cli.log(f"{round_:>2} {server.name:<16} {cause:<8} {times}")
         wait_idle(running, args, warnings)
     out = {"config": cfg, "reference": reference, "samples": samples}
