@@ -29,7 +29,9 @@ async def wait_for(predicate: Callable[[], object], limit: float = 10.0, step: f
             await trio.sleep(step)
 
 
-def verifying(backend: LlamaBackend, fast: LlamaSettings) -> Iterator[LlamaBackend]:
+def verifying(
+    backend: LlamaBackend, fast: LlamaSettings, describe: Callable[[LlamaBackend], str] = repr
+) -> Iterator[LlamaBackend]:
     """A fixture's body: ``backend`` where a verify call is exact on this CPU (``--speculate
     auto`` speculates there); on a CPU where none is (measured width 1: auto never
     speculates), a backend loaded from ``fast`` (settings with ``speculate="fast"``, which
@@ -39,7 +41,7 @@ def verifying(backend: LlamaBackend, fast: LlamaSettings) -> Iterator[LlamaBacke
         return
     assert fast.speculate == "fast"
     loaded = LlamaBackend.load(fast)
-    print("\nno verify call is exact on this CPU: verify calls run on --speculate fast")
+    print(f"\nno verify call is exact on this CPU: verify calls run on --speculate fast ({describe(loaded)})")
     try:
         yield loaded
     finally:

@@ -9,7 +9,10 @@ in seconds; the benchmark (benchmarks/speculation.py) is the measurement.
     .venv/bin/python scripts/probes/draft_sim.py [--width 16] [--tokens /tmp/draft_sim.json]
 
 Row costs: scripts/probes/spec_exact.py --timing --widths 1,4,8,12,16 (repacked,
-context 7, 2026-12-02); 2 and 3 rows from docs/speculation.md's table.
+context 7, 2026-12-02); 2 and 3 rows from docs/speculation.md's table, scaled by
+15.4 / 17.7 (that table's one-row time). Costs differ by CPU (the 2026-12-03 machine:
+docs/speculation.md). Fast mode's full width needs an empty channel (a reader that
+keeps up), which the replay assumes: its figures are upper bounds.
 """
 
 from __future__ import annotations
@@ -85,8 +88,12 @@ def replay(prompt: list[int], made: list[int], width: int) -> tuple[int, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--width", type=int, default=16, help="verify call width (16: fast; auto: the probed one)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--width", type=int, default=16, help="verify call width (16: fast; auto: the probed one)"
+    )
     parser.add_argument("--tokens", type=Path, default=Path("/tmp/draft_sim.json"))
     parser.add_argument("--max-tokens", type=int, default=160)
     args = parser.parse_args()
@@ -99,7 +106,9 @@ def main() -> None:
             tokens += t
             ms += m
         tps = tokens / ms * 1000
-        print(f"{workload:6s} width {args.width:2d}: {tps:6.1f} tok/s decode, {tps / one_row:.2f}x one row a call")
+        print(
+            f"{workload:6s} width {args.width:2d}: {tps:6.1f} tok/s decode, {tps / one_row:.2f}x one row a call"
+        )
 
 
 if __name__ == "__main__":

@@ -73,6 +73,8 @@ async def _run(engine: Engine, request: GenerationRequest) -> tuple[str, list[tu
                 for entry in event.logprobs or ():
                     logprobs.append((entry.token, entry.logprob))
         usage = events.usage
+        # (the scheduler's pieces are tokens: a stop sequence's usage counts up to it)
+        assert events.progress.piece_per_token
     assert usage is not None
     return "".join(parts), logprobs, usage.completion_tokens
 
@@ -240,7 +242,7 @@ def speculating(backend: LlamaBackend, model_path: str) -> Iterator[LlamaBackend
         prompt_cache=False,
         speculate="fast",
     )
-    yield from verifying(backend, settings)
+    yield from verifying(backend, settings, _configuration)
 
 
 async def test_a_cancel_reaches_a_verify_call(speculating: LlamaBackend) -> None:

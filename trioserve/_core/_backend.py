@@ -9,7 +9,10 @@ the engine owns everything else. Contract for :meth:`Backend.generate`:
 * when its cancel scope is cancelled, stop promptly (well under one decode step), leave
   the model state as a fresh request would find it, and raise that ``trio.Cancelled`` —
   never a :class:`BackendError`;
-* count itself in :attr:`Backend.generations` until it has let go of the work.
+* count itself in :attr:`Backend.generations` until it has let go of the work;
+* count what it makes in its :class:`GenerationProgress`; a backend whose pieces are
+  tokens sets ``piece_per_token`` (then a stream cut by a stop sequence reports the
+  tokens up to the stop, not those made past it before the cancel reached it).
 
 The backends that fit it: ``docs/embedding.md``.
 """
