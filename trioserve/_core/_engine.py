@@ -154,10 +154,10 @@ class EventStream:
             else:
                 parts = []
                 for piece in pieces:
-                    self._fed += 1
                     parts.append(feed(piece))
                     if self._assembler.stopped:
                         break
+                self._fed += len(parts)  # (one part per piece fed: up to a stop, if any)
                 text = "".join(parts)
             if self._assembler.stopped:
                 # A stop sequence: the rest of the generation is unwanted. Cancel the
