@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from trioserve._backends._cache_policy import CachePolicy
 from trioserve._backends._pieces import PieceRule
-from trioserve._backends._prompt_cache import HostCache, shared_prefix
+from trioserve._backends._prompt_cache import HostBudget, HostCache, shared_prefix
 
 
 def fours(tokens: list[int]) -> list[int]:
@@ -185,3 +185,103 @@ def test_a_prompt_the_recomputed_reply_pushed_past_the_window_is_checkpointed() 
             flat.recomputed(job)
     assert len(flat.cached(0)) == 16
     assert flat.checkpoint(0) == 0
+
+
+# ---------------------------------------------------------------- salts (issue 33)
+
+
+def _policy(slots: int, host: HostCache, *, fast: bool = False) -> CachePolicy:
+    return CachePolicy(
+        slots, rule=PieceRule(None, max_piece=4), host=host, enabled=True, fast=fast, idle_recompute=False
+    )
+
+
+def test_cells_of_another_salt_share_nothing_with_a_prompt() -> None:
+    # id 0 keeps key A's 8-token prompt; key B sends the same prompt: it reuses nothing
+    # (and takes the least recently used id), while key A's next request reuses 8
+    for fast in (False, True):
+        policy = _policy(2, HostCache(budget=10_000, rule="r"), fast=fast)
+        prompt = list(range(8))
+        policy.take(0, "key:a")
+        policy.release(0, prompt, [], 8, finished=False)
+        policy.take(1, "key:b")
+        policy.release(1, [99] * 8, [], 8, finished=False)  # (id 1: the most recently used)
+        again = [*prompt, 42]
+        plan = policy.place(again, [4, 8], True, [0, 1], "key:b")
+        assert (plan.seq_id, plan.reused, plan.restore) == (0, 0, None)
+        assert plan.save == prompt
+        assert plan.save_salt == "key:a"
+        plan = policy.place(again, [4, 8], True, [0, 1], "key:a")
+        assert (plan.seq_id, plan.reused) == (0, 8)
+        assert policy.place(again, [4, 8], True, [0, 1], "").reused == 0  # no salt is a salt too
+        policy.take(0, "key:b")  # id 0's cells now belong to key B's sequence
+        assert policy.salt(0) == "key:b"
+
+
+def test_host_memory_entries_serve_only_their_own_salt() -> None:
+    host = HostCache(budget=10_000, rule="r")
+    tokens = list(range(8))
+    assert host.put(tokens, [4, 8], b"a", salt="key:a")
+    assert host.covers(tokens, [4, 8], salt="key:a")
+    assert not host.covers(tokens, [4, 8], salt="key:b")
+    assert not host.covers(tokens, [4, 8])
+    prompt = [*tokens, 42]
+    assert host.best(prompt, [4, 8], 8, salt="key:b") is None
+    assert host.best(prompt, [4, 8], 8, salt="key:a") == (8, b"a")
+    # the same tokens under another salt: an entry of their own, neither replacing the other
+    assert host.put(tokens, [4, 8], b"b", salt="key:b")
+    assert len(host) == 2
+    assert host.best(prompt, [4, 8], 8, salt="key:b") == (8, b"b")
+    # a longer entry replaces the shorter one of its own salt only
+    assert host.put([*tokens, 8, 9, 10, 11], [4, 8, 12], b"c", salt="key:a")
+    assert len(host) == 2
+    assert host.best(prompt, [4, 8], 8, salt="key:b") == (8, b"b")
+    # the policy asks the host tier with the prompt's salt
+    policy = _policy(1, host)
+    assert policy.place(prompt, [4, 8], True, [0], "key:c").restore is None
+    assert policy.place(prompt, [4, 8], True, [0], "key:b").restore == b"b"
+
+
+# ---------------------------------------------------------------- one host budget (issue 33)
+
+
+def test_the_models_host_tiers_share_one_budget_and_unloaded_models_go_first() -> None:
+    pool = HostBudget(100)
+    first = HostCache(100, rule="r", pool=pool)
+    second = HostCache(100, rule="r", pool=pool)
+    second.put([1, 2, 3, 4], [4], b"s" * 30)  # the oldest entry
+    first.put([5, 6, 7, 8], [4], b"f" * 30)
+    assert (pool.bytes, pool.tiers) == (60, 2)
+    first.active = False  # its model unloaded
+    second.put([9, 9, 9, 9], [4], b"t" * 30)
+    assert pool.bytes == 90
+    second.put([7, 7, 7, 7], [4], b"u" * 30)  # over: the unloaded model's entry goes first
+    assert (len(first), first.bytes, first.evictions) == (0, 0, 1)
+    assert (len(second), second.bytes, pool.bytes) == (3, 90, 90)
+    # among loaded models: the least recently used, whichever model holds it
+    first.active = True
+    assert second.best([1, 2, 3, 4, 0], [4], 4) is not None  # [1, 2, 3, 4] is used again
+    first.put([5, 6, 7, 8], [4], b"f" * 30)
+    assert second.best([9, 9, 9, 9, 0], [4], 4) is None  # the oldest now: it went
+    assert second.best([1, 2, 3, 4, 0], [4], 4) is not None
+    assert pool.bytes == 90 == first.bytes + second.bytes
+    # a model's own cap (its cache_ram) bounds its share within the budget
+    capped = HostCache(30, rule="r", pool=pool)
+    capped.put([3, 3, 3, 3], [4], b"c" * 30)
+    capped.put([4, 4, 4, 4], [4], b"d" * 30)
+    assert (len(capped), capped.evictions, capped.budget) == (1, 1, 30)
+    assert pool.bytes <= pool.budget
+    assert not capped.put([2, 2, 2, 2], [4], b"e" * 31)  # larger than its cap: not kept
+    # a tier dropped (its file changed) gives its bytes back and leaves the budget
+    held = pool.bytes
+    capped.close()
+    assert (pool.bytes, pool.tiers) == (held - 30, 2)
+
+
+def test_a_tier_with_a_budget_of_its_own_is_as_before() -> None:
+    cache = HostCache(budget=50, rule="r")
+    assert cache.pool.budget == 50
+    cache.budget = 20  # (a model loaded again with another --cache-ram)
+    assert (cache.cap, cache.pool.budget, cache.budget) == (20, 20, 20)
+    assert cache.put([1, 2, 3, 4], [4], b"x" * 20)
+    assert not cache.put([5, 6, 7, 8], [4], b"y" * 21)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -198,3 +199,89 @@ async def test_a_431_on_a_generation_endpoint_is_logged_with_its_id(
     lines = [r.getMessage() for r in caplog.records if "big-head" in r.getMessage()]
     assert len(lines) == 1
     assert "status=431 cause=error" in lines[0]
+
+
+async def _read_response(stream: trio.SocketStream) -> tuple[bytes, bytes]:
+    """One HTTP/1.1 response (``Content-Length`` or chunked): ``(head, body)``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await stream.receive_some(65536)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lengths = [
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    ]
+    complete: Callable[[bytes], bool] = (
+        (lambda got: len(got) >= lengths[0]) if lengths else (lambda got: got.endswith(b"0\r\n\r\n"))
+    )
+    while not complete(body):
+        chunk = await stream.receive_some(65536)
+        assert chunk, body
+        body += chunk
+    if lengths:
+        return head, body
+    decoded = b""  # chunked: size line, data, CRLF, … up to the 0-size chunk
+    while True:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return head, decoded
+        decoded, body = decoded + body[:size], body[size + 2 :]
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/chat/completions", "/v1/embeddings", "/tokenize", "/v1/messages/count_tokens"]
+)
+async def test_a_body_that_trickles_in_gets_408_and_holds_no_request_slot(
+    nursery: trio.Nursery, path: str
+) -> None:
+    """A client sends its headers, then its body one byte at a time: once
+    ``body_timeout`` has passed since the headers (however often a byte came), the
+    answer is 408 ``request_timeout``; meanwhile it holds no request's place."""
+    import json
+    import socket
+
+    backend = ScriptedBackend([b"ok"], slots=1)
+    running = await start_server(nursery, backend, close_backend=True, http=HTTPSettings(body_timeout=0.5))
+    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    host, port = running.url.removeprefix("http://").split(":")
+    await sock.connect((host, int(port)))
+    stream = trio.SocketStream(sock)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        "Content-Length: 100000\r\n\r\n"
+    )
+    await stream.send_all(head.encode() + b'{"x": "')
+    sent = trio.Event()
+
+    async def trickle() -> None:
+        try:
+            for _ in range(10_000):
+                await stream.send_all(b"y")
+                sent.set()
+                await trio.sleep(0.05)  # (the client's pace, not a wait for a phase)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return  # the server closed the connection
+
+    try:
+        async with trio.open_nursery() as client:
+            client.start_soon(trickle)
+            await sent.wait()
+            # receiving a body: no request in flight, no slot, nothing queued
+            assert not running.server.state.requests
+            assert running.engine.admission.snapshot().in_use == 0
+            with trio.fail_after(10):
+                status_line, body = await _read_response(stream)
+            client.cancel_scope.cancel()
+    finally:
+        await stream.aclose()
+    assert status_line.startswith(b"HTTP/1.1 408"), status_line
+    error = json.loads(body)["error"]
+    if not path.startswith("/v1/messages"):  # (Anthropic's error body has no code)
+        assert error["code"] == "request_timeout"
+    assert "0.5 s" in error["message"]
+    await wait_for(lambda: not running.server.state.requests)
+    running.server.shutdown()

@@ -220,3 +220,160 @@ async def test_shutdown_mid_batch_is_503_and_stops_the_evaluation(
     context = embedder.context
     assert context is not None
     assert context.calls - before <= 2
+
+
+# ------------------------------------------------------------------ admission and limits
+
+
+async def test_a_full_embeddings_queue_is_429_with_retry_after(
+    llama_backend: LlamaBackend, nursery: trio.Nursery
+) -> None:
+    """One request evaluates, ``max_queue`` (here 1) wait; the next is refused at once
+    with 429 and ``Retry-After``, and evaluates nothing."""
+    running = await start_server(nursery, llama_backend, max_queue=1)
+    embedder = llama_backend.embedder
+    admission = running.server.state.embeddings_admission(running.engine)
+    before = embedder.context.calls if embedder.context is not None else 0
+    first = await RawStream.post(running.url, "/v1/embeddings", {"input": LONG_INPUTS})
+    second = await RawStream.post(running.url, "/v1/embeddings", {"input": LONG_INPUTS})
+    try:
+        await wait_for(
+            lambda: admission.snapshot().in_use == 1 and admission.snapshot().queued == 1, limit=60
+        )
+        async with running.client() as client:
+            refused = await client.post("/v1/embeddings", json={"input": TEXTS})
+        assert refused.status_code == 429, refused.text
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["code"] == "overloaded"
+        snapshot = admission.snapshot()
+        assert (snapshot.in_use, snapshot.queued) == (1, 1)  # the refused one never took a place
+    finally:
+        await first.aclose()
+        await second.aclose()
+    await wait_for(lambda: admission.snapshot().in_use == 0 and admission.snapshot().queued == 0, limit=10)
+    assert embedder.context is not None
+    assert embedder.context.calls > before
+    running.server.shutdown()
+
+
+async def test_a_deadline_passed_in_the_embeddings_queue_is_504_before_any_byte(
+    llama_backend: LlamaBackend, nursery: trio.Nursery
+) -> None:
+    """A request queued behind a long one, whose ``X-Request-Timeout`` passes while it
+    waits: 504, the whole response, and no evaluation of its inputs."""
+    running = await start_server(nursery, llama_backend)
+    embedder = llama_backend.embedder
+    admission = running.server.state.embeddings_admission(running.engine)
+    first = await RawStream.post(running.url, "/v1/embeddings", {"input": LONG_INPUTS})
+    try:
+        await wait_for(lambda: admission.snapshot().in_use == 1, limit=60)
+        late = await RawStream.post(
+            running.url, "/v1/embeddings", {"input": TEXTS}, headers={"X-Request-Timeout": "0.5"}
+        )
+        try:
+            await wait_for(lambda: admission.snapshot().queued == 1)
+            with trio.fail_after(10):
+                data = await late.read_to_eof_or(b"}")
+        finally:
+            await late.aclose()
+        assert admission.snapshot().in_use == 1  # the first one still runs: nothing of the late one did
+    finally:
+        await first.aclose()
+    assert data.startswith(b"HTTP/1.1 504"), data[:200]
+    assert b'"deadline_exceeded"' in data
+    await wait_for(lambda: admission.snapshot().in_use == 0 and admission.snapshot().queued == 0)
+    assert not embedder._lock.locked()
+    running.server.shutdown()
+
+
+async def test_more_embedding_tokens_than_the_cap_is_400_naming_both_before_any_evaluation(
+    llama_backend: LlamaBackend, nursery: trio.Nursery
+) -> None:
+    running = await start_server(nursery, llama_backend, http=HTTPSettings(max_embedding_tokens=50))
+    embedder = llama_backend.embedder
+    total = sum(len(llama_backend.tokenize(text, add_bos=True, parse_special=True)) for text in TEXTS)
+    assert total > 50
+    before = embedder.context.calls if embedder.context is not None else 0
+    async with running.client() as client:
+        refused = await client.post("/v1/embeddings", json={"input": TEXTS})
+        accepted = await client.post("/v1/embeddings", json={"input": TEXTS[:2]})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "input"
+    assert f"{total} tokens" in error["message"]
+    assert "at most 50" in error["message"]
+    assert accepted.status_code == 200, accepted.text
+    assert embedder.context is not None
+    assert embedder.context.calls - before == 2  # the accepted request's two inputs only
+    running.server.shutdown()
+
+
+async def test_a_large_response_is_encoded_the_same(server: RunningServer) -> None:
+    """Above ``_INLINE_ENCODE_FLOATS`` numbers the body is encoded in a worker thread:
+    the same vectors come back as from small requests of the same inputs."""
+    inputs = [TEXTS[i % len(TEXTS)] for i in range(120)]  # 120 × 640 floats: above the threshold
+    async with server.client() as client:
+        large = (await client.post("/v1/embeddings", json={"input": inputs})).json()
+        small = (await client.post("/v1/embeddings", json={"input": TEXTS})).json()
+    assert len(large["data"]) == 120
+    for i, item in enumerate(large["data"]):
+        assert item["index"] == i
+        assert item["embedding"] == small["data"][i % len(TEXTS)]["embedding"]
+
+
+# ------------------------------------------------------------------ CpuTurns (no model)
+
+
+def _until(predicate: Any) -> None:
+    """Wait (in a plain thread's world) until ``predicate()``: at most 10 s."""
+    import time
+
+    limit = time.monotonic() + 10
+    while not predicate():
+        assert time.monotonic() < limit, "timed out"
+        time.sleep(0.001)
+
+
+def test_cpu_turns_alternate_in_the_order_asked() -> None:
+    """The holder that asks again while another waits goes behind it: a busy
+    generation scheduler and an embedding call take turns."""
+    import threading
+
+    from trioserve._backends._embeddings import CpuTurns
+
+    turns = CpuTurns()
+    order: list[str] = []
+    assert turns.acquire()  # the scheduler's call
+    waiting = threading.Thread(target=lambda: (turns.acquire(), order.append("embedding"), turns.release()))
+    waiting.start()
+    _until(lambda: turns.waits == 1)  # the embedding call is waiting
+    asked_again = threading.Thread(
+        target=lambda: (turns.acquire(), order.append("scheduler"), turns.release())
+    )
+    asked_again.start()
+    _until(lambda: turns.waits == 2)  # the scheduler's next call is waiting too
+    turns.release()
+    waiting.join(10)
+    asked_again.join(10)
+    assert order == ["embedding", "scheduler"]
+
+
+def test_a_call_waiting_for_its_turn_leaves_when_aborted() -> None:
+    import threading
+
+    from trioserve._backends._embeddings import CpuTurns
+
+    turns = CpuTurns()
+    aborted = threading.Event()
+    results: list[bool] = []
+    assert turns.acquire()
+    waiter = threading.Thread(target=lambda: results.append(turns.acquire(abort=aborted.is_set)))
+    waiter.start()
+    _until(lambda: turns.waits == 1)
+    aborted.set()
+    turns.wake()
+    waiter.join(10)
+    assert results == [False]
+    turns.release()
+    assert turns.acquire()  # the queue is empty again: no one holds the turn
+    turns.release()

@@ -26,7 +26,7 @@ from trioserve import (
 )
 from trioserve._backends._prompt_cache import shared_prefix
 
-from .._helpers import RunningServer, wait_for
+from .._helpers import RunningServer, start_server, wait_for
 from ..conftest import THREADS
 
 pytestmark = pytest.mark.model
@@ -568,3 +568,109 @@ async def test_the_cells_shared_between_choices_are_exact_in_host_memory(
         assert usage.cached_tokens > 0
         assert text == reference
         assert await _choices(engine, prompt, 2, 16) == [reference, reference]
+
+
+# ---------------------------------------------------------------- isolation between API keys (issue 33)
+
+KEYS = ("sk-key-a", "sk-key-b", "sk-key-c")
+
+
+def _evaluated(metrics: str) -> float:
+    found = re.search(r"^trioserve_prompt_tokens_evaluated_total (\S+)$", metrics, re.M)
+    assert found is not None
+    return float(found.group(1))
+
+
+async def test_each_api_key_has_a_prompt_cache_of_its_own(
+    llama_backend: LlamaBackend, nursery: trio.Nursery
+) -> None:
+    """Two keys, the same system prompt: key B's first request reuses nothing of key A's
+    (``cached_tokens`` 0, the whole prompt evaluated), its second reuses its own; key A's
+    prefix, moved to host memory when B took the one sequence, comes back for A alone;
+    the Anthropic dialect (``x-api-key``) is keyed the same way; and a ``cache_salt`` in
+    the body shares deliberately, across keys."""
+    server = await start_server(nursery, llama_backend, api_keys=KEYS)
+    system = f"[{uuid.uuid4().hex}] You are a guide to the history of the sea. " * 12
+
+    def chat(question: str, **extra: object) -> dict[str, object]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return {"messages": messages, "max_tokens": 6, "temperature": 0, **extra}
+
+    async def ask(key: str, body: dict[str, object], path: str = "/v1/chat/completions") -> dict[str, Any]:
+        headers = {"x-api-key": key} if path == "/v1/messages" else {"Authorization": f"Bearer {key}"}
+        async with server.client() as http:
+            response = await http.post(path, json=body, headers=headers)
+        assert response.status_code == 200, response.text
+        reply: dict[str, Any] = response.json()
+        return reply
+
+    def evaluated() -> float:
+        return _evaluated(server.server.state.metrics.render().decode())
+
+    def cached(reply: dict[str, Any]) -> int:
+        details: int = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return details
+
+    a1 = await ask(KEYS[0], chat("Name one ocean."))
+    a2 = await ask(KEYS[0], chat("Name one sea."))
+    assert cached(a1) == 0
+    assert cached(a2) > 0  # key A's own system prompt
+
+    before = evaluated()
+    b1 = await ask(KEYS[1], chat("Name one sea."))
+    assert cached(b1) == 0  # nothing of key A's
+    # the whole prompt evaluated (the counter is written once the response is sent)
+    prompt_tokens = b1["usage"]["prompt_tokens"]
+    await wait_for(lambda: evaluated() - before >= prompt_tokens)
+    assert evaluated() - before == prompt_tokens
+    assert b1["choices"][0]["message"] == a2["choices"][0]["message"]  # the same text, computed again
+    b2 = await ask(KEYS[1], chat("Name one ocean."))
+    assert cached(b2) == cached(a2)  # its own, now
+    a3 = await ask(KEYS[0], chat("Name one river."))
+    assert cached(a3) == cached(a2)  # key A's prefix, back from host memory (saved under A's salt)
+
+    # the Anthropic dialect: the key comes as x-api-key; key C shares nothing either
+    messages = {
+        "system": system,
+        "messages": [{"role": "user", "content": "Name one sea."}],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
+    c1 = await ask(KEYS[2], messages, "/v1/messages")
+    c2 = await ask(KEYS[2], messages, "/v1/messages")
+    assert c1["usage"]["cache_read_input_tokens"] == 0
+    assert c2["usage"]["cache_read_input_tokens"] > 0
+
+    # a cache_salt in the body: whoever sends the same one shares (here: keys A and B)
+    salt = uuid.uuid4().hex
+    shared_a = await ask(KEYS[0], chat("Name one bay.", cache_salt=salt))
+    shared_b = await ask(KEYS[1], chat("Name one gulf.", cache_salt=salt))
+    assert cached(shared_a) == 0  # (a salt of its own: not key A's cache)
+    assert cached(shared_b) == cached(a2)
+    async with server.client(headers={"Authorization": f"Bearer {KEYS[0]}"}) as http:
+        response = await http.post("/v1/chat/completions", json=chat("x", cache_salt=""))
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "cache_salt"
+    server.server.shutdown()
+
+
+async def test_health_without_a_key_says_only_the_status(
+    llama_backend: LlamaBackend, nursery: trio.Nursery
+) -> None:
+    """With API keys, ``/health`` stays open for load balancers, but tells a caller
+    without a valid key only the status: no models, paths, slots, cache or system info."""
+    server = await start_server(nursery, llama_backend, api_keys=KEYS)
+    async with server.client() as http:
+        anonymous = await http.get("/health")
+        wrong = await http.get("/health", headers={"Authorization": "Bearer sk-not-a-key"})
+        bearer = await http.get("/health", headers={"Authorization": f"Bearer {KEYS[1]}"})
+        anthropic = await http.get("/health", headers={"x-api-key": KEYS[2]})
+    assert anonymous.status_code == wrong.status_code == bearer.status_code == 200
+    assert anonymous.json() == {"status": "ok"}
+    assert wrong.json() == {"status": "ok"}
+    assert len(anonymous.content) < 32
+    for full in (bearer.json(), anthropic.json()):
+        assert full["status"] == "ok"
+        assert set(full) >= {"models", "batch", "platform", "slots"}
+        assert "sequences" in full["batch"]["cache"]
+    server.server.shutdown()

@@ -400,3 +400,63 @@ async def test_the_same_answers_as_llama_server(server: RunningServer, llama_ser
             )
             assert mine.status_code == reference.status_code == 200
             assert mine.json() == reference.json(), tokens
+
+
+# ------------------------------------------------------------------ large bodies
+
+#: insignificant whitespace that puts a body over the 64 KiB at which it is decoded,
+#: rendered and counted in a worker thread
+_PADDING = b" " * (70 * 1024)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/messages/count_tokens",
+            {"model": ALIAS, "system": "Be brief.", "messages": [{"role": "user", "content": TEXTS[2]}]},
+        ),
+        ("/v1/responses/input_tokens", {"model": ALIAS, "instructions": "Be brief.", "input": TEXTS[1]}),
+    ],
+)
+async def test_a_large_count_tokens_body_counts_what_the_small_one_counts(
+    server: RunningServer, path: str, body: dict[str, Any]
+) -> None:
+    """The same request, once small (counted on the event loop) and once padded over
+    64 KiB (decoded, rendered and tokenized in a worker thread): the same count; and a
+    long conversation is counted too."""
+    import json
+
+    small = json.dumps(body).encode()
+    padded = small[:1] + _PADDING + small[1:]
+    headers = {"Content-Type": "application/json"}
+    long_text = " ".join(TEXTS[:4]) * 400  # ~40 KB of text: ≥ 64 KiB with the rest
+    if path.startswith("/v1/messages"):
+        long_body = {**body, "messages": [{"role": "user", "content": long_text}] * 2}
+    else:
+        long_body = {**body, "input": [{"role": "user", "content": long_text}] * 2}
+    async with server.client() as client:
+        counted_small = await client.post(path, content=small, headers=headers)
+        counted_padded = await client.post(path, content=padded, headers=headers)
+        counted_long = await client.post(path, json=long_body)
+    assert counted_small.status_code == 200, counted_small.text
+    assert counted_padded.status_code == 200, counted_padded.text
+    assert counted_padded.json()["input_tokens"] == counted_small.json()["input_tokens"] > 0
+    assert counted_long.status_code == 200, counted_long.text
+    assert len(json.dumps(long_body)) > 64 * 1024
+    assert counted_long.json()["input_tokens"] > 2 * 400 * 4
+
+
+async def test_a_large_tokenize_answer_equals_the_tokenizers(
+    server: RunningServer, llama_backend: LlamaBackend
+) -> None:
+    """/tokenize and /detokenize of tens of thousands of tokens (answers encoded in a
+    worker thread): the tokenizer's own ids, and the text back."""
+    text = " ".join(TEXTS[:3]) * 1000
+    expected = llama_backend.tokenize(text, add_bos=False, parse_special=True)
+    assert len(expected) > 16 * 1024
+    async with server.client() as client:
+        tokens = (await client.post("/tokenize", json={"content": text})).json()["tokens"]
+        content = (await client.post("/detokenize", json={"tokens": tokens})).json()["content"]
+    assert tokens == expected
+    assert content == text

@@ -7,7 +7,12 @@ Pure Python, with no lock of its own: the scheduler thread owns it, makes the ll
 calls its plans ask for (``llama_memory_seq_rm``, the state saves and restores,
 ``llama_decode``), and calls the methods whose results ``/health`` reads
 (:meth:`CachePolicy.take`) under the scheduler's lock. Matching and the host tier:
-:mod:`._prompt_cache`; the cut: :mod:`._pieces`."""
+:mod:`._prompt_cache`; the cut: :mod:`._pieces`.
+
+Salts: each id's cells carry the ``cache_salt`` of the request that computed them
+(``GenerationRequest.cache_salt``), and a prompt reuses cells — or host-memory states —
+of its own salt only: ids of other salts share nothing with it, whatever their tokens
+(docs/operations.md, "What one key can learn")."""
 
 from __future__ import annotations
 
@@ -55,7 +60,8 @@ def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
 class Placement:
     """Where a new sequence goes: its id, the prompt tokens it starts after, and the
     host-memory work to do first (the scheduler thread does it, before the first call):
-    ``save``, the prefix the id caches, to keep in host memory before it is overwritten;
+    ``save``, the prefix the id caches, to keep in host memory before it is overwritten
+    (under ``save_salt``, the salt of the request that computed it);
     ``checkpoint``, a shorter prefix of ``save`` to keep too (0: none —
     :meth:`CachePolicy.checkpoint`); ``restore``, the host-memory state to load into the id."""
 
@@ -64,6 +70,7 @@ class Placement:
     save: list[int] | None = None
     restore: bytes | None = None
     checkpoint: int = 0
+    save_salt: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +102,11 @@ class CacheStats:
     ram_saves: int
     ram_restores: int
     ram_evictions: int
+    #: the budget this tier shares with the other models' (``HostBudget``): bytes held
+    #: by all of them, the budget, and how many models' tiers it holds
+    ram_shared_bytes: int = 0
+    ram_shared_budget_bytes: int = 0
+    ram_shared_models: int = 1
     save_seconds: float
     restore_seconds: float
     idle_recompute: bool
@@ -127,6 +139,11 @@ class CacheStats:
                 "saves": self.ram_saves,
                 "restores": self.ram_restores,
                 "evictions": self.ram_evictions,
+                "shared": {
+                    "bytes": self.ram_shared_bytes,
+                    "budget_bytes": self.ram_shared_budget_bytes,
+                    "models": self.ram_shared_models,
+                },
                 "save_seconds": round(self.save_seconds, 6),
                 "restore_seconds": round(self.restore_seconds, 6),
             },
@@ -175,6 +192,9 @@ class CachePolicy:
         #: recompute extends the cells past it with the reply, and a sliding-window
         #: model's state of the longer prefix cannot give it back (:meth:`checkpoint`)
         self._prompt_end = [0] * slots
+        #: the salt of the request whose cells each id keeps: only a prompt of the same
+        #: salt reuses them (nor are they saved to host memory under another)
+        self._salt = [""] * slots
         #: when each id was last released (the LRU clock)
         self._used_at = [0] * slots
         self._uses = 0
@@ -189,6 +209,10 @@ class CachePolicy:
     def cached(self, seq_id: int) -> list[int]:
         """The prompt tokens whose cells ``seq_id`` keeps."""
         return self._cached[seq_id]
+
+    def salt(self, seq_id: int) -> str:
+        """The salt of the cells ``seq_id`` keeps (its last request's)."""
+        return self._salt[seq_id]
 
     def held(self, free_ids: Sequence[int]) -> list[int | None]:
         """Per id: the tokens it keeps if free (``None``: running a request)."""
@@ -220,9 +244,10 @@ class CachePolicy:
         tokens = self._cached[seq_id]
         return bool(tokens) and bool(self.host.budget) and self.serves(seq_id, len(tokens))
 
-    def host_covers(self, tokens: list[int]) -> bool:
-        """Whether the host tier already holds ``tokens`` (as an entry or its prefix)."""
-        return self.host.covers(tokens, self.host_cuts(tokens))
+    def host_covers(self, tokens: list[int], salt: str = "") -> bool:
+        """Whether the host tier already holds ``tokens`` of ``salt`` (as an entry or its
+        prefix)."""
+        return self.host.covers(tokens, self.host_cuts(tokens), salt=salt)
 
     def checkpoint(self, seq_id: int, keep: int = 0) -> int:
         """The prompt end of ``seq_id``'s last request, when its cells hold more than it
@@ -240,25 +265,38 @@ class CachePolicy:
             return 0
         if host.usable(len(tokens), end, self._floor[seq_id]) or not self.serves(seq_id, end):
             return 0  # (the longer state gives it back; the cells cannot)
-        return 0 if self.host_covers(tokens[:end]) else end
+        return 0 if self.host_covers(tokens[:end], self._salt[seq_id]) else end
 
     # ------------------------------------------------------------ admission
 
-    def place(self, prompt: list[int], cuts: list[int], cache_prompt: bool, free_ids: list[int]) -> Placement:
+    def place(
+        self,
+        prompt: list[int],
+        cuts: list[int],
+        cache_prompt: bool,
+        free_ids: list[int],
+        salt: str = "",
+    ) -> Placement:
         """The free id whose cached prompt shares the longest prefix of whole pieces with
         ``prompt`` (``cuts``: its cuts; ties, and no prefix: the least recently used id),
         and how much of it is reused — or, when the host tier holds more of it, the
-        least recently used id with that state to restore. Changes nothing but the host
-        tier's recency; :meth:`take` commits."""
+        least recently used id with that state to restore. Only cells and states of the
+        prompt's ``salt`` count: another salt's share nothing with it. Changes nothing but
+        the host tier's recency; :meth:`take` commits."""
         limit = 0
         if self.enabled and cache_prompt:
             # at least the last piece (fast: token) is evaluated: its logits are needed
             limit = len(prompt) - 1 if self.fast else _last_cut(cuts, len(prompt) - 1)
         cached = self._cached
+        salts = self._salt
         if self.fast:
-            shared = {i: _common_prefix(cached[i], prompt, limit) for i in free_ids}
+            shared = {
+                i: _common_prefix(cached[i], prompt, limit) if salts[i] == salt else 0 for i in free_ids
+            }
         else:
-            shared = {i: shared_prefix(cached[i], prompt, cuts, limit) for i in free_ids}
+            shared = {
+                i: shared_prefix(cached[i], prompt, cuts, limit) if salts[i] == salt else 0 for i in free_ids
+            }
         # (a longer prefix needs fewer window cells: if an id's cells cannot give back what
         # it shares, they give back nothing)
         shared = {i: n if self.serves(i, n) else 0 for i, n in shared.items()}
@@ -266,7 +304,7 @@ class CachePolicy:
         reused = shared[best]
         restore = None
         host = self.host
-        found = host.best(prompt, self.host_cuts(prompt), limit) if limit and host.budget else None
+        found = host.best(prompt, self.host_cuts(prompt), limit, salt=salt) if limit and host.budget else None
         if found is not None and found[0] > reused:
             # host memory holds more of it: restore into the least recently used id
             best = min(free_ids, key=lambda i: self._used_at[i])
@@ -277,17 +315,19 @@ class CachePolicy:
             save = cached[best]  # (some of) its cells are about to be overwritten
             # (a restore replaces every cell: the checkpoint may go below ``reused``)
             checkpoint = self.checkpoint(best, 0 if restore is not None else reused)
-        return Placement(best, reused, save, restore, checkpoint)
+        return Placement(best, reused, save, restore, checkpoint, salts[best])
 
     def place_follower(self, free_ids: list[int]) -> Placement:
         """A later choice of an ``n`` > 1 request: the least recently used free id (it
         gets a copy of its leader's cells once the prompt is evaluated)."""
         best = min(free_ids, key=lambda i: self._used_at[i])
-        return Placement(best, save=self._cached[best] if self.savable(best) else None)
+        save = self._cached[best] if self.savable(best) else None
+        return Placement(best, save=save, save_salt=self._salt[best])
 
-    def take(self, seq_id: int) -> None:
-        """``seq_id``'s cells now belong to a running sequence. (Under the scheduler's
-        lock: ``/health`` reads what the ids keep.)"""
+    def take(self, seq_id: int, salt: str = "") -> None:
+        """``seq_id``'s cells now belong to a running sequence of ``salt``. (Under the
+        scheduler's lock: ``/health`` reads what the ids keep.)"""
+        self._salt[seq_id] = salt
         self._cached[seq_id] = []
         self._floor[seq_id] = 0
         self._prompt_end[seq_id] = 0

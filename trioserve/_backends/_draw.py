@@ -5,10 +5,15 @@ the result (a constraint that fails ends its sequence).
 
 Two paths: :func:`draw` (plain: the argmax of the logits row for plain greedy, else
 llama.cpp's sampler chain) and :func:`draw_special` (a constraint's mask applied to the
-row in place first, and/or the log-probabilities computed from the same row)."""
+row in place first, and/or the log-probabilities computed from the same row).
+
+A request's logit bias is :class:`LogitBias`: arrays made once per request (at
+prepare), applied to a row with one numpy operation per token — a bias may name every
+token of the vocabulary (262,144), and the scheduler thread decodes every sequence."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy
@@ -16,9 +21,57 @@ import numpy
 from .._core._types import TokenLogprob
 from ._grammar import TokenMask
 
-__all__ = ["draw", "draw_special", "logits_row", "logprob_entry"]
+__all__ = ["LogitBias", "draw", "draw_special", "logits_row", "logprob_entry"]
 
 _as_array = numpy.ctypeslib.as_array
+
+#: llama.cpp's ``llama_logit_bias``: a token id and its bias
+_ENTRY = numpy.dtype([("token", "<i4"), ("bias", "<f4")])
+
+
+class LogitBias:
+    """A request's ``logit_bias`` as arrays: the ids whose logits are shifted and by how
+    much (float32, as llama.cpp's sampler adds them), and the ids it bans (OpenAI: -100
+    or less bans a token). Built once per request; :meth:`apply` costs one numpy
+    operation per token however many entries it has."""
+
+    __slots__ = ("amounts", "banned", "ids")
+
+    def __init__(self, bias: Mapping[int, float]) -> None:
+        count = len(bias)
+        ids = numpy.fromiter(bias.keys(), dtype=numpy.int64, count=count)
+        amounts = numpy.fromiter(bias.values(), dtype=numpy.float64, count=count)
+        ban = amounts <= -100
+        self.ids = ids[~ban]
+        self.amounts = amounts[~ban].astype(numpy.float32)
+        self.banned = ids[ban]
+
+    def __len__(self) -> int:
+        return len(self.ids) + len(self.banned)
+
+    def bounds(self) -> tuple[int, int]:
+        """The lowest and highest token id it names (``(0, 0)`` when empty)."""
+        every = numpy.concatenate((self.ids, self.banned))
+        return (int(every.min()), int(every.max())) if len(every) else (0, 0)
+
+    def apply(self, logits: numpy.ndarray) -> numpy.ndarray:
+        """A copy of ``logits`` with the bias added and the banned tokens at -inf (the
+        row the draw started from: ``logit + bias`` in float32, as llama.cpp's sampler)."""
+        values = logits.copy()
+        values[self.ids] += self.amounts  # (ids are unique: a mapping's keys)
+        values[self.banned] = -numpy.inf
+        return values
+
+    def entries(self, entry_type: Any) -> Any:
+        """The bias as a ctypes array of ``entry_type`` (``llama_logit_bias``) for
+        ``llama_sampler_init_logit_bias`` (which copies it), filled by numpy."""
+        table = numpy.empty(len(self), dtype=_ENTRY)
+        kept = len(self.ids)
+        table["token"][:kept] = self.ids
+        table["bias"][:kept] = self.amounts
+        table["token"][kept:] = self.banned
+        table["bias"][kept:] = -numpy.inf
+        return (entry_type * len(table)).from_buffer_copy(table)
 
 
 def logits_row(lib: Any, ctx: Any, index: int, n_vocab: int) -> numpy.ndarray:
@@ -47,7 +100,7 @@ def draw_special(
     greedy: bool,
     mask: TokenMask | None,
     logprobs: int | None,
-    bias: Any,
+    bias: LogitBias | None,
     piece: Any,
 ) -> tuple[int, TokenLogprob | None] | str:
     """Draw the token of output ``index`` with a constraint's ``mask`` and/or
@@ -65,15 +118,13 @@ def draw_special(
     return token, entry
 
 
-def logprob_entry(logits: numpy.ndarray, token: int, top: int, bias: Any, piece: Any) -> TokenLogprob:
+def logprob_entry(
+    logits: numpy.ndarray, token: int, top: int, bias: LogitBias | None, piece: Any
+) -> TokenLogprob:
     """``token``'s log-probability, and the ``top`` most likely tokens', in the
     distribution the draw started from: the model's logits with the logit bias and the
     constraint's mask (before penalties, temperature and truncation)."""
-    values = logits
-    if bias:
-        values = logits.copy()
-        for biased, amount in bias.items():
-            values[biased] = -numpy.inf if amount <= -100 else values[biased] + amount
+    values = logits if bias is None or not len(bias) else bias.apply(logits)
     peak = values.max()
     log_total = peak + numpy.log(numpy.exp(values - peak).sum())
     alternatives: tuple[tuple[bytes, float], ...] = ()

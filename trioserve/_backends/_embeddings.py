@@ -14,13 +14,22 @@ lock); :meth:`EmbeddingContext.embed` evaluates the inputs in as few ``llama_dec
 calls as fit — each input its own sequence — and returns each input's pooled,
 L2-normalised vector. The abort flag stops a call within one graph node, as
 generation's does; :class:`Embedder` raises it when the caller's scope is cancelled.
+
+The cores are shared with generation through :class:`CpuTurns`: a model's generation
+scheduler and its embedding context each take a turn for every ``llama_decode`` call,
+in the order they asked, so the two contexts — each sized to every core — never run at
+once (llama.cpp's threads spin while they wait for each other: two contexts on the same
+cores slow both). A waiting embedding call leaves when its abort flag is raised.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Sequence
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy
@@ -34,7 +43,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("trioserve.embeddings")
 
-__all__ = ["POOLINGS", "Embedder", "EmbeddingContext", "Pooling"]
+__all__ = ["POOLINGS", "CpuTurns", "Embedder", "EmbeddingContext", "Pooling"]
 
 Pooling = Literal["mean", "cls", "last"]
 #: llama.cpp's ``llama_pooling_type`` values
@@ -45,14 +54,78 @@ _UNSPECIFIED = -1
 MAX_SEQUENCES = 1
 
 
+class CpuTurns:
+    """Turns on the cores, one ``llama_decode`` call at a time, first asked first served.
+
+    A model's generation scheduler and its embedding context are each sized to every
+    core; taking a turn per call keeps them from running at once. Fairness comes from
+    the queue: a holder that asks again while the other waits goes behind it, so a
+    busy scheduler and an embedding request alternate call by call. Thread-safe.
+    """
+
+    __slots__ = ("_condition", "_held", "_waiting", "waits")
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._held = False
+        self._waiting: deque[object] = deque()
+        #: calls that had to wait for another's turn (tests and /health)
+        self.waits = 0
+
+    def acquire(self, abort: Callable[[], object] | None = None) -> bool:
+        """Wait for the turn (blocking); ``False`` if ``abort()`` turned true first
+        (:meth:`wake` makes a waiter look again)."""
+        with self._condition:
+            if not self._held and not self._waiting:
+                self._held = True
+                return True
+            me = object()
+            self._waiting.append(me)
+            self.waits += 1
+            while True:
+                if not self._held and self._waiting[0] is me:
+                    self._waiting.popleft()
+                    self._held = True
+                    return True
+                if abort is not None and abort():
+                    self._waiting.remove(me)
+                    self._condition.notify_all()  # the next in line may go now
+                    return False
+                self._condition.wait()
+
+    def release(self) -> None:
+        with self._condition:
+            self._held = False
+            self._condition.notify_all()
+
+    def wake(self) -> None:
+        """Make the waiters check their ``abort`` again (after raising an abort flag)."""
+        with self._condition:
+            self._condition.notify_all()
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Hold the turn for the block (the generation scheduler's calls: no abort
+        while waiting; a cancel raised meanwhile stops its call at once)."""
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+
 class EmbeddingContext:
     """A llama context for pooled embeddings: room for ``n_batch`` tokens of up to
     :data:`MAX_SEQUENCES` inputs per call (one ubatch: a pooled vector needs its whole
     input in one evaluation)."""
 
-    def __init__(self, model: LlamaModel, *, pooling: Pooling | None = None) -> None:
+    def __init__(
+        self, model: LlamaModel, *, pooling: Pooling | None = None, turns: CpuTurns | None = None
+    ) -> None:
         from ._llama import _make_abort_callback
 
+        #: the cores' turns, shared with the model's generation scheduler
+        self.turns = turns if turns is not None else CpuTurns()
         lib = model.lib
         settings = model.settings
         self.lib = lib
@@ -142,8 +215,17 @@ class EmbeddingContext:
                     batch.logits[n] = 1
                     n += 1
             batch.n_tokens = n
-            self.calls += 1
-            rc = lib.llama_encode(self.ctx, batch) if self.has_encoder else lib.llama_decode(self.ctx, batch)
+            if not self.turns.acquire(abort=lambda: self.abort_flag.value):
+                raise Aborted
+            try:
+                self.calls += 1
+                rc = (
+                    lib.llama_encode(self.ctx, batch)
+                    if self.has_encoder
+                    else lib.llama_decode(self.ctx, batch)
+                )
+            finally:
+                self.turns.release()
             if rc == 2 or (rc != 0 and self.abort_flag.value):
                 self.aborted_calls += 1
                 lib.llama_memory_clear(self.memory, True)
@@ -186,6 +268,8 @@ class Embedder:
         self._context: EmbeddingContext | None = None
         self._lock = trio.Lock()
         self._closed = False
+        #: the cores' turns: the model's generation scheduler takes one per decode call too
+        self.turns = CpuTurns()
 
     @property
     def context(self) -> EmbeddingContext | None:
@@ -213,7 +297,7 @@ class Embedder:
                 raise BackendError("the model is closed")
             if self._context is None:
                 self._context = await trio.to_thread.run_sync(
-                    lambda: EmbeddingContext(self._model, pooling=self._pooling)
+                    lambda: EmbeddingContext(self._model, pooling=self._pooling, turns=self.turns)
                 )
             context = self._context
             context.abort_flag.value = 0
@@ -225,6 +309,7 @@ class Embedder:
                 finally:
                     if not done:
                         context.abort_flag.value = 1
+                        self.turns.wake()  # a call waiting for its turn leaves at once
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(abort_on_cancel)

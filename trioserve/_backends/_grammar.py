@@ -99,17 +99,19 @@ _VALUES = ("const", "enum")
 
 
 def _numbers(value: Any) -> Iterator[int | float]:
-    """Every JSON number in a ``const`` or ``enum`` value, at any depth."""
-    if isinstance(value, bool):
-        return
-    if isinstance(value, int | float):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _numbers(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _numbers(item)
+    """Every JSON number in a ``const`` or ``enum`` value, at any depth (a stack, not
+    recursion: a value nested deeper than Python recurses is still read)."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, bool):
+            continue
+        if isinstance(node, int | float):
+            yield node
+        elif isinstance(node, dict):
+            stack.extend(reversed(node.values()))
+        elif isinstance(node, list):
+            stack.extend(reversed(node))
 
 
 def _literals(schema: Any) -> Iterator[tuple[str, int | float]]:

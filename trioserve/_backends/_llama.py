@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
-import math
 import os
 import random
 import threading
@@ -27,6 +26,7 @@ from .._core._backend import Backend, ModelInfo, PreparedPrompt, check_token_ids
 from .._core._errors import unwrap_group
 from .._core._exceptions import BackendError, InvalidRequestError
 from .._core._types import GenerationRequest, SamplingParams
+from ._draw import LogitBias
 from ._grammar import GrammarCompiler
 from ._pieces import classify_piece, make_rule
 from ._platform import RepackDecision, decide_repack
@@ -42,9 +42,13 @@ _ATTR_CONTROL = 1 << 3
 #: prompts shorter than this (characters) are tokenized on the Trio thread: cheaper than
 #: a thread hop. Longer ones go to a worker thread so the event loop never stalls.
 _INLINE_TOKENIZE_CHARS = 4096
+#: constraint compiles running at once (each holds a worker thread until it ends)
+_COMPILE_THREADS = 2
 #: the same for turning token ids into their pieces (``/detokenize``, ``/tokenize``'s
 #: ``with_pieces``): more ids than this go to a worker thread
 _INLINE_PIECES = 1024
+#: a logit bias with more entries than this is turned into arrays in a worker thread
+_INLINE_BIAS = 4096
 
 
 def _abort_requested(data: int) -> bool:
@@ -295,6 +299,10 @@ class LlamaModel(Backend):
         self._piece_cache: dict[int, bytes] = {}
         #: the constraint compiler (its view of the vocabulary is built on first use)
         self.grammars = GrammarCompiler(lib, self.vocab, self.n_vocab, self.token_bytes)
+        #: worker threads for compiles: a compile a cancel abandoned keeps its thread
+        #: until it ends, so compiles get threads of their own (two at a time) and never
+        #: take those of tokenization, template rendering or a model load
+        self.compile_threads = trio.CapacityLimiter(_COMPILE_THREADS)
         self._piece_lock = threading.Lock()
         #: where prompts are cut into prefill calls (docs/prompt-cache.md, "The cut")
         self.piece_rule = make_rule(
@@ -579,37 +587,67 @@ class LlamaModel(Backend):
                 raise InvalidRequestError(
                     f"prompt token ids must be in [0, {self.n_vocab}); got {bad[0]}", param="prompt"
                 )
-        for token in request.sampling.logit_bias:
-            if token >= self.n_vocab:
-                raise InvalidRequestError(
-                    f"logit_bias key {token} is not a token id of this model (vocabulary: {self.n_vocab})",
-                    param="logit_bias",
-                )
+        bias = await self._logit_bias(request.sampling)
         prepared = fit_to_context(request, tokens, self.settings.n_ctx)
+        if bias is not None:
+            prepared = dataclasses.replace(prepared, logit_bias=bias)
         if request.constraint is not None:
             # compiling (and, the first time, building the grammar engine's view of the
             # vocabulary) can take a while: off the event loop. A cancel returns at
             # once; the thread finishes its bounded compile and the result is dropped.
             constraint = request.constraint
             mask = await trio.to_thread.run_sync(
-                lambda: self.grammars.compile(constraint), abandon_on_cancel=True
+                lambda: self.grammars.compile(constraint),
+                abandon_on_cancel=True,
+                limiter=self.compile_threads,
             )
             prepared = dataclasses.replace(prepared, compiled=mask)
         return prepared
 
-    def _sampler(self, params: SamplingParams, *, max_new_tokens: int = 0, seed_offset: int = 0) -> Any:
+    async def _logit_bias(self, params: SamplingParams) -> LogitBias | None:
+        """The request's logit bias as arrays (``None``: none), made once: the draws and
+        the sampler chain of every choice use them. A bias naming a token id outside the
+        vocabulary is refused (400)."""
+        if not params.logit_bias:
+            return None
+        try:
+            if len(params.logit_bias) > _INLINE_BIAS:  # (a whole vocabulary: milliseconds)
+                bias = await trio.to_thread.run_sync(LogitBias, params.logit_bias)
+            else:
+                bias = LogitBias(params.logit_bias)
+            low, high = bias.bounds()
+        except OverflowError:  # (a key past int64)
+            low, high = -1, -1
+        if low < 0 or high >= self.n_vocab:
+            token = high if high >= self.n_vocab else low
+            raise InvalidRequestError(
+                f"logit_bias key {token} is not a token id of this model (vocabulary: {self.n_vocab})"
+                if token >= 0
+                else f"logit_bias keys must be token ids of this model (vocabulary: {self.n_vocab})",
+                param="logit_bias",
+            )
+        return bias
+
+    def _sampler(
+        self,
+        params: SamplingParams,
+        *,
+        max_new_tokens: int = 0,
+        seed_offset: int = 0,
+        bias: LogitBias | None = None,
+    ) -> Any:
         """llama.cpp's sampler chain for ``params``, in llama-server's order: logit
-        bias, penalties, top-k, top-p, min-p, temperature, then the draw (or greedy)."""
+        bias, penalties, top-k, top-p, min-p, temperature, then the draw (or greedy).
+        ``bias``: ``params.logit_bias`` as arrays, if the request's prepare made them."""
         lib = self.lib
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         add = lib.llama_sampler_chain_add
         if params.logit_bias:
-            biases = (lib.llama_logit_bias * len(params.logit_bias))()
-            for i, (token, bias) in enumerate(params.logit_bias.items()):
-                biases[i].token = token
-                # OpenAI: -100 bans a token, +100 forces it
-                biases[i].bias = -math.inf if bias <= -100 else bias
-            add(chain, lib.llama_sampler_init_logit_bias(self.n_vocab, len(params.logit_bias), biases))
+            if bias is None:
+                bias = LogitBias(params.logit_bias)
+            # OpenAI: -100 bans a token (-inf), +100 forces it
+            entries = bias.entries(lib.llama_logit_bias)
+            add(chain, lib.llama_sampler_init_logit_bias(self.n_vocab, len(entries), entries))
         # (llama-cpp-python 0.3.36's llama.h: the vocabulary size comes first)
         penalties = lib.llama_sampler_init_penalties
         if params.repeat_penalty != 1:

@@ -3,14 +3,23 @@ the longest prefix of whole pieces with a new prompt, and the host-memory tier t
 keeps prefixes evicted from KV cells under a byte budget, least recently used out
 first. Pieces end at the prompt's cuts (:mod:`._pieces`: canonical and causal, so the
 cuts of a shared prefix are the same in both). Pure Python: the scheduler thread owns
-it and does the llama.cpp calls."""
+it and does the llama.cpp calls.
+
+Every entry carries a *salt* (``GenerationRequest.cache_salt``: empty, or derived from
+the request's API key): a prompt finds only the entries saved under its own salt, so
+one key cannot learn, from ``cached_tokens`` or the time to first token, what another
+key's prompts were (docs/operations.md, "What one key can learn"). The tiers of one
+server's models share one byte budget (:class:`HostBudget`: ``--cache-ram`` is the
+total), the entries of unloaded models going first."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
-__all__ = ["HostCache", "shared_prefix"]
+__all__ = ["HostBudget", "HostCache", "shared_prefix"]
 
 
 def shared_prefix(cached: Sequence[int], prompt: Sequence[int], cuts: Sequence[int], limit: int) -> int:
@@ -25,12 +34,12 @@ def shared_prefix(cached: Sequence[int], prompt: Sequence[int], cuts: Sequence[i
     return n
 
 
-def _chain(tokens: Sequence[int], cuts: Sequence[int], limit: int) -> list[tuple[int, int]]:
+def _chain(tokens: Sequence[int], cuts: Sequence[int], limit: int, salt: str = "") -> list[tuple[int, int]]:
     """``(cut, hash)`` of ``tokens``' prefixes ending at ``cuts`` (at most ``limit``):
-    each hash identifies ``tokens[:cut]`` (chained on the one before, so the whole list
-    costs one pass over the tokens)."""
+    each hash identifies ``tokens[:cut]`` under ``salt`` (chained on the one before, so
+    the whole list costs one pass over the tokens)."""
     hashes: list[tuple[int, int]] = []
-    h = 0
+    h = hash(("salt", salt)) if salt else 0
     start = 0
     for c in cuts:
         if c > limit or c > len(tokens):
@@ -41,15 +50,73 @@ def _chain(tokens: Sequence[int], cuts: Sequence[int], limit: int) -> list[tuple
     return hashes
 
 
+#: an entry's key: its salt and its tokens
+_Key = tuple[str, tuple[int, ...]]
+
+
+@dataclass(slots=True)
+class _Entry:
+    state: bytes
+    #: the hashes of its prefixes at its cuts (under its salt)
+    hashes: list[int]
+    #: the first position whose sliding-window cells the state holds
+    start: int
+    #: the budget's clock at its last use (save or restore): the LRU order across models
+    used: int
+
+
+class HostBudget:
+    """One byte budget for the host tiers of a server's models: ``--cache-ram`` is the
+    total, however many models the server has (docs/prompt-cache.md, "One budget").
+
+    When a save takes the total over it, entries go, least recently used first — the
+    entries of models that are not loaded (:attr:`HostCache.active` false) before any
+    loaded model's. Thread-safe: each loaded model's scheduler thread saves into its own
+    tier, and an eviction may take another model's entry, so every tier's reads and
+    writes hold :attr:`lock` (dictionary work only: the states are bytes already)."""
+
+    def __init__(self, budget: int) -> None:
+        if budget < 0:
+            raise ValueError(f"the host-memory budget must be at least 0, got {budget}")
+        self.budget = budget
+        self.lock = threading.RLock()
+        #: bytes held by every tier
+        self.bytes = 0
+        self._tiers: list[HostCache] = []
+        self._clock = 0
+
+    @property
+    def tiers(self) -> int:
+        """The tiers sharing the budget (one per model that has loaded)."""
+        return len(self._tiers)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _fit(self) -> None:
+        """Evict until the tiers fit the budget: unloaded models' entries first, then the
+        least recently used of all. (Under the lock.)"""
+        while self.bytes > self.budget:
+            held = [tier for tier in self._tiers if tier._entries]
+            if not held:  # pragma: no cover - (bytes are only held by entries)
+                return
+            victim = min(held, key=lambda tier: (tier.active, tier._oldest()))
+            victim._evict_oldest()
+
+
 class HostCache:
     """Sequence states (``llama_state_seq_get_data``) of cached prefixes, in host memory.
 
-    Holds at most ``budget`` bytes; an entry that does not fit alone is not kept. A
-    prefix already held by a longer entry is not stored again. Entries are indexed by
-    the hashes of their prefixes at their cuts, so finding the one that shares the most
-    pieces with a prompt costs one pass over the prompt, however many entries there are.
-    ``rule`` names the cut (:attr:`PieceRule.key`, or ``"token"`` in fast mode: every
-    position): every call passes cuts made by that rule.
+    Holds at most ``budget`` bytes — this model's cap, within its :class:`HostBudget`
+    (``pool``; none given: a budget of its own); an entry that does not fit alone is not
+    kept. A prefix already held by a longer entry of the same salt is not stored again.
+    Entries are indexed by the hashes of their prefixes at their cuts (under their salt),
+    so finding the one that shares the most pieces with a prompt costs one pass over the
+    prompt, however many entries there are. ``rule`` names the cut (:attr:`PieceRule.key`,
+    or ``"token"`` in fast mode: every position): every call passes cuts made by that rule.
+
+    ``salt``: an entry serves only prompts of the same salt (``GenerationRequest.cache_salt``).
 
     ``window``: the model's sliding attention window (``llama_model_n_swa``; 0: none).
     A saved state keeps a sliding-window layer's cells only for the last ``window``
@@ -62,19 +129,36 @@ class HostCache:
     that start (``floor``), and an entry that cannot serve even its own tokens is not
     kept — it would be indexed under prefixes it cannot give back."""
 
-    def __init__(self, budget: int, *, rule: str, window: int = 0) -> None:
-        self.budget = budget
+    def __init__(self, budget: int, *, rule: str, window: int = 0, pool: HostBudget | None = None) -> None:
+        self._own_pool = pool is None
+        self.pool = HostBudget(budget) if pool is None else pool
+        #: this model's cap (the pool's budget bounds it too)
+        self.cap = budget
         self.rule = rule
         self.window = window
-        #: entry tokens → (state, the hashes of its prefixes at its cuts, the first
-        #: position whose sliding-window cells the state holds)
-        self._entries: OrderedDict[tuple[int, ...], tuple[bytes, list[int], int]] = OrderedDict()
+        #: its model is loaded: an unloaded model's entries are evicted first
+        self.active = True
+        #: (salt, entry tokens) → the entry, least recently used first
+        self._entries: OrderedDict[_Key, _Entry] = OrderedDict()
         #: prefix hash → the entries with that prefix
-        self._index: dict[int, set[tuple[int, ...]]] = {}
+        self._index: dict[int, set[_Key]] = {}
         self.bytes = 0
         self.saves = 0
         self.restores = 0
         self.evictions = 0
+        with self.pool.lock:
+            self.pool._tiers.append(self)
+
+    @property
+    def budget(self) -> int:
+        """The bytes this tier may hold: its cap, within the shared budget."""
+        return min(self.cap, self.pool.budget)
+
+    @budget.setter
+    def budget(self, value: int) -> None:
+        self.cap = value
+        if self._own_pool:
+            self.pool.budget = value
 
     def serves(self, floor: int, shared: int) -> bool:
         """Whether cells whose sliding-window layers start at position ``floor`` serve
@@ -99,98 +183,144 @@ class HostCache:
 
     @property
     def tokens(self) -> int:
-        return sum(len(key) for key in self._entries)
+        return sum(len(tokens) for _, tokens in list(self._entries))
 
-    def covers(self, tokens: Sequence[int], cuts: Sequence[int]) -> bool:
-        """Whether an entry already holds ``tokens`` (as itself or as its prefix) and can
-        give them back (:meth:`serves`)."""
+    def covers(self, tokens: Sequence[int], cuts: Sequence[int], *, salt: str = "") -> bool:
+        """Whether an entry of ``salt`` already holds ``tokens`` (as itself or as its
+        prefix) and can give them back (:meth:`serves`)."""
+        with self.pool.lock:
+            return self._covers(tokens, cuts, salt)
+
+    def _covers(self, tokens: Sequence[int], cuts: Sequence[int], salt: str) -> bool:
         n = len(tokens)
         wanted = tuple(tokens)
-        chain = _chain(tokens, cuts, n)
+        chain = _chain(tokens, cuts, n, salt)
         if chain and chain[-1][0] == n:
-            keys: Iterable[tuple[int, ...]] = self._index.get(chain[-1][1], ())
+            keys: Iterable[_Key] = self._index.get(chain[-1][1], ())
         else:
-            keys = (key for key in self._entries if len(key) >= n)
-        return any(key[:n] == wanted and self.serves(self._entries[key][2], n) for key in keys)
+            keys = (key for key in self._entries if key[0] == salt and len(key[1]) >= n)
+        return any(
+            key[0] == salt and key[1][:n] == wanted and self.serves(self._entries[key].start, n)
+            for key in keys
+        )
 
-    def _drop(self, key: tuple[int, ...]) -> bytes:
-        state, hashes, _ = self._entries.pop(key)
-        for h in hashes:
+    def _drop(self, key: _Key) -> bytes:
+        entry = self._entries.pop(key)
+        for h in entry.hashes:
             keys = self._index.get(h)
             if keys is not None:
                 keys.discard(key)
                 if not keys:
                     del self._index[h]
-        self.bytes -= len(state)
-        return state
+        self.bytes -= len(entry.state)
+        self.pool.bytes -= len(entry.state)
+        return entry.state
 
-    def put(self, tokens: Sequence[int], cuts: Sequence[int], state: bytes, *, floor: int = 0) -> bool:
+    def _oldest(self) -> int:
+        """When the least recently used entry was last used (there is one)."""
+        return next(iter(self._entries.values())).used
+
+    def _evict_oldest(self) -> None:
+        self._drop(next(iter(self._entries)))
+        self.evictions += 1
+
+    def put(
+        self, tokens: Sequence[int], cuts: Sequence[int], state: bytes, *, floor: int = 0, salt: str = ""
+    ) -> bool:
         """Keep ``state``, the cells of ``tokens`` (which end on one of its ``cuts``),
-        saved from a sequence whose sliding-window cells started at position ``floor``.
-        Whether it is kept: not when it cannot give back ``tokens`` themselves (its
-        window cells start too late: :meth:`serves`), is larger than the budget, or is
-        already covered."""
-        key = tuple(tokens)
-        start = self.floor(len(key), floor)
-        if not key or len(state) > self.budget or not self.serves(start, len(key)):
+        saved from a sequence whose sliding-window cells started at position ``floor``,
+        for the prompts of ``salt``. Whether it is kept: not when it cannot give back
+        ``tokens`` themselves (its window cells start too late: :meth:`serves`), is
+        larger than the budget, or is already covered. Over the budget, this tier's least
+        recently used entries go (its cap), then the shared budget's (:class:`HostBudget`)."""
+        key: _Key = (salt, tuple(tokens))
+        start = self.floor(len(tokens), floor)
+        if not tokens or len(state) > self.budget or not self.serves(start, len(tokens)):
             return False
-        if self.covers(key, cuts):
-            return False
-        # entries this one extends (and gives back exactly) are redundant now
-        for other in [
-            k
-            for k in self._entries
-            if len(k) < len(key) and key[: len(k)] == k and self.serves(start, len(k))
-        ]:
-            self._drop(other)
-        hashes = [h for _, h in _chain(key, cuts, len(key))]
-        self._entries[key] = (state, hashes, start)
-        for h in hashes:
-            self._index.setdefault(h, set()).add(key)
-        self.bytes += len(state)
-        self.saves += 1
-        while self.bytes > self.budget:
-            self._drop(next(iter(self._entries)))
-            self.evictions += 1
+        with self.pool.lock:
+            if self._covers(key[1], cuts, salt):
+                return False
+            # entries of this salt it extends (and gives back exactly) are redundant now
+            n = len(tokens)
+            for other in [
+                k
+                for k in self._entries
+                if k[0] == salt
+                and len(k[1]) < n
+                and key[1][: len(k[1])] == k[1]
+                and self.serves(start, len(k[1]))
+            ]:
+                self._drop(other)
+            hashes = [h for _, h in _chain(key[1], cuts, n, salt)]
+            self._entries[key] = _Entry(state, hashes, start, self.pool._tick())
+            for h in hashes:
+                self._index.setdefault(h, set()).add(key)
+            self.bytes += len(state)
+            self.pool.bytes += len(state)
+            self.saves += 1
+            while self.bytes > self.cap:
+                self._evict_oldest()
+            self.pool._fit()
         return True
 
     def shrink(self) -> None:
         """Drop the least recently used entries until the bytes held fit the budget
         (after the budget changed)."""
-        while self.bytes > self.budget and self._entries:
-            self._drop(next(iter(self._entries)))
-            self.evictions += 1
+        with self.pool.lock:
+            while self.bytes > self.cap and self._entries:
+                self._evict_oldest()
+            self.pool._fit()
 
-    def best(self, prompt: Sequence[int], cuts: Sequence[int], limit: int) -> tuple[int, bytes] | None:
-        """``(shared tokens, state)`` of the entry sharing the most whole pieces with
-        ``prompt`` (``cuts``: its cuts; at most ``limit`` tokens); ``None`` if none shares
-        a piece. The entry becomes the most recently used."""
-        best_key: tuple[int, ...] | None = None
-        best_shared = 0
-        for c, h in _chain(prompt, cuts, limit):
-            keys = self._index.get(h)
-            if not keys:
-                break
-            usable = next((key for key in keys if self.serves(self._entries[key][2], c)), None)
-            if usable is not None:
-                best_key, best_shared = usable, c
-        if best_key is None:
-            return None
-        if list(best_key[:best_shared]) != list(prompt[:best_shared]):  # pragma: no cover - a hash collision
-            best_key, best_shared = self._scan(prompt, cuts, limit)
+    def close(self) -> None:
+        """Drop every entry and leave the shared budget (the model's file changed)."""
+        with self.pool.lock:
+            for key in list(self._entries):
+                self._drop(key)
+            if self in self.pool._tiers:
+                self.pool._tiers.remove(self)
+
+    def best(
+        self, prompt: Sequence[int], cuts: Sequence[int], limit: int, *, salt: str = ""
+    ) -> tuple[int, bytes] | None:
+        """``(shared tokens, state)`` of the entry of ``salt`` sharing the most whole
+        pieces with ``prompt`` (``cuts``: its cuts; at most ``limit`` tokens); ``None``
+        if none shares a piece. The entry becomes the most recently used."""
+        with self.pool.lock:
+            best_key: _Key | None = None
+            best_shared = 0
+            for c, h in _chain(prompt, cuts, limit, salt):
+                keys = self._index.get(h)
+                if not keys:
+                    break
+                usable = next(
+                    (key for key in keys if key[0] == salt and self.serves(self._entries[key].start, c)),
+                    None,
+                )
+                if usable is not None:
+                    best_key, best_shared = usable, c
             if best_key is None:
                 return None
-        self._entries.move_to_end(best_key)
-        return best_shared, self._entries[best_key][0]
+            collided = list(best_key[1][:best_shared]) != list(prompt[:best_shared])
+            if collided:  # pragma: no cover - a hash collision
+                best_key, best_shared = self._scan(prompt, cuts, limit, salt)
+                if best_key is None:
+                    return None
+            self._entries.move_to_end(best_key)
+            entry = self._entries[best_key]
+            entry.used = self.pool._tick()
+            return best_shared, entry.state
 
     def _scan(
-        self, prompt: Sequence[int], cuts: Sequence[int], limit: int
-    ) -> tuple[tuple[int, ...] | None, int]:
+        self, prompt: Sequence[int], cuts: Sequence[int], limit: int, salt: str
+    ) -> tuple[_Key | None, int]:
         """:meth:`best` the slow way, entry by entry (only after a hash collision)."""
-        best_key: tuple[int, ...] | None = None
+        best_key: _Key | None = None
         best_shared = 0
-        for key in self._entries:
-            shared = shared_prefix(list(key[:limit]), list(prompt), cuts, min(limit, len(key)))
-            if shared > best_shared and self.serves(self._entries[key][2], shared):
+        for key, entry in self._entries.items():
+            if key[0] != salt:
+                continue
+            tokens = key[1]
+            shared = shared_prefix(list(tokens[:limit]), list(prompt), cuts, min(limit, len(tokens)))
+            if shared > best_shared and self.serves(entry.start, shared):
                 best_key, best_shared = key, shared
         return best_key, best_shared

@@ -35,12 +35,12 @@ from .._core._channel import PieceChannel
 from .._core._exceptions import BackendError, InvalidRequestError
 from .._core._types import GenerationEnd
 from ._cache_policy import CachePolicy, CacheStats, next_cut
-from ._draw import draw, draw_special
+from ._draw import LogitBias, draw, draw_special
 from ._embeddings import Embedder
 from ._grammar import TokenMask
 from ._llama import LlamaModel, _Context
 from ._pieces import PieceRule
-from ._prompt_cache import HostCache
+from ._prompt_cache import HostBudget, HostCache
 from ._speculation import FAST_DRAFT, MAX_DRAFT, SHORTEST_DRAFT, SPLIT_KV_CONTEXT, Drafter, SpeculationStats
 from ._warmup import probe_invariance, probe_speculation, warm_up
 
@@ -89,8 +89,10 @@ class _Sequence:
         "removed",
         "restore",
         "result",
+        "salt",
         "sampler",
         "save",
+        "save_salt",
         "seq_id",
         "special",
         "speculate",
@@ -98,12 +100,19 @@ class _Sequence:
     )
 
     def __init__(
-        self, prompt: PreparedPrompt, progress: GenerationProgress, sampler: Any, channel: PieceChannel
+        self,
+        prompt: PreparedPrompt,
+        progress: GenerationProgress,
+        sampler: Any,
+        channel: PieceChannel,
+        bias: LogitBias | None = None,
     ) -> None:
         tokens = prompt.tokens
         self.prompt: list[int] = tokens if isinstance(tokens, list) else list(tokens)
         self.max_new = prompt.max_new_tokens
         self.cache_prompt = prompt.request.cache_prompt
+        #: only cells of the same salt are reused (``GenerationRequest.cache_salt``)
+        self.salt = prompt.request.cache_salt
         self.progress = progress
         progress.piece_per_token = True  # _emit: one piece per token drawn
         self.sampler = sampler
@@ -112,7 +121,9 @@ class _Sequence:
         #: maximum), without building its 262,144-entry candidate array per token
         sampling = prompt.request.sampling
         self.greedy = sampling.plain_greedy
-        self.bias = sampling.logit_bias
+        #: the logit bias as arrays (made once per request: ``LlamaModel.prepare``), for
+        #: the log-probabilities' distribution (the sampler chain has its own copy)
+        self.bias = bias
         #: constrained decoding: the mask applied to the logits before each draw
         self.mask: TokenMask | None = None
         compiled = prompt.compiled
@@ -149,6 +160,7 @@ class _Sequence:
         #: the cached prefix to save to host memory before it is overwritten, and the
         #: host-memory state to restore
         self.save: list[int] | None = None
+        self.save_salt = ""
         self.checkpoint = 0
         self.restore: bytes | None = None
         #: speculative decoding (docs/speculation.md): every draw, greedy or sampled. A
@@ -245,8 +257,11 @@ class _Scheduler:
         given = backend._host_cache
         if given is not None and given.rule == host_rule and self.cache_enabled:
             given.budget = settings.cache_ram_bytes
+            given.active = True  # (an unloaded model's entries are the first to go)
             given.shrink()
-            self.host = given  # a registry entry's: what the model cached before an unload
+            # a registry entry's: what the model cached before an unload, under the
+            # server's one budget (HostBudget)
+            self.host = given
         else:
             budget = settings.cache_ram_bytes if self.cache_enabled else 0
             self.host = HostCache(budget, rule=host_rule)
@@ -269,6 +284,7 @@ class _Scheduler:
         self._idle_in_flight = False
         #: the tokens the idle recompute's call in flight completes (prefix included)
         self._idle_tokens: list[int] = []
+        self._idle_salt = ""
         self.idle_chunks = 0
         self.idle_tokens = 0
         self.idle_aborted = 0
@@ -381,6 +397,7 @@ class _Scheduler:
         return (
             len(self._inbox) == 1
             and sequence.cache_prompt
+            and sequence.salt == self._idle_salt
             and len(prompt) > len(tokens)
             and prompt[: len(tokens)] == tokens
         )
@@ -446,6 +463,9 @@ class _Scheduler:
             ram_saves=host.saves,
             ram_restores=host.restores,
             ram_evictions=host.evictions,
+            ram_shared_bytes=host.pool.bytes,
+            ram_shared_budget_bytes=host.pool.budget,
+            ram_shared_models=host.pool.tiers,
             save_seconds=self.save_seconds,
             restore_seconds=self.restore_seconds,
             idle_recompute=self.idle_recompute,
@@ -479,12 +499,13 @@ class _Scheduler:
             if not policy.savable(seq_id):
                 continue
             checkpoint = policy.checkpoint(seq_id)
+            salt = policy.salt(seq_id)
             try:
-                if not policy.host_covers(tokens) and self._save_state(seq_id, tokens):
+                if not policy.host_covers(tokens, salt) and self._save_state(seq_id, tokens, salt):
                     saved += 1
                 # (the context is freed next: its cells may go)
                 if checkpoint and self._trim(seq_id, checkpoint) == checkpoint:
-                    saved += self._save_state(seq_id, tokens[:checkpoint])
+                    saved += self._save_state(seq_id, tokens[:checkpoint], salt)
             except Exception:  # an optimisation: without it, the prompt is evaluated again
                 logger.exception("could not save a cached prefix at unload; it is dropped")
         return saved
@@ -651,12 +672,14 @@ class _Scheduler:
         commit takes it."""
         prompt = sequence.prompt
         sequence.cuts = cuts = self.rule.cuts(prompt)
-        plan = self.policy.place(prompt, cuts, sequence.cache_prompt, list(self._free_ids))
+        plan = self.policy.place(prompt, cuts, sequence.cache_prompt, list(self._free_ids), sequence.salt)
         with self._condition:
             self._free_ids.remove(plan.seq_id)
-            self.policy.take(plan.seq_id)  # (the id's cells now belong to this sequence)
+            # (the id's cells now belong to this sequence)
+            self.policy.take(plan.seq_id, sequence.salt)
             sequence.seq_id = plan.seq_id
         sequence.save, sequence.restore = plan.save, plan.restore
+        sequence.save_salt = plan.save_salt
         sequence.checkpoint = plan.checkpoint
         sequence.prefilled = sequence.pos = plan.reused
         sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = plan.reused
@@ -667,10 +690,10 @@ class _Scheduler:
         plan = self.policy.place_follower(self._free_ids)
         with self._condition:
             self._free_ids.remove(plan.seq_id)
-            self.policy.take(plan.seq_id)
+            self.policy.take(plan.seq_id, sequence.salt)
             sequence.seq_id = plan.seq_id
         if plan.save is not None:
-            sequence.save = plan.save
+            sequence.save, sequence.save_salt = plan.save, plan.save_salt
         sequence.cuts = leader.cuts if leader.cuts else self.rule.cuts(sequence.prompt)
         sequence.leader = leader
         leader.followers.append(sequence)
@@ -685,12 +708,12 @@ class _Scheduler:
             save, sequence.save = sequence.save, None
             checkpoint, sequence.checkpoint = sequence.checkpoint, 0
             try:
-                self._save_state(seq_id, save)
+                self._save_state(seq_id, save, sequence.save_salt)
                 if checkpoint:
                     # the prompt end too, which the longer state cannot give back
                     # (CachePolicy.checkpoint): its cells alone, then their state
                     if self._trim(seq_id, checkpoint) == checkpoint:
-                        self._save_state(seq_id, save[:checkpoint])
+                        self._save_state(seq_id, save[:checkpoint], sequence.save_salt)
                     else:  # pragma: no cover - (partial removal is checked at load)
                         self._reuse(sequence, 0)
             except Exception:
@@ -719,8 +742,9 @@ class _Scheduler:
         if kept != sequence.prefilled:
             self._reuse(sequence, kept)
 
-    def _save_state(self, seq_id: int, tokens: list[int]) -> bool:
-        """Keep the state of ``seq_id``'s cells (which hold ``tokens``) in host memory."""
+    def _save_state(self, seq_id: int, tokens: list[int], salt: str) -> bool:
+        """Keep the state of ``seq_id``'s cells (which hold ``tokens``, computed for
+        requests of ``salt``) in host memory."""
         lib = self._backend.lib
         size = lib.llama_state_seq_get_size(self.ctx, seq_id)
         if size > self.host.budget:
@@ -731,7 +755,7 @@ class _Scheduler:
             return False
         state = ctypes.string_at(buffer, written)
         floor = self._window_start(seq_id, len(tokens))
-        return self.host.put(tokens, self.policy.host_cuts(tokens), state, floor=floor)
+        return self.host.put(tokens, self.policy.host_cuts(tokens), state, floor=floor, salt=salt)
 
     def _window_start(self, seq_id: int, held: int) -> int:
         """The first position whose sliding-window cells ``seq_id`` holds, with ``held``
@@ -856,7 +880,9 @@ class _Scheduler:
             self.abort_flag.value = 0
             self._idle_in_flight = True
             self._idle_tokens = tokens
-        result = lib.llama_decode(self.ctx, batch)
+            self._idle_salt = self.policy.salt(seq_id)
+        with self._backend.embedder.turns.turn():  # the cores, shared with embeddings
+            result = lib.llama_decode(self.ctx, batch)
         with self._condition:
             self._idle_in_flight = False
             self._idle_tokens = []
@@ -991,7 +1017,9 @@ class _Scheduler:
             self.abort_flag.value = 0
             self._in_flight = {s: (c or 1 + len(drafts.get(s, ()))) for s, c in call}
             self._in_flight_tokens = n
-        result = lib.llama_decode(self.ctx, batch)
+        # the cores, shared with embeddings: a cancel while waiting aborts the call at once
+        with backend.embedder.turns.turn():
+            result = lib.llama_decode(self.ctx, batch)
         with self._condition:
             self._in_flight = {}
         if result == _DECODE_ABORTED:
@@ -1203,9 +1231,10 @@ class LlamaBackend(LlamaModel):
     """
 
     def _create_contexts(self) -> None:
-        self._scheduler = _Scheduler(self)
-        # the embedding context: created on the first /v1/embeddings (docs/embeddings.md)
+        # the embedding context: created on the first /v1/embeddings (docs/embeddings.md);
+        # the scheduler takes its turns on the cores from it (CpuTurns)
         self._embedder = Embedder(self, self.settings.pooling)
+        self._scheduler = _Scheduler(self)
 
     @property
     def embedding_size(self) -> int | None:
@@ -1262,6 +1291,12 @@ class LlamaBackend(LlamaModel):
         """The prompt cache: the cut, and the prompt tokens each idle sequence keeps."""
         return self._scheduler.cache_stats().as_dict()
 
+    @property
+    def host_pool(self) -> HostBudget:
+        """The host-memory budget its prompt cache's host tier is under (shared with the
+        server's other models when a registry entry loaded it): ``/metrics`` reads it."""
+        return self._scheduler.host.pool
+
     def platform(self) -> dict[str, object]:
         """For ``/health``: llama.cpp's system info, and whether weights are repacked."""
         return {
@@ -1305,6 +1340,8 @@ class LlamaBackend(LlamaModel):
         self._stop_scheduler()
         if self._host_cache is not None and self._scheduler.host is self._host_cache:
             saved = self._scheduler.spill()
+            # its entries go first when another model's need the shared budget
+            self._host_cache.active = False
             if saved:
                 logger.info("kept %d cached prefix(es) in host memory for the next load", saved)
         self._scheduler.free()
@@ -1317,10 +1354,16 @@ class LlamaBackend(LlamaModel):
             await trio.lowlevel.checkpoint()
             return "length"  # nothing to generate
         scheduler = self._scheduler
+        bias = prompt.logit_bias if isinstance(prompt.logit_bias, LogitBias) else None
+        if bias is None and prompt.request.sampling.logit_bias:  # (a prompt not from prepare)
+            bias = LogitBias(prompt.request.sampling.logit_bias)
         sampler = self._sampler(
-            prompt.request.sampling, max_new_tokens=prompt.max_new_tokens, seed_offset=prompt.choice
+            prompt.request.sampling,
+            max_new_tokens=prompt.max_new_tokens,
+            seed_offset=prompt.choice,
+            bias=bias,
         )
-        sequence = _Sequence(prompt, progress, sampler, channel)
+        sequence = _Sequence(prompt, progress, sampler, channel, bias)
         channel.on_room = scheduler.wake
         with self.generations:
             try:

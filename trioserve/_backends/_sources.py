@@ -3,7 +3,9 @@
 :class:`LlamaSource` loads a GGUF with :class:`LlamaSettings`, abortably, and keeps the
 model's prompt-cache host tier across its loads: an unload saves every cached prefix
 there, and the next load starts from it — unless the file changed (size, mtime, inode),
-which drops it (docs/models.md, "The prompt cache outlives an unload").
+which drops it (docs/models.md, "The prompt cache outlives an unload"). The tiers of a
+server's models share one :class:`~._prompt_cache.HostBudget` (``--cache-ram`` is the
+total; an unloaded model's entries go first): 20 models do not hold 20 budgets.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Callable
 from .._core._backend import Backend
 from ._llama import LlamaSettings
 from ._pieces import host_rule
-from ._prompt_cache import HostCache
+from ._prompt_cache import HostBudget, HostCache
 from ._scheduler import LlamaBackend
 
 __all__ = ["LlamaSource"]
@@ -25,11 +27,16 @@ logger = logging.getLogger("trioserve.models")
 
 
 class LlamaSource:
-    """A GGUF file and the settings to run it with."""
+    """A GGUF file and the settings to run it with.
 
-    def __init__(self, settings: LlamaSettings) -> None:
+    ``host_pool``: the host-memory budget this model's prompt-cache tier shares with the
+    server's other models (none: a budget of its own, ``settings.cache_ram_bytes``);
+    ``settings.cache_ram_bytes`` caps this model's share."""
+
+    def __init__(self, settings: LlamaSettings, *, host_pool: HostBudget | None = None) -> None:
         self.settings = settings
         self.description = str(settings.model_path)
+        self.host_pool = host_pool if host_pool is not None else HostBudget(settings.cache_ram_bytes)
         self._host: HostCache | None = None
         self._stamp: tuple[int, int, int] | None = None
 
@@ -61,9 +68,11 @@ class LlamaSource:
         stamp = self._file_stamp()
         rule = host_rule(settings.piece_rule, settings.prefill_chunk, fast=settings.cache_mode == "fast")
         if self._host is None or stamp != self._stamp or self._host.rule != rule:
-            if self._host is not None and len(self._host):
-                logger.info("%s changed since it was loaded: its cached prefixes go", self.description)
-            self._host = HostCache(settings.cache_ram_bytes, rule=rule)
+            if self._host is not None:
+                if len(self._host):
+                    logger.info("%s changed since it was loaded: its cached prefixes go", self.description)
+                self._host.close()  # (its bytes leave the shared budget)
+            self._host = HostCache(settings.cache_ram_bytes, rule=rule, pool=self.host_pool)
             self._stamp = stamp
         return self._host
 

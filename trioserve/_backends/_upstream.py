@@ -297,12 +297,17 @@ class UpstreamBackend(Backend):
     # --------------------------------------------------------------- embeddings
 
     async def embed_inputs(
-        self, inputs: Sequence[str | Sequence[int]], *, dimensions: int | None = None
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        *,
+        dimensions: int | None = None,
+        max_tokens: int | None = None,
     ) -> tuple[list[list[float]], int]:
         """Forward the inputs (texts and token ids as given) to an upstream's
         ``POST /v1/embeddings`` (``encoding_format`` float; ``dimensions`` if asked:
         the upstream checks it): its vectors and ``usage.prompt_tokens`` (0 if it sends
-        no usage). Upstreams are picked as for :meth:`generate`, and since nothing
+        no usage). ``max_tokens`` is not checked here (no local tokenizer: the upstream
+        enforces its own limits). Upstreams are picked as for :meth:`generate`, and since nothing
         reaches the client before the whole answer, a failed attempt is always retried
         on another upstream. Cancellation: the upstream connection is closed before
         this raises ``Cancelled``.

@@ -18,6 +18,7 @@ from .._backends import Backend
 from .._core._registry import ModelRegistry
 from .._http import HTTPSettings
 from .._http._server import Server, ServerSettings, serve_until_signalled
+from .._wire._limits import RequestLimits
 from . import _models
 from ._parser import parser as _parser
 
@@ -62,6 +63,12 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(keys)
 
 
+def _admin_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    keys = list(args.admin_key)
+    keys += [k.strip() for k in os.environ.get("TRIOSERVE_ADMIN_KEYS", "").split(",") if k.strip()]
+    return tuple(keys)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # a native crash (in llama.cpp, say) leaves every thread's Python stack in the log
     if not faulthandler.is_enabled():
@@ -87,24 +94,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutdown_grace=args.shutdown_grace,
         stall_timeout=args.stall_timeout or None,
         api_keys=_api_keys(args),
+        admin_keys=_admin_keys(args),
         cors_origins=tuple(args.cors_origin),
         send_buffer_bytes=args.send_buffer_bytes,
         http=HTTPSettings(
             heartbeat_interval=args.heartbeat_interval or None,
             max_body_bytes=args.max_body_bytes,
             max_header_bytes=args.max_header_bytes,
+            body_timeout=args.body_timeout or None,
+            max_embedding_tokens=args.max_embedding_tokens or None,
             max_prompt_tokens=args.max_prompt_tokens,
             max_tokens_limit=args.max_tokens_limit,
             default_timeout=args.default_timeout,
             max_timeout=args.max_timeout,
             model_aliases=tuple(args.model_alias),
             keep_billing_header=args.keep_billing_header,
+            request_limits=RequestLimits(
+                max_stop_sequences=args.max_stop_sequences,
+                max_stop_bytes=args.max_stop_bytes,
+                max_logit_bias=args.max_logit_bias,
+                max_tools=args.max_tools,
+                max_schema_bytes=args.max_schema_bytes,
+                max_messages=args.max_messages,
+                max_content_parts=args.max_content_parts,
+                max_batch_choices=args.max_batch_choices,
+            ),
         ),
     )
     server = Server(models, settings)
     logger.info("trioserve %s (pid %d): loading %s", _version(), os.getpid(), description)
-    if settings.api_keys:
-        logger.info("API keys required on /v1/* and /metrics (%d key(s))", len(settings.api_keys))
+    if settings.api_keys or settings.admin_keys:
+        logger.info(
+            "API keys required on /v1/* and /metrics (%d key(s), %d admin key(s))",
+            len(settings.api_keys) + len(settings.admin_keys),
+            len(settings.admin_keys),
+        )
     started = time.perf_counter()
 
     async def run() -> None:

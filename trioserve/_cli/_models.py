@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .._backends import Backend, LlamaBackend, LlamaSettings, ScriptedBackend, UpstreamBackend
+from .._backends._prompt_cache import HostBudget
 from .._backends._sources import LlamaSource
 from .._core._exceptions import InvalidRequestError
 from .._core._registry import ModelRegistry, ModelSpec
@@ -261,6 +262,11 @@ def registry(args: argparse.Namespace, *, max_queue: int) -> tuple[str, ModelReg
     if not args.unload_grace >= 0:
         raise RuntimeError(f"--unload-grace must be 0 or more seconds, got {args.unload_grace}")
     server_keep_alive = _keep_alive(args.keep_alive, "--keep-alive")
+    if args.cache_ram < 0:
+        raise RuntimeError(f"--cache-ram must be 0 or more MiB, got {args.cache_ram}")
+    # --cache-ram: one host-memory budget for every model's prompt cache (a model's
+    # cache_ram caps its share of it): unloaded models' prefixes go first
+    host_pool = HostBudget(args.cache_ram * 1024 * 1024)
     specs = []
     for index, model in enumerate(models):
         assert model.path is not None
@@ -272,7 +278,7 @@ def registry(args: argparse.Namespace, *, max_queue: int) -> tuple[str, ModelReg
         specs.append(
             ModelSpec(
                 name=model.name,
-                source=LlamaSource(_settings(args, model.name, model.path, table)),
+                source=LlamaSource(_settings(args, model.name, model.path, table), host_pool=host_pool),
                 aliases=aliases,
                 pinned=bool(table.get("pinned", False)),
                 keep_alive=keep_alive,

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from .._wire._limits import RequestLimits
+
 __all__ = ["parser"]
 
 
@@ -13,6 +15,13 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
     return value
 
 
@@ -201,8 +210,10 @@ def _prompt_cache(serve: argparse.ArgumentParser) -> None:
         type=int,
         default=1024,
         metavar="MIB",
-        help="host memory (per model) for cached prompt prefixes evicted from KV cells, least "
-        "recently used out first; it outlives the model's unload (default: 1024; 0: none)",
+        help="host memory for cached prompt prefixes evicted from KV cells, least recently used "
+        "out first: one budget for all the server's models (a preset's cache_ram caps one "
+        "model's share), unloaded models' prefixes out first; it outlives a model's unload "
+        "(default: 1024; 0: none)",
     )
 
 
@@ -281,6 +292,39 @@ def _admission(serve: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-header-bytes", type=int, default=16 * 1024, help="request head limit (default: 16 KiB)"
     )
+    group.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request body may take to arrive in full; then 408 (default: 30; 0: no limit)",
+    )
+    group.add_argument(
+        "--max-embedding-tokens",
+        type=int,
+        default=65536,
+        help="most tokens one /v1/embeddings request may hold, all inputs together (default: 65536; 0: none)",
+    )
+    _request_limits(group)
+
+
+#: what one request may ask for (RequestLimits; docs/api.md, "Limits"): (flag, help)
+_REQUEST_LIMITS = (
+    ("--max-stop-sequences", "stop sequences per request (OpenAI's stop keeps OpenAI's 4)"),
+    ("--max-stop-bytes", "bytes of all of a request's stop sequences together"),
+    ("--max-logit-bias", "logit_bias entries per request"),
+    ("--max-tools", "tools per request"),
+    ("--max-schema-bytes", "size of one JSON Schema: a tool's parameters, a response format"),
+    ("--max-messages", "messages (or Responses input items) per request"),
+    ("--max-content-parts", "content parts (blocks) of all of a request's messages"),
+    ("--max-batch-choices", "/v1/completions: prompts x n per request"),
+)
+
+
+def _request_limits(group: argparse._ArgumentGroup) -> None:
+    defaults = RequestLimits()
+    for flag, what in _REQUEST_LIMITS:
+        default = getattr(defaults, flag[2:].replace("-", "_"))
+        group.add_argument(flag, type=_positive_int, default=default, help=f"{what} (default: {default})")
 
 
 def _flow(serve: argparse.ArgumentParser) -> None:
@@ -316,6 +360,15 @@ def _access(serve: argparse.ArgumentParser) -> None:
         "TRIOSERVE_API_KEYS=key1,key2)",
     )
     group.add_argument("--api-key-file", type=Path, help="a file with one API key per line")
+    group.add_argument(
+        "--admin-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="an API key that may also load and unload models (POST /models/load, /models/unload) "
+        "and send X-Keep-Alive; with keys configured, other keys get 403 there (repeatable; also "
+        "TRIOSERVE_ADMIN_KEYS=key1,key2)",
+    )
     group.add_argument(
         "--cors-origin",
         action="append",

@@ -12,12 +12,24 @@ import math
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import trio
 
 from ._exceptions import OverloadedError
 
-__all__ = ["Admission", "Reservation", "SlotLease"]
+__all__ = ["Admission", "AdmissionSnapshot", "Reservation", "SlotLease"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdmissionSnapshot:
+    """What an :class:`Admission` holds at one instant (for /health, metrics, tests)."""
+
+    slots: int
+    in_use: int
+    #: waiting in the queue (reserved places included: they are about to)
+    queued: int
+    max_queue: int
 
 
 class Reservation:
@@ -97,6 +109,11 @@ class Admission:
     @property
     def in_use(self) -> int:
         return self.slots - self._free
+
+    def snapshot(self) -> AdmissionSnapshot:
+        return AdmissionSnapshot(
+            slots=self.slots, in_use=self.in_use, queued=self.queued + self.reserved, max_queue=self.max_queue
+        )
 
     def _give_back(self, count: int) -> None:
         self._free += count

@@ -25,6 +25,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import trio
+
 from ._channel import PieceChannel
 from ._exceptions import ContextLengthError, InvalidRequestError, NotSupportedError
 from ._types import GenerationEnd, GenerationRequest
@@ -65,6 +67,9 @@ class PreparedPrompt:
     max_new_tokens: int
     #: the backend's compiled ``request.constraint`` (its own type), if any
     compiled: object | None = None
+    #: the backend's own form of ``request.sampling.logit_bias`` (arrays, say), made once
+    #: per request at prepare, so no per-token or per-choice work walks the mapping
+    logit_bias: object | None = None
     #: ``n`` > 1: this prompt is choice ``choice`` of ``group``, whose choices may share
     #: one evaluation of the prompt (a backend that cannot share runs them apart)
     group: ChoiceGroup | None = None
@@ -270,27 +275,43 @@ class Backend(ABC):
         )
 
     async def embed_inputs(
-        self, inputs: Sequence[str | Sequence[int]], *, dimensions: int | None = None
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        *,
+        dimensions: int | None = None,
+        max_tokens: int | None = None,
     ) -> tuple[list[list[float]], int]:
         """One request's embeddings: ``(vectors, prompt tokens)``, a vector per input
         (a text or token ids), in order. ``dimensions``: the length the client asked for
-        (``None``: the model's). Cancellation: as :meth:`embed`.
+        (``None``: the model's); ``max_tokens``: the most tokens the inputs may hold
+        together (``None``: no limit). Cancellation: as :meth:`embed`.
 
         Default: :class:`NotSupportedError` (501) when :attr:`embedding_size` is ``None``;
         else :func:`check_dimensions`, each text tokenized with the model's special
-        tokens (as llama-server does), :meth:`embed`, and the tokens evaluated."""
+        tokens (as llama-server does), the total checked against ``max_tokens`` (400
+        naming both) before anything is evaluated, :meth:`embed`, and the tokens
+        evaluated."""
         size = self.embedding_size
         if size is None:
             raise NotSupportedError(
                 f"this server's backend ({type(self).__name__}) computes no embeddings", code="no_embeddings"
             )
         check_dimensions(dimensions, size)
-        tokens = [
-            await self.tokenize_text(item, add_special=True, parse_special=True)
-            if isinstance(item, str)
-            else item
-            for item in inputs
-        ]
+        tokens: list[Sequence[int]] = []
+        for item in inputs:
+            if isinstance(item, str):
+                tokens.append(await self.tokenize_text(item, add_special=True, parse_special=True))
+                await trio.lowlevel.checkpoint()  # (many short texts: the event loop goes on)
+            else:
+                tokens.append(item)
+        total = sum(len(item) for item in tokens)
+        if max_tokens is not None and total > max_tokens:
+            raise InvalidRequestError(
+                f"the inputs hold {total} tokens together; a request may hold at most {max_tokens} "
+                "(--max-embedding-tokens): send fewer or shorter inputs per request",
+                param="input",
+                code="too_many_tokens",
+            )
         vectors = await self.embed(tokens)
         return vectors, sum(len(item) for item in tokens)
 

@@ -1,19 +1,24 @@
 """Many models on one server: :class:`ModelRegistry` (docs/models.md).
 
-Each known model is a :class:`ModelEntry` (unloaded → loading → loaded → unloading →
-unloaded, or failed). A request holds a :class:`Lease` on its model from before its
-prompt is prepared to after its last byte; a model with a lease is never evicted. The
-first request for an unloaded model starts its load, a task in the registry's own
-nursery shared by every request that waits for it; each waits inside its own scope,
-and when the last waiter has gone the load is cancelled (the source aborts it: for
-llama.cpp, its progress callback returns false). Room (``max_loaded`` models and a
-memory budget) is taken in arrival order; the least recently used idle model is
-evicted to make it; if none is idle, the claim waits for a lease to end — never a cut
-stream. An explicit unload gives running streams a grace period, then ends each with
-cause ``unload``.
+Each known model is a :class:`ModelEntry`; its states and every transition between them
+are one table in ``docs/models.md`` ("States and transitions"), and each edge has a test
+in ``tests/test_registry.py``. A request holds a :class:`Lease` on its model from before
+its prompt is prepared to after its last byte; a model with a lease is never evicted
+nor freed. The first request for an unloaded model starts its load, a task in the
+registry's own nursery shared by every request that waits for it; each waits inside its
+own scope, and when the last waiter has gone the load is cancelled (the source aborts
+it: for llama.cpp, its progress callback returns false). Loads run one at a time (by
+default) in arrival order, so each load's measured footprint is its own. Room
+(``max_loaded`` models and a memory budget) is taken in arrival order; the least
+recently used idle model is evicted to make it; if none is idle, the claim waits for a
+lease to end — never a cut stream. An explicit unload gives running streams a grace
+period, then ends each with cause ``unload``.
 
 Every operation here runs on the Trio thread; the state changes between checkpoints
-only, so no lock is needed.
+only, so no lock is needed. Every waiter waits on the registry's one change event
+(``_changed``, renewed by each change) and checks its condition again after each
+wake-up: no waiter depends on one particular transition happening, so none can miss
+the one that concerns it.
 """
 
 from __future__ import annotations
@@ -33,9 +38,19 @@ import trio
 
 from ._backend import Backend
 from ._engine import Engine
-from ._exceptions import NotFoundError, OverloadedError, ServiceUnavailableError
+from ._exceptions import InvalidRequestError, NotFoundError, OverloadedError, ServiceUnavailableError
 
-__all__ = ["BackendSource", "Lease", "ModelEntry", "ModelRegistry", "ModelSource", "ModelSpec", "ModelState"]
+__all__ = [
+    "BackendSource",
+    "Lease",
+    "ModelEntry",
+    "ModelRegistry",
+    "ModelSnapshot",
+    "ModelSource",
+    "ModelSpec",
+    "ModelState",
+    "RegistrySnapshot",
+]
 
 logger = logging.getLogger("trioserve.models")
 
@@ -87,7 +102,8 @@ class ModelSpec:
             loaded — for a single model whose name only its file knows).
         source: how to load it.
         aliases: other names for it.
-        pinned: never evicted nor unloaded by an idle timer.
+        pinned: never evicted nor unloaded by an idle timer; ``POST /models/unload``
+            refuses it (:meth:`ModelRegistry.unload` with ``force``: a library may).
         keep_alive: seconds it stays loaded after its last request (``None``: the
             registry's default; ``math.inf``: forever; 0: unloaded right after).
         preload: loaded when the registry starts (requests for it wait for that load).
@@ -106,10 +122,13 @@ class ModelSpec:
 
 
 class _Load:
-    """One load in flight, shared by every request waiting for it."""
+    """One load, shared by every request waiting for it; it waits for a load slot
+    (``max_concurrent_loads``) in arrival order before it starts."""
 
     def __init__(self) -> None:
         self.scope = trio.CancelScope()
+        #: set when it has a load slot: the source's load may start
+        self.may_start = trio.Event()
         self.done = trio.Event()
         self.waiters = 0
         self.started = time.monotonic()
@@ -117,6 +136,8 @@ class _Load:
         self.succeeded = False
         #: a load nobody asked for by waiting (a preload): not aborted when waiters leave
         self.keep = False
+        #: another load ran beside it at some point: its RSS growth is not its own
+        self.overlapped = False
 
 
 class _Ticket:
@@ -147,19 +168,21 @@ class ModelEntry:
     last_used: float = 0.0
     #: when it finished loading (Unix seconds): ``/v1/models``' ``created``
     loaded_at: int = 0
-    #: seconds its last load took
+    #: seconds its last load took (from the moment it had a load slot)
     load_seconds: float | None = None
-    #: measured bytes (RSS growth over its load), else the source's estimate
+    #: measured bytes (RSS growth over a load that ran alone), else the source's estimate
     measured_bytes: int | None = None
-    #: chosen for eviction (or being unloaded): no new leases until it is unloaded
+    #: chosen for eviction (or being unloaded): no new leases until it is unloaded, or
+    #: until no claim wants its room any more (then it stays)
     draining: bool = False
     loads: int = 0
     _load: _Load | None = None
     _holders: set[Lease] = field(default_factory=set["Lease"])
-    _unloaded: trio.Event = field(default_factory=trio.Event)
     #: when its idle timer unloads it (``trio.current_time()``; ``None``: no timer)
     _idle_deadline: float | None = None
     _timer_running: bool = False
+    #: its eviction (drained: the last lease ended) is under way: at most one per model
+    _evicting: bool = False
 
     @property
     def name(self) -> str:
@@ -189,6 +212,60 @@ class ModelEntry:
         return body
 
 
+@dataclass(frozen=True, kw_only=True)
+class ModelSnapshot:
+    """One model's state at one moment (:meth:`ModelRegistry.snapshot`).
+
+    Attributes:
+        name: its name.
+        state: ``unloaded``, ``loading``, ``loaded``, ``unloading`` or ``failed``.
+        draining: chosen to make room (or being unloaded): takes no new lease.
+        leases: leases held.
+        load_waiters: requests waiting for its load in progress.
+        load_queued: its load waits for a load slot (``max_concurrent_loads``).
+        idle_timer: its idle timer (keep-alive) is running.
+        evicting: its eviction (drained, last lease ended) is under way.
+    """
+
+    name: str
+    state: ModelState
+    draining: bool
+    leases: int
+    load_waiters: int
+    load_queued: bool
+    idle_timer: bool
+    evicting: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegistrySnapshot:
+    """The registry at one moment, for tests, ``/health`` and metrics.
+
+    Attributes:
+        models: each model's snapshot, in the registry's order.
+        claims: requests waiting for room (the arrival-order queue).
+        waiting_for_model: requests waiting for a draining or unloading model.
+        loads_running: loads that hold a load slot.
+        loads_queued: loads waiting for a load slot.
+        tasks: the registry's own tasks still running (loads, idle timers, evictions):
+            bounded by the models, whatever the history.
+    """
+
+    models: tuple[ModelSnapshot, ...]
+    claims: int
+    waiting_for_model: int
+    loads_running: int
+    loads_queued: int
+    tasks: int
+
+    def model(self, name: str) -> ModelSnapshot:
+        """The snapshot of model ``name``."""
+        for model in self.models:
+            if model.name == name:
+                return model
+        raise KeyError(name)
+
+
 class Lease:
     """A request's hold on a loaded model: its ``engine`` stays loaded until the lease
     is released. ``load_wait`` is how long the request waited for the model (seconds)."""
@@ -199,7 +276,8 @@ class Lease:
         assert entry.engine is not None
         self.engine: Engine = entry.engine
         self.load_wait = load_wait
-        #: called when an unload's grace period ends with this lease still held
+        #: called when an unload's grace period ends, or the registry closes, with this
+        #: lease still held: it must make the holder release the lease soon (a cancel)
         self.on_unload: Callable[[], None] | None = None
         #: this request's keep-alive (``X-Keep-Alive``): applies if it is the last to release
         self.keep_alive: float | None = None
@@ -232,6 +310,9 @@ class ModelRegistry:
         unload_grace: seconds an explicit unload gives running streams.
         max_queue: requests that may wait for room at once (more get 429), and each
             model's engine's admission queue.
+        max_concurrent_loads: loads that may run at once (of different models); the
+            others wait, in arrival order. With 1 (the default) each load's measured
+            memory growth is its own.
     """
 
     def __init__(
@@ -243,6 +324,7 @@ class ModelRegistry:
         keep_alive: float = math.inf,
         unload_grace: float = 10.0,
         max_queue: int = 16,
+        max_concurrent_loads: int = 1,
         close_backends: bool = True,
     ) -> None:
         if not specs:
@@ -253,11 +335,12 @@ class ModelRegistry:
             raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
         if not unload_grace >= 0:
             raise ValueError(f"unload_grace must be 0 or more seconds, got {unload_grace}")
+        if max_concurrent_loads < 1:
+            raise ValueError(f"max_concurrent_loads must be at least 1, got {max_concurrent_loads}")
         self.entries: list[ModelEntry] = []
         self._by_name: dict[str, ModelEntry] = {}
         for spec in specs:
             entry = ModelEntry(spec)
-            entry._unloaded.set()
             for name in entry.names:
                 if not name:
                     continue
@@ -270,8 +353,13 @@ class ModelRegistry:
         self.keep_alive = keep_alive
         self.unload_grace = unload_grace
         self.max_queue = max_queue
+        self.max_concurrent_loads = max_concurrent_loads
         self._close_backends = close_backends
         self._queue: deque[_Ticket] = deque()
+        self._loads_queued: deque[_Load] = deque()
+        self._loads_running: set[_Load] = set()
+        self._waiting_for_model = 0
+        self._tasks = 0
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._closing = False
@@ -294,7 +382,6 @@ class ModelRegistry:
         entry = registry.entries[0]
         entry.engine, entry.state, entry.loads = engine, "loaded", 1
         entry.loaded_at = int(time.time())
-        entry._unloaded = trio.Event()
         return registry
 
     # ------------------------------------------------------------ lifecycle
@@ -336,17 +423,46 @@ class ModelRegistry:
         return result
 
     async def aclose(self) -> None:
-        """Abort every load, cancel every stream, unload every model. Shielded: a model
-        is never freed while a thread still uses it. Idempotent."""
+        """Refuse new leases, abort every load, end every stream, tell every other lease
+        holder to stop (its ``on_unload``: :meth:`lease`'s block is cancelled), wait
+        until every lease is released, then free every model. Idempotent.
+
+        A model is never freed while a lease is held (a ``/tokenize`` thread, say): the
+        wait is as long as the holders take to release theirs — bounded when each is
+        cancelled by its ``on_unload``; a lease taken with :meth:`acquire` and no
+        ``on_unload`` must be released by its holder.
+
+        Cancellation: shielded — it goes on until every model is freed."""
         self._closing = True
         self._notify()
         with trio.CancelScope(shield=True):
             for entry in self.entries:
                 if entry._load is not None:
                     entry._load.scope.cancel()
+            # streams end (``engine_closed``) and their inference returns; the backends
+            # stay open until every lease is released
             for entry in self.entries:
-                if entry._load is not None:
-                    await entry._load.done.wait()
+                if entry.engine is not None:
+                    await entry.engine.aclose(close_backend=False)
+            told: set[Lease] = set()
+            while True:
+                for entry in self.entries:
+                    for lease in entry._holders - told:
+                        told.add(lease)
+                        if lease.on_unload is not None:
+                            lease.on_unload()
+                busy = [
+                    entry
+                    for entry in self.entries
+                    if entry.leases > 0 or entry._load is not None or entry.state == "unloading"
+                ]
+                if not busy:
+                    break
+                logger.info(
+                    "closing: waiting for %s to be released",
+                    ", ".join(f"{entry.name} ({entry.leases} lease(s), {entry.state})" for entry in busy),
+                )
+                await self._wait_for_change()
             for entry in self.entries:
                 if entry.engine is not None:
                     await self._close(entry)
@@ -384,6 +500,30 @@ class ModelRegistry:
     def loaded(self) -> list[ModelEntry]:
         return [entry for entry in self.entries if entry.state == "loaded"]
 
+    def snapshot(self) -> RegistrySnapshot:
+        """The registry's state now (a copy: it does not change afterwards)."""
+        models = tuple(
+            ModelSnapshot(
+                name=entry.name,
+                state=entry.state,
+                draining=entry.draining,
+                leases=entry.leases,
+                load_waiters=entry._load.waiters if entry._load is not None else 0,
+                load_queued=entry._load is not None and not entry._load.may_start.is_set(),
+                idle_timer=entry._timer_running,
+                evicting=entry._evicting,
+            )
+            for entry in self.entries
+        )
+        return RegistrySnapshot(
+            models=models,
+            claims=len(self._queue),
+            waiting_for_model=self._waiting_for_model,
+            loads_running=len(self._loads_running),
+            loads_queued=len(self._loads_queued),
+            tasks=self._tasks,
+        )
+
     # ---------------------------------------------------------------- leases
 
     @asynccontextmanager
@@ -399,8 +539,9 @@ class ModelRegistry:
 
         ``keep_alive`` overrides how long it stays loaded after this request (Ollama's
         ``keep_alive``: 0 unloads it as soon as it is idle). ``on_unload`` is what an
-        unload whose grace has run out calls (default: cancel the body, which then
-        raises :class:`ServiceUnavailableError`, code ``model_unloaded``).
+        unload whose grace has run out, or the registry closing, calls (default: cancel
+        the body, which then raises :class:`ServiceUnavailableError`, code
+        ``model_unloaded``, or ``shutting_down`` when the registry closes).
 
         Raises:
             NotFoundError: no model of that name.
@@ -409,7 +550,8 @@ class ModelRegistry:
                 the cause), the registry is closing, or the model can never fit.
 
         Cancellation: a cancel while waiting leaves only this request's place; a load
-        nobody waits for any more is aborted.
+        nobody waits for any more is aborted. The lease is released when the block is
+        left, however it is left (after a worker thread the body waits for has returned).
         """
         lease = await self.acquire(name, keep_alive=keep_alive)
         scope = trio.CancelScope()
@@ -420,6 +562,10 @@ class ModelRegistry:
         finally:
             lease.release()
         if scope.cancelled_caught:
+            if self._closing:
+                raise ServiceUnavailableError(
+                    "the server is shutting down; retry on another instance", code="shutting_down"
+                )
             raise ServiceUnavailableError(
                 f"the model {lease.entry.name!r} was unloaded while this request ran", code="model_unloaded"
             )
@@ -427,7 +573,8 @@ class ModelRegistry:
     async def acquire(
         self, name: str | ModelEntry | None = None, *, keep_alive: float | None = None
     ) -> Lease:
-        """:meth:`lease` without the block: the caller must :meth:`Lease.release` it."""
+        """:meth:`lease` without the block: the caller must :meth:`Lease.release` it
+        (and should set its ``on_unload``: the registry's :meth:`aclose` waits for it)."""
         entry = name if isinstance(name, ModelEntry) else self.resolve(name)
         started = time.monotonic()
         ticket = _Ticket(entry)
@@ -451,7 +598,15 @@ class ModelRegistry:
                     await self._wait_for_load(entry, ticket)
                     continue
                 if entry.state == "unloading" or entry.draining:
-                    await entry._unloaded.wait()
+                    # on its way out — or not: it stays if every claim that wanted its
+                    # room leaves. Any change may be the one: look again after each.
+                    self._waiting_for_model += 1
+                    self._notify()
+                    try:
+                        await self._wait_for_change()
+                    finally:
+                        self._waiting_for_model -= 1
+                        self._notify()
                     continue
                 if entry.state == "failed" and entry.spec.ready_gate and entry.loads == 1:
                     raise ServiceUnavailableError(f"the model failed to load: {entry.error}")
@@ -473,9 +628,11 @@ class ModelRegistry:
         load = entry._load
         assert load is not None
         load.waiters += 1
+        self._notify()
         try:
             await load.done.wait()
         finally:
+            self._notify()
             if load.succeeded:
                 ticket.granted = True  # the load counted this waiter's lease already
             else:
@@ -493,17 +650,23 @@ class ModelRegistry:
     def _release_entry(self, entry: ModelEntry, keep_alive: float | None = None) -> None:
         entry.leases -= 1
         entry.last_used = time.monotonic()
+        if entry.leases == 0 and entry.state == "loaded" and not self._closing:
+            if entry.draining:
+                # chosen to make room, and now idle: it goes (one eviction per model)
+                if not entry._evicting:
+                    entry._evicting = True
+                    self._spawn(self._evict, entry)
+            elif not entry.spec.pinned:
+                # the last request's X-Keep-Alive, else the model's, else the server's
+                keep = keep_alive if keep_alive is not None else entry.spec.keep_alive
+                if keep is None:
+                    keep = self.keep_alive
+                if math.isfinite(keep):
+                    entry._idle_deadline = trio.current_time() + max(0.0, keep)
+                    if not entry._timer_running:  # one timer per model, its deadline moved
+                        entry._timer_running = True
+                        self._spawn(self._idle_timer, entry)
         self._notify()
-        if entry.leases == 0 and entry.state == "loaded" and not entry.spec.pinned and not self._closing:
-            # the last request's X-Keep-Alive, else the model's, else the server's
-            keep = keep_alive if keep_alive is not None else entry.spec.keep_alive
-            if keep is None:
-                keep = self.keep_alive
-            if math.isfinite(keep):
-                entry._idle_deadline = trio.current_time() + max(0.0, keep)
-                if not entry._timer_running:  # one timer per model, its deadline moved
-                    entry._timer_running = True
-                    self._spawn(self._idle_timer, entry)
 
     # ------------------------------------------------------------------ room
 
@@ -533,7 +696,9 @@ class ModelRegistry:
 
     async def _claim_room(self, ticket: _Ticket) -> None:
         """Wait, in arrival order, until ``ticket``'s model fits; evict idle models (least
-        recently used first) to make room; mark busy ones to drain if none is idle."""
+        recently used first) to make room; mark busy ones to drain if none is idle.
+        Returns when the model fits, or when its state is no longer unloaded or failed
+        (another request started its load): the caller looks again."""
         entry = ticket.entry
         if not self._could_ever_fit(entry):
             raise ServiceUnavailableError(
@@ -547,13 +712,14 @@ class ModelRegistry:
                 retry_after=max(1.0, entry.load_seconds or 1.0),
             )
         self._queue.append(ticket)
+        self._notify()
         try:
             while True:
                 if self._closing:
                     raise ServiceUnavailableError(
                         "the server is shutting down; retry on another instance", code="shutting_down"
                     )
-                if entry.state not in ("unloaded", "failed") and not entry.draining:
+                if entry.state not in ("unloaded", "failed"):
                     return  # another request started its load meanwhile
                 if self._queue[0] is ticket:
                     if self._fits(entry):
@@ -570,15 +736,15 @@ class ModelRegistry:
                             victim.leases,
                             victim.name,
                         )
-                        self._spawn(self._evict_when_idle, victim)
-                changed = self._changed
-                await changed.wait()
+                        self._notify()  # (requests for the victim now wait)
+                await self._wait_for_change()
         finally:
             self._queue.remove(ticket)
             if not self._queue:
-                # nobody waits for room any more: a busy model marked to go may stay
+                # nobody waits for room any more: a model marked to go (and not yet
+                # unloading) stays, and the requests waiting for it get their leases
                 for e in self.entries:
-                    if e.draining and e.state == "loaded" and e.leases > 0:
+                    if e.draining and e.state == "loaded":
                         e.draining = False
             self._notify()
 
@@ -592,25 +758,43 @@ class ModelRegistry:
             return None
         return min(candidates, key=lambda e: (e.leases > 0, e.last_used))
 
-    async def _evict_when_idle(self, victim: ModelEntry) -> None:
-        while victim.leases > 0 and victim.state == "loaded":
-            changed = self._changed
-            await changed.wait()
-        if victim.state == "loaded" and victim.draining:
-            await self._unload(victim, grace=0.0, why="evicted (least recently used)")
+    async def _evict(self, victim: ModelEntry) -> None:
+        """A draining model's last lease has ended: unload it — unless it stopped
+        draining meanwhile (every claim that wanted its room left)."""
+        try:
+            if victim.state == "loaded" and victim.draining and victim.leases == 0 and not self._closing:
+                await self._unload(victim, grace=0.0, why="evicted (least recently used)")
+        finally:
+            victim._evicting = False
 
     async def changed(self) -> None:
-        """Wait until a model's state, a lease or the room queue changes."""
-        await self._changed.wait()
+        """Wait until something :meth:`snapshot` shows changes: a model's state, a
+        lease, a waiter, the room queue, a load slot, a task of the registry's."""
+        await self._wait_for_change()
+
+    async def _wait_for_change(self) -> None:
+        changed = self._changed
+        await changed.wait()
 
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
 
-    def _spawn(self, fn: Callable[..., object], *args: object) -> None:
+    def _spawn(self, fn: Callable[[ModelEntry], Awaitable[None]], entry: ModelEntry) -> None:
+        """Run ``fn(entry)`` in the registry's nursery, counted in :meth:`snapshot`'s
+        ``tasks``."""
         if self._nursery is None:
             raise RuntimeError("use the registry inside 'async with registry:'")
-        self._nursery.start_soon(fn, *args)  # type: ignore[arg-type]
+
+        async def counted() -> None:
+            try:
+                await fn(entry)
+            finally:
+                self._tasks -= 1
+                self._notify()
+
+        self._tasks += 1
+        self._nursery.start_soon(counted)
 
     # ----------------------------------------------------------------- loads
 
@@ -618,25 +802,57 @@ class ModelRegistry:
         entry.state = "loading"
         entry.progress = 0.0
         entry.error = None
-        entry._unloaded = trio.Event()
-        entry._load = _Load()
-        self._spawn(self._run_load, entry, entry._load)
+        load = entry._load = _Load()
+        self._loads_queued.append(load)
+        self._admit_loads()
+        self._spawn(self._run_load, entry)
+        self._notify()
 
-    async def _run_load(self, entry: ModelEntry, load: _Load) -> None:
+    def _admit_loads(self) -> None:
+        """Give load slots to the loads that wait for one, in arrival order."""
+        while self._loads_queued and len(self._loads_running) < self.max_concurrent_loads:
+            load = self._loads_queued.popleft()
+            if self._loads_running:  # (only with max_concurrent_loads > 1)
+                load.overlapped = True
+                for running in self._loads_running:
+                    running.overlapped = True
+            self._loads_running.add(load)
+            load.may_start.set()
+
+    def _end_load(self, load: _Load) -> None:
+        """``load`` is over (or never started): its slot goes to the next."""
+        if load in self._loads_running:
+            self._loads_running.discard(load)
+        else:
+            self._loads_queued.remove(load)
+        self._admit_loads()
+
+    async def _run_load(self, entry: ModelEntry) -> None:
+        load = entry._load
+        assert load is not None
+
         def progress(value: float) -> None:
             entry.progress = value  # (a float store, from the loading thread)
 
-        before = _rss_bytes()
         backend: Backend | None = None
-        if entry.spec.source.description:
-            logger.info("model %s: loading %s", entry.name or "(default)", entry.spec.source.description)
+        before = after = None
         try:
             with load.scope:
+                await load.may_start.wait()  # a load slot, in arrival order
+                load.started = time.monotonic()
+                before = _rss_bytes()
+                if entry.spec.source.description:
+                    logger.info(
+                        "model %s: loading %s", entry.name or "(default)", entry.spec.source.description
+                    )
                 backend = await entry.spec.source.load(progress)
+                after = _rss_bytes()
         except Exception as exc:
             described = entry.spec.source.description
             entry.error = str(exc) if not described or described in str(exc) else f"{described}: {exc}"
             logger.error("model %s: the load failed: %s", entry.name, entry.error)
+        finally:
+            self._end_load(load)
         entry.loads += 1
         entry._load = None
         seconds = time.monotonic() - load.started
@@ -648,12 +864,10 @@ class ModelRegistry:
                 entry.state = "failed"
                 if entry.error is None:
                     entry.error = f"{entry.spec.source.description}: the load was cancelled"
-            entry._unloaded.set()
             load.done.set()
             self._notify()
             return
-        after = _rss_bytes()
-        if before is not None and after is not None and after > before:
+        if before is not None and after is not None and after > before and not load.overlapped:
             entry.measured_bytes = max(after - before, 1)
         if not entry.spec.name:
             entry.spec.name = backend.info.id
@@ -690,21 +904,36 @@ class ModelRegistry:
 
     # --------------------------------------------------------------- unloads
 
-    async def unload(self, name: str, *, grace: float | None = None) -> ModelEntry:
+    async def unload(self, name: str, *, grace: float | None = None, force: bool = False) -> ModelEntry:
         """Unload ``name`` (``POST /models/unload``): no new leases; running streams get
         ``grace`` seconds (default: ``unload_grace``), then each is ended (its lease's
         ``on_unload``: cause ``unload``); then the model is freed. Requests that arrive
         meanwhile wait, and load it again afterwards.
 
+        Raises:
+            InvalidRequestError: (code ``model_pinned``) the model is pinned — the
+                single-model server's model among them — and ``force`` is not set.
+
         Cancellation: the unload is the server's own; it goes on (shielded) once begun."""
         entry = self.resolve(name)
         if grace is not None and not grace >= 0:
             raise ValueError(f"grace must be 0 or more seconds, got {grace}")
+        if entry.spec.pinned and not force:
+            if entry.spec.ready_gate:
+                why = "it is this server's only model, loaded at startup (/health reports on it)"
+            else:
+                why = "it is pinned (the preset's pinned = true)"
+            raise InvalidRequestError(
+                f"the model {entry.name!r} cannot be unloaded: {why}; stop the server instead",
+                param="model",
+                code="model_pinned",
+            )
         if entry.state == "loading" and entry._load is not None:
-            entry._load.scope.cancel()
-            await entry._load.done.wait()
+            load = entry._load
+            load.scope.cancel()
+            await load.done.wait()
             return entry
-        if entry.state != "loaded":
+        if entry.state not in ("loaded", "unloading"):
             return entry
         grace = self.unload_grace if grace is None else grace
         await self._unload(entry, grace=grace, why="unloaded on request")
@@ -724,21 +953,22 @@ class ModelRegistry:
         finally:
             entry._timer_running = False
         entry._idle_deadline = None
-        if entry.state == "loaded" and entry.leases == 0 and not entry.draining:
+        if entry.state == "loaded" and entry.leases == 0 and not entry.draining and not self._closing:
             await self._unload(entry, grace=0.0, why="idle (keep_alive)")
 
     async def _unload(self, entry: ModelEntry, *, grace: float, why: str) -> None:
+        """Unload ``entry`` (or, if another unload has begun, wait for that one)."""
         with trio.CancelScope(shield=True):
             if entry.state != "loaded":
-                await entry._unloaded.wait()
+                while entry.state == "unloading":
+                    await self._wait_for_change()
                 return
             entry.draining = True
             entry.state = "unloading"
             self._notify()
             with trio.move_on_after(grace):
                 while entry.leases > 0:
-                    changed = self._changed
-                    await changed.wait()
+                    await self._wait_for_change()
             if entry.leases:
                 logger.info("model %s: ending %d stream(s) (cause unload)", entry.name, entry.leases)
                 for lease in list(entry._holders):
@@ -747,8 +977,7 @@ class ModelRegistry:
                 # (never freed under a lease: each request's teardown is bounded by
                 # its own, cancelled scope)
                 while entry.leases > 0:
-                    changed = self._changed
-                    await changed.wait()
+                    await self._wait_for_change()
             await self._close(entry)
             logger.info("model %s: unloaded (%s)", entry.name, why)
 
@@ -763,7 +992,6 @@ class ModelRegistry:
             entry.state = "unloaded"
             entry.draining = False
             entry._idle_deadline = None
-            entry._unloaded.set()
             self._notify()
         if engine is not None:
             for listener in self.on_unloaded:

@@ -82,12 +82,22 @@ class StopMatcher:
         return held
 
     def _hold_length(self, buffer: str) -> int:
-        # Longest suffix of buffer that is a proper prefix of some stop sequence.
-        for length in range(min(self._max_hold, len(buffer)), 0, -1):
-            tail = buffer[-length:]
-            if any(stop.startswith(tail) for stop in self._stops):
-                return length
-        return 0
+        # Longest suffix of buffer that is a proper prefix of some stop sequence. Per
+        # stop, only where its first character occurs (found in C), and only for a
+        # longer suffix than one found already: the work per token grows with the
+        # stops' total length, not their longest × their number (the wire layer bounds
+        # both: RequestLimits).
+        end = len(buffer)
+        best = 0
+        for stop in self._stops:
+            first = stop[0]
+            position = buffer.find(first, max(end - len(stop) + 1, 0), end - best)
+            while position != -1:
+                if stop.startswith(buffer[position:]):
+                    best = end - position
+                    break
+                position = buffer.find(first, position + 1, end - best)
+        return best
 
 
 class TextAssembler:

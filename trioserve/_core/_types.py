@@ -92,6 +92,12 @@ class GenerationRequest:
     #: Reuse cached prompt prefixes, and leave this prompt's for later requests
     #: (llama-server's ``cache_prompt``). Reuse never changes the text (docs/prompt-cache.md).
     cache_prompt: bool = True
+    #: Which prompt cache this request may reuse and fill: cached cells and host-memory
+    #: states are shared only between requests of the same salt (vLLM's ``cache_salt``).
+    #: The server sets one per API key (``"key:…"``, a hash of the key) or from the
+    #: body's ``cache_salt`` (``"salt:…"``); empty: the one shared cache
+    #: (docs/operations.md, "What one key can learn").
+    cache_salt: str = ""
     #: Let the backend guess tokens from the context and verify them several per decode
     #: call (speculative decoding, where the server enables it). ``False``: one token per
     #: call. At temperature 0 the text is the same either way (docs/speculation.md).

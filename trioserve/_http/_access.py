@@ -1,10 +1,14 @@
-"""Access control, as one ASGI layer in front of everything: API keys and CORS.
+"""Access control, as one ASGI layer in front of everything: API keys, admin keys and
+CORS.
 
 With keys configured, ``/v1/…``, ``/metrics``, ``/tokenize`` and ``/detokenize`` need
 ``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and the page stay open.
-Keys are compared in constant time, always over all keys, and never logged. CORS (off
-by default) answers preflight ``OPTIONS`` for the configured origins. Details:
-``docs/operations.md``, "Access".
+What changes a model's lifetime for everyone — ``POST /models/load``, ``POST
+/models/unload`` and a request's ``X-Keep-Alive`` header — needs an *admin* key then
+(403 otherwise: refused, never silently ignored); an admin key is a valid API key too.
+With no key configured (one local user), anyone may. Keys are compared in constant
+time, always over all keys, and never logged. CORS (off by default) answers preflight
+``OPTIONS`` for the configured origins. Details: ``docs/operations.md``, "Access".
 """
 
 from __future__ import annotations
@@ -12,12 +16,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from typing import Any
+from typing import Any, ClassVar
 
-from .._core._exceptions import AuthenticationError
+from .._core._exceptions import AuthenticationError, TrioserveError
 from ._errors import render_anthropic_error, render_error
 
-__all__ = ["AccessPolicy", "with_access_control"]
+__all__ = ["AccessPolicy", "PermissionDeniedError", "with_access_control"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -30,13 +34,29 @@ _OPEN_PATHS = frozenset({"/", "/health", "/index.html", "/favicon.ico"})
 _KEYED_PATHS = frozenset(
     {"/metrics", "/tokenize", "/detokenize", "/models", "/models/load", "/models/unload"}
 )
+#: paths that change a model's lifetime for every client: an admin key's
+_ADMIN_PATHS = frozenset({"/models/load", "/models/unload"})
+
+
+class PermissionDeniedError(TrioserveError):
+    """A valid API key that may not do this (403): an admin's action."""
+
+    status: ClassVar[int] = 403
+    error_type: ClassVar[str] = "permission_error"
+    default_code: ClassVar[str | None] = "admin_key_required"
 
 
 class AccessPolicy:
     """Which API keys are valid and which origins may call from a browser."""
 
-    def __init__(self, api_keys: Iterable[str] = (), cors_origins: Iterable[str] = ()) -> None:
-        self._digests = [hashlib.sha256(key.encode()).digest() for key in api_keys if key]
+    def __init__(
+        self, api_keys: Iterable[str] = (), cors_origins: Iterable[str] = (), admin_keys: Iterable[str] = ()
+    ) -> None:
+        self._admin_digests = [hashlib.sha256(key.encode()).digest() for key in admin_keys if key]
+        self._digests = [
+            *(hashlib.sha256(key.encode()).digest() for key in api_keys if key),
+            *self._admin_digests,  # an admin key is an API key too
+        ]
         self.cors_origins = frozenset(cors_origins)
 
     @property
@@ -44,18 +64,34 @@ class AccessPolicy:
         return bool(self._digests)
 
     def key_is_valid(self, presented: str) -> bool:
-        digest = hashlib.sha256(presented.encode()).digest()
-        valid = False
-        for known in self._digests:  # no early exit: the time does not depend on which
-            valid |= hmac.compare_digest(digest, known)
-        return valid
+        return _matches(presented, self._digests)
+
+    def key_is_admin(self, presented: str) -> bool:
+        return _matches(presented, self._admin_digests)
 
     def check(self, scope: Scope) -> None:
-        """Raise :class:`AuthenticationError` unless the request may proceed."""
+        """Raise :class:`AuthenticationError` (401) unless the request may proceed, and
+        :class:`PermissionDeniedError` (403) for an admin's action without an admin key."""
         if not self._digests or scope["path"] in _OPEN_PATHS:
             return
-        if not (scope["path"].startswith("/v1/") or scope["path"].rstrip("/") in _KEYED_PATHS):
+        path = scope["path"].rstrip("/")
+        if not (scope["path"].startswith("/v1/") or path in _KEYED_PATHS):
             return
+        presented = self._presented_key(scope)
+        if path in _ADMIN_PATHS and scope["method"] != "GET" and not self.key_is_admin(presented):
+            raise PermissionDeniedError(
+                f"{path} changes which models stay loaded for every client: it needs an admin key "
+                "(--admin-key)"
+            )
+        if _header(scope, b"x-keep-alive") is not None and not self.key_is_admin(presented):
+            raise PermissionDeniedError(
+                "X-Keep-Alive sets how long the model stays loaded for every client: it needs an admin "
+                "key (--admin-key); send the request without it",
+                param="X-Keep-Alive",
+            )
+
+    def _presented_key(self, scope: Scope) -> str:
+        """The request's valid API key; :class:`AuthenticationError` if it has none."""
         authorization = _header(scope, b"authorization")
         if authorization is None:
             # Anthropic's clients send the key as x-api-key
@@ -65,12 +101,15 @@ class AccessPolicy:
                     "no API key: send it as 'Authorization: Bearer <key>' (in the openai SDK: api_key=...) "
                     "or as 'x-api-key: <key>' (the anthropic SDK's api_key)"
                 )
-            if not self.key_is_valid(api_key.strip()):
+            presented = api_key.strip()
+        else:
+            scheme, _, bearer = authorization.partition(" ")
+            if scheme.lower() != "bearer":
                 raise AuthenticationError("the API key is not valid for this server")
-            return
-        scheme, _, presented = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not self.key_is_valid(presented.strip()):
+            presented = bearer.strip()
+        if not self.key_is_valid(presented):
             raise AuthenticationError("the API key is not valid for this server")
+        return presented
 
     def allowed_origin(self, scope: Scope) -> str | None:
         """The value for ``Access-Control-Allow-Origin``, if this request gets one."""
@@ -82,6 +121,14 @@ class AccessPolicy:
         if "*" in self.cors_origins:
             return "*"
         return origin if origin in self.cors_origins else None
+
+
+def _matches(presented: str, digests: list[bytes]) -> bool:
+    digest = hashlib.sha256(presented.encode()).digest()
+    valid = False
+    for known in digests:  # no early exit: the time does not depend on which
+        valid |= hmac.compare_digest(digest, known)
+    return valid
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -127,7 +174,7 @@ def with_access_control(app: ASGIApp, policy: AccessPolicy) -> ASGIApp:
                 return
         try:
             policy.check(scope)
-        except AuthenticationError as exc:
+        except (AuthenticationError, PermissionDeniedError) as exc:
             render = render_anthropic_error if scope["path"].startswith("/v1/messages") else render_error
             status, headers, body = render(exc)
             await _respond(send, status, body, [*headers, *cors_headers])

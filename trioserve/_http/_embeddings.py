@@ -1,20 +1,25 @@
 """``POST /v1/embeddings``, at the ASGI level like the generation endpoints: the request
 in one cancel scope (its deadline), a disconnect watcher, shutdown reaching it through
-:class:`~trioserve._http._state.ServerState` (docs/embeddings.md)."""
+:class:`~trioserve._http._state.ServerState`, admitted through its model's embeddings
+queue (429 when full), at most ``--max-embedding-tokens`` per request
+(docs/embeddings.md)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
 
 import trio
 
+from .._core._admission import Admission
 from .._core._errors import unwrap_group
 from .._core._exceptions import (
     DeadlineExceededError,
     HeadersTooLargeError,
     MethodNotAllowedError,
+    OverloadedError,
     ServiceUnavailableError,
     TrioserveError,
 )
@@ -40,6 +45,9 @@ __all__ = ["EMBEDDINGS_PATH", "EmbeddingsHandler"]
 
 EMBEDDINGS_PATH = "/v1/embeddings"
 request_logger = logging.getLogger("trioserve.requests")
+#: responses of more numbers than this are JSON-encoded in a worker thread (about 1 MB
+#: of JSON: tens of milliseconds of the event loop otherwise)
+_INLINE_ENCODE_FLOATS = 64 * 1024
 
 
 class EmbeddingsHandler:
@@ -62,7 +70,9 @@ class EmbeddingsHandler:
         except _ClientGone:
             request.end("disconnect")
         except TrioserveError as exc:
-            request.end(request.cause or "error", exc.message)
+            request.end(
+                request.cause or ("overloaded" if isinstance(exc, OverloadedError) else "error"), exc.message
+            )
             if not exchange.started:
                 await exchange.error(exc)
         finally:
@@ -73,7 +83,7 @@ class EmbeddingsHandler:
         state = self.state
         scope, exchange = request.asgi, request.exchange
         _check_content_type(scope)
-        body = await _read_body(scope, receive, state.settings.max_body_bytes)
+        body = await _read_body(scope, receive, state.settings.max_body_bytes, state.settings.body_timeout)
         if len(body) > _INLINE_PARSE_BYTES:
             parsed = await trio.to_thread.run_sync(decode_embeddings_request, body)
         else:
@@ -94,11 +104,20 @@ class EmbeddingsHandler:
                         nursery.start_soon(_watch_disconnect, receive, request)
                         lease = await state.lease(entry, request, keep_alive)
                         try:
-                            # the backend tokenizes and embeds (501 if it computes no
-                            # embeddings), or forwards the inputs (the upstream relay)
-                            vectors, count = await lease.engine.backend.embed_inputs(
-                                inputs, dimensions=parsed.dimensions
-                            )
+                            request.advance(Phase.QUEUED)
+                            admission = state.embeddings_admission(lease.engine)
+                            # 429 when the queue is full or the deadline cannot be met
+                            async with admission.slot():
+                                started = time.perf_counter()
+                                # the backend tokenizes, checks the total against the
+                                # cap and embeds (501 if it computes no embeddings), or
+                                # forwards the inputs (the upstream relay)
+                                vectors, count = await lease.engine.backend.embed_inputs(
+                                    inputs,
+                                    dimensions=parsed.dimensions,
+                                    max_tokens=state.settings.max_embedding_tokens,
+                                )
+                                _note_service_time(admission, time.perf_counter() - started)
                         finally:
                             lease.release()
                         nursery.cancel_scope.cancel()
@@ -117,9 +136,17 @@ class EmbeddingsHandler:
                 )
             return len(inputs), 0  # the client has gone
         request.advance(Phase.FINISHING)
-        response = embeddings_response(
-            vectors, model=request.model, prompt_tokens=count, encoding=parsed.encoding_format
+        encode = functools.partial(
+            embeddings_response,
+            vectors,
+            model=request.model,
+            prompt_tokens=count,
+            encoding=parsed.encoding_format,
         )
+        if sum(len(vector) for vector in vectors) > _INLINE_ENCODE_FLOATS:
+            response = await trio.to_thread.run_sync(encode)  # (millions of floats: off the loop)
+        else:
+            response = encode()
         request.end("stop")
         request.delivered = True
         request.watch_scope.cancel()
@@ -143,3 +170,11 @@ class EmbeddingsHandler:
             duration * 1000,
             f" error={request.error!r}" if request.error else "",
         )
+
+
+def _note_service_time(admission: Admission, seconds: float) -> None:
+    """Keep the embeddings queue's service-time estimate (an exponential average, as
+    generation's engine keeps its own): what ``Retry-After`` and the refusal of a
+    deadline that cannot be met are computed from."""
+    previous = admission.expected_service_time
+    admission.expected_service_time = seconds if previous == 0 else 0.8 * previous + 0.2 * seconds

@@ -1,4 +1,5 @@
-"""One ASGI HTTP exchange, and the request-side helpers: body, headers, timeout."""
+"""One ASGI HTTP exchange, and the request-side helpers: body (and its read timeout),
+headers, timeout."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .._core._exceptions import (
 from ._errors import JSON_HEADERS, ErrorRenderer, render_error
 from ._state import HTTPSettings
 
-__all__ = ["Exchange", "Message", "Receive", "Scope", "Send"]
+__all__ = ["BodyTimeoutError", "Exchange", "Message", "Receive", "Scope", "Send"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -117,6 +118,22 @@ class _ClientGone(Exception):
     """The client disconnected before the request body was complete."""
 
 
+class BodyTimeoutError(TrioserveError):
+    """The request's body did not arrive in full within ``--body-timeout`` (408): a
+    client trickling its body holds a connection, never a request's place (the body is
+    read before the request enters its scope or any queue)."""
+
+    status = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
+def body_timeout_error(timeout: float) -> BodyTimeoutError:
+    return BodyTimeoutError(
+        f"the request body did not arrive in full within {timeout:g} s (--body-timeout); send it at once"
+    )
+
+
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope["headers"]:
         if key == name:
@@ -124,23 +141,29 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+async def _read_body(scope: Scope, receive: Receive, limit: int, body_timeout: float | None) -> bytes:
+    """The whole body: 413 past ``limit`` bytes, 408 (:class:`BodyTimeoutError`) if it
+    has not all arrived within ``body_timeout`` seconds (``None``: no limit), ``_ClientGone``
+    if the client leaves first. Cancellation: nothing is kept."""
     declared = _header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLargeError(f"the request body is {declared} bytes; the limit is {limit}")
     chunks: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLargeError(f"the request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+    with trio.move_on_after(math.inf if body_timeout is None else body_timeout):
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLargeError(f"the request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+    assert body_timeout is not None  # (only the timeout leaves the loop without returning)
+    raise body_timeout_error(body_timeout)
 
 
 def headers_too_large(scope: Scope, limit: int) -> bool:

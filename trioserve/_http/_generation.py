@@ -14,14 +14,16 @@ every bound: ``docs/architecture.md``, ``docs/cancellation.md``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
+import msgspec
 import trio
 
 from .._core._backend import PreparedPrompt
@@ -51,6 +53,7 @@ from .._wire._openai import (
     decode_completion_prompts,
 )
 from .._wire._responses import ResponsesDialect, decode_responses_request, responses_conversation
+from ._access import AccessPolicy
 from ._errors import render_anthropic_error, render_error
 from ._exchange import (
     Exchange,
@@ -70,7 +73,7 @@ from ._hypercorn_patches import shut_down_connection
 from ._request import InFlightRequest, Kind, Phase
 from ._state import HTTPSettings, ServerState
 
-__all__ = ["FINAL_EVENT_TIMEOUT", "GENERATION_PATHS", "GenerationHandler"]
+__all__ = ["FINAL_EVENT_TIMEOUT", "GENERATION_PATHS", "GenerationHandler", "cache_salt", "presented_key"]
 
 logger = logging.getLogger("trioserve.http")
 request_logger = logging.getLogger("trioserve.requests")
@@ -95,6 +98,44 @@ FINAL_EVENT_TIMEOUT = 1.0
 #: request bodies larger than this (bytes) are decoded (and chats rendered) in a worker
 #: thread, so one big request cannot stall every stream
 _INLINE_PARSE_BYTES = 64 * 1024
+
+
+class _CacheSaltField(msgspec.Struct):
+    #: vLLM's field, top level in every dialect's body (docs/operations.md)
+    cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+
+
+_salt_decoder = msgspec.json.Decoder(_CacheSaltField)
+
+
+def presented_key(scope: Scope) -> str | None:
+    """The API key a request presents, read as the access layer reads it
+    (``Authorization: Bearer``, else ``x-api-key``); ``None``: none."""
+    authorization = _header(scope, b"authorization")
+    if authorization is not None:
+        scheme, _, key = authorization.partition(" ")
+        return key.strip() if scheme.lower() == "bearer" else None
+    api_key = _header(scope, b"x-api-key")
+    return api_key.strip() if api_key is not None else None
+
+
+def cache_salt(scope: Scope, body: bytes, access: AccessPolicy | None) -> str:
+    """The request's ``GenerationRequest.cache_salt``: the body's ``cache_salt``
+    (``"salt:…"``: whoever sends the same one shares a cache, whatever their key); else,
+    where API keys are required, one per key (``"key:…"``, a hash: the key itself is
+    never kept); else empty (one shared cache). A ``cache_salt`` that is not a string of
+    1 to 256 characters is refused (400)."""
+    if b'"cache_salt"' in body:  # (a second decode only for the bodies that name it)
+        from .._wire._openai import _decode
+
+        given = _decode(_salt_decoder, body).cache_salt
+        if given is not None:
+            return "salt:" + given
+    if access is None or not access.requires_key:
+        return ""
+    key = presented_key(scope) or ""  # (checked already: the access layer let it in)
+    digest = hashlib.sha256(b"trioserve cache salt\0" + key.encode()).hexdigest()
+    return "key:" + digest[:32]
 
 
 async def _watch_disconnect(receive: Receive, request: InFlightRequest) -> None:
@@ -288,8 +329,10 @@ def _usage(choices: list[EventStream]) -> Usage:
 class GenerationHandler:
     """Serves one generation request from parse to final byte."""
 
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, access: AccessPolicy | None = None) -> None:
         self.state = state
+        #: the API keys: each key's prompt cache is its own (``cache_salt``)
+        self.access = access
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
         render = render_anthropic_error if kind == "messages" else render_error
@@ -333,7 +376,7 @@ class GenerationHandler:
         state = self.state
         scope = request.asgi
         _check_content_type(scope)
-        body = await _read_body(scope, receive, state.settings.max_body_bytes)
+        body = await _read_body(scope, receive, state.settings.max_body_bytes, state.settings.body_timeout)
         # which model: refused (404, 503 shutting down) before any work
         entry = state.resolve(_peek_model(body))
         request.model = entry.name
@@ -400,11 +443,15 @@ class GenerationHandler:
                 param="prompt",
             )
         dialect = request.dialect = parsed.dialect
+        salt = cache_salt(request.asgi, body, self.access)
+        generations = [dataclasses.replace(g, cache_salt=salt) if salt else g for g in parsed.generations]
         request.advance(Phase.QUEUED)
+        # a server at capacity refuses before tokenizing or compiling a constraint
+        engine.admission.check()
         try:
             prompts = [
                 _check_limits(await engine.prepare(generation), state.settings, parsed.dialect)
-                for generation in parsed.generations
+                for generation in generations
             ]
         except InvalidRequestError as exc:
             if request.kind == "responses" and exc.param == "max_tokens":
@@ -451,19 +498,22 @@ class GenerationHandler:
         names: tuple[str, ...] = ()
         reasoning: tuple[str, str] | None = None
         inside = False
+        limits = self.state.settings.request_limits
         if kind == "text":
-            request, generations = decode_completion_prompts(body)
+            request, generations = decode_completion_prompts(body, limits)
         else:
-            chat = decode_chat_request(body)
+            chat = decode_chat_request(body, limits)
             mode = chat.tool_mode()
             tools = chat.tools if mode != "none" else None
             rendered = chat_format.render(chat.messages, tools=tools)
-            generation = chat_generation(chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos)
+            generation = chat_generation(
+                chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos, limits=limits
+            )
             if generation.constraint is not None and rendered.reasoning is not None:
                 # the constraint holds from the first token: the answer is never reasoning
                 rendered = chat_format.render(chat.messages, tools=tools, thinking=False)
                 generation = chat_generation(
-                    chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos
+                    chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos, limits=limits
                 )
             else:
                 reasoning, inside = rendered.reasoning, rendered.opens_reasoning
@@ -504,7 +554,9 @@ class GenerationHandler:
         if kind == "messages":
             messages = decode_messages_request(body)
             keep = self.state.settings.keep_billing_header
-            conversation = messages_conversation(messages, keep_billing_header=keep)
+            conversation = messages_conversation(
+                messages, keep_billing_header=keep, limits=self.state.settings.request_limits
+            )
             model = self._model(messages.model)
             generation, rendered = generation_for(conversation, chat_format)
             stream = messages.stream
@@ -520,7 +572,7 @@ class GenerationHandler:
             )
         else:
             responses = decode_responses_request(body)
-            conversation = responses_conversation(responses)
+            conversation = responses_conversation(responses, limits=self.state.settings.request_limits)
             model = self._model(responses.model)
             generation, rendered = generation_for(conversation, chat_format)
             stream = responses.stream

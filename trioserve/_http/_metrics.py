@@ -8,7 +8,7 @@ observed once per request, and the gauges are read from the engine only when
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -206,7 +206,7 @@ class Metrics:
         self.batch_aborted_calls.set_function(total(stat("aborted_calls")))
         self.prompt_cache_tokens.set_function(total(cache("tokens")))
         self.prompt_cache_bytes.set_function(total(cache("kv_bytes")))
-        self.registry.register(_HostCacheCollector(engines))
+        self.registry.register(_HostCacheCollector(engines, models))
         self.registry.register(_ModelCollector(models))
 
     def render(self) -> bytes:
@@ -216,15 +216,41 @@ class Metrics:
 class _HostCacheCollector(Collector):
     """The prompt cache's host-memory tier and idle recompute, read at scrape time:
     bytes held (a gauge) and the saves, restores, evictions and recomputed chunks since
-    start (counters), summed over the loaded llama models."""
+    start (counters), summed over the loaded llama models; and the server's one
+    host-memory budget (``--cache-ram``), with what every model's tier holds in it,
+    loaded or not (``trioserve_prompt_cache_host_*``)."""
 
-    def __init__(self, engines: Callable[[], list[Engine]]) -> None:
+    def __init__(self, engines: Callable[[], list[Engine]], models: ModelRegistry) -> None:
         self._engines = engines
+        self._models = models
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # (collected on demand only: no describe-time backend call)
 
+    def _pools(self) -> list[Any]:
+        """The host-memory budgets (``HostBudget``: ``bytes``, ``budget``) of the models'
+        sources and loaded backends, each once (the models of a registry share one)."""
+        pools: dict[int, Any] = {}
+        for entry in self._models.entries:
+            for owner in (entry.spec.source, entry.engine.backend if entry.engine is not None else None):
+                pool = getattr(owner, "host_pool", None)
+                if pool is not None:
+                    pools[id(pool)] = pool
+        return list(pools.values())
+
     def collect(self) -> Iterator[Metric]:
+        pools = self._pools()
+        if pools:
+            yield GaugeMetricFamily(
+                "trioserve_prompt_cache_host_bytes",
+                "llama backend: bytes of prompt prefixes in host memory, every model's (loaded or not).",
+                value=sum(pool.bytes for pool in pools),
+            )
+            yield GaugeMetricFamily(
+                "trioserve_prompt_cache_host_budget_bytes",
+                "llama backend: the server's one host-memory budget for them (--cache-ram), in bytes.",
+                value=sum(pool.budget for pool in pools),
+            )
         caches = []
         for engine in self._engines():
             stats = engine.backend.stats()
@@ -243,7 +269,7 @@ class _HostCacheCollector(Collector):
         )
         yield GaugeMetricFamily(
             "trioserve_prompt_cache_ram_budget_bytes",
-            "llama backend: --cache-ram, in bytes.",
+            "llama backend: the loaded models' host-memory budgets (--cache-ram; a model's cache_ram).",
             value=ram["budget_bytes"],
         )
         for name, value, text in (

@@ -3,6 +3,7 @@ quart-trio, behind the access policy."""
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Awaitable, Callable
 from importlib import resources
@@ -37,11 +38,23 @@ from .._wire._tokenize import (
 from ._access import AccessPolicy, with_access_control
 from ._embeddings import EMBEDDINGS_PATH, EmbeddingsHandler
 from ._errors import ErrorRenderer, render_anthropic_error, render_error
-from ._exchange import Exchange, Receive, Scope, Send, _check_content_type, headers_too_large
-from ._generation import _INLINE_PARSE_BYTES, GENERATION_PATHS, GenerationHandler
+from ._exchange import (
+    Exchange,
+    Receive,
+    Scope,
+    Send,
+    _check_content_type,
+    body_timeout_error,
+    headers_too_large,
+)
+from ._generation import _INLINE_PARSE_BYTES, GENERATION_PATHS, GenerationHandler, presented_key
 from ._state import ServerState
 
 __all__ = ["create_app"]
+
+#: /tokenize and /detokenize answers of more tokens than this are JSON-encoded in a
+#: worker thread
+_INLINE_ENCODE_TOKENS = 16 * 1024
 
 
 def create_app(
@@ -49,8 +62,8 @@ def create_app(
 ) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     """The ASGI app: generation endpoints at the ASGI level, the rest in quart-trio,
     behind the access policy (API keys, CORS) if one is given."""
-    quart: Any = _create_quart_app(state)  # its ASGI types are narrower than ours
-    generation = GenerationHandler(state)
+    quart: Any = _create_quart_app(state, access)  # its ASGI types are narrower than ours
+    generation = GenerationHandler(state, access)
     embeddings = EmbeddingsHandler(state)
 
     header_limit = state.settings.max_header_bytes
@@ -81,6 +94,12 @@ def _json_response(
     return Response(encode_json(body), status=status, content_type="application/json", headers=headers)
 
 
+def _health(
+    body: dict[str, object], status: int = 200, headers: dict[str, str] | None = None
+) -> tuple[dict[str, object], int, dict[str, str] | None]:
+    return body, status, headers
+
+
 def _error_response(exc: TrioserveError, render: ErrorRenderer = render_error) -> Response:
     status, headers, body = render(exc)
     return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
@@ -97,23 +116,45 @@ def _model_object(name: str, created: int, context_length: int | None) -> dict[s
     }
 
 
-async def _json_body[T](decode: Callable[[bytes], T]) -> T:
-    """The request's body, decoded by ``decode`` (bodies over 64 KiB: in a worker thread,
-    as the generation endpoints do). The body limit is quart's ``MAX_CONTENT_LENGTH``
-    (413); a Content-Type other than JSON is 415."""
-    from quart import request
+async def _body_bytes() -> bytes:
+    """The request's body. The body limit is quart's ``MAX_CONTENT_LENGTH`` (413); a
+    Content-Type other than JSON is 415; a body not all there within
+    ``--body-timeout`` seconds (the app's ``TRIOSERVE_BODY_TIMEOUT``) is 408
+    ``request_timeout``."""
+    from quart import current_app, request
 
     _check_content_type(cast("Scope", request.scope))
-    body = await request.get_data(as_text=False)
-    assert isinstance(body, bytes)
-    if len(body) > _INLINE_PARSE_BYTES:
-        return await trio.to_thread.run_sync(decode, body)
-    return decode(body)
+    timeout: float | None = current_app.config["TRIOSERVE_BODY_TIMEOUT"]
+    with trio.move_on_after(math.inf if timeout is None else timeout):
+        body = await request.get_data(as_text=False)
+        assert isinstance(body, bytes)
+        return body
+    assert timeout is not None
+    raise body_timeout_error(timeout)
 
 
-def _create_quart_app(state: ServerState) -> QuartTrio:
+async def _off_the_loop_if[T, *Args](large: bool, work: Callable[[*Args], T], *args: *Args) -> T:
+    """``work(*args)``, in a worker thread when ``large``. Never abandoned: a cancel
+    waits for the thread to return, so whatever it uses (a model, held by a lease
+    around this call) outlives it."""
+    if large:
+        return await trio.to_thread.run_sync(work, *args)
+    return work(*args)
+
+
+async def _json_body[T](decode: Callable[[bytes], T]) -> T:
+    """The request's body (:func:`_body_bytes`), decoded by ``decode`` (bodies over
+    64 KiB: in a worker thread, as the generation endpoints do)."""
+    body = await _body_bytes()
+    return await _off_the_loop_if(len(body) > _INLINE_PARSE_BYTES, decode, body)
+
+
+def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) -> QuartTrio:
     app = QuartTrio("trioserve")
     app.config["MAX_CONTENT_LENGTH"] = state.settings.max_body_bytes
+    # trioserve's own timeout (_body_bytes: 408 with an OpenAI body) comes first
+    body_timeout = app.config["TRIOSERVE_BODY_TIMEOUT"] = state.settings.body_timeout
+    app.config["BODY_TIMEOUT"] = None if body_timeout is None else body_timeout + 1
 
     def model_health(entry: ModelEntry) -> dict[str, object]:
         body: dict[str, object] = {"model": entry.name, **entry.describe()}
@@ -142,27 +183,39 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
     async def health() -> Response:
         """The server's health: ``ok`` once the startup model has loaded (503 while it
         loads, or after it failed), with each model's state (``models``); the default
-        model's figures at the top level, as before there were several."""
+        model's figures at the top level, as before there were several. Where API keys
+        are required, a request without a valid one gets the status alone (open for
+        load balancers: no models, paths, errors, slots or cache figures)."""
+        from quart import request
+
+        body, status, headers = full_health()
+        if access is not None and access.requires_key:
+            key = presented_key(cast("Scope", request.scope))
+            if key is None or not access.key_is_valid(key):
+                body = {"status": body["status"]}
+        return _json_response(body, status, headers)
+
+    def full_health() -> tuple[dict[str, object], int, dict[str, str] | None]:
         if state.shutting_down:
-            return _json_response({"status": "shutting_down"}, 503, {"Retry-After": "1"})
+            return _health({"status": "shutting_down"}, 503, {"Retry-After": "1"})
         registry = state.registry
         if registry is None:
-            return _json_response({"status": "loading", "error": None}, 503, {"Retry-After": "1"})
+            return _health({"status": "loading", "error": None}, 503, {"Retry-After": "1"})
         default = registry.default
         models = {entry.name or "(loading)": model_health(entry) for entry in registry.entries}
         if default.spec.ready_gate and default.state != "loaded":
             if default.state == "failed":
-                return _json_response(
+                return _health(
                     {"status": "error", "error": default.error, "models": models}, 503, {"Retry-After": "1"}
                 )
             if default.loads == 0:
-                return _json_response(
+                return _health(
                     {"status": "loading", "error": None, "models": models}, 503, {"Retry-After": "1"}
                 )
         for entry in registry.entries:
             failure = entry.engine.backend.failure if entry.engine is not None else None
             if failure is not None:  # e.g. the llama backend's scheduler thread died
-                return _json_response({"status": "error", "error": str(failure), "models": models}, 503)
+                return _health({"status": "error", "error": str(failure), "models": models}, 503)
         body: dict[str, object] = {}
         engine = default.engine
         if engine is not None:
@@ -180,9 +233,7 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
                 active_streams=engine.active_streams,
                 generations_running=engine.backend.generations.running,
             )
-        return _json_response(
-            {**body, "status": "ok", "requests_in_flight": len(state.requests), "models": models}
-        )
+        return _health({**body, "status": "ok", "requests_in_flight": len(state.requests), "models": models})
 
     page = (resources.files("trioserve") / "static" / "index.html").read_bytes()
 
@@ -287,7 +338,8 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
         try:
             registry = state.serving_registry()  # (503 before reading the body)
             request = await _json_body(decode_tokenize_request)
-            # a lease: the model is not unloaded while its tokenizer runs (in a thread)
+            # a lease: the model is not unloaded while its tokenizer runs (in a thread
+            # for long texts: the backend's rule)
             async with registry.lease(state.resolve(request.model)) as lease:
                 backend = lease.engine.backend
                 tokens = await backend.tokenize_text(
@@ -296,7 +348,8 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
                 pieces = await backend.token_pieces(tokens) if request.with_pieces else None
         except TrioserveError as exc:
             return _error_response(exc)
-        return Response(tokenize_response(tokens, pieces), content_type="application/json")
+        body = await _off_the_loop_if(len(tokens) > _INLINE_ENCODE_TOKENS, tokenize_response, tokens, pieces)
+        return Response(body, content_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize() -> Response:
@@ -307,18 +360,26 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
                 pieces = await lease.engine.backend.token_pieces(request.tokens)
         except TrioserveError as exc:
             return _error_response(exc)
-        return Response(detokenize_response(pieces), content_type="application/json")
+        body = await _off_the_loop_if(len(pieces) > _INLINE_ENCODE_TOKENS, detokenize_response, pieces)
+        return Response(body, content_type="application/json")
 
     # token counting (docs/dialects.md, "Token counting"): the prompt generation would
     # render, counted by the model's tokenizer; nothing is evaluated or queued
     async def count(read: Callable[[bytes], tuple[str | None, Conversation]]) -> int:
         """The prompt's tokens, by the named model's template and tokenizer (loading
-        the model if it is not: the count is its tokenizer's)."""
+        the model if it is not: the count is its tokenizer's). A body over 64 KiB is
+        decoded and its chat rendered in a worker thread (the tokenizer's own rule puts
+        a long prompt in one too), as the generation endpoints do; a cancel waits for
+        the thread, inside the lease."""
         registry = state.serving_registry()
-        model, conversation = await _json_body(read)  # (large bodies: in a worker thread)
+        body = await _body_bytes()
+        large = len(body) > _INLINE_PARSE_BYTES
+        model, conversation = await _off_the_loop_if(large, read, body)
         async with registry.lease(state.resolve(model)) as lease:
             engine = lease.engine
-            generation, _ = generation_for(conversation, state.chat_format(engine))
+            generation, _ = await _off_the_loop_if(
+                large, generation_for, conversation, state.chat_format(engine)
+            )
             assert isinstance(generation.prompt, str)
             tokens = await engine.backend.tokenize_text(
                 generation.prompt, add_special=generation.add_bos, parse_special=True
@@ -329,11 +390,13 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
 
     def read_messages(body: bytes) -> tuple[str | None, Conversation]:
         request = decode_count_tokens_request(body)
-        return request.model, messages_conversation(request, keep_billing_header=keep_billing_header)
+        return request.model, messages_conversation(
+            request, keep_billing_header=keep_billing_header, limits=state.settings.request_limits
+        )
 
     def read_responses(body: bytes) -> tuple[str | None, Conversation]:
         request = decode_input_tokens_request(body)
-        return request.model, responses_conversation(request)
+        return request.model, responses_conversation(request, limits=state.settings.request_limits)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
@@ -366,6 +429,14 @@ def _create_quart_app(state: ServerState) -> QuartTrio:
         return _error_response(
             MethodNotAllowedError(f"{request.path} does not accept {request.method}"), render
         )
+
+    @app.errorhandler(408)
+    async def body_too_slow(_error: Exception) -> Response:
+        # (quart's own BODY_TIMEOUT: a backstop behind _body_bytes's)
+        from quart import request
+
+        render = render_anthropic_error if request.path.startswith("/v1/messages") else render_error
+        return _error_response(body_timeout_error(app.config["BODY_TIMEOUT"]), render)
 
     @app.errorhandler(413)
     async def too_large(_error: Exception) -> Response:

@@ -86,6 +86,9 @@ class ServerSettings:
             connection (``TCP_NOTSENT_LOWAT``): past it, the server's send waits, the
             consumer waits, and so does inference.
         api_keys: bearer keys for ``/v1/*`` and ``/metrics`` (none: open).
+        admin_keys: keys that are API keys and may also change a model's lifetime for
+            everyone: ``POST /models/load``, ``POST /models/unload``, ``X-Keep-Alive``
+            (with keys configured, other keys get 403 there; with none, anyone may).
         cors_origins: browser origins allowed to call the API (``*``: any; none: CORS off).
         http: limits and defaults of the HTTP surface.
     """
@@ -97,6 +100,7 @@ class ServerSettings:
     stall_timeout: float | None = 30.0
     send_buffer_bytes: int = 16 * 1024
     api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
     http: HTTPSettings = field(default_factory=HTTPSettings)
 
@@ -152,7 +156,12 @@ class Server:
                 self._last_engine = entry.engine
 
         self.registry.on_loaded.append(loaded)
-        self.app = create_app(self.state, AccessPolicy(self.settings.api_keys, self.settings.cors_origins))
+        self.app = create_app(
+            self.state,
+            AccessPolicy(
+                self.settings.api_keys, self.settings.cors_origins, admin_keys=self.settings.admin_keys
+            ),
+        )
         self._stop_accepting = trio.Event()
         self._shutdown_requested = trio.Event()
 

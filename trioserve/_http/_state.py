@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 
 import trio
 
+from .._core._admission import Admission
 from .._core._engine import Engine
 from .._core._exceptions import ServiceUnavailableError
 from .._core._registry import Lease, ModelEntry, ModelRegistry
 from .._core._types import EndCause
 from .._wire._chat import ChatFormat, chat_format_for
+from .._wire._limits import RequestLimits
 from ._metrics import Metrics
 from ._request import InFlightRequest
 
@@ -37,6 +39,12 @@ class HTTPSettings:
         keep_billing_header: keep Claude Code's ``x-anthropic-billing-header`` system
             block in the prompt (by default it is removed: it changes every request and
             would defeat the prompt cache; docs/dialects.md).
+        body_timeout: seconds a request's body may take to arrive in full (from the
+            headers); past it, 408 ``request_timeout``. ``None``: no limit.
+        max_embedding_tokens: the most tokens one ``/v1/embeddings`` request's inputs
+            may hold together (400 beyond, naming both); ``None``: no limit.
+        request_limits: what one request may ask for: stop sequences, ``logit_bias``
+            entries, tools, schema sizes, messages (docs/api.md, "Limits").
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
@@ -48,6 +56,9 @@ class HTTPSettings:
     max_timeout: float | None = 600.0
     model_aliases: tuple[str, ...] = ()
     keep_billing_header: bool = False
+    body_timeout: float | None = 30.0
+    max_embedding_tokens: int | None = 65536
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 @dataclass(kw_only=True)
@@ -65,6 +76,9 @@ class ServerState:
     _idle: trio.Event = field(default_factory=trio.Event)
     _formats: dict[int, tuple[Engine, ChatFormat]] = field(
         default_factory=dict[int, tuple[Engine, ChatFormat]]
+    )
+    _embeddings: dict[int, tuple[Engine, Admission]] = field(
+        default_factory=dict[int, tuple[Engine, Admission]]
     )
 
     def add_request(self, request: InFlightRequest) -> None:
@@ -152,9 +166,21 @@ class ServerState:
         self._formats[id(engine)] = (engine, chat_format)
         return chat_format
 
+    def embeddings_admission(self, engine: Engine) -> Admission:
+        """A loaded model's admission for ``/v1/embeddings`` (docs/embeddings.md): one
+        request evaluates at a time, as many as generation's queue may wait (its
+        ``--max-queue``), beyond that 429; its own, so embeddings and generation never
+        take each other's places."""
+        cached = self._embeddings.get(id(engine))
+        if cached is None or cached[0] is not engine:
+            cached = (engine, Admission(1, engine.admission.max_queue))
+            self._embeddings[id(engine)] = cached
+        return cached[1]
+
     def forget(self, engine: Engine) -> None:
-        """An unloaded model's engine: drop its chat format."""
+        """An unloaded model's engine: drop its chat format and embeddings admission."""
         self._formats.pop(id(engine), None)
+        self._embeddings.pop(id(engine), None)
 
     def model_names(self) -> tuple[str, ...]:
         if self.registry is None:

@@ -21,8 +21,10 @@ from .._core._exceptions import InvalidRequestError, OverloadedError, TrioserveE
 from .._core._types import Constraint, EndCause, SamplingParams, TokenLogprob, Usage
 from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ThinkingPart, ToolMode
 from ._conversation import Conversation, fold_system_messages, new_id
+from ._limits import RequestLimits
 from ._openai import (
     _END_MESSAGES,
+    DEFAULT_LIMITS,
     CallFunction,
     ChatMessage,
     ChoiceResult,
@@ -30,7 +32,7 @@ from ._openai import (
     _decode,
     encode_json,
 )
-from ._tools import FunctionDef, Tool
+from ._tools import FunctionDef, Tool, check_tool_schemas
 
 __all__ = [
     "BILLING_HEADER_PREFIX",
@@ -332,6 +334,23 @@ def _tool_choice(choice: ToolChoice | None, tools: list[Tool]) -> str:
     return choice.name
 
 
+def _check_sizes(request: _MessagesFields, limits: RequestLimits) -> None:
+    """Refuse more messages, blocks or stop sequences than ``limits`` allow."""
+    limits.check_count("messages", len(request.messages), limits.max_messages, "--max-messages", "messages")
+    blocks = sum(len(m.content) for m in request.messages if isinstance(m.content, list))
+    if isinstance(request.system, list):
+        blocks += len(request.system)
+    if blocks > limits.max_content_parts:
+        raise InvalidRequestError(
+            f"messages and system hold {blocks} content blocks; this server accepts at most "
+            f"{limits.max_content_parts} (--max-content-parts)",
+            param="messages",
+        )
+    if isinstance(request, MessagesRequest) and request.stop_sequences:
+        limits.check_stops(request.stop_sequences, "stop_sequences")
+    limits.check_count("tools", len(request.tools or ()), limits.max_tools, "--max-tools", "tools")
+
+
 def _check_common(request: _MessagesFields, max_tokens: int | None) -> None:
     for name, why in _REFUSED:
         if getattr(request, name) is not None:
@@ -372,7 +391,7 @@ def _check_common(request: _MessagesFields, max_tokens: int | None) -> None:
         raise InvalidRequestError("messages must hold at least one message", param="messages")
 
 
-def _constraint(request: _MessagesFields) -> Constraint | None:
+def _constraint(request: _MessagesFields, limits: RequestLimits) -> Constraint | None:
     formats = [
         f for f in (request.output_config and request.output_config.format, request.output_format) if f
     ]
@@ -382,13 +401,18 @@ def _constraint(request: _MessagesFields) -> Constraint | None:
         )
     if not formats:
         return None
-    return Constraint(kind="json_schema", source=json.dumps(formats[0].schema_))
+    source = json.dumps(formats[0].schema_)
+    limits.check_schema(source, "output_config.format.schema")
+    return Constraint(kind="json_schema", source=source)
 
 
-def messages_conversation(request: _MessagesFields, *, keep_billing_header: bool = False) -> Conversation:
-    """The conversation a Messages (or count_tokens) request asks for."""
+def messages_conversation(
+    request: _MessagesFields, *, keep_billing_header: bool = False, limits: RequestLimits = DEFAULT_LIMITS
+) -> Conversation:
+    """The conversation a Messages (or count_tokens) request asks for, within ``limits``."""
     full = request if isinstance(request, MessagesRequest) else None
     _check_common(request, full.max_tokens if full else None)
+    _check_sizes(request, limits)
     messages = _chat_messages(request.messages)
     system = _system_text(request.system, keep_billing_header)
     if system:
@@ -407,8 +431,9 @@ def messages_conversation(request: _MessagesFields, *, keep_billing_header: bool
                 "final assistant content cannot end with trailing whitespace", param="messages"
             )
     tools = _tools(request.tools)
+    check_tool_schemas(tools, limits, schema_field="input_schema")
     choice = _tool_choice(request.tool_choice, tools)
-    constraint = _constraint(request)
+    constraint = _constraint(request, limits)
     if constraint is not None and choice not in ("none", "auto"):
         raise InvalidRequestError(
             "a forced tool call cannot also follow output_config.format; send one of them",
@@ -594,6 +619,8 @@ class AnthropicDialect:
             elif type(part) is ThinkingPart:
                 if self._open != "thinking":
                     out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+                if self._omit_thinking:
+                    continue  # (display: omitted: the block, without its text)
                 delta = {"type": "thinking_delta", "thinking": part.text}
                 out += _event(
                     b"content_block_delta",
@@ -693,7 +720,7 @@ class AnthropicDialect:
         for _call_id, name, arguments in result.tool_calls or ():
             try:
                 value = json.loads(arguments)
-            except ValueError:  # cut short (max_tokens): what there is, as text
+            except (ValueError, RecursionError):  # cut short (max_tokens), or too deep: as text
                 content.append({"type": "text", "text": arguments})
                 continue
             called = True

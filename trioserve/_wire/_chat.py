@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._core._exceptions import ChatTemplateError, InvalidRequestError
+from ._limits import MAX_JSON_DEPTH, json_depth, nested_too_deep
 from ._openai import ChatMessage
 from ._tools import Tool, parameters_of
 
@@ -80,8 +81,12 @@ def call_text(message: ChatMessage) -> str:
     """An assistant message's tool calls, as the model writes them (one per line)."""
     lines = []
     for call in message.tool_calls or ():
+        text = call.function.arguments or "{}"
+        # (JSON in a string: the body's depth check does not see into it)
+        if json_depth(text.encode()) > MAX_JSON_DEPTH:
+            raise nested_too_deep(f"the arguments of tool call {call.id or call.function.name!r}", "messages")
         try:
-            arguments = json.loads(call.function.arguments or "{}")
+            arguments = json.loads(text)
         except ValueError:
             raise InvalidRequestError(
                 f"the arguments of tool call {call.id or call.function.name!r} are not valid JSON",

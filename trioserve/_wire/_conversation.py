@@ -24,9 +24,27 @@ def new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex[:24]
 
 
-def _joined(first: ChatMessage, text: str) -> ChatMessage:
-    before = first.text()
-    return ChatMessage(role="user", content=f"{before}\n\n{text}" if before else text, name=first.name)
+class _UserTurn:
+    """Consecutive user texts, joined once when the turn ends (joining each as it comes
+    would copy the text so far every time: quadratic in the turn's messages)."""
+
+    __slots__ = ("first", "texts")
+
+    def __init__(self, first: ChatMessage) -> None:
+        self.first = first
+        self.texts = [first.text()]
+
+    def add(self, text: str) -> None:
+        # (a blank line between texts; a turn with no text yet starts with this one)
+        if self.texts == [""]:
+            self.texts[0] = text
+        else:
+            self.texts.append(text)
+
+    def message(self, joined: bool) -> ChatMessage:
+        if not joined:
+            return self.first  # (as it came: one message, nothing folded into it)
+        return ChatMessage(role="user", content="\n\n".join(self.texts), name=self.first.name)
 
 
 def fold_system_messages(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
@@ -35,26 +53,34 @@ def fold_system_messages(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
     messages before it, so appending turns never changes an earlier turn's text):
     appended to the user message right before it, or starting a user message that the
     next user message joins. Consecutive user messages join with a blank line (as
-    Anthropic combines consecutive turns). Leading system messages stay as they are."""
+    Anthropic combines consecutive turns). Leading system messages stay as they are.
+    Linear in the messages and their text."""
     out: list[ChatMessage] = []
+    turn: _UserTurn | None = None
+    joined = False
     leading = True
     for message in messages:
-        if message.role in ("system", "developer"):
-            if leading:
-                # (as system: chat templates know that role; some render nothing for developer)
-                out.append(ChatMessage(role="system", content=message.text()))
-                continue
-            text = message.text()
-            if out and out[-1].role == "user":
-                out[-1] = _joined(out[-1], text)
+        system = message.role in ("system", "developer")
+        if system and leading:
+            # (as system: chat templates know that role; some render nothing for developer)
+            out.append(ChatMessage(role="system", content=message.text()))
+            continue
+        if system or message.role == "user":
+            leading = False
+            if turn is not None:
+                turn.add(message.text())
+                joined = True
             else:
-                out.append(ChatMessage(role="user", content=text))
+                turn = _UserTurn(ChatMessage(role="user", content=message.text()) if system else message)
+                joined = False
             continue
         leading = False
-        if message.role == "user" and out and out[-1].role == "user":
-            out[-1] = _joined(out[-1], message.text())
-        else:
-            out.append(message)
+        if turn is not None:
+            out.append(turn.message(joined))
+            turn = None
+        out.append(message)
+    if turn is not None:
+        out.append(turn.message(joined))
     return out
 
 

@@ -19,6 +19,7 @@ import msgspec
 
 from .._core._exceptions import InvalidRequestError
 from .._core._types import Constraint, EndCause, GenerationRequest, SamplingParams, TokenLogprob, Usage
+from ._limits import RequestLimits, check_json_depth, nested_too_deep
 from ._sse import DONE, encode_data
 from ._tools import Tool, ToolChoiceObject, call_constraint, check_tool_choice, check_tools
 
@@ -200,9 +201,17 @@ _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
+#: the limits a decoder applies when its caller passes none
+DEFAULT_LIMITS = RequestLimits()
+
+
 def _decode[T](decoder: msgspec.json.Decoder[T], body: bytes) -> T:
+    # (before msgspec: a deep body would make it, and every reader after it, recurse as deep)
+    check_json_depth(body)
     try:
         return decoder.decode(body)
+    except RecursionError:
+        raise nested_too_deep() from None
     except msgspec.ValidationError as exc:
         message = str(exc)
         match = _PATH.search(message)
@@ -282,18 +291,18 @@ def _check_common(request: _CommonFields) -> None:
     _check_refused(request)
 
 
-def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+def _stops(stop: str | list[str] | None, limits: RequestLimits = DEFAULT_LIMITS) -> tuple[str, ...]:
     if stop is None:
         return ()
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
-    if len(stops) > 4:
-        raise InvalidRequestError("at most 4 stop sequences are allowed", param="stop")
+    limits.check_stops(stops, "stop", openai=True)
     return tuple(s for s in stops if s)
 
 
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+def _logit_bias(bias: dict[str, float] | None, limits: RequestLimits = DEFAULT_LIMITS) -> dict[int, float]:
     if not bias:
         return {}
+    limits.check_count("logit_bias", len(bias), limits.max_logit_bias, "--max-logit-bias", "logit_bias")
     out: dict[int, float] = {}
     for key, value in bias.items():
         try:
@@ -309,14 +318,14 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def _sampling(request: _CommonFields) -> SamplingParams:
+def _sampling(request: _CommonFields, limits: RequestLimits = DEFAULT_LIMITS) -> SamplingParams:
     return SamplingParams(
         temperature=request.temperature,
         top_p=request.top_p,
         top_k=request.top_k,
         min_p=request.min_p,
         seed=request.seed,
-        logit_bias=_logit_bias(request.logit_bias),
+        logit_bias=_logit_bias(request.logit_bias, limits),
         frequency_penalty=request.frequency_penalty,
         presence_penalty=request.presence_penalty,
         repeat_penalty=request.repeat_penalty,
@@ -327,15 +336,16 @@ def _sampling(request: _CommonFields) -> SamplingParams:
 _ANY_OBJECT = '{"type": "object"}'
 
 
-def _constraint(request: _CommonFields) -> Constraint | None:
+def _constraint(request: _CommonFields, limits: RequestLimits = DEFAULT_LIMITS) -> Constraint | None:
     """The constraint ``response_format`` (or llama-server's ``json_schema``/``grammar``)
-    asks for; at most one of them."""
+    asks for; at most one of them (a schema no larger than ``limits`` allow)."""
     asked: list[tuple[str, Constraint]] = []
     fmt = request.response_format
     if fmt is not None and fmt.type != "text":
         if fmt.type == "json_object":
             schema = fmt.schema_
             source = _ANY_OBJECT if schema is None else msgspec.json.encode(schema).decode()
+            limits.check_schema(source, "response_format.schema")
         else:
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise InvalidRequestError(
@@ -343,11 +353,20 @@ def _constraint(request: _CommonFields) -> Constraint | None:
                     param="response_format.json_schema.schema",
                 )
             source = msgspec.json.encode(fmt.json_schema.schema_).decode()
+            limits.check_schema(source, "response_format.json_schema.schema")
         asked.append(("response_format", Constraint(kind="json_schema", source=source)))
     if request.json_schema is not None:
         source = msgspec.json.encode(request.json_schema).decode()
+        limits.check_schema(source, "json_schema")
         asked.append(("json_schema", Constraint(kind="json_schema", source=source)))
     if request.grammar:
+        size = len(request.grammar.encode())
+        if size > limits.max_schema_bytes:
+            raise InvalidRequestError(
+                f"grammar is {size} bytes; this server accepts at most "
+                f"{limits.max_schema_bytes} (--max-schema-bytes)",
+                param="grammar",
+            )
         asked.append(("grammar", Constraint(kind="gbnf", source=request.grammar)))
     if len(asked) > 1:
         raise InvalidRequestError(
@@ -356,11 +375,9 @@ def _constraint(request: _CommonFields) -> Constraint | None:
     return asked[0][1] if asked else None
 
 
-#: prompts in one /v1/completions batch, at most (each takes ``n`` slots as well)
-MAX_BATCH_PROMPTS = 64
-
-
-def _completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
+def _completion_prompts(
+    prompt: str | list[str | int | list[int]], n: int = 1, limits: RequestLimits = DEFAULT_LIMITS
+) -> list[str | list[int]]:
     """The prompts of a ``/v1/completions`` body: a text, token ids, or a batch (a list
     of texts or of token-id lists, as OpenAI and llama-server accept)."""
     if isinstance(prompt, str):
@@ -379,9 +396,18 @@ def _completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str |
             "list of token-id lists (not a mix)",
             param="prompt",
         )
-    if len(prompts) > MAX_BATCH_PROMPTS:
+    # (each prompt takes n choices: the response, and the slots, hold prompts × n)
+    limit = limits.max_batch_choices
+    if len(prompts) > limit:
         raise InvalidRequestError(
-            f"a batch may hold at most {MAX_BATCH_PROMPTS} prompts; got {len(prompts)}", param="prompt"
+            f"a batch may hold at most {limit} prompts (--max-batch-choices); got {len(prompts)}",
+            param="prompt",
+        )
+    if len(prompts) * n > limit:
+        raise InvalidRequestError(
+            f"a batch of {len(prompts)} prompts × n={n} asks for {len(prompts) * n} choices; this server "
+            f"accepts at most {limit} (--max-batch-choices)",
+            param="n",
         )
     for index, item in enumerate(prompts):
         if item == "" or item == []:
@@ -390,15 +416,17 @@ def _completion_prompts(prompt: str | list[str | int | list[int]]) -> list[str |
     return prompts
 
 
-def decode_completion_prompts(body: bytes) -> tuple[CompletionRequest, list[GenerationRequest]]:
+def decode_completion_prompts(
+    body: bytes, limits: RequestLimits = DEFAULT_LIMITS
+) -> tuple[CompletionRequest, list[GenerationRequest]]:
     """Parse and validate a ``/v1/completions`` body: one generation per prompt (a
     batch has several; the response has ``n`` choices per prompt, prompt by prompt)."""
     request = _decode(_completion_decoder, body)
     _check_common(request)
-    prompts = _completion_prompts(request.prompt)
-    sampling = _sampling(request)
-    stops = _stops(request.stop)
-    constraint = _constraint(request)
+    prompts = _completion_prompts(request.prompt, request.n, limits)
+    sampling = _sampling(request, limits)
+    stops = _stops(request.stop, limits)
+    constraint = _constraint(request, limits)
     generations = [
         GenerationRequest(
             prompt=prompt,
@@ -415,28 +443,47 @@ def decode_completion_prompts(body: bytes) -> tuple[CompletionRequest, list[Gene
     return request, generations
 
 
-def decode_completion_request(body: bytes) -> tuple[CompletionRequest, GenerationRequest]:
+def decode_completion_request(
+    body: bytes, limits: RequestLimits = DEFAULT_LIMITS
+) -> tuple[CompletionRequest, GenerationRequest]:
     """Parse and validate a ``/v1/completions`` body of one prompt (a batch is refused:
     :func:`decode_completion_prompts` takes both)."""
-    request, generations = decode_completion_prompts(body)
+    request, generations = decode_completion_prompts(body, limits)
     if len(generations) != 1:
         raise InvalidRequestError("send one prompt (this call takes no batch)", param="prompt")
     return request, generations[0]
 
 
-def decode_chat_request(body: bytes) -> ChatCompletionRequest:
+def check_messages(messages: Sequence[ChatMessage], limits: RequestLimits, param: str = "messages") -> None:
+    """Refuse more messages, or content parts, than ``limits`` allow."""
+    limits.check_count(param, len(messages), limits.max_messages, "--max-messages", param)
+    parts = sum(len(m.content) for m in messages if isinstance(m.content, list))
+    if parts > limits.max_content_parts:
+        raise InvalidRequestError(
+            f"{param} hold {parts} content parts; this server accepts at most {limits.max_content_parts} "
+            "(--max-content-parts)",
+            param=param,
+        )
+
+
+def decode_chat_request(body: bytes, limits: RequestLimits = DEFAULT_LIMITS) -> ChatCompletionRequest:
     """Parse and validate a ``/v1/chat/completions`` body (the prompt is rendered later,
-    by the model's chat template)."""
+    by the model's chat template) within ``limits``."""
     request = _decode(_chat_decoder, body)
     _check_common(request)
     if not request.messages:
         raise InvalidRequestError("messages must hold at least one message", param="messages")
+    check_messages(request.messages, limits)
     for message in request.messages:
         message.text()  # rejects unsupported content parts early
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    # checked here, not only when the generation is built: a refusal before any rendering
+    _stops(request.stop, limits)
+    _logit_bias(request.logit_bias, limits)
+    _constraint(request, limits)
     if request.tools:
-        check_tools(request.tools)
+        check_tools(request.tools, limits)
     check_tool_choice(request.tool_choice)
     mode = request.tool_mode()
     if mode not in ("none", "auto", "required"):
@@ -460,13 +507,18 @@ def decode_chat_request(body: bytes) -> ChatCompletionRequest:
 
 
 def chat_generation(
-    request: ChatCompletionRequest, prompt: str, extra_stops: Sequence[str], *, add_bos: bool = True
+    request: ChatCompletionRequest,
+    prompt: str,
+    extra_stops: Sequence[str],
+    *,
+    add_bos: bool = True,
+    limits: RequestLimits = DEFAULT_LIMITS,
 ) -> GenerationRequest:
     """The generation for a chat request whose messages were rendered to ``prompt``
     (``add_bos=False`` when the template already wrote the BOS token)."""
     max_tokens = request.max_completion_tokens or request.max_tokens
     mode = request.tool_mode()
-    constraint = _constraint(request)
+    constraint = _constraint(request, limits)
     if mode == "required":
         constraint = call_constraint(request.tools or ())
     elif mode not in ("none", "auto"):
@@ -475,8 +527,8 @@ def chat_generation(
     return GenerationRequest(
         prompt=prompt,
         max_tokens=max_tokens,  # None: until the context is full
-        sampling=_sampling(request),
-        stop=_stops(request.stop) + tuple(extra_stops),
+        sampling=_sampling(request, limits),
+        stop=_stops(request.stop, limits) + tuple(extra_stops),
         add_bos=add_bos,
         cache_prompt=request.cache_prompt,
         speculate=request.speculate,

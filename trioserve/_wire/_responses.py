@@ -23,9 +23,11 @@ from .._core._exceptions import InvalidRequestError, TrioserveError
 from .._core._types import Constraint, EndCause, SamplingParams, TokenLogprob, Usage
 from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ThinkingPart, ToolMode
 from ._conversation import Conversation, fold_system_messages, new_id
+from ._limits import RequestLimits
 from ._openai import (
     _ANY_OBJECT,
     _END_MESSAGES,
+    DEFAULT_LIMITS,
     CallFunction,
     ChatMessage,
     ChoiceResult,
@@ -33,7 +35,7 @@ from ._openai import (
     _decode,
     encode_json,
 )
-from ._tools import FunctionDef, Tool, check_tools
+from ._tools import FunctionDef, Tool, check_tool_schemas, check_tools
 
 __all__ = [
     "InputTokensRequest",
@@ -152,6 +154,8 @@ _REFUSED: tuple[tuple[str, str], ...] = (
 #: ``include`` values that are honoured trivially: no reasoning is ever encrypted here
 #: (a reasoning model's reasoning is sent as text, in a ``reasoning`` item)
 _INCLUDE_NOTHING = frozenset({"reasoning.encrypted_content"})
+#: ``metadata`` pairs, at most (OpenAI's limit; they are echoed in every response)
+_MAX_METADATA = 16
 
 
 def _content_text(content: str | list[InputContent] | None, where: str) -> str:
@@ -189,7 +193,10 @@ def _chat_messages(items: str | list[InputItem]) -> list[ChatMessage]:
             )
             previous = out[-1] if out else None
             if previous is not None and previous.role == "assistant":
-                previous.tool_calls = [*(previous.tool_calls or ()), call]
+                # (appended in place: copying the list per call is quadratic in them)
+                if previous.tool_calls is None:
+                    previous.tool_calls = []
+                previous.tool_calls.append(call)
             else:
                 out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
         elif kind == "function_call_output":
@@ -215,7 +222,8 @@ def _chat_messages(items: str | list[InputItem]) -> list[ChatMessage]:
     return out
 
 
-def _tools(tools: Sequence[ResponsesTool] | None) -> list[Tool]:
+def _tools(tools: Sequence[ResponsesTool] | None, limits: RequestLimits) -> list[Tool]:
+    limits.check_count("tools", len(tools or ()), limits.max_tools, "--max-tools", "tools")
     out = []
     for i, tool in enumerate(tools or ()):
         if tool.type != "function":
@@ -241,6 +249,7 @@ def _tools(tools: Sequence[ResponsesTool] | None) -> list[Tool]:
             )
         )
     check_tools(out)
+    check_tool_schemas(out, limits, schema_field="parameters")
     return out
 
 
@@ -265,7 +274,7 @@ def _tool_choice(choice: str | ToolChoiceFunction | None, tools: list[Tool]) -> 
     return choice
 
 
-def _constraint(text: TextConfig | None) -> Constraint | None:
+def _constraint(text: TextConfig | None, limits: RequestLimits) -> Constraint | None:
     fmt = text.format if text is not None else None
     if fmt is None or fmt.type == "text":
         return None
@@ -275,7 +284,9 @@ def _constraint(text: TextConfig | None) -> Constraint | None:
         raise InvalidRequestError(
             "text.format of type json_schema needs schema (a JSON Schema object)", param="text.format.schema"
         )
-    return Constraint(kind="json_schema", source=json.dumps(fmt.schema_))
+    source = json.dumps(fmt.schema_)
+    limits.check_schema(source, "text.format.schema")
+    return Constraint(kind="json_schema", source=source)
 
 
 def _check(request: _ResponsesFields) -> None:
@@ -320,19 +331,48 @@ def _check(request: _ResponsesFields) -> None:
         )
 
 
-def responses_conversation(request: _ResponsesFields) -> Conversation:
-    """The conversation a Responses (or input_tokens) request asks for."""
+def _check_sizes(request: _ResponsesFields, limits: RequestLimits) -> None:
+    """Refuse more input items or content parts than ``limits`` allow, and more
+    ``metadata`` than OpenAI's 16 pairs."""
+    items = request.input
+    if isinstance(items, list):
+        limits.check_count("input", len(items), limits.max_messages, "--max-messages", "input")
+        parts = sum(
+            len(content)
+            for item in items
+            for content in (item.content, item.output)
+            if isinstance(content, list)
+        )
+        if parts > limits.max_content_parts:
+            raise InvalidRequestError(
+                f"input holds {parts} content parts; this server accepts at most {limits.max_content_parts} "
+                "(--max-content-parts)",
+                param="input",
+            )
+    metadata = request.metadata if isinstance(request, ResponsesRequest) else None
+    if metadata is not None and len(metadata) > _MAX_METADATA:
+        raise InvalidRequestError(
+            f"metadata holds {len(metadata)} pairs; at most {_MAX_METADATA} are allowed (OpenAI's limit)",
+            param="metadata",
+        )
+
+
+def responses_conversation(
+    request: _ResponsesFields, *, limits: RequestLimits = DEFAULT_LIMITS
+) -> Conversation:
+    """The conversation a Responses (or input_tokens) request asks for, within ``limits``."""
     _check(request)
     if not request.input:
         raise InvalidRequestError("input is required: a text or a list of items", param="input")
+    _check_sizes(request, limits)
     messages = _chat_messages(request.input)
     if request.instructions:
         messages.insert(0, ChatMessage(role="system", content=request.instructions))
     if not any(m.role != "system" and m.role != "developer" for m in messages):
         raise InvalidRequestError("input must hold at least one message", param="input")
-    tools = _tools(request.tools)
+    tools = _tools(request.tools, limits)
     choice = _tool_choice(request.tool_choice, tools)
-    constraint = _constraint(request.text)
+    constraint = _constraint(request.text, limits)
     if constraint is not None and choice not in ("none", "auto"):
         raise InvalidRequestError(
             "a forced tool call cannot also follow text.format; send one of them", param="tool_choice"

@@ -6,8 +6,9 @@ A call is written as one compact JSON object, ``{"name":"<function>","arguments"
 ``required`` or a named function, the only text the constraint allows: the name is one
 of the tools' (``const``) and the arguments validate against that tool's
 ``parameters``. With ``auto`` the text is unconstrained and read as a call only if it
-is exactly such an object (alone, or inside ``<tool_call>`` tags). The formats and
-choices: ``docs/structured-output.md``, "Tools".
+is exactly such objects: one or several (parallel calls), each alone on its lines or
+inside ``<tool_call>`` tags. The formats and choices: ``docs/structured-output.md``,
+"Tools".
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import msgspec
 
 from .._core._exceptions import InvalidRequestError
 from .._core._types import Constraint
+from ._limits import RequestLimits
 
 __all__ = [
     "FunctionDef",
@@ -68,8 +70,23 @@ def check_tool_choice(choice: object) -> None:
         )
 
 
-def check_tools(tools: Sequence[Tool]) -> None:
-    """Refuse what cannot be served: other tool types, bad or repeated names."""
+def check_tool_schemas(
+    tools: Sequence[Tool], limits: RequestLimits, *, schema_field: str = "function.parameters"
+) -> None:
+    """Refuse more tools than ``limits`` allow, or a tool whose parameters' schema is
+    larger (``schema_field``: the dialect's name for it, in the error's ``param``)."""
+    limits.check_count("tools", len(tools), limits.max_tools, "--max-tools", "tools")
+    for i, tool in enumerate(tools):
+        if tool.function.parameters is not None:
+            encoded = msgspec.json.encode(tool.function.parameters)
+            limits.check_schema(encoded, f"tools[{i}].{schema_field}")
+
+
+def check_tools(tools: Sequence[Tool], limits: RequestLimits | None = None) -> None:
+    """Refuse what cannot be served: other tool types, bad or repeated names; with
+    ``limits``, more tools or larger schemas than they allow."""
+    if limits is not None:
+        check_tool_schemas(tools, limits)
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         if tool.type != "function":
@@ -120,25 +137,51 @@ class ParsedCall:
     arguments: str
 
 
-_TAGGED = re.compile(r"^\s*<tool_call>\s*(.*?)\s*</tool_call>\s*$", re.S)
+_OPEN_TAG, _CLOSE_TAG = "<tool_call>", "</tool_call>"
+_WHITESPACE = re.compile(r"\s*")
+_read_json = json.JSONDecoder().raw_decode
 
 
-def parse_calls(text: str, names: Sequence[str]) -> list[ParsedCall] | None:
-    """The tool call ``text`` is, or ``None`` if it is not one (then it is content)."""
-    tagged = _TAGGED.match(text)
-    body = tagged.group(1) if tagged else text.strip()
-    if not body.startswith("{"):
-        return None
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None
+def _skip_space(text: str, position: int) -> int:
+    match = _WHITESPACE.match(text, position)
+    return match.end() if match else position
+
+
+def _call(value: object, names: Sequence[str]) -> ParsedCall | None:
     if not isinstance(value, dict) or set(value) != {"name", "arguments"}:
         return None
     name, arguments = value["name"], value["arguments"]
     if name not in names or not isinstance(arguments, dict):
         return None
-    return [ParsedCall(name=name, arguments=json.dumps(arguments, separators=(",", ":")))]
+    return ParsedCall(name=name, arguments=json.dumps(arguments, separators=(",", ":")))
+
+
+def parse_calls(text: str, names: Sequence[str]) -> list[ParsedCall] | None:
+    """The tool calls ``text`` is, in order, or ``None`` if it is not only calls (then it
+    is content): one or more call objects, each bare or inside ``<tool_call>`` tags,
+    separated by whitespace (a model that calls several tools at once writes several)."""
+    calls: list[ParsedCall] = []
+    position = _skip_space(text, 0)
+    while position < len(text):
+        tagged = text.startswith(_OPEN_TAG, position)
+        if tagged:
+            position = _skip_space(text, position + len(_OPEN_TAG))
+        if not text.startswith("{", position):
+            return None
+        try:
+            value, position = _read_json(text, position)
+        except (ValueError, RecursionError):  # (RecursionError: nested deeper than Python goes)
+            return None
+        call = _call(value, names)
+        if call is None:
+            return None
+        calls.append(call)
+        position = _skip_space(text, position)
+        if tagged:
+            if not text.startswith(_CLOSE_TAG, position):
+                return None
+            position = _skip_space(text, position + len(_CLOSE_TAG))
+    return calls or None
 
 
 _HEAD = re.compile(r'^\{"name":"((?:[^"\\]|\\.)*)","arguments":')
