@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic.types
+import msgspec
 import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
@@ -25,7 +26,8 @@ from trioserve._wire._anthropic import (
 )
 from trioserve._wire._chat import GemmaFormat
 from trioserve._wire._conversation import fold_system_messages, generation_for
-from trioserve._wire._openai import ChatMessage, ChoiceResult
+from trioserve._wire._limits import RequestLimits
+from trioserve._wire._openai import ChatMessage, ChoiceResult, ContentPart
 from trioserve._wire._responses import (
     ResponsesDialect,
     decode_responses_request,
@@ -611,3 +613,286 @@ async def test_bytes_a_cancel_kept_from_the_socket_are_sent_by_whatever_ends_the
         scope.cancel()
         await exchange.body(b": ping\n\n", keep_unsent=False)  # a heartbeat's are not kept
     assert exchange.take_unsent() == b""
+
+
+# -- issue #33: nothing one client sends stalls, hangs or reads another -----------------
+
+
+def test_folding_is_linear_in_consecutive_user_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """20,000 consecutive user messages become one, built once: joining each message as
+    it came copied the text so far every time (a message built per join)."""
+    from trioserve._wire import _conversation
+
+    built = 0
+
+    class Counted(ChatMessage):
+        def __post_init__(self) -> None:
+            nonlocal built
+            built += 1
+
+    messages = [ChatMessage(role="user", content=f"u{i}") for i in range(20_000)]
+    monkeypatch.setattr(_conversation, "ChatMessage", Counted)
+    folded = fold_system_messages(
+        [ChatMessage(role="system", content="S"), *messages, ChatMessage(role="assistant", content="A")]
+    )
+    assert [(m.role, m.text()) for m in folded] == [
+        ("system", "S"),
+        ("user", "\n\n".join(f"u{i}" for i in range(20_000))),
+        ("assistant", "A"),
+    ]
+    assert built == 2  # the leading system message, and the one joined user turn
+
+
+def test_a_lone_message_is_passed_on_as_it_came() -> None:
+    user = ChatMessage(role="user", content=[msgspec.convert({"type": "text", "text": "hi"}, ContentPart)])
+    (folded,) = fold_system_messages([user])
+    assert folded is user
+
+
+def _refused(decode: Any, body: dict[str, Any], says: str, param: str | None, **kwargs: Any) -> None:
+    with pytest.raises(InvalidRequestError, match=says) as refused:
+        decode(body, **kwargs)
+    assert refused.value.param == param
+
+
+def _anthropic(body: dict[str, Any], **kwargs: Any) -> Any:
+    return messages_conversation(decode_messages_request(json.dumps(body).encode()), **kwargs)
+
+
+def _responses_limited(body: dict[str, Any], **kwargs: Any) -> Any:
+    return responses_conversation(decode_responses_request(json.dumps(body).encode()), **kwargs)
+
+
+HI = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+SCHEMA = {"type": "object", "description": "x" * 70_000}
+
+
+@pytest.mark.parametrize(
+    ("extra", "says", "param"),
+    [
+        (
+            {"stop_sequences": ["x"] * 100_000},
+            r"^stop_sequences holds 100000 entries; this server accepts at most 16 \(--max-stop-sequences\)$",
+            "stop_sequences",
+        ),
+        (
+            {"stop_sequences": ["é" * 600, "b" * 900]},
+            r"^stop_sequences add up to 2100 bytes; .* at most 2048 \(--max-stop-bytes\)$",
+            "stop_sequences",
+        ),
+        (
+            {"tools": [{"name": f"t{i}", "input_schema": {"type": "object"}} for i in range(129)]},
+            r"tools holds 129 entries; .* at most 128 \(--max-tools\)",
+            "tools",
+        ),
+        (
+            {"tools": [{"name": "t", "input_schema": SCHEMA}]},
+            r"at most 65536 \(--max-schema-bytes\)",
+            "tools[0].input_schema",
+        ),
+        (
+            {"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}},
+            r"at most 65536 \(--max-schema-bytes\)",
+            "output_config.format.schema",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}] * 4097},
+            r"messages holds 4097 entries; .* at most 4096 \(--max-messages\)",
+            "messages",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 16385}]},
+            r"16385 content blocks; .* at most 16384 \(--max-content-parts\)",
+            "messages",
+        ),
+    ],
+)
+def test_anthropic_request_sizes_are_bounded(extra: dict[str, Any], says: str, param: str) -> None:
+    _refused(_anthropic, {**HI, **extra}, says, param)
+    # each is a limit of the server's: raised, the same request is served
+    roomy = RequestLimits(
+        max_stop_sequences=100_000,
+        max_stop_bytes=100_000,
+        max_tools=200,
+        max_schema_bytes=100_000,
+        max_messages=5000,
+        max_content_parts=20_000,
+    )
+    _anthropic({**HI, **extra}, limits=roomy)
+
+
+@pytest.mark.parametrize(
+    ("extra", "says", "param"),
+    [
+        (
+            {"tools": [{"type": "function", "name": f"t{i}"} for i in range(129)]},
+            r"tools holds 129 entries",
+            "tools",
+        ),
+        (
+            {"tools": [{"type": "function", "name": "t", "parameters": SCHEMA}]},
+            "--max-schema-bytes",
+            "tools[0].parameters",
+        ),
+        (
+            {"text": {"format": {"type": "json_schema", "schema": SCHEMA}}},
+            "--max-schema-bytes",
+            "text.format.schema",
+        ),
+        ({"input": [{"role": "user", "content": "hi"}] * 4097}, r"input holds 4097 entries", "input"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, r"metadata holds 17 pairs; at most 16", "metadata"),
+    ],
+)
+def test_responses_request_sizes_are_bounded(extra: dict[str, Any], says: str, param: str) -> None:
+    _refused(_responses_limited, {"input": "hi", **extra}, says, param)
+
+
+def test_function_calls_join_one_assistant_message_in_linear_time() -> None:
+    calls = [
+        {"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"} for i in range(3000)
+    ]
+    _, conversation = _responses({"input": [{"role": "user", "content": "hi"}, *calls]})
+    (_, assistant) = conversation.messages
+    assert [call.id for call in assistant.tool_calls] == [f"c{i}" for i in range(3000)]
+
+
+DEEP = b"[" * 50_000 + b"]" * 50_000
+
+
+@pytest.mark.parametrize(
+    "decode",
+    [decode_messages_request, decode_count_tokens_request, decode_responses_request],
+)
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"max_tokens": 5, "messages": ' + DEEP + b"}",
+        b'{"max_tokens": 5, "metadata": {"a": ' + DEEP + b"}}",  # a field typed Any
+        b'{"max_tokens": 5, "tools": [{"name": "t", "input_schema": {"a": ' + DEEP + b"}}]}",
+        b"[" * 50_000,  # never closed
+    ],
+)
+def test_a_body_nested_50000_deep_is_refused_before_it_is_parsed(decode: Any, body: bytes) -> None:
+    with pytest.raises(InvalidRequestError, match=r"nests arrays and objects 500\d\d deep; .* at most 128"):
+        decode(body)
+
+
+def test_json_depth_counts_brackets_outside_strings_only() -> None:
+    from trioserve._wire._limits import json_depth
+
+    for value in (
+        {"a": "[[[[[[[[", "b": [{"c": "]]]]]]]]]"}]},
+        {"a": 'say \\"[[[[[\\" and "', "b": [[[1]]]},
+        {"a": "\\\\", "b": [[['\\\\\\"[[[']]]},
+        [[[[[[]]]]], {"k": [[[[[[[{}]]]]]]]}],
+    ):
+        text = json.dumps(value)
+        assert json_depth(text.encode(), limit=0) == _depth(value), text
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+def test_tool_call_arguments_nested_too_deep_are_refused() -> None:
+    from trioserve._wire._openai import decode_chat_request
+
+    arguments = "[" * 50_000 + "]" * 50_000
+    body = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": arguments}}],
+            },
+            {"role": "tool", "tool_call_id": "c", "content": "ok"},
+        ]
+    }
+    chat = decode_chat_request(json.dumps(body).encode())  # (a string: the body is shallow)
+    with pytest.raises(InvalidRequestError, match="nests arrays and objects too deeply") as refused:
+        GEMMA.render(chat.messages)
+    assert refused.value.param == "messages"
+
+
+def test_thinking_display_omitted_streams_thinking_blocks_without_their_text() -> None:
+    pieces = ["<think>", "Two and two", ".</think>", "\n\n", "Four."]
+    usage = Usage(prompt_tokens=3, completion_tokens=5)
+    for omit in (False, True):
+        dialect = AnthropicDialect("m", reasoning=THINK, max_tokens=50, omit_thinking=omit)
+        data = dialect.opening(3) + b"".join(dialect.delta(p, None) for p in pieces)
+        events = _check_anthropic_stream(data + dialect.finish("stop") + dialect.end(usage))
+        starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+        assert starts == ["thinking", "text"]
+        deltas = [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"]
+        if omit:
+            assert deltas == ["signature_delta", "text_delta"]
+            assert b"Two and two" not in data
+        else:
+            assert deltas == ["thinking_delta", "thinking_delta", "signature_delta", "text_delta"]
+        # the non-streamed body agrees
+        body = json.loads(
+            AnthropicDialect("m", reasoning=THINK, omit_thinking=omit).body(
+                [ChoiceResult(text="Four.", cause="stop", reasoning="Two and two.")], usage
+            )
+        )
+        assert body["content"][0] == {
+            "type": "thinking",
+            "thinking": "" if omit else "Two and two.",
+            "signature": "",
+        }
+
+
+def test_parallel_tool_calls_in_every_dialect() -> None:
+    from trioserve._wire._dialect import OpenAIDialect
+
+    text = (
+        '<tool_call>\n{"name":"a","arguments":{"x":1}}\n</tool_call>\n'
+        '<tool_call>\n{"name":"b","arguments":{"y":2}}\n</tool_call>'
+    )
+    usage = Usage(prompt_tokens=3, completion_tokens=9)
+    expected = [("a", {"x": 1}), ("b", {"y": 2})]
+    # Anthropic: two tool_use blocks, streamed and not
+    anthropic_dialect = AnthropicDialect("m", tool_mode="auto", tool_names=["a", "b"])
+    data = anthropic_dialect.opening(3) + b"".join(anthropic_dialect.delta(c, None) for c in text)
+    events = _check_anthropic_stream(data + anthropic_dialect.finish("stop") + anthropic_dialect.end(usage))
+    blocks: list[tuple[str, str]] = []
+    for event in events:
+        if event["type"] == "content_block_start":
+            blocks.append((event["content_block"]["name"], ""))
+        elif event["type"] == "content_block_delta":
+            name, so_far = blocks[-1]
+            blocks[-1] = (name, so_far + event["delta"]["partial_json"])
+    assert [(name, json.loads(arguments)) for name, arguments in blocks] == expected
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    from trioserve._wire._choices import finished_choice
+
+    result = finished_choice(text, "stop", "auto", ["a", "b"])
+    body = json.loads(AnthropicDialect("m", tool_mode="auto", tool_names=["a", "b"]).body([result], usage))
+    assert [(b["name"], b["input"]) for b in body["content"]] == expected
+    # Responses: two function_call items, streamed and not
+    request, _ = _responses({"input": "x", "tools": [{"type": "function", "name": n} for n in "ab"]})
+    responses_dialect = ResponsesDialect("m", request, tool_mode="auto", tool_names=["a", "b"])
+    data = responses_dialect.opening(3) + b"".join(responses_dialect.delta(c, None) for c in text)
+    data += responses_dialect.finish("stop") + responses_dialect.end(usage)
+    adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
+    final = [adapter.validate_python(payload) for _, payload in _sse(data)][-1].response
+    assert [(item.name, json.loads(item.arguments)) for item in final.output] == expected
+    assert len({item.call_id for item in final.output}) == 2
+    other = ResponsesDialect("m", request, tool_mode="auto", tool_names=["a", "b"])
+    not_streamed = Response.model_validate_json(other.body([result], usage))
+    assert [(item.name, json.loads(item.arguments)) for item in not_streamed.output] == expected
+    # OpenAI chat: two tool_calls, indexes 0 and 1
+    chat = OpenAIDialect("chat", "m", tool_mode="auto", tool_names=["a", "b"])
+    (writer,) = chat.writers
+    chunks = [
+        payload for _, payload in _sse(b"".join(writer.delta(c, None) for c in text) + writer.finish("stop"))
+    ]
+    calls = [call for c in chunks for call in c["choices"][0]["delta"].get("tool_calls") or ()]
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (0, "a", {"x": 1}),
+        (1, "b", {"y": 2}),
+    ]

@@ -164,3 +164,94 @@ def test_bad_tool_requests(fields: dict[str, object], param: str, says: str) -> 
     with pytest.raises(InvalidRequestError, match=says) as refused:
         decode_chat_request(_chat(**fields))
     assert refused.value.param == param
+
+
+# -- parallel calls (issue #33) ---------------------------------------------------------
+
+TIME = '{"name":"get_time","arguments":{"zone":"CET"}}'
+NAMES = ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>",
+        f"<tool_call>{CALL}</tool_call><tool_call>{TIME}</tool_call>\n",
+        f"{CALL}\n{TIME}",  # one per line: how earlier turns' calls are rendered (_chat.call_text)
+        f"  {CALL} {TIME}  ",
+    ],
+)
+def test_parallel_calls_are_read_as_separate_calls_in_order(text: str) -> None:
+    calls = parse_calls(text, NAMES)
+    assert calls is not None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": 'Paris, "FR"'}),
+        ("get_time", {"zone": "CET"}),
+    ]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"<tool_call>{CALL}</tool_call> and then <tool_call>{TIME}</tool_call>",  # text between
+        f"<tool_call>{CALL}</tool_call><tool_call>{TIME}",  # a block left open
+        f"<tool_call>{CALL}</tool_call>{{not json",
+        f"{CALL}\n" + '{"name":"launch","arguments":{}}',  # one of them names no tool
+        f"{CALL}</tool_call>",
+        "",
+        "<tool_call></tool_call>",
+    ],
+)
+def test_parallel_calls_are_all_calls_or_the_text_is_content(text: str) -> None:
+    assert parse_calls(text, NAMES) is None
+
+
+def test_a_call_nested_deeper_than_python_recurses_is_content_not_an_error() -> None:
+    deep = '{"name":"get_weather","arguments":{"a":' + "[" * 100_000 + "]" * 100_000 + "}}"
+    assert parse_calls(deep, NAMES) is None
+    assert finished_choice(deep, "stop", "auto", NAMES).text == deep
+
+
+def test_parallel_calls_stream_and_finish_as_separate_openai_calls() -> None:
+    text = f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>"
+    stream = ChoiceStream(ChunkEncoder("chat", "m"), "auto", NAMES)
+    data = b"".join(stream.delta(ch, None) for ch in text) + stream.finish("stop")
+    chunks = _chunks(data)
+    calls = [
+        call
+        for c in chunks
+        for call in c["choices"][0]["delta"].get("tool_calls") or ()  # type: ignore[index,union-attr]
+    ]
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather"), (1, "get_time")]
+    assert len({c["id"] for c in calls}) == 2
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"  # type: ignore[index]
+    finished = finished_choice(text, "stop", "auto", NAMES)
+    assert finished.tool_calls is not None
+    assert [(name, json.loads(arguments)) for _, name, arguments in finished.tool_calls] == [
+        ("get_weather", {"city": 'Paris, "FR"'}),
+        ("get_time", {"zone": "CET"}),
+    ]
+    assert len({call_id for call_id, _, _ in finished.tool_calls}) == 2
+
+
+# -- limits on tools (issue #33) --------------------------------------------------------
+
+
+def test_tools_count_and_schema_size_are_bounded() -> None:
+    from trioserve._wire._limits import RequestLimits
+
+    many = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]
+    with pytest.raises(
+        InvalidRequestError, match=r"tools holds 129 entries; .* at most 128 \(--max-tools\)"
+    ) as e:
+        decode_chat_request(_chat(tools=many))
+    assert e.value.param == "tools"
+    decode_chat_request(_chat(tools=many), RequestLimits(max_tools=129))  # raised: accepted
+    big = {"type": "object", "description": "x" * 70_000}
+    tool = {"type": "function", "function": {"name": "big", "parameters": big}}
+    with pytest.raises(
+        InvalidRequestError, match=r"bytes of JSON Schema; .* at most 65536 \(--max-schema-bytes\)"
+    ) as e:
+        decode_chat_request(_chat(tools=[tool]))
+    assert e.value.param == "tools[0].function.parameters"
+    decode_chat_request(_chat(tools=[tool]), RequestLimits(max_schema_bytes=80_000))

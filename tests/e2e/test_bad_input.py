@@ -14,13 +14,33 @@ import pytest
 import trio
 
 from trioserve import HTTPSettings, ScriptedBackend
+from trioserve._wire._limits import RequestLimits
 
 from .._helpers import RunningServer, start_server
 
 J = {"content-type": "application/json"}
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
+MSGS = "/v1/messages"
 TOK, DETOK = "/tokenize", "/detokenize"
+#: arrays nested 50,000 deep: every JSON reader that recurses would fail on it (left
+#: open: closed, it would be over the rows' body limit; a reader recurses as deep either
+#: way before it finds the end; tests/test_dialects.py sends closed ones)
+DEEP = b"[" * 50_000
+HI = [{"role": "user", "content": "hi"}]
+
+
+def deep(path: str, body: bytes) -> tuple[str, str, str, dict[str, Any], int, str | None, str]:
+    """A row: ``body`` (holding :data:`DEEP`) sent to ``path``."""
+    return (
+        f"nested 50,000 deep: {path}",
+        "POST",
+        path,
+        {"content": body, "headers": J},
+        400,
+        None,
+        "at most 128",
+    )
 
 
 def user(content: object = "hi") -> dict[str, object]:
@@ -233,6 +253,120 @@ BAD_INPUTS: list[tuple[str, str, str, dict[str, Any], int, str | None, str]] = [
         "at most 4 stop sequences",
     ),
     (
+        "17 stop sequences (Anthropic)",
+        "POST",
+        MSGS,
+        {"json": {"max_tokens": 5, "messages": HI, "stop_sequences": ["x"] * 17}},
+        400,
+        None,
+        "stop_sequences holds 17 entries; this server accepts at most 16 (--max-stop-sequences)",
+    ),
+    (
+        "stop sequences over 2048 bytes",
+        "POST",
+        CHAT,
+        {"json": {"messages": HI, "stop": ["x" * 1500, "y" * 1500]}},
+        400,
+        None,
+        "add up to 3000 bytes; this server accepts at most 2048 (--max-stop-bytes)",
+    ),
+    (
+        "1025 logit_bias entries",
+        "POST",
+        COMP,
+        {"json": {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1025)}}},
+        400,
+        None,
+        "logit_bias holds 1025 entries; this server accepts at most 1024 (--max-logit-bias)",
+    ),
+    (
+        "129 tools",
+        "POST",
+        CHAT,
+        {
+            "json": {
+                "messages": HI,
+                "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)],
+            }
+        },
+        400,
+        None,
+        "tools holds 129 entries; this server accepts at most 128 (--max-tools)",
+    ),
+    (
+        "a tool schema over the limit",
+        "POST",
+        MSGS,
+        {
+            "json": {
+                "max_tokens": 5,
+                "messages": HI,
+                "tools": [{"name": "t", "input_schema": {"type": "object", "description": "x" * 5000}}],
+            }
+        },
+        400,
+        None,
+        "bytes of JSON Schema; this server accepts at most 4096 (--max-schema-bytes)",
+    ),
+    (
+        "a response_format schema over the limit",
+        "POST",
+        CHAT,
+        {
+            "json": {
+                "messages": HI,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"description": "x" * 5000}},
+                },
+            }
+        },
+        400,
+        None,
+        "bytes of JSON Schema; this server accepts at most 4096 (--max-schema-bytes)",
+    ),
+    (
+        "more messages than the limit",
+        "POST",
+        "/v1/responses",
+        {"json": {"input": [{"role": "user", "content": "hi"}] * 101}},
+        400,
+        None,
+        "input holds 101 entries; this server accepts at most 100 (--max-messages)",
+    ),
+    (
+        "more content parts than the limit",
+        "POST",
+        CHAT,
+        {"json": {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 201}]}},
+        400,
+        None,
+        "hold 201 content parts; this server accepts at most 200 (--max-content-parts)",
+    ),
+    (
+        "a batch of prompts × n over the limit",
+        "POST",
+        COMP,
+        {"json": {"prompt": ["a"] * 10, "n": 8}},
+        400,
+        None,
+        "10 prompts × n=8 asks for 80 choices; this server accepts at most 64 (--max-batch-choices)",
+    ),
+    deep(CHAT, b'{"messages": ' + DEEP + b"}"),
+    deep(COMP, b'{"prompt": "hi", "logit_bias": {"1": ' + DEEP + b"}}"),
+    deep(
+        MSGS, b'{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "metadata": ' + DEEP + b"}"
+    ),
+    deep("/v1/messages/count_tokens", b'{"messages": ' + DEEP + b"}"),
+    deep(
+        "/v1/responses",
+        b'{"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": ' + DEEP + b"}]}",
+    ),
+    deep("/v1/responses/input_tokens", b'{"input": ' + DEEP + b"}"),
+    deep("/v1/embeddings", b'{"input": ' + DEEP + b"}"),
+    deep(TOK, b'{"content": "hi", "extra": ' + DEEP + b"}"),
+    deep(DETOK, b'{"tokens": ' + DEEP + b"}"),
+    (
         "X-Request-Timeout not a number",
         "POST",
         COMP,
@@ -352,7 +486,9 @@ SCRIPT = [f" w{i}".encode() for i in range(400)]
 @pytest.fixture
 async def server(nursery: trio.Nursery) -> RunningServer:
     backend = ScriptedBackend(SCRIPT, token_interval=0.001, slots=2)
-    return await start_server(nursery, backend, close_backend=True, http=HTTPSettings(max_body_bytes=65536))
+    limits = RequestLimits(max_schema_bytes=4096, max_messages=100, max_content_parts=200)
+    http = HTTPSettings(max_body_bytes=65536, request_limits=limits)
+    return await start_server(nursery, backend, close_backend=True, http=http)
 
 
 async def _check(
@@ -362,10 +498,16 @@ async def _check(
     response = await client.request(method, path, **kwargs)
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/json"
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
+    if path.startswith(MSGS):  # Anthropic's error body: {"type": "error", "error": {"type", "message"}}
+        assert response.json()["type"] == "error"
+        error = response.json()["error"]
+        assert set(error) == {"type", "message"}
+        assert code is None
+    else:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["code"] == code
     assert fragment in error["message"], error["message"]
-    assert error["code"] == code
     assert error["type"]
     assert "Traceback" not in response.text
 

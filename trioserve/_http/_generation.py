@@ -378,7 +378,13 @@ class GenerationHandler:
         _check_content_type(scope)
         body = await _read_body(scope, receive, state.settings.max_body_bytes, state.settings.body_timeout)
         # which model: refused (404, 503 shutting down) before any work
-        entry = state.resolve(_peek_model(body))
+        # (a large body's depth check and decode: off the event loop)
+        named = (
+            await trio.to_thread.run_sync(_peek_model, body)
+            if len(body) > _INLINE_PARSE_BYTES
+            else _peek_model(body)
+        )
+        entry = state.resolve(named)
         request.model = entry.name
         keep_alive = _keep_alive(scope)
         request.set_timeout(_request_timeout(scope, state.settings))

@@ -29,7 +29,7 @@ __all__ = [
     "finished_choice",
 ]
 
-#: how the text is read: as content; as content or one call (``auto``); as one call
+#: how the text is read: as content; as content or calls, one or several (``auto``); as one call
 #: (``forced``: ``required`` or a named function — the constraint makes it one)
 ToolMode = Literal["none", "auto", "forced"]
 
