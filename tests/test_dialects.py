@@ -896,3 +896,198 @@ def test_parallel_tool_calls_in_every_dialect() -> None:
         (0, "a", {"x": 1}),
         (1, "b", {"y": 2}),
     ]
+
+
+# -- parallel calls turned off: one call (issue #33) -----------------------------------
+
+PARALLEL_TEXT = (
+    '<tool_call>\n{"name":"a","arguments":{"x":1}}\n</tool_call>\n'
+    '<tool_call>\n{"name":"b","arguments":{"y":2}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize(
+    ("choice", "parallel"),
+    [
+        (None, True),
+        ({"type": "auto"}, True),
+        ({"type": "auto", "disable_parallel_tool_use": False}, True),
+        ({"type": "auto", "disable_parallel_tool_use": True}, False),
+        ({"type": "any", "disable_parallel_tool_use": True}, False),
+    ],
+)
+def test_anthropic_disable_parallel_tool_use_reaches_the_conversation(
+    choice: dict[str, Any] | None, parallel: bool
+) -> None:
+    body: dict[str, Any] = {
+        "max_tokens": 5,
+        "tools": [{"name": n, "input_schema": {"type": "object"}} for n in "ab"],
+        "messages": [{"role": "user", "content": "x"}],
+    }
+    if choice is not None:
+        body["tool_choice"] = choice
+    assert _messages(body).parallel_calls is parallel
+
+
+@pytest.mark.parametrize(
+    ("field", "parallel"),
+    [({}, True), ({"parallel_tool_calls": True}, True), ({"parallel_tool_calls": False}, False)],
+)
+def test_responses_parallel_tool_calls_reaches_the_conversation(
+    field: dict[str, Any], parallel: bool
+) -> None:
+    _, conversation = _responses(
+        {"input": "x", "tools": [{"type": "function", "name": n} for n in "ab"], **field}
+    )
+    assert conversation.parallel_calls is parallel
+
+
+def test_with_parallel_calls_off_every_dialect_writes_one_call() -> None:
+    from trioserve._wire._choices import finished_choice
+    from trioserve._wire._dialect import OpenAIDialect
+
+    usage = Usage(prompt_tokens=3, completion_tokens=9)
+    one = [("a", {"x": 1})]
+    result = finished_choice(PARALLEL_TEXT, "stop", "auto", ["a", "b"], parallel_calls=False)
+    # Anthropic: one tool_use block, streamed and not; stop_reason tool_use
+    anthropic_dialect = AnthropicDialect("m", tool_mode="auto", tool_names=["a", "b"], parallel_calls=False)
+    data = anthropic_dialect.opening(3) + b"".join(anthropic_dialect.delta(c, None) for c in PARALLEL_TEXT)
+    events = _check_anthropic_stream(data + anthropic_dialect.finish("stop") + anthropic_dialect.end(usage))
+    starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert [(b["type"], b["name"]) for b in starts] == [("tool_use", "a")]
+    partial = "".join(e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta")
+    assert json.loads(partial) == {"x": 1}
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    other = AnthropicDialect("m", tool_mode="auto", tool_names=["a", "b"], parallel_calls=False)
+    body = json.loads(other.body([result], usage))
+    assert [(b["type"], b["name"], b["input"]) for b in body["content"]] == [("tool_use", "a", {"x": 1})]
+    # Responses: one function_call item, streamed and not
+    request, _ = _responses(
+        {"input": "x", "tools": [{"type": "function", "name": n} for n in "ab"], "parallel_tool_calls": False}
+    )
+    responses_dialect = ResponsesDialect(
+        "m", request, tool_mode="auto", tool_names=["a", "b"], parallel_calls=False
+    )
+    data = responses_dialect.opening(3) + b"".join(responses_dialect.delta(c, None) for c in PARALLEL_TEXT)
+    data += responses_dialect.finish("stop") + responses_dialect.end(usage)
+    adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
+    final = [adapter.validate_python(payload) for _, payload in _sse(data)][-1].response
+    assert [(item.type, item.name, json.loads(item.arguments)) for item in final.output] == [
+        ("function_call", "a", {"x": 1})
+    ]
+    assert final.parallel_tool_calls is False
+    again = ResponsesDialect("m", request, tool_mode="auto", tool_names=["a", "b"], parallel_calls=False)
+    not_streamed = Response.model_validate_json(again.body([result], usage))
+    assert [(item.name, json.loads(item.arguments)) for item in not_streamed.output] == one
+    # OpenAI chat: one tool call, index 0, no content
+    chat = OpenAIDialect("chat", "m", tool_mode="auto", tool_names=["a", "b"], parallel_calls=False)
+    (writer,) = chat.writers
+    chunks = [
+        payload
+        for _, payload in _sse(b"".join(writer.delta(c, None) for c in PARALLEL_TEXT) + writer.finish("stop"))
+    ]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls = [call for d in deltas for call in d.get("tool_calls") or ()]
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (0, "a", {"x": 1})
+    ]
+    assert not any(d.get("content") for d in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def _calls_and_text(kind: str, stream: bool, data: bytes) -> tuple[list[str], str]:
+    """The tool calls' names a response holds, in order, and its text."""
+    if not stream:
+        body = json.loads(data)
+        if kind == "chat":
+            message = body["choices"][0]["message"]
+            return [c["function"]["name"] for c in message.get("tool_calls") or ()], message["content"] or ""
+        if kind == "messages":
+            blocks = body["content"]
+            return [b["name"] for b in blocks if b["type"] == "tool_use"], "".join(
+                b["text"] for b in blocks if b["type"] == "text"
+            )
+        items = body["output"]
+        return [i["name"] for i in items if i["type"] == "function_call"], "".join(
+            part["text"] for i in items if i["type"] == "message" for part in i["content"]
+        )
+    events = [payload for _, payload in _sse(data.replace(b"data: [DONE]\n\n", b""))]
+    if kind == "chat":
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+        calls = [c for d in deltas for c in d.get("tool_calls") or () if "name" in c.get("function", {})]
+        return [c["function"]["name"] for c in calls], "".join(d.get("content") or "" for d in deltas)
+    if kind == "messages":
+        starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+        text = "".join(
+            e["delta"]["text"] for e in events if e["type"] == "content_block_delta" and "text" in e["delta"]
+        )
+        return [b["name"] for b in starts if b["type"] == "tool_use"], text
+    return _calls_and_text(kind, False, json.dumps(events[-1]["response"]).encode())
+
+
+def _request_body(kind: str, stream: bool, parallel: bool) -> dict[str, Any]:
+    if kind == "chat":
+        tools = [{"type": "function", "function": {"name": n}} for n in "ab"]
+        return {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": tools,
+            "stream": stream,
+            "max_tokens": 200,
+            "parallel_tool_calls": parallel,
+        }
+    if kind == "messages":
+        return {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"name": n, "input_schema": {"type": "object"}} for n in "ab"],
+            "tool_choice": {"type": "auto", "disable_parallel_tool_use": not parallel},
+            "stream": stream,
+            "max_tokens": 200,
+        }
+    return {
+        "input": "x",
+        "tools": [{"type": "function", "name": n} for n in "ab"],
+        "parallel_tool_calls": parallel,
+        "stream": stream,
+        "max_output_tokens": 200,
+    }
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("kind", ["chat", "messages", "responses"])
+async def test_parallel_calls_off_is_honoured_from_the_request_to_the_response(
+    kind: str, stream: bool, parallel: bool
+) -> None:
+    """The flag travels from each dialect's request to its reply: a scripted model's two
+    calls are two calls, or one (and nothing else) with parallel calls off."""
+    from trioserve import Engine, HTTPSettings, ScriptedBackend, ServerState
+    from trioserve._http._generation import GenerationHandler
+
+    script = [PARALLEL_TEXT[i : i + 6].encode() for i in range(0, len(PARALLEL_TEXT), 6)]
+    state = ServerState(settings=HTTPSettings())
+    state.set_engine(Engine(ScriptedBackend(script=script)))
+    body = json.dumps(_request_body(kind, stream, parallel)).encode()
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    path = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}[kind]
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "http_version": "1.1",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+    await GenerationHandler(state)(scope, receive, send, kind)  # type: ignore[arg-type]
+    assert sent[0]["status"] == 200, sent
+    data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    names, text = _calls_and_text(kind, stream, data)
+    assert names == (["a", "b"] if parallel else ["a"])
+    assert text == ""  # the dropped call is not content either

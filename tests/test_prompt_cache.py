@@ -3,9 +3,13 @@ byte budget (least recently used out first)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from trioserve._backends._cache_policy import CachePolicy
+from trioserve._backends._llama import LlamaSettings
 from trioserve._backends._pieces import PieceRule
 from trioserve._backends._prompt_cache import HostBudget, HostCache, shared_prefix
+from trioserve._backends._sources import LlamaSource
 
 
 def fours(tokens: list[int]) -> list[int]:
@@ -285,3 +289,28 @@ def test_a_tier_with_a_budget_of_its_own_is_as_before() -> None:
     assert (cache.cap, cache.pool.budget, cache.budget) == (20, 20, 20)
     assert cache.put([1, 2, 3, 4], [4], b"x" * 20)
     assert not cache.put([5, 6, 7, 8], [4], b"y" * 21)
+
+
+def test_a_servers_models_put_their_host_tiers_under_one_budget(tmp_path: Path) -> None:
+    # what `trioserve serve --models-dir` builds: one HostBudget for every LlamaSource
+    pool = HostBudget(100)
+    sources = []
+    for name in ("a", "b"):
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(b"weights")
+        sources.append(LlamaSource(LlamaSettings(path, cache_ram_bytes=100), host_pool=pool))
+    first, second = (source.host_cache() for source in sources)
+    assert first is not None
+    assert second is not None
+    assert first.pool is second.pool is pool
+    first.put([1, 2, 3, 4], [4], b"a" * 60)
+    second.put([5, 6, 7, 8], [4], b"b" * 60)  # 120 > 100: the least recently used goes
+    assert (len(first), len(second), pool.bytes) == (0, 1, 60)
+    assert sources[1].host_cache() is second  # kept across loads while the file is unchanged
+    (tmp_path / "b.gguf").write_bytes(b"other weights")  # the file changed: its tier goes
+    assert sources[1].host_cache() is not second
+    assert (pool.bytes, pool.tiers) == (0, 2)
+    # a source of its own (library use): a budget of its own
+    alone = LlamaSource(LlamaSettings(tmp_path / "a.gguf", cache_ram_bytes=50))
+    assert alone.host_pool is not pool
+    assert alone.host_pool.budget == 50

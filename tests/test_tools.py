@@ -234,6 +234,54 @@ def test_parallel_calls_stream_and_finish_as_separate_openai_calls() -> None:
     assert len({call_id for call_id, _, _ in finished.tool_calls}) == 2
 
 
+# -- parallel calls turned off: one call (issue #33) -----------------------------------
+
+TWO_CALLS = [
+    f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>",
+    f"{CALL}\n{TIME}",
+    f"{CALL}\n{CALL}",  # the same call twice: still one
+]
+
+
+@pytest.mark.parametrize("text", TWO_CALLS)
+def test_with_parallel_calls_off_only_the_first_call_is_read(text: str) -> None:
+    calls = parse_calls(text, NAMES, parallel_calls=False)
+    assert calls is not None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": 'Paris, "FR"'})]
+    # the same rule otherwise: a text that is not only calls is content
+    assert parse_calls(f"{CALL}\nand then the time", NAMES, parallel_calls=False) is None
+
+
+@pytest.mark.parametrize("text", TWO_CALLS)
+def test_with_parallel_calls_off_a_choice_holds_exactly_one_call(text: str) -> None:
+    stream = ChoiceStream(ChunkEncoder("chat", "m"), "auto", NAMES, parallel_calls=False)
+    data = b"".join(stream.delta(ch, None) for ch in text) + stream.finish("stop")
+    chunks = _chunks(data)
+    deltas = [c["choices"][0]["delta"] for c in chunks]  # type: ignore[index]
+    calls = [call for d in deltas for call in d.get("tool_calls") or ()]  # type: ignore[attr-defined]
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather")]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": 'Paris, "FR"'}
+    assert not any(d.get("content") for d in deltas)  # type: ignore[attr-defined]  # the second: dropped
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"  # type: ignore[index]
+    finished = finished_choice(text, "stop", "auto", NAMES, parallel_calls=False)
+    assert finished.tool_calls is not None
+    assert [(name, json.loads(arguments)) for _, name, arguments in finished.tool_calls] == [
+        ("get_weather", {"city": 'Paris, "FR"'})
+    ]
+    assert not finished.text
+    # turned on (the default), the same text is every call
+    assert len(finished_choice(text, "stop", "auto", NAMES).tool_calls or ()) == 2
+
+
+def test_with_parallel_calls_off_a_reasoning_choice_holds_one_call() -> None:
+    text = f"<think>the weather, then the time</think>\n{TWO_CALLS[0]}"
+    finished = finished_choice(
+        text, "stop", "auto", NAMES, reasoning=("<think>", "</think>"), parallel_calls=False
+    )
+    assert [name for _, name, _ in finished.tool_calls or ()] == ["get_weather"]
+    assert finished.reasoning == "the weather, then the time"
+
+
 # -- limits on tools (issue #33) --------------------------------------------------------
 
 

@@ -653,6 +653,15 @@ async def test_each_api_key_has_a_prompt_cache_of_its_own(
         response = await http.post("/v1/chat/completions", json=chat("x", cache_salt=""))
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "cache_salt"
+
+    # the host tier's bytes against the server's one budget (--cache-ram), in /metrics
+    metrics = server.server.state.metrics.render().decode()
+    budget = re.search(r"^trioserve_prompt_cache_host_budget_bytes (\S+)$", metrics, re.M)
+    held = re.search(r"^trioserve_prompt_cache_host_bytes (\S+)$", metrics, re.M)
+    assert budget is not None
+    assert held is not None
+    assert float(budget.group(1)) == llama_backend.settings.cache_ram_bytes
+    assert 0 < float(held.group(1)) <= float(budget.group(1))  # (key A's and B's prefixes at least)
     server.server.shutdown()
 
 

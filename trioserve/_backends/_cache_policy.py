@@ -20,6 +20,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ._memory import StateBuffer
 from ._pieces import PieceRule
 from ._prompt_cache import HostCache, shared_prefix
 
@@ -68,7 +69,7 @@ class Placement:
     seq_id: int
     reused: int = 0
     save: list[int] | None = None
-    restore: bytes | None = None
+    restore: StateBuffer | bytes | None = None
     checkpoint: int = 0
     save_salt: str = ""
 

@@ -35,7 +35,7 @@ class StateBuffer:
     __slots__ = ("_map", "array", "used")
 
     def __init__(self, size: int) -> None:
-        self._map = mmap.mmap(-1, max(size, 1))
+        self._map = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         #: the ctypes view llama.cpp reads or writes
         self.array: Any = (ctypes.c_uint8 * max(size, 1)).from_buffer(self._map)
         self.used = size

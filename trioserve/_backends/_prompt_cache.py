@@ -19,6 +19,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ._memory import StateBuffer
+
 __all__ = ["HostBudget", "HostCache", "shared_prefix"]
 
 
@@ -56,7 +58,7 @@ _Key = tuple[str, tuple[int, ...]]
 
 @dataclass(slots=True)
 class _Entry:
-    state: bytes
+    state: StateBuffer | bytes
     #: the hashes of its prefixes at its cuts (under its salt)
     hashes: list[int]
     #: the first position whose sliding-window cells the state holds
@@ -204,7 +206,7 @@ class HostCache:
             for key in keys
         )
 
-    def _drop(self, key: _Key) -> bytes:
+    def _drop(self, key: _Key) -> StateBuffer | bytes:
         entry = self._entries.pop(key)
         for h in entry.hashes:
             keys = self._index.get(h)
@@ -225,7 +227,13 @@ class HostCache:
         self.evictions += 1
 
     def put(
-        self, tokens: Sequence[int], cuts: Sequence[int], state: bytes, *, floor: int = 0, salt: str = ""
+        self,
+        tokens: Sequence[int],
+        cuts: Sequence[int],
+        state: StateBuffer | bytes,
+        *,
+        floor: int = 0,
+        salt: str = "",
     ) -> bool:
         """Keep ``state``, the cells of ``tokens`` (which end on one of its ``cuts``),
         saved from a sequence whose sliding-window cells started at position ``floor``,
@@ -281,7 +289,7 @@ class HostCache:
 
     def best(
         self, prompt: Sequence[int], cuts: Sequence[int], limit: int, *, salt: str = ""
-    ) -> tuple[int, bytes] | None:
+    ) -> tuple[int, StateBuffer | bytes] | None:
         """``(shared tokens, state)`` of the entry of ``salt`` sharing the most whole
         pieces with ``prompt`` (``cuts``: its cuts; at most ``limit`` tokens); ``None``
         if none shares a piece. The entry becomes the most recently used."""

@@ -39,6 +39,7 @@ from ._draw import LogitBias, draw, draw_special
 from ._embeddings import Embedder
 from ._grammar import TokenMask
 from ._llama import LlamaModel, _Context
+from ._memory import StateBuffer, trim_heap
 from ._pieces import PieceRule
 from ._prompt_cache import HostBudget, HostCache
 from ._speculation import FAST_DRAFT, MAX_DRAFT, SHORTEST_DRAFT, SPLIT_KV_CONTEXT, Drafter, SpeculationStats
@@ -162,7 +163,7 @@ class _Sequence:
         self.save: list[int] | None = None
         self.save_salt = ""
         self.checkpoint = 0
-        self.restore: bytes | None = None
+        self.restore: StateBuffer | bytes | None = None
         #: speculative decoding (docs/speculation.md): every draw, greedy or sampled. A
         #: guess is accepted when the row's own draw (argmax, or the request's sampler
         #: chain, advanced token by token) equals it: for a draft that is one token per
@@ -226,6 +227,9 @@ class _Scheduler:
         self.abort_flag = self.context.abort_flag
         self._condition = threading.Condition()
         self._inbox: deque[_Sequence] = deque()
+        #: a sequence ended since the heap was last trimmed (_memory.trim_heap, when idle)
+        self._trim_due = False
+        self.heap_trims = 0
         self._active: list[_Sequence] = []
         #: out of the inbox, not yet active: being given their ids and cached prefixes
         self._admitting: list[_Sequence] = []
@@ -542,6 +546,12 @@ class _Scheduler:
     def _run(self) -> None:
         try:
             while True:
+                if self._trim_due and not self._active and not self._inbox:
+                    # idle after sequences ended: the freed pages of every malloc arena
+                    # go back to the system (_memory.py), never on the per-token path
+                    self._trim_due = False
+                    trim_heap()
+                    self.heap_trims += 1
                 with self._condition:
                     while not self._stopping and not self._runnable():
                         if self.policy.pending and not self._active and not self._inbox:
@@ -724,7 +734,11 @@ class _Scheduler:
             started = time.perf_counter()
             state, sequence.restore = sequence.restore, None
             self._trim(seq_id, 0)
-            buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+            buffer = (
+                state.array
+                if isinstance(state, StateBuffer)
+                else (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+            )
             if not lib.llama_state_seq_set_data(self.ctx, buffer, len(state), seq_id):
                 # pragma: no cover - llama.cpp refused the state: evaluate it all
                 logger.warning("could not restore a cached prefix; evaluating the prompt")
@@ -749,11 +763,11 @@ class _Scheduler:
         size = lib.llama_state_seq_get_size(self.ctx, seq_id)
         if size > self.host.budget:
             return False
-        buffer = (ctypes.c_uint8 * size)()
-        written = lib.llama_state_seq_get_data(self.ctx, buffer, size, seq_id)
+        # in a mapping of its own, never the heap (_memory.py: given back when evicted)
+        state = StateBuffer(size)
+        state.used = written = lib.llama_state_seq_get_data(self.ctx, state.array, size, seq_id)
         if not written:
             return False
-        state = ctypes.string_at(buffer, written)
         floor = self._window_start(seq_id, len(tokens))
         return self.host.put(tokens, self.policy.host_cuts(tokens), state, floor=floor, salt=salt)
 
@@ -786,6 +800,7 @@ class _Scheduler:
         chunks for the cache and clear the rest (the reply, a partial chunk), free its
         id and sampler. The caller hands it back to Trio (``_hand_back``)."""
         lib = self._backend.lib
+        self._trim_due = True
         if sequence in self._active:
             self._active.remove(sequence)
         for follower in sequence.followers:
@@ -1201,7 +1216,7 @@ class _Scheduler:
         if not waiting:
             return []
         size = lib.llama_state_seq_get_size(self.ctx, leader.seq_id)
-        state = (ctypes.c_uint8 * size)()
+        state = StateBuffer(size).array  # (unmapped when this returns)
         written = lib.llama_state_seq_get_data(self.ctx, state, size, leader.seq_id)
         shared = []
         for follower in waiting:

@@ -287,6 +287,8 @@ class _Parsed:
     n: int = 1
     tool_mode: ToolMode = "none"
     tool_names: tuple[str, ...] = ()
+    #: ``False``: at most one tool call per choice (parallel tool calls turned off)
+    parallel_calls: bool = True
     #: a reasoning model's markers (its thinking is read out of the text), and whether
     #: the prompt opened its reasoning
     reasoning: tuple[str, str] | None = None
@@ -502,6 +504,7 @@ class GenerationHandler:
         request: CompletionRequest | ChatCompletionRequest
         tool_mode: ToolMode = "none"
         names: tuple[str, ...] = ()
+        parallel_calls = True
         reasoning: tuple[str, str] | None = None
         inside = False
         limits = self.state.settings.request_limits
@@ -528,6 +531,7 @@ class GenerationHandler:
             if mode != "none":
                 tool_mode = "auto" if mode == "auto" else "forced"
                 names = tuple(tool.function.name for tool in chat.tools or ())
+                parallel_calls = chat.parallel_tool_calls is not False
         model = self._model(request.model)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         return _Parsed(
@@ -543,10 +547,12 @@ class GenerationHandler:
                 tool_names=names,
                 reasoning=reasoning,
                 inside=inside,
+                parallel_calls=parallel_calls,
             ),
             n=request.n,
             tool_mode=tool_mode,
             tool_names=names,
+            parallel_calls=parallel_calls,
             reasoning=reasoning,
             inside=inside,
         )
@@ -575,6 +581,7 @@ class GenerationHandler:
                 reasoning=rendered.reasoning,
                 inside=rendered.opens_reasoning,
                 omit_thinking=conversation.omit_thinking,
+                parallel_calls=conversation.parallel_calls,
             )
         else:
             responses = decode_responses_request(body)
@@ -589,6 +596,7 @@ class GenerationHandler:
                 tool_names=conversation.tool_names,
                 reasoning=rendered.reasoning,
                 inside=rendered.opens_reasoning,
+                parallel_calls=conversation.parallel_calls,
             )
         return _Parsed(
             stream=stream,
@@ -597,6 +605,7 @@ class GenerationHandler:
             dialect=dialect,
             tool_mode=conversation.tool_mode,
             tool_names=conversation.tool_names,
+            parallel_calls=conversation.parallel_calls,
             reasoning=rendered.reasoning,
             inside=rendered.opens_reasoning,
         )
@@ -733,6 +742,7 @@ class GenerationHandler:
                 final.stop_sequence,
                 reasoning=parsed.reasoning,
                 inside=parsed.inside,
+                parallel_calls=parsed.parallel_calls,
             )
             for parts, final, entries in zip(texts, finals, logprobs, strict=True)
             if final is not None

@@ -459,6 +459,7 @@ def messages_conversation(
         messages=fold_system_messages(messages),
         tools=tools,
         tool_choice=choice,
+        parallel_calls=not (request.tool_choice and request.tool_choice.disable_parallel_tool_use),
         max_tokens=max_tokens,
         sampling=sampling,
         stops=stops,
@@ -537,12 +538,15 @@ class AnthropicDialect:
         reasoning: tuple[str, str] | None = None,
         inside: bool = False,
         omit_thinking: bool = False,
+        parallel_calls: bool = True,
     ) -> None:
         self.model = model
         self._omit_thinking = omit_thinking
         self._max_tokens = max_tokens
         self.id = new_id("msg_")
-        self._reader = ChoiceReader(tool_mode, tool_names, reasoning=reasoning, inside=inside)
+        self._reader = ChoiceReader(
+            tool_mode, tool_names, reasoning=reasoning, inside=inside, parallel_calls=parallel_calls
+        )
         self._reasoning = reasoning is not None
         self._stops = frozenset(stops)
         #: the index and type of the open block (``None``: none is open)

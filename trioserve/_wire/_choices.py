@@ -29,8 +29,9 @@ __all__ = [
     "finished_choice",
 ]
 
-#: how the text is read: as content; as content or calls, one or several (``auto``); as one call
-#: (``forced``: ``required`` or a named function — the constraint makes it one)
+#: how the text is read: as content; as content or calls, one or several (``auto``; one when
+#: parallel calls are off); as one call (``forced``: ``required`` or a named function — the
+#: constraint makes it one)
 ToolMode = Literal["none", "auto", "forced"]
 
 _TAG = "<tool_call>"
@@ -91,7 +92,8 @@ class ChoiceReader:
 
     ``none``: every delta is text. ``forced``: the constraint makes the text one call,
     read as it streams. ``auto``: text is held while it may still be a call, and read
-    as one at the end if it is exactly one.
+    as calls at the end if it is exactly calls (one or several; with
+    ``parallel_calls=False`` only the first is read, the rest dropped).
 
     ``reasoning``: the markers around a reasoning model's thinking (``inside``: the
     prompt opened it). Thinking at the start of the text is read as
@@ -102,6 +104,7 @@ class ChoiceReader:
         "_held_logprobs",
         "_mode",
         "_names",
+        "_parallel_calls",
         "_parser",
         "_pending",
         "_plain",
@@ -119,8 +122,11 @@ class ChoiceReader:
         *,
         reasoning: tuple[str, str] | None = None,
         inside: bool = False,
+        parallel_calls: bool = True,
     ) -> None:
         self._mode = mode
+        #: ``False``: the request allows one call (``parallel_tool_calls: false``)
+        self._parallel_calls = parallel_calls
         self._reasoning = reasoning
         #: ``answer``: past any reasoning; ``start``: reasoning may still open; ``inside``
         self._state = "answer" if reasoning is None else ("inside" if inside else "start")
@@ -227,7 +233,7 @@ class ChoiceReader:
             return _NOTHING
         held, self._held = self._held, ""
         held_logprobs, self._held_logprobs = self._held_logprobs, None
-        calls = parse_calls(held, self._names) if cause == "stop" else None
+        calls = parse_calls(held, self._names, parallel_calls=self._parallel_calls) if cause == "stop" else None
         if calls:
             self.called = True
             return tuple(CallStart(i, call.name, call.arguments) for i, call in enumerate(calls))
@@ -247,9 +253,12 @@ class ChoiceStream:
         *,
         reasoning: tuple[str, str] | None = None,
         inside: bool = False,
+        parallel_calls: bool = True,
     ) -> None:
         self._encoder = encoder
-        self._reader = ChoiceReader(mode, names, reasoning=reasoning, inside=inside)
+        self._reader = ChoiceReader(
+            mode, names, reasoning=reasoning, inside=inside, parallel_calls=parallel_calls
+        )
         self._call_ids: dict[int, str] = {}
 
     def _encode(self, parts: tuple[Part, ...]) -> bytes:
@@ -291,15 +300,18 @@ def finished_choice(
     *,
     reasoning: tuple[str, str] | None = None,
     inside: bool = False,
+    parallel_calls: bool = True,
 ) -> ChoiceResult:
-    """A non-streamed choice: its text read as content or as a tool call (after the
-    reasoning, if the model reasons)."""
+    """A non-streamed choice: its text read as content or as tool calls (after the
+    reasoning, if the model reasons; ``parallel_calls=False``: one call at most)."""
     if reasoning is not None:
         reader = ChoiceReader("none", reasoning=reasoning, inside=inside)
         parts = reader.feed(text) + reader.finish(cause)
         thought = "".join(p.text for p in parts if type(p) is ThinkingPart)
         answer = "".join(p.text for p in parts if type(p) is TextPart)
-        result = finished_choice(answer, cause, mode, names, None, stop_sequence)
+        result = finished_choice(
+            answer, cause, mode, names, None, stop_sequence, parallel_calls=parallel_calls
+        )
         return msgspec.structs.replace(result, reasoning=thought if reader.reasoned else None)
     if mode == "forced":
         parser = StreamedCallParser()
@@ -308,7 +320,7 @@ def finished_choice(
         if parser.name is not None:
             return ChoiceResult(text="", cause=cause, tool_calls=[(new_call_id(), parser.name, arguments)])
     elif mode == "auto" and cause == "stop":
-        calls = parse_calls(text, names)
+        calls = parse_calls(text, names, parallel_calls=parallel_calls)
         if calls:
             return ChoiceResult(
                 text="", cause=cause, tool_calls=[(new_call_id(), c.name, c.arguments) for c in calls]

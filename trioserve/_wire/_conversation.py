@@ -95,6 +95,9 @@ class Conversation:
     max_tokens: int | None
     sampling: SamplingParams
     stops: tuple[str, ...]
+    #: ``False``: at most one call per reply (Responses ``parallel_tool_calls: false``,
+    #: Anthropic ``tool_choice.disable_parallel_tool_use: true``)
+    parallel_calls: bool = True
     #: a JSON Schema the text must follow (Anthropic's ``output_config.format``, the
     #: Responses ``text.format``)
     constraint: Constraint | None = None

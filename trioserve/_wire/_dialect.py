@@ -84,6 +84,7 @@ class OpenAIDialect:
         tool_names: Sequence[str] = (),
         reasoning: tuple[str, str] | None = None,
         inside: bool = False,
+        parallel_calls: bool = True,
     ) -> None:
         self.kind = kind
         self.model = model
@@ -93,7 +94,14 @@ class OpenAIDialect:
             for i in range(1, choices)
         ]
         self.writers: list[ChoiceStream] = [
-            ChoiceStream(encoder, tool_mode, tool_names, reasoning=reasoning, inside=inside)
+            ChoiceStream(
+                encoder,
+                tool_mode,
+                tool_names,
+                reasoning=reasoning,
+                inside=inside,
+                parallel_calls=parallel_calls,
+            )
             for encoder in self.encoders
         ]
         self.plain_delta: Callable[[str], bytes] = first.delta

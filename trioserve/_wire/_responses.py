@@ -390,6 +390,7 @@ def responses_conversation(
         messages=fold_system_messages(messages),
         tools=tools,
         tool_choice=choice,
+        parallel_calls=request.parallel_tool_calls is not False,
         max_tokens=max_tokens,
         sampling=sampling,
         stops=(),
@@ -424,12 +425,15 @@ class ResponsesDialect:
         tool_names: Sequence[str] = (),
         reasoning: tuple[str, str] | None = None,
         inside: bool = False,
+        parallel_calls: bool = True,
     ) -> None:
         self.model = model
         self.id = new_id("resp_")
         self.created_at = int(time.time())
         self._request = request
-        self._reader = ChoiceReader(tool_mode, tool_names, reasoning=reasoning, inside=inside)
+        self._reader = ChoiceReader(
+            tool_mode, tool_names, reasoning=reasoning, inside=inside, parallel_calls=parallel_calls
+        )
         self._reasoning = reasoning is not None
         self._sequence = 0
         #: the finished output items, and the open one (a message or a call)

@@ -7,8 +7,9 @@ A call is written as one compact JSON object, ``{"name":"<function>","arguments"
 of the tools' (``const``) and the arguments validate against that tool's
 ``parameters``. With ``auto`` the text is unconstrained and read as a call only if it
 is exactly such objects: one or several (parallel calls), each alone on its lines or
-inside ``<tool_call>`` tags. The formats and choices: ``docs/structured-output.md``,
-"Tools".
+inside ``<tool_call>`` tags; only the first when the request turned parallel calls off
+(``parallel_tool_calls: false``, ``disable_parallel_tool_use``). The formats and
+choices: ``docs/structured-output.md``, "Tools".
 """
 
 from __future__ import annotations
@@ -156,10 +157,16 @@ def _call(value: object, names: Sequence[str]) -> ParsedCall | None:
     return ParsedCall(name=name, arguments=json.dumps(arguments, separators=(",", ":")))
 
 
-def parse_calls(text: str, names: Sequence[str]) -> list[ParsedCall] | None:
+def parse_calls(
+    text: str, names: Sequence[str], *, parallel_calls: bool = True
+) -> list[ParsedCall] | None:
     """The tool calls ``text`` is, in order, or ``None`` if it is not only calls (then it
     is content): one or more call objects, each bare or inside ``<tool_call>`` tags,
-    separated by whitespace (a model that calls several tools at once writes several)."""
+    separated by whitespace (a model that calls several tools at once writes several).
+
+    ``parallel_calls=False`` (the request asked for one call at a time): the text is
+    read by the same rule, and only its first call is returned — the text of any later
+    call is dropped, never content, so the reply holds exactly one call."""
     calls: list[ParsedCall] = []
     position = _skip_space(text, 0)
     while position < len(text):
@@ -181,6 +188,8 @@ def parse_calls(text: str, names: Sequence[str]) -> list[ParsedCall] | None:
             if not text.startswith(_CLOSE_TAG, position):
                 return None
             position = _skip_space(text, position + len(_CLOSE_TAG))
+    if not parallel_calls:
+        del calls[1:]
     return calls or None
 
 
