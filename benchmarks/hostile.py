@@ -18,7 +18,8 @@ bodies encoded once:
 A window: the load starts; ``--lead`` s later the bystander, one ``POST /v1/completions``
 (greedy, ``cache_prompt: false``, ``--max-tokens``, ``--prompt``, streamed, the httpx
 client) runs to its end; then the load stops (its sockets shut: a stream is cut, a
-request being sent or answered is abandoned) and the server drains. Decode tok/s of the
+request being sent or answered is abandoned), the server drains and its CPU goes idle
+(harness/proc.py's rule, at most ``--settle-cap`` s; no polls meanwhile). Decode tok/s of the
 bystander: ``(tokens − 1) / (last − first text chunk)``. Meanwhile a separate process polls
 ``GET /health`` every ``--interval`` s (a new connection each), each poll labelled with
 the window it was sent in (load start → bystander end). ``--reps`` rounds (3); each round
@@ -62,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.embeddings import texts
 from benchmarks.harness import cli, servers
 from benchmarks.harness.clients import STATUS, body, request_bytes, sse_chunks, timed_stream
+from benchmarks.harness.proc import wait_cpu_idle
 from benchmarks.harness.stats import dist, fmt, median, ratio, rows_table, spread
 
 CASES = ("stop_sequences", "logit_bias", "count_tokens", "embeddings")
@@ -93,6 +95,7 @@ def parse_args() -> Any:
     cli.option(p, "--bias-tokens", 128, "max_tokens of the logit_bias requests")
     cli.option(p, "--count-mib", 3.5, "MiB of the hostile count_tokens body")
     cli.option(p, "--embed-inputs", 256, "inputs of the hostile embeddings request")
+    cli.option(p, "--settle-cap", 60.0, "seconds the server may take to drain and idle after a window")
     cli.option(p, "--idle", 3.0, "seconds of polling the idle server first")
     cli.option(p, "--interval", 0.05, "seconds between /health polls")
     cli.option(p, "--poll-timeout", 5.0, "seconds a /health poll may take (then: failed)")
@@ -111,13 +114,17 @@ def case_list(text: str) -> list[str]:
 
 def poller(port: int, interval: float, timeout: float, label: Any, ready: Any, out: Any) -> None:
     """In a child process: ``GET /health`` every ``interval`` s on a fresh connection, each
-    record labelled with ``label`` at its send, until it is :data:`STOP`. Puts the records
+    record labelled with ``label`` at its send (none sent while it is :data:`BETWEEN`),
+    until it is :data:`STOP`. Puts the records
     on ``out``. Times are ``perf_counter`` (CLOCK_MONOTONIC: the parent's clock)."""
     records: list[dict[str, Any]] = []
     t_next = time.perf_counter()
     ready.set()
     while (now := label.value) != STOP:
         time.sleep(max(0.0, t_next - time.perf_counter()))
+        if (now := label.value) == BETWEEN:  # (no polls while the server settles between windows)
+            t_next = time.perf_counter() + interval / 5
+            continue
         conn, status, data = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout), None, b""
         t0 = time.perf_counter()
         try:
@@ -153,8 +160,8 @@ def stop_sequences(count: int, seed: int = 33) -> list[str]:
 
 def count_messages(target_bytes: int) -> list[dict[str, str]]:
     """Messages (user and assistant in turn, a user's last) whose JSON is ``target_bytes``."""
-    rng, messages, size = random.Random(34), [], 0
-    while size < target_bytes or messages[-1]["role"] != "user":
+    rng, size, messages = random.Random(34), 0, list[dict[str, str]]()
+    while not messages or size < target_bytes or messages[-1]["role"] != "user":
         text = " ".join(f"{rng.choice(WORDS)} {rng.randint(0, 9999)}" for _ in range(200))
         messages.append({"role": "assistant" if len(messages) % 2 else "user", "content": text})
         size += len(json.dumps(messages[-1])) + 2
@@ -194,6 +201,33 @@ def requests(case: str, model: str, args: Any) -> dict[str, tuple[str, dict[str,
         HOSTILE: ("/v1/embeddings", {"model": model, "input": texts(args.embed_inputs)}),
         HARMLESS: ("/v1/embeddings", {"model": model, "input": texts(1)}),
     }
+
+
+class Framing:
+    """Where an HTTP/1.1 response ends: its ``Content-Length``, the last chunk of a chunked
+    body, else the connection's close. (Not every route closes after ``Connection:
+    close``: the answer's end is read from its framing, then the client closes.)"""
+
+    def __init__(self) -> None:
+        self.head, self.body_bytes, self.tail = b"", 0, b""
+        self.length: int | None = None
+        self.chunked, self.done = False, False
+
+    def feed(self, data: bytes) -> None:
+        if not self.head:
+            self.tail += data
+            if (at := self.tail.find(b"\r\n\r\n")) < 0:
+                return
+            self.head, data, self.tail = self.tail[:at].lower(), self.tail[at + 4 :], b""
+            if found := re.search(rb"\r\ncontent-length: *(\d+)", self.head):
+                self.length = int(found.group(1))
+            self.chunked = b"transfer-encoding: chunked" in self.head
+        self.body_bytes += len(data)
+        self.tail = (self.tail + data)[-7:]
+        if self.length is not None:
+            self.done = self.body_bytes >= self.length
+        elif self.chunked:
+            self.done = self.tail.endswith(b"\r\n0\r\n\r\n") or self.tail == b"0\r\n\r\n"
 
 
 class Load:
@@ -236,19 +270,23 @@ class Load:
                 out["sent_all"] = time.perf_counter()
             except OSError as exc:  # (a server that answers before reading it all: read the answer)
                 out["send_error"] = f"{type(exc).__name__}: {exc}"
-            while data := sock.recv(1 << 20):
+            framing = Framing()
+            while not framing.done and (data := sock.recv(1 << 20)):
                 out["first_byte"] = out.get("first_byte") or time.perf_counter()
                 out["bytes"] += len(data)
+                framing.feed(data)
                 if len(head) < 65536:
                     head += data[: 65536 - len(head)]
+            complete = framing.done or (not self.stopping.is_set() and bool(head))  # (or EOF)
         except OSError as exc:
+            complete = False
             if not self.stopping.is_set():
                 out["error"] = f"{type(exc).__name__}: {exc}"
         finally:
             with self.lock:
                 self.sockets.discard(sock)
             sock.close()
-        out["end"], out["cut"] = time.perf_counter(), self.stopping.is_set()
+        out["end"], out["cut"] = time.perf_counter(), self.stopping.is_set() and not complete
         if match := STATUS.match(head):
             out["status"] = int(match.group(1))
         if out["status"] != 200 and (found := MESSAGE.search(head)):
@@ -300,8 +338,8 @@ def window(
     server: servers.Server, client: httpx.Client, args: Any, label: Any, number: int, data: bytes | None
 ) -> dict[str, Any]:
     """The load (``data``; none: the bystander alone), ``--lead`` s, the bystander; then
-    the load stopped and the server drained."""
-    server.wait_drained(60.0)
+    the load stopped, the server drained (``/health``) and its CPU idle (harness/proc.py's
+    rule: a request its client left may still be computing)."""
     label.value = number
     started = time.perf_counter()
     load = Load(server.port, data, args.load_clients, args.request_timeout) if data else None
@@ -316,7 +354,8 @@ def window(
         out["load_alive"] = load.stop()
         out["answers"] = answers_summary(load.answers)
         out["answered_in_window"] = sum(a["end"] <= ended for a in load.answers)
-    out["drained_s"] = server.wait_drained(60.0)
+    out["drained_s"] = server.wait_drained(args.settle_cap)
+    out["settled_s"] = wait_cpu_idle(server.pid, time.perf_counter(), args.settle_cap).after_s
     return out
 
 
@@ -328,10 +367,11 @@ def model_id(server: servers.Server) -> str:
 def run(args: Any) -> dict[str, Any]:
     model = cli.resolve_model(args)
     names = "threads ctx_size slots max_tokens reps prompt cases server_args load_clients lead stop_count"
-    names += " stop_tokens bias_entries bias_tokens count_mib embed_inputs idle interval poll_timeout"
-    names += " bar_ratio bar_ms"
+    names += " stop_tokens bias_entries bias_tokens count_mib embed_inputs settle_cap idle interval"
+    names += " poll_timeout bar_ratio bar_ms"
     cfg = cli.environment(model, **cli.pick(args, names))
-    mp, notes, windows, polls = multiprocessing.get_context("spawn"), [], [], []
+    mp, notes, windows = multiprocessing.get_context("spawn"), list[str](), list[dict[str, Any]]()
+    polls: list[dict[str, Any]] = []
     label, ready, out = mp.Value("i", IDLE), mp.Event(), mp.Queue()
     timeout = httpx.Timeout(10.0, read=args.request_timeout)
     with tempfile.TemporaryDirectory() as logs, servers.running([]) as running:
@@ -431,8 +471,11 @@ def summarize(
                 notes.append(
                     f"round {w['rep'] + 1} {case} {variant}: {w['load_alive']} load thread(s) still running"
                 )
-            if w["drained_s"] is None:
-                notes.append(f"round {w['rep'] + 1} {case} {variant}: the server did not drain within 60 s")
+            if w["drained_s"] is None or w["settled_s"] is None:
+                cap = f"--settle-cap {args.settle_cap:g} s"
+                notes.append(
+                    f"round {w['rep'] + 1} {case} {variant}: the server still busy {cap} after the load"
+                )
     by = {(r["case"], r["variant"]): r for r in rows}
     for case in cfg["cases"]:
         hostile, harmless = by[(case, HOSTILE)], by[(case, HARMLESS)]

@@ -1060,6 +1060,8 @@ async def test_parallel_calls_off_is_honoured_from_the_request_to_the_response(
 ) -> None:
     """The flag travels from each dialect's request to its reply: a scripted model's two
     calls are two calls, or one (and nothing else) with parallel calls off."""
+    import trio
+
     from trioserve import Engine, HTTPSettings, ScriptedBackend, ServerState
     from trioserve._http._generation import GenerationHandler
 
@@ -1068,9 +1070,14 @@ async def test_parallel_calls_off_is_honoured_from_the_request_to_the_response(
     state.set_engine(Engine(ScriptedBackend(script=script)))
     body = json.dumps(_request_body(kind, stream, parallel)).encode()
     sent: list[dict[str, Any]] = []
+    received: list[bytes] = []
 
     async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": body, "more_body": False}
+        if not received:
+            received.append(body)
+            return {"type": "http.request", "body": body, "more_body": False}
+        await trio.sleep_forever()  # the client stays (no http.disconnect)
+        raise AssertionError
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)

@@ -52,6 +52,7 @@ from ._core._types import (
 )
 from ._http import HTTPSettings, ServerState, create_app
 from ._http._server import Server, ServerSettings, serve_until_signalled
+from ._wire._limits import RequestLimits
 
 __all__ = [
     "Aborted",
@@ -87,6 +88,7 @@ __all__ = [
     "PayloadTooLargeError",
     "PieceChannel",
     "PreparedPrompt",
+    "RequestLimits",
     "SamplingParams",
     "ScriptedBackend",
     "Server",

@@ -285,3 +285,75 @@ async def test_a_body_that_trickles_in_gets_408_and_holds_no_request_slot(
     assert "0.5 s" in error["message"]
     await wait_for(lambda: not running.server.state.requests)
     running.server.shutdown()
+
+
+ADMIN = "sk-admin-0c4e91d2"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers"),
+    [
+        ("/models/load", {"model": "scripted"}, {}),
+        ("/models/unload", {"model": "scripted"}, {}),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1}, {"X-Keep-Alive": "-1"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, {"X-Keep-Alive": "0"}),
+        (
+            "/v1/messages",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+            {"X-Keep-Alive": "5m"},
+        ),
+    ],
+)
+async def test_only_an_admin_key_may_load_unload_or_send_x_keep_alive(
+    nursery: trio.Nursery, path: str, body: dict[str, object], headers: dict[str, str]
+) -> None:
+    """#33: with keys configured, what changes a model's lifetime for every client needs
+    an admin key (403 otherwise, never silently ignored); an admin key is an API key."""
+    running = await start_server(
+        nursery, ScriptedBackend([b"ok"]), close_backend=True, api_keys=KEYS, admin_keys=(ADMIN,)
+    )
+    async with httpx.AsyncClient(base_url=running.url) as client:
+        refused = await client.post(
+            path, json=body, headers={**headers, "Authorization": f"Bearer {KEYS[0]}"}
+        )
+        assert refused.status_code == 403, refused.text
+        if path.startswith("/v1/messages"):
+            assert refused.json()["error"]["type"] == "permission_error"
+        else:
+            assert refused.json()["error"]["code"] == "admin_key_required"
+        assert "admin key" in refused.text
+        assert (await client.post(path, json=body, headers=headers)).status_code == 401  # no key: 401 first
+        if path != "/models/unload":  # (the single model refuses that: below)
+            allowed = await client.post(
+                path, json=body, headers={**headers, "Authorization": f"Bearer {ADMIN}"}
+            )
+            assert allowed.status_code == 200, allowed.text
+        # an admin key is also an API key
+        plain = await client.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"x-api-key": ADMIN}
+        )
+        assert plain.status_code == 200
+
+
+async def test_without_keys_anyone_may_send_x_keep_alive(nursery: trio.Nursery) -> None:
+    running = await start_server(nursery, ScriptedBackend([b"ok"]), close_backend=True)
+    async with httpx.AsyncClient(base_url=running.url) as client:
+        response = await client.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"X-Keep-Alive": "-1"}
+        )
+        assert response.status_code == 200
+
+
+async def test_the_single_model_server_refuses_to_unload_its_model(nursery: trio.Nursery) -> None:
+    """#33: ``POST /models/unload`` of the one pinned model would leave a server whose
+    /health says ok with nothing to serve: refused (400 ``model_pinned``), naming why."""
+    running = await start_server(nursery, ScriptedBackend([b"ok"]), close_backend=True)
+    async with httpx.AsyncClient(base_url=running.url) as client:
+        refused = await client.post("/models/unload", json={"model": "scripted"})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert (error["code"], error["param"]) == ("model_pinned", "model")
+        assert "only model" in error["message"]
+        assert (await client.get("/health")).json()["status"] == "ok"
+        response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert response.status_code == 200

@@ -432,7 +432,10 @@ class ModelRegistry:
         cancelled by its ``on_unload``; a lease taken with :meth:`acquire` and no
         ``on_unload`` must be released by its holder.
 
-        Cancellation: shielded — it goes on until every model is freed."""
+        Cancellation: the aborts and the streams' ends are shielded. The wait for lease
+        holders is not: a cancel (a second signal) cuts it short, and a model still
+        leased then is left allocated (logged), never freed under its holder; the
+        others are freed (shielded)."""
         self._closing = True
         self._notify()
         with trio.CancelScope(shield=True):
@@ -444,6 +447,7 @@ class ModelRegistry:
             for entry in self.entries:
                 if entry.engine is not None:
                     await entry.engine.aclose(close_backend=False)
+        try:
             told: set[Lease] = set()
             while True:
                 for entry in self.entries:
@@ -459,12 +463,22 @@ class ModelRegistry:
                 if not busy:
                     break
                 logger.info(
-                    "closing: waiting for %s to be released",
-                    ", ".join(f"{entry.name} ({entry.leases} lease(s), {entry.state})" for entry in busy),
+                    "closing: waiting for %s",
+                    ", ".join(f"{entry.name} ({entry.state}, {entry.leases} lease(s))" for entry in busy),
                 )
                 await self._wait_for_change()
-            for entry in self.entries:
-                if entry.engine is not None:
+        finally:
+            with trio.CancelScope(shield=True):
+                for entry in self.entries:
+                    if entry.engine is None or entry.state == "unloading":
+                        continue
+                    if entry.leases > 0:
+                        logger.error(
+                            "model %s: left allocated at close: %d lease(s) still held",
+                            entry.name,
+                            entry.leases,
+                        )
+                        continue
                     await self._close(entry)
 
     # --------------------------------------------------------------- lookup

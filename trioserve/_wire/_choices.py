@@ -233,7 +233,9 @@ class ChoiceReader:
             return _NOTHING
         held, self._held = self._held, ""
         held_logprobs, self._held_logprobs = self._held_logprobs, None
-        calls = parse_calls(held, self._names, parallel_calls=self._parallel_calls) if cause == "stop" else None
+        calls = (
+            parse_calls(held, self._names, parallel_calls=self._parallel_calls) if cause == "stop" else None
+        )
         if calls:
             self.called = True
             return tuple(CallStart(i, call.name, call.arguments) for i, call in enumerate(calls))

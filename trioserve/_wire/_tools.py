@@ -157,9 +157,7 @@ def _call(value: object, names: Sequence[str]) -> ParsedCall | None:
     return ParsedCall(name=name, arguments=json.dumps(arguments, separators=(",", ":")))
 
 
-def parse_calls(
-    text: str, names: Sequence[str], *, parallel_calls: bool = True
-) -> list[ParsedCall] | None:
+def parse_calls(text: str, names: Sequence[str], *, parallel_calls: bool = True) -> list[ParsedCall] | None:
     """The tool calls ``text`` is, in order, or ``None`` if it is not only calls (then it
     is content): one or more call objects, each bare or inside ``<tool_call>`` tags,
     separated by whitespace (a model that calls several tools at once writes several).
