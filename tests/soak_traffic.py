@@ -78,10 +78,11 @@ WORDS = (  # noqa: SIM905
     "island window forest morning evening friend teacher letter mountain harbor bridge lamp field "
     "quiet old small bright long warm cold green blue early late slow careful"
 ).split()
-#: RSS growth allowed beyond the host-memory tier's budget: measured 50 MiB beyond the bytes
-#: the tier held at the end (4 slots, 64 MiB: ~16 MiB as without conversations, the rest
-#: freed states the allocator keeps; RSS after = peak), docs/benchmarks.md "Soak"
-RSS_SLACK_MIB = 80.0
+#: RSS growth allowed beyond the host-memory tier's budget (what the tier holds is
+#: resident by design): the grammar engine's vocabulary is built in the warm-up, saved
+#: states live in mappings of their own and the heap is trimmed when the scheduler goes
+#: idle (trioserve/_backends/_memory.py), docs/benchmarks.md "Soak"
+RSS_SLACK_MIB = 48.0
 #: the exactness check after the traffic: turns per conversation (slots + 1 conversations)
 EXACT_TURNS = 3
 
@@ -121,7 +122,7 @@ def defaults(scripted: bool) -> dict[str, Any]:
     a few hundred on a real model (one slot, short completions)."""
     if scripted:
         return {"requests": 3000, "concurrency": 8, "slots": 4, "max_slow": 8, "max_rss_growth_mib": 64.0}
-    return {"requests": 300, "concurrency": 4, "slots": 1, "max_slow": 3, "max_rss_growth_mib": 160.0}
+    return {"requests": 300, "concurrency": 4, "slots": 1, "max_slow": 3, "max_rss_growth_mib": 64.0}
 
 
 @dataclass(frozen=True)
@@ -1213,7 +1214,8 @@ async def settle(pid: int, baseline: Snapshot, limit: float, linger: float) -> t
 
 async def warm_up(cfg: SoakConfig, url: str, records: list[Record]) -> None:
     """A few ordinary requests, so that what the server creates once (the inference
-    thread pool, a first connection's state) is in the baseline."""
+    thread pool, a first connection's state, the grammar engine's vocabulary) is in
+    the baseline."""
     natural = sorted(Profile.of(cfg.scripted).natural)
     bodies = [
         ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4}),
@@ -1224,6 +1226,19 @@ async def warm_up(cfg: SoakConfig, url: str, records: list[Record]) -> None:
         ),
     ]
     if not cfg.scripted:
+        # The grammar engine's view of the vocabulary (llguidance's tokenizer: ~100 MiB
+        # for Gemma 3's 262k tokens), built once per model on its first constrained
+        # request: a one-time cost that belongs in the baseline, not in the growth
+        bodies.append(
+            (
+                "/v1/chat/completions",
+                {
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 4,
+                    "response_format": {"type": "json_object"},
+                },
+            )
+        )
         # Each sequence's KV cells as far as the longest conversation reaches (~1,200
         # tokens), touched once here, so that RSS growth measures what the cache keeps
         # (LRU: each request takes another sequence; cache_prompt false: none kept)
