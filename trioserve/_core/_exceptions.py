@@ -23,6 +23,7 @@ __all__ = [
     "NotSupportedError",
     "OverloadedError",
     "PayloadTooLargeError",
+    "PermissionDeniedError",
     "ServiceUnavailableError",
     "TrioserveError",
     "UnsupportedMediaTypeError",
@@ -82,6 +83,15 @@ class AuthenticationError(TrioserveError):
     status = 401
     error_type = "authentication_error"
     default_code = "invalid_api_key"
+
+
+class PermissionDeniedError(TrioserveError):
+    """A valid API key that may not do this (403): an admin's action
+    (``docs/operations.md``, "Access")."""
+
+    status = 403
+    error_type = "permission_error"
+    default_code = "admin_key_required"
 
 
 class NotFoundError(TrioserveError):

@@ -16,12 +16,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from typing import Any, ClassVar
+from typing import Any
 
-from .._core._exceptions import AuthenticationError, TrioserveError
+from .._core._exceptions import AuthenticationError, PermissionDeniedError
 from ._errors import render_anthropic_error, render_error
 
-__all__ = ["AccessPolicy", "PermissionDeniedError", "with_access_control"]
+__all__ = ["AccessPolicy", "with_access_control"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -36,14 +36,6 @@ _KEYED_PATHS = frozenset(
 )
 #: paths that change a model's lifetime for every client: an admin key's
 _ADMIN_PATHS = frozenset({"/models/load", "/models/unload"})
-
-
-class PermissionDeniedError(TrioserveError):
-    """A valid API key that may not do this (403): an admin's action."""
-
-    status: ClassVar[int] = 403
-    error_type: ClassVar[str] = "permission_error"
-    default_code: ClassVar[str | None] = "admin_key_required"
 
 
 class AccessPolicy:
