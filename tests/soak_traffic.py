@@ -1439,8 +1439,8 @@ async def _soak(cfg: SoakConfig, server: Server, plan: list[Job], started: float
     tier_mib = (result.cache or {}).get("end", {}).get("ram", {}).get("bytes", 0) / 2**20
     if result.rss_growth_mib - tier_mib > cfg.max_rss_growth_mib:
         problems.append(
-            f"RSS grew {result.rss_growth_mib:.1f} MiB, {result.rss_growth_mib - tier_mib:.1f} MiB beyond the "
-            f"{tier_mib:.1f} MiB the host tier holds (bound {cfg.max_rss_growth_mib:.0f} MiB)"
+            f"RSS grew {result.rss_growth_mib:.1f} MiB, {result.rss_growth_mib - tier_mib:.1f} MiB beyond "
+            f"the {tier_mib:.1f} MiB the host tier holds (bound {cfg.max_rss_growth_mib:.0f} MiB)"
         )
     record_problems, raced = check_records(records)
     problems += record_problems
