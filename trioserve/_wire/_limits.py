@@ -114,6 +114,25 @@ def json_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> int:
     return int(steps.cumsum().max(initial=0))
 
 
+#: the bytes that are not an entry's separator (kept: quotes, brackets and commas)
+_NOT_SEPARATOR = bytes(c for c in range(256) if c not in b'"[]{},')
+
+
+def top_level_entries(raw: bytes) -> int:
+    """The entries of the JSON array or object ``raw`` (its top-level commas + 1; 0 when
+    empty), counted without decoding it: a field whose entries are limited is counted
+    before msgspec builds an object per entry (200,000 ``logit_bias`` entries take 50 ms
+    to decode, the GIL held throughout). Linear, and in C, as :func:`json_depth`."""
+    inner = raw.strip()[1:-1]
+    if not inner.strip():
+        return 0
+    text = inner.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_SEPARATOR)
+    codes = numpy.frombuffer(text, numpy.uint8)
+    structure = codes[(numpy.cumsum(codes == ord('"'), dtype=numpy.int32) & 1) == 0]
+    depth = _STEP.take(structure).cumsum()
+    return int(numpy.count_nonzero((structure == ord(",")) & (depth == 0))) + 1
+
+
 def check_json_depth(body: bytes) -> None:
     """Refuse a body nested deeper than :data:`MAX_JSON_DEPTH` (400), before any
     recursive parser sees it."""

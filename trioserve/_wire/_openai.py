@@ -19,7 +19,7 @@ import msgspec
 
 from .._core._exceptions import InvalidRequestError
 from .._core._types import Constraint, EndCause, GenerationRequest, SamplingParams, TokenLogprob, Usage
-from ._limits import RequestLimits, check_json_depth, nested_too_deep
+from ._limits import RequestLimits, check_json_depth, nested_too_deep, top_level_entries
 from ._sse import DONE, encode_data
 from ._tools import Tool, ToolChoiceObject, call_constraint, check_tool_choice, check_tools
 
@@ -73,7 +73,8 @@ class _CommonFields(msgspec.Struct, kw_only=True):
     top_p: TopP = 1.0
     stop: str | list[str] | None = None
     seed: int | None = None
-    logit_bias: dict[str, Bias] | None = None
+    #: counted before it is decoded (``_logit_bias``): its entries are limited
+    logit_bias: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
@@ -299,10 +300,25 @@ def _stops(stop: str | list[str] | None, limits: RequestLimits = DEFAULT_LIMITS)
     return tuple(s for s in stops if s)
 
 
-def _logit_bias(bias: dict[str, float] | None, limits: RequestLimits = DEFAULT_LIMITS) -> dict[int, float]:
+_bias_decoder = msgspec.json.Decoder(dict[str, Bias] | None)
+
+
+def _logit_bias(raw: msgspec.Raw, limits: RequestLimits = DEFAULT_LIMITS) -> dict[int, float]:
+    """The ``logit_bias`` field, counted (``--max-logit-bias``) before it is decoded."""
+    data = bytes(raw)
+    if not data:
+        return {}
+    limits.check_count(
+        "logit_bias", top_level_entries(data), limits.max_logit_bias, "--max-logit-bias", "logit_bias"
+    )
+    try:
+        bias = _bias_decoder.decode(data)
+    except msgspec.ValidationError as exc:  # (its path, as the whole body's would be)
+        message, _, path = str(exc).partition(" - at `$")
+        param = "logit_bias" + path.rstrip("`")
+        raise InvalidRequestError(f"{message} at `{param}`", param=param) from None
     if not bias:
         return {}
-    limits.check_count("logit_bias", len(bias), limits.max_logit_bias, "--max-logit-bias", "logit_bias")
     out: dict[int, float] = {}
     for key, value in bias.items():
         try:
