@@ -460,3 +460,14 @@ async def test_a_large_tokenize_answer_equals_the_tokenizers(
         content = (await client.post("/detokenize", json={"tokens": tokens})).json()["content"]
     assert tokens == expected
     assert content == text
+
+
+@pytest.mark.parametrize("add_special", [True, False])
+async def test_counting_tokens_gives_the_length_of_the_token_list(
+    llama_backend: LlamaBackend, add_special: bool
+) -> None:
+    """Token counting (count_tokens, input_tokens) counts without building the list; the
+    count is the list's length, long texts (a worker thread) and specials included."""
+    for text in ("", "hello world", "<start_of_turn>user\nhi<end_of_turn>\n" * 400):
+        tokens = await llama_backend.tokenize_text(text, add_special=add_special)
+        assert await llama_backend.count_text_tokens(text, add_special=add_special) == len(tokens)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Self
 
+import numpy
 import trio
 
 from .._core._backend import Backend, ModelInfo, PreparedPrompt, check_token_ids, fit_to_context
@@ -525,7 +526,14 @@ class LlamaModel(Backend):
             capacity = -n
             tokens = (self.lib.llama_token * capacity)()
             n = self.lib.llama_tokenize(self.vocab, data, len(data), tokens, capacity, add_bos, parse_special)
-        return list(tokens[:n])
+        return numpy.frombuffer(tokens, numpy.int32, count=n).tolist()  # (twice as fast as a slice)
+
+    def count_tokens(self, text: str, *, add_bos: bool = True, parse_special: bool = True) -> int:
+        """How many tokens :meth:`tokenize` gives, without building the list (1.8M
+        tokens' list holds the GIL for 55 ms)."""
+        data = text.encode()
+        n: int = self.lib.llama_tokenize(self.vocab, data, len(data), None, 0, add_bos, parse_special)
+        return -n if n < 0 else n
 
     def piece(self, token: int) -> bytes:
         """The bytes of one token (cached: the vocabulary is fixed)."""
@@ -565,6 +573,15 @@ class LlamaModel(Backend):
                 lambda: self.tokenize(text, add_bos=add_special, parse_special=parse_special)
             )
         return self.tokenize(text, add_bos=add_special, parse_special=parse_special)
+
+    async def count_text_tokens(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> int:
+        if len(text) > _INLINE_TOKENIZE_CHARS:
+            return await trio.to_thread.run_sync(
+                lambda: self.count_tokens(text, add_bos=add_special, parse_special=parse_special)
+            )
+        return self.count_tokens(text, add_bos=add_special, parse_special=parse_special)
 
     async def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
         check_token_ids(tokens, self.n_vocab)  # an id out of range would crash llama.cpp

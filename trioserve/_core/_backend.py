@@ -254,6 +254,13 @@ class Backend(ABC):
             f"this server's backend ({type(self).__name__}) has no tokenizer", code="no_tokenizer"
         )
 
+    async def count_text_tokens(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> int:
+        """How many tokens :meth:`tokenize_text` gives (token counting: a backend may
+        count without building the list). Default: the list's length."""
+        return len(await self.tokenize_text(text, add_special=add_special, parse_special=parse_special))
+
     # Embeddings (``POST /v1/embeddings``): optional. The endpoint calls
     # :meth:`embed_inputs`; its default tokenizes here and calls :meth:`embed`, so a
     # backend with a local model implements ``embedding_size`` and ``embed``; one that

@@ -381,10 +381,9 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 large, generation_for, conversation, state.chat_format(engine)
             )
             assert isinstance(generation.prompt, str)
-            tokens = await engine.backend.tokenize_text(
+            return await engine.backend.count_text_tokens(
                 generation.prompt, add_special=generation.add_bos, parse_special=True
             )
-        return len(tokens)
 
     keep_billing_header = state.settings.keep_billing_header
 
