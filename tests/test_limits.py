@@ -29,7 +29,7 @@ def test_top_level_entries_counts_as_a_decoder_would(value: object, entries: int
 
 def test_a_huge_logit_bias_is_refused_by_its_count_and_a_bad_value_by_its_path() -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {str(i): 1 for i in range(5000)}}
-    with pytest.raises(InvalidRequestError, match=r"logit_bias holds 5000 entries; .* at most 1024") as caught:
+    with pytest.raises(InvalidRequestError, match=r"holds 5000 entries; .* at most 1024") as caught:
         decode_chat_request(json.dumps(body).encode(), RequestLimits())
     assert caught.value.param == "logit_bias"
     body["logit_bias"] = {"5": 200}
