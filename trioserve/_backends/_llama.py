@@ -32,6 +32,7 @@ from ._grammar import GrammarCompiler
 from ._pieces import classify_piece, make_rule
 from ._platform import RepackDecision, decide_repack
 from ._prompt_cache import HostCache
+from ._side_work import run_side_work
 
 __all__ = ["LlamaModel", "LlamaSettings", "LoadAborted"]
 
@@ -569,7 +570,8 @@ class LlamaModel(Backend):
         self, text: str, *, add_special: bool = False, parse_special: bool = True
     ) -> list[int]:
         if len(text) > _INLINE_TOKENIZE_CHARS:  # the same rule as prompts: see prepare
-            return await trio.to_thread.run_sync(
+            # (/tokenize, not a generation's own work: niced, _side_work.py)
+            return await run_side_work(
                 lambda: self.tokenize(text, add_bos=add_special, parse_special=parse_special)
             )
         return self.tokenize(text, add_bos=add_special, parse_special=parse_special)
@@ -577,8 +579,8 @@ class LlamaModel(Backend):
     async def count_text_tokens(
         self, text: str, *, add_special: bool = False, parse_special: bool = True
     ) -> int:
-        if len(text) > _INLINE_TOKENIZE_CHARS:
-            return await trio.to_thread.run_sync(
+        if len(text) > _INLINE_TOKENIZE_CHARS:  # (token counting: niced, _side_work.py)
+            return await run_side_work(
                 lambda: self.count_tokens(text, add_bos=add_special, parse_special=parse_special)
             )
         return self.count_tokens(text, add_bos=add_special, parse_special=parse_special)
@@ -586,7 +588,7 @@ class LlamaModel(Backend):
     async def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
         check_token_ids(tokens, self.n_vocab)  # an id out of range would crash llama.cpp
         if len(tokens) > _INLINE_PIECES:
-            return await trio.to_thread.run_sync(lambda: [self.special_piece(t) for t in tokens])
+            return await run_side_work(lambda: [self.special_piece(t) for t in tokens])
         return [self.special_piece(t) for t in tokens]
 
     async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
