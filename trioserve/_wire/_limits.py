@@ -126,6 +126,14 @@ def top_level_entries(raw: bytes) -> int:
     inner = raw.strip()[1:-1]
     if not inner.strip():
         return 0
+    if b"\\" not in inner and not any(bracket in inner for bracket in (b"[", b"{", b"]", b"}")):
+        # flat and no escapes (a list of strings, token ids to numbers): the commas
+        # outside strings, found by where each comma falls among the quotes
+        codes = numpy.frombuffer(inner, numpy.uint8)
+        quotes = numpy.flatnonzero(codes == ord('"'))
+        commas = numpy.flatnonzero(codes == ord(","))
+        inside = numpy.searchsorted(quotes, commas) & 1
+        return int(commas.size - numpy.count_nonzero(inside)) + 1
     text = inner.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_SEPARATOR)
     codes = numpy.frombuffer(text, numpy.uint8)
     structure = codes[(numpy.cumsum(codes == ord('"'), dtype=numpy.int32) & 1) == 0]
