@@ -22,8 +22,8 @@ the one that concerns it.
 
 The package, one job per module (siblings import this face, not its modules):
 
-- ``_spec``: what the registry is told (:class:`ModelSpec`, :class:`ModelSource`) and
-  the states an entry can be in;
+- ``_state``: the states an entry can be in (:data:`ModelState`);
+- ``_spec``: what the registry is told (:class:`ModelSpec`, :class:`ModelSource`);
 - ``_entry``: one model's entry, its load in flight and the :class:`Lease` on it;
 - ``_snapshot``: the frozen snapshots (pure data);
 - ``_base``: the shared state, lookup by name, the change event;
@@ -37,7 +37,8 @@ The package, one job per module (siblings import this face, not its modules):
 from ._entry import Lease, ModelEntry
 from ._facade import ModelRegistry
 from ._snapshot import ModelSnapshot, RegistrySnapshot
-from ._spec import BackendSource, ModelSource, ModelSpec, ModelState
+from ._spec import BackendSource, ModelSource, ModelSpec
+from ._state import ModelState
 
 __all__ = [
     "BackendSource",

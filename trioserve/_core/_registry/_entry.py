@@ -15,7 +15,8 @@ from typing import Protocol
 import trio
 
 from .._engine import Engine
-from ._spec import ModelSpec, ModelState
+from ._spec import ModelSpec
+from ._state import ModelState
 
 __all__ = ["Lease", "ModelEntry"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._spec import ModelState
+from ._state import ModelState
 
 __all__ = ["ModelSnapshot", "RegistrySnapshot"]
 

@@ -1,18 +1,15 @@
 """What the registry is told about a model: its :class:`ModelSpec` and the
-:class:`ModelSource` that loads it, and the states an entry can be in (the table is in
-``docs/models.md``, "States and transitions")."""
+:class:`ModelSource` that loads it."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 from .._backend import Backend
 
-__all__ = ["BackendSource", "ModelSource", "ModelSpec", "ModelState"]
-
-ModelState = Literal["unloaded", "loading", "loaded", "unloading", "failed"]
+__all__ = ["BackendSource", "ModelSource", "ModelSpec"]
 
 
 class ModelSource(Protocol):
