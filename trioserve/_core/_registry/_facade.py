@@ -1,6 +1,8 @@
 """The face of the registry: :class:`ModelRegistry`, its lifecycle (``async with``)
-and its snapshot; the work is done by the parts it is built from (leasing, room,
-loading, draining)."""
+and its snapshot. The work is done by the parts it is built from, one module each and
+each a layer above the next (the import-linter contract ``registry-layers``): leasing
+(``_leasing``) on room (``_room``) on loading (``_loading``) on draining
+(``_draining``) on the shared state and the change event (``_base``)."""
 
 from __future__ import annotations
 
