@@ -82,6 +82,18 @@ async def _serve(nursery: trio.Nursery, registry: ModelRegistry, **settings: Any
     return server, binds[0]
 
 
+def _load_over_or_aborted(registry: ModelRegistry, name: str) -> bool:
+    """No load of ``name`` in flight, or the one in flight told to stop."""
+    model = registry.snapshot().model(name)
+    return not model.load_in_flight or model.load_aborted
+
+
+def _load_with_no_waiter(registry: ModelRegistry, name: str) -> bool:
+    """A load of ``name`` in flight that no request waits for (a preload)."""
+    model = registry.snapshot().model(name)
+    return model.load_in_flight and model.load_waiters == 0
+
+
 async def _models(client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
     body = (await client.get("/v1/models")).json()
     return {m["id"]: m for m in body["data"]}
@@ -302,7 +314,7 @@ async def test_a_client_that_leaves_during_the_load_aborts_it(
         await trio.to_thread.run_sync(gamma.waiting.wait, 30)
         assert entry.state == "loading"
         requests.cancel_scope.cancel()  # the client leaves (its connection closes)
-    await wait_for(lambda: entry._load is not None and entry._load.scope.cancel_called)
+    await wait_for(lambda: registry.snapshot().model("gamma").load_aborted)
     gamma.gate.set()  # llama.cpp's callback now returns false
     await wait_for(lambda: entry.state != "loading", limit=30)
     assert entry.state == "unloaded"
@@ -337,9 +349,9 @@ async def test_two_clients_wait_for_one_load_and_one_leaves(
         requests.start_soon(stays)
         requests.start_soon(leaves)
         await trio.to_thread.run_sync(gamma.waiting.wait, 30)
-        await wait_for(lambda: entry._load is not None and entry._load.waiters == 2)
+        await wait_for(lambda: registry.snapshot().model("gamma").load_waiters == 2)
         leaving.cancel()
-        await wait_for(lambda: entry._load is not None and entry._load.waiters == 1)
+        await wait_for(lambda: registry.snapshot().model("gamma").load_waiters == 1)
         gamma.gate.set()
     assert stayed[0]["usage"]["completion_tokens"] == 4
     assert gamma.loads_started == 1  # one load, shared
@@ -493,7 +505,7 @@ async def test_cancel_cell_loading(
         elif cause == "shutdown":
             server.shutdown()
         # (a deadline passes by itself)
-    await wait_for(lambda: entry._load is None or entry._load.scope.cancel_called, limit=10)
+    await wait_for(lambda: _load_over_or_aborted(registry, "gamma"), limit=10)
     gamma.gate.set()
     await wait_for(lambda: entry.state != "loading", limit=30)
     assert entry.state == "unloaded"
@@ -562,7 +574,8 @@ async def test_keep_alive_zero_unloads_the_model_after_the_request(
     # the header was that request's: the next one, without it, leaves the model loaded
     assert (await client.post("/v1/completions", json=body)).status_code == 200
     assert registry.entries[0].state == "loaded"
-    assert registry.entries[0]._idle_deadline is None  # no timer: the server's keep-alive is forever
+    # no timer: the server's keep-alive is forever
+    assert registry.snapshot().model("alpha").idle_deadline is None
     bad = await client.post("/v1/completions", json=body, headers={"X-Keep-Alive": "soon"})
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "keep_alive"
@@ -584,9 +597,9 @@ async def test_a_startup_load_is_not_aborted_when_a_waiter_leaves(
     await trio.to_thread.run_sync(alpha.waiting.wait, 30)
     async with trio.open_nursery() as requests:
         requests.start_soon(_complete, client_for(url), "alpha")
-        await wait_for(lambda: entry._load is not None and entry._load.waiters == 1)
+        await wait_for(lambda: registry.snapshot().model("alpha").load_waiters == 1)
         requests.cancel_scope.cancel()
-    await wait_for(lambda: entry._load is not None and entry._load.waiters == 0)
+    await wait_for(lambda: _load_with_no_waiter(registry, "alpha"))
     alpha.gate.set()
     await wait_for(lambda: entry.state != "loading", limit=30)
     assert entry.state == "loaded"  # the server's own load: nobody's leaving cancels it
