@@ -13,6 +13,7 @@ came (:meth:`UpstreamBackend.embed_inputs`). ``docs/deployment.md`` has the why.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -25,14 +26,14 @@ from ..._core._channel import PieceChannel
 from ..._core._exceptions import (
     BackendError,
     InvalidRequestError,
-    ServiceUnavailableError,
-    TrioserveError,
 )
 from ..._core._types import GenerationEnd, GenerationRequest
-from ..._wire._upstream import ModelDescription, base_url, completion_payload
+from ..._wire._upstream import base_url, completion_payload
+from . import _errors
 from ._attempts import attempt_each
 from ._balancer import Balancer, UpstreamState
 from ._client import Sink, UpstreamClient
+from ._discovery import describe_upstreams
 
 __all__ = ["UpstreamBackend", "UpstreamState"]
 
@@ -125,7 +126,7 @@ class UpstreamBackend(Backend):
         """Ask each upstream for its model (``GET /v1/models``, first model) and
         build the backend. Waits, retrying once a second for up to ``load_timeout``
         seconds, until at least one upstream answers (an upstream still loading its
-        model answers 503); those that do not are put in cooldown.
+        model answers 503); those that do not are put in cooldown (:mod:`._discovery`).
 
         llama-server's ``GET /props`` is read too when it exists, for the chat template
         and the context size. Args: ``model_id`` (the name clients use; default: the
@@ -139,38 +140,7 @@ class UpstreamBackend(Backend):
             urls, info=ModelInfo(id=model_id or "upstream", context_length=UNKNOWN_CONTEXT_LENGTH), **settings
         )
         try:
-            found: dict[int, ModelDescription] = {}
-
-            async def describe(index: int, upstream: UpstreamState) -> None:
-                description = await backend._client.describe(upstream)
-                if description is not None:
-                    found[index] = description
-
-            with trio.move_on_after(load_timeout):
-                while True:
-                    async with trio.open_nursery() as nursery:
-                        for index, upstream in enumerate(backend.upstreams):
-                            if index not in found:
-                                nursery.start_soon(describe, index, upstream)
-                    if found:
-                        break
-                    await trio.sleep(1.0)
-            if not found:
-                raise BackendError(
-                    f"no upstream answered GET /v1/models within {load_timeout:g} s: "
-                    + "; ".join(f"{u.url}: {u.last_error}" for u in backend.upstreams)
-                )
-            now = trio.current_time()
-            for index, upstream in enumerate(backend.upstreams):
-                if index not in found:
-                    upstream.failed_until = now + backend.cooldown
-                    logger.warning(
-                        "upstream %s did not answer (%s); will retry it", upstream.url, upstream.last_error
-                    )
-            first = found[min(found)]
-            ids = {u.model_id for u in backend.upstreams if u.model_id is not None}
-            if len(ids) > 1:
-                logger.warning("the upstreams serve different models: %s", ", ".join(sorted(ids)))
+            first = await describe_upstreams(backend._client, backend.balancer, load_timeout)
             backend._info = ModelInfo(
                 id=model_id or first.id,
                 context_length=first.context_length or UNKNOWN_CONTEXT_LENGTH,
@@ -228,7 +198,7 @@ class UpstreamBackend(Backend):
             )
         if not request.prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        self._refuse_if_all_cooling_down()
+        _errors.refuse_if_all_cooling_down(self.balancer)
         max_new = request.max_tokens if request.max_tokens is not None else self._info.context_length
         return PreparedPrompt(request=request, tokens=(), max_new_tokens=max_new)
 
@@ -262,37 +232,14 @@ class UpstreamBackend(Backend):
             body = {**upstream.request_fields, **payload, "model": upstream.model_id or self._info.id}
             return await self._client.stream(upstream, body, sink, answered)
 
-        def exhausted(errors: list[TrioserveError]) -> TrioserveError:
-            if errors:
-                return BackendError("; ".join(error.message for error in errors))
-            return BackendError(f"no upstream is available: {self._why_none()}")
-
         return await attempt_each(
             self.balancer,
             attempt,
             unavailable=BackendError,
-            exhausted=exhausted,
+            exhausted=functools.partial(_errors.generation_failed, self.balancer),
             committed=lambda: sink.sent,
             overload_ends=True,
         )
-
-    def _why_none(self) -> str:
-        return "; ".join(f"{u.url}: {u.last_error or 'cooling down'}" for u in self.upstreams)
-
-    def _refuse_if_all_cooling_down(self) -> None:
-        """Refuse a request while every upstream is in its cooldown.
-
-        Raises:
-            ServiceUnavailableError: 503 with ``Retry-After``: until the first upstream
-                may be tried again.
-        """
-        wait = self.balancer.all_cooling_down()
-        if wait is not None:
-            raise ServiceUnavailableError(
-                f"every upstream failed recently; the next is retried in {wait:.1f} s",
-                retry_after=wait,
-                code="upstream_unavailable",
-            )
 
     # --------------------------------------------------------------- embeddings
 
@@ -321,7 +268,7 @@ class UpstreamBackend(Backend):
             OverloadedError: every upstream answered 429.
             BackendError: the upstreams failed otherwise (5xx, a malformed answer).
         """
-        self._refuse_if_all_cooling_down()
+        _errors.refuse_if_all_cooling_down(self.balancer)
         payload: dict[str, Any] = {
             "input": [item if isinstance(item, str) else list(item) for item in inputs],
             "encoding_format": "float",
@@ -335,28 +282,9 @@ class UpstreamBackend(Backend):
             body = {"model": upstream.model_id or self._info.id, **payload}
             return await self._client.embeddings(upstream, body, answered)
 
-        def unavailable(message: str) -> TrioserveError:
-            return ServiceUnavailableError(message, retry_after=self.cooldown, code="upstream_unavailable")
-
         return await attempt_each(
-            self.balancer, attempt, unavailable=unavailable, exhausted=self._embeddings_failed
+            self.balancer,
+            attempt,
+            unavailable=functools.partial(_errors.unavailable_for_embeddings, self.balancer),
+            exhausted=functools.partial(_errors.embeddings_failed, self.balancer),
         )
-
-    def _embeddings_failed(self, errors: list[TrioserveError]) -> TrioserveError:
-        """The error for an embeddings request no upstream served: the attempts' own
-        kind of error if they all failed alike (503, 501, 429), else a
-        :class:`BackendError` naming each."""
-        if not errors:
-            wait = self.balancer.all_cooling_down()
-            return ServiceUnavailableError(
-                f"no upstream is available: {self._why_none()}",
-                retry_after=wait if wait is not None else self.cooldown,
-                code="upstream_unavailable",
-            )
-        if all(type(error) is type(errors[-1]) for error in errors):
-            last = errors[-1]
-            if len(errors) > 1:
-                last.message = "; ".join(error.message for error in errors)
-                last.args = (last.message,)
-            return last
-        return BackendError("; ".join(error.message for error in errors))

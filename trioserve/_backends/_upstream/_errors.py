@@ -11,7 +11,9 @@ An attempt on one upstream ends in one of three ways::
                            ContextLengthError), with the upstream's message: no retry
 
 Whether another upstream is tried at all is :mod:`._attempts`' business (not once a
-byte reached the client).
+byte reached the client); what the client gets when none is left is decided here too
+(:func:`generation_failed`, :func:`embeddings_failed`), and the 503 with
+``Retry-After`` while every upstream cools down (:func:`refuse_if_all_cooling_down`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from ..._core._exceptions import (
     InvalidRequestError,
     NotSupportedError,
     OverloadedError,
+    ServiceUnavailableError,
     TrioserveError,
 )
+from ._balancer import Balancer
 
 __all__ = [
     "UNAVAILABLE_STATUSES",
@@ -31,12 +35,16 @@ __all__ = [
     "UpstreamUnavailable",
     "broken_off",
     "describe_error",
+    "embeddings_failed",
     "ended",
     "failed_mid_stream",
+    "generation_failed",
     "malformed_embeddings",
     "not_json",
     "refusal",
+    "refuse_if_all_cooling_down",
     "silent",
+    "unavailable_for_embeddings",
     "unfinished",
     "unreachable",
 ]
@@ -149,3 +157,59 @@ def malformed_embeddings(url: str, inputs: int) -> Retry:
             f"one embedding per input ({inputs})"
         )
     )
+
+
+# ------------------------------------------------- what the client gets in the end
+
+
+def refuse_if_all_cooling_down(balancer: Balancer) -> None:
+    """Refuse a request while every upstream is in its cooldown.
+
+    Raises:
+        ServiceUnavailableError: 503 with ``Retry-After``: until the first upstream may
+            be tried again.
+    """
+    wait = balancer.all_cooling_down()
+    if wait is not None:
+        raise ServiceUnavailableError(
+            f"every upstream failed recently; the next is retried in {wait:.1f} s",
+            retry_after=wait,
+            code="upstream_unavailable",
+        )
+
+
+def _why_none(balancer: Balancer) -> str:
+    return "; ".join(f"{u.url}: {u.last_error or 'cooling down'}" for u in balancer.upstreams)
+
+
+def generation_failed(balancer: Balancer, errors: list[TrioserveError]) -> TrioserveError:
+    """The error for a completion no upstream served: each attempt's message."""
+    if errors:
+        return BackendError("; ".join(error.message for error in errors))
+    return BackendError(f"no upstream is available: {_why_none(balancer)}")
+
+
+def unavailable_for_embeddings(balancer: Balancer, message: str) -> TrioserveError:
+    """An upstream not serving, as an embeddings request's error: nothing reached the
+    client yet, so a 503 it may send again after the cooldown."""
+    return ServiceUnavailableError(message, retry_after=balancer.cooldown, code="upstream_unavailable")
+
+
+def embeddings_failed(balancer: Balancer, errors: list[TrioserveError]) -> TrioserveError:
+    """The error for an embeddings request no upstream served: the attempts' own
+    kind of error if they all failed alike (503, 501, 429), else a
+    :class:`BackendError` naming each."""
+    if not errors:
+        wait = balancer.all_cooling_down()
+        return ServiceUnavailableError(
+            f"no upstream is available: {_why_none(balancer)}",
+            retry_after=wait if wait is not None else balancer.cooldown,
+            code="upstream_unavailable",
+        )
+    if all(type(error) is type(errors[-1]) for error in errors):
+        last = errors[-1]
+        if len(errors) > 1:
+            last.message = "; ".join(error.message for error in errors)
+            last.args = (last.message,)
+        return last
+    return BackendError("; ".join(error.message for error in errors))
