@@ -27,7 +27,7 @@ async def describe_upstreams(
     Asks every upstream, once a second for up to ``load_timeout`` seconds, until at
     least one answers (an upstream still loading its model answers 503); those that
     do not are put in cooldown. Cancellation: the questions in flight are cancelled
-    (their connections closed); no upstream's health is changed.
+    (their connections closed); no upstream is put in cooldown.
 
     Raises:
         BackendError: no upstream answered within ``load_timeout``.
