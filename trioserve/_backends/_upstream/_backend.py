@@ -1,9 +1,11 @@
 """The upstream backend: trioserve in front of OpenAI-compatible servers, with the
 semantics of a local model: backpressure passes through, a cancel closes the upstream
-request before ``Cancelled`` propagates, the deadline travels (:mod:`._relay`).
+request before ``Cancelled`` propagates, the deadline travels (:mod:`._client`).
 
 Upstreams are chosen by :mod:`._balancer`. A request whose upstream fails before a byte
-reached the client is retried on another; after the first byte it ends with an error.
+reached the client is retried on another; after the first byte it ends with an error
+(:mod:`._attempts`, one loop for completions and embeddings; :mod:`._errors` maps
+each failure).
 There is no local tokenizer: token counts come from the upstream's usage chunk, else
 ``completion_tokens`` counts text chunks. ``POST /v1/embeddings`` is forwarded as it
 came (:meth:`UpstreamBackend.embed_inputs`). ``docs/deployment.md`` has the why.
@@ -14,23 +16,24 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import trio
 
-from .._core._backend import Backend, GenerationProgress, ModelInfo, PreparedPrompt, refuse_unsupported
-from .._core._channel import PieceChannel
-from .._core._exceptions import (
+from ..._core._backend import Backend, GenerationProgress, ModelInfo, PreparedPrompt, refuse_unsupported
+from ..._core._channel import PieceChannel
+from ..._core._exceptions import (
     BackendError,
     InvalidRequestError,
-    OverloadedError,
-    ServiceUnavailableError,
-    TrioserveError,
 )
-from .._core._types import GenerationEnd, GenerationRequest
+from ..._core._types import GenerationEnd, GenerationRequest
+from ..._wire._upstream import base_url, completion_payload
+from . import _errors
+from ._attempts import attempt_each
 from ._balancer import Balancer, UpstreamState
-from ._relay import Retry, Sink, UpstreamClient, UpstreamUnavailable, base_url, completion_payload
+from ._client import Sink, UpstreamClient
+from ._discovery import describe_upstreams
 
 __all__ = ["UpstreamBackend", "UpstreamState"]
 
@@ -123,7 +126,7 @@ class UpstreamBackend(Backend):
         """Ask each upstream for its model (``GET /v1/models``, first model) and
         build the backend. Waits, retrying once a second for up to ``load_timeout``
         seconds, until at least one upstream answers (an upstream still loading its
-        model answers 503); those that do not are put in cooldown.
+        model answers 503); those that do not are put in cooldown (:mod:`._discovery`).
 
         llama-server's ``GET /props`` is read too when it exists, for the chat template
         and the context size. Args: ``model_id`` (the name clients use; default: the
@@ -137,45 +140,14 @@ class UpstreamBackend(Backend):
             urls, info=ModelInfo(id=model_id or "upstream", context_length=UNKNOWN_CONTEXT_LENGTH), **settings
         )
         try:
-            found: dict[int, dict[str, Any]] = {}
-
-            async def describe(index: int, upstream: UpstreamState) -> None:
-                description = await backend._client.describe(upstream)
-                if description is not None:
-                    found[index] = description
-
-            with trio.move_on_after(load_timeout):
-                while True:
-                    async with trio.open_nursery() as nursery:
-                        for index, upstream in enumerate(backend.upstreams):
-                            if index not in found:
-                                nursery.start_soon(describe, index, upstream)
-                    if found:
-                        break
-                    await trio.sleep(1.0)
-            if not found:
-                raise BackendError(
-                    f"no upstream answered GET /v1/models within {load_timeout:g} s: "
-                    + "; ".join(f"{u.url}: {u.last_error}" for u in backend.upstreams)
-                )
-            now = trio.current_time()
-            for index, upstream in enumerate(backend.upstreams):
-                if index not in found:
-                    upstream.failed_until = now + backend.cooldown
-                    logger.warning(
-                        "upstream %s did not answer (%s); will retry it", upstream.url, upstream.last_error
-                    )
-            first = found[min(found)]
-            ids = {u.model_id for u in backend.upstreams if u.model_id is not None}
-            if len(ids) > 1:
-                logger.warning("the upstreams serve different models: %s", ", ".join(sorted(ids)))
+            first = await describe_upstreams(backend._client, backend.balancer, load_timeout)
             backend._info = ModelInfo(
-                id=model_id or first["id"],
-                context_length=first["context_length"] or UNKNOWN_CONTEXT_LENGTH,
-                chat_template=chat_template or first["chat_template"],
+                id=model_id or first.id,
+                context_length=first.context_length or UNKNOWN_CONTEXT_LENGTH,
+                chat_template=chat_template or first.chat_template,
                 architecture=architecture,
-                bos_token=first["bos_token"],
-                eos_token=first["eos_token"],
+                bos_token=first.bos_token,
+                eos_token=first.eos_token,
             )
         except BaseException:
             with trio.CancelScope(shield=True):
@@ -226,13 +198,7 @@ class UpstreamBackend(Backend):
             )
         if not request.prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        wait = self.balancer.all_cooling_down()
-        if wait is not None:
-            raise ServiceUnavailableError(
-                f"every upstream failed recently; the next is retried in {wait:.1f} s",
-                retry_after=wait,
-                code="upstream_unavailable",
-            )
+        _errors.refuse_if_all_cooling_down(self.balancer)
         max_new = request.max_tokens if request.max_tokens is not None else self._info.context_length
         return PreparedPrompt(request=request, tokens=(), max_new_tokens=max_new)
 
@@ -261,38 +227,19 @@ class UpstreamBackend(Backend):
             prompt.request, bos_token=self._info.bos_token, extra_body=self.extra_body
         )
         sink = Sink(send, progress)
-        balancer = self.balancer
-        tried: set[int] = set()
-        errors: list[str] = []
-        while True:
-            picked = balancer.pick(tried)
-            if picked is None:
-                if errors:
-                    raise BackendError("; ".join(errors))
-                raise BackendError(
-                    "no upstream is available: "
-                    + "; ".join(f"{u.url}: {u.last_error or 'cooling down'}" for u in self.upstreams)
-                )
-            index, upstream, probing = picked
-            tried.add(index)
+
+        async def attempt(upstream: UpstreamState, answered: Callable[[], None]) -> GenerationEnd:
             body = {**upstream.request_fields, **payload, "model": upstream.model_id or self._info.id}
-            error: TrioserveError
-            try:
-                with balancer.attempt(upstream, probing):
-                    answered = functools.partial(balancer.healthy, upstream)
-                    return await self._client.stream(upstream, body, sink, answered)
-            except UpstreamUnavailable as exc:
-                balancer.failed(upstream, exc.message)
-                error = BackendError(exc.message)
-            except Retry as retry:
-                error = retry.error
-            if sink.sent:
-                raise error from None
-            errors.append(error.message)
-            if len(tried) < len(self.upstreams):
-                logger.warning("%s; retrying on another upstream", error.message)
-            if isinstance(error, OverloadedError) and len(tried) == len(self.upstreams):
-                raise error from None
+            return await self._client.stream(upstream, body, sink, answered)
+
+        return await attempt_each(
+            self.balancer,
+            attempt,
+            unavailable=BackendError,
+            exhausted=functools.partial(_errors.generation_failed, self.balancer),
+            committed=lambda: sink.sent,
+            overload_ends=True,
+        )
 
     # --------------------------------------------------------------- embeddings
 
@@ -321,61 +268,23 @@ class UpstreamBackend(Backend):
             OverloadedError: every upstream answered 429.
             BackendError: the upstreams failed otherwise (5xx, a malformed answer).
         """
-        wait = self.balancer.all_cooling_down()
-        if wait is not None:
-            raise ServiceUnavailableError(
-                f"every upstream failed recently; the next is retried in {wait:.1f} s",
-                retry_after=wait,
-                code="upstream_unavailable",
-            )
+        _errors.refuse_if_all_cooling_down(self.balancer)
         payload: dict[str, Any] = {
             "input": [item if isinstance(item, str) else list(item) for item in inputs],
             "encoding_format": "float",
         }
         if dimensions is not None:
             payload["dimensions"] = dimensions
-        balancer = self.balancer
-        tried: set[int] = set()
-        errors: list[TrioserveError] = []
-        while True:
-            picked = balancer.pick(tried)
-            if picked is None:
-                raise self._embeddings_failed(errors)
-            index, upstream, probing = picked
-            tried.add(index)
-            body = {"model": upstream.model_id or self._info.id, **payload}
-            try:
-                with balancer.attempt(upstream, probing):
-                    answered = functools.partial(balancer.healthy, upstream)
-                    return await self._client.embeddings(upstream, body, answered)
-            except UpstreamUnavailable as exc:
-                balancer.failed(upstream, exc.message)
-                errors.append(
-                    ServiceUnavailableError(
-                        exc.message, retry_after=self.cooldown, code="upstream_unavailable"
-                    )
-                )
-            except Retry as retry:
-                errors.append(retry.error)
-            if len(tried) < len(self.upstreams):
-                logger.warning("%s; retrying on another upstream", errors[-1].message)
 
-    def _embeddings_failed(self, errors: list[TrioserveError]) -> TrioserveError:
-        """The error for an embeddings request no upstream served: the attempts' own
-        kind of error if they all failed alike (503, 501, 429), else a
-        :class:`BackendError` naming each."""
-        if not errors:
-            wait = self.balancer.all_cooling_down()
-            return ServiceUnavailableError(
-                "no upstream is available: "
-                + "; ".join(f"{u.url}: {u.last_error or 'cooling down'}" for u in self.upstreams),
-                retry_after=wait if wait is not None else self.cooldown,
-                code="upstream_unavailable",
-            )
-        if all(type(error) is type(errors[-1]) for error in errors):
-            last = errors[-1]
-            if len(errors) > 1:
-                last.message = "; ".join(error.message for error in errors)
-                last.args = (last.message,)
-            return last
-        return BackendError("; ".join(error.message for error in errors))
+        async def attempt(
+            upstream: UpstreamState, answered: Callable[[], None]
+        ) -> tuple[list[list[float]], int]:
+            body = {"model": upstream.model_id or self._info.id, **payload}
+            return await self._client.embeddings(upstream, body, answered)
+
+        return await attempt_each(
+            self.balancer,
+            attempt,
+            unavailable=functools.partial(_errors.unavailable_for_embeddings, self.balancer),
+            exhausted=functools.partial(_errors.embeddings_failed, self.balancer),
+        )

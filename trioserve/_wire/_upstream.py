@@ -1,0 +1,298 @@
+"""What trioserve says to an OpenAI-compatible upstream server, and reads back.
+
+Sans-IO, like the rest of :mod:`trioserve._wire`: the body of a streamed
+``POST /v1/completions``, one SSE event's data turned into a :class:`CompletionEvent`,
+an error body's message, an embeddings answer, and what ``GET /v1/models`` and
+llama-server's ``GET /props`` say about the model. The upstream backend
+(:mod:`trioserve._backends._upstream`) does the I/O and decides what each answer means
+for the request (retry, cooldown, the client's error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from .._core._types import GenerationRequest
+
+__all__ = [
+    "CompletionEvent",
+    "EmbeddingsAnswer",
+    "ModelDescription",
+    "NotJSON",
+    "base_url",
+    "completion_event",
+    "completion_payload",
+    "decode_embeddings",
+    "error_fields",
+    "error_text",
+    "models_answer",
+    "props_answer",
+]
+
+#: stop sequences forwarded upstream (OpenAI and trioserve accept at most 4; the engine
+#: applies all of them anyway, so forwarding only saves the upstream some tokens)
+_MAX_FORWARDED_STOPS = 4
+
+_decode_json = msgspec.json.decode
+
+
+def base_url(url: str) -> str:
+    """An upstream's base URL as the requests' paths are appended to it."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    return url.removesuffix("/v1")
+
+
+def completion_payload(
+    request: GenerationRequest, *, bos_token: str, extra_body: Mapping[str, object]
+) -> dict[str, Any]:
+    """The streamed ``/v1/completions`` body for ``request`` (without ``model``)."""
+    text = request.prompt
+    assert isinstance(text, str)  # (the backend refuses token ids)
+    if not request.add_bos and bos_token and text.startswith(bos_token):
+        # the text was rendered with the BOS already in it; the upstream's completion
+        # endpoint adds one itself
+        text = text[len(bos_token) :]
+    sampling = request.sampling
+    payload: dict[str, Any] = {
+        "prompt": text,
+        "max_tokens": request.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if sampling.seed is not None:
+        payload["seed"] = sampling.seed
+    if request.stop:
+        payload["stop"] = list(request.stop[:_MAX_FORWARDED_STOPS])
+    if sampling.logit_bias:
+        payload["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias.items()}
+    # the penalties and llama.cpp's extras: sent only when asked for (every peer
+    # accepts OpenAI's two; llama-server and llama-cpp-python the others)
+    for name, value, default in (
+        ("frequency_penalty", sampling.frequency_penalty, 0.0),
+        ("presence_penalty", sampling.presence_penalty, 0.0),
+        ("top_k", sampling.top_k, 0),
+        ("min_p", sampling.min_p, 0.0),
+        ("repeat_penalty", sampling.repeat_penalty, 1.0),
+    ):
+        if value != default:
+            payload[name] = value
+    if sampling.repeat_penalty != 1.0 and sampling.repeat_last_n != 64:
+        payload["repeat_last_n"] = sampling.repeat_last_n
+    payload.update(extra_body)
+    return payload
+
+
+# ------------------------------------------------------------- the streamed answer
+
+
+class NotJSON(ValueError):
+    """An SSE event whose data is not JSON."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CompletionEvent:
+    """What one streamed completion chunk says (choice 0 only)."""
+
+    #: the texts to hand on, in order (none: a progress event, the usage chunk)
+    texts: tuple[str, ...] = ()
+    #: OpenAI's finish_reason, or an upstream trioserve's ``end_cause`` when it has one
+    finish_reason: str | None = None
+    #: ``(prompt_tokens, completion_tokens)`` from a usage chunk
+    usage: tuple[int, int] | None = None
+    #: an upstream trioserve's ``trioserve.message``, if the chunk has the extension
+    message: str | None = None
+    #: whether the chunk has the ``trioserve`` extension (its message then replaces
+    #: the one before, even with ``None``)
+    has_extension: bool = False
+    #: a mid-stream error's text (vLLM and llama-server report them so)
+    error: str | None = None
+
+
+_NOTHING = CompletionEvent()
+
+
+def completion_event(data: str) -> CompletionEvent:
+    """One SSE event's data (not ``[DONE]``) as a :class:`CompletionEvent`.
+
+    Raises:
+        NotJSON: the data is not JSON.
+    """
+    try:
+        chunk = _decode_json(data)
+    except msgspec.DecodeError:
+        raise NotJSON(data) from None
+    if not isinstance(chunk, dict):
+        return _NOTHING
+    error = chunk.get("error")
+    if error is not None:
+        return CompletionEvent(error=error_text(error))
+    usage = None
+    reported = chunk.get("usage")
+    if isinstance(reported, dict):
+        prompt_tokens, completion_tokens = reported.get("prompt_tokens"), reported.get("completion_tokens")
+        if isinstance(prompt_tokens, int) and isinstance(completion_tokens, int):
+            usage = (prompt_tokens, completion_tokens)
+    extension = chunk.get("trioserve")
+    has_extension = isinstance(extension, dict)
+    message = None
+    cause = None
+    if isinstance(extension, dict):
+        message = extension.get("message")
+        # an upstream trioserve: finish_reason is OpenAI's ("length" for a stream it cut
+        # short); why it ended is here
+        if isinstance(extension.get("end_cause"), str):
+            cause = extension["end_cause"]
+    texts: list[str] = []
+    finish_reason = None
+    for choice in chunk.get("choices") or ():
+        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+            continue
+        text = choice.get("text")
+        if text:
+            texts.append(text)
+        reason = choice.get("finish_reason")
+        if reason:
+            finish_reason = cause or str(reason)
+    return CompletionEvent(
+        texts=tuple(texts),
+        finish_reason=finish_reason,
+        usage=usage,
+        message=message,
+        has_extension=has_extension,
+    )
+
+
+# ------------------------------------------------------------------------- errors
+
+
+def error_text(error: object) -> str:
+    """A mid-stream ``error`` field's text."""
+    if isinstance(error, dict):
+        return str(error.get("message") or error)
+    return str(error)
+
+
+def error_fields(data: bytes, status: int) -> tuple[str, str | None, str | None]:
+    """(message, param, code) from an error body: OpenAI's ``{"error": {...}}``
+    (vLLM, llama-server, trioserve), vLLM's older ``{"message": ...}``, FastAPI's
+    ``{"detail": ...}`` (llama-cpp-python's validation errors), or plain text."""
+    text = data.decode("utf-8", errors="replace").strip()
+    try:
+        body = _decode_json(data)
+    except msgspec.DecodeError:
+        return text[:1000] or f"HTTP {status}", None, None
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            param, code = error.get("param"), error.get("code")
+            return (
+                str(error["message"]),
+                str(param) if param is not None else None,
+                str(code) if isinstance(code, str) else None,
+            )
+        if isinstance(error, str):
+            return error, None, None
+        if isinstance(body.get("message"), str):
+            return body["message"], None, None
+        detail = body.get("detail")
+        if isinstance(detail, str):
+            return detail, None, None
+        if isinstance(detail, list) and detail and isinstance(detail[0], dict):
+            first = detail[0]
+            location = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+            return str(first.get("msg", detail)), location or None, None
+    return text[:1000] or f"HTTP {status}", None, None
+
+
+# --------------------------------------------------------------------- embeddings
+
+
+class _Embedding(msgspec.Struct):
+    index: int
+    embedding: list[float]
+
+
+class _EmbeddingsUsage(msgspec.Struct):
+    prompt_tokens: int = 0
+
+
+class EmbeddingsAnswer(msgspec.Struct):
+    """A ``POST /v1/embeddings`` answer: the vectors, and the usage if it sent one."""
+
+    data: list[_Embedding]
+    usage: _EmbeddingsUsage | None = None
+
+    def vectors(self, inputs: int) -> tuple[list[list[float]], int] | None:
+        """``(vectors in input order, prompt tokens)``; ``None`` unless there is
+        exactly one vector per input."""
+        if sorted(item.index for item in self.data) != list(range(inputs)):
+            return None
+        vectors = [item.embedding for item in sorted(self.data, key=lambda item: item.index)]
+        return vectors, self.usage.prompt_tokens if self.usage is not None else 0
+
+
+_embeddings_decoder = msgspec.json.Decoder(EmbeddingsAnswer)
+
+
+def decode_embeddings(data: bytes) -> EmbeddingsAnswer | None:
+    """The answer, or ``None`` if it is not one."""
+    try:
+        return _embeddings_decoder.decode(data)
+    except msgspec.DecodeError:  # (ValidationError included)
+        return None
+
+
+# -------------------------------------------------------------------- the model
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelDescription:
+    """What an upstream says about its model."""
+
+    id: str
+    context_length: int | None = None
+    chat_template: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+    #: fields this kind of server needs in every request (llama-server:
+    #: ``return_progress``)
+    request_fields: dict[str, object] | None = None
+
+
+def models_answer(body: Any) -> ModelDescription | str:
+    """The first model of a ``GET /v1/models`` answer (parsed JSON), or why there is
+    none."""
+    models = body.get("data") or []
+    if not models or not isinstance(models[0], dict) or "id" not in models[0]:
+        return "GET /v1/models listed no model"
+    model = models[0]
+    context = model.get("context_length") or model.get("max_model_len")  # trioserve, vLLM
+    return ModelDescription(id=str(model["id"]), context_length=context if isinstance(context, int) else None)
+
+
+def props_answer(description: ModelDescription, props: object) -> None:
+    """Add what llama-server's ``GET /props`` (parsed JSON) says: chat template,
+    BOS/EOS text and the real context size."""
+    if not isinstance(props, dict):
+        return
+    if isinstance(props.get("default_generation_settings"), dict):  # llama-server
+        # a prompt-progress event (empty text) after every batch: its HTTP thread
+        # checks for a closed connection only when a result arrives, else once a
+        # second, so without them a client that leaves mid-prompt keeps it
+        # computing for up to 1 s more (docs/deployment.md)
+        description.request_fields = {"return_progress": True}
+    settings = props.get("default_generation_settings")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    if isinstance(n_ctx, int) and description.context_length is None:
+        description.context_length = n_ctx
+    for key in ("chat_template", "bos_token", "eos_token"):
+        if isinstance(props.get(key), str) and props[key]:
+            setattr(description, key, props[key])
