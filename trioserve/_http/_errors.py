@@ -6,8 +6,8 @@ import math
 from collections.abc import Callable
 
 from .._core._exceptions import TrioserveError
+from .._wire import encode_json
 from .._wire._anthropic import anthropic_error
-from .._wire._openai import encode_json
 
 __all__ = ["JSON_HEADERS", "ErrorRenderer", "render_anthropic_error", "render_error"]
 

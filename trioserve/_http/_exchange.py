@@ -242,6 +242,6 @@ def _peek_model(body: bytes) -> str | None:
     """The ``model`` a JSON body names (``None``: none). A body that is not a JSON
     object, or whose ``model`` is not a string, is refused here (400), before any model
     is loaded for it."""
-    from .._wire._openai import _decode
+    from .._wire import decode as _decode
 
     return _decode(_peek_decoder, body).model

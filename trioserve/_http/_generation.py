@@ -126,7 +126,7 @@ def cache_salt(scope: Scope, body: bytes, access: AccessPolicy | None) -> str:
     never kept); else empty (one shared cache). A ``cache_salt`` that is not a string of
     1 to 256 characters is refused (400)."""
     if b'"cache_salt"' in body:  # (a second decode only for the bodies that name it)
-        from .._wire._openai import _decode
+        from .._wire import decode as _decode
 
         given = _decode(_salt_decoder, body).cache_salt
         if given is not None:

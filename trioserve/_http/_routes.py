@@ -24,10 +24,10 @@ from .._core._exceptions import (
     TrioserveError,
 )
 from .._core._registry import ModelEntry
+from .._wire import encode_json
 from .._wire._anthropic import decode_count_tokens_request, messages_conversation
 from .._wire._conversation import Conversation, generation_for
 from .._wire._models import RouterModelRequest, decode_router_request
-from .._wire._openai import encode_json
 from .._wire._responses import decode_input_tokens_request, responses_conversation
 from .._wire._tokenize import (
     decode_detokenize_request,

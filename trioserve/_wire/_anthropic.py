@@ -20,6 +20,8 @@ import msgspec
 from .._core._exceptions import InvalidRequestError, OverloadedError, TrioserveError
 from .._core._types import Constraint, EndCause, SamplingParams, TokenLogprob, Usage
 from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ThinkingPart, ToolMode
+from ._codec import decode as _decode
+from ._codec import encode_json
 from ._conversation import Conversation, fold_system_messages, new_id
 from ._limits import RequestLimits
 from ._openai import (
@@ -29,8 +31,6 @@ from ._openai import (
     ChatMessage,
     ChoiceResult,
     MessageToolCall,
-    _decode,
-    encode_json,
 )
 from ._tools import FunctionDef, Tool, check_tool_schemas
 

@@ -9,7 +9,6 @@ token costs one JSON string encode and one concatenation.
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -19,7 +18,9 @@ import msgspec
 
 from .._core._exceptions import InvalidRequestError
 from .._core._types import Constraint, EndCause, GenerationRequest, SamplingParams, TokenLogprob, Usage
-from ._limits import RequestLimits, check_json_depth, nested_too_deep, top_level_entries
+from ._codec import decode as _decode
+from ._codec import encode_json
+from ._limits import RequestLimits, top_level_entries
 from ._sse import DONE, encode_data
 from ._tools import Tool, ToolChoiceObject, call_constraint, check_tool_choice, check_tools
 
@@ -37,7 +38,6 @@ __all__ = [
     "openai_finish_reason",
 ]
 
-encode_json = msgspec.json.Encoder().encode
 
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
@@ -199,41 +199,10 @@ class ChatCompletionRequest(_CommonFields, kw_only=True):
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
-_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
 #: the limits a decoder applies when its caller passes none
 DEFAULT_LIMITS = RequestLimits()
-
-
-def _decode[T](decoder: msgspec.json.Decoder[T], body: bytes) -> T:
-    # (before msgspec: a deep body would make it, and every reader after it, recurse as deep)
-    check_json_depth(body)
-    try:
-        return decoder.decode(body)
-    except RecursionError:
-        raise nested_too_deep() from None
-    except msgspec.ValidationError as exc:
-        message = str(exc)
-        match = _PATH.search(message)
-        param = match.group(1) if match else None
-        if match:
-            message = message[: match.start()] + (f" at `{param}`" if param else "")
-        if message.startswith("Expected `object`, got") and param is None:
-            message = "the request body must be a JSON object; " + message[0].lower() + message[1:]
-        raise InvalidRequestError(message, param=param or None) from None
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        # msgspec < 0.23 raises UnicodeDecodeError for bad UTF-8, 0.23 a DecodeError
-        # ("Invalid UTF-8 encoded string"): find the offending byte ourselves (only on
-        # this error path), so the message is the same with either.
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError as bad:
-            byte = bad.object[bad.start]
-            raise InvalidRequestError(
-                f"the request body is not valid UTF-8: byte 0x{byte:02x} at offset {bad.start}"
-            ) from None
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
 
 
 #: fields trioserve knows and does not honour: (name, the values that mean "not asked

@@ -22,6 +22,8 @@ import msgspec
 from .._core._exceptions import InvalidRequestError, TrioserveError
 from .._core._types import Constraint, EndCause, SamplingParams, TokenLogprob, Usage
 from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ThinkingPart, ToolMode
+from ._codec import decode as _decode
+from ._codec import encode_json
 from ._conversation import Conversation, fold_system_messages, new_id
 from ._limits import RequestLimits
 from ._openai import (
@@ -32,8 +34,6 @@ from ._openai import (
     ChatMessage,
     ChoiceResult,
     MessageToolCall,
-    _decode,
-    encode_json,
 )
 from ._tools import FunctionDef, Tool, check_tool_schemas, check_tools
 

@@ -15,7 +15,8 @@ from typing import Annotated
 
 import msgspec
 
-from ._openai import _decode, encode_json
+from ._codec import decode as _decode
+from ._codec import encode_json
 
 __all__ = [
     "DetokenizeRequest",
