@@ -18,7 +18,7 @@ from .._core._exceptions import (
     UnsupportedMediaTypeError,
 )
 from ._errors import JSON_HEADERS, ErrorRenderer, render_error
-from ._state import HTTPSettings
+from ._settings import HTTPSettings
 
 __all__ = ["BodyTimeoutError", "Exchange", "Message", "Receive", "Scope", "Send"]
 

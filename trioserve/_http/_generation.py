@@ -71,7 +71,8 @@ from ._exchange import (
 )
 from ._hypercorn_patches import shut_down_connection
 from ._request import InFlightRequest, Kind, Phase
-from ._state import HTTPSettings, ServerState
+from ._settings import HTTPSettings
+from ._state import ServerState
 
 __all__ = ["FINAL_EVENT_TIMEOUT", "GENERATION_PATHS", "GenerationHandler", "cache_salt", "presented_key"]
 
