@@ -67,6 +67,12 @@ class Dialect(Protocol):
         """The body of a non-streamed response."""
         ...
 
+    def limit_max_tokens(self, limit: int) -> None:
+        """The server's ``--max-tokens-limit`` bounds this response below what it asked
+        for (only a request whose ``max_tokens`` is an upper bound, Anthropic's, is held
+        to it rather than refused): the dialect that reports why it stopped notes it."""
+        ...
+
 
 class OpenAIDialect:
     """``/v1/chat/completions`` (``kind="chat"``) and ``/v1/completions`` (``"text"``)."""
@@ -119,3 +125,6 @@ class OpenAIDialect:
 
     def body(self, choices: Sequence[ChoiceResult], usage: Usage) -> bytes:
         return non_stream_response(self.kind, model=self.model, usage=usage, choices=choices)
+
+    def limit_max_tokens(self, limit: int) -> None:
+        """(Its ``max_tokens`` is refused above the limit, never held to it.)"""

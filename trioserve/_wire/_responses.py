@@ -708,6 +708,9 @@ class ResponsesDialect:
         self._cause, self._message = "error", error.message
         return self._event({"type": "response.failed", "response": self._response("failed", None, error)})
 
+    def limit_max_tokens(self, limit: int) -> None:
+        """(Its ``max_output_tokens`` is refused above the limit, never held to it.)"""
+
     def body(self, choices: Sequence[ChoiceResult], usage: Usage) -> bytes:
         (result,) = choices
         self._cause = result.cause
