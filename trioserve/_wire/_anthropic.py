@@ -11,7 +11,6 @@ request maps onto a chat, and every choice: ``docs/dialects.md``; the field tabl
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -32,7 +31,8 @@ from ._openai import (
     ChoiceResult,
     MessageToolCall,
 )
-from ._tools import FunctionDef, Tool, check_tool_schemas
+from ._refusals import Refusal, check_refused
+from ._tools import FunctionDef, Tool, check_tool_name, check_tool_schemas
 
 __all__ = [
     "BILLING_HEADER_PREFIX",
@@ -167,16 +167,15 @@ _messages_decoder = msgspec.json.Decoder(MessagesRequest)
 _count_decoder = msgspec.json.Decoder(CountTokensRequest)
 
 #: (field, why it is refused); any value but ``null`` is a 400 naming the field
-_REFUSED: tuple[tuple[str, str], ...] = (
-    ("container", "this server runs no code-execution containers"),
-    ("mcp_servers", "this server connects to no MCP servers; run the tools on the client"),
-    ("diagnostics", "this server reports no prompt-cache diagnostics (usage shows what was reused)"),
-    ("inference_geo", "this server runs where it runs"),
-    ("compaction", "this server does not compact conversations; send the messages to use"),
-    ("fallbacks", "there is no other model to fall back to here"),
-    ("thread", "this server keeps no threads; send the whole conversation"),
+_REFUSED: tuple[Refusal, ...] = (
+    ("container", (None,), "this server runs no code-execution containers"),
+    ("mcp_servers", (None,), "this server connects to no MCP servers; run the tools on the client"),
+    ("diagnostics", (None,), "this server reports no prompt-cache diagnostics (usage shows what was reused)"),
+    ("inference_geo", (None,), "this server runs where it runs"),
+    ("compaction", (None,), "this server does not compact conversations; send the messages to use"),
+    ("fallbacks", (None,), "there is no other model to fall back to here"),
+    ("thread", (None,), "this server keeps no threads; send the whole conversation"),
 )
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 
 def _text_of(blocks: str | list[Block] | None, where: str) -> str:
@@ -289,11 +288,7 @@ def _tools(tools: Sequence[AnthropicTool] | None) -> list[Tool]:
                 f"tools[{i}].input_examples is not supported: put examples in the description",
                 param=f"tools[{i}].input_examples",
             )
-        if not _NAME.match(tool.name):
-            raise InvalidRequestError(
-                f"tools[{i}].name {tool.name!r} must be 1-128 letters, digits, '_' or '-'",
-                param=f"tools[{i}].name",
-            )
+        check_tool_name(tool.name, f"tools[{i}].name", longest=128)
         if tool.name in seen:
             raise InvalidRequestError(f"two tools are named {tool.name!r}", param="tools")
         seen.add(tool.name)
@@ -352,9 +347,7 @@ def _check_sizes(request: _MessagesFields, limits: RequestLimits) -> None:
 
 
 def _check_common(request: _MessagesFields, max_tokens: int | None) -> None:
-    for name, why in _REFUSED:
-        if getattr(request, name) is not None:
-            raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
+    check_refused(request, _REFUSED)
     if request.context_management is not None:
         for i, edit in enumerate(request.context_management.edits):
             if not edit.type.startswith("clear_thinking_"):

@@ -21,6 +21,7 @@ from .._core._types import Constraint, EndCause, GenerationRequest, SamplingPara
 from ._codec import decode as _decode
 from ._codec import encode_json
 from ._limits import RequestLimits, top_level_entries
+from ._refusals import Refusal, check_refused
 from ._sse import DONE, encode_data
 from ._tools import Tool, ToolChoiceObject, call_constraint, check_tool_choice, check_tools
 
@@ -208,7 +209,7 @@ DEFAULT_LIMITS = RequestLimits()
 #: fields trioserve knows and does not honour: (name, the values that mean "not asked
 #: for", why it is refused). Any other value gets a 400 naming the field
 #: (docs/api.md, "Request fields").
-_REFUSED: tuple[tuple[str, tuple[object, ...], str], ...] = (
+_REFUSED: tuple[Refusal, ...] = (
     ("echo", (None, False), "add the prompt to the text yourself"),
     ("suffix", (None, ""), "this model has no fill-in-the-middle mode"),
     ("best_of", (None, 1), "use n and pick on the client"),
@@ -245,20 +246,13 @@ _COMPLETIONS_ONLY = {
 }
 
 
-def _check_refused(request: _CommonFields) -> None:
-    for name, defaults, why in _REFUSED:
-        value = getattr(request, name, None)
-        if not any(value == default and type(value) is type(default) for default in defaults):
-            raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
-
-
 def _check_common(request: _CommonFields) -> None:
     chat = isinstance(request, ChatCompletionRequest)
     for name, hint in (_COMPLETIONS_ONLY if chat else _CHAT_ONLY).items():
         if getattr(request, name, None) is not None:
             endpoint = "/v1/chat/completions" if chat else "/v1/completions"
             raise InvalidRequestError(f"{endpoint} has no field {name}: {hint}", param=name)
-    _check_refused(request)
+    check_refused(request, _REFUSED)
 
 
 def _stops(stop: str | list[str] | None, limits: RequestLimits = DEFAULT_LIMITS) -> tuple[str, ...]:

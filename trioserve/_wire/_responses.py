@@ -12,7 +12,6 @@ mapping and choices: ``docs/dialects.md``; the field table: ``docs/api.md``,
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
@@ -35,7 +34,8 @@ from ._openai import (
     ChoiceResult,
     MessageToolCall,
 )
-from ._tools import FunctionDef, Tool, check_tool_schemas, check_tools
+from ._refusals import Refusal, check_refused
+from ._tools import FunctionDef, Tool, check_tool_name, check_tool_schemas, check_tools
 
 __all__ = [
     "InputTokensRequest",
@@ -139,17 +139,16 @@ class ResponsesRequest(_ResponsesFields, kw_only=True):
     prompt_cache_retention: str | None = None
 
 
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _responses_decoder = msgspec.json.Decoder(ResponsesRequest)
 _input_tokens_decoder = msgspec.json.Decoder(InputTokensRequest)
 
-_REFUSED: tuple[tuple[str, str], ...] = (
-    ("previous_response_id", "responses are not stored here; send the whole conversation in input"),
-    ("conversation", "conversations are not stored here; send the whole conversation in input"),
-    ("prompt", "there are no stored prompt templates here; send instructions and input"),
-    ("background", "responses run in the foreground here (stream to see progress)"),
-    ("context_management", "this server does not compact the context; send the input to use"),
-    ("moderation", "this server runs no moderation"),
+_REFUSED: tuple[Refusal, ...] = (
+    ("previous_response_id", (None,), "responses are not stored here; send the whole conversation in input"),
+    ("conversation", (None,), "conversations are not stored here; send the whole conversation in input"),
+    ("prompt", (None,), "there are no stored prompt templates here; send instructions and input"),
+    ("background", (None, False), "responses run in the foreground here (stream to see progress)"),
+    ("context_management", (None,), "this server does not compact the context; send the input to use"),
+    ("moderation", (None,), "this server runs no moderation"),
 )
 #: ``include`` values that are honoured trivially: no reasoning is ever encrypted here
 #: (a reasoning model's reasoning is sent as text, in a ``reasoning`` item)
@@ -232,11 +231,8 @@ def _tools(tools: Sequence[ResponsesTool] | None, limits: RequestLimits) -> list
                 "(run the rest on the client)",
                 param=f"tools[{i}].type",
             )
-        if not tool.name or not _TOOL_NAME.match(tool.name):
-            raise InvalidRequestError(
-                f"tools[{i}].name {tool.name!r} must be 1-64 letters, digits, '_' or '-'",
-                param=f"tools[{i}].name",
-            )
+        check_tool_name(tool.name, f"tools[{i}].name")
+        assert tool.name is not None  # (checked)
         out.append(
             Tool(
                 type="function",
@@ -290,10 +286,7 @@ def _constraint(text: TextConfig | None, limits: RequestLimits) -> Constraint | 
 
 
 def _check(request: _ResponsesFields) -> None:
-    for name, why in _REFUSED:
-        value = getattr(request, name)
-        if value is not None and not (name == "background" and value is False):  # (false: OpenAI's default)
-            raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
+    check_refused(request, _REFUSED)  # (background: false is OpenAI's default)
     if request.reasoning is not None and request.reasoning not in ({}, {"effort": None}, {"effort": "none"}):
         raise InvalidRequestError(
             "reasoning is not supported: this server does not control reasoning effort "
