@@ -18,7 +18,7 @@ from typing import Literal, Protocol
 from .._core._exceptions import TrioserveError
 from .._core._types import EndCause, TokenLogprob, Usage
 from ._choices import ChoiceStream, ToolMode
-from ._openai import ChoiceResult, ChunkEncoder, error_event, non_stream_response
+from ._openai_writer import ChoiceResult, ChunkEncoder, error_event, non_stream_response
 from ._sse import HEARTBEAT
 
 __all__ = ["ChoiceWriter", "Dialect", "OpenAIDialect"]

@@ -25,15 +25,12 @@ from ._codec import decode as _decode
 from ._codec import encode_json
 from ._conversation import Conversation, fold_system_messages, new_id
 from ._limits import RequestLimits
+from ._messages import CallFunction, ChatMessage, MessageToolCall
 from ._openai import (
     _ANY_OBJECT,
-    _END_MESSAGES,
     DEFAULT_LIMITS,
-    CallFunction,
-    ChatMessage,
-    ChoiceResult,
-    MessageToolCall,
 )
+from ._openai_writer import END_MESSAGES, ChoiceResult
 from ._refusals import Refusal, check_refused
 from ._tools import FunctionDef, Tool, check_tool_name, check_tool_schemas, check_tools
 
@@ -502,7 +499,7 @@ class ResponsesDialect:
         if status != "in_progress" and self._cause not in ("stop", "length"):
             body["trioserve"] = {
                 "end_cause": self._cause,
-                "message": self._message or _END_MESSAGES.get(self._cause, ""),
+                "message": self._message or END_MESSAGES.get(self._cause, ""),
             }
         return body
 
