@@ -28,11 +28,8 @@ from trioserve._wire._chat import GemmaFormat
 from trioserve._wire._conversation import fold_system_messages, generation_for
 from trioserve._wire._limits import RequestLimits
 from trioserve._wire._openai import ChatMessage, ChoiceResult, ContentPart
-from trioserve._wire._responses import (
-    ResponsesDialect,
-    decode_responses_request,
-    responses_conversation,
-)
+from trioserve._wire._responses import decode_responses_request, responses_conversation
+from trioserve._wire._responses_writer import ResponsesDialect
 
 CLAUDE_CODE = Path(__file__).parent / "data" / "claude_code_request.json"
 GEMMA = GemmaFormat()

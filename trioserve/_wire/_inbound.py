@@ -20,7 +20,8 @@ from ._openai import (
     decode_chat_request,
     decode_completion_prompts,
 )
-from ._responses import ResponsesDialect, decode_responses_request, responses_conversation
+from ._responses import decode_responses_request, responses_conversation
+from ._responses_writer import ResponsesDialect
 from ._spec import DialectSpec, ParsedRequest, ReadOptions, openai_error_body
 
 __all__ = ["CHAT", "COMPLETIONS", "MESSAGES", "OPENAI", "RESPONSES", "SPECS", "spec_for_path"]
