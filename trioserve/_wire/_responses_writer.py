@@ -55,6 +55,45 @@ def _text_format(request: ResponsesRequest) -> dict[str, object]:
     }
 
 
+def _output_items(result: ChoiceResult, status: str) -> list[dict[str, object]]:
+    """A whole response's output items: its reasoning, its message, its calls."""
+    output: list[dict[str, object]] = []
+    if result.reasoning is not None:
+        content = [{"type": "reasoning_text", "text": result.reasoning}]
+        output.append(
+            {
+                "id": new_id("rs_"),
+                "type": "reasoning",
+                "summary": [],
+                "content": content,
+                "status": status,
+            }
+        )
+    if result.text or not result.tool_calls:
+        part = {"type": "output_text", "text": result.text, "annotations": [], "logprobs": []}
+        output.append(
+            {
+                "id": new_id("msg_"),
+                "type": "message",
+                "status": status,
+                "role": "assistant",
+                "content": [part],
+            }
+        )
+    for _call_id, name, arguments in result.tool_calls or ():
+        output.append(
+            {
+                "id": new_id("fc_"),
+                "type": "function_call",
+                "status": status,
+                "call_id": new_id("call_"),
+                "name": name,
+                "arguments": arguments,
+            }
+        )
+    return output
+
+
 class ResponsesDialect:
     """One Responses response: its events or its ``Response`` body. One choice: the
     dialect is its own writer."""
@@ -329,39 +368,7 @@ class ResponsesDialect:
         (result,) = choices
         self._cause = result.cause
         status = "completed" if result.cause == "stop" else "incomplete"
-        if result.reasoning is not None:
-            content = [{"type": "reasoning_text", "text": result.reasoning}]
-            self._output.append(
-                {
-                    "id": new_id("rs_"),
-                    "type": "reasoning",
-                    "summary": [],
-                    "content": content,
-                    "status": status,
-                }
-            )
-        if result.text or not result.tool_calls:
-            part = {"type": "output_text", "text": result.text, "annotations": [], "logprobs": []}
-            self._output.append(
-                {
-                    "id": new_id("msg_"),
-                    "type": "message",
-                    "status": status,
-                    "role": "assistant",
-                    "content": [part],
-                }
-            )
-        for _call_id, name, arguments in result.tool_calls or ():
-            self._output.append(
-                {
-                    "id": new_id("fc_"),
-                    "type": "function_call",
-                    "status": status,
-                    "call_id": new_id("call_"),
-                    "name": name,
-                    "arguments": arguments,
-                }
-            )
+        self._output.extend(_output_items(result, status))
         return encode_json(self._response(status, usage))
 
 
