@@ -18,12 +18,11 @@ from openai.types.responses import Response, ResponseStreamEvent
 from trioserve._core._exceptions import InvalidRequestError, OverloadedError
 from trioserve._core._types import Usage
 from trioserve._wire._anthropic import (
-    AnthropicDialect,
-    anthropic_error,
     decode_count_tokens_request,
     decode_messages_request,
     messages_conversation,
 )
+from trioserve._wire._anthropic_writer import AnthropicDialect, anthropic_error
 from trioserve._wire._chat import GemmaFormat
 from trioserve._wire._conversation import fold_system_messages, generation_for
 from trioserve._wire._limits import RequestLimits

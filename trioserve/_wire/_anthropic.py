@@ -1,7 +1,6 @@
 """Anthropic's Messages API, sans-IO: ``POST /v1/messages`` (and ``count_tokens``)
 bodies in, a :class:`~trioserve._wire._conversation.Conversation` out. The response
-(Anthropic's events or ``Message`` body) and its error bodies: :mod:`._anthropic_writer`
-(its names are here too).
+(Anthropic's events or ``Message`` body) and its error bodies: :mod:`._anthropic_writer`.
 
 Requests are decoded by msgspec in one pass (unknown fields ignored, as Anthropic's
 clients expect); a known field trioserve cannot honour is a 400 naming it. How the
@@ -19,7 +18,6 @@ import msgspec
 
 from .._core._exceptions import InvalidRequestError
 from .._core._types import Constraint, SamplingParams
-from ._anthropic_writer import AnthropicDialect, anthropic_error
 from ._codec import decode as _decode
 from ._conversation import Conversation, fold_system_messages
 from ._limits import RequestLimits
@@ -32,10 +30,8 @@ from ._tools import FunctionDef, Tool, check_tool_name, check_tool_schemas
 
 __all__ = [
     "BILLING_HEADER_PREFIX",
-    "AnthropicDialect",
     "CountTokensRequest",
     "MessagesRequest",
-    "anthropic_error",
     "decode_count_tokens_request",
     "decode_messages_request",
     "messages_conversation",

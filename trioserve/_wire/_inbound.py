@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from ._anthropic import AnthropicDialect, anthropic_error, decode_messages_request, messages_conversation
+from ._anthropic import decode_messages_request, messages_conversation
+from ._anthropic_writer import AnthropicDialect, anthropic_error
 from ._chat import ChatFormat
 from ._choices import ToolMode
 from ._conversation import generation_for
