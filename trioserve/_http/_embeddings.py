@@ -23,7 +23,7 @@ from .._core._exceptions import (
     ServiceUnavailableError,
     TrioserveError,
 )
-from .._wire._embeddings import decode_embeddings_request, embeddings_inputs, embeddings_response
+from .._wire import decode_embeddings_request, embeddings_inputs, embeddings_response
 from ._exchange import (
     Exchange,
     Receive,

@@ -155,12 +155,6 @@ class GenerationHandler:
         #: the API keys: each key's prompt cache is its own (``cache_salt``)
         self.access = access
         self.writer = ResponseWriter(state)
-        settings = state.settings
-        self._options = ReadOptions(
-            limits=settings.request_limits,
-            model_name=self._model,
-            keep_billing_header=settings.keep_billing_header,
-        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
         spec = _SPECS[kind]
@@ -326,7 +320,13 @@ class GenerationHandler:
         """The request, decoded by its route's dialect."""
         read = spec.read
         assert read is not None  # (every generation route has a decoder)
-        return read(body, chat_format, self._options)
+        settings = self.state.settings
+        options = ReadOptions(
+            limits=settings.request_limits,
+            model_name=self._model,
+            keep_billing_header=settings.keep_billing_header,
+        )
+        return read(body, chat_format, options)
 
     def _model(self, requested: str | None) -> str:
         """The name the response carries: the model's own (an alias resolves to it)."""

@@ -25,15 +25,19 @@ from .._core._exceptions import (
     TrioserveError,
 )
 from .._core._registry import ModelEntry
-from .._wire import MESSAGES, encode_json
-from .._wire._anthropic import decode_count_tokens_request, messages_conversation
-from .._wire._conversation import Conversation, generation_for
-from .._wire._models import RouterModelRequest, decode_router_request
-from .._wire._responses import decode_input_tokens_request, responses_conversation
-from .._wire._tokenize import (
+from .._wire import (
+    MESSAGES,
+    RESPONSES,
+    Conversation,
+    DialectSpec,
+    ReadOptions,
+    RouterModelRequest,
     decode_detokenize_request,
+    decode_router_request,
     decode_tokenize_request,
     detokenize_response,
+    encode_json,
+    generation_for,
     tokenize_response,
 )
 from ._access import AccessPolicy, with_access_control
@@ -387,17 +391,23 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 generation.prompt, add_special=generation.add_bos, parse_special=True
             )
 
-    keep_billing_header = state.settings.keep_billing_header
+    def counter(spec: DialectSpec) -> Callable[[bytes], tuple[str | None, Conversation]]:
+        """``spec``'s token-counting decoder, with this server's limits."""
+        count = spec.count
+        assert count is not None
+        keep_billing_header = state.settings.keep_billing_header
 
-    def read_messages(body: bytes) -> tuple[str | None, Conversation]:
-        request = decode_count_tokens_request(body)
-        return request.model, messages_conversation(
-            request, keep_billing_header=keep_billing_header, limits=state.settings.request_limits
-        )
+        def read(body: bytes) -> tuple[str | None, Conversation]:
+            options = ReadOptions(
+                limits=state.settings.request_limits,
+                model_name=lambda requested: state.resolve(requested).name,
+                keep_billing_header=keep_billing_header,
+            )
+            return count(body, options)
 
-    def read_responses(body: bytes) -> tuple[str | None, Conversation]:
-        request = decode_input_tokens_request(body)
-        return request.model, responses_conversation(request, limits=state.settings.request_limits)
+        return read
+
+    read_messages, read_responses = counter(MESSAGES), counter(RESPONSES)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:

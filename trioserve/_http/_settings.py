@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .._wire._limits import RequestLimits
+from .._wire import RequestLimits
 
 __all__ = ["HTTPSettings"]
 

@@ -12,7 +12,7 @@ from .._core._engine import Engine
 from .._core._exceptions import ServiceUnavailableError
 from .._core._registry import Lease, ModelEntry, ModelRegistry
 from .._core._types import EndCause
-from .._wire._chat import ChatFormat, chat_format_for
+from .._wire import ChatFormat, chat_format_for
 from ._metrics import Metrics
 from ._request import InFlightRequest
 from ._settings import HTTPSettings

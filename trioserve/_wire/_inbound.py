@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from ._anthropic import decode_messages_request, messages_conversation
+from ._anthropic import decode_count_tokens_request, decode_messages_request, messages_conversation
 from ._anthropic_writer import AnthropicDialect, anthropic_error
 from ._chat import ChatFormat
 from ._choices import ToolMode
-from ._conversation import generation_for
+from ._conversation import Conversation, generation_for
 from ._dialect import OpenAIDialect
 from ._openai import (
     ChatCompletionRequest,
@@ -21,7 +21,7 @@ from ._openai import (
     decode_chat_request,
     decode_completion_prompts,
 )
-from ._responses import decode_responses_request, responses_conversation
+from ._responses import decode_input_tokens_request, decode_responses_request, responses_conversation
 from ._responses_writer import ResponsesDialect
 from ._spec import DialectSpec, ParsedRequest, ReadOptions, openai_error_body
 
@@ -155,16 +155,33 @@ def _read_responses(body: bytes, chat_format: ChatFormat, options: ReadOptions) 
     )
 
 
+def _count_messages(body: bytes, options: ReadOptions) -> tuple[str | None, Conversation]:
+    """``/v1/messages/count_tokens``: the model it names, the conversation it counts."""
+    request = decode_count_tokens_request(body)
+    return request.model, messages_conversation(
+        request, keep_billing_header=options.keep_billing_header, limits=options.limits
+    )
+
+
+def _count_responses(body: bytes, options: ReadOptions) -> tuple[str | None, Conversation]:
+    """``/v1/responses/input_tokens``: the model it names, the conversation it counts."""
+    request = decode_input_tokens_request(body)
+    return request.model, responses_conversation(request, limits=options.limits)
+
+
 #: every other route of the OpenAI API (models, embeddings, tokenize, errors): its error body
 OPENAI = DialectSpec(kind="openai", error_body=openai_error_body)
 COMPLETIONS = DialectSpec(kind="text", error_body=openai_error_body, read=_read_completions)
 CHAT = DialectSpec(kind="chat", error_body=openai_error_body, read=_read_chat)
-MESSAGES = DialectSpec(kind="messages", error_body=anthropic_error, read=_read_messages)
+MESSAGES = DialectSpec(
+    kind="messages", error_body=anthropic_error, read=_read_messages, count=_count_messages
+)
 RESPONSES = DialectSpec(
     kind="responses",
     error_body=openai_error_body,
     read=_read_responses,
     param_names=MappingProxyType({"max_tokens": "max_output_tokens"}),
+    count=_count_responses,
 )
 
 #: the generation routes, each its dialect's spec

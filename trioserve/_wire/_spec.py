@@ -14,10 +14,19 @@ from .._core._exceptions import InvalidRequestError, TrioserveError
 from .._core._types import GenerationRequest
 from ._chat import ChatFormat
 from ._choices import ToolMode
+from ._conversation import Conversation
 from ._dialect import Dialect
 from ._limits import RequestLimits
 
-__all__ = ["DialectSpec", "ErrorBody", "ParsedRequest", "ReadOptions", "openai_error_body"]
+__all__ = [
+    "CountReader",
+    "DialectSpec",
+    "ErrorBody",
+    "ParsedRequest",
+    "ReadOptions",
+    "RequestReader",
+    "openai_error_body",
+]
 
 #: ``(status, body)`` of an error response, in a dialect's own shape
 ErrorBody = Callable[[TrioserveError], tuple[int, dict[str, object]]]
@@ -82,6 +91,8 @@ class ParsedRequest:
 
 #: decodes a request body into what to run (``ChatFormat``: the model's chat template)
 RequestReader = Callable[[bytes, ChatFormat, ReadOptions], ParsedRequest]
+#: decodes a token-counting body into the model it names and its conversation
+CountReader = Callable[[bytes, ReadOptions], tuple[str | None, Conversation]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +108,9 @@ class DialectSpec:
     #: the engine's field names that this dialect calls otherwise, renamed in its errors
     #: (Responses: ``max_tokens`` is ``max_output_tokens``)
     param_names: Mapping[str, str] | None = None
+    #: its token-counting decoder (``/v1/messages/count_tokens``,
+    #: ``/v1/responses/input_tokens``); ``None``: it has none
+    count: CountReader | None = None
 
     def rename(self, exc: InvalidRequestError) -> None:
         """Name ``exc``'s field as this dialect names it."""
