@@ -21,7 +21,7 @@ from .._core._types import Constraint, SamplingParams
 from ._codec import decode as _decode
 from ._conversation import Conversation, fold_system_messages
 from ._limits import RequestLimits
-from ._messages import CallFunction, ChatMessage, MessageToolCall
+from ._messages import CallFunction, ChatMessage, MessageToolCall, flatten_text
 from ._openai import (
     DEFAULT_LIMITS,
 )
@@ -171,18 +171,12 @@ _REFUSED: tuple[Refusal, ...] = (
 
 
 def _text_of(blocks: str | list[Block] | None, where: str) -> str:
-    if blocks is None:
-        return ""
-    if isinstance(blocks, str):
-        return blocks
-    parts = []
-    for i, block in enumerate(blocks):
-        if block.type != "text" or block.text is None:
-            raise InvalidRequestError(
-                f"{where}[{i}] is a {block.type!r} block; this model reads text only", param=f"{where}[{i}]"
-            )
-        parts.append(block.text)
-    return "\n".join(parts)
+    def refuse(i: int, type_: str) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"{where}[{i}] is a {type_!r} block; this model reads text only", param=f"{where}[{i}]"
+        )
+
+    return flatten_text(blocks, text_types=("text",), joiner="\n", refuse=refuse)
 
 
 def _system_text(system: str | list[Block] | None, keep_billing_header: bool) -> str:

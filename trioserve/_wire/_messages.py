@@ -3,13 +3,49 @@ templates render, whichever API the request came in by."""
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable, Collection, Sequence
+from typing import Literal, Protocol
 
 import msgspec
 
 from .._core._exceptions import InvalidRequestError
 
-__all__ = ["CallFunction", "ChatMessage", "ContentPart", "MessageToolCall"]
+__all__ = ["CallFunction", "ChatMessage", "ContentPart", "MessageToolCall", "TextLike", "flatten_text"]
+
+
+class TextLike(Protocol):
+    """A content part of any dialect: its type, and its text if it has one."""
+
+    type: str
+    text: str | None
+
+
+def flatten_text[P: TextLike](
+    content: str | Sequence[P] | None,
+    *,
+    text_types: Collection[str],
+    joiner: str,
+    refuse: Callable[[int, str], InvalidRequestError],
+) -> str:
+    """The one content-part flattener of every dialect: a message's content as the one
+    text this model reads (a string as it is; parts of ``text_types`` joined by
+    ``joiner``); any other part raises ``refuse(its index, its type)``."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts: list[str] = []
+    for i, part in enumerate(content):
+        if part.type not in text_types or part.text is None:
+            raise refuse(i, part.type)
+        parts.append(part.text)
+    return joiner.join(parts)
+
+
+def _refuse_part(index: int, type_: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"content parts of type {type_!r} are not supported; send text", param="messages"
+    )
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -38,16 +74,4 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     tool_call_id: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts: list[str] = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise InvalidRequestError(
-                    f"content parts of type {part.type!r} are not supported; send text",
-                    param="messages",
-                )
-            parts.append(part.text)
-        return "".join(parts)
+        return flatten_text(self.content, text_types=("text",), joiner="", refuse=_refuse_part)

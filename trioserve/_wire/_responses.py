@@ -22,7 +22,7 @@ from .._core._types import Constraint, SamplingParams
 from ._codec import decode as _decode
 from ._conversation import Conversation, fold_system_messages
 from ._limits import RequestLimits
-from ._messages import CallFunction, ChatMessage, MessageToolCall
+from ._messages import CallFunction, ChatMessage, MessageToolCall, flatten_text
 from ._openai import (
     _ANY_OBJECT,
     DEFAULT_LIMITS,
@@ -149,20 +149,18 @@ _INCLUDE_NOTHING = frozenset({"reasoning.encrypted_content"})
 _MAX_METADATA = 16
 
 
+#: the content parts that are text (a model's own earlier output included)
+_TEXT_TYPES = ("input_text", "output_text", "text")
+
+
 def _content_text(content: str | list[InputContent] | None, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for i, part in enumerate(content):
-        if part.type not in ("input_text", "output_text", "text") or part.text is None:
-            raise InvalidRequestError(
-                f"{where}[{i}] is of type {part.type!r}; this model reads text only (input_text)",
-                param=f"{where}[{i}]",
-            )
-        parts.append(part.text)
-    return "".join(parts)
+    def refuse(i: int, type_: str) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"{where}[{i}] is of type {type_!r}; this model reads text only (input_text)",
+            param=f"{where}[{i}]",
+        )
+
+    return flatten_text(content, text_types=_TEXT_TYPES, joiner="", refuse=refuse)
 
 
 def _chat_messages(items: str | list[InputItem]) -> list[ChatMessage]:
