@@ -19,6 +19,7 @@ import msgspec
 from .._core._exceptions import InvalidRequestError
 from .._core._types import Constraint, SamplingParams
 from ._codec import decode as _decode
+from ._constraints import json_schema_constraint
 from ._conversation import Conversation, fold_system_messages
 from ._limits import RequestLimits
 from ._messages import CallFunction, ChatMessage, MessageToolCall, flatten_text
@@ -380,9 +381,7 @@ def _constraint(request: _MessagesFields, limits: RequestLimits) -> Constraint |
         )
     if not formats:
         return None
-    source = json.dumps(formats[0].schema_)
-    limits.check_schema(source, "output_config.format.schema")
-    return Constraint(kind="json_schema", source=source)
+    return json_schema_constraint(json.dumps(formats[0].schema_), "output_config.format.schema", limits)
 
 
 def messages_conversation(

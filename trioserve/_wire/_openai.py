@@ -17,6 +17,7 @@ from .._core._exceptions import InvalidRequestError
 from .._core._types import Constraint, GenerationRequest, SamplingParams
 from ._codec import decode as _decode
 from ._codec import encode_json
+from ._constraints import ANY_OBJECT, json_schema_constraint
 from ._limits import RequestLimits, top_level_entries
 from ._messages import CallFunction, ChatMessage, ContentPart, MessageToolCall
 from ._openai_writer import (
@@ -279,9 +280,6 @@ def _sampling(request: _CommonFields, limits: RequestLimits = DEFAULT_LIMITS) ->
     )
 
 
-_ANY_OBJECT = '{"type": "object"}'
-
-
 def _constraint(request: _CommonFields, limits: RequestLimits = DEFAULT_LIMITS) -> Constraint | None:
     """The constraint ``response_format`` (or llama-server's ``json_schema``/``grammar``)
     asks for; at most one of them (a schema no larger than ``limits`` allow)."""
@@ -290,8 +288,8 @@ def _constraint(request: _CommonFields, limits: RequestLimits = DEFAULT_LIMITS) 
     if fmt is not None and fmt.type != "text":
         if fmt.type == "json_object":
             schema = fmt.schema_
-            source = _ANY_OBJECT if schema is None else msgspec.json.encode(schema).decode()
-            limits.check_schema(source, "response_format.schema")
+            source = ANY_OBJECT if schema is None else msgspec.json.encode(schema).decode()
+            constraint = json_schema_constraint(source, "response_format.schema", limits)
         else:
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise InvalidRequestError(
@@ -299,12 +297,11 @@ def _constraint(request: _CommonFields, limits: RequestLimits = DEFAULT_LIMITS) 
                     param="response_format.json_schema.schema",
                 )
             source = msgspec.json.encode(fmt.json_schema.schema_).decode()
-            limits.check_schema(source, "response_format.json_schema.schema")
-        asked.append(("response_format", Constraint(kind="json_schema", source=source)))
+            constraint = json_schema_constraint(source, "response_format.json_schema.schema", limits)
+        asked.append(("response_format", constraint))
     if request.json_schema is not None:
         source = msgspec.json.encode(request.json_schema).decode()
-        limits.check_schema(source, "json_schema")
-        asked.append(("json_schema", Constraint(kind="json_schema", source=source)))
+        asked.append(("json_schema", json_schema_constraint(source, "json_schema", limits)))
     if request.grammar:
         size = len(request.grammar.encode())
         if size > limits.max_schema_bytes:

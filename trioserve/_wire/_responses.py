@@ -20,11 +20,11 @@ import msgspec
 from .._core._exceptions import InvalidRequestError
 from .._core._types import Constraint, SamplingParams
 from ._codec import decode as _decode
+from ._constraints import ANY_OBJECT, json_schema_constraint
 from ._conversation import Conversation, fold_system_messages
 from ._limits import RequestLimits
 from ._messages import CallFunction, ChatMessage, MessageToolCall, flatten_text
 from ._openai import (
-    _ANY_OBJECT,
     DEFAULT_LIMITS,
 )
 from ._refusals import Refusal, check_refused
@@ -265,14 +265,12 @@ def _constraint(text: TextConfig | None, limits: RequestLimits) -> Constraint | 
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return Constraint(kind="json_schema", source=_ANY_OBJECT)
+        return Constraint(kind="json_schema", source=ANY_OBJECT)
     if fmt.schema_ is None:
         raise InvalidRequestError(
             "text.format of type json_schema needs schema (a JSON Schema object)", param="text.format.schema"
         )
-    source = json.dumps(fmt.schema_)
-    limits.check_schema(source, "text.format.schema")
-    return Constraint(kind="json_schema", source=source)
+    return json_schema_constraint(json.dumps(fmt.schema_), "text.format.schema", limits)
 
 
 def _check(request: _ResponsesFields) -> None:
