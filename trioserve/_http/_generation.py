@@ -34,7 +34,7 @@ from .._core._exceptions import (
     TrioserveError,
 )
 from .._core._types import EndCause
-from .._wire import SPECS, ChatFormat, Dialect, DialectSpec, ParsedRequest, ReadOptions
+from .._wire import SPECS, ChatFormat, Dialect, DialectSpec, ParsedRequest, ReadOptions, decode
 from ._access import AccessPolicy
 from ._accounting import log_request
 from ._errors import renderer
@@ -112,9 +112,7 @@ def cache_salt(scope: Scope, body: bytes, access: AccessPolicy | None) -> str:
     never kept); else empty (one shared cache). A ``cache_salt`` that is not a string of
     1 to 256 characters is refused (400)."""
     if b'"cache_salt"' in body:  # (a second decode only for the bodies that name it)
-        from .._wire import decode as _decode
-
-        given = _decode(_salt_decoder, body).cache_salt
+        given = decode(_salt_decoder, body).cache_salt
         if given is not None:
             return "salt:" + given
     if access is None or not access.requires_key:
