@@ -136,6 +136,7 @@ def _check_limits(prepared: PreparedPrompt, settings: HTTPSettings, dialect: Dia
     if limit is not None and prepared.max_new_tokens > limit and prepared.request.clamp_max_tokens:
         dialect.limit_max_tokens(limit)
         return dataclasses.replace(prepared, max_new_tokens=limit)
+    if limit is not None and prepared.max_new_tokens > limit:
         asked = prepared.request.max_tokens
         raise InvalidRequestError(
             f"max_tokens may be at most {limit} on this server"

@@ -264,3 +264,4 @@ def failure(events: EventStream, event: Finished) -> TrioserveError:
 class BackendFailed(TrioserveError):
     status = 500
     error_type = "server_error"
+    default_code = "backend_error"
