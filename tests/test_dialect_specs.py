@@ -130,3 +130,54 @@ def test_one_tool_name_check() -> None:
     for bad in ("", "a b", None):
         with pytest.raises(InvalidRequestError, match="must be 1-128"):
             check_tool_name(bad, "tools[0].name", longest=128)
+
+
+class _Told:
+    """A dialect stand-in that records what ``limit_max_tokens`` told it."""
+
+    def __init__(self) -> None:
+        self.limits: list[int] = []
+
+    def limit_max_tokens(self, limit: int) -> None:
+        self.limits.append(limit)
+
+
+def test_the_servers_token_limit_clamps_an_upper_bound_and_refuses_the_rest() -> None:
+    from typing import Any, cast
+
+    from trioserve._core._backend import PreparedPrompt
+    from trioserve._core._types import GenerationRequest
+    from trioserve._http._generation import _check_limits
+    from trioserve._http._settings import HTTPSettings
+
+    settings = HTTPSettings(max_tokens_limit=50)
+    told = _Told()
+    dialect = cast(Any, told)
+    bound = PreparedPrompt(
+        request=GenerationRequest(prompt="x", max_tokens=80, clamp_max_tokens=True),
+        tokens=[1],
+        max_new_tokens=80,
+    )
+    assert _check_limits(bound, settings, dialect).max_new_tokens == 50
+    assert told.limits == [50]
+    asked = PreparedPrompt(
+        request=GenerationRequest(prompt="x", max_tokens=51), tokens=[1], max_new_tokens=51
+    )
+    with pytest.raises(InvalidRequestError, match="max_tokens may be at most 50 on this server; got 51"):
+        _check_limits(asked, settings, dialect)
+    fits = PreparedPrompt(request=GenerationRequest(prompt="x", max_tokens=50), tokens=[1], max_new_tokens=50)
+    assert _check_limits(fits, settings, dialect) is fits
+    assert told.limits == [50]
+
+
+def test_a_failed_backend_is_a_500_with_its_own_code() -> None:
+    from trioserve._http._writing import BackendFailed
+
+    error = BackendFailed("inference failed")
+    assert error.status == 500
+    assert error.to_dict()["error"] == {
+        "message": "inference failed",
+        "type": "server_error",
+        "param": None,
+        "code": "backend_error",
+    }
