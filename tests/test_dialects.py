@@ -18,21 +18,17 @@ from openai.types.responses import Response, ResponseStreamEvent
 from trioserve._core._exceptions import InvalidRequestError, OverloadedError
 from trioserve._core._types import Usage
 from trioserve._wire._anthropic import (
-    AnthropicDialect,
-    anthropic_error,
     decode_count_tokens_request,
     decode_messages_request,
     messages_conversation,
 )
+from trioserve._wire._anthropic_writer import AnthropicDialect, anthropic_error
 from trioserve._wire._chat import GemmaFormat
 from trioserve._wire._conversation import fold_system_messages, generation_for
 from trioserve._wire._limits import RequestLimits
 from trioserve._wire._openai import ChatMessage, ChoiceResult, ContentPart
-from trioserve._wire._responses import (
-    ResponsesDialect,
-    decode_responses_request,
-    responses_conversation,
-)
+from trioserve._wire._responses import decode_responses_request, responses_conversation
+from trioserve._wire._responses_writer import ResponsesDialect
 
 CLAUDE_CODE = Path(__file__).parent / "data" / "claude_code_request.json"
 GEMMA = GemmaFormat()

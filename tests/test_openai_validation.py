@@ -20,8 +20,9 @@ from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 
 from trioserve._core._exceptions import BackendError
 from trioserve._core._types import Usage
-from trioserve._wire._anthropic import AnthropicDialect
-from trioserve._wire._responses import ResponsesDialect, decode_responses_request
+from trioserve._wire._anthropic_writer import AnthropicDialect
+from trioserve._wire._responses import decode_responses_request
+from trioserve._wire._responses_writer import ResponsesDialect
 from trioserve.testing import open_test_server
 
 from . import _openai_validation as validation

@@ -10,6 +10,7 @@ response is rendered by :mod:`._errors`. Imports :mod:`trioserve._core` and
 from ._generation import FINAL_EVENT_TIMEOUT
 from ._request import InFlightRequest, Phase
 from ._routes import create_app
-from ._state import HTTPSettings, ServerState
+from ._settings import HTTPSettings
+from ._state import ServerState
 
 __all__ = ["FINAL_EVENT_TIMEOUT", "HTTPSettings", "InFlightRequest", "Phase", "ServerState", "create_app"]

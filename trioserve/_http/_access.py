@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
 from .._core._exceptions import AuthenticationError, PermissionDeniedError
-from ._errors import render_anthropic_error, render_error
+from ._errors import render_for_path
 
 __all__ = ["AccessPolicy", "with_access_control"]
 
@@ -167,8 +167,7 @@ def with_access_control(app: ASGIApp, policy: AccessPolicy) -> ASGIApp:
         try:
             policy.check(scope)
         except (AuthenticationError, PermissionDeniedError) as exc:
-            render = render_anthropic_error if scope["path"].startswith("/v1/messages") else render_error
-            status, headers, body = render(exc)
+            status, headers, body = render_for_path(exc, scope["path"])
             await _respond(send, status, body, [*headers, *cors_headers])
             return
         if not cors_headers:

@@ -23,7 +23,7 @@ from .._core._exceptions import (
     ServiceUnavailableError,
     TrioserveError,
 )
-from .._wire._embeddings import decode_embeddings_request, embeddings_inputs, embeddings_response
+from .._wire import decode_embeddings_request, embeddings_inputs, embeddings_response
 from ._exchange import (
     Exchange,
     Receive,
@@ -37,7 +37,7 @@ from ._exchange import (
     _request_timeout,
     headers_too_large,
 )
-from ._generation import _INLINE_PARSE_BYTES, _watch_disconnect
+from ._lifecycle import INLINE_PARSE_BYTES, watch_disconnect
 from ._request import InFlightRequest, Phase
 from ._state import ServerState
 
@@ -84,7 +84,7 @@ class EmbeddingsHandler:
         scope, exchange = request.asgi, request.exchange
         _check_content_type(scope)
         body = await _read_body(scope, receive, state.settings.max_body_bytes, state.settings.body_timeout)
-        if len(body) > _INLINE_PARSE_BYTES:
+        if len(body) > INLINE_PARSE_BYTES:
             parsed = await trio.to_thread.run_sync(decode_embeddings_request, body)
         else:
             parsed = decode_embeddings_request(body)
@@ -101,7 +101,7 @@ class EmbeddingsHandler:
             try:
                 with unwrap_group():
                     async with trio.open_nursery() as nursery:
-                        nursery.start_soon(_watch_disconnect, receive, request)
+                        nursery.start_soon(watch_disconnect, receive, request)
                         lease = await state.lease(entry, request, keep_alive)
                         try:
                             request.advance(Phase.QUEUED)

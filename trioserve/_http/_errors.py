@@ -1,15 +1,16 @@
-"""How every error response is rendered: status, headers and the OpenAI-style body."""
+"""How every error response is rendered: status, headers and the body of the route's
+dialect (its :class:`~trioserve._wire.DialectSpec` says which)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
 from .._core._exceptions import TrioserveError
-from .._wire._anthropic import anthropic_error
-from .._wire._openai import encode_json
+from .._wire import OPENAI, SPECS, DialectSpec, ErrorBody, encode_json, spec_for_path
 
-__all__ = ["JSON_HEADERS", "ErrorRenderer", "render_anthropic_error", "render_error"]
+__all__ = ["JSON_HEADERS", "ErrorRenderer", "render_error", "render_for_path", "renderer"]
 
 #: ``(status, headers, body)`` for an error
 ErrorRenderer = Callable[[TrioserveError], tuple[int, list[tuple[bytes, bytes]], bytes]]
@@ -28,15 +29,28 @@ def _headers(exc: TrioserveError) -> list[tuple[bytes, bytes]]:
     return headers
 
 
-def render_error(exc: TrioserveError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """``(status, headers, body)`` for ``exc``, OpenAI's error body: ``Retry-After`` when
-    it says when to retry, ``x-should-retry`` when it knows whether a retry can succeed,
-    ``WWW-Authenticate`` for a missing or wrong API key."""
-    return exc.status, _headers(exc), encode_json(exc.to_dict())
-
-
-def render_anthropic_error(exc: TrioserveError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """The same for the Anthropic Messages endpoints: Anthropic's error body
-    (``{"type": "error", "error": {"type", "message"}}``); a full queue is 529."""
-    status, body = anthropic_error(exc)
+def _render(error_body: ErrorBody, exc: TrioserveError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    status, body = error_body(exc)
     return status, _headers(exc), encode_json(body)
+
+
+def renderer(spec: DialectSpec) -> ErrorRenderer:
+    """``(status, headers, body)`` for an error, in ``spec``'s dialect: its error body
+    (OpenAI's; Anthropic's ``{"type": "error", "error": {"type", "message"}}``, where a
+    full queue is 529), ``Retry-After`` when it says when to retry, ``x-should-retry``
+    when it knows whether a retry can succeed, ``WWW-Authenticate`` for a missing or
+    wrong API key."""
+    return _RENDERERS[spec.kind]
+
+
+def render_for_path(exc: TrioserveError, path: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """``exc`` rendered in the dialect of the route at ``path`` (the routes outside the
+    generation handler, and the ones that match no route)."""
+    return renderer(spec_for_path(path))(exc)
+
+
+_RENDERERS: dict[str, ErrorRenderer] = {
+    spec.kind: functools.partial(_render, spec.error_body) for spec in (OPENAI, *SPECS.values())
+}
+#: OpenAI's rendering: every route but the Anthropic ones
+render_error = renderer(OPENAI)

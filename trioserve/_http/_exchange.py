@@ -17,8 +17,9 @@ from .._core._exceptions import (
     TrioserveError,
     UnsupportedMediaTypeError,
 )
+from .._wire import decode
 from ._errors import JSON_HEADERS, ErrorRenderer, render_error
-from ._state import HTTPSettings
+from ._settings import HTTPSettings
 
 __all__ = ["BodyTimeoutError", "Exchange", "Message", "Receive", "Scope", "Send"]
 
@@ -242,6 +243,4 @@ def _peek_model(body: bytes) -> str | None:
     """The ``model`` a JSON body names (``None``: none). A body that is not a JSON
     object, or whose ``model`` is not a string, is refused here (400), before any model
     is loaded for it."""
-    from .._wire._openai import _decode
-
-    return _decode(_peek_decoder, body).model
+    return decode(_peek_decoder, body).model

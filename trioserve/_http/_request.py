@@ -27,7 +27,7 @@ from .._core._types import EndCause
 if TYPE_CHECKING:
     from .._core._admission import Reservation
     from .._core._engine import EventStream
-    from .._wire._dialect import Dialect
+    from .._wire import Dialect
     from ._exchange import Exchange, Scope
 
 __all__ = ["InFlightRequest", "Kind", "Phase"]

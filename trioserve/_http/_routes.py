@@ -3,6 +3,7 @@ quart-trio, behind the access policy."""
 
 from __future__ import annotations
 
+import functools
 import math
 import uuid
 from collections.abc import Awaitable, Callable
@@ -24,20 +25,24 @@ from .._core._exceptions import (
     TrioserveError,
 )
 from .._core._registry import ModelEntry
-from .._wire._anthropic import decode_count_tokens_request, messages_conversation
-from .._wire._conversation import Conversation, generation_for
-from .._wire._models import RouterModelRequest, decode_router_request
-from .._wire._openai import encode_json
-from .._wire._responses import decode_input_tokens_request, responses_conversation
-from .._wire._tokenize import (
+from .._wire import (
+    MESSAGES,
+    RESPONSES,
+    Conversation,
+    DialectSpec,
+    ReadOptions,
+    RouterModelRequest,
     decode_detokenize_request,
+    decode_router_request,
     decode_tokenize_request,
     detokenize_response,
+    encode_json,
+    generation_for,
     tokenize_response,
 )
 from ._access import AccessPolicy, with_access_control
 from ._embeddings import EMBEDDINGS_PATH, EmbeddingsHandler
-from ._errors import ErrorRenderer, render_anthropic_error, render_error
+from ._errors import ErrorRenderer, render_error, render_for_path, renderer
 from ._exchange import (
     Exchange,
     Receive,
@@ -47,7 +52,8 @@ from ._exchange import (
     body_timeout_error,
     headers_too_large,
 )
-from ._generation import _INLINE_PARSE_BYTES, GENERATION_PATHS, GenerationHandler, presented_key
+from ._generation import GENERATION_PATHS, GenerationHandler, presented_key
+from ._lifecycle import INLINE_PARSE_BYTES
 from ._state import ServerState
 
 __all__ = ["create_app"]
@@ -146,7 +152,7 @@ async def _json_body[T](decode: Callable[[bytes], T]) -> T:
     """The request's body (:func:`_body_bytes`), decoded by ``decode`` (bodies over
     64 KiB: in a worker thread, as the generation endpoints do)."""
     body = await _body_bytes()
-    return await _off_the_loop_if(len(body) > _INLINE_PARSE_BYTES, decode, body)
+    return await _off_the_loop_if(len(body) > INLINE_PARSE_BYTES, decode, body)
 
 
 def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) -> QuartTrio:
@@ -373,7 +379,7 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
         the thread, inside the lease."""
         registry = state.serving_registry()
         body = await _body_bytes()
-        large = len(body) > _INLINE_PARSE_BYTES
+        large = len(body) > INLINE_PARSE_BYTES
         model, conversation = await _off_the_loop_if(large, read, body)
         async with registry.lease(state.resolve(model)) as lease:
             engine = lease.engine
@@ -385,24 +391,30 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 generation.prompt, add_special=generation.add_bos, parse_special=True
             )
 
-    keep_billing_header = state.settings.keep_billing_header
+    def counter(spec: DialectSpec) -> Callable[[bytes], tuple[str | None, Conversation]]:
+        """``spec``'s token-counting decoder, with this server's limits."""
+        count = spec.count
+        assert count is not None
+        keep_billing_header = state.settings.keep_billing_header
 
-    def read_messages(body: bytes) -> tuple[str | None, Conversation]:
-        request = decode_count_tokens_request(body)
-        return request.model, messages_conversation(
-            request, keep_billing_header=keep_billing_header, limits=state.settings.request_limits
-        )
+        def read(body: bytes) -> tuple[str | None, Conversation]:
+            options = ReadOptions(
+                limits=state.settings.request_limits,
+                model_name=lambda requested: state.resolve(requested).name,
+                keep_billing_header=keep_billing_header,
+            )
+            return count(body, options)
 
-    def read_responses(body: bytes) -> tuple[str | None, Conversation]:
-        request = decode_input_tokens_request(body)
-        return request.model, responses_conversation(request, limits=state.settings.request_limits)
+        return read
+
+    read_messages, read_responses = counter(MESSAGES), counter(RESPONSES)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
         try:
             tokens = await count(read_messages)
         except TrioserveError as exc:
-            return _error_response(exc, render_anthropic_error)
+            return _error_response(exc, renderer(MESSAGES))
         return _json_response({"input_tokens": tokens})
 
     @app.post("/v1/responses/input_tokens")
@@ -417,14 +429,14 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
     async def not_found(_error: Exception) -> Response:
         from quart import request
 
-        render = render_anthropic_error if request.path.startswith("/v1/messages") else render_error
+        render = functools.partial(render_for_path, path=request.path)
         return _error_response(NotFoundError(f"no route for {request.method} {request.path}"), render)
 
     @app.errorhandler(405)
     async def method_not_allowed(_error: Exception) -> Response:
         from quart import request
 
-        render = render_anthropic_error if request.path.startswith("/v1/messages") else render_error
+        render = functools.partial(render_for_path, path=request.path)
         return _error_response(
             MethodNotAllowedError(f"{request.path} does not accept {request.method}"), render
         )
@@ -434,14 +446,14 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
         # (quart's own BODY_TIMEOUT: a backstop behind _body_bytes's)
         from quart import request
 
-        render = render_anthropic_error if request.path.startswith("/v1/messages") else render_error
+        render = functools.partial(render_for_path, path=request.path)
         return _error_response(body_timeout_error(app.config["BODY_TIMEOUT"]), render)
 
     @app.errorhandler(413)
     async def too_large(_error: Exception) -> Response:
         from quart import request
 
-        render = render_anthropic_error if request.path.startswith("/v1/messages") else render_error
+        render = functools.partial(render_for_path, path=request.path)
         return _error_response(PayloadTooLargeError("the request body is too large"), render)
 
     return app

@@ -30,7 +30,8 @@ from ._access import AccessPolicy
 from ._generation import FINAL_EVENT_TIMEOUT
 from ._hypercorn_patches import patch_hypercorn_connection_registry, patch_hypercorn_h2_backpressure
 from ._routes import create_app
-from ._state import HTTPSettings, ServerState
+from ._settings import HTTPSettings
+from ._state import ServerState
 
 __all__ = ["Server", "ServerSettings", "serve_until_signalled"]
 

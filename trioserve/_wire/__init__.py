@@ -1,4 +1,54 @@
 """The wire format: OpenAI request/response bodies, server-sent events, chat templates.
 
-Pure functions over bytes and core types; no I/O, no Trio.
+Pure functions over bytes and core types; no I/O, no Trio. The face: the codec every
+body goes through (:mod:`._codec`) and the dialect specs the HTTP layer picks per route.
 """
+
+from ._chat import ChatFormat, chat_format_for
+from ._choices import finished_choice
+from ._codec import decode, encode_json
+from ._conversation import Conversation, generation_for
+from ._dialect import Dialect
+from ._embeddings import decode_embeddings_request, embeddings_inputs, embeddings_response
+from ._inbound import CHAT, COMPLETIONS, MESSAGES, OPENAI, RESPONSES, SPECS, spec_for_path
+from ._limits import RequestLimits
+from ._models import RouterModelRequest, decode_router_request
+from ._spec import DialectSpec, ErrorBody, ParsedRequest, ReadOptions
+from ._tokenize import (
+    decode_detokenize_request,
+    decode_tokenize_request,
+    detokenize_response,
+    tokenize_response,
+)
+
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "MESSAGES",
+    "OPENAI",
+    "RESPONSES",
+    "SPECS",
+    "ChatFormat",
+    "Conversation",
+    "Dialect",
+    "DialectSpec",
+    "ErrorBody",
+    "ParsedRequest",
+    "ReadOptions",
+    "RequestLimits",
+    "RouterModelRequest",
+    "chat_format_for",
+    "decode",
+    "decode_detokenize_request",
+    "decode_embeddings_request",
+    "decode_router_request",
+    "decode_tokenize_request",
+    "detokenize_response",
+    "embeddings_inputs",
+    "embeddings_response",
+    "encode_json",
+    "finished_choice",
+    "generation_for",
+    "spec_for_path",
+    "tokenize_response",
+]

@@ -17,7 +17,7 @@ from typing import Any
 
 from .._core._exceptions import ChatTemplateError, InvalidRequestError
 from ._limits import MAX_JSON_DEPTH, json_depth, nested_too_deep
-from ._openai import ChatMessage
+from ._messages import ChatMessage
 from ._tools import Tool, parameters_of
 
 __all__ = ["ChatFormat", "chat_format_for", "template_environment"]

@@ -14,7 +14,7 @@ from typing import Literal
 import msgspec
 
 from .._core._types import EndCause, TokenLogprob
-from ._openai import ChoiceResult, ChunkEncoder
+from ._openai_writer import ChoiceResult, ChunkEncoder
 from ._tools import StreamedCallParser, new_call_id, parse_calls
 
 __all__ = [

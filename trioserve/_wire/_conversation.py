@@ -13,7 +13,7 @@ from .._core._exceptions import InvalidRequestError
 from .._core._types import Constraint, GenerationRequest, SamplingParams
 from ._chat import ChatFormat, ChatPrompt
 from ._choices import ToolMode
-from ._openai import ChatMessage
+from ._messages import ChatMessage
 from ._tools import Tool, call_constraint
 
 __all__ = ["Conversation", "fold_system_messages", "generation_for", "new_id"]

@@ -18,7 +18,7 @@ from typing import Literal, Protocol
 from .._core._exceptions import TrioserveError
 from .._core._types import EndCause, TokenLogprob, Usage
 from ._choices import ChoiceStream, ToolMode
-from ._openai import ChoiceResult, ChunkEncoder, error_event, non_stream_response
+from ._openai_writer import ChoiceResult, ChunkEncoder, error_event, non_stream_response
 from ._sse import HEARTBEAT
 
 __all__ = ["ChoiceWriter", "Dialect", "OpenAIDialect"]
@@ -65,6 +65,12 @@ class Dialect(Protocol):
 
     def body(self, choices: Sequence[ChoiceResult], usage: Usage) -> bytes:
         """The body of a non-streamed response."""
+        ...
+
+    def limit_max_tokens(self, limit: int) -> None:
+        """The server's ``--max-tokens-limit`` bounds this response below what it asked
+        for (only a request whose ``max_tokens`` is an upper bound, Anthropic's, is held
+        to it rather than refused): the dialect that reports why it stopped notes it."""
         ...
 
 
@@ -119,3 +125,6 @@ class OpenAIDialect:
 
     def body(self, choices: Sequence[ChoiceResult], usage: Usage) -> bytes:
         return non_stream_response(self.kind, model=self.model, usage=usage, choices=choices)
+
+    def limit_max_tokens(self, limit: int) -> None:
+        """(Its ``max_tokens`` is refused above the limit, never held to it.)"""

@@ -11,7 +11,8 @@ from typing import Literal
 import msgspec
 
 from .._core._exceptions import InvalidRequestError
-from ._openai import _decode, encode_json
+from ._codec import decode as _decode
+from ._codec import encode_json
 
 __all__ = [
     "MAX_INPUTS",

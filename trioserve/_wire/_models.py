@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ._openai import _decode
+from ._codec import decode as _decode
 
 __all__ = ["RouterModelRequest", "decode_router_request"]
 

@@ -1,7 +1,7 @@
 """OpenAI's Responses API, stateless, sans-IO: ``POST /v1/responses`` (and
 ``/v1/responses/input_tokens``) bodies in, a
-:class:`~trioserve._wire._conversation.Conversation` out; the response as Responses
-events (each with its ``sequence_number``) or a ``Response`` body.
+:class:`~trioserve._wire._conversation.Conversation` out. The response (Responses events
+or a ``Response`` body): :mod:`._responses_writer`.
 
 Nothing is stored: ``store: true`` and ``previous_response_id`` are refused by name, as
 Codex CLI needs nothing else (``store: false``, the whole ``input`` each turn). The
@@ -12,34 +12,26 @@ mapping and choices: ``docs/dialects.md``; the field table: ``docs/api.md``,
 from __future__ import annotations
 
 import json
-import re
-import time
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
 
-from .._core._exceptions import InvalidRequestError, TrioserveError
-from .._core._types import Constraint, EndCause, SamplingParams, TokenLogprob, Usage
-from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ThinkingPart, ToolMode
-from ._conversation import Conversation, fold_system_messages, new_id
+from .._core._exceptions import InvalidRequestError
+from .._core._types import Constraint, SamplingParams
+from ._codec import decode as _decode
+from ._constraints import ANY_OBJECT, json_schema_constraint
+from ._conversation import Conversation, fold_system_messages
 from ._limits import RequestLimits
+from ._messages import CallFunction, ChatMessage, MessageToolCall, flatten_text
 from ._openai import (
-    _ANY_OBJECT,
-    _END_MESSAGES,
     DEFAULT_LIMITS,
-    CallFunction,
-    ChatMessage,
-    ChoiceResult,
-    MessageToolCall,
-    _decode,
-    encode_json,
 )
-from ._tools import FunctionDef, Tool, check_tool_schemas, check_tools
+from ._refusals import Refusal, check_refused
+from ._tools import FunctionDef, Tool, check_tool_name, check_tool_schemas, check_tools
 
 __all__ = [
     "InputTokensRequest",
-    "ResponsesDialect",
     "ResponsesRequest",
     "decode_input_tokens_request",
     "decode_responses_request",
@@ -139,17 +131,16 @@ class ResponsesRequest(_ResponsesFields, kw_only=True):
     prompt_cache_retention: str | None = None
 
 
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _responses_decoder = msgspec.json.Decoder(ResponsesRequest)
 _input_tokens_decoder = msgspec.json.Decoder(InputTokensRequest)
 
-_REFUSED: tuple[tuple[str, str], ...] = (
-    ("previous_response_id", "responses are not stored here; send the whole conversation in input"),
-    ("conversation", "conversations are not stored here; send the whole conversation in input"),
-    ("prompt", "there are no stored prompt templates here; send instructions and input"),
-    ("background", "responses run in the foreground here (stream to see progress)"),
-    ("context_management", "this server does not compact the context; send the input to use"),
-    ("moderation", "this server runs no moderation"),
+_REFUSED: tuple[Refusal, ...] = (
+    ("previous_response_id", (None,), "responses are not stored here; send the whole conversation in input"),
+    ("conversation", (None,), "conversations are not stored here; send the whole conversation in input"),
+    ("prompt", (None,), "there are no stored prompt templates here; send instructions and input"),
+    ("background", (None, False), "responses run in the foreground here (stream to see progress)"),
+    ("context_management", (None,), "this server does not compact the context; send the input to use"),
+    ("moderation", (None,), "this server runs no moderation"),
 )
 #: ``include`` values that are honoured trivially: no reasoning is ever encrypted here
 #: (a reasoning model's reasoning is sent as text, in a ``reasoning`` item)
@@ -158,20 +149,18 @@ _INCLUDE_NOTHING = frozenset({"reasoning.encrypted_content"})
 _MAX_METADATA = 16
 
 
+#: the content parts that are text (a model's own earlier output included)
+_TEXT_TYPES = ("input_text", "output_text", "text")
+
+
 def _content_text(content: str | list[InputContent] | None, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for i, part in enumerate(content):
-        if part.type not in ("input_text", "output_text", "text") or part.text is None:
-            raise InvalidRequestError(
-                f"{where}[{i}] is of type {part.type!r}; this model reads text only (input_text)",
-                param=f"{where}[{i}]",
-            )
-        parts.append(part.text)
-    return "".join(parts)
+    def refuse(i: int, type_: str) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"{where}[{i}] is of type {type_!r}; this model reads text only (input_text)",
+            param=f"{where}[{i}]",
+        )
+
+    return flatten_text(content, text_types=_TEXT_TYPES, joiner="", refuse=refuse)
 
 
 def _chat_messages(items: str | list[InputItem]) -> list[ChatMessage]:
@@ -232,11 +221,8 @@ def _tools(tools: Sequence[ResponsesTool] | None, limits: RequestLimits) -> list
                 "(run the rest on the client)",
                 param=f"tools[{i}].type",
             )
-        if not tool.name or not _TOOL_NAME.match(tool.name):
-            raise InvalidRequestError(
-                f"tools[{i}].name {tool.name!r} must be 1-64 letters, digits, '_' or '-'",
-                param=f"tools[{i}].name",
-            )
+        check_tool_name(tool.name, f"tools[{i}].name")
+        assert tool.name is not None  # (checked)
         out.append(
             Tool(
                 type="function",
@@ -279,21 +265,16 @@ def _constraint(text: TextConfig | None, limits: RequestLimits) -> Constraint | 
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return Constraint(kind="json_schema", source=_ANY_OBJECT)
+        return Constraint(kind="json_schema", source=ANY_OBJECT)
     if fmt.schema_ is None:
         raise InvalidRequestError(
             "text.format of type json_schema needs schema (a JSON Schema object)", param="text.format.schema"
         )
-    source = json.dumps(fmt.schema_)
-    limits.check_schema(source, "text.format.schema")
-    return Constraint(kind="json_schema", source=source)
+    return json_schema_constraint(json.dumps(fmt.schema_), "text.format.schema", limits)
 
 
 def _check(request: _ResponsesFields) -> None:
-    for name, why in _REFUSED:
-        value = getattr(request, name)
-        if value is not None and not (name == "background" and value is False):  # (false: OpenAI's default)
-            raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
+    check_refused(request, _REFUSED)  # (background: false is OpenAI's default)
     if request.reasoning is not None and request.reasoning not in ({}, {"effort": None}, {"effort": "none"}):
         raise InvalidRequestError(
             "reasoning is not supported: this server does not control reasoning effort "
@@ -405,354 +386,3 @@ def decode_responses_request(body: bytes) -> ResponsesRequest:
 
 def decode_input_tokens_request(body: bytes) -> InputTokensRequest:
     return _decode(_input_tokens_decoder, body)
-
-
-# -- responses ------------------------------------------------------------------------
-
-
-class ResponsesDialect:
-    """One Responses response: its events or its ``Response`` body. One choice: the
-    dialect is its own writer."""
-
-    heartbeat = b": ping\n\n"
-
-    def __init__(
-        self,
-        model: str,
-        request: ResponsesRequest,
-        *,
-        tool_mode: ToolMode = "none",
-        tool_names: Sequence[str] = (),
-        reasoning: tuple[str, str] | None = None,
-        inside: bool = False,
-        parallel_calls: bool = True,
-    ) -> None:
-        self.model = model
-        self.id = new_id("resp_")
-        self.created_at = int(time.time())
-        self._request = request
-        self._reader = ChoiceReader(
-            tool_mode, tool_names, reasoning=reasoning, inside=inside, parallel_calls=parallel_calls
-        )
-        self._reasoning = reasoning is not None
-        self._sequence = 0
-        #: the finished output items, and the open one (a message or a call)
-        self._output: list[dict[str, object]] = []
-        self._item: dict[str, object] | None = None
-        self._texts: list[str] = []
-        self._cause: EndCause = "stop"
-        self._message: str | None = None
-        self.writers = [self]
-        self._delta_prefix = b""
-
-    # -- the response object
-
-    def _tools(self) -> list[dict[str, object]]:
-        return [
-            {
-                "type": "function",
-                "name": tool.name,
-                "description": tool.description,
-                "parameters": tool.parameters,
-                "strict": tool.strict,
-            }
-            for tool in self._request.tools or ()
-        ]
-
-    def _tool_choice(self) -> object:
-        choice = self._request.tool_choice
-        if isinstance(choice, ToolChoiceFunction):
-            return {"type": "function", "name": choice.name}
-        return choice or "auto"
-
-    def _text_format(self) -> dict[str, object]:
-        text = self._request.text
-        fmt = text.format if text is not None else None
-        if fmt is None or fmt.type != "json_schema":
-            return {"type": fmt.type if fmt is not None else "text"}
-        return {
-            "type": "json_schema",
-            "name": fmt.name or "response",
-            "schema": fmt.schema_,
-            "strict": fmt.strict,
-            "description": fmt.description,
-        }
-
-    def _response(
-        self, status: str, usage: Usage | None, error: TrioserveError | None = None
-    ) -> dict[str, object]:
-        request = self._request
-        body: dict[str, object] = {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created_at,
-            "status": status,
-            "error": {"code": "server_error", "message": error.message} if error is not None else None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": request.instructions,
-            "max_output_tokens": request.max_output_tokens,
-            "metadata": request.metadata or {},
-            "model": self.model,
-            "output": list(self._output),
-            "parallel_tool_calls": request.parallel_tool_calls is not False,
-            "previous_response_id": None,
-            "reasoning": None,
-            "store": False,
-            "temperature": 1.0 if request.temperature is None else request.temperature,
-            "text": {"format": self._text_format()},
-            "tool_choice": self._tool_choice(),
-            "tools": self._tools(),
-            "top_p": 1.0 if request.top_p is None else request.top_p,
-            "truncation": "disabled",
-            "usage": _usage(usage) if usage is not None else None,
-        }
-        if status != "in_progress" and self._cause not in ("stop", "length"):
-            body["trioserve"] = {
-                "end_cause": self._cause,
-                "message": self._message or _END_MESSAGES.get(self._cause, ""),
-            }
-        return body
-
-    # -- events
-
-    def _event(self, payload: dict[str, object]) -> bytes:
-        payload["sequence_number"] = self._sequence
-        self._sequence += 1
-        return b"event: " + str(payload["type"]).encode() + b"\ndata: " + encode_json(payload) + b"\n\n"
-
-    def _open_message(self) -> bytes:
-        item: dict[str, object] = {
-            "id": new_id("msg_"),
-            "type": "message",
-            "status": "in_progress",
-            "role": "assistant",
-            "content": [],
-        }
-        self._item, self._texts = item, []
-        index = len(self._output)
-        self._delta_prefix = (
-            b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","item_id":'
-            + encode_json(item["id"])
-            + b',"output_index":'
-            + str(index).encode()
-            + b',"content_index":0,"logprobs":[],"delta":'
-        )
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return self._event(
-            {"type": "response.output_item.added", "output_index": index, "item": dict(item)}
-        ) + self._event(
-            {
-                "type": "response.content_part.added",
-                "item_id": item["id"],
-                "output_index": index,
-                "content_index": 0,
-                "part": part,
-            }
-        )
-
-    def _open_call(self, name: str) -> bytes:
-        out = self._close()
-        item: dict[str, object] = {
-            "id": new_id("fc_"),
-            "type": "function_call",
-            "status": "in_progress",
-            "call_id": new_id("call_"),
-            "name": name,
-            "arguments": "",
-        }
-        self._item, self._texts = item, []
-        return out + self._event(
-            {"type": "response.output_item.added", "output_index": len(self._output), "item": dict(item)}
-        )
-
-    def _open_reasoning(self) -> bytes:
-        out = self._close()
-        item: dict[str, object] = {
-            "id": new_id("rs_"),
-            "type": "reasoning",
-            "summary": [],
-            "status": "in_progress",
-        }
-        self._item, self._texts = item, []
-        return out + self._event(
-            {"type": "response.output_item.added", "output_index": len(self._output), "item": dict(item)}
-        )
-
-    def _reasoning_delta(self, text: str) -> bytes:
-        assert self._item is not None
-        self._texts.append(text)
-        return self._event(
-            {
-                "type": "response.reasoning_text.delta",
-                "item_id": self._item["id"],
-                "output_index": len(self._output),
-                "content_index": 0,
-                "delta": text,
-            }
-        )
-
-    def _close(self, status: str = "completed") -> bytes:
-        item = self._item
-        if item is None:
-            return b""
-        self._item = None
-        index = len(self._output)
-        text = "".join(self._texts)
-        item["status"] = status
-        if item["type"] == "reasoning":
-            item["content"] = [{"type": "reasoning_text", "text": text}]
-            out = self._event(
-                {
-                    "type": "response.reasoning_text.done",
-                    "item_id": item["id"],
-                    "output_index": index,
-                    "content_index": 0,
-                    "text": text,
-                }
-            )
-        elif item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            item["content"] = [part]
-            out = self._event(
-                {
-                    "type": "response.output_text.done",
-                    "item_id": item["id"],
-                    "output_index": index,
-                    "content_index": 0,
-                    "text": text,
-                    "logprobs": [],
-                }
-            ) + self._event(
-                {
-                    "type": "response.content_part.done",
-                    "item_id": item["id"],
-                    "output_index": index,
-                    "content_index": 0,
-                    "part": part,
-                }
-            )
-        else:
-            item["arguments"] = text
-            out = self._event(
-                {
-                    "type": "response.function_call_arguments.done",
-                    "item_id": item["id"],
-                    "output_index": index,
-                    "name": item["name"],
-                    "arguments": text,
-                }
-            )
-        self._output.append(item)
-        return out + self._event({"type": "response.output_item.done", "output_index": index, "item": item})
-
-    def plain_delta(self, text: str) -> bytes:
-        self._texts.append(text)
-        sequence = self._sequence
-        self._sequence = sequence + 1
-        return b'%b%b,"sequence_number":%d}\n\n' % (self._delta_prefix, encode_json(text), sequence)
-
-    def _arguments(self, fragment: str) -> bytes:
-        assert self._item is not None
-        self._texts.append(fragment)
-        return self._event(
-            {
-                "type": "response.function_call_arguments.delta",
-                "item_id": self._item["id"],
-                "output_index": len(self._output),
-                "delta": fragment,
-            }
-        )
-
-    def opening(self, prompt_tokens: int) -> bytes:
-        response = self._response("in_progress", None)
-        out = self._event({"type": "response.created", "response": response}) + self._event(
-            {"type": "response.in_progress", "response": response}
-        )
-        if self._reader.mode == "none" and not self._reasoning:
-            out += self._open_message()
-        return out
-
-    def _encode(self, parts: tuple[Part, ...]) -> bytes:
-        out = b""
-        for part in parts:
-            if type(part) is TextPart:
-                if self._item is None or self._item["type"] != "message":
-                    out += self._close() + self._open_message()
-                out += self.plain_delta(part.text)
-            elif type(part) is ThinkingPart:
-                if self._item is None or self._item["type"] != "reasoning":
-                    out += self._open_reasoning()
-                out += self._reasoning_delta(part.text)
-            elif type(part) is CallStart:
-                out += self._open_call(part.name)
-                if part.arguments:
-                    out += self._arguments(part.arguments)
-            else:
-                assert isinstance(part, CallArguments)
-                out += self._arguments(part.fragment)
-        return out
-
-    def delta(self, text: str, logprobs: Sequence[TokenLogprob] | None) -> bytes:
-        return self._encode(self._reader.feed(text, logprobs))
-
-    def finish(self, cause: EndCause, message: str | None = None, stop_sequence: str | None = None) -> bytes:
-        out = self._encode(self._reader.finish(cause))
-        self._cause, self._message = cause, message
-        return out + self._close("completed" if cause == "stop" else "incomplete")
-
-    def end(self, usage: Usage) -> bytes:
-        status = "completed" if self._cause == "stop" else "incomplete"
-        return self._event({"type": f"response.{status}", "response": self._response(status, usage)})
-
-    def stream_error(self, error: TrioserveError) -> bytes:
-        self._cause, self._message = "error", error.message
-        return self._event({"type": "response.failed", "response": self._response("failed", None, error)})
-
-    def body(self, choices: Sequence[ChoiceResult], usage: Usage) -> bytes:
-        (result,) = choices
-        self._cause = result.cause
-        status = "completed" if result.cause == "stop" else "incomplete"
-        if result.reasoning is not None:
-            content = [{"type": "reasoning_text", "text": result.reasoning}]
-            self._output.append(
-                {
-                    "id": new_id("rs_"),
-                    "type": "reasoning",
-                    "summary": [],
-                    "content": content,
-                    "status": status,
-                }
-            )
-        if result.text or not result.tool_calls:
-            part = {"type": "output_text", "text": result.text, "annotations": [], "logprobs": []}
-            self._output.append(
-                {
-                    "id": new_id("msg_"),
-                    "type": "message",
-                    "status": status,
-                    "role": "assistant",
-                    "content": [part],
-                }
-            )
-        for _call_id, name, arguments in result.tool_calls or ():
-            self._output.append(
-                {
-                    "id": new_id("fc_"),
-                    "type": "function_call",
-                    "status": status,
-                    "call_id": new_id("call_"),
-                    "name": name,
-                    "arguments": arguments,
-                }
-            )
-        return encode_json(self._response(status, usage))
-
-
-def _usage(usage: Usage) -> dict[str, object]:
-    return {
-        "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
-        "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": usage.total_tokens,
-    }

@@ -4,7 +4,7 @@ The shapes are llama-server's (``tools/server/server-context.cpp``, ``post_token
 and ``post_detokenize``, in the llama.cpp that llama-cpp-python 0.3.36 vendors), so its
 clients work unchanged. Where trioserve differs, it refuses what llama-server would
 silently accept (a missing ``content`` or ``tokens``, an id out of the vocabulary): 400
-with the field named, decoded like the OpenAI bodies (``_openai._decode``). The
+with the field named, decoded like every other body (``_codec.decode``). The
 choices: ``docs/api.md``, "Tokenizing".
 """
 
@@ -15,7 +15,8 @@ from typing import Annotated
 
 import msgspec
 
-from ._openai import _decode, encode_json
+from ._codec import decode as _decode
+from ._codec import encode_json
 
 __all__ = [
     "DetokenizeRequest",

@@ -34,6 +34,7 @@ __all__ = [
     "ToolChoiceFunction",
     "ToolChoiceObject",
     "call_constraint",
+    "check_tool_name",
     "new_call_id",
     "parse_calls",
 ]
@@ -60,7 +61,19 @@ class ToolChoiceObject(msgspec.Struct, kw_only=True):
     function: ToolChoiceFunction
 
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+#: the tool names each dialect accepts, by their longest (Anthropic's: 128; OpenAI's: 64)
+_NAMES = {64: re.compile(r"^[A-Za-z0-9_-]{1,64}$"), 128: re.compile(r"^[A-Za-z0-9_-]{1,128}$")}
+
+
+def check_tool_name(name: str | None, param: str, longest: int = 64) -> None:
+    """The one tool-name check of every dialect: 1 to ``longest`` letters, digits, ``_``
+    or ``-`` (a 400 naming ``param`` otherwise)."""
+    if name is None or not _NAMES[longest].match(name):
+        raise InvalidRequestError(
+            f"{param} {name!r} must be 1-{longest} letters, digits, '_' or '-'", param=param
+        )
+
+
 _EMPTY_PARAMETERS: dict[str, object] = {"type": "object", "properties": {}}
 
 
@@ -96,11 +109,7 @@ def check_tools(tools: Sequence[Tool], limits: RequestLimits | None = None) -> N
                 param=f"tools[{i}].type",
             )
         name = tool.function.name
-        if not _NAME.match(name):
-            raise InvalidRequestError(
-                f"tools[{i}].function.name {name!r} must be 1-64 letters, digits, '_' or '-'",
-                param=f"tools[{i}].function.name",
-            )
+        check_tool_name(name, f"tools[{i}].function.name")
         if name in seen:
             raise InvalidRequestError(f"two tools are named {name!r}", param="tools")
         seen.add(name)

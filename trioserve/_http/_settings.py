@@ -1,0 +1,50 @@
+"""The HTTP surface's limits and defaults: :class:`HTTPSettings`. A module of its own (it
+imports nothing of ``_http``), so the exchange can read them without the server state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .._wire import RequestLimits
+
+__all__ = ["HTTPSettings"]
+
+
+@dataclass(kw_only=True)
+class HTTPSettings:
+    """Limits and defaults of the HTTP surface.
+
+    Attributes:
+        max_body_bytes: request bodies larger than this get 413.
+        max_header_bytes: requests whose headers add up to more get 431.
+        max_prompt_tokens: prompts longer than this get 400 (``None``: the context).
+        max_tokens_limit: ``max_tokens`` above this gets 400 (``None``: the context).
+        default_timeout: seconds a request may take (queue + prefill + decode) when it
+            does not say; ``None``: no limit.
+        max_timeout: the cap on ``X-Request-Timeout``; ``None``: no cap.
+        heartbeat_interval: a stream silent this long (queued, in a long prefill) gets
+            an SSE comment line; ``None`` or 0: no heartbeats.
+        model_aliases: other names accepted in the ``model`` field.
+        keep_billing_header: keep Claude Code's ``x-anthropic-billing-header`` system
+            block in the prompt (by default it is removed: it changes every request and
+            would defeat the prompt cache; docs/dialects.md).
+        body_timeout: seconds a request's body may take to arrive in full (from the
+            headers); past it, 408 ``request_timeout``. ``None``: no limit.
+        max_embedding_tokens: the most tokens one ``/v1/embeddings`` request's inputs
+            may hold together (400 beyond, naming both); ``None``: no limit.
+        request_limits: what one request may ask for: stop sequences, ``logit_bias``
+            entries, tools, schema sizes, messages (docs/api.md, "Limits").
+    """
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_header_bytes: int = 16 * 1024
+    max_prompt_tokens: int | None = None
+    max_tokens_limit: int | None = None
+    heartbeat_interval: float | None = 15.0
+    default_timeout: float | None = None
+    max_timeout: float | None = 600.0
+    model_aliases: tuple[str, ...] = ()
+    keep_billing_header: bool = False
+    body_timeout: float | None = 30.0
+    max_embedding_tokens: int | None = 65536
+    request_limits: RequestLimits = field(default_factory=RequestLimits)

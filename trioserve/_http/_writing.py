@@ -1,0 +1,267 @@
+"""How a generation response is written, whichever its dialect: a plain stream (the hot
+path), a stream of several choices or with tool calls, a collected body, and the end of a
+response cut short. The dialect (:class:`~trioserve._wire.Dialect`) supplies the bytes;
+this module only decides when they go and how the last of them is bounded."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import trio
+
+from .._core._engine import EventStream
+from .._core._exceptions import DeadlineExceededError, ServiceUnavailableError, TrioserveError
+from .._core._types import Finished, TextDelta, TokenLogprob, Usage
+from .._wire import ParsedRequest, finished_choice
+from ._lifecycle import FINAL_EVENT_TIMEOUT, Heartbeat, send_last
+from ._request import InFlightRequest, Phase
+from ._state import ServerState
+
+__all__ = ["BackendFailed", "ResponseWriter", "failure", "usage_of"]
+
+
+def usage_of(choices: list[EventStream]) -> Usage:
+    """The usage of a response: each prompt once (the first choice of each ``n``; the
+    others shared its evaluation), the completions of every choice."""
+    first = choices[0].usage
+    if len(choices) == 1:
+        return first
+    prompts = [events for events in choices if events.choice_index == 0]
+    return Usage(
+        prompt_tokens=sum(events.usage.prompt_tokens for events in prompts),
+        completion_tokens=sum(events.usage.completion_tokens for events in choices),
+        cached_tokens=sum(events.usage.cached_tokens for events in prompts),
+    )
+
+
+class ResponseWriter:
+    """Writes each generation response of a server, from its first event to its last byte."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def stream(
+        self, request: InFlightRequest, events: EventStream, heartbeat: Heartbeat | None
+    ) -> None:
+        dialect = request.dialect
+        assert dialect is not None
+        body = request.exchange.body
+        delta = dialect.plain_delta
+        observe_gap = self.state.metrics.inter_token_latency.observe
+        perf_counter = time.perf_counter
+        previous = 0.0
+        async for event in events:
+            if request.phase is Phase.QUEUED:  # the first event
+                if heartbeat is not None:
+                    await heartbeat.hand_over()  # from here on, this task is the only writer
+                request.advance(Phase.STREAMING)
+            if type(event) is TextDelta:
+                now = perf_counter()
+                if previous:
+                    observe_gap(now - previous)
+                previous = now
+                await body(delta(event.text))
+            else:
+                assert isinstance(event, Finished)
+                if event.reason == "error":
+                    final = dialect.stream_error(failure(events, event))
+                else:
+                    writer = dialect.writers[0]
+                    final = writer.finish(event.reason, event.message, event.stop_sequence)
+                    final += dialect.end(event.usage)
+                await self._end(request, final, event)
+
+    async def stream_choices(
+        self, request: InFlightRequest, parsed: ParsedRequest, heartbeat: Heartbeat | None
+    ) -> None:
+        """A stream that needs more than text deltas (log-probabilities, tool calls) or
+        has several choices: one reader per choice, one writer (this task)."""
+        body = request.exchange.body
+        choices = request.choices
+        dialect = parsed.dialect
+        # (a deadline or shutdown finishes the writers too: text they hold goes out)
+        writers = dialect.writers
+        send, receive = trio.open_memory_channel[tuple[int, TextDelta | Finished]](0)
+
+        async def read(
+            index: int, events: EventStream, out: trio.MemorySendChannel[tuple[int, TextDelta | Finished]]
+        ) -> None:
+            async with out:
+                async for event in events:
+                    await out.send((index, event))
+
+        async with trio.open_nursery() as nursery:
+            async with send:
+                for index, events in enumerate(choices):
+                    nursery.start_soon(read, index, events, send.clone())
+            left = len(choices)
+            async for index, event in receive:
+                if request.phase is Phase.QUEUED:  # the first event
+                    if heartbeat is not None:
+                        await heartbeat.hand_over()  # from here on, this task is the only writer
+                    request.advance(Phase.STREAMING)
+                if type(event) is TextDelta:
+                    data = writers[index].delta(event.text, event.logprobs)
+                    if data:
+                        await body(data)
+                    continue
+                assert isinstance(event, Finished)
+                if event.reason == "error":
+                    # one choice failed: the response has failed (the SDKs raise on the
+                    # error event); the other choices' readers stop here
+                    nursery.cancel_scope.cancel()
+                    request.ended_choices.update(range(len(choices)))
+                    await self._end(request, dialect.stream_error(failure(choices[index], event)), event)
+                    return
+                data = writers[index].finish(event.reason, event.message, event.stop_sequence)
+                request.ended_choices.add(index)
+                left -= 1
+                if left:
+                    await body(data)
+                else:
+                    # (every choice's producer has returned: the usage is final)
+                    end = data + dialect.end(usage_of(choices))
+                    await self._end(request, end, event)
+
+    async def collect(self, request: InFlightRequest, parsed: ParsedRequest) -> None:
+        choices = request.choices
+        finals: list[Finished | None] = [None] * len(choices)
+        texts: list[list[str]] = [[] for _ in choices]
+        logprobs: list[list[TokenLogprob] | None] = [
+            [] if parsed.generation.logprobs is not None else None for _ in choices
+        ]
+
+        async def collect(index: int, events: EventStream) -> None:
+            parts, entries = texts[index], logprobs[index]
+            async for event in events:
+                if request.phase is Phase.QUEUED:  # the first event
+                    request.advance(Phase.STREAMING)
+                if type(event) is TextDelta:
+                    parts.append(event.text)
+                    if entries is not None and event.logprobs:
+                        entries.extend(event.logprobs)
+                else:
+                    assert isinstance(event, Finished)
+                    finals[index] = event
+
+        async with trio.open_nursery() as nursery:
+            for index, events in enumerate(choices):
+                nursery.start_soon(collect, index, events)
+        for index, final in enumerate(finals):
+            assert final is not None
+            if final.reason == "error":
+                request.end(final.reason)
+                failure = choices[index].backend_error
+                if isinstance(failure, TrioserveError):
+                    raise failure  # its own status: a 400 from an upstream stays a 400
+                raise BackendFailed(final.message or "inference failed")
+        last = finals[-1]
+        assert last is not None
+        assert request.model is not None
+        results = [
+            finished_choice(
+                "".join(parts),
+                final.reason,
+                parsed.tool_mode,
+                parsed.tool_names,
+                entries,
+                final.stop_sequence,
+                reasoning=parsed.reasoning,
+                inside=parsed.inside,
+                parallel_calls=parsed.parallel_calls,
+            )
+            for parts, final, entries in zip(texts, finals, logprobs, strict=True)
+            if final is not None
+        ]
+        response = parsed.dialect.body(results, usage_of(choices))
+        await self._end(request, response, last, json=True)
+
+    async def _end(
+        self, request: InFlightRequest, data: bytes, event: Finished, *, json: bool = False
+    ) -> None:
+        """Send the end of a response that ended on its own (stop, length, error).
+
+        The end is sent shielded — a deadline or shutdown that fires now must not cut
+        the body short while the log says it ended well — and bounded by the stall
+        timeout: if the client takes no bytes for that long, the connection is shut
+        down and the log says ``stall``."""
+        exchange = request.exchange
+        request.advance(Phase.FINISHING)
+        request.end(event.reason)
+        # Delivered before the last send: hypercorn reports the end of the response as
+        # a disconnect, and that must not rewrite why it ended.
+        request.delivered = True
+        # Stop watching before the last send: hypercorn delivers http.disconnect from
+        # inside it, and cancelling the request then would cancel hypercorn's own
+        # end-of-response work (closing HTTP/1.0 and Connection: close connections,
+        # starting the keep-alive timer).
+        request.watch_scope.cancel()
+        bound = math.inf if self.state.stall_timeout is None else self.state.stall_timeout
+
+        async def send() -> None:
+            if json:
+                await exchange.json(200, data)
+            else:
+                await exchange.body(data, more=False)
+
+        if not await send_last(request, bound, send, watch_cancel=True):
+            # not delivered: the client took no bytes for the stall timeout (or, once
+            # the request was cancelled, for FINAL_EVENT_TIMEOUT)
+            request.end("stall")
+            request.delivered = False
+
+    async def cancelled(self, request: InFlightRequest) -> None:
+        """Tell the client why its request ended early (unless it is the one who left)."""
+        exchange, cause = request.exchange, request.cause
+        if cause in ("disconnect", "stall") or exchange.ended:
+            return  # (or the end went out before the cancel could matter)
+        assert cause is not None
+        assert cause != "overloaded"
+        request.advance(Phase.FINISHING)
+        dialect = request.dialect if exchange.started else None
+        choices = request.choices
+
+        async def send() -> None:
+            if dialect is not None:
+                usage = usage_of(choices) if choices else Usage(prompt_tokens=0, completion_tokens=0)
+                # through the choice writers: text held in auto tool mode goes out
+                # before the finish
+                writers = dialect.writers
+                left = [i for i in range(len(writers)) if i not in request.ended_choices]
+                finals = b"".join(writers[i].finish(cause) for i in left)
+                # (first what a cancel kept from going out: the writers' state counts it)
+                await exchange.body(exchange.take_unsent() + finals + dialect.end(usage), more=False)
+            elif cause == "deadline":
+                await exchange.error(
+                    DeadlineExceededError("the request's deadline passed before the response was complete")
+                )
+            elif cause == "unload":
+                await exchange.error(
+                    ServiceUnavailableError(
+                        f"the model {request.model!r} was unloaded (POST /models/unload) before the "
+                        "response was complete; retry to load it again",
+                        code="model_unloaded",
+                    )
+                )
+            else:
+                await exchange.error(
+                    ServiceUnavailableError("the server is shutting down; retry on another instance")
+                )
+
+        # (a half-sent event must not stay open: past the bound, the connection is ended)
+        await send_last(request, FINAL_EVENT_TIMEOUT, send)
+
+
+def failure(events: EventStream, event: Finished) -> TrioserveError:
+    """The error a failed choice reports to the client."""
+    failure = events.backend_error
+    if isinstance(failure, TrioserveError):
+        return failure
+    return BackendFailed(event.message or "inference failed")
+
+
+class BackendFailed(TrioserveError):
+    status = 500
+    error_type = "server_error"
+    default_code = "backend_error"

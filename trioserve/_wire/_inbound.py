@@ -1,0 +1,199 @@
+"""The one inbound conversion, per dialect: a request body to the engine's
+:class:`~trioserve._core._types.GenerationRequest` and the dialect that answers it — and
+the specs (:class:`~trioserve._wire._spec.DialectSpec`) that carry these decoders, one
+per generation route. Anthropic Messages and OpenAI Responses are the same chat,
+rendered by the same template, as a chat completion (docs/dialects.md)."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from ._anthropic import decode_count_tokens_request, decode_messages_request, messages_conversation
+from ._anthropic_writer import AnthropicDialect, anthropic_error
+from ._chat import ChatFormat
+from ._choices import ToolMode
+from ._conversation import Conversation, generation_for
+from ._dialect import OpenAIDialect
+from ._openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_generation,
+    decode_chat_request,
+    decode_completion_prompts,
+)
+from ._responses import decode_input_tokens_request, decode_responses_request, responses_conversation
+from ._responses_writer import ResponsesDialect
+from ._spec import DialectSpec, ParsedRequest, ReadOptions, openai_error_body
+
+__all__ = ["CHAT", "COMPLETIONS", "MESSAGES", "OPENAI", "RESPONSES", "SPECS", "spec_for_path"]
+
+
+def _read_openai(kind: str, body: bytes, chat_format: ChatFormat, options: ReadOptions) -> ParsedRequest:
+    """``/v1/completions`` (``kind="text"``) or ``/v1/chat/completions`` (``"chat"``)."""
+    request: CompletionRequest | ChatCompletionRequest
+    tool_mode: ToolMode = "none"
+    names: tuple[str, ...] = ()
+    parallel_calls = True
+    reasoning: tuple[str, str] | None = None
+    inside = False
+    limits = options.limits
+    if kind == "text":
+        request, generations = decode_completion_prompts(body, limits)
+    else:
+        chat = decode_chat_request(body, limits)
+        mode = chat.tool_mode()
+        tools = chat.tools if mode != "none" else None
+        rendered = chat_format.render(chat.messages, tools=tools)
+        generation = chat_generation(
+            chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos, limits=limits
+        )
+        if generation.constraint is not None and rendered.reasoning is not None:
+            # the constraint holds from the first token: the answer is never reasoning
+            rendered = chat_format.render(chat.messages, tools=tools, thinking=False)
+            generation = chat_generation(
+                chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos, limits=limits
+            )
+        else:
+            reasoning, inside = rendered.reasoning, rendered.opens_reasoning
+        generations = [generation]
+        request = chat
+        if mode != "none":
+            tool_mode = "auto" if mode == "auto" else "forced"
+            names = tuple(tool.function.name for tool in chat.tools or ())
+            parallel_calls = chat.parallel_tool_calls is not False
+    model = options.model_name(request.model)
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    return ParsedRequest(
+        stream=request.stream,
+        generations=tuple(generations),
+        model=model,
+        dialect=OpenAIDialect(
+            "text" if kind == "text" else "chat",
+            model,
+            include_usage=include_usage,
+            choices=request.n * len(generations),
+            tool_mode=tool_mode,
+            tool_names=names,
+            reasoning=reasoning,
+            inside=inside,
+            parallel_calls=parallel_calls,
+        ),
+        n=request.n,
+        tool_mode=tool_mode,
+        tool_names=names,
+        parallel_calls=parallel_calls,
+        reasoning=reasoning,
+        inside=inside,
+    )
+
+
+def _read_completions(body: bytes, chat_format: ChatFormat, options: ReadOptions) -> ParsedRequest:
+    return _read_openai("text", body, chat_format, options)
+
+
+def _read_chat(body: bytes, chat_format: ChatFormat, options: ReadOptions) -> ParsedRequest:
+    return _read_openai("chat", body, chat_format, options)
+
+
+def _read_messages(body: bytes, chat_format: ChatFormat, options: ReadOptions) -> ParsedRequest:
+    """An Anthropic Messages request."""
+    messages = decode_messages_request(body)
+    conversation = messages_conversation(
+        messages, keep_billing_header=options.keep_billing_header, limits=options.limits
+    )
+    model = options.model_name(messages.model)
+    generation, rendered = generation_for(conversation, chat_format)
+    dialect = AnthropicDialect(
+        model,
+        tool_mode=conversation.tool_mode,
+        tool_names=conversation.tool_names,
+        stops=conversation.stops,
+        max_tokens=conversation.max_tokens,
+        reasoning=rendered.reasoning,
+        inside=rendered.opens_reasoning,
+        omit_thinking=conversation.omit_thinking,
+        parallel_calls=conversation.parallel_calls,
+    )
+    return ParsedRequest(
+        stream=messages.stream,
+        generations=(generation,),
+        model=model,
+        dialect=dialect,
+        tool_mode=conversation.tool_mode,
+        tool_names=conversation.tool_names,
+        parallel_calls=conversation.parallel_calls,
+        reasoning=rendered.reasoning,
+        inside=rendered.opens_reasoning,
+    )
+
+
+def _read_responses(body: bytes, chat_format: ChatFormat, options: ReadOptions) -> ParsedRequest:
+    """An OpenAI Responses request."""
+    responses = decode_responses_request(body)
+    conversation = responses_conversation(responses, limits=options.limits)
+    model = options.model_name(responses.model)
+    generation, rendered = generation_for(conversation, chat_format)
+    dialect = ResponsesDialect(
+        model,
+        responses,
+        tool_mode=conversation.tool_mode,
+        tool_names=conversation.tool_names,
+        reasoning=rendered.reasoning,
+        inside=rendered.opens_reasoning,
+        parallel_calls=conversation.parallel_calls,
+    )
+    return ParsedRequest(
+        stream=responses.stream,
+        generations=(generation,),
+        model=model,
+        dialect=dialect,
+        tool_mode=conversation.tool_mode,
+        tool_names=conversation.tool_names,
+        parallel_calls=conversation.parallel_calls,
+        reasoning=rendered.reasoning,
+        inside=rendered.opens_reasoning,
+    )
+
+
+def _count_messages(body: bytes, options: ReadOptions) -> tuple[str | None, Conversation]:
+    """``/v1/messages/count_tokens``: the model it names, the conversation it counts."""
+    request = decode_count_tokens_request(body)
+    return request.model, messages_conversation(
+        request, keep_billing_header=options.keep_billing_header, limits=options.limits
+    )
+
+
+def _count_responses(body: bytes, options: ReadOptions) -> tuple[str | None, Conversation]:
+    """``/v1/responses/input_tokens``: the model it names, the conversation it counts."""
+    request = decode_input_tokens_request(body)
+    return request.model, responses_conversation(request, limits=options.limits)
+
+
+#: every other route of the OpenAI API (models, embeddings, tokenize, errors): its error body
+OPENAI = DialectSpec(kind="openai", error_body=openai_error_body)
+COMPLETIONS = DialectSpec(kind="text", error_body=openai_error_body, read=_read_completions)
+CHAT = DialectSpec(kind="chat", error_body=openai_error_body, read=_read_chat)
+MESSAGES = DialectSpec(
+    kind="messages", error_body=anthropic_error, read=_read_messages, count=_count_messages
+)
+RESPONSES = DialectSpec(
+    kind="responses",
+    error_body=openai_error_body,
+    read=_read_responses,
+    param_names=MappingProxyType({"max_tokens": "max_output_tokens"}),
+    count=_count_responses,
+)
+
+#: the generation routes, each its dialect's spec
+SPECS: dict[str, DialectSpec] = {
+    "/v1/completions": COMPLETIONS,
+    "/v1/chat/completions": CHAT,
+    "/v1/messages": MESSAGES,
+    "/v1/responses": RESPONSES,
+}
+
+
+def spec_for_path(path: str) -> DialectSpec:
+    """The dialect that answers ``path``'s errors: Anthropic's for ``/v1/messages`` and
+    below (``count_tokens``, a 404 under it), OpenAI's everywhere else."""
+    return MESSAGES if path.startswith("/v1/messages") else OPENAI

@@ -1,0 +1,121 @@
+"""A dialect as data: :class:`DialectSpec`, the small frozen record the HTTP layer picks
+once per route (its request decoder, its error body, the names its errors use), and
+:class:`ParsedRequest`, what its decoder hands back (what to run, and the
+:class:`~trioserve._wire._dialect.Dialect` that writes the answer). The HTTP layer never
+asks which dialect it has: it calls what the spec holds. The specs themselves:
+:mod:`._inbound`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from .._core._exceptions import InvalidRequestError, TrioserveError
+from .._core._types import GenerationRequest
+from ._chat import ChatFormat
+from ._choices import ToolMode
+from ._conversation import Conversation
+from ._dialect import Dialect
+from ._limits import RequestLimits
+
+__all__ = [
+    "CountReader",
+    "DialectSpec",
+    "ErrorBody",
+    "ParsedRequest",
+    "ReadOptions",
+    "RequestReader",
+    "openai_error_body",
+]
+
+#: ``(status, body)`` of an error response, in a dialect's own shape
+ErrorBody = Callable[[TrioserveError], tuple[int, dict[str, object]]]
+
+
+def openai_error_body(exc: TrioserveError) -> tuple[int, dict[str, object]]:
+    """OpenAI's error body (every dialect but Anthropic's): the error's own status."""
+    return exc.status, exc.to_dict()
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOptions:
+    """What a request decoder needs from the server: its limits, and the name a
+    requested model answers to (an alias resolves to the model's own; an unknown one
+    raises — after the body decoded, so a bad body is reported first)."""
+
+    limits: RequestLimits
+    model_name: Callable[[str | None], str]
+    #: keep Claude Code's billing header in the prompt (docs/dialects.md)
+    keep_billing_header: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A generation request, decoded: what to run and how to answer."""
+
+    stream: bool
+    #: one per prompt (``/v1/completions`` takes a batch)
+    generations: tuple[GenerationRequest, ...]
+    model: str
+    #: how the response is written
+    dialect: Dialect
+    n: int = 1
+    tool_mode: ToolMode = "none"
+    tool_names: tuple[str, ...] = ()
+    #: ``False``: at most one tool call per choice (parallel tool calls turned off)
+    parallel_calls: bool = True
+    #: a reasoning model's markers (its thinking is read out of the text), and whether
+    #: the prompt opened its reasoning
+    reasoning: tuple[str, str] | None = None
+    inside: bool = False
+
+    @property
+    def generation(self) -> GenerationRequest:
+        return self.generations[0]
+
+    @property
+    def choices(self) -> int:
+        """The response's choices: ``n`` per prompt."""
+        return self.n * len(self.generations)
+
+    @property
+    def plain(self) -> bool:
+        """Text only, one choice: the hot path."""
+        return (
+            self.choices == 1
+            and self.tool_mode == "none"
+            and self.generation.logprobs is None
+            and self.reasoning is None
+        )
+
+
+#: decodes a request body into what to run (``ChatFormat``: the model's chat template)
+RequestReader = Callable[[bytes, ChatFormat, ReadOptions], ParsedRequest]
+#: decodes a token-counting body into the model it names and its conversation
+CountReader = Callable[[bytes, ReadOptions], tuple[str | None, Conversation]]
+
+
+@dataclass(frozen=True, slots=True)
+class DialectSpec:
+    """One API dialect (one generation route), as data."""
+
+    #: the route's kind, as the request log and metrics name it
+    kind: str
+    #: its error body: OpenAI's, or Anthropic's (a full queue is 529 there)
+    error_body: ErrorBody
+    #: its request decoder (``None``: a dialect served by no generation route here)
+    read: RequestReader | None = None
+    #: the engine's field names that this dialect calls otherwise, renamed in its errors
+    #: (Responses: ``max_tokens`` is ``max_output_tokens``)
+    param_names: Mapping[str, str] | None = None
+    #: its token-counting decoder (``/v1/messages/count_tokens``,
+    #: ``/v1/responses/input_tokens``); ``None``: it has none
+    count: CountReader | None = None
+
+    def rename(self, exc: InvalidRequestError) -> None:
+        """Name ``exc``'s field as this dialect names it."""
+        new = self.param_names.get(exc.param) if self.param_names and exc.param else None
+        if new is not None:
+            assert exc.param is not None
+            exc.message = exc.message.replace(exc.param, new)
+            exc.param = new
