@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trioserve._backends._llama import Candidate, Limits, StepPlan, plan_step
-from trioserve._backends._llama._planner import next_cut
+from trioserve._backends._llama import Candidate, Limits, StepPlan, next_cut, plan_step
 
 WIDE = Limits(max_call_width=8, shared_context_limit=None, speculate=False)
 

@@ -14,7 +14,7 @@ from ._cells import Cells
 from ._context import Context
 from ._model import LlamaModel
 from ._native import LoadAborted, make_abort_callback
-from ._planner import Candidate, Limits, StepPlan, plan_step, split
+from ._planner import Candidate, Limits, StepPlan, next_cut, plan_step, split
 from ._settings import LlamaSettings
 from ._stats import Snapshot
 from ._tiers import StateTier
@@ -33,6 +33,7 @@ __all__ = [
     "StateTier",
     "StepPlan",
     "make_abort_callback",
+    "next_cut",
     "plan_step",
     "split",
 ]
