@@ -122,7 +122,8 @@ async def aload[M: "LlamaModel"](
     box: list[M] = []
 
     def run() -> None:
-        box.append(load(cls, settings, progress=progress, abort=abort, host_cache=host_cache))
+        # (through the class: a subclass or a test may wrap its load)
+        box.append(cls.load(settings, progress=progress, abort=abort, host_cache=host_cache))
 
     async def watch() -> None:
         try:
