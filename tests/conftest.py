@@ -58,7 +58,7 @@ def llama_backend(model_path: str) -> Iterator[LlamaBackend]:
     """One sequence: the queued phase needs only one holder."""
     backend = LlamaBackend.load(LlamaSettings(model_path, n_ctx=4096, n_threads=THREADS, slots=1))
     yield backend
-    backend._free()
+    backend.close()
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +68,7 @@ def uncached_backend(model_path: str) -> Iterator[LlamaBackend]:
         LlamaSettings(model_path, n_ctx=4096, n_threads=THREADS, slots=1, prompt_cache=False)
     )
     yield backend
-    backend._free()
+    backend.close()
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +77,7 @@ def batched_backend(model_path: str) -> Iterator[LlamaBackend]:
     occupies both), so a cancel of one sequence beside another is covered."""
     backend = LlamaBackend.load(LlamaSettings(model_path, n_ctx=4096, n_threads=THREADS, slots=2))
     yield backend
-    backend._free()
+    backend.close()
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +85,7 @@ def batched8_backend(model_path: str) -> Iterator[LlamaBackend]:
     """Eight sequences, throughput mode (the default settings but a smaller context)."""
     backend = LlamaBackend.load(LlamaSettings(model_path, n_ctx=1024, n_threads=THREADS, slots=8))
     yield backend
-    backend._free()
+    backend.close()
 
 
 @pytest.fixture(scope="session")
@@ -95,7 +95,7 @@ def invariant_backend(model_path: str) -> Iterator[LlamaBackend]:
         LlamaSettings(model_path, n_ctx=1024, n_threads=THREADS, slots=8, batch_invariant=True)
     )
     yield backend
-    backend._free()
+    backend.close()
 
 
 @pytest.fixture

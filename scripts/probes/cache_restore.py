@@ -11,7 +11,7 @@ async def run(engine, prompt, cache=True):
 
 async def main():
     b = await LlamaBackend.aload(LlamaSettings(default_model_path(), slots=1))
-    s = b._scheduler
+    s = b._scheduler.kv  # (the cell manager: its save/restore timers)
     async with Engine(b) as engine:
         rows = []
         for rep in range(3):

@@ -7,7 +7,7 @@ without one (an inner piece); (3) how a prompt cut at a given place compares.
 """
 import ctypes, sys, time
 from trioserve import LlamaBackend, LlamaSettings, default_model_path
-from trioserve._backends._llama import _Context
+from trioserve._backends._llama import Context as _Context
 
 TEXT = "The history of the city is long and rich. In 1437 the people of the harbour met again. " * 60
 

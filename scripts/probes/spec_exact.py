@@ -59,7 +59,7 @@ def main() -> None:
         LlamaSettings(default_model_path(), slots=2, repack=repack, n_threads=args.threads, warm_up=False)
     )
     s = backend._scheduler
-    lib, ctx, batch, memory = backend.lib, s.ctx, s.batch, s.memory
+    lib, ctx, batch, memory = backend.lib, s.context.ctx, s.context.batch, s.context.memory
     n_vocab = backend.n_vocab
 
     def logits(i: int) -> numpy.ndarray:
@@ -77,7 +77,7 @@ def main() -> None:
 
     def prefill(prompt: list[int]) -> numpy.ndarray:
         lib.llama_memory_seq_rm(memory, 0, -1, -1)
-        cuts = s.rule.cuts(prompt)
+        cuts = backend.piece_rule.cuts(prompt)
         start = 0
         last = None
         for end in [*cuts, len(prompt)]:

@@ -262,8 +262,8 @@ async def test_a_cancel_that_aborts_a_shared_call_leaves_the_other_sequence_unch
     survivor_prompt = "The capital of France is"
 
     def _both_in_flight(progress: GenerationProgress) -> bool:
-        in_flight = invariant_backend._scheduler._in_flight
-        return invariant_backend.in_flight(progress) == "decode" and len(in_flight) == 2
+        in_flight = invariant_backend.snapshot().in_flight
+        return invariant_backend.in_flight(progress) == "decode" and in_flight == 2
 
     solo, _ = await _generate(engine, survivor_prompt, max_tokens=60)
     aborted = invariant_backend.aborted_calls
@@ -297,15 +297,14 @@ async def test_health_is_503_once_the_scheduler_has_failed(
     batched8_backend: LlamaBackend, nursery: trio.Nursery
 ) -> None:
     running = await start_server(nursery, batched8_backend)
-    scheduler = batched8_backend._scheduler
-    scheduler.failure = RuntimeError("llama_decode crashed")  # what _run records
+    batched8_backend.simulate_failure(RuntimeError("llama_decode crashed"))  # what the loop records
     try:
         async with running.client() as client:
             response = await client.get("/health")
             body = {"prompt": "Hi", "max_tokens": 2}
             completion = await client.post("/v1/completions", json=body)
     finally:
-        scheduler.failure = None
+        batched8_backend.simulate_failure(None)
     assert response.status_code == 503
     body = response.json()
     assert (body["status"], body["error"]) == ("error", "llama_decode crashed")

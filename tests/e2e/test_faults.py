@@ -14,7 +14,6 @@ import pytest
 import trio
 
 from trioserve import LlamaBackend
-from trioserve._backends._prompt_cache import HostCache
 
 from .._helpers import start_server
 
@@ -67,10 +66,7 @@ def faulty(llama_backend: LlamaBackend) -> Iterator[_FaultyLib]:
 def empty_cache(llama_backend: LlamaBackend) -> None:
     """Start with nothing cached (the backend is shared by the session's tests), so the
     first request's cells are the ones each fault meets."""
-    scheduler = llama_backend._scheduler
-    for seq_id in list(scheduler._free_ids):
-        scheduler._forget(seq_id)
-    scheduler.host = HostCache(scheduler.host.budget, rule=scheduler.host.rule)
+    llama_backend.clear_cache()
 
 
 async def _reference(llama_backend: LlamaBackend, nursery: trio.Nursery) -> str:
@@ -92,20 +88,18 @@ async def _healthy(client: Any) -> dict[str, Any]:
 
 
 async def test_a_fault_preparing_cached_cells_fails_one_request(
-    llama_backend: LlamaBackend, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+    llama_backend: LlamaBackend, nursery: trio.Nursery, request: pytest.FixtureRequest
 ) -> None:
     expected = await _reference(llama_backend, nursery)
-    scheduler = llama_backend._scheduler
-    real = scheduler._prepare_cells
     faults = []
 
-    def prepare_once(sequence: Any) -> None:
+    def prepare_once() -> None:
         if not faults:
-            faults.append(sequence)
+            faults.append(True)
             raise MemoryError("copying a large sequence state")
-        real(sequence)
 
-    monkeypatch.setattr(scheduler, "_prepare_cells", prepare_once)
+    llama_backend.inject_fault(prepare_once)
+    request.addfinalizer(lambda: llama_backend.inject_fault(None))
     running = await start_server(nursery, llama_backend)
     async with running.client() as client:
         failed = await client.post("/v1/completions", json=BODY)

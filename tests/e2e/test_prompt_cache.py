@@ -70,7 +70,7 @@ async def test_a_conversation_served_from_the_cache_equals_the_cache_off_text(
 ) -> None:
     # without the idle recompute of replies (tested below), what is reused is exactly
     # what the previous prompt left in whole pieces and this one shares
-    monkeypatch.setattr(llama_backend._scheduler, "idle_recompute", False)
+    monkeypatch.setattr(llama_backend, "idle_recompute", False)
     # long enough to pass Gemma 3's 512-token sliding window: every layer's cells count
     tag = uuid.uuid4().hex
     prompts: list[str] = []
@@ -258,7 +258,7 @@ async def test_a_prefix_evicted_to_host_memory_is_restored_exactly(
     goes to host memory and comes back for the first conversation's next turn."""
     first = f"[{uuid.uuid4().hex}] " + "The history of the city is long and varied. " * 40
     other = f"[{uuid.uuid4().hex}] " + "Once upon a time, a fox and a crow met by the river. " * 30
-    host = llama_backend._scheduler.host
+    host = llama_backend.host_tier
     async with _engine(llama_backend) as engine:
         text, _ = await _complete(engine, first)
         saves, restores = host.saves, host.restores
@@ -285,7 +285,7 @@ async def test_a_saved_prefix_past_the_sliding_window_is_never_restored_short(
     much shorter prefix: the tokens after it would attend to cells the state dropped
     (measured before this was handled: max |Δlogit| 22.6, and another text). The prefix
     is then evaluated, and the text is the cache-off text."""
-    host = llama_backend._scheduler.host
+    host = llama_backend.host_tier
     assert host.window == 512  # (Gemma 3's; the model of these tests)
     head = f"[{uuid.uuid4().hex}] " + "The history of the city is long and varied. " * 12
     long = head + "The harbour was rebuilt in stone, and the market grew around it. " * 50
@@ -318,8 +318,7 @@ async def test_a_prompt_whose_reply_pushed_it_past_the_window_comes_back_from_ho
     test above). So the eviction also saves a checkpoint at the prompt's end (its cells
     alone, then their state): the prompt comes back from host memory, and the text is
     the cache-off text."""
-    scheduler = llama_backend._scheduler
-    host = scheduler.host
+    host = llama_backend.host_tier
     rule = llama_backend.piece_rule
     prompt = (
         f"[{uuid.uuid4().hex}] " + "The harbour was rebuilt in stone, and the market grew around it. " * 30
@@ -329,15 +328,18 @@ async def test_a_prompt_whose_reply_pushed_it_past_the_window_comes_back_from_ho
     prompt_end = max(c for c in rule.cuts(tokens) if c < len(tokens))
     other = f"[{uuid.uuid4().hex}] " + "Once upon a time, a fox and a crow met by the river. " * 10
     async with _engine(llama_backend) as engine:
-        before = scheduler.idle_chunks
+        before = llama_backend.snapshot().idle_chunks
         # the end tokens banned: 160 tokens, whatever this CPU draws
         no_end = SamplingParams(temperature=0.0, logit_bias={1: -100.0, 106: -100.0})
         _, usage = await _complete_request(
             engine, GenerationRequest(prompt=prompt, max_tokens=160, sampling=no_end)
         )
         assert usage.completion_tokens == 160
-        await wait_for(lambda: scheduler.idle_chunks > before and not scheduler._history, limit=60)
-        kept = next(cached for cached in scheduler._cached if cached[: len(tokens)] == tokens)
+        await wait_for(
+            lambda: (snap := llama_backend.snapshot()).idle_chunks > before and not snap.idle_pending,
+            limit=60,
+        )
+        kept = next(c for c in llama_backend.snapshot().cached if list(c[: len(tokens)]) == tokens)
         # (what this test is about: a state of all the cells cannot give back the prompt)
         assert not host.usable(len(kept), prompt_end)
         saves, restores = host.saves, host.restores
@@ -372,17 +374,19 @@ async def test_a_finished_reply_is_recomputed_while_idle_and_the_next_turn_evalu
     assert len(first) in rule.cuts(first)  # the prompt ends on a cut: its last piece is kept
     guess = rule.continuation(first)
     assert guess == llama_backend.tokenize("<end_of_turn>\n<start_of_turn>user\n", add_bos=False)
-    idle = llama_backend._scheduler
+    idle = llama_backend
     async with _engine(llama_backend) as engine:
-        before = idle.idle_chunks
+        before = idle.snapshot().idle_chunks
         # the end tokens banned: 24 tokens, whatever this CPU draws
         no_end = SamplingParams(temperature=0.0, logit_bias={1: -100.0, 106: -100.0})
         request = GenerationRequest(prompt=first, max_tokens=24, sampling=no_end)
         _, usage = await _complete_request(engine, request)
         assert usage.completion_tokens == 24
         # the user reads; the server recomputes the reply and the guessed header
-        await wait_for(lambda: idle.idle_chunks > before and not idle._history, limit=60)
-        kept = next(tokens for tokens in idle._cached if tokens[: len(first)] == first)
+        await wait_for(
+            lambda: idle.snapshot().idle_chunks > before and not idle.snapshot().idle_pending, limit=60
+        )
+        kept = next(list(tokens) for tokens in idle.snapshot().cached if list(tokens[: len(first)]) == first)
         assert len(kept) == len(first) + 24 + len(guess)  # the reply and the guess, whole
         assert kept[-len(guess) :] == guess
         follow_up = kept + llama_backend.tokenize(
@@ -409,9 +413,9 @@ async def test_a_request_aborts_the_idle_recompute_in_flight_and_stays_exact(
     request takes the other one). (The phase is reached by
         waiting for the call to be in flight; the submit lands inside one of the reply's
         ~128-token calls, ~240 ms each — a few conversations are tried until one does.)"""
-    idle = batched_backend._scheduler
+    idle = batched_backend
     no_end = SamplingParams(temperature=0.0, logit_bias={1: -100.0, 106: -100.0})
-    aborted = idle.idle_aborted
+    aborted = idle.snapshot().idle_aborted
     async with _engine(batched_backend) as engine:
         for attempt in range(5):
             first = batched_backend.tokenize(
@@ -420,7 +424,7 @@ async def test_a_request_aborts_the_idle_recompute_in_flight_and_stays_exact(
                 + "<start_of_turn>model\n"
             )
             await _complete_request(engine, GenerationRequest(prompt=first, max_tokens=400, sampling=no_end))
-            await wait_for(lambda: idle._idle_in_flight, limit=30)
+            await wait_for(lambda: idle.snapshot().idle_in_flight, limit=30)
             question = f"[{attempt}] What do you know about storms at sea? " * 3
             answer, _ = await _complete_request(engine, GenerationRequest(prompt=question, sampling=GREEDY))
             async with _engine(uncached_backend) as off:
@@ -428,10 +432,10 @@ async def test_a_request_aborts_the_idle_recompute_in_flight_and_stays_exact(
                     off, GenerationRequest(prompt=question, sampling=GREEDY)
                 )
             assert answer == reference
-            if idle.idle_aborted > aborted:
+            if idle.snapshot().idle_aborted > aborted:
                 break
-        assert idle.idle_aborted > aborted  # a recompute call was aborted by the request
-        await wait_for(lambda: not idle._history, limit=60)  # and finished when idle
+        assert idle.snapshot().idle_aborted > aborted  # a recompute call was aborted by the request
+        await wait_for(lambda: not idle.snapshot().idle_pending, limit=60)  # and finished when idle
 
 
 async def test_the_next_turn_sent_at_once_lets_the_recompute_of_its_own_reply_finish(
@@ -440,25 +444,25 @@ async def test_the_next_turn_sent_at_once_lets_the_recompute_of_its_own_reply_fi
     """An agent sends the next turn as soon as the reply ends: the recompute of that
     reply is then the next turn's own first piece, so it is not aborted (it would be
     evaluated again at once) — the turn reuses it, and its text is the cache-off text."""
-    idle = batched_backend._scheduler
+    idle = batched_backend
     no_end = SamplingParams(temperature=0.0, logit_bias={1: -100.0, 106: -100.0})
     first = batched_backend.tokenize(
         f"[{uuid.uuid4().hex}] "
         + _gemma_turn("user", "Write a long story about a lighthouse.")
         + "<start_of_turn>model\n"
     )
-    aborted = idle.idle_aborted
+    aborted = idle.snapshot().idle_aborted
     async with _engine(batched_backend) as engine:
         await _complete_request(engine, GenerationRequest(prompt=first, max_tokens=60, sampling=no_end))
-        await wait_for(lambda: idle._idle_in_flight, limit=30)
-        kept = list(idle._idle_tokens)  # the piece in flight: the reply and the guessed header
+        await wait_for(lambda: idle.snapshot().idle_in_flight, limit=30)
+        kept = list(idle.snapshot().idle_call_tokens)  # the piece in flight: the reply and the guessed header
         # (60 tokens and the guess: shorter than any break in running text, one piece)
         assert len(kept) == len(first) + 60 + len(batched_backend.piece_rule.continuation(first))
         follow_up = kept + batched_backend.tokenize(
             " And then?<end_of_turn>\n<start_of_turn>model\n", add_bos=False
         )
         answer, usage = await _complete_request(engine, GenerationRequest(prompt=follow_up, sampling=GREEDY))
-    assert idle.idle_aborted == aborted
+    assert idle.snapshot().idle_aborted == aborted
     assert usage.cached_tokens == len(kept)
     async with _engine(uncached_backend) as off:
         reference, _ = await _complete_request(off, GenerationRequest(prompt=follow_up, sampling=GREEDY))

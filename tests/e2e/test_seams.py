@@ -142,14 +142,14 @@ async def test_leaving_the_engine_cancels_streams_in_an_outer_nursery_then_frees
     backend = LlamaBackend.load(LlamaSettings(model_path, n_ctx=4096, n_threads=2, slots=2))
     loaded = LlamaModel.loaded
     seen_at_free: list[tuple[int, bool]] = []
-    real_free = backend._free
+    real_close = backend.close
 
-    def free() -> None:
+    def close() -> None:
         # what is still running when the model is freed
-        seen_at_free.append((backend.generations.running, backend._scheduler._thread is not None))
-        real_free()
+        seen_at_free.append((backend.generations.running, backend.snapshot().thread_started))
+        real_close()
 
-    backend._free = free  # type: ignore[method-assign]
+    backend.close = close  # type: ignore[method-assign]
     outcomes: list[BaseException] = []
     streaming = trio.Event()
 
@@ -173,9 +173,9 @@ async def test_leaving_the_engine_cancels_streams_in_an_outer_nursery_then_frees
         assert LlamaModel.loaded == loaded - 1
     assert len(outcomes) == 2
     assert all(exc.code == "engine_closed" for exc in outcomes)  # type: ignore[attr-defined]
-    thread = backend._scheduler._thread
-    assert thread is not None
-    assert not thread.is_alive()
+    after = backend.snapshot()
+    assert after.thread_started
+    assert not after.thread_alive
 
 
 async def test_a_reservation_is_released_when_the_request_is_invalid_or_cancelled(

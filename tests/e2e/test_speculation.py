@@ -280,8 +280,7 @@ async def test_a_cancel_reaches_a_verify_call(speculating: LlamaBackend) -> None
     ended = progress.inference_ended
     assert ended is not None
     assert ended - cancelled_at < 0.25
-    lib = backend.lib
-    assert lib.llama_memory_seq_pos_max(backend._scheduler.memory, 0) == -1  # (no prompt cache here)
+    assert backend.last_cell(0) == -1  # (no prompt cache here)
     assert await _run(engine, reference) == expected
 
 
@@ -307,7 +306,7 @@ async def test_fast_mode_verifies_wide_calls_and_leaves_no_cells(model_path: str
         # every verified guess was counted, and none was accepted beyond the limit
         after = backend.speculation_stats()
         assert int(after["accepted"]) - int(before["accepted"]) <= tokens  # type: ignore[call-overload]
-        assert backend.lib.llama_memory_seq_pos_max(backend._scheduler.memory, 0) == -1
+        assert backend.last_cell(0) == -1
         assert backend.generations.running == 0
     finally:
-        backend._free()
+        backend.close()

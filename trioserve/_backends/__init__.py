@@ -4,8 +4,7 @@ Imports :mod:`trioserve._core` and :mod:`trioserve._wire`, never :mod:`trioserve
 """
 
 from .._core._backend import Backend, GenerationProgress, ModelInfo, PreparedPrompt
-from ._llama import LlamaSettings
-from ._scheduler import LlamaBackend
+from ._llama import LlamaBackend, LlamaSettings
 from ._scripted import ScriptedBackend
 from ._threaded import ThreadedBackend
 from ._upstream import UpstreamBackend, UpstreamState

@@ -39,7 +39,7 @@ from .._core._channel import Aborted
 from .._core._exceptions import BackendError, InvalidRequestError
 
 if TYPE_CHECKING:
-    from ._llama import LlamaModel
+    from ._llama._model import LlamaModel  # (not the face: it imports this module)
 
 logger = logging.getLogger("trioserve.embeddings")
 
@@ -122,7 +122,7 @@ class EmbeddingContext:
     def __init__(
         self, model: LlamaModel, *, pooling: Pooling | None = None, turns: CpuTurns | None = None
     ) -> None:
-        from ._llama import _make_abort_callback
+        from ._llama._native import make_abort_callback  # (not the face: it imports this module)
 
         #: the cores' turns, shared with the model's generation scheduler
         self.turns = turns if turns is not None else CpuTurns()
@@ -159,7 +159,7 @@ class EmbeddingContext:
             self.batch.n_seq_id[i] = 1
         # the callback object and its flag must outlive the context: keep references
         self.abort_flag = ctypes.c_ubyte(0)
-        self._abort_callback, _ = _make_abort_callback(lib)
+        self._abort_callback, _ = make_abort_callback(lib)
         lib.llama_set_abort_callback(ctx, self._abort_callback, ctypes.addressof(self.abort_flag))
         #: ``llama_decode`` calls made, and aborted (tests and /health)
         self.calls = 0

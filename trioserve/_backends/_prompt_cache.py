@@ -279,6 +279,13 @@ class HostCache:
                 self._evict_oldest()
             self.pool._fit()
 
+    def clear(self) -> None:
+        """Drop every entry; the tier stays in its shared budget (a test starts from
+        nothing cached: ``LlamaBackend.clear_cache``)."""
+        with self.pool.lock:
+            for key in list(self._entries):
+                self._drop(key)
+
     def close(self) -> None:
         """Drop every entry and leave the shared budget (the model's file changed)."""
         with self.pool.lock:

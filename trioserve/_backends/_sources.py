@@ -16,10 +16,9 @@ import os
 from collections.abc import Callable
 
 from .._core._backend import Backend
-from ._llama import LlamaSettings
+from ._llama import LlamaBackend, LlamaSettings
 from ._pieces import host_rule
 from ._prompt_cache import HostBudget, HostCache
-from ._scheduler import LlamaBackend
 
 __all__ = ["LlamaSource"]
 

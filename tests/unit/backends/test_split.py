@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trioserve._backends._scheduler import _split
+from trioserve._backends._llama import split
 
 
 @pytest.mark.parametrize(
@@ -21,6 +21,6 @@ from trioserve._backends._scheduler import _split
 )
 def test_split_uses_few_calls_of_near_equal_width(n: int, width: int, sizes: list[int]) -> None:
     items = list(range(n))
-    groups = _split(items, width)  # type: ignore[arg-type]
+    groups = split(items, width)
     assert [len(g) for g in groups] == sizes
     assert [x for g in groups for x in g] == items  # order kept: seq-id order matters

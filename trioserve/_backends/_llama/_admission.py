@@ -1,0 +1,57 @@
+"""Admission: give a sequence its id and the cached prefix it starts after (the cache
+policy's :class:`~.._cache_policy.Placement`, made without the lock and committed
+under it). What the placement asks of the cells — save the prefix being overwritten,
+restore one from the host tier — the loop has :meth:`~._kv.KvCells.prepare` carry out."""
+
+from __future__ import annotations
+
+from .._cache_policy import CachePolicy
+from .._pieces import PieceRule
+from ._inbox import Inbox
+from ._sequence import Sequence
+
+__all__ = ["Admission"]
+
+
+class Admission:
+    """Places admitted sequences on the context's ids (the scheduler thread only)."""
+
+    def __init__(self, inbox: Inbox, policy: CachePolicy, rule: PieceRule) -> None:
+        self.inbox = inbox
+        self.policy = policy
+        self.rule = rule
+
+    def assign(self, sequence: Sequence) -> None:
+        """Give ``sequence`` the free id whose cached prompt shares the longest prefix of
+        whole chunks with its prompt (ties, and no prefix: the least recently used id),
+        and start it after that prefix. The plan is computed without the lock; the
+        commit takes it."""
+        prompt = sequence.prompt
+        sequence.cuts = cuts = self.rule.cuts(prompt)
+        cells = self.inbox.cells
+        plan = self.policy.place(prompt, cuts, sequence.cache_prompt, cells.free, sequence.salt)
+        with self.inbox.condition:
+            cells.take(plan.seq_id)
+            # (the id's cells now belong to this sequence)
+            self.policy.take(plan.seq_id, sequence.salt)
+            sequence.seq_id = plan.seq_id
+        sequence.save, sequence.restore = plan.save, plan.restore
+        sequence.save_salt = plan.save_salt
+        sequence.checkpoint = plan.checkpoint
+        sequence.prefilled = sequence.pos = plan.reused
+        sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = plan.reused
+
+    def assign_follower(self, sequence: Sequence, leader: Sequence) -> None:
+        """Give ``sequence`` (a later choice of ``leader``'s group) the least recently
+        used free id; it gets a copy of the leader's cells once the prompt is evaluated."""
+        cells = self.inbox.cells
+        plan = self.policy.place_follower(cells.free)
+        with self.inbox.condition:
+            cells.take(plan.seq_id)
+            self.policy.take(plan.seq_id, sequence.salt)
+            sequence.seq_id = plan.seq_id
+        if plan.save is not None:
+            sequence.save, sequence.save_salt = plan.save, plan.save_salt
+        sequence.cuts = leader.cuts if leader.cuts else self.rule.cuts(sequence.prompt)
+        sequence.leader = leader
+        leader.followers.append(sequence)

@@ -1,0 +1,257 @@
+"""The llama.cpp backend's face (:class:`LlamaBackend`): many sequences, one context,
+one ``llama_decode`` per step.
+
+Every admitted request runs as a sequence of one context (``n_seq_max = slots``,
+non-unified KV cache: each sequence owns ``n_ctx`` cells), decoded by one scheduler
+thread (:mod:`._loop`) that writes pieces straight into each request's
+:class:`~trioserve._core._channel.PieceChannel` and never waits for Trio. Promises:
+
+* **Cancellation.** A cancelled ``generate`` waits, shielded and bounded by one step,
+  until its sequence is out of the batch with its KV cells cleared, then raises the
+  request's ``Cancelled`` (never a :class:`BackendError`); the call in flight is aborted
+  when the cancelled sequences own at least half of its tokens, and the other
+  sequences' text does not change.
+* **Backpressure.** A sequence whose channel is full is paused (left out of the steps)
+  until its consumer makes room; the others go on. Nothing polls.
+* **Batch invariance** (``batch_invariant=True``): every stream's text at temperature 0
+  equals its text alone, whatever else runs.
+
+Design, defaults and measurements: ``docs/batching.md``; the module map:
+``docs/architecture.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from collections.abc import Sequence as Items
+from typing import Literal
+
+import trio
+
+from ..._core._backend import GenerationProgress, PreparedPrompt
+from ..._core._channel import PieceChannel
+from ..._core._exceptions import BackendError, InvalidRequestError
+from ..._core._types import GenerationEnd
+from .._draw import LogitBias
+from .._embeddings import Embedder
+from .._prompt_cache import HostBudget, HostCache
+from ._loop import Scheduler
+from ._model import LlamaModel
+from ._sequence import Sequence
+from ._stats import Snapshot, cache_stats, snapshot, speculation_stats
+
+__all__ = ["LlamaBackend"]
+
+logger = logging.getLogger("trioserve.llama")
+
+
+class LlamaBackend(LlamaModel):
+    """llama.cpp inference: every running request is a sequence of one context, and
+    one scheduler thread decodes them together (``docs/batching.md``).
+
+    Create it with :meth:`load` / :meth:`aload` and :class:`LlamaSettings`.
+    ``generations`` counts the generations inside the scheduler (submitted and not
+    yet removed with their KV cells cleared): what a cancel must bring back to zero.
+    """
+
+    def _create_contexts(self) -> None:
+        # the embedding context: created on the first /v1/embeddings (docs/embeddings.md);
+        # the scheduler takes its turns on the cores from it (CpuTurns)
+        self._embedder = Embedder(self, self.settings.pooling)
+        self._scheduler = Scheduler(self, self._host_cache, self._embedder.turns)
+
+    @property
+    def embedding_size(self) -> int | None:
+        return int(self.lib.llama_model_n_embd(self.model))
+
+    @property
+    def embedder(self) -> Embedder:
+        return self._embedder
+
+    async def embed(self, inputs: Items[Items[int]]) -> list[list[float]]:
+        for i, item in enumerate(inputs):
+            bad = [t for t in item if not 0 <= t < self.n_vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"input[{i}] holds {bad[0]}, which is not a token id of this model: its ids are 0 to "
+                    f"{self.n_vocab - 1}",
+                    param="input",
+                )
+        return await self._embedder.embed(inputs)
+
+    @property
+    def max_call_width(self) -> int:
+        """The widest ``llama_decode`` call (sequences) the scheduler makes."""
+        return self._scheduler.capabilities.max_call_width
+
+    @property
+    def steps(self) -> int:
+        return self._scheduler.steps
+
+    @property
+    def aborted_calls(self) -> int:
+        """Decode calls stopped by the abort flag (a cancel that owned most of a call)."""
+        return self._scheduler.aborted_calls
+
+    def in_flight(self, progress: GenerationProgress) -> Literal["prefill", "decode"] | None:
+        """What the ``llama_decode`` call running right now does for the generation
+        whose counters are ``progress``: evaluate a prompt chunk, decode a token, or
+        nothing (between calls, paused, queued). An observable for tests and tools that
+        must act while a request is inside llama.cpp."""
+        return self._scheduler.inbox.in_flight_phase(progress)
+
+    def rows_in_flight(self, progress: GenerationProgress) -> int:
+        """Rows of the call in flight for this generation: more than one while decoding
+        is a speculative verify call (docs/speculation.md). An observable for tests."""
+        return self._scheduler.inbox.rows_in_flight(progress)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the scheduler thread stopped serving, if it failed (then every request
+        fails and ``/health`` says so)."""
+        return self._scheduler.inbox.failure
+
+    def cache_stats(self) -> dict[str, object]:
+        """The prompt cache: the cut, and the prompt tokens each idle sequence keeps."""
+        return cache_stats(self._scheduler).as_dict()
+
+    @property
+    def host_pool(self) -> HostBudget:
+        """The host-memory budget its prompt cache's host tier is under (shared with the
+        server's other models when a registry entry loaded it): ``/metrics`` reads it."""
+        return self._scheduler.host.pool
+
+    def platform(self) -> dict[str, object]:
+        """For ``/health``: llama.cpp's system info, and whether weights are repacked."""
+        return {
+            "system_info": self.system_info,
+            "repack": self.repack.to_dict() if self.repack is not None else None,
+        }
+
+    def stats(self) -> dict[str, object]:
+        """For ``/health``: the batch's shape and counters, and the prompt cache."""
+        return {
+            "cache": self.cache_stats(),
+            "sequences": self.generations.running,
+            "max_call_width": self.max_call_width,
+            "shared_context_limit": self._scheduler.capabilities.shared_context_limit,
+            "batch_invariant": self.settings.batch_invariant,
+            "steps": self.steps,
+            "aborted_calls": self.aborted_calls,
+            "speculation": self.speculation_stats(),
+        }
+
+    def speculation_stats(self) -> dict[str, object]:
+        """Speculative decoding (docs/speculation.md): the mode, the verify call's measured
+        width and context limit, and the guessed tokens verified and accepted."""
+        return speculation_stats(self._scheduler)
+
+    # ---------------------------------------------------------- observables
+
+    def snapshot(self) -> Snapshot:
+        """The scheduler's state now, as a frozen record (taken under its lock): what
+        tests and tools read instead of private attributes."""
+        return snapshot(self._scheduler)
+
+    @property
+    def host_tier(self) -> HostCache:
+        """The prompt cache's host-memory tier (``--cache-ram``): its entries, counters
+        and sliding window."""
+        return self._scheduler.host
+
+    @property
+    def idle_recompute(self) -> bool:
+        """Whether finished conversations are recomputed while idle (tests turn it off)."""
+        return self._scheduler.policy.idle_recompute
+
+    @idle_recompute.setter
+    def idle_recompute(self, value: bool) -> None:
+        self._scheduler.policy.idle_recompute = value
+
+    def last_cell(self, seq_id: int) -> int:
+        """The highest position sequence ``seq_id``'s KV cells hold (-1: none): whether
+        a request left cells behind (``llama_memory_seq_pos_max``)."""
+        return int(self.lib.llama_memory_seq_pos_max(self._scheduler.context.memory, seq_id))
+
+    # ------------------------------------------------------------ test seams
+
+    def clear_cache(self) -> None:
+        """Test seam: drop what every free sequence id caches and empty the host tier,
+        so the next request starts from nothing cached. (Not while requests run.)"""
+        scheduler = self._scheduler
+        for seq_id in scheduler.inbox.cells.free:
+            scheduler.kv.forget(seq_id)
+        scheduler.host.clear()
+
+    def inject_fault(self, prepare: Callable[[], None] | None) -> None:
+        """Test seam: ``prepare`` is called on the scheduler thread before each admitted
+        sequence's cached prefix is prepared; what it raises fails that sequence alone
+        (as a failed save or restore would). ``None`` removes it."""
+        self._scheduler.prepare_fault = prepare
+
+    def simulate_failure(self, failure: BaseException | None) -> None:
+        """Test seam: record ``failure`` as the scheduler thread's, as it does when it
+        dies (``/health`` turns 503, requests are refused); ``None`` clears it."""
+        with self._scheduler.inbox.condition:
+            self._scheduler.inbox.failure = failure
+
+    def _stop_scheduler(self) -> None:
+        thread = self._scheduler.inbox.stop()
+        if thread is not None:
+            thread.join()
+
+    def _release_contexts(self) -> None:
+        self._stop_scheduler()
+        if self._host_cache is not None and self._scheduler.host is self._host_cache:
+            saved = self._scheduler.kv.spill()
+            # its entries go first when another model's need the shared budget
+            self._host_cache.active = False
+            if saved:
+                logger.info("kept %d cached prefix(es) in host memory for the next load", saved)
+        self._scheduler.context.free(self.lib)
+        self._embedder.free()
+
+    async def generate(
+        self, prompt: PreparedPrompt, channel: PieceChannel, progress: GenerationProgress
+    ) -> GenerationEnd:
+        if prompt.max_new_tokens <= 0:
+            await trio.lowlevel.checkpoint()
+            return "length"  # nothing to generate
+        scheduler = self._scheduler
+        bias = prompt.logit_bias if isinstance(prompt.logit_bias, LogitBias) else None
+        if bias is None and prompt.request.sampling.logit_bias:  # (a prompt not from prepare)
+            bias = LogitBias(prompt.request.sampling.logit_bias)
+        sampler = self._sampler(
+            prompt.request.sampling,
+            max_new_tokens=prompt.max_new_tokens,
+            seed_offset=prompt.choice,
+            bias=bias,
+        )
+        sequence = Sequence(prompt, progress, sampler, channel, bias)
+        inbox = scheduler.inbox
+        channel.on_room = inbox.wake
+        with self.generations:
+            try:
+                inbox.submit(sequence)
+            except BaseException:
+                self.lib.llama_sampler_free(sequence.sampler)
+                raise
+            try:
+                await sequence.removed.wait()
+            finally:
+                if not sequence.removed.is_set():
+                    inbox.cancel(sequence)
+                    with trio.CancelScope(shield=True):
+                        await sequence.removed.wait()
+        result = sequence.result
+        if isinstance(result, BaseException):
+            # one error object can end several sequences (a failed call, a dead
+            # scheduler): give each request its own
+            retry = result.should_retry if isinstance(result, BackendError) else None
+            raise BackendError(str(result), should_retry=retry) from None
+        if result == "stop" or result == "length":
+            return result
+        # removed as cancelled: the request's own Cancelled is raised here
+        await trio.lowlevel.checkpoint_if_cancelled()
+        raise BackendError("the sequence was dropped, but its request was not cancelled")

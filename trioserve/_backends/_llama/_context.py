@@ -1,0 +1,59 @@
+"""One llama context with its batch and abort flag (:class:`Context`), whose abort
+callback (``_abort.c``) reads that flag between graph nodes without the GIL. Why the
+low-level API and a C callback: ``docs/architecture.md``, "The per-token path"."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any
+
+from ..._core._exceptions import BackendError
+from ._native import make_abort_callback
+
+if TYPE_CHECKING:
+    from ._model import LlamaModel
+
+__all__ = ["Context"]
+
+
+class Context:
+    """One llama context with its batch and abort flag. Used by one thread at a time.
+
+    Room for ``sequences`` sequences of ``settings.n_ctx`` tokens each, in a non-unified
+    KV cache (each sequence owns its cells; attention never reads another sequence's)."""
+
+    def __init__(self, backend: LlamaModel, *, sequences: int = 1) -> None:
+        lib = backend.lib
+        settings = backend.settings
+        params = lib.llama_context_default_params()
+        params.n_ctx = settings.n_ctx * sequences
+        params.n_batch = settings.n_batch
+        params.n_ubatch = settings.n_batch
+        params.n_threads = settings.n_threads
+        params.n_threads_batch = settings.n_threads
+        params.n_seq_max = sequences
+        # sliding-window layers keep every cell too (llama.cpp's default): a cached
+        # prefix's cells must all be there when a later request reuses it
+        params.swa_full = True
+        if sequences > 1:
+            params.kv_unified = False
+        ctx = lib.llama_init_from_model(backend.model, params)
+        if not ctx:
+            raise BackendError(
+                f"llama.cpp could not create a context for {sequences} sequence(s) of {settings.n_ctx} tokens"
+            )
+        self.ctx = ctx
+        self.memory = lib.llama_get_memory(ctx)
+        self.n_batch = settings.n_batch
+        self.batch = lib.llama_batch_init(settings.n_batch, 0, 1)
+        for i in range(settings.n_batch):
+            self.batch.n_seq_id[i] = 1
+            self.batch.seq_id[i][0] = 0
+        # The callback object and its flag must outlive the context: keep references.
+        self.abort_flag = ctypes.c_ubyte(0)
+        self._abort_callback, self.abort_flag_used = make_abort_callback(lib)
+        lib.llama_set_abort_callback(ctx, self._abort_callback, ctypes.addressof(self.abort_flag))
+
+    def free(self, lib: Any) -> None:
+        lib.llama_batch_free(self.batch)
+        lib.llama_free(self.ctx)

@@ -1,0 +1,242 @@
+"""The KV cells of the context, on llama.cpp's side: trim a sequence's cells, save a
+cached prefix's state to a tier below (:class:`~._tiers.StateTier`: host memory today)
+and restore one, give a choice of ``n`` > 1 a copy of its leader's prompt cells, and at
+unload spill every id's prefix. Which cells *should* be kept is the cache policy's
+decision; this carries it out (and only the scheduler thread calls it)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..._core._exceptions import BackendError
+from .._cache_policy import CachePolicy
+from .._memory import StateBuffer
+from ._sequence import Sequence
+from ._tiers import StateTier
+
+if TYPE_CHECKING:
+    from ._model import LlamaModel
+
+__all__ = ["KvCells"]
+
+logger = logging.getLogger("trioserve.llama")
+
+
+class KvCells:
+    """The cells of one context (``ctx``, its ``memory``), with the tier evicted
+    prefixes go to."""
+
+    def __init__(
+        self, model: LlamaModel, ctx: Any, memory: Any, *, host: StateTier, policy: CachePolicy
+    ) -> None:
+        self._model = model
+        self.ctx = ctx
+        self.memory = memory
+        self.host = host
+        self.policy = policy
+        #: measured on the first prefix kept (``llama_state_seq_get_size``), for the gauge
+        self.kv_bytes_per_token = 0.0
+        self.restore_seconds = 0.0
+        self.save_seconds = 0.0
+
+    @property
+    def lib(self) -> Any:
+        """The model's bindings, read at each call (tests swap them to inject faults)."""
+        return self._model.lib
+
+    def spill(self) -> int:
+        """Before the context is freed (the thread has stopped): save every id's cached
+        prefix to the host tier, so that a registry entry loaded again restores it
+        (docs/models.md). Returns the prefixes saved."""
+        if not self.host.budget:
+            return 0
+        policy = self.policy
+        saved = 0
+        # the most recently used last: the host tier keeps the newest when it is full
+        for seq_id in policy.spill_order():
+            tokens = policy.cached(seq_id)
+            if not policy.savable(seq_id):
+                continue
+            checkpoint = policy.checkpoint(seq_id)
+            salt = policy.salt(seq_id)
+            try:
+                if not policy.host_covers(tokens, salt) and self.save_state(seq_id, tokens, salt):
+                    saved += 1
+                # (the context is freed next: its cells may go)
+                if checkpoint and self.trim(seq_id, checkpoint) == checkpoint:
+                    saved += self.save_state(seq_id, tokens[:checkpoint], salt)
+            except Exception:  # an optimisation: without it, the prompt is evaluated again
+                logger.exception("could not save a cached prefix at unload; it is dropped")
+        return saved
+
+    # ------------------------------------------------------- scheduler thread
+
+    def forget(self, seq_id: int) -> None:
+        """Drop what a free id caches: its cells and its bookkeeping."""
+        self.policy.forget(seq_id)
+        if not self.lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1):  # pragma: no cover
+            logger.error("llama.cpp could not clear the cells of sequence %d", seq_id)
+
+    def trim(self, seq_id: int, keep: int) -> int:
+        """Remove ``seq_id``'s cells from position ``keep`` on; the cells kept. Where
+        llama.cpp refuses a partial removal (``llama_memory_seq_rm`` returns false:
+        recurrent state), every cell goes and 0 is kept."""
+        lib = self.lib
+        if keep > 0 and lib.llama_memory_seq_rm(self.memory, seq_id, keep, -1):
+            return keep
+        if keep > 0:
+            logger.warning("llama.cpp refused to keep %d cells of sequence %d: clearing it", keep, seq_id)
+        if not lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1):
+            raise BackendError(f"llama.cpp could not clear the cells of sequence {seq_id}")
+        return 0
+
+    def prepare(self, sequence: Sequence) -> None:
+        """Carry out admission's plan: save the prefix being overwritten to host memory,
+        restore the one to reuse from it, drop the cells past the reused prefix."""
+        lib = self.lib
+        seq_id = sequence.seq_id
+        if sequence.save is not None:
+            started = time.perf_counter()
+            save, sequence.save = sequence.save, None
+            checkpoint, sequence.checkpoint = sequence.checkpoint, 0
+            try:
+                self.save_state(seq_id, save, sequence.save_salt)
+                if checkpoint:
+                    # the prompt end too, which the longer state cannot give back
+                    # (CachePolicy.checkpoint): its cells alone, then their state
+                    if self.trim(seq_id, checkpoint) == checkpoint:
+                        self.save_state(seq_id, save[:checkpoint], sequence.save_salt)
+                    else:  # pragma: no cover - (partial removal is checked at load)
+                        self.reuse(sequence, 0)
+            except Exception:
+                # the save is an optimisation: without it, a later turn evaluates again
+                logger.exception("could not save a cached prefix to host memory; it is dropped")
+            self.save_seconds += time.perf_counter() - started
+        if sequence.restore is not None:
+            started = time.perf_counter()
+            state, sequence.restore = sequence.restore, None
+            self.trim(seq_id, 0)
+            buffer = (
+                state.array
+                if isinstance(state, StateBuffer)
+                else (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+            )
+            if not lib.llama_state_seq_set_data(self.ctx, buffer, len(state), seq_id):
+                # pragma: no cover - llama.cpp refused the state: evaluate it all
+                logger.warning("could not restore a cached prefix; evaluating the prompt")
+                self.reuse(sequence, 0)
+            elif lib.llama_memory_seq_pos_min(self.memory, seq_id) > self.window_floor(sequence.prefilled):
+                # pragma: no cover - (planned against: HostCache.usable) the state lacks
+                # window cells the rest of the prompt attends to
+                logger.warning("a restored prefix lacks sliding-window cells; evaluating the prompt")
+                self.reuse(sequence, 0)
+            else:
+                self.host.restores += 1
+            self.restore_seconds += time.perf_counter() - started
+        # the cells past the reused prefix go (the rest of the cached prompt)
+        kept = self.trim(seq_id, sequence.prefilled)
+        if kept != sequence.prefilled:
+            self.reuse(sequence, kept)
+
+    def save_state(self, seq_id: int, tokens: list[int], salt: str) -> bool:
+        """Keep the state of ``seq_id``'s cells (which hold ``tokens``, computed for
+        requests of ``salt``) in host memory."""
+        lib = self.lib
+        size = lib.llama_state_seq_get_size(self.ctx, seq_id)
+        if size > self.host.budget:
+            return False
+        # in a mapping of its own, never the heap (_memory.py: given back when evicted)
+        state = StateBuffer(size)
+        state.used = written = lib.llama_state_seq_get_data(self.ctx, state.array, size, seq_id)
+        if not written:
+            return False
+        floor = self.window_start(seq_id, len(tokens))
+        return self.host.put(tokens, self.policy.host_cuts(tokens), state, floor=floor, salt=salt)
+
+    def window_start(self, seq_id: int, held: int) -> int:
+        """The first position whose sliding-window cells ``seq_id`` holds, with ``held``
+        cells (0 without a window). Cells set from a sequence state — a restore, a
+        choice's copy of its leader's prompt — start where that state's window cells did."""
+        if not self.host.window or not held:
+            return 0
+        start = int(self.lib.llama_memory_seq_pos_min(self.memory, seq_id))
+        return start if start >= 0 else held  # (no window cells at all: they serve nothing)
+
+    def window_floor(self, reused: int) -> int:
+        """The lowest position the tokens after ``reused`` cached ones attend to."""
+        window = self.host.window
+        return max(0, reused - window + 1) if window else 0
+
+    def reuse(self, sequence: Sequence, tokens: int) -> None:
+        """Start ``sequence`` after ``tokens`` cached tokens (fewer than planned: a restore
+        or a partial removal failed)."""
+        if tokens == 0:
+            self.trim(sequence.seq_id, 0)
+        sequence.prefilled = sequence.pos = tokens
+        sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = tokens
+
+    def share_prompt(
+        self, leader: Sequence, outputs: list[tuple[Sequence, int]]
+    ) -> list[tuple[Sequence, int]]:
+        """``leader``'s prompt is evaluated: copy its cells to each waiting choice of its
+        group, which then draws its first token from the same logits.
+
+        The copy is the leader's sequence state (``llama_state_seq_get_data``, then
+        ``set_data`` into each follower: its prompt cells only, done when the call
+        returns). Not ``llama_memory_seq_cp``: between sequences of a non-unified cache
+        that copies the follower's whole stream, and only at the start of the next
+        ``llama_decode`` — after a save to or restore from the host tier could already
+        have read or written those cells (measured: logits off by up to 11.5)."""
+        lib = self.lib
+        index = next(i for s, i in outputs if s is leader)
+        waiting = [f for f in leader.followers if not f.cancelled]  # (the cancelled: dropped next step)
+        leader.followers = []
+        for follower in waiting:
+            # detached first: if what follows fails, each evaluates the prompt itself
+            # rather than waiting for a leader that has gone
+            follower.leader = None
+        if not waiting:
+            return []
+        size = lib.llama_state_seq_get_size(self.ctx, leader.seq_id)
+        state = StateBuffer(size).array  # (unmapped when this returns)
+        written = lib.llama_state_seq_get_data(self.ctx, state, size, leader.seq_id)
+        shared = []
+        for follower in waiting:
+            self.trim(follower.seq_id, 0)
+            if not written or not lib.llama_state_seq_set_data(self.ctx, state, written, follower.seq_id):
+                # pragma: no cover - llama.cpp refused: this choice evaluates the prompt itself
+                logger.warning("could not share a prompt's cells; a choice evaluates it again")
+                self.trim(follower.seq_id, 0)
+                continue
+            follower.prefilled = follower.pos = leader.prefilled
+            follower.progress.prefill_seconds = leader.progress.prefill_seconds
+            shared.append((follower, index))
+        return shared
+
+    def keep(self, sequence: Sequence, *, failed: bool, finished: bool) -> None:
+        """``sequence`` leaves its id: keep the cells the policy keeps (fast: every cell
+        computed, the reply's too; exact: whole prompt pieces), clear the rest."""
+        seq_id = sequence.seq_id
+        policy = self.policy
+        keep = policy.keep(
+            cache_prompt=sequence.cache_prompt,
+            failed=failed,
+            computed=sequence.pos,
+            prefilled=sequence.prefilled,
+            cuts=sequence.cuts,
+        )
+        policy.forget(seq_id)  # (until the cells below are known to be kept)
+        keep = self.trim(seq_id, keep)
+        if keep and not self.kv_bytes_per_token:
+            self.kv_bytes_per_token = self.lib.llama_state_seq_get_size(self.ctx, seq_id) / keep
+        policy.release(
+            seq_id,
+            sequence.prompt,
+            sequence.generated_tokens,
+            keep,
+            finished=finished,
+            floor=self.window_start(seq_id, keep),
+        )

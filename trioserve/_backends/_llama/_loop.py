@@ -1,0 +1,362 @@
+"""The scheduler thread (:class:`Scheduler`): admits, plans, decodes, samples, removes.
+
+It makes every llama.cpp call on the serving context and is the only place that hands a
+sequence back to its request (:func:`~._sequence.hand_back`). Each step it describes
+the running sequences to the planner (:func:`~._planner.plan_step` → a plan), has the
+executor run each planned call (→ an outcome), and acts on the outcome: draws
+(:class:`~._outputs.Outputs`), rolls back an aborted call, shares a leader's prompt,
+releases what ended (:class:`~._kv.KvCells`). The prompt cache's decisions are
+:class:`~.._cache_policy.CachePolicy`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..._core._exceptions import BackendError
+from .._cache_policy import CachePolicy
+from .._memory import trim_heap
+from ._admission import Admission
+from ._capabilities import measure
+from ._context import Context
+from ._executor import Executor
+from ._idle import IdleRecompute
+from ._inbox import Inbox
+from ._kv import KvCells
+from ._outputs import End, Outputs
+from ._planner import Candidate, Limits, plan_step
+from ._sequence import CANCELLED, Sequence, hand_back
+from ._tiers import host_tier
+
+if TYPE_CHECKING:
+    from .._prompt_cache import HostCache
+    from ._executor import Turns
+    from ._model import LlamaModel
+
+__all__ = ["Scheduler"]
+
+logger = logging.getLogger("trioserve.llama")
+
+
+class Scheduler:
+    """The thread that owns the context. The Trio side talks to it through
+    :attr:`inbox` only."""
+
+    def __init__(self, backend: LlamaModel, host_cache: HostCache | None, turns: Turns) -> None:
+        settings = backend.settings
+        lib = backend.lib
+        self._backend = backend
+        self.context = context = Context(backend, sequences=settings.slots)
+        try:
+            self.capabilities = caps = measure(backend, context)
+        except BaseException:
+            context.free(lib)
+            raise
+        self.chunk = settings.prefill_chunk  # (the longest piece of the canonical cut)
+        self.cache_enabled = settings.prompt_cache and caps.partial_removal
+        #: ``fast`` mode: keep and reuse every computed cell (the reply too, any matching
+        #: length), as llama-server does — not exact (docs/prompt-cache.md)
+        self.fast = settings.cache_mode == "fast"
+        #: prefixes evicted from KV cells, in host memory (``--cache-ram``), indexed by
+        #: the rule's cuts, or (fast) every token
+        self.host = host_tier(
+            host_cache,
+            rule="token" if self.fast else backend.piece_rule.key,
+            budget=settings.cache_ram_bytes,
+            enabled=self.cache_enabled,
+            window=max(0, int(lib.llama_model_n_swa(backend.model))),
+        )
+        #: the prompt cache (docs/prompt-cache.md): what each sequence id keeps, and the
+        #: decisions made on it, are the policy's; the cells and llama.cpp calls are the
+        #: KvCells'. Idle recompute: a finished conversation's pieces past its cached
+        #: prompt are evaluated while nothing else runs (the policy remembers them)
+        self.policy = CachePolicy(
+            settings.slots,
+            rule=backend.piece_rule,
+            host=self.host,
+            enabled=self.cache_enabled,
+            fast=self.fast,
+            idle_recompute=self.cache_enabled and settings.idle_recompute and not self.fast,
+        )
+        self.inbox = Inbox(
+            slots=settings.slots, abort_flag=context.abort_flag, partial_removal=caps.partial_removal
+        )
+        self.inbox.target = self._run
+        self.kv = KvCells(backend, context.ctx, context.memory, host=self.host, policy=self.policy)
+        self.admission = Admission(self.inbox, self.policy, backend.piece_rule)
+        self.executor = Executor(backend, context.ctx, context.batch, turns)
+        self.outputs = Outputs(backend, context.ctx, context.memory, caps)
+        self.idle = IdleRecompute(self.inbox, self.policy, self.kv, self.executor)
+        self.limits = Limits(
+            max_call_width=caps.max_call_width,
+            shared_context_limit=caps.shared_context_limit if settings.batch_invariant else None,
+            speculate=caps.verify_width > 1,
+        )
+        #: a sequence ended since the heap was last trimmed (_memory.trim_heap, when idle)
+        self._trim_due = False
+        self.heap_trims = 0
+        self.steps = 0
+        self.aborted_calls = 0
+        #: a test seam (``LlamaBackend.inject_fault``): called before a sequence's
+        #: cached prefix is prepared; what it raises fails that sequence alone
+        self.prepare_fault: Callable[[], None] | None = None
+
+    # ------------------------------------------------------- scheduler thread
+
+    def _run(self) -> None:
+        inbox = self.inbox
+        try:
+            while True:
+                if self._trim_due and not inbox.active and not inbox.queue:
+                    # idle after sequences ended: the freed pages of every malloc arena
+                    # go back to the system (_memory.py), never on the per-token path
+                    self._trim_due = False
+                    trim_heap()
+                    self.heap_trims += 1
+                with inbox.condition:
+                    while not inbox.stopping and not inbox.runnable():
+                        if self.policy.pending and not inbox.active and not inbox.queue:
+                            # no request at all (a paused stream counts: its client
+                            # reads on): recompute a finished reply
+                            break
+                        inbox.condition.wait()
+                    if inbox.stopping:
+                        break
+                    idle = not inbox.runnable()
+                    # cancelled before it got a sequence id: nothing to clear
+                    gone = [s for s in inbox.queue if s.cancelled]
+                    for sequence in gone:
+                        inbox.queue.remove(sequence)
+                        if sequence.group is not None:
+                            sequence.group.size -= 1  # the others need not wait for it
+                    # Take the admissible sequences out of the queue; their prefix
+                    # matching runs after the lock is released (the Trio thread takes
+                    # it in submit, cancel, wake and every /health or /metrics read).
+                    groups: list[list[Sequence]] = []
+                    free = len(inbox.cells)
+                    while (members := inbox.next_admission(free)) is not None:
+                        for sequence in members:
+                            inbox.queue.remove(sequence)
+                            inbox.admitting.append(sequence)  # (handed back at exit, if it comes to that)
+                        free -= len(members)
+                        groups.append(members)
+                for sequence in gone:
+                    self._remove(sequence, CANCELLED)
+                admitted = self._admit(groups)
+                for sequence in admitted:
+                    if sequence.result is None:  # (not failed at admission)
+                        self._contained(self._prepare, sequence, "preparing its cached prefix")
+                if idle:
+                    self.idle.run_safely()
+                else:
+                    self._step()
+        except BaseException as exc:  # pragma: no cover - a bug in the loop itself
+            logger.exception("the batch scheduler failed")
+            with inbox.condition:
+                inbox.failure = exc
+        finally:
+            failure = inbox.failure or BackendError("the server is shutting down")
+            with inbox.condition:
+                inbox.stopping = True  # nothing submitted from now on is left unserved
+                leaving = inbox.active + list(inbox.queue)
+                leaving += [s for s in inbox.admitting if s not in leaving and s.result is None]
+                inbox.active = []
+                inbox.queue.clear()
+                inbox.admitting = []
+            for sequence in leaving:
+                try:
+                    self._remove(sequence, failure)
+                except BaseException:  # pragma: no cover - _remove hands back in any case
+                    logger.exception("could not release a sequence at shutdown")
+
+    def _admit(self, groups: list[list[Sequence]]) -> list[Sequence]:
+        """Give each admitted sequence its id and cached prefix (the plan is made outside
+        the lock: only this thread writes the cache's bookkeeping; the commit is under
+        it). A sequence whose admission fails fails alone."""
+        inbox = self.inbox
+        admitted: list[Sequence] = []
+        for members in groups:
+            leader = members[0]
+            for sequence in members:
+                shares = (
+                    sequence is not leader and self.capabilities.partial_removal and leader.result is None
+                )
+                if shares:
+                    ok = self._contained(self.admission.assign_follower, sequence, "admission", leader)
+                else:
+                    ok = self._contained(self.admission.assign, sequence, "admission")
+                with inbox.condition:
+                    if ok:
+                        inbox.active.append(sequence)
+                    inbox.admitting.remove(sequence)
+                if ok:
+                    admitted.append(sequence)
+        return admitted
+
+    def _prepare(self, sequence: Sequence) -> None:
+        if self.prepare_fault is not None:
+            self.prepare_fault()
+        self.kv.prepare(sequence)
+
+    def _contained(self, step: Any, sequence: Sequence, what: str, *args: Any) -> bool:
+        """Run ``step(sequence, *args)``; if it raises, only ``sequence`` fails (its
+        cells cleared, its request told why) and the server goes on."""
+        try:
+            step(sequence, *args)
+        except Exception as exc:
+            logger.exception("a request failed in the scheduler (%s); the others go on", what)
+            if sequence.result is None:
+                self._remove(sequence, _failed(sequence, f"inference failed while {what}: {exc!r}"))
+            return False
+        return True
+
+    def _release(self, sequence: Sequence, result: End) -> None:
+        """Take ``sequence`` out of the context: keep the cells of its whole prompt
+        chunks for the cache and clear the rest (the reply, a partial chunk), free its
+        id and sampler. The caller hands it back to Trio."""
+        self._trim_due = True
+        if sequence in self.inbox.active:
+            self.inbox.active.remove(sequence)
+        for follower in sequence.followers:
+            follower.leader = None  # its leader is gone before sharing: it evaluates the prompt itself
+        sequence.followers = []
+        if sequence.leader is not None and sequence in sequence.leader.followers:
+            sequence.leader.followers.remove(sequence)
+        if sequence.seq_id >= 0:
+            finished = result == "stop" or result == "length"
+            self.kv.keep(sequence, failed=isinstance(result, BaseException), finished=finished)
+            self._free_id(sequence)
+        if sequence.sampler is not None:
+            self._backend.lib.llama_sampler_free(sequence.sampler)
+            sequence.sampler = None
+        sequence.result = result
+        sequence.progress.inference_ended = time.perf_counter()
+
+    def _free_id(self, sequence: Sequence) -> None:
+        if sequence.seq_id >= 0:
+            with self.inbox.condition:
+                self.inbox.cells.give_back(sequence.seq_id)
+                sequence.seq_id = -1
+
+    def _remove(self, sequence: Sequence, result: End) -> None:
+        try:
+            self._release(sequence, result)
+        except Exception:
+            # the cache's bookkeeping failed (e.g. a MemoryError): this sequence's
+            # cells are dropped and its id freed; the request still gets its result
+            # (its text went out whole: only the cache lost it)
+            logger.exception("could not keep a finished sequence's cells; they are dropped")
+            if sequence in self.inbox.active:
+                self.inbox.active.remove(sequence)
+            if sequence.seq_id >= 0:
+                try:
+                    self.kv.forget(sequence.seq_id)
+                finally:
+                    self._free_id(sequence)
+            if sequence.sampler is not None:
+                self._backend.lib.llama_sampler_free(sequence.sampler)
+                sequence.sampler = None
+            if sequence.result is None:
+                sequence.result = result
+            sequence.progress.inference_ended = time.perf_counter()
+        finally:
+            hand_back(sequence)  # its request must never wait forever
+
+    def _step(self) -> None:
+        # 1. drop cancelled sequences
+        active = self.inbox.active
+        for sequence in [s for s in active if s.cancelled]:
+            self._remove(sequence, CANCELLED)
+        # 2. plan the calls of this step (the planner: data in, a plan out)
+        plan = plan_step([_candidate(key, s) for key, s in enumerate(active)], self.limits)
+        running = list(active)
+        if plan.draft is not None:
+            self.outputs.plan_draft_safely(running[plan.draft])
+        # 3. run them
+        for planned in plan.calls:
+            call = [(running[key], count) for key, count in planned]
+            try:
+                self._decode_call(call)
+            except Exception as exc:
+                # (a bookkeeping error around the call: its sequences fail, not the server)
+                logger.exception("a decode call failed in the scheduler; its requests fail, the others go on")
+                for sequence, _ in call:
+                    if sequence.result is None:
+                        self._remove(sequence, _failed(sequence, f"inference failed: {exc!r}"))
+        self.steps += 1
+
+    def _decode_call(self, call: list[tuple[Sequence, int]]) -> None:
+        """One ``llama_decode`` call; its pieces go to their channels, and finished
+        sequences back to their requests."""
+        inbox = self.inbox
+        filled = self.executor.fill(call)
+        with inbox.condition:
+            if any(s.cancelled for s, _ in call) or inbox.stopping:
+                return  # dropped at the next step
+            inbox.abort_flag.value = 0
+            inbox.in_flight = filled.per_sequence
+            inbox.in_flight_tokens = filled.rows
+        outcome = self.executor.decode()
+        with inbox.condition:
+            inbox.in_flight = {}
+        if outcome.aborted:
+            # Survivors redo the call from the same state. llama.cpp rolls back the
+            # ubatch it was computing (a mutation test removing the line below still
+            # passed the shared-call abort test), but "processed ubatches remain in
+            # the context's memory" (llama.h) when a call was split: remove every cell
+            # this call may have written.
+            self.aborted_calls += 1
+            for sequence, count in call:
+                start = sequence.pos if count == 0 else sequence.prefilled
+                if self.kv.trim(sequence.seq_id, start) != start and not sequence.cancelled:
+                    # (a model without partial removal aborts only all-cancelled calls)
+                    self._remove(sequence, BackendError("an aborted decode call could not be rolled back"))
+            return
+        if not outcome.ok:
+            for sequence, _ in call:
+                self._remove(sequence, _failed(sequence, f"llama_decode failed with code {outcome.code}"))
+            return
+        outputs = filled.outputs
+        now = time.perf_counter()
+        for sequence, count in call:
+            if count:
+                sequence.prefilled += count
+                sequence.pos = sequence.prefilled
+                sequence.progress.prefilled_tokens = sequence.prefilled
+                if sequence.decoding:
+                    sequence.progress.prefill_seconds = now - sequence.first_chunk_at
+                    if sequence.followers:
+                        outputs += self.kv.share_prompt(sequence, outputs)
+            else:
+                sequence.pos += 1
+        drafts = filled.drafts
+        emit = self.outputs.emit
+        for sequence, index in outputs:
+            token, end = emit(sequence, index)
+            if end is None and drafts and sequence in drafts:
+                end = self.outputs.verify(sequence, index, token, drafts[sequence])
+            if end is not None:
+                self._remove(sequence, end)
+
+
+def _candidate(key: int, sequence: Sequence) -> Candidate:
+    return Candidate(
+        key=key,
+        seq_id=sequence.seq_id,
+        pos=sequence.pos,
+        decoding=sequence.decoding,
+        waiting=sequence.leader is not None,
+        room=sequence.channel.room,
+        prefilled=sequence.prefilled,
+        prompt_length=len(sequence.prompt),
+        cuts=sequence.cuts,
+    )
+
+
+def _failed(sequence: Sequence, message: str) -> BackendError | Literal["cancelled"]:
+    """The result of a sequence that failed: a cancelled one (its client left, a stop
+    sequence matched) is reported cancelled — a cancel is never an error."""
+    return CANCELLED if sequence.cancelled else BackendError(message)

@@ -1,0 +1,335 @@
+"""The loaded llama.cpp model, on llama-cpp-python's low-level (C API) bindings: its
+vocabulary, tokenizer, metadata, validation and sampler chains (:class:`LlamaModel`) —
+what does not depend on how requests are scheduled. The backend itself is
+:class:`~._backend.LlamaBackend`; loading is :mod:`._loading`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Self
+
+import numpy
+import trio
+
+from ..._core._backend import Backend, ModelInfo, PreparedPrompt, check_token_ids, fit_to_context
+from ..._core._exceptions import InvalidRequestError
+from ..._core._types import GenerationRequest, SamplingParams
+from .._draw import LogitBias
+from .._grammar import GrammarCompiler
+from .._pieces import classify_piece, make_rule
+from .._platform import RepackDecision
+from .._prompt_cache import HostCache
+from .._side_work import run_side_work
+from ._loading import aload, load
+from ._native import LoadAborted
+from ._sampler import logit_bias, sampler_chain
+from ._settings import LlamaSettings
+
+__all__ = ["LlamaModel"]
+
+logger = logging.getLogger("trioserve.llama")
+
+#: ``LLAMA_TOKEN_ATTR_CONTROL`` (llama.h)
+_ATTR_CONTROL = 1 << 3
+
+#: prompts shorter than this (characters) are tokenized on the Trio thread: cheaper than
+#: a thread hop. Longer ones go to a worker thread so the event loop never stalls.
+_INLINE_TOKENIZE_CHARS = 4096
+#: constraint compiles running at once (each holds a worker thread until it ends)
+_COMPILE_THREADS = 2
+#: the same for turning token ids into their pieces (``/detokenize``, ``/tokenize``'s
+#: ``with_pieces``): more ids than this go to a worker thread
+_INLINE_PIECES = 1024
+
+
+class LlamaModel(Backend):
+    """The loaded model, its vocabulary, metadata, tokenizing, validation and sampler
+    chains. The subclass owns the context and the inference loop (``LlamaBackend``)."""
+
+    #: models loaded and not yet freed, in this process (tests check that none leaks)
+    loaded = 0
+    _count_lock = threading.Lock()
+
+    #: ``llama_print_system_info()`` of the loaded llama.cpp, and the repack decision
+    system_info = ""
+    repack: RepackDecision | None = None
+
+    def __init__(
+        self,
+        settings: LlamaSettings,
+        lib: Any,
+        model: Any,
+        *,
+        system_info: str = "",
+        repack: RepackDecision | None = None,
+        host_cache: HostCache | None = None,
+        abort: threading.Event | None = None,
+    ) -> None:
+        super().__init__()
+        #: the prompt cache's host tier to use (a registry entry's, kept across loads)
+        self._host_cache = host_cache
+        #: set when the load should stop (checked between its phases)
+        self._load_abort = abort
+        self.system_info = system_info
+        self.repack = repack
+        self._freed = False
+        self.settings = settings
+        self.lib = lib
+        self.model = model
+        self.vocab = lib.llama_model_get_vocab(model)
+        self.n_vocab: int = lib.llama_vocab_n_tokens(self.vocab)
+        #: the BOS token id (-1: none): the warm-up decodes it
+        self.bos: int = lib.llama_vocab_bos(self.vocab)
+        self._piece_cache: dict[int, bytes] = {}
+        #: the constraint compiler (its view of the vocabulary is built on first use)
+        self.grammars = GrammarCompiler(lib, self.vocab, self.n_vocab, self.token_bytes)
+        #: worker threads for compiles: a compile a cancel abandoned keeps its thread
+        #: until it ends, so compiles get threads of their own (two at a time) and never
+        #: take those of tokenization, template rendering or a model load
+        self.compile_threads = trio.CapacityLimiter(_COMPILE_THREADS)
+        self._piece_lock = threading.Lock()
+        #: where prompts are cut into prefill calls (docs/prompt-cache.md, "The cut")
+        self.piece_rule = make_rule(
+            settings.piece_rule, settings.prefill_chunk, classify=self._classify_token, n_vocab=self.n_vocab
+        )
+        train_ctx = lib.llama_model_n_ctx_train(model)
+        if settings.n_ctx > train_ctx:
+            logger.warning("n_ctx %d exceeds the model's training context %d", settings.n_ctx, train_ctx)
+        self._info = ModelInfo(
+            id=settings.model_id,
+            context_length=settings.n_ctx,
+            chat_template=self._meta("tokenizer.chat_template"),
+            architecture=self._meta("general.architecture"),
+            bos_token=self._token_text(self.bos),
+            eos_token=self._token_text(lib.llama_vocab_eos(self.vocab)),
+        )
+        self.check_abort()
+        self._create_contexts()
+        with LlamaModel._count_lock:
+            LlamaModel.loaded += 1
+
+    def _classify_token(self, token: int) -> int:
+        """A token's class for the cut (``_pieces``): control or not, its text. (The BOS
+        token opens a sequence, not a turn: it is no header.)"""
+        lib = self.lib
+        control = token != self.bos and bool(lib.llama_vocab_get_attr(self.vocab, token) & _ATTR_CONTROL)
+        end = control and bool(lib.llama_vocab_is_eog(self.vocab, token))
+        return classify_piece(self.token_bytes(token, special=False), control=control, end=end)
+
+    def check_abort(self) -> None:
+        """Between the load's phases: raise :class:`LoadAborted` if the load was aborted."""
+        if self._load_abort is not None and self._load_abort.is_set():
+            raise LoadAborted(f"the load of {self.settings.model_path} was aborted")
+
+    def _create_contexts(self) -> None:
+        """Create the llama contexts (called once the model and vocabulary are ready)."""
+        raise NotImplementedError
+
+    def _release_contexts(self) -> None:
+        """Free the contexts (the model is freed after them)."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- loading
+
+    # ----------------------------------------------------------------- loading
+
+    @classmethod
+    def load(
+        cls,
+        settings: LlamaSettings,
+        *,
+        progress: Callable[[float], None] | None = None,
+        abort: threading.Event | None = None,
+        host_cache: HostCache | None = None,
+    ) -> Self:
+        """Load the model and create the contexts (blocking: :func:`._loading.load`)."""
+        return load(cls, settings, progress=progress, abort=abort, host_cache=host_cache)
+
+    @classmethod
+    async def aload(
+        cls,
+        settings: LlamaSettings,
+        *,
+        progress: Callable[[float], None] | None = None,
+        host_cache: HostCache | None = None,
+    ) -> Self:
+        """:meth:`load` in a worker thread (:func:`._loading.aload`: a cancel aborts it)."""
+        return await aload(cls, settings, progress=progress, host_cache=host_cache)
+
+    async def aclose(self) -> None:
+        await trio.to_thread.run_sync(self.close)
+
+    def close(self) -> None:
+        """Free the contexts and the model (blocking; a second call does nothing)."""
+        self._free()
+
+    def _free(self) -> None:
+        if self._freed:
+            return
+        self._freed = True
+        self.grammars.wait_idle()  # a compile a cancel abandoned still reads the vocabulary
+        self._release_contexts()
+        self.lib.llama_model_free(self.model)
+        with LlamaModel._count_lock:
+            LlamaModel.loaded -= 1
+
+    # ------------------------------------------------------------- metadata
+
+    def _meta(self, key: str) -> str | None:
+        size = 1 << 16
+        buffer = ctypes.create_string_buffer(size)
+        n = self.lib.llama_model_meta_val_str(self.model, key.encode(), buffer, size)
+        if n < 0:
+            return None
+        if n >= size:  # a huge chat template: ask again with room for it
+            buffer = ctypes.create_string_buffer(n + 1)
+            self.lib.llama_model_meta_val_str(self.model, key.encode(), buffer, n + 1)
+        return buffer.value.decode("utf-8", errors="replace")
+
+    def _token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        text = self.lib.llama_vocab_get_text(self.vocab, token)
+        return text.decode("utf-8", errors="replace") if text else ""
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def slots(self) -> int:
+        return self.settings.slots
+
+    # ----------------------------------------------------------- tokenizing
+
+    def tokenize(self, text: str, *, add_bos: bool = True, parse_special: bool = True) -> list[int]:
+        """Text → token ids. ``add_bos``: add the model's special tokens around the text
+        (its BOS); ``parse_special``: special tokens written in the text, such as
+        ``<start_of_turn>``, are parsed as themselves (otherwise: as plain text)."""
+        data = text.encode()
+        capacity = len(data) + 8
+        tokens = (self.lib.llama_token * capacity)()
+        n = self.lib.llama_tokenize(self.vocab, data, len(data), tokens, capacity, add_bos, parse_special)
+        if n < 0:  # too small: -n is the size needed
+            capacity = -n
+            tokens = (self.lib.llama_token * capacity)()
+            n = self.lib.llama_tokenize(self.vocab, data, len(data), tokens, capacity, add_bos, parse_special)
+        return numpy.frombuffer(tokens, numpy.int32, count=n).tolist()  # (twice as fast as a slice)
+
+    def count_tokens(self, text: str, *, add_bos: bool = True, parse_special: bool = True) -> int:
+        """How many tokens :meth:`tokenize` gives, without building the list (1.8M
+        tokens' list holds the GIL for 55 ms)."""
+        data = text.encode()
+        n: int = self.lib.llama_tokenize(self.vocab, data, len(data), None, 0, add_bos, parse_special)
+        return -n if n < 0 else n
+
+    def piece(self, token: int) -> bytes:
+        """The bytes of one token (cached: the vocabulary is fixed)."""
+        cached = self._piece_cache.get(token)
+        if cached is not None:
+            return cached
+        piece = self.token_bytes(token, special=False)
+        with self._piece_lock:
+            self._piece_cache[token] = piece
+        return piece
+
+    def detokenize(self, tokens: Sequence[int]) -> bytes:
+        return b"".join(self.piece(token) for token in tokens)
+
+    def special_piece(self, token: int) -> bytes:
+        """The bytes of one token, control tokens rendered as their text (``<bos>``), as
+        llama.cpp's ``common_token_to_piece``. :meth:`piece` renders those as nothing
+        (generated text never shows them); every other token is the same in both."""
+        piece = self.piece(token)
+        return piece if piece else self.token_bytes(token, special=True)
+
+    def token_bytes(self, token: int, *, special: bool) -> bytes:
+        """llama.cpp's ``llama_token_to_piece`` (uncached): ``special`` renders control
+        tokens as their text."""
+        buffer = ctypes.create_string_buffer(256)
+        n = self.lib.llama_token_to_piece(self.vocab, token, buffer, 256, 0, special)
+        if n < 0:
+            buffer = ctypes.create_string_buffer(-n)
+            n = self.lib.llama_token_to_piece(self.vocab, token, buffer, -n, 0, special)
+        return buffer.raw[:n]
+
+    async def tokenize_text(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> list[int]:
+        if len(text) > _INLINE_TOKENIZE_CHARS:  # the same rule as prompts: see prepare
+            # (/tokenize, not a generation's own work: niced, _side_work.py)
+            return await run_side_work(
+                lambda: self.tokenize(text, add_bos=add_special, parse_special=parse_special)
+            )
+        return self.tokenize(text, add_bos=add_special, parse_special=parse_special)
+
+    async def count_text_tokens(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> int:
+        if len(text) > _INLINE_TOKENIZE_CHARS:  # (token counting: niced, _side_work.py)
+            return await run_side_work(
+                lambda: self.count_tokens(text, add_bos=add_special, parse_special=parse_special)
+            )
+        return self.count_tokens(text, add_bos=add_special, parse_special=parse_special)
+
+    async def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
+        check_token_ids(tokens, self.n_vocab)  # an id out of range would crash llama.cpp
+        if len(tokens) > _INLINE_PIECES:
+            return await run_side_work(lambda: [self.special_piece(t) for t in tokens])
+        return [self.special_piece(t) for t in tokens]
+
+    async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
+        if isinstance(request.prompt, str):
+            if len(request.prompt) > _INLINE_TOKENIZE_CHARS:
+                tokens = await trio.to_thread.run_sync(
+                    lambda: self.tokenize(request.prompt, add_bos=request.add_bos)  # type: ignore[arg-type]
+                )
+            else:
+                tokens = self.tokenize(request.prompt, add_bos=request.add_bos)
+        else:
+            tokens = list(request.prompt)
+            bad = [t for t in tokens if not 0 <= t < self.n_vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token ids must be in [0, {self.n_vocab}); got {bad[0]}", param="prompt"
+                )
+        bias = await logit_bias(request.sampling, self.n_vocab)
+        prepared = fit_to_context(request, tokens, self.settings.n_ctx)
+        if bias is not None:
+            prepared = dataclasses.replace(prepared, logit_bias=bias)
+        if request.constraint is not None:
+            # compiling (and, the first time, building the grammar engine's view of the
+            # vocabulary) can take a while: off the event loop. A cancel returns at
+            # once; the thread finishes its bounded compile and the result is dropped.
+            constraint = request.constraint
+            mask = await trio.to_thread.run_sync(
+                lambda: self.grammars.compile(constraint),
+                abandon_on_cancel=True,
+                limiter=self.compile_threads,
+            )
+            prepared = dataclasses.replace(prepared, compiled=mask)
+        return prepared
+
+    def _sampler(
+        self,
+        params: SamplingParams,
+        *,
+        max_new_tokens: int = 0,
+        seed_offset: int = 0,
+        bias: LogitBias | None = None,
+    ) -> Any:
+        """llama.cpp's sampler chain for ``params`` (:func:`._sampler.sampler_chain`)."""
+        return sampler_chain(
+            self.lib,
+            self.n_vocab,
+            self.settings.n_ctx,
+            params,
+            max_new_tokens=max_new_tokens,
+            seed_offset=seed_offset,
+            bias=bias,
+        )

@@ -1,0 +1,74 @@
+"""The native glue of a load: llama.cpp's abort callback (``_abort.c``, or a Python
+fallback) and its log lines forwarded to Python logging, with the errors of the load
+running in this thread kept to say why a GGUF cannot be used."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import threading
+from typing import Any
+
+from ..._core._exceptions import BackendError
+
+__all__ = ["LoadAborted", "LoadLog", "load_errors", "make_abort_callback", "make_log_callback"]
+
+logger = logging.getLogger("trioserve.llama")
+
+
+def _abort_requested(data: int) -> bool:
+    """The pure-Python abort callback, used only if the C one (``_abort.c``) was not
+    built: reads the flag byte at ``data``. Called from C; it must never raise."""
+    return bool(ctypes.c_ubyte.from_address(data).value)
+
+
+def make_abort_callback(lib: Any) -> tuple[Any, bool]:
+    """The abort callback, and whether it is the C one."""
+    try:
+        # (by name: the C extension is no module the import graph's scanner sees)
+        abort = importlib.import_module("trioserve._backends._abort")
+    except ImportError:  # pragma: no cover - the extension is built on install
+        logger.warning(
+            "trioserve._backends._abort (C) is not built: using a Python abort callback, which "
+            "costs ~10%% of decode speed; reinstall trioserve with a C compiler"
+        )
+        return lib.ggml_abort_callback(_abort_requested), False
+    return lib.ggml_abort_callback(abort.ABORT_CHECK_ADDRESS), True
+
+
+_llama_cpp_logger = logging.getLogger("trioserve.llama_cpp")
+
+
+def _forward_log(level: int, text: bytes, _data: object) -> None:
+    """llama.cpp's log lines → Python logging, at DEBUG — except errors while a model
+    loads, which go to WARNING (they say why a GGUF cannot be used). After loading,
+    llama.cpp's errors come back as return codes, which trioserve reports itself (an
+    aborted decode logs three error lines that are not errors here)."""
+    if level == 4 and LoadLog.loading:  # GGML_LOG_LEVEL_ERROR (NONE, DEBUG, INFO, WARN, ERROR, CONT)
+        line = text.decode("utf-8", errors="replace").rstrip()
+        _llama_cpp_logger.warning("%s", line)
+        errors = getattr(load_errors, "lines", None)
+        if errors is not None and len(errors) < 8:
+            errors.append(line)  # this thread's load: its error names the cause
+    elif _llama_cpp_logger.isEnabledFor(logging.DEBUG):
+        _llama_cpp_logger.debug("%s", text.decode("utf-8", errors="replace").rstrip())
+
+
+def make_log_callback() -> Any:
+    import llama_cpp
+
+    return llama_cpp.llama_log_callback(_forward_log)
+
+
+class LoadAborted(BackendError):
+    """A load stopped because nobody wanted it any more (``aload``'s cancel)."""
+
+
+#: the llama.cpp error lines of the load running in this thread
+load_errors = threading.local()
+
+
+class LoadLog:
+    callback: Any = None
+    loading = 0

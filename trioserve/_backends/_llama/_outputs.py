@@ -1,0 +1,169 @@
+"""What the loop does with a call's logits: draw each sequence's token and send its
+piece (:meth:`Outputs.emit`), accept the longest agreed prefix of a speculative
+draft (:meth:`Outputs.verify`), and before the call, guess a lone stream's next
+tokens (:meth:`Outputs.plan_draft`). A sequence that ends here is *reported* (an
+:data:`End`), never handed back: the loop does that."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..._core._exceptions import BackendError
+from ..._core._types import GenerationEnd
+from .._draw import draw, draw_special
+from .._speculation import SHORTEST_DRAFT, Drafter, SpeculationStats
+from ._capabilities import Capabilities
+from ._sequence import Sequence
+
+if TYPE_CHECKING:
+    from ._model import LlamaModel
+
+__all__ = ["End", "Outputs"]
+
+logger = logging.getLogger("trioserve.llama")
+
+#: why a sequence ended: its result
+End = GenerationEnd | Literal["cancelled"] | BaseException
+
+
+class Outputs:
+    """Draws and drafts for the sequences of one context (the scheduler thread only)."""
+
+    def __init__(self, model: LlamaModel, ctx: Any, memory: Any, capabilities: Capabilities) -> None:
+        self.model = model
+        self.ctx = ctx
+        self.memory = memory
+        self.capabilities = capabilities
+        self.stats = SpeculationStats()
+
+    @property
+    def lib(self) -> Any:
+        """The model's bindings, read at each call (tests swap them to inject faults)."""
+        return self.model.lib
+
+    def emit(self, sequence: Sequence, index: int) -> tuple[int, End | None]:
+        """Draw ``sequence``'s token from output ``index`` of the last call and send its
+        piece: ``(token, None)``, or ``(-1, end)`` if the sequence ended there (end of
+        text, its length, a constraint that failed)."""
+        model = self.model
+        lib = self.lib
+        entry = None
+        if sequence.special:
+            # a constraint's mask and/or log-probabilities (docs/batching.md)
+            drawn = draw_special(
+                lib,
+                self.ctx,
+                index,
+                model.n_vocab,
+                sequence.sampler,
+                greedy=sequence.greedy,
+                mask=sequence.mask,
+                logprobs=sequence.logprobs,
+                bias=sequence.bias,
+                piece=model.piece,
+            )
+            if isinstance(drawn, str):
+                return -1, BackendError(f"constrained decoding failed: {drawn}", should_retry=False)
+            token, entry = drawn
+        else:
+            token = draw(lib, self.ctx, index, model.n_vocab, sequence.sampler, sequence.greedy)
+        if lib.llama_vocab_is_eog(model.vocab, token):
+            return -1, "stop"
+        if sequence.mask is not None:
+            refused = sequence.mask.consume(token)
+            if refused is not None:
+                return -1, BackendError(f"constrained decoding failed: {refused}", should_retry=False)
+        sequence.generated += 1
+        sequence.generated_tokens.append(token)
+        sequence.progress.completion_tokens += 1
+        piece = model.piece(token)
+        sequence.channel.put(piece if entry is None else (piece, entry))  # type: ignore[arg-type]
+        if sequence.generated == sequence.max_new:
+            return -1, "length"  # after its last piece: order is kept
+        sequence.next_token = token
+        return token, None
+
+    def verify(self, sequence: Sequence, index: int, token: int, draft: list[int]) -> End | None:
+        """After the call that decoded ``sequence``'s ``token`` at output ``index`` and
+        its ``draft`` in the rows after it: accept the longest prefix of the draft the
+        model agrees with (each accepted row's draw is that of a one-token step), remove
+        the cells of the rest. Returns the end, if the sequence ended inside the run."""
+        # (counted before each piece is sent: the request may end with any of them, and
+        # it reads its counters as soon as it is handed back)
+        stats = self.stats
+        progress = sequence.progress
+        stats.verify_calls += 1
+        stats.proposed += len(draft)
+        progress.draft_proposed += len(draft)
+        accepted = 0
+        end: End | None = None
+        for guess in draft:
+            if token != guess:
+                break
+            accepted += 1
+            stats.accepted += 1
+            progress.draft_accepted += 1
+            sequence.pos += 1  # the guess's cell is the sequence's now
+            token, end = self.emit(sequence, index + accepted)
+            if end is not None:
+                break
+        if sequence.drafter is not None:
+            sequence.drafter.settle(len(draft), accepted)
+        if end is not None:
+            return end  # ended inside the run: the loop releases its cells
+        if accepted < len(draft) and not self.lib.llama_memory_seq_rm(
+            self.memory, sequence.seq_id, sequence.pos, -1
+        ):  # pragma: no cover - (speculation needs partial removal: checked at load)
+            return BackendError("the rejected guesses' cells could not be removed")
+        return None
+
+    def plan_draft_safely(self, sequence: Sequence) -> None:
+        """:meth:`plan_draft`; if it fails, the stream decodes one token per call from
+        now on (an optimisation is never a reason to fail anything)."""
+        try:
+            self.plan_draft(sequence)
+        except Exception:
+            logger.exception("drafting failed; the stream decodes one token per call from now on")
+            sequence.draft = []
+            sequence.speculate = False
+
+    def plan_draft(self, sequence: Sequence) -> None:
+        """Guess the tokens after ``sequence``'s next one (prompt lookup), as many as its
+        verify call may hold: the exact width, the room in its channel, its token limit
+        and (auto) the context where a lone step's attention changes path."""
+        sequence.draft = []
+        if not sequence.speculate:
+            return
+        capabilities = self.capabilities
+        verify_width = capabilities.verify_width
+        channel = sequence.channel
+        room = channel.room
+        if capabilities.speculation == "fast" and room == channel.capacity:
+            # fast: a reader that has taken every piece may get a run longer than the
+            # channel's window (at most FAST_DRAFT + 1 pieces at once: still bounded); a
+            # reader that is behind keeps the window, and pauses the stream as before
+            room = verify_width
+        limit = min(
+            verify_width - 1,
+            room - 1,
+            sequence.max_new - sequence.generated - 1,
+            capabilities.verify_context_limit - sequence.pos - 1,
+        )
+        if limit <= 0:
+            return
+        drafter = sequence.drafter
+        if drafter is None:
+            drafter = sequence.drafter = Drafter(sequence.prompt, longest=verify_width - 1)
+        # the drafter's context: every token in the KV cells (the last one drawn is not yet)
+        generated = sequence.generated_tokens
+        done = len(drafter.context) - len(sequence.prompt)
+        if done < len(generated) - 1:
+            drafter.extend(generated[done:-1])
+        draft = drafter.propose(sequence.next_token, limit)
+        if draft and sequence.mask is not None:
+            # a guess the constraint forbids is not proposed
+            draft = draft[: sequence.mask.valid_prefix(draft)]
+            if len(draft) < SHORTEST_DRAFT:
+                draft = []
+        sequence.draft = draft

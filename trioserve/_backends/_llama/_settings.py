@@ -1,0 +1,118 @@
+"""How to load a llama.cpp model and run it: :class:`LlamaSettings`, checked when made."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+__all__ = ["LlamaSettings"]
+
+
+class LlamaSettings:
+    """How to load the model and run it. Defaults suit a CPU machine.
+
+    Args:
+        model_path: path to a GGUF file.
+        n_ctx: context length per sequence (tokens).
+        n_threads: threads of the one context; default: all cores (every step decodes
+            every running sequence).
+        n_batch: llama.cpp's batch size (at least ``prefill_chunk``).
+        slots: sequences decoded together, i.e. generations that run at once (each
+            with ``n_ctx`` KV cells).
+        prefill_chunk: the most prompt tokens per ``llama_decode`` call: a prompt is
+            evaluated in the pieces of a canonical cut (``piece_rule``), whatever the
+            load, so cached pieces are exact.
+        piece_rule: ``"text"`` (cut after turn headers, lines and sentences, pieces of
+            at most ``prefill_chunk``: a conversation's turns end on cuts the next turn
+            shares) or ``"aligned"`` (every ``prefill_chunk`` tokens from position 0);
+            ``docs/prompt-cache.md``, "The cut".
+        prompt_cache: keep the KV cells of finished prompts' whole pieces and reuse the
+            longest cached prefix (``docs/prompt-cache.md``).
+        cache_ram_bytes: host memory for cached prefixes evicted from KV cells (their
+            sequence states), least recently used out first; 0: none.
+        idle_recompute: while nothing else runs, evaluate a finished conversation's reply
+            in the canonical pieces, so the next turn reuses it (aborted by any request).
+        cache_mode: ``"exact"`` (reuse only whole prompt pieces: a cached answer
+            equals a fresh server's) or ``"fast"`` (reuse every cell that matches, the
+            reply's too, as llama-server does: answers may differ).
+        batch_invariant: make every stream's numerics independent of what else runs
+            (decode calls no wider than the width measured to be exact, and a sequence
+            past the measured shared-context limit decodes alone; turns off weight
+            repacking).
+        model_id: the name clients use; default: the file name without ``.gguf``.
+        repack: let llama.cpp repack weights for this CPU's SIMD kernels
+            (``use_extra_bufts``): ``True`` (on), ``False`` (off), ``None`` (auto: on,
+            unless the loaded llama.cpp has AMX kernels, which crash: ``_platform.py``);
+            off in batch-invariant mode.
+        warm_up: decode one token at load (as llama-server does), so a llama.cpp that
+            cannot run on this CPU fails at startup, not at the first request.
+        speculate: prompt-lookup speculative decoding of a stream that decodes alone
+            (``docs/speculation.md``): ``"auto"`` (the default: only where the verify
+            call's rows are computed exactly as one-token steps — the widths measured at
+            load, contexts where a lone step takes the same attention path — so the
+            text never changes), ``"fast"`` (wide verify calls at any context, as
+            llama-server's n-gram modes: faster, and a temperature-0 text may change) or
+            ``"off"``.
+        pooling: how ``/v1/embeddings`` pools a model's token vectors: ``None`` (the
+            GGUF's; mean for a model that has none), ``"mean"``, ``"cls"``, ``"last"``
+            (docs/embeddings.md).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        n_ctx: int = 4096,
+        n_threads: int | None = None,
+        n_batch: int = 512,
+        slots: int = 8,
+        prefill_chunk: int = 128,
+        piece_rule: Literal["text", "aligned"] = "text",
+        prompt_cache: bool = True,
+        cache_ram_bytes: int = 1 << 30,
+        idle_recompute: bool = True,
+        cache_mode: Literal["exact", "fast"] = "exact",
+        batch_invariant: bool = False,
+        model_id: str | None = None,
+        repack: bool | None = None,
+        warm_up: bool = True,
+        pooling: Literal["mean", "cls", "last"] | None = None,
+        speculate: Literal["off", "auto", "fast"] = "auto",
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        if slots > n_batch:
+            # every step decodes one token of each sequence in one batch of n_batch rows
+            raise ValueError(f"slots ({slots}) may be at most n_batch ({n_batch}): raise the batch size")
+        if not 1 <= prefill_chunk <= n_batch:
+            raise ValueError(f"prefill_chunk must be in [1, n_batch={n_batch}], got {prefill_chunk}")
+        self.model_path = Path(model_path)
+        self.batch_invariant = batch_invariant
+        self.repack = repack
+        self.warm_up = warm_up
+        self.n_ctx = n_ctx
+        # llama.cpp's threads spin while they wait for each other: more threads than
+        # cores makes every decode slower, so one context gets exactly the cores.
+        self.n_threads = n_threads or os.cpu_count() or 1
+        self.n_batch = n_batch
+        self.slots = slots
+        self.prefill_chunk = prefill_chunk
+        if piece_rule not in ("text", "aligned"):
+            raise ValueError(f"piece_rule must be 'text' or 'aligned', got {piece_rule!r}")
+        self.piece_rule: Literal["text", "aligned"] = piece_rule
+        self.prompt_cache = prompt_cache
+        if cache_ram_bytes < 0:
+            raise ValueError(f"cache_ram_bytes must be at least 0, got {cache_ram_bytes}")
+        self.cache_ram_bytes = cache_ram_bytes
+        self.idle_recompute = idle_recompute
+        if cache_mode not in ("exact", "fast"):
+            raise ValueError(f"cache_mode must be 'exact' or 'fast', got {cache_mode!r}")
+        self.cache_mode = cache_mode
+        if speculate not in ("off", "auto", "fast"):
+            raise ValueError(f"speculate must be 'off', 'auto' or 'fast', got {speculate!r}")
+        self.speculate: Literal["off", "auto", "fast"] = speculate
+        self.model_id = model_id or self.model_path.name.removesuffix(".gguf")
+        if pooling not in (None, "mean", "cls", "last"):
+            raise ValueError(f"pooling must be 'mean', 'cls' or 'last', got {pooling!r}")
+        self.pooling: Literal["mean", "cls", "last"] | None = pooling

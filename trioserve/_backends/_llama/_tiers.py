@@ -1,0 +1,63 @@
+"""The prompt cache's tiers below the KV cells: a small store protocol
+(:class:`StateTier`) that the scheduler's cell manager saves evicted prefixes to and
+restores them from. Today's tier is host memory (:class:`~.._prompt_cache.HostCache`,
+``--cache-ram``); a disk tier plugs in behind the same protocol.
+
+Pure: no llama.cpp, numpy or Trio (an import-linter contract). A sequence state is an
+opaque buffer to a tier (``StateBuffer`` or ``bytes``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from .._prompt_cache import HostCache
+
+__all__ = ["StateTier", "host_tier"]
+
+
+class StateTier(Protocol):
+    """Where the states of cached prefixes go when their cells are needed.
+
+    Keys are token prefixes ending on the rule's cuts, under a salt (only requests of
+    the same ``cache_salt`` share them); ``floor`` is the first position whose
+    sliding-window cells the state holds."""
+
+    #: bytes the tier may hold (0: off)
+    budget: int
+    #: the model's sliding attention window (0: none): a saved state keeps only its last cells
+    window: int
+    #: counters for ``/health`` and ``/metrics``
+    saves: int
+    restores: int
+    evictions: int
+
+    def put(
+        self, tokens: Sequence[int], cuts: Sequence[int], state: Any, *, floor: int = 0, salt: str = ""
+    ) -> bool:
+        """Keep ``state``, the cells of ``tokens``; False if it does not fit."""
+        ...
+
+    def covers(self, tokens: Sequence[int], cuts: Sequence[int], *, salt: str = "") -> bool:
+        """Whether the tier already holds a state of ``tokens``."""
+        ...
+
+    def __len__(self) -> int:
+        """The prefixes held."""
+        ...
+
+
+def host_tier(given: HostCache | None, *, rule: str, budget: int, enabled: bool, window: int) -> HostCache:
+    """The host tier a new context uses: ``given`` (a registry entry's, which outlives
+    an unload: what the model cached before, under the server's one budget) when it is
+    indexed by the same ``rule`` and the cache is on; else a new one."""
+    if given is not None and given.rule == rule and enabled:
+        given.budget = budget
+        given.active = True  # (an unloaded model's entries are the first to go)
+        given.shrink()
+        host = given
+    else:
+        host = HostCache(budget if enabled else 0, rule=rule)
+    #: the sliding attention window: a saved state keeps only its last cells
+    host.window = window
+    return host
