@@ -327,7 +327,7 @@ class Scheduler:
                 sequence.pos = sequence.prefilled
                 sequence.progress.prefilled_tokens = sequence.prefilled
                 if sequence.decoding:
-                    sequence.progress.prefill_seconds = now - sequence.first_chunk_at
+                    sequence.progress.prefill_seconds = now - sequence.out.first_chunk_at
                     if sequence.followers:
                         outputs += self.kv.share_prompt(sequence, outputs)
             else:
@@ -351,8 +351,8 @@ def _candidate(key: int, sequence: Sequence) -> Candidate:
         waiting=sequence.leader is not None,
         room=sequence.channel.room,
         prefilled=sequence.prefilled,
-        prompt_length=len(sequence.prompt),
-        cuts=sequence.cuts,
+        prompt_length=len(sequence.asked.prompt),
+        cuts=sequence.cache.cuts,
     )
 
 
