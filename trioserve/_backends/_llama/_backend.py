@@ -78,8 +78,9 @@ class LlamaBackend(Backend):
 
     def __init__(self, model: LlamaModel, *, host_cache: HostCache | None = None) -> None:
         """Create the contexts that run ``model`` (the warm-up and the measures of
-        :mod:`._capabilities` included). The backend owns ``model`` from then on: its
-        :meth:`close` frees it. ``host_cache``: the prompt cache's host tier to start
+        :mod:`._capabilities` included). Once created, the backend owns ``model``: its
+        :meth:`close` frees it (if this raises, ``model`` is still the caller's to close,
+        as :meth:`load` does). ``host_cache``: the prompt cache's host tier to start
         with (a registry entry's, which outlives an unload)."""
         #: the loaded model: vocabulary, tokenizer, prepare, sampler chains
         self.llama_model = model
