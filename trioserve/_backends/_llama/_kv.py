@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..._core._exceptions import BackendError
 from .._cache_policy import CachePolicy
+from .._disk_cache import DiskEntry
 from .._memory import StateBuffer
 from ._sequence import Sequence
 from ._tiers import StateTier
@@ -51,7 +52,7 @@ class KvCells:
         """Before the context is freed (the thread has stopped): save every id's cached
         prefix to the host tier, so that a registry entry loaded again restores it
         (docs/models.md). Returns the prefixes saved."""
-        if not self.host.budget:
+        if not self.host.keeps:
             return 0
         policy = self.policy
         saved = 0
@@ -119,12 +120,24 @@ class KvCells:
             started = time.perf_counter()
             state, sequence.restore = sequence.restore, None
             self.trim(seq_id, 0)
-            buffer = (
-                state.array
-                if isinstance(state, StateBuffer)
-                else (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-            )
-            if not lib.llama_state_seq_set_data(self.ctx, buffer, len(state), seq_id):
+            buffer: Any = None
+            size = 0
+            tier = "host"
+            if isinstance(state, DiskEntry):
+                tier = "disk"
+                disk = self.host.disk
+                data = None if disk is None else disk.read(state, cancelled=lambda: sequence.cancelled)
+                if data is not None:
+                    buffer, size = (ctypes.c_uint8 * len(data)).from_buffer(data), len(data)
+            elif isinstance(state, StateBuffer):
+                buffer, size = state.array, len(state)
+            else:
+                buffer, size = (ctypes.c_uint8 * len(state)).from_buffer_copy(state), len(state)
+            if buffer is None:
+                # a miss on disk (gone, failed its check — logged — or the request was
+                # cancelled while it was read): evaluate the prompt
+                self.reuse(sequence, 0)
+            elif not lib.llama_state_seq_set_data(self.ctx, buffer, size, seq_id):
                 # pragma: no cover - llama.cpp refused the state: evaluate it all
                 logger.warning("could not restore a cached prefix; evaluating the prompt")
                 self.reuse(sequence, 0)
@@ -133,8 +146,13 @@ class KvCells:
                 # window cells the rest of the prompt attends to
                 logger.warning("a restored prefix lacks sliding-window cells; evaluating the prompt")
                 self.reuse(sequence, 0)
+            elif tier == "disk":
+                sequence.progress.disk_tokens = sequence.prefilled
+                if self.host.disk is not None:
+                    self.host.disk.restored_tokens += sequence.prefilled
             else:
                 self.host.restores += 1
+                sequence.progress.host_tokens = sequence.prefilled
             self.restore_seconds += time.perf_counter() - started
         # the cells past the reused prefix go (the rest of the cached prompt)
         kept = self.trim(seq_id, sequence.prefilled)
@@ -146,7 +164,7 @@ class KvCells:
         requests of ``salt``) in host memory."""
         lib = self.lib
         size = lib.llama_state_seq_get_size(self.ctx, seq_id)
-        if size > self.host.budget:
+        if size > self.host.budget and self.host.disk is None:
             return False
         # in a mapping of its own, never the heap (_memory.py: given back when evicted)
         state = StateBuffer(size)

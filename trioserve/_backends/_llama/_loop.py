@@ -22,6 +22,7 @@ from .._memory import trim_heap
 from ._admission import Admission
 from ._capabilities import measure
 from ._context import Context
+from ._disk import open_disk_tier
 from ._executor import Executor
 from ._idle import IdleRecompute
 from ._inbox import Inbox
@@ -69,6 +70,15 @@ class Scheduler:
             enabled=self.cache_enabled,
             window=max(0, int(lib.llama_model_n_swa(backend.model))),
         )
+        if self.cache_enabled:
+            #: the disk tier under it (``cache_dir``): states that outlive the process
+            try:
+                self.host.disk = open_disk_tier(
+                    backend, rule="token" if self.fast else backend.piece_rule.key, window=self.host.window
+                )
+            except BaseException:
+                context.free(lib)
+                raise
         #: the prompt cache (docs/prompt-cache.md): what each sequence id keeps, and the
         #: decisions made on it, are the policy's; the cells and llama.cpp calls are the
         #: KvCells'. Idle recompute: a finished conversation's pieces past its cached

@@ -12,6 +12,7 @@ import trio
 from ..._core._backend import ChoiceGroup, GenerationProgress, PreparedPrompt
 from ..._core._channel import PieceChannel
 from ..._core._types import GenerationEnd
+from .._disk_cache import DiskEntry
 from .._draw import LogitBias
 from .._grammar import TokenMask
 from .._memory import StateBuffer
@@ -145,7 +146,7 @@ class Sequence:
         self.save: list[int] | None = None
         self.save_salt = ""
         self.checkpoint = 0
-        self.restore: StateBuffer | bytes | None = None
+        self.restore: StateBuffer | bytes | DiskEntry | None = None
         #: speculative decoding (docs/speculation.md): every draw, greedy or sampled. A
         #: guess is accepted when the row's own draw (argmax, or the request's sampler
         #: chain, advanced token by token) equals it: for a draft that is one token per

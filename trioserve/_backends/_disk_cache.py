@@ -1,0 +1,577 @@
+"""The prompt cache's disk tier (docs/prompt-cache.md, "On disk"): sequence states that
+outlive the process — a restart, a crash, a model swapped out beyond the host budget.
+
+One :class:`DiskStore` per server (``--cache-dir``, ``--cache-disk`` bytes): a directory
+several processes may share. Each loaded model reads and writes its own subdirectory
+through a :class:`DiskTier`, named by the model's *fingerprint* (:func:`fingerprint`:
+the GGUF's content, the settings that change cells, the llama.cpp build), so an entry
+is only ever offered to a model that computes the same cells:
+
+    <root>/v1/<fingerprint>/<name>.kv     an entry: header, tokens, state, checksum
+    <root>/v1/<fingerprint>/model.json    what the fingerprint is made of (for people)
+    <root>/v1/tmp/                        entries being written (``<name>.<pid>.<n>``)
+    <root>/v1/bad/                        entries that failed their check, moved aside
+    <root>/v1/digests/                    GGUF content digests, by (device, inode, size, mtime)
+
+An entry is published by ``rename`` after ``fsync`` (readers never see half of one);
+its checksum (CRC-32 of everything before it) is verified before a restore; a bad one
+is a logged miss, moved aside. The budget holds for the whole directory, whoever
+wrote it: after each write the oldest entries (by mtime; a restore touches it) go.
+Writes run on one thread of the store (a bounded queue: a full queue drops the write,
+counted), never on the scheduler's path; reads run on the scheduler thread, in pieces,
+checking between them whether the request was cancelled.
+
+Pure Python (no llama.cpp, numpy or Trio): the state is bytes to this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+__all__ = ["DiskEntry", "DiskStore", "DiskTier", "fingerprint", "gguf_digest"]
+
+logger = logging.getLogger("trioserve.cache")
+
+_MAGIC = b"TSKV\x01\n"
+#: magic, then the header's length (u32) and the header (JSON), the tokens (int32 each),
+#: the state, and the CRC-32 of everything before it (u32)
+_HEAD = struct.Struct("<6sI")
+_CRC = struct.Struct("<I")
+#: bytes read per piece of a restore (a cancel is seen between pieces)
+_PIECE = 4 << 20
+#: a temporary file older than this, of a process that is gone, is a leftover
+_STALE_SECONDS = 3600.0
+
+
+def _salt_tag(salt: str) -> str:
+    """What an entry says of its salt: a digest, never the salt (a salt is derived from
+    an API key; the file may be read by anyone who can read the directory)."""
+    return hashlib.blake2b(salt.encode(), digest_size=16).hexdigest() if salt else ""
+
+
+def _chain(tokens: Sequence[int], cuts: Sequence[int], limit: int, tag: str) -> list[tuple[int, bytes]]:
+    """``(cut, digest)`` of ``tokens``' prefixes ending at ``cuts`` (at most ``limit``),
+    under the salt ``tag``: each identifies ``tokens[:cut]`` (chained on the one before)."""
+    out: list[tuple[int, bytes]] = []
+    h = hashlib.blake2b(tag.encode(), digest_size=16).digest()
+    start = 0
+    for c in cuts:
+        if c > limit or c > len(tokens):
+            break
+        h = hashlib.blake2b(h + struct.pack(f"<{c - start}i", *tokens[start:c]), digest_size=16).digest()
+        out.append((c, h))
+        start = c
+    return out
+
+
+def gguf_digest(
+    path: Path, store_root: Path | None = None, *, check: Callable[[], None] | None = None
+) -> str:
+    """The SHA-256 of a GGUF's content (every shard of a split model), remembered under
+    ``store_root``/v1/digests by (device, inode, size, mtime): a file that changes gets a
+    new digest; the same content under another name or path, the same digest.
+    ``check`` is called between megabytes (a load's abort: it raises)."""
+    files = [path]
+    if "-00001-of-" in path.name:
+        files = sorted(path.parent.glob(path.name.replace("-00001-of-", "-*-of-")))
+    parts = []
+    for file in files:
+        st = file.stat()
+        stamp = f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
+        remembered = store_root / "v1" / "digests" / stamp if store_root is not None else None
+        if remembered is not None and remembered.exists():
+            with contextlib.suppress(OSError):
+                text = remembered.read_text().strip()
+                if len(text) == 64:
+                    parts.append(text)
+                    continue
+        digest = hashlib.sha256()
+        with open(file, "rb") as f:
+            while chunk := f.read(8 << 20):
+                if check is not None:
+                    check()
+                digest.update(chunk)
+        text = digest.hexdigest()
+        if remembered is not None:
+            with contextlib.suppress(OSError):
+                remembered.parent.mkdir(parents=True, exist_ok=True)
+                _write_atomic(remembered, text.encode())
+        parts.append(text)
+    return parts[0] if len(parts) == 1 else hashlib.sha256("".join(parts).encode()).hexdigest()
+
+
+def fingerprint(content: str, settings: Mapping[str, object], build: str) -> str:
+    """A model's cells' identity: its GGUF's content digest, the settings that change
+    what a prefix's cells hold (KV types, context size, rope, sliding window, flash
+    attention, batch invariance, the cut…), and the llama.cpp build."""
+    made_of = json.dumps({"gguf": content, "settings": dict(settings), "build": build}, sort_keys=True)
+    return hashlib.sha256(made_of.encode()).hexdigest()[:32]
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass(slots=True, frozen=True)
+class DiskEntry:
+    """One entry on disk, as its tier's index knows it."""
+
+    path: Path
+    tokens: tuple[int, ...]
+    #: the first position whose sliding-window cells the state holds
+    start: int
+    #: the salt's tag (:func:`_salt_tag`)
+    tag: str
+    #: the file's size
+    size: int
+
+
+class DiskStore:
+    """The server's disk tier: one directory, one byte budget (every model's entries,
+    and every process's that shares the directory), one writer thread.
+
+    Thread-safe. ``close()`` waits for the writes queued (a graceful shutdown's spill)."""
+
+    def __init__(self, root: str | Path, budget: int, *, queue_bytes: int = 256 << 20) -> None:
+        if budget < 0:
+            raise ValueError(f"the disk budget must be at least 0, got {budget}")
+        self.root = Path(root)
+        self.budget = budget
+        self.base = self.root / "v1"
+        for sub in ("tmp", "bad", "digests"):
+            (self.base / sub).mkdir(parents=True, exist_ok=True)
+        self._queue: queue.Queue[tuple[DiskTier, tuple[int, ...], list[int], int, str, Any] | None] = (
+            queue.Queue()
+        )
+        self._queued_bytes = 0
+        self._queue_limit = queue_bytes
+        self._lock = threading.Lock()
+        self._counter = 0
+        #: counters (``/health``, ``/metrics``)
+        self.writes = 0
+        self.write_bytes = 0
+        self.dropped_writes = 0
+        self.failed_writes = 0
+        self.evictions = 0
+        self.bad_entries = 0
+        self.swept = self._sweep()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="trioserve-disk-cache", daemon=True)
+        self._thread.start()
+
+    _shared: ClassVar[dict[Path, DiskStore]] = {}
+    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def shared(cls, root: str | Path, budget: int) -> DiskStore:
+        """The process's one store of ``root`` (every model of a server shares its
+        budget and its writer); the latest ``budget`` given holds."""
+        key = Path(root).expanduser().resolve()
+        with cls._shared_lock:
+            store = cls._shared.get(key)
+            if store is None or store._closed:
+                store = cls._shared[key] = cls(key, budget)
+            store.budget = budget
+            return store
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _sweep(self) -> int:
+        """Remove what a killed process left in tmp/ (its pid gone, or old)."""
+        swept = 0
+        now = time.time()
+        for tmp in (self.base / "tmp").iterdir():
+            try:
+                pid = int(tmp.name.rsplit(".", 2)[-2])
+            except (ValueError, IndexError):
+                pid = -1
+            alive = pid > 0 and _alive(pid)
+            try:
+                old = now - tmp.stat().st_mtime > _STALE_SECONDS
+            except OSError:
+                continue
+            if pid == os.getpid() or not alive or old:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                    swept += 1
+        if swept:
+            logger.info("the disk cache swept %d unfinished entries a stopped process left", swept)
+        return swept
+
+    def tier(
+        self, fingerprint: str, *, window: int = 0, made_of: Mapping[str, object] | None = None
+    ) -> DiskTier:
+        """The tier of the model whose cells' identity is ``fingerprint``; it reads what
+        the directory already holds for it (an earlier run's, another process's)."""
+        directory = self.base / fingerprint
+        directory.mkdir(parents=True, exist_ok=True)
+        if made_of is not None and not (directory / "model.json").exists():
+            with contextlib.suppress(OSError):
+                _write_atomic(
+                    directory / "model.json", json.dumps(dict(made_of), indent=1, default=str).encode()
+                )
+        return DiskTier(self, directory, window=window)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is on disk; whether it was before ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._queued_bytes == 0 and self._queue.unfinished_tasks == 0:
+                    return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        """Finish the queued writes, then stop the writer (a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+
+    @property
+    def bytes(self) -> int:
+        """The bytes of every entry in the directory (every model's, every process's)."""
+        return sum(size for _, size, _ in self._entries())
+
+    # ------------------------------------------------------------ writing
+
+    def submit(
+        self, tier: DiskTier, tokens: tuple[int, ...], cuts: list[int], start: int, tag: str, state: Any
+    ) -> bool:
+        """Queue a write of ``state`` (bytes, or an object with ``__bytes__`` and
+        ``len()``: the host tier's buffer, kept alive until written). False: dropped
+        (closed, larger than the budget, or the queue is full)."""
+        size = len(state)
+        with self._lock:
+            if self._closed or not self.budget or size > self.budget:
+                return False
+            if self._queued_bytes + size > self._queue_limit:
+                self.dropped_writes += 1
+                return False
+            self._queued_bytes += size
+        self._queue.put((tier, tokens, cuts, start, tag, state))
+        return True
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                tier, tokens, cuts, start, tag, state = job
+                try:
+                    self._write(tier, tokens, cuts, start, tag, state)
+                except Exception:
+                    self.failed_writes += 1
+                    logger.exception("could not write a cached prefix to the disk cache; it is dropped")
+                finally:
+                    with self._lock:
+                        self._queued_bytes -= len(state)
+            finally:
+                self._queue.task_done()
+
+    def _write(
+        self, tier: DiskTier, tokens: tuple[int, ...], cuts: list[int], start: int, tag: str, state: Any
+    ) -> None:
+        if tier.covers_tag(tokens, cuts, tag):
+            return
+        name = hashlib.blake2b(
+            tag.encode() + struct.pack(f"<{len(tokens)}i", *tokens), digest_size=20
+        ).hexdigest()
+        header = json.dumps(
+            {
+                "fingerprint": tier.fingerprint,
+                "tokens": len(tokens),
+                "cuts": cuts,
+                "start": start,
+                "salt": tag,
+            }
+        ).encode()
+        # the state as it is (the host tier's mapping: no copy of it is made)
+        array = getattr(state, "array", None)
+        blob = memoryview(array).cast("B")[: len(state)] if array is not None else memoryview(state)
+        head = b"".join((_HEAD.pack(_MAGIC, len(header)), header, struct.pack(f"<{len(tokens)}i", *tokens)))
+        with self._lock:
+            self._counter += 1
+            n = self._counter
+        tmp = self.base / "tmp" / f"{name}.{os.getpid()}.{n}"
+        final = tier.directory / f"{name}.kv"
+        with open(tmp, "wb") as f:
+            f.write(head)
+            f.write(blob)
+            f.write(_CRC.pack(zlib.crc32(blob, zlib.crc32(head))))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        with contextlib.suppress(OSError):  # the rename itself, durable
+            fd = os.open(tier.directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        size = len(head) + len(blob) + _CRC.size
+        self.writes += 1
+        self.write_bytes += size
+        tier.add(DiskEntry(final, tokens, start, tag, size), cuts)
+        self._fit()
+
+    def _entries(self) -> Iterable[tuple[Path, int, float]]:
+        for directory in self.base.iterdir():
+            if directory.name in ("tmp", "bad", "digests") or not directory.is_dir():
+                continue
+            for entry in os.scandir(directory):
+                if entry.name.endswith(".kv"):
+                    with contextlib.suppress(OSError):
+                        st = entry.stat()
+                        yield Path(entry.path), st.st_size, st.st_mtime
+
+    def _fit(self) -> None:
+        """Over the budget: the least recently used entries of the whole directory go."""
+        entries = list(self._entries())
+        total = sum(size for _, size, _ in entries)
+        if total <= self.budget:
+            return
+        for path, size, _ in sorted(entries, key=lambda e: e[2]):
+            if total <= self.budget:
+                break
+            with contextlib.suppress(OSError):
+                path.unlink()
+                self.evictions += 1
+            total -= size
+
+    def quarantine(self, path: Path, why: str) -> None:
+        """Move a bad entry aside (``bad/``), logged: a miss, never a crash."""
+        self.bad_entries += 1
+        logger.warning(
+            "the disk cache entry %s is unusable (%s): moved aside; the prompt is evaluated", path, why
+        )
+        with contextlib.suppress(OSError):
+            os.replace(path, self.base / "bad" / f"{path.parent.name}-{path.name}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class DiskTier:
+    """One model's entries in a :class:`DiskStore` (its fingerprint's directory).
+
+    The index (prefix digests at each entry's cuts, under its salt's tag) is built from
+    the files' headers when the tier is made and kept by this process's writes; a
+    prompt that finds nothing looks again at the directory when it changed (another
+    process wrote to it). Thread-safe."""
+
+    def __init__(self, store: DiskStore, directory: Path, *, window: int = 0) -> None:
+        self.store = store
+        self.directory = directory
+        #: the identity of the cells its entries hold (:func:`fingerprint`)
+        self.fingerprint = directory.name
+        self.window = window
+        self._lock = threading.Lock()
+        self._entries: dict[Path, DiskEntry] = {}
+        self._index: dict[bytes, set[Path]] = {}
+        self._seen_mtime = 0
+        #: counters
+        self.restores = 0
+        self.restored_tokens = 0
+        self.misses = 0
+        self.scan()
+
+    # ------------------------------------------------------------ the index
+
+    def scan(self) -> None:
+        """Read the headers of the directory's entries (those not known yet)."""
+        try:
+            mtime = self.directory.stat().st_mtime_ns
+        except OSError:
+            return
+        with self._lock:
+            known = set(self._entries)
+            self._seen_mtime = mtime
+        present: set[Path] = set()
+        for item in os.scandir(self.directory):
+            if not item.name.endswith(".kv"):
+                continue
+            path = Path(item.path)
+            present.add(path)
+            if path in known:
+                continue
+            read = self._read_header(path)
+            if read is not None:
+                entry, cuts = read
+                self.add(entry, cuts)
+        with self._lock:
+            for gone in known - present:
+                self._remove(gone)
+
+    def _read_header(self, path: Path) -> tuple[DiskEntry, list[int]] | None:
+        try:
+            with open(path, "rb") as f:
+                magic, length = _HEAD.unpack(f.read(_HEAD.size))
+                if magic != _MAGIC or length > 1 << 24:
+                    raise ValueError("not an entry of this version")
+                header = json.loads(f.read(length))
+                if header.get("fingerprint") != self.fingerprint:
+                    raise ValueError(f"written for another model or setting ({header.get('fingerprint')})")
+                n = int(header["tokens"])
+                raw = f.read(4 * n)
+                if len(raw) != 4 * n:
+                    raise ValueError("truncated")
+                tokens = struct.unpack(f"<{n}i", raw)
+                size = os.fstat(f.fileno()).st_size
+            cuts = [int(c) for c in header["cuts"]]
+            return DiskEntry(path, tokens, int(header["start"]), str(header["salt"]), size), cuts
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+            self.store.quarantine(path, f"header: {e}")
+            return None
+
+    def add(self, entry: DiskEntry, cuts: list[int]) -> None:
+        chain = _chain(entry.tokens, cuts, len(entry.tokens), entry.tag)
+        with self._lock:
+            self._entries[entry.path] = entry
+            for _, h in chain:
+                self._index.setdefault(h, set()).add(entry.path)
+
+    def _remove(self, path: Path) -> None:
+        self._entries.pop(path, None)
+        for h in [h for h, paths in self._index.items() if path in paths]:
+            paths = self._index[h]
+            paths.discard(path)
+            if not paths:
+                del self._index[h]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def serves(self, start: int, shared: int) -> bool:
+        """As :meth:`HostCache.serves`: cells whose window layers start at ``start`` give
+        back their first ``shared`` tokens exactly."""
+        return not self.window or start <= max(0, shared - self.window + 1)
+
+    def covers_tag(self, tokens: Sequence[int], cuts: Sequence[int], tag: str) -> bool:
+        n = len(tokens)
+        chain = _chain(tokens, cuts, n, tag)
+        if not chain or chain[-1][0] != n:
+            return False
+        with self._lock:
+            for path in self._index.get(chain[-1][1], ()):
+                entry = self._entries[path]
+                if entry.tokens[:n] == tuple(tokens) and self.serves(entry.start, n) and path.exists():
+                    return True
+        return False
+
+    def put(self, tokens: Sequence[int], cuts: Sequence[int], state: Any, *, start: int, salt: str) -> bool:
+        """Queue ``state``, the cells of ``tokens`` (window cells from ``start``), for the
+        prompts of ``salt``."""
+        return self.store.submit(self, tuple(tokens), list(cuts), start, _salt_tag(salt), state)
+
+    def best(
+        self, prompt: Sequence[int], cuts: Sequence[int], limit: int, *, salt: str = ""
+    ) -> tuple[int, DiskEntry] | None:
+        """``(shared tokens, entry)`` of the entry of ``salt`` sharing the most whole
+        pieces with ``prompt`` (at most ``limit`` tokens), or ``None``."""
+        found = self._best(prompt, cuts, limit, _salt_tag(salt))
+        if found is None:
+            try:
+                changed = self.directory.stat().st_mtime_ns != self._seen_mtime
+            except OSError:
+                changed = False
+            if changed:  # another process wrote (or evicted) since: look again
+                self.scan()
+                found = self._best(prompt, cuts, limit, _salt_tag(salt))
+        return found
+
+    def _best(
+        self, prompt: Sequence[int], cuts: Sequence[int], limit: int, tag: str
+    ) -> tuple[int, DiskEntry] | None:
+        best: tuple[int, DiskEntry] | None = None
+        with self._lock:
+            for c, h in _chain(prompt, cuts, limit, tag):
+                paths = self._index.get(h)
+                if not paths:
+                    break
+                usable = next(
+                    (self._entries[p] for p in paths if self.serves(self._entries[p].start, c)), None
+                )
+                if usable is not None:
+                    best = (c, usable)
+        if best is not None and best[1].tokens[: best[0]] != tuple(prompt[: best[0]]):  # pragma: no cover
+            return None  # (a 128-bit digest collision)
+        return best
+
+    # ------------------------------------------------------------ restoring
+
+    def read(self, entry: DiskEntry, *, cancelled: Callable[[], bool] = lambda: False) -> memoryview | None:
+        """The state of ``entry`` (a writable view: llama.cpp reads it in place), its
+        checksum verified; ``None``: a miss (gone, bad —
+        moved aside, logged — or ``cancelled()`` became true between pieces)."""
+        path = entry.path
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != entry.size or size < _HEAD.size + _CRC.size:
+                    raise ValueError(f"{size} bytes where {entry.size} were written")
+                data = bytearray(size)
+                view = memoryview(data)
+                got = 0
+                while got < size:
+                    if cancelled():
+                        return None
+                    n = f.readinto(view[got : got + _PIECE])
+                    if not n:
+                        raise ValueError("truncated")
+                    got += n
+        except FileNotFoundError:
+            self.misses += 1
+            with self._lock:
+                self._remove(path)
+            return None
+        except (OSError, ValueError) as e:
+            self.misses += 1
+            with self._lock:
+                self._remove(path)
+            self.store.quarantine(path, str(e))
+            return None
+        body = view[: size - _CRC.size]
+        (crc,) = _CRC.unpack(view[size - _CRC.size :])
+        magic, length = _HEAD.unpack(body[: _HEAD.size])
+        if zlib.crc32(body) != crc or magic != _MAGIC:
+            self.misses += 1
+            with self._lock:
+                self._remove(path)
+            self.store.quarantine(path, "checksum")
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recently used: the budget's eviction takes it last
+        offset = _HEAD.size + length + 4 * len(entry.tokens)
+        self.restores += 1
+        return view[offset : size - _CRC.size]
