@@ -116,6 +116,8 @@ class CacheStats:
     idle_tokens: int
     idle_aborted: int
     idle_pending: int
+    #: the disk tier (``DiskTier.stats``), ``None`` without one
+    disk: dict[str, object] | None = None
 
     @property
     def tokens(self) -> int:
@@ -149,6 +151,7 @@ class CacheStats:
                 "save_seconds": round(self.save_seconds, 6),
                 "restore_seconds": round(self.restore_seconds, 6),
             },
+            "disk": self.disk,
             "idle_recompute": {
                 "enabled": self.idle_recompute,
                 "chunks": self.idle_chunks,

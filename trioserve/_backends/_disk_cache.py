@@ -173,6 +173,8 @@ class DiskStore:
         self.evictions = 0
         self.bad_entries = 0
         self.swept = self._sweep()
+        #: the directory's bytes, as of the last write (or the start)
+        self.held_bytes = self.bytes
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="trioserve-disk-cache", daemon=True)
         self._thread.start()
@@ -229,6 +231,19 @@ class DiskStore:
                     directory / "model.json", json.dumps(dict(made_of), indent=1, default=str).encode()
                 )
         return DiskTier(self, directory, window=window)
+
+    def made_of(self, content: str) -> list[tuple[str, dict[str, Any]]]:
+        """``(fingerprint, what it is made of)`` of every directory of the GGUF whose
+        digest is ``content`` (the same model under other settings or builds)."""
+        found = []
+        for directory in self.base.iterdir():
+            try:
+                made = json.loads((directory / "model.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(made, dict) and made.get("gguf_sha256") == content:
+                found.append((directory.name, made))
+        return found
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is on disk; whether it was before ``timeout``."""
@@ -350,15 +365,15 @@ class DiskStore:
         """Over the budget: the least recently used entries of the whole directory go."""
         entries = list(self._entries())
         total = sum(size for _, size, _ in entries)
-        if total <= self.budget:
-            return
-        for path, size, _ in sorted(entries, key=lambda e: e[2]):
-            if total <= self.budget:
-                break
-            with contextlib.suppress(OSError):
-                path.unlink()
-                self.evictions += 1
-            total -= size
+        if total > self.budget:
+            for path, size, _ in sorted(entries, key=lambda e: e[2]):
+                if total <= self.budget:
+                    break
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    self.evictions += 1
+                total -= size
+        self.held_bytes = total
 
     def quarantine(self, path: Path, why: str) -> None:
         """Move a bad entry aside (``bad/``), logged: a miss, never a crash."""
@@ -403,6 +418,26 @@ class DiskTier:
         self.restored_tokens = 0
         self.misses = 0
         self.scan()
+
+    def stats(self) -> dict[str, object]:
+        """This tier and its store, for ``/health`` and ``/metrics`` (no directory scan:
+        the store's bytes are as of its last write)."""
+        store = self.store
+        return {
+            "directory": str(self.directory),
+            "budget_bytes": store.budget,
+            "bytes": store.held_bytes,
+            "prefixes": len(self),
+            "restores": self.restores,
+            "restored_tokens": self.restored_tokens,
+            "misses": self.misses,
+            "writes": store.writes,
+            "write_bytes": store.write_bytes,
+            "dropped_writes": store.dropped_writes,
+            "failed_writes": store.failed_writes,
+            "evictions": store.evictions,
+            "bad_entries": store.bad_entries,
+        }
 
     # ------------------------------------------------------------ the index
 

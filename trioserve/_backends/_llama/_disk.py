@@ -55,4 +55,19 @@ def open_disk_tier(model: LlamaModel, *, rule: str, window: int) -> DiskTier | N
     )
     if len(tier):
         logger.info("%s: %d cached prefix(es) on disk (%s)", settings.model_id, len(tier), tier.directory)
+    for other, made in store.made_of(content):
+        if other != print_:
+            differ = sorted(
+                key
+                for key in {*cells, *made.get("cells", {})}
+                if cells.get(key) != made.get("cells", {}).get(key)
+            )
+            if made.get("build") != build:
+                differ.append("build")
+            logger.info(
+                "%s: the disk cache holds prefixes of this model made with other settings (%s): "
+                "they are not used",
+                settings.model_id,
+                ", ".join(differ) or "?",
+            )
     return tier
