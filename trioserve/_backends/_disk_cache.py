@@ -27,7 +27,6 @@ Pure Python (no llama.cpp, numpy or Trio): the state is bytes to this module.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -37,111 +36,29 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
+
+from ._disk_format import (
+    CRC,
+    HEAD,
+    MAGIC,
+    PIECE,
+    STALE_SECONDS,
+    DiskEntry,
+    alive,
+    chain,
+    fingerprint,
+    gguf_digest,
+    read_header,
+    salt_tag,
+    write_atomic,
+    write_entry,
+)
 
 __all__ = ["DiskEntry", "DiskStore", "DiskTier", "fingerprint", "gguf_digest"]
 
 logger = logging.getLogger("trioserve.cache")
-
-_MAGIC = b"TSKV\x01\n"
-#: magic, then the header's length (u32) and the header (JSON), the tokens (int32 each),
-#: the state, and the CRC-32 of everything before it (u32)
-_HEAD = struct.Struct("<6sI")
-_CRC = struct.Struct("<I")
-#: bytes read per piece of a restore (a cancel is seen between pieces)
-_PIECE = 4 << 20
-#: a temporary file older than this, of a process that is gone, is a leftover
-_STALE_SECONDS = 3600.0
-
-
-def _salt_tag(salt: str) -> str:
-    """What an entry says of its salt: a digest, never the salt (a salt is derived from
-    an API key; the file may be read by anyone who can read the directory)."""
-    return hashlib.blake2b(salt.encode(), digest_size=16).hexdigest() if salt else ""
-
-
-def _chain(tokens: Sequence[int], cuts: Sequence[int], limit: int, tag: str) -> list[tuple[int, bytes]]:
-    """``(cut, digest)`` of ``tokens``' prefixes ending at ``cuts`` (at most ``limit``),
-    under the salt ``tag``: each identifies ``tokens[:cut]`` (chained on the one before)."""
-    out: list[tuple[int, bytes]] = []
-    h = hashlib.blake2b(tag.encode(), digest_size=16).digest()
-    start = 0
-    for c in cuts:
-        if c > limit or c > len(tokens):
-            break
-        h = hashlib.blake2b(h + struct.pack(f"<{c - start}i", *tokens[start:c]), digest_size=16).digest()
-        out.append((c, h))
-        start = c
-    return out
-
-
-def gguf_digest(
-    path: Path, store_root: Path | None = None, *, check: Callable[[], None] | None = None
-) -> str:
-    """The SHA-256 of a GGUF's content (every shard of a split model), remembered under
-    ``store_root``/v1/digests by (device, inode, size, mtime): a file that changes gets a
-    new digest; the same content under another name or path, the same digest.
-    ``check`` is called between megabytes (a load's abort: it raises)."""
-    files = [path]
-    if "-00001-of-" in path.name:
-        files = sorted(path.parent.glob(path.name.replace("-00001-of-", "-*-of-")))
-    parts = []
-    for file in files:
-        st = file.stat()
-        stamp = f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
-        remembered = store_root / "v1" / "digests" / stamp if store_root is not None else None
-        if remembered is not None and remembered.exists():
-            with contextlib.suppress(OSError):
-                text = remembered.read_text().strip()
-                if len(text) == 64:
-                    parts.append(text)
-                    continue
-        digest = hashlib.sha256()
-        with open(file, "rb") as f:
-            while chunk := f.read(8 << 20):
-                if check is not None:
-                    check()
-                digest.update(chunk)
-        text = digest.hexdigest()
-        if remembered is not None:
-            with contextlib.suppress(OSError):
-                remembered.parent.mkdir(parents=True, exist_ok=True)
-                _write_atomic(remembered, text.encode())
-        parts.append(text)
-    return parts[0] if len(parts) == 1 else hashlib.sha256("".join(parts).encode()).hexdigest()
-
-
-def fingerprint(content: str, settings: Mapping[str, object], build: str) -> str:
-    """A model's cells' identity: its GGUF's content digest, the settings that change
-    what a prefix's cells hold (KV types, context size, rope, sliding window, flash
-    attention, batch invariance, the cut…), and the llama.cpp build."""
-    made_of = json.dumps({"gguf": content, "settings": dict(settings), "build": build}, sort_keys=True)
-    return hashlib.sha256(made_of.encode()).hexdigest()[:32]
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-@dataclass(slots=True, frozen=True)
-class DiskEntry:
-    """One entry on disk, as its tier's index knows it."""
-
-    path: Path
-    tokens: tuple[int, ...]
-    #: the first position whose sliding-window cells the state holds
-    start: int
-    #: the salt's tag (:func:`_salt_tag`)
-    tag: str
-    #: the file's size
-    size: int
 
 
 class DiskStore:
@@ -205,12 +122,12 @@ class DiskStore:
                 pid = int(tmp.name.rsplit(".", 2)[-2])
             except (ValueError, IndexError):
                 pid = -1
-            alive = pid > 0 and _alive(pid)
+            running = pid > 0 and alive(pid)
             try:
-                old = now - tmp.stat().st_mtime > _STALE_SECONDS
+                old = now - tmp.stat().st_mtime > STALE_SECONDS
             except OSError:
                 continue
-            if pid == os.getpid() or not alive or old:
+            if pid == os.getpid() or not running or old:
                 with contextlib.suppress(OSError):
                     tmp.unlink()
                     swept += 1
@@ -227,7 +144,7 @@ class DiskStore:
         directory.mkdir(parents=True, exist_ok=True)
         if made_of is not None and not (directory / "model.json").exists():
             with contextlib.suppress(OSError):
-                _write_atomic(
+                write_atomic(
                     directory / "model.json", json.dumps(dict(made_of), indent=1, default=str).encode()
                 )
         return DiskTier(self, directory, window=window)
@@ -311,41 +228,20 @@ class DiskStore:
     ) -> None:
         if tier.covers_tag(tokens, cuts, tag):
             return
-        name = hashlib.blake2b(
-            tag.encode() + struct.pack(f"<{len(tokens)}i", *tokens), digest_size=20
-        ).hexdigest()
-        header = json.dumps(
-            {
-                "fingerprint": tier.fingerprint,
-                "tokens": len(tokens),
-                "cuts": cuts,
-                "start": start,
-                "salt": tag,
-            }
-        ).encode()
-        # the state as it is (the host tier's mapping: no copy of it is made)
-        array = getattr(state, "array", None)
-        blob = memoryview(array).cast("B")[: len(state)] if array is not None else memoryview(state)
-        head = b"".join((_HEAD.pack(_MAGIC, len(header)), header, struct.pack(f"<{len(tokens)}i", *tokens)))
         with self._lock:
             self._counter += 1
             n = self._counter
-        tmp = self.base / "tmp" / f"{name}.{os.getpid()}.{n}"
-        final = tier.directory / f"{name}.kv"
-        with open(tmp, "wb") as f:
-            f.write(head)
-            f.write(blob)
-            f.write(_CRC.pack(zlib.crc32(blob, zlib.crc32(head))))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        with contextlib.suppress(OSError):  # the rename itself, durable
-            fd = os.open(tier.directory, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        size = len(head) + len(blob) + _CRC.size
+        final, size = write_entry(
+            self.base / "tmp",
+            tier.directory,
+            n,
+            fingerprint=tier.fingerprint,
+            tokens=tokens,
+            cuts=cuts,
+            start=start,
+            tag=tag,
+            state=state,
+        )
         self.writes += 1
         self.write_bytes += size
         tier.add(DiskEntry(final, tokens, start, tag, size), cuts)
@@ -383,16 +279,6 @@ class DiskStore:
         )
         with contextlib.suppress(OSError):
             os.replace(path, self.base / "bad" / f"{path.parent.name}-{path.name}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class DiskTier:
@@ -468,21 +354,7 @@ class DiskTier:
 
     def _read_header(self, path: Path) -> tuple[DiskEntry, list[int]] | None:
         try:
-            with open(path, "rb") as f:
-                magic, length = _HEAD.unpack(f.read(_HEAD.size))
-                if magic != _MAGIC or length > 1 << 24:
-                    raise ValueError("not an entry of this version")
-                header = json.loads(f.read(length))
-                if header.get("fingerprint") != self.fingerprint:
-                    raise ValueError(f"written for another model or setting ({header.get('fingerprint')})")
-                n = int(header["tokens"])
-                raw = f.read(4 * n)
-                if len(raw) != 4 * n:
-                    raise ValueError("truncated")
-                tokens = struct.unpack(f"<{n}i", raw)
-                size = os.fstat(f.fileno()).st_size
-            cuts = [int(c) for c in header["cuts"]]
-            return DiskEntry(path, tokens, int(header["start"]), str(header["salt"]), size), cuts
+            return read_header(path, self.fingerprint)
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
@@ -490,10 +362,10 @@ class DiskTier:
             return None
 
     def add(self, entry: DiskEntry, cuts: list[int]) -> None:
-        chain = _chain(entry.tokens, cuts, len(entry.tokens), entry.tag)
+        digests = chain(entry.tokens, cuts, len(entry.tokens), entry.tag)
         with self._lock:
             self._entries[entry.path] = entry
-            for _, h in chain:
+            for _, h in digests:
                 self._index.setdefault(h, set()).add(entry.path)
 
     def _remove(self, path: Path) -> None:
@@ -514,27 +386,31 @@ class DiskTier:
 
     def covers_tag(self, tokens: Sequence[int], cuts: Sequence[int], tag: str) -> bool:
         n = len(tokens)
-        chain = _chain(tokens, cuts, n, tag)
-        if not chain or chain[-1][0] != n:
+        digests = chain(tokens, cuts, n, tag)
+        if not digests or digests[-1][0] != n:
             return False
         with self._lock:
-            for path in self._index.get(chain[-1][1], ()):
+            for path in self._index.get(digests[-1][1], ()):
                 entry = self._entries[path]
                 if entry.tokens[:n] == tuple(tokens) and self.serves(entry.start, n) and path.exists():
                     return True
         return False
 
+    def covers(self, tokens: Sequence[int], cuts: Sequence[int], *, salt: str = "") -> bool:
+        """Whether an entry of ``salt`` holds ``tokens`` (as itself or as its prefix)."""
+        return self.covers_tag(tokens, cuts, salt_tag(salt))
+
     def put(self, tokens: Sequence[int], cuts: Sequence[int], state: Any, *, start: int, salt: str) -> bool:
         """Queue ``state``, the cells of ``tokens`` (window cells from ``start``), for the
         prompts of ``salt``."""
-        return self.store.submit(self, tuple(tokens), list(cuts), start, _salt_tag(salt), state)
+        return self.store.submit(self, tuple(tokens), list(cuts), start, salt_tag(salt), state)
 
     def best(
         self, prompt: Sequence[int], cuts: Sequence[int], limit: int, *, salt: str = ""
     ) -> tuple[int, DiskEntry] | None:
         """``(shared tokens, entry)`` of the entry of ``salt`` sharing the most whole
         pieces with ``prompt`` (at most ``limit`` tokens), or ``None``."""
-        found = self._best(prompt, cuts, limit, _salt_tag(salt))
+        found = self._best(prompt, cuts, limit, salt_tag(salt))
         if found is None:
             try:
                 changed = self.directory.stat().st_mtime_ns != self._seen_mtime
@@ -542,7 +418,7 @@ class DiskTier:
                 changed = False
             if changed:  # another process wrote (or evicted) since: look again
                 self.scan()
-                found = self._best(prompt, cuts, limit, _salt_tag(salt))
+                found = self._best(prompt, cuts, limit, salt_tag(salt))
         return found
 
     def _best(
@@ -550,7 +426,7 @@ class DiskTier:
     ) -> tuple[int, DiskEntry] | None:
         best: tuple[int, DiskEntry] | None = None
         with self._lock:
-            for c, h in _chain(prompt, cuts, limit, tag):
+            for c, h in chain(prompt, cuts, limit, tag):
                 paths = self._index.get(h)
                 if not paths:
                     break
@@ -573,7 +449,7 @@ class DiskTier:
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                if size != entry.size or size < _HEAD.size + _CRC.size:
+                if size != entry.size or size < HEAD.size + CRC.size:
                     raise ValueError(f"{size} bytes where {entry.size} were written")
                 data = bytearray(size)
                 view = memoryview(data)
@@ -581,7 +457,7 @@ class DiskTier:
                 while got < size:
                     if cancelled():
                         return None
-                    n = f.readinto(view[got : got + _PIECE])
+                    n = f.readinto(view[got : got + PIECE])
                     if not n:
                         raise ValueError("truncated")
                     got += n
@@ -596,10 +472,10 @@ class DiskTier:
                 self._remove(path)
             self.store.quarantine(path, str(e))
             return None
-        body = view[: size - _CRC.size]
-        (crc,) = _CRC.unpack(view[size - _CRC.size :])
-        magic, length = _HEAD.unpack(body[: _HEAD.size])
-        if zlib.crc32(body) != crc or magic != _MAGIC:
+        body = view[: size - CRC.size]
+        (crc,) = CRC.unpack(view[size - CRC.size :])
+        magic, length = HEAD.unpack(body[: HEAD.size])
+        if zlib.crc32(body) != crc or magic != MAGIC:
             self.misses += 1
             with self._lock:
                 self._remove(path)
@@ -607,6 +483,6 @@ class DiskTier:
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # recently used: the budget's eviction takes it last
-        offset = _HEAD.size + length + 4 * len(entry.tokens)
+        offset = HEAD.size + length + 4 * len(entry.tokens)
         self.restores += 1
-        return view[offset : size - _CRC.size]
+        return view[offset : size - CRC.size]

@@ -38,6 +38,10 @@ class KvCells:
         self.memory = memory
         self.host = host
         self.policy = policy
+        #: per id, what of its cells was last written to the disk tier while idle
+        #: (length, salt, last tokens: a cheap identity of the prefix)
+        self._persisted: dict[int, tuple[int, str, tuple[int, ...]]] = {}
+        self.persisted = 0
         #: measured on the first prefix kept (``llama_state_seq_get_size``), for the gauge
         self.kv_bytes_per_token = 0.0
         self.restore_seconds = 0.0
@@ -74,6 +78,45 @@ class KvCells:
         return saved
 
     # ------------------------------------------------------- scheduler thread
+
+    def _mark(self, seq_id: int) -> tuple[int, str, tuple[int, ...]]:
+        tokens = self.policy.cached(seq_id)
+        return (len(tokens), self.policy.salt(seq_id), tuple(tokens[-16:]))
+
+    def persist_pending(self, free: list[int]) -> int | None:
+        """A free id whose cached prefix the disk tier may not hold yet: while nothing
+        runs, the thread writes it (:meth:`persist`), so a crash or a ``kill -9`` loses
+        only what was computed since the server was last idle. (Under the lock: cheap.)"""
+        if self.host.disk is None:
+            return None
+        for seq_id in free:
+            if self.policy.cached(seq_id) and self._persisted.get(seq_id) != self._mark(seq_id):
+                return seq_id
+        return None
+
+    def persist(self, seq_id: int) -> bool:
+        """Write ``seq_id``'s cached prefix to the disk tier (not to host memory: the cells
+        still hold it); whether a write was queued. One ``llama_state_seq_get_data``
+        (≈ 14 ms for 7 MB), between requests only."""
+        disk = self.host.disk
+        self._persisted[seq_id] = mark = self._mark(seq_id)
+        tokens = list(self.policy.cached(seq_id))
+        salt = mark[1]
+        cuts = self.policy.host_cuts(tokens)
+        if disk is None or not self.policy.savable(seq_id) or disk.covers(tokens, cuts, salt=salt):
+            return False
+        lib = self.lib
+        size = lib.llama_state_seq_get_size(self.ctx, seq_id)
+        state = StateBuffer(size)
+        state.used = lib.llama_state_seq_get_data(self.ctx, state.array, size, seq_id)
+        if not state.used:
+            return False
+        start = self.host.floor(len(tokens), self.window_start(seq_id, len(tokens)))
+        if not self.host.serves(start, len(tokens)):
+            return False
+        queued = disk.put(tokens, cuts, state, start=start, salt=salt)
+        self.persisted += queued
+        return queued
 
     def forget(self, seq_id: int) -> None:
         """Drop what a free id caches: its cells and its bookkeeping."""

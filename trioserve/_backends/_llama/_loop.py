@@ -128,9 +128,14 @@ class Scheduler:
                     self.heap_trims += 1
                 with inbox.condition:
                     while not inbox.stopping and not inbox.runnable():
-                        if self.policy.pending and not inbox.active and not inbox.queue:
+                        if (
+                            not inbox.active
+                            and not inbox.queue
+                            and (self.policy.pending or self.kv.persist_pending(inbox.cells.free) is not None)
+                        ):
                             # no request at all (a paused stream counts: its client
-                            # reads on): recompute a finished reply
+                            # reads on): recompute a finished reply, then write the
+                            # cached prefixes to the disk tier
                             break
                         inbox.condition.wait()
                     if inbox.stopping:
@@ -160,7 +165,10 @@ class Scheduler:
                     if sequence.result is None:  # (not failed at admission)
                         self._contained(self._prepare, sequence, "preparing its cached prefix")
                 if idle:
-                    self.idle.run_safely()
+                    if self.policy.pending:
+                        self.idle.run_safely()
+                    else:
+                        self.idle.persist_safely()
                 else:
                     self._step()
         except BaseException as exc:  # pragma: no cover - a bug in the loop itself

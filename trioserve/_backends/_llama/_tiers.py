@@ -35,6 +35,14 @@ class StateTier(Protocol):
     restores: int
     evictions: int
 
+    def serves(self, floor: int, shared: int) -> bool:
+        """Whether cells whose window layers start at ``floor`` give back ``shared`` tokens."""
+        ...
+
+    def floor(self, length: int, floor: int = 0) -> int:
+        """Where the window cells of a state of ``length`` tokens start."""
+        ...
+
     @property
     def keeps(self) -> bool:
         """Whether a saved state is kept anywhere (this tier, or the disk under it)."""
