@@ -45,7 +45,7 @@ def verifying(
     try:
         yield loaded
     finally:
-        loaded._free()
+        loaded.close()
 
 
 class RunningServer:
@@ -335,7 +335,7 @@ async def leave_during_the_first_embedding_call(
     await wait_for(lambda: embedder.context is not None and embedder.context.calls > before, limit=60)
     await client.aclose()
     left = trio.current_time()
-    await wait_for(lambda: not embedder._lock.locked(), limit=5)
+    await wait_for(lambda: not embedder.busy, limit=5)
     stopped_after = trio.current_time() - left
     assert embedder.context is not None
     return embedder.context.calls - before, stopped_after

@@ -32,7 +32,7 @@ def main():
     threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     backend = LlamaBackend.load(LlamaSettings(default_model_path(), slots=1, n_threads=threads, warm_up=False))
     lib = backend.lib
-    c = _Context(backend, sequences=1)
+    c = _Context(backend.llama_model, sequences=1)
     ctx, mem, batch = c.ctx, c.memory, c.batch
     toks = backend.tokenize(TEXT)
     print("tokens", len(toks))

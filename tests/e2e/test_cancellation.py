@@ -228,7 +228,7 @@ def _only_stream(server: RunningServer) -> Any:
     """The victim's stream (its first choice, when it has several)."""
     streams = list(server.engine.streams)
     assert streams
-    return min(streams, key=lambda s: s._prompt.choice)
+    return min(streams, key=lambda s: s.choice_index)
 
 
 async def _wait_inference_paused(server: RunningServer, backend: LlamaBackend) -> int:
@@ -238,7 +238,7 @@ async def _wait_inference_paused(server: RunningServer, backend: LlamaBackend) -
     await wait_for(lambda: server.engine.streams)
     streams = list(server.engine.streams)
     await wait_for(
-        lambda: all(s._channel.room == 0 and backend.in_flight(s.progress) is None for s in streams), limit=30
+        lambda: all(s.buffered_room == 0 and backend.in_flight(s.progress) is None for s in streams), limit=30
     )
     return int(_only_stream(server).progress.completion_tokens)
 

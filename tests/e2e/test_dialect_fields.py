@@ -1165,10 +1165,10 @@ def test_every_request_field_has_a_row() -> None:
 
     assert _top_level(ANTHROPIC_ENDPOINTS, "messages") == _struct_fields(_anthropic.MessagesRequest)
     assert _top_level(ANTHROPIC_ENDPOINTS, "count_tokens") == _struct_fields(_anthropic.CountTokensRequest)
-    assert {name for name, _why in _anthropic._REFUSED} <= set(ANTHROPIC_REFUSED)
+    assert {name for name, _defaults, _why in _anthropic._REFUSED} <= set(ANTHROPIC_REFUSED)
     assert _top_level(RESPONSES_ENDPOINTS, "responses") == _struct_fields(_responses.ResponsesRequest)
     assert _top_level(RESPONSES_ENDPOINTS, "input_tokens") == _struct_fields(_responses.InputTokensRequest)
-    assert {name for name, _why in _responses._REFUSED} <= set(RESPONSES_REFUSED)
+    assert {name for name, _defaults, _why in _responses._REFUSED} <= set(RESPONSES_REFUSED)
 
 
 @pytest.mark.parametrize("dialect", TABLES)

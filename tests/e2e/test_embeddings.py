@@ -184,7 +184,7 @@ async def test_a_deadline_mid_batch_is_504_and_stops_the_evaluation(
         elapsed = trio.current_time() - started
     assert response.status_code == 504, response.text
     assert 0.5 <= elapsed < 2.0
-    assert not embedder._lock.locked()
+    assert not embedder.busy
 
 
 async def test_a_backend_without_embeddings_says_so(nursery: trio.Nursery) -> None:
@@ -216,7 +216,7 @@ async def test_shutdown_mid_batch_is_503_and_stops_the_evaluation(
     finally:
         await client.aclose()
     assert data.startswith(b"HTTP/1.1 503"), data[:200]
-    assert not embedder._lock.locked()
+    assert not embedder.busy
     context = embedder.context
     assert context is not None
     assert context.calls - before <= 2
@@ -282,7 +282,7 @@ async def test_a_deadline_passed_in_the_embeddings_queue_is_504_before_any_byte(
     assert data.startswith(b"HTTP/1.1 504"), data[:200]
     assert b'"deadline_exceeded"' in data
     await wait_for(lambda: admission.snapshot().in_use == 0 and admission.snapshot().queued == 0)
-    assert not embedder._lock.locked()
+    assert not embedder.busy
     running.server.shutdown()
 
 

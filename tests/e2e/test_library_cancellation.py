@@ -93,8 +93,7 @@ async def test_caller_cancel_scope(phase: str, llama_backend: Backend, reference
                     assert isinstance(event, TextDelta)
                     break
                 # stop reading: the sequence fills its channel, then is paused
-                channel = events._channel
-                await wait_for(lambda: channel.room == 0)
+                await wait_for(lambda: events.buffered_room == 0)
                 tokens = progress.completion_tokens
                 await wait_for(lambda: llama_backend.in_flight(progress) is None)
                 assert progress.completion_tokens == tokens  # paused: nothing more decoded

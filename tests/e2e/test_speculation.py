@@ -98,7 +98,7 @@ def backend(request: pytest.FixtureRequest, model_path: str) -> Iterator[LlamaBa
     )
     print(f"\n{request.param}: {_configuration(loaded)}")
     yield loaded
-    loaded._free()
+    loaded.close()
 
 
 async def test_every_text_equals_the_non_speculative_text(backend: LlamaBackend) -> None:

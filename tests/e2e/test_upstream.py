@@ -747,7 +747,7 @@ async def test_a_client_that_leaves_the_relay_mid_batch_stops_the_upstream(
         elapsed = trio.current_time() - started
         assert response.status_code == 504, response.text
         assert 0.5 <= elapsed < 2.0
-        await wait_for(lambda: not embedder._lock.locked(), limit=5)
+        await wait_for(lambda: not embedder.busy, limit=5)
         assert context.calls - before < len(LONG_INPUTS) // 2
         assert upstream.failures == 0  # a deadline is not a failed upstream
         # and the next request is answered

@@ -275,6 +275,11 @@ class Embedder:
     def context(self) -> EmbeddingContext | None:
         return self._context
 
+    @property
+    def busy(self) -> bool:
+        """A request holds the embedding context (running, or leaving after a cancel)."""
+        return self._lock.locked()
+
     def check(self, inputs: Sequence[Sequence[int]]) -> None:
         limit = self._model.settings.n_batch
         for i, item in enumerate(inputs):

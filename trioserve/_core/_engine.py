@@ -131,6 +131,12 @@ class EventStream:
         the prompt)."""
         return self._prompt.choice
 
+    @property
+    def buffered_room(self) -> int:
+        """Pieces its channel can still take before the producer waits (0: a consumer
+        that stopped reading has paused it)."""
+        return self._channel.room
+
     def __aiter__(self) -> Self:
         return self
 

@@ -26,18 +26,18 @@ class Admission:
         whole chunks with its prompt (ties, and no prefix: the least recently used id),
         and start it after that prefix. The plan is computed without the lock; the
         commit takes it."""
-        prompt = sequence.prompt
-        sequence.cuts = cuts = self.rule.cuts(prompt)
+        prompt = sequence.asked.prompt
+        sequence.cache.cuts = cuts = self.rule.cuts(prompt)
         cells = self.inbox.cells
-        plan = self.policy.place(prompt, cuts, sequence.cache_prompt, cells.free, sequence.salt)
+        plan = self.policy.place(prompt, cuts, sequence.asked.cache_prompt, cells.free, sequence.asked.salt)
         with self.inbox.condition:
             cells.take(plan.seq_id)
             # (the id's cells now belong to this sequence)
-            self.policy.take(plan.seq_id, sequence.salt)
+            self.policy.take(plan.seq_id, sequence.asked.salt)
             sequence.seq_id = plan.seq_id
-        sequence.save, sequence.restore = plan.save, plan.restore
-        sequence.save_salt = plan.save_salt
-        sequence.checkpoint = plan.checkpoint
+        sequence.cache.save, sequence.cache.restore = plan.save, plan.restore
+        sequence.cache.save_salt = plan.save_salt
+        sequence.cache.checkpoint = plan.checkpoint
         sequence.prefilled = sequence.pos = plan.reused
         sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = plan.reused
 
@@ -48,10 +48,12 @@ class Admission:
         plan = self.policy.place_follower(cells.free)
         with self.inbox.condition:
             cells.take(plan.seq_id)
-            self.policy.take(plan.seq_id, sequence.salt)
+            self.policy.take(plan.seq_id, sequence.asked.salt)
             sequence.seq_id = plan.seq_id
         if plan.save is not None:
-            sequence.save, sequence.save_salt = plan.save, plan.save_salt
-        sequence.cuts = leader.cuts if leader.cuts else self.rule.cuts(sequence.prompt)
+            sequence.cache.save, sequence.cache.save_salt = plan.save, plan.save_salt
+        sequence.cache.cuts = (
+            leader.cache.cuts if leader.cache.cuts else self.rule.cuts(sequence.asked.prompt)
+        )
         sequence.leader = leader
         leader.followers.append(sequence)

@@ -1,5 +1,8 @@
 """The llama.cpp backend's face (:class:`LlamaBackend`): many sequences, one context,
-one ``llama_decode`` per step.
+one ``llama_decode`` per step. It holds the loaded model (:class:`~._model.LlamaModel`:
+vocabulary, tokenizer, ``prepare``, sampler chains) and owns what runs it: the serving
+context and its scheduler thread, the embedding context; closing it frees those, then
+the model.
 
 Every admitted request runs as a sequence of one context (``n_seq_max = slots``,
 non-unified KV cache: each sequence owns ``n_ctx`` cells), decoded by one scheduler
@@ -23,22 +26,28 @@ Design, defaults and measurements: ``docs/batching.md``; the module map:
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Items
-from typing import Literal
+from typing import Any, Literal, Self
 
 import trio
 
-from ..._core._backend import GenerationProgress, PreparedPrompt
+from ..._core._backend import Backend, GenerationProgress, ModelInfo, PreparedPrompt
 from ..._core._channel import PieceChannel
 from ..._core._exceptions import BackendError, InvalidRequestError
-from ..._core._types import GenerationEnd
+from ..._core._types import GenerationEnd, GenerationRequest
 from .._draw import LogitBias
 from .._embeddings import Embedder
+from .._grammar import GrammarCompiler
+from .._pieces import PieceRule
+from .._platform import RepackDecision
 from .._prompt_cache import HostBudget, HostCache
+from ._loading import aload
 from ._loop import Scheduler
 from ._model import LlamaModel
 from ._sequence import Sequence
+from ._settings import LlamaSettings
 from ._stats import Snapshot, cache_stats, snapshot, speculation_stats
 
 __all__ = ["LlamaBackend"]
@@ -46,36 +55,201 @@ __all__ = ["LlamaBackend"]
 logger = logging.getLogger("trioserve.llama")
 
 
-class LlamaBackend(LlamaModel):
+class _ModelsLoaded:
+    """``LlamaBackend.loaded``: :attr:`LlamaModel.loaded`, the models loaded and not
+    yet freed in this process (tests check that none leaks)."""
+
+    def __get__(self, instance: object, owner: type | None = None) -> int:
+        return LlamaModel.loaded
+
+
+class LlamaBackend(Backend):
     """llama.cpp inference: every running request is a sequence of one context, and
     one scheduler thread decodes them together (``docs/batching.md``).
 
-    Create it with :meth:`load` / :meth:`aload` and :class:`LlamaSettings`.
-    ``generations`` counts the generations inside the scheduler (submitted and not
-    yet removed with their KV cells cleared): what a cancel must bring back to zero.
+    Create it with :meth:`load` / :meth:`aload` and :class:`LlamaSettings` (or from a
+    loaded :class:`LlamaModel`, which it then owns). ``generations`` counts the
+    generations inside the scheduler (submitted and not yet removed with their KV cells
+    cleared): what a cancel must bring back to zero.
     """
 
-    def _create_contexts(self) -> None:
+    #: models loaded and not yet freed, in this process (:attr:`LlamaModel.loaded`)
+    loaded = _ModelsLoaded()
+
+    def __init__(self, model: LlamaModel, *, host_cache: HostCache | None = None) -> None:
+        """Create the contexts that run ``model`` (the warm-up and the measures of
+        :mod:`._capabilities` included). Once created, the backend owns ``model``: its
+        :meth:`close` frees it (if this raises, ``model`` is still the caller's to close,
+        as :meth:`load` does). ``host_cache``: the prompt cache's host tier to start
+        with (a registry entry's, which outlives an unload)."""
+        #: the loaded model: vocabulary, tokenizer, prepare, sampler chains
+        self.llama_model = model
+        #: the prompt cache's host tier to use (a registry entry's, kept across loads)
+        self._host_cache = host_cache
+        self._closed = False
         # the embedding context: created on the first /v1/embeddings (docs/embeddings.md);
         # the scheduler takes its turns on the cores from it (CpuTurns)
-        self._embedder = Embedder(self, self.settings.pooling)
-        self._scheduler = Scheduler(self, self._host_cache, self._embedder.turns)
+        self._embedder = Embedder(model, model.settings.pooling)
+        self._scheduler = Scheduler(model, host_cache, self._embedder.turns)
+
+    # ----------------------------------------------------------------- loading
+
+    @classmethod
+    def load(
+        cls,
+        settings: LlamaSettings,
+        *,
+        progress: Callable[[float], None] | None = None,
+        abort: threading.Event | None = None,
+        host_cache: HostCache | None = None,
+    ) -> Self:
+        """Load the model (:meth:`LlamaModel.load`) and create the contexts (blocking:
+        seconds for big models).
+
+        ``progress`` is called (in this thread) with llama.cpp's load progress, 0…1;
+        once ``abort`` is set, llama.cpp stops reading and frees the partial model, and
+        the phases after the weights (contexts, warm-up) are skipped:
+        :class:`LoadAborted` is raised, nothing stays allocated. ``host_cache``: the
+        prompt cache's host tier to start with (a registry entry's, which outlives an
+        unload)."""
+        model = LlamaModel.load(settings, progress=progress, abort=abort)
+        try:
+            model.check_abort()
+            return cls(model, host_cache=host_cache)
+        except BaseException:
+            model.close()
+            raise
+
+    @classmethod
+    async def aload(
+        cls,
+        settings: LlamaSettings,
+        *,
+        progress: Callable[[float], None] | None = None,
+        host_cache: HostCache | None = None,
+    ) -> Self:
+        """:meth:`load` in a worker thread (:func:`._loading.aload`: a cancel aborts it,
+        and nothing stays allocated)."""
+        # (through the class: a subclass or a test may wrap its load)
+        return await aload(
+            lambda abort: cls.load(settings, progress=progress, abort=abort, host_cache=host_cache),
+            settings.model_path,
+        )
+
+    async def aclose(self) -> None:
+        await trio.to_thread.run_sync(self.close)
+
+    def close(self) -> None:
+        """Free the contexts, then the model (blocking; a second call does nothing)."""
+        self._free()
+
+    def _free(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._release_contexts()
+        self.llama_model.close()
+
+    # ------------------------------------------------------------ the model
+
+    @property
+    def settings(self) -> LlamaSettings:
+        return self.llama_model.settings
+
+    @property
+    def lib(self) -> Any:
+        """llama.cpp's bindings the model and its contexts are run with (a test may
+        swap them for a wrapper that fails on purpose: the setter sets the model's)."""
+        return self.llama_model.lib
+
+    @lib.setter
+    def lib(self, value: Any) -> None:
+        self.llama_model.lib = value
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.llama_model.info
+
+    @property
+    def slots(self) -> int:
+        return self.llama_model.settings.slots
+
+    @property
+    def n_vocab(self) -> int:
+        return self.llama_model.n_vocab
+
+    @property
+    def piece_rule(self) -> PieceRule:
+        """Where prompts are cut into prefill calls (docs/prompt-cache.md, "The cut")."""
+        return self.llama_model.piece_rule
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        return self.llama_model.grammars
+
+    @property
+    def system_info(self) -> str:
+        """``llama_print_system_info()`` of the loaded llama.cpp."""
+        return self.llama_model.system_info
+
+    @property
+    def repack(self) -> RepackDecision | None:
+        """Whether the weights were repacked (extra buffer types), and why."""
+        return self.llama_model.repack
+
+    def tokenize(self, text: str, *, add_bos: bool = True, parse_special: bool = True) -> list[int]:
+        """Text → token ids (:meth:`LlamaModel.tokenize`)."""
+        return self.llama_model.tokenize(text, add_bos=add_bos, parse_special=parse_special)
+
+    def piece(self, token: int) -> bytes:
+        """The bytes of one token (:meth:`LlamaModel.piece`)."""
+        return self.llama_model.piece(token)
+
+    def detokenize(self, tokens: Items[int]) -> bytes:
+        return self.llama_model.detokenize(tokens)
+
+    def token_bytes(self, token: int, *, special: bool) -> bytes:
+        """llama.cpp's ``llama_token_to_piece`` (:meth:`LlamaModel.token_bytes`)."""
+        return self.llama_model.token_bytes(token, special=special)
+
+    async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
+        return await self.llama_model.prepare(request)
+
+    async def tokenize_text(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> list[int]:
+        return await self.llama_model.tokenize_text(
+            text, add_special=add_special, parse_special=parse_special
+        )
+
+    async def count_text_tokens(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> int:
+        return await self.llama_model.count_text_tokens(
+            text, add_special=add_special, parse_special=parse_special
+        )
+
+    async def token_pieces(self, tokens: Items[int]) -> list[bytes]:
+        return await self.llama_model.token_pieces(tokens)
+
+    # ---------------------------------------------------------- the contexts
 
     @property
     def embedding_size(self) -> int | None:
-        return int(self.lib.llama_model_n_embd(self.model))
+        return self.llama_model.n_embd
 
     @property
     def embedder(self) -> Embedder:
         return self._embedder
 
     async def embed(self, inputs: Items[Items[int]]) -> list[list[float]]:
+        n_vocab = self.llama_model.n_vocab
         for i, item in enumerate(inputs):
-            bad = [t for t in item if not 0 <= t < self.n_vocab]
+            bad = [t for t in item if not 0 <= t < n_vocab]
             if bad:
                 raise InvalidRequestError(
                     f"input[{i}] holds {bad[0]}, which is not a token id of this model: its ids are 0 to "
-                    f"{self.n_vocab - 1}",
+                    f"{n_vocab - 1}",
                     param="input",
                 )
         return await self._embedder.embed(inputs)
@@ -216,7 +390,7 @@ class LlamaBackend(LlamaModel):
                 logger.info("kept %d cached prefix(es) for the next load", saved)
         if host.disk is not None and not host.disk.store.flush(timeout=120):
             logger.warning("the disk cache's writes did not finish within 120 s; some prefixes are not kept")
-        self._scheduler.context.free(self.lib)
+        self._scheduler.context.free(self.llama_model.lib)
         self._embedder.free()
 
     async def generate(
@@ -229,7 +403,8 @@ class LlamaBackend(LlamaModel):
         bias = prompt.logit_bias if isinstance(prompt.logit_bias, LogitBias) else None
         if bias is None and prompt.request.sampling.logit_bias:  # (a prompt not from prepare)
             bias = LogitBias(prompt.request.sampling.logit_bias)
-        sampler = self._sampler(
+        model = self.llama_model
+        sampler = model.sampler(
             prompt.request.sampling,
             max_new_tokens=prompt.max_new_tokens,
             seed_offset=prompt.choice,
@@ -242,7 +417,7 @@ class LlamaBackend(LlamaModel):
             try:
                 inbox.submit(sequence)
             except BaseException:
-                self.lib.llama_sampler_free(sequence.sampler)
+                model.lib.llama_sampler_free(sequence.sampler)
                 raise
             try:
                 await sequence.removed.wait()

@@ -22,9 +22,9 @@ class Context:
     Room for ``sequences`` sequences of ``settings.n_ctx`` tokens each, in a non-unified
     KV cache (each sequence owns its cells; attention never reads another sequence's)."""
 
-    def __init__(self, backend: LlamaModel, *, sequences: int = 1) -> None:
-        lib = backend.lib
-        settings = backend.settings
+    def __init__(self, model: LlamaModel, *, sequences: int = 1) -> None:
+        lib = model.lib
+        settings = model.settings
         params = lib.llama_context_default_params()
         params.n_ctx = settings.n_ctx * sequences
         params.n_batch = settings.n_batch
@@ -37,7 +37,7 @@ class Context:
         params.swa_full = True
         if sequences > 1:
             params.kv_unified = False
-        ctx = lib.llama_init_from_model(backend.model, params)
+        ctx = lib.llama_init_from_model(model.model, params)
         if not ctx:
             raise BackendError(
                 f"llama.cpp could not create a context for {sequences} sequence(s) of {settings.n_ctx} tokens"

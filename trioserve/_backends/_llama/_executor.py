@@ -93,15 +93,15 @@ class Executor:
         for sequence, count in call:
             seq_id = sequence.seq_id
             if count == 0:  # decode one token
-                tokens[n] = sequence.next_token
+                tokens[n] = sequence.out.next_token
                 positions[n] = sequence.pos
                 seq_ids[n][0] = seq_id
                 logits[n] = 1
                 outputs.append((sequence, n))
                 n += 1
-                if sequence.draft:  # and verify the tokens guessed after it
-                    draft = sequence.draft
-                    sequence.draft = []
+                if sequence.spec.draft:  # and verify the tokens guessed after it
+                    draft = sequence.spec.draft
+                    sequence.spec.draft = []
                     drafts[sequence] = draft
                     for j, guess in enumerate(draft, start=1):
                         tokens[n] = guess
@@ -110,10 +110,10 @@ class Executor:
                         logits[n] = 1
                         n += 1
             else:
-                if not sequence.first_chunk_at:
-                    sequence.first_chunk_at = time.perf_counter()
+                if not sequence.out.first_chunk_at:
+                    sequence.out.first_chunk_at = time.perf_counter()
                 start = sequence.prefilled
-                prompt = sequence.prompt
+                prompt = sequence.asked.prompt
                 for i in range(count):
                     tokens[n] = prompt[start + i]
                     positions[n] = start + i

@@ -69,11 +69,11 @@ class Inbox:
         piece, so it goes on instead of being aborted and evaluated again. (Under the
         lock; only while nothing else is queued.)"""
         tokens = self.idle_tokens
-        prompt = sequence.prompt
+        prompt = sequence.asked.prompt
         return (
             len(self.queue) == 1
-            and sequence.cache_prompt
-            and sequence.salt == self.idle_salt
+            and sequence.asked.cache_prompt
+            and sequence.asked.salt == self.idle_salt
             and len(prompt) > len(tokens)
             and prompt[: len(tokens)] == tokens
         )

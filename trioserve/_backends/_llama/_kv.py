@@ -142,26 +142,26 @@ class KvCells:
         restore the one to reuse from it, drop the cells past the reused prefix."""
         lib = self.lib
         seq_id = sequence.seq_id
-        if sequence.save is not None:
+        if sequence.cache.save is not None:
             started = time.perf_counter()
-            save, sequence.save = sequence.save, None
-            checkpoint, sequence.checkpoint = sequence.checkpoint, 0
+            save, sequence.cache.save = sequence.cache.save, None
+            checkpoint, sequence.cache.checkpoint = sequence.cache.checkpoint, 0
             try:
-                self.save_state(seq_id, save, sequence.save_salt)
+                self.save_state(seq_id, save, sequence.cache.save_salt)
                 if checkpoint:
                     # the prompt end too, which the longer state cannot give back
                     # (CachePolicy.checkpoint): its cells alone, then their state
                     if self.trim(seq_id, checkpoint) == checkpoint:
-                        self.save_state(seq_id, save[:checkpoint], sequence.save_salt)
+                        self.save_state(seq_id, save[:checkpoint], sequence.cache.save_salt)
                     else:  # pragma: no cover - (partial removal is checked at load)
                         self.reuse(sequence, 0)
             except Exception:
                 # the save is an optimisation: without it, a later turn evaluates again
                 logger.exception("could not save a cached prefix to host memory; it is dropped")
             self.save_seconds += time.perf_counter() - started
-        if sequence.restore is not None:
+        if sequence.cache.restore is not None:
             started = time.perf_counter()
-            state, sequence.restore = sequence.restore, None
+            state, sequence.cache.restore = sequence.cache.restore, None
             self.trim(seq_id, 0)
             buffer: Any = None
             size = 0
@@ -283,11 +283,11 @@ class KvCells:
         seq_id = sequence.seq_id
         policy = self.policy
         keep = policy.keep(
-            cache_prompt=sequence.cache_prompt,
+            cache_prompt=sequence.asked.cache_prompt,
             failed=failed,
             computed=sequence.pos,
             prefilled=sequence.prefilled,
-            cuts=sequence.cuts,
+            cuts=sequence.cache.cuts,
         )
         policy.forget(seq_id)  # (until the cells below are known to be kept)
         keep = self.trim(seq_id, keep)
@@ -295,8 +295,8 @@ class KvCells:
             self.kv_bytes_per_token = self.lib.llama_state_seq_get_size(self.ctx, seq_id) / keep
         policy.release(
             seq_id,
-            sequence.prompt,
-            sequence.generated_tokens,
+            sequence.asked.prompt,
+            sequence.out.generated_tokens,
             keep,
             finished=finished,
             floor=self.window_start(seq_id, keep),

@@ -1,20 +1,20 @@
-"""Loading a llama.cpp model: the weights (with progress and an abort between tensors),
-then the contexts and the checks of load; :func:`aload` runs it in a worker thread that
-a cancel aborts. ``LlamaModel.load`` and ``.aload`` call these."""
+"""Loading a llama.cpp model: the weights, with progress and an abort between tensors
+(:func:`load`, which ``LlamaModel.load`` calls); :func:`aload` runs a whole load — the
+backend's: the weights, then the contexts and the checks of load — in a worker thread
+that a cancel aborts (``LlamaBackend.aload`` calls it)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from ..._core._errors import unwrap_group
 from ..._core._exceptions import BackendError
 from .._platform import decide_repack
-from .._prompt_cache import HostCache
 from ._native import LoadAborted, LoadLog, load_errors, make_log_callback
 from ._settings import LlamaSettings
 
@@ -26,22 +26,24 @@ __all__ = ["aload", "load"]
 logger = logging.getLogger("trioserve.llama")
 
 
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
 def load[M: "LlamaModel"](
     cls: type[M],
     settings: LlamaSettings,
     *,
     progress: Callable[[float], None] | None = None,
     abort: threading.Event | None = None,
-    host_cache: HostCache | None = None,
 ) -> M:
-    """Load the model and create the contexts (blocking: seconds for big models).
+    """Load the weights into a ``cls`` (blocking: seconds for big models).
 
     ``progress`` is called (in this thread) with llama.cpp's load progress, 0…1;
     once ``abort`` is set, the progress callback returns false — llama.cpp stops
-    reading and frees the partial model — and the phases after the weights
-    (contexts, warm-up) are skipped: :class:`LoadAborted` is raised, nothing stays
-    allocated. ``host_cache``: the prompt cache's host tier to start with (a
-    registry entry's, which outlives an unload)."""
+    reading and frees the partial model: :class:`LoadAborted` is raised, nothing stays
+    allocated. The model keeps ``abort`` (``check_abort``): the phases after the
+    weights (contexts, warm-up) are skipped once it is set."""
     import llama_cpp
 
     if not settings.model_path.is_file():
@@ -95,7 +97,6 @@ def load[M: "LlamaModel"](
                 model,
                 system_info=system_info,
                 repack=decision,
-                host_cache=host_cache,
                 abort=abort,
             )
         except BaseException:
@@ -105,25 +106,19 @@ def load[M: "LlamaModel"](
         LoadLog.loading -= 1
 
 
-async def aload[M: "LlamaModel"](
-    cls: type[M],
-    settings: LlamaSettings,
-    *,
-    progress: Callable[[float], None] | None = None,
-    host_cache: HostCache | None = None,
-) -> M:
-    """:meth:`load` in a worker thread.
+async def aload[M: _Closable](load: Callable[[threading.Event], M], what: object) -> M:
+    """``load(abort)`` (a blocking load, which stops with :class:`LoadAborted` once
+    ``abort`` is set) in a worker thread; ``what`` names what it loads, for the error.
 
     Cancellation: a cancel aborts the load — llama.cpp's progress callback returns
     false at its next tensor, or the next phase (contexts, warm-up) is skipped — and
     waits until the thread has freed what it had allocated; then the ``Cancelled``
-    propagates. A load that completes as the cancel arrives is freed."""
+    propagates. A load that completes as the cancel arrives is closed."""
     abort = threading.Event()
     box: list[M] = []
 
     def run() -> None:
-        # (through the class: a subclass or a test may wrap its load)
-        box.append(cls.load(settings, progress=progress, abort=abort, host_cache=host_cache))
+        box.append(load(abort))
 
     async def watch() -> None:
         try:
@@ -147,5 +142,5 @@ async def aload[M: "LlamaModel"](
                 await trio.to_thread.run_sync(box[0].close)
         raise
     if not box:  # pragma: no cover - aborted without a cancel: cannot happen
-        raise LoadAborted(f"the load of {settings.model_path} was aborted")
+        raise LoadAborted(f"the load of {what} was aborted")
     return box[0]

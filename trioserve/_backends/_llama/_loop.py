@@ -46,13 +46,13 @@ class Scheduler:
     """The thread that owns the context. The Trio side talks to it through
     :attr:`inbox` only."""
 
-    def __init__(self, backend: LlamaModel, host_cache: HostCache | None, turns: Turns) -> None:
-        settings = backend.settings
-        lib = backend.lib
-        self._backend = backend
-        self.context = context = Context(backend, sequences=settings.slots)
+    def __init__(self, model: LlamaModel, host_cache: HostCache | None, turns: Turns) -> None:
+        settings = model.settings
+        lib = model.lib
+        self._model = model
+        self.context = context = Context(model, sequences=settings.slots)
         try:
-            self.capabilities = caps = measure(backend, context)
+            self.capabilities = caps = measure(model, context)
         except BaseException:
             context.free(lib)
             raise
@@ -65,16 +65,16 @@ class Scheduler:
         #: the rule's cuts, or (fast) every token
         self.host = host_tier(
             host_cache,
-            rule="token" if self.fast else backend.piece_rule.key,
+            rule="token" if self.fast else model.piece_rule.key,
             budget=settings.cache_ram_bytes,
             enabled=self.cache_enabled,
-            window=max(0, int(lib.llama_model_n_swa(backend.model))),
+            window=max(0, int(lib.llama_model_n_swa(model.model))),
         )
         if self.cache_enabled:
             #: the disk tier under it (``cache_dir``): states that outlive the process
             try:
                 self.host.disk = open_disk_tier(
-                    backend, rule="token" if self.fast else backend.piece_rule.key, window=self.host.window
+                    model, rule="token" if self.fast else model.piece_rule.key, window=self.host.window
                 )
             except BaseException:
                 context.free(lib)
@@ -85,7 +85,7 @@ class Scheduler:
         #: prompt are evaluated while nothing else runs (the policy remembers them)
         self.policy = CachePolicy(
             settings.slots,
-            rule=backend.piece_rule,
+            rule=model.piece_rule,
             host=self.host,
             enabled=self.cache_enabled,
             fast=self.fast,
@@ -95,10 +95,10 @@ class Scheduler:
             slots=settings.slots, abort_flag=context.abort_flag, partial_removal=caps.partial_removal
         )
         self.inbox.target = self._run
-        self.kv = KvCells(backend, context.ctx, context.memory, host=self.host, policy=self.policy)
-        self.admission = Admission(self.inbox, self.policy, backend.piece_rule)
-        self.executor = Executor(backend, context.ctx, context.batch, turns)
-        self.outputs = Outputs(backend, context.ctx, context.memory, caps)
+        self.kv = KvCells(model, context.ctx, context.memory, host=self.host, policy=self.policy)
+        self.admission = Admission(self.inbox, self.policy, model.piece_rule)
+        self.executor = Executor(model, context.ctx, context.batch, turns)
+        self.outputs = Outputs(model, context.ctx, context.memory, caps)
         self.idle = IdleRecompute(self.inbox, self.policy, self.kv, self.executor)
         self.limits = Limits(
             max_call_width=caps.max_call_width,
@@ -248,7 +248,7 @@ class Scheduler:
             self.kv.keep(sequence, failed=isinstance(result, BaseException), finished=finished)
             self._free_id(sequence)
         if sequence.sampler is not None:
-            self._backend.lib.llama_sampler_free(sequence.sampler)
+            self._model.lib.llama_sampler_free(sequence.sampler)
             sequence.sampler = None
         sequence.result = result
         sequence.progress.inference_ended = time.perf_counter()
@@ -275,7 +275,7 @@ class Scheduler:
                 finally:
                     self._free_id(sequence)
             if sequence.sampler is not None:
-                self._backend.lib.llama_sampler_free(sequence.sampler)
+                self._model.lib.llama_sampler_free(sequence.sampler)
                 sequence.sampler = None
             if sequence.result is None:
                 sequence.result = result
@@ -345,7 +345,7 @@ class Scheduler:
                 sequence.pos = sequence.prefilled
                 sequence.progress.prefilled_tokens = sequence.prefilled
                 if sequence.decoding:
-                    sequence.progress.prefill_seconds = now - sequence.first_chunk_at
+                    sequence.progress.prefill_seconds = now - sequence.out.first_chunk_at
                     if sequence.followers:
                         outputs += self.kv.share_prompt(sequence, outputs)
             else:
@@ -369,8 +369,8 @@ def _candidate(key: int, sequence: Sequence) -> Candidate:
         waiting=sequence.leader is not None,
         room=sequence.channel.room,
         prefilled=sequence.prefilled,
-        prompt_length=len(sequence.prompt),
-        cuts=sequence.cuts,
+        prompt_length=len(sequence.asked.prompt),
+        cuts=sequence.cache.cuts,
     )
 
 

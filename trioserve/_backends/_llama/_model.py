@@ -1,7 +1,8 @@
 """The loaded llama.cpp model, on llama-cpp-python's low-level (C API) bindings: its
-vocabulary, tokenizer, metadata, validation and sampler chains (:class:`LlamaModel`) —
-what does not depend on how requests are scheduled. The backend itself is
-:class:`~._backend.LlamaBackend`; loading is :mod:`._loading`.
+vocabulary, tokenizer, metadata, validation (``prepare``), grammars and sampler chains
+(:class:`LlamaModel`) — what does not depend on how requests are scheduled. The backend
+(:class:`~._backend.LlamaBackend`) holds one and owns the contexts that run it; loading
+is :mod:`._loading`.
 """
 
 from __future__ import annotations
@@ -16,16 +17,15 @@ from typing import Any, Self
 import numpy
 import trio
 
-from ..._core._backend import Backend, ModelInfo, PreparedPrompt, check_token_ids, fit_to_context
+from ..._core._backend import ModelInfo, PreparedPrompt, check_token_ids, fit_to_context
 from ..._core._exceptions import InvalidRequestError
 from ..._core._types import GenerationRequest, SamplingParams
 from .._draw import LogitBias
 from .._grammar import GrammarCompiler
 from .._pieces import classify_piece, make_rule
 from .._platform import RepackDecision
-from .._prompt_cache import HostCache
 from .._side_work import run_side_work
-from ._loading import aload, load
+from ._loading import load
 from ._native import LoadAborted
 from ._sampler import logit_bias, sampler_chain
 from ._settings import LlamaSettings
@@ -47,9 +47,10 @@ _COMPILE_THREADS = 2
 _INLINE_PIECES = 1024
 
 
-class LlamaModel(Backend):
+class LlamaModel:
     """The loaded model, its vocabulary, metadata, tokenizing, validation and sampler
-    chains. The subclass owns the context and the inference loop (``LlamaBackend``)."""
+    chains. The backend that serves it (``LlamaBackend``) holds it and owns the
+    contexts and the inference loop; it frees them before it closes the model."""
 
     #: models loaded and not yet freed, in this process (tests check that none leaks)
     loaded = 0
@@ -67,13 +68,10 @@ class LlamaModel(Backend):
         *,
         system_info: str = "",
         repack: RepackDecision | None = None,
-        host_cache: HostCache | None = None,
         abort: threading.Event | None = None,
     ) -> None:
-        super().__init__()
-        #: the prompt cache's host tier to use (a registry entry's, kept across loads)
-        self._host_cache = host_cache
-        #: set when the load should stop (checked between its phases)
+        #: set when the load should stop (checked between its phases: the weights, the
+        #: contexts, the warm-up)
         self._load_abort = abort
         self.system_info = system_info
         self.repack = repack
@@ -108,8 +106,6 @@ class LlamaModel(Backend):
             bos_token=self._token_text(self.bos),
             eos_token=self._token_text(lib.llama_vocab_eos(self.vocab)),
         )
-        self.check_abort()
-        self._create_contexts()
         with LlamaModel._count_lock:
             LlamaModel.loaded += 1
 
@@ -126,16 +122,6 @@ class LlamaModel(Backend):
         if self._load_abort is not None and self._load_abort.is_set():
             raise LoadAborted(f"the load of {self.settings.model_path} was aborted")
 
-    def _create_contexts(self) -> None:
-        """Create the llama contexts (called once the model and vocabulary are ready)."""
-        raise NotImplementedError
-
-    def _release_contexts(self) -> None:
-        """Free the contexts (the model is freed after them)."""
-        raise NotImplementedError
-
-    # ----------------------------------------------------------------- loading
-
     # ----------------------------------------------------------------- loading
 
     @classmethod
@@ -145,35 +131,18 @@ class LlamaModel(Backend):
         *,
         progress: Callable[[float], None] | None = None,
         abort: threading.Event | None = None,
-        host_cache: HostCache | None = None,
     ) -> Self:
-        """Load the model and create the contexts (blocking: :func:`._loading.load`)."""
-        return load(cls, settings, progress=progress, abort=abort, host_cache=host_cache)
-
-    @classmethod
-    async def aload(
-        cls,
-        settings: LlamaSettings,
-        *,
-        progress: Callable[[float], None] | None = None,
-        host_cache: HostCache | None = None,
-    ) -> Self:
-        """:meth:`load` in a worker thread (:func:`._loading.aload`: a cancel aborts it)."""
-        return await aload(cls, settings, progress=progress, host_cache=host_cache)
-
-    async def aclose(self) -> None:
-        await trio.to_thread.run_sync(self.close)
+        """Load the weights (blocking: :func:`._loading.load`); ``abort`` stays this
+        model's :meth:`check_abort` flag for the rest of the load (contexts, warm-up)."""
+        return load(cls, settings, progress=progress, abort=abort)
 
     def close(self) -> None:
-        """Free the contexts and the model (blocking; a second call does nothing)."""
-        self._free()
-
-    def _free(self) -> None:
+        """Free the model (blocking; a second call does nothing). Whatever holds
+        contexts of it frees them first (``LlamaBackend.close``)."""
         if self._freed:
             return
         self._freed = True
         self.grammars.wait_idle()  # a compile a cancel abandoned still reads the vocabulary
-        self._release_contexts()
         self.lib.llama_model_free(self.model)
         with LlamaModel._count_lock:
             LlamaModel.loaded -= 1
@@ -202,8 +171,9 @@ class LlamaModel(Backend):
         return self._info
 
     @property
-    def slots(self) -> int:
-        return self.settings.slots
+    def n_embd(self) -> int:
+        """The length of the model's embeddings."""
+        return int(self.lib.llama_model_n_embd(self.model))
 
     # ----------------------------------------------------------- tokenizing
 
@@ -315,7 +285,7 @@ class LlamaModel(Backend):
             prepared = dataclasses.replace(prepared, compiled=mask)
         return prepared
 
-    def _sampler(
+    def sampler(
         self,
         params: SamplingParams,
         *,

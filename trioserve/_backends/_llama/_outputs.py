@@ -48,8 +48,10 @@ class Outputs:
         text, its length, a constraint that failed)."""
         model = self.model
         lib = self.lib
+        asked = sequence.asked
+        out = sequence.out
         entry = None
-        if sequence.special:
+        if asked.special:
             # a constraint's mask and/or log-probabilities (docs/batching.md)
             drawn = draw_special(
                 lib,
@@ -57,31 +59,31 @@ class Outputs:
                 index,
                 model.n_vocab,
                 sequence.sampler,
-                greedy=sequence.greedy,
-                mask=sequence.mask,
-                logprobs=sequence.logprobs,
-                bias=sequence.bias,
+                greedy=asked.greedy,
+                mask=asked.mask,
+                logprobs=asked.logprobs,
+                bias=asked.bias,
                 piece=model.piece,
             )
             if isinstance(drawn, str):
                 return -1, BackendError(f"constrained decoding failed: {drawn}", should_retry=False)
             token, entry = drawn
         else:
-            token = draw(lib, self.ctx, index, model.n_vocab, sequence.sampler, sequence.greedy)
+            token = draw(lib, self.ctx, index, model.n_vocab, sequence.sampler, asked.greedy)
         if lib.llama_vocab_is_eog(model.vocab, token):
             return -1, "stop"
-        if sequence.mask is not None:
-            refused = sequence.mask.consume(token)
+        if asked.mask is not None:
+            refused = asked.mask.consume(token)
             if refused is not None:
                 return -1, BackendError(f"constrained decoding failed: {refused}", should_retry=False)
-        sequence.generated += 1
-        sequence.generated_tokens.append(token)
+        out.generated += 1
+        out.generated_tokens.append(token)
         sequence.progress.completion_tokens += 1
         piece = model.piece(token)
         sequence.channel.put(piece if entry is None else (piece, entry))  # type: ignore[arg-type]
-        if sequence.generated == sequence.max_new:
+        if out.generated == asked.max_new:
             return -1, "length"  # after its last piece: order is kept
-        sequence.next_token = token
+        out.next_token = token
         return token, None
 
     def verify(self, sequence: Sequence, index: int, token: int, draft: list[int]) -> End | None:
@@ -108,8 +110,8 @@ class Outputs:
             token, end = self.emit(sequence, index + accepted)
             if end is not None:
                 break
-        if sequence.drafter is not None:
-            sequence.drafter.settle(len(draft), accepted)
+        if sequence.spec.drafter is not None:
+            sequence.spec.drafter.settle(len(draft), accepted)
         if end is not None:
             return end  # ended inside the run: the loop releases its cells
         if accepted < len(draft) and not self.lib.llama_memory_seq_rm(
@@ -125,15 +127,15 @@ class Outputs:
             self.plan_draft(sequence)
         except Exception:
             logger.exception("drafting failed; the stream decodes one token per call from now on")
-            sequence.draft = []
-            sequence.speculate = False
+            sequence.spec.draft = []
+            sequence.spec.speculate = False
 
     def plan_draft(self, sequence: Sequence) -> None:
         """Guess the tokens after ``sequence``'s next one (prompt lookup), as many as its
         verify call may hold: the exact width, the room in its channel, its token limit
         and (auto) the context where a lone step's attention changes path."""
-        sequence.draft = []
-        if not sequence.speculate:
+        sequence.spec.draft = []
+        if not sequence.spec.speculate:
             return
         capabilities = self.capabilities
         verify_width = capabilities.verify_width
@@ -147,23 +149,23 @@ class Outputs:
         limit = min(
             verify_width - 1,
             room - 1,
-            sequence.max_new - sequence.generated - 1,
+            sequence.asked.max_new - sequence.out.generated - 1,
             capabilities.verify_context_limit - sequence.pos - 1,
         )
         if limit <= 0:
             return
-        drafter = sequence.drafter
+        drafter = sequence.spec.drafter
         if drafter is None:
-            drafter = sequence.drafter = Drafter(sequence.prompt, longest=verify_width - 1)
+            drafter = sequence.spec.drafter = Drafter(sequence.asked.prompt, longest=verify_width - 1)
         # the drafter's context: every token in the KV cells (the last one drawn is not yet)
-        generated = sequence.generated_tokens
-        done = len(drafter.context) - len(sequence.prompt)
+        generated = sequence.out.generated_tokens
+        done = len(drafter.context) - len(sequence.asked.prompt)
         if done < len(generated) - 1:
             drafter.extend(generated[done:-1])
-        draft = drafter.propose(sequence.next_token, limit)
-        if draft and sequence.mask is not None:
+        draft = drafter.propose(sequence.out.next_token, limit)
+        if draft and sequence.asked.mask is not None:
             # a guess the constraint forbids is not proposed
-            draft = draft[: sequence.mask.valid_prefix(draft)]
+            draft = draft[: sequence.asked.mask.valid_prefix(draft)]
             if len(draft) < SHORTEST_DRAFT:
                 draft = []
-        sequence.draft = draft
+        sequence.spec.draft = draft

@@ -1,8 +1,12 @@
 """One request inside the batch (:class:`Sequence`): what the scheduler thread keeps
-of it from admission until it hands it back (:func:`hand_back`), and its phase."""
+of it from admission until it hands it back (:func:`hand_back`), grouped in small
+records made once per sequence — what was asked (:class:`Asked`), the prompt cache's
+bookkeeping (:class:`CacheWork`), speculation (:class:`Speculation`), what was
+generated (:class:`Output`) — and its phase."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from typing import Any, Literal
@@ -18,7 +22,7 @@ from .._grammar import TokenMask
 from .._memory import StateBuffer
 from .._speculation import Drafter
 
-__all__ = ["CANCELLED", "Phase", "Sequence", "hand_back"]
+__all__ = ["CANCELLED", "Asked", "CacheWork", "Output", "Phase", "Sequence", "Speculation", "hand_back"]
 
 logger = logging.getLogger("trioserve.llama")
 
@@ -38,48 +42,103 @@ class Phase(enum.Enum):
     DONE = "done"
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class Asked:
+    """What the request asked for (``Sequence.asked``), fixed at submission — only the
+    constraint's mask advances, token by token."""
+
+    prompt: list[int]
+    max_new: int
+    #: whether its prompt's cells may be kept and reused (``GenerationRequest.cache_prompt``)
+    cache_prompt: bool
+    #: only cells of the same salt are reused (``GenerationRequest.cache_salt``)
+    salt: str
+    #: plain greedy (temperature 0, no logit bias): the scheduler takes the argmax of
+    #: the logits itself — the token llama.cpp's greedy sampler picks (the first
+    #: maximum), without building its 262,144-entry candidate array per token
+    greedy: bool
+    #: the logit bias as arrays (made once per request: ``LlamaModel.prepare``), for
+    #: the log-probabilities' distribution (the sampler chain has its own copy)
+    bias: LogitBias | None
+    #: constrained decoding: the mask applied to the logits before each draw
+    mask: TokenMask | None
+    #: report log-probabilities (and this many alternatives)
+    logprobs: int | None
+    #: needs the slow path per token: a mask, or log-probabilities
+    special: bool
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class CacheWork:
+    """The prompt cache's bookkeeping of a sequence (``Sequence.cache``): where the
+    canonical rule cuts its prompt (``_pieces.PieceRule``, set at admission), and
+    admission's plan, carried out by the scheduler thread before the first chunk: the
+    cached prefix to save to host memory before it is overwritten (``save``, under
+    ``save_salt``), and the host-memory state to restore (``restore``, ``checkpoint``
+    tokens)."""
+
+    cuts: list[int] = dataclasses.field(default_factory=list)
+    save: list[int] | None = None
+    save_salt: str = ""
+    checkpoint: int = 0
+    restore: StateBuffer | bytes | DiskEntry | None = None
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Speculation:
+    """Speculative decoding (``Sequence.spec``, docs/speculation.md): every draw, greedy
+    or sampled. A guess is accepted when the row's own draw (argmax, or the request's
+    sampler chain, advanced token by token) equals it: for a draft that is one token
+    per position, this is the standard acceptance rule (accept with probability
+    p(guess), else draw from p without the guess), and it consumes the sampler's random
+    numbers as a one-token step does: a seeded text is unchanged."""
+
+    #: the request's ``speculate``
+    speculate: bool
+    drafter: Drafter | None = None
+    #: the tokens guessed for the decode call being planned or in flight
+    draft: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Output:
+    """What a sequence has generated (``Sequence.out``)."""
+
+    generated: int = 0
+    #: the tokens generated so far (the reply, for the idle recompute of its chunks)
+    generated_tokens: list[int] = dataclasses.field(default_factory=list)
+    #: the token drawn and not yet decoded (-1: none)
+    next_token: int = -1
+    first_chunk_at: float = 0.0
+
+
 class Sequence:
-    """One request inside the batch. Fields are written by one side only:
+    """One request inside the batch: its records (:class:`Asked`, :class:`CacheWork`,
+    :class:`Speculation`, :class:`Output`), made once per sequence, and where it is.
+    Fields are written by one side only:
 
     * Trio side: ``cancelled``;
     * scheduler thread: everything else until it hands the sequence back.
     """
 
     __slots__ = (
-        "bias",
-        "cache_prompt",
+        "asked",
+        "cache",
         "cancelled",
         "channel",
-        "checkpoint",
         "choice",
-        "cuts",
-        "draft",
-        "drafter",
-        "first_chunk_at",
         "followers",
-        "generated",
-        "generated_tokens",
-        "greedy",
         "group",
         "leader",
-        "logprobs",
-        "mask",
-        "max_new",
-        "next_token",
+        "out",
         "pos",
         "prefilled",
         "progress",
-        "prompt",
         "removed",
-        "restore",
         "result",
-        "salt",
         "sampler",
-        "save",
-        "save_salt",
         "seq_id",
-        "special",
-        "speculate",
+        "spec",
         "token",
     )
 
@@ -92,33 +151,30 @@ class Sequence:
         bias: LogitBias | None = None,
     ) -> None:
         tokens = prompt.tokens
-        self.prompt: list[int] = tokens if isinstance(tokens, list) else list(tokens)
-        self.max_new = prompt.max_new_tokens
-        self.cache_prompt = prompt.request.cache_prompt
-        #: only cells of the same salt are reused (``GenerationRequest.cache_salt``)
-        self.salt = prompt.request.cache_salt
-        self.progress = progress
-        progress.piece_per_token = True  # _emit: one piece per token drawn
-        self.sampler = sampler
-        #: plain greedy (temperature 0, no logit bias): the scheduler takes the argmax of
-        #: the logits itself — the token llama.cpp's greedy sampler picks (the first
-        #: maximum), without building its 262,144-entry candidate array per token
-        sampling = prompt.request.sampling
-        self.greedy = sampling.plain_greedy
-        #: the logit bias as arrays (made once per request: ``LlamaModel.prepare``), for
-        #: the log-probabilities' distribution (the sampler chain has its own copy)
-        self.bias = bias
-        #: constrained decoding: the mask applied to the logits before each draw
-        self.mask: TokenMask | None = None
+        request = prompt.request
+        mask: TokenMask | None = None
         compiled = prompt.compiled
         if isinstance(compiled, TokenMask):
             # a copy: the compiled mask stays fresh for the other choices (and for a
             # prepared prompt streamed again)
-            self.mask = compiled.copy()
-        #: report log-probabilities (and this many alternatives)
-        self.logprobs = prompt.request.logprobs
-        #: needs the slow path per token: a mask, or log-probabilities
-        self.special = self.mask is not None or self.logprobs is not None
+            mask = compiled.copy()
+        self.asked = Asked(
+            prompt=tokens if isinstance(tokens, list) else list(tokens),
+            max_new=prompt.max_new_tokens,
+            cache_prompt=request.cache_prompt,
+            salt=request.cache_salt,
+            greedy=request.sampling.plain_greedy,
+            bias=bias,
+            mask=mask,
+            logprobs=request.logprobs,
+            special=mask is not None or request.logprobs is not None,
+        )
+        self.cache = CacheWork()
+        self.spec = Speculation(speculate=request.speculate)
+        self.out = Output()
+        self.progress = progress
+        progress.piece_per_token = True  # _emit: one piece per token drawn
+        self.sampler = sampler
         #: ``n`` > 1: the request's choices; a follower waits for its leader's prompt
         #: evaluation and starts from a copy of its cells
         self.group: ChoiceGroup | None = prompt.group
@@ -132,35 +188,11 @@ class Sequence:
         self.cancelled = False
         self.seq_id = -1
         self.prefilled = 0
-        #: where the canonical rule cuts the prompt (``_pieces.PieceRule``), set at admission
-        self.cuts: list[int] = []
         self.pos = 0
-        self.generated = 0
-        #: the tokens generated so far (the reply, for the idle recompute of its chunks)
-        self.generated_tokens: list[int] = []
-        self.next_token = -1
-        self.first_chunk_at = 0.0
-        #: admission's plan, carried out by the scheduler thread before the first chunk:
-        #: the cached prefix to save to host memory before it is overwritten, and the
-        #: host-memory state to restore
-        self.save: list[int] | None = None
-        self.save_salt = ""
-        self.checkpoint = 0
-        self.restore: StateBuffer | bytes | DiskEntry | None = None
-        #: speculative decoding (docs/speculation.md): every draw, greedy or sampled. A
-        #: guess is accepted when the row's own draw (argmax, or the request's sampler
-        #: chain, advanced token by token) equals it: for a draft that is one token per
-        #: position, this is the standard acceptance rule (accept with probability
-        #: p(guess), else draw from p without the guess), and it consumes the sampler's
-        #: random numbers as a one-token step does: a seeded text is unchanged
-        self.speculate = prompt.request.speculate
-        self.drafter: Drafter | None = None
-        #: the tokens guessed for the decode call being planned or in flight
-        self.draft: list[int] = []
 
     @property
     def decoding(self) -> bool:
-        return self.prefilled == len(self.prompt)
+        return self.prefilled == len(self.asked.prompt)
 
     @property
     def phase(self) -> Phase:
