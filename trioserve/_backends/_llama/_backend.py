@@ -29,20 +29,18 @@ import logging
 import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Items
-from typing import Any, Literal, Self
+from typing import Literal, Self
 
 import trio
 
-from ..._core._backend import Backend, GenerationProgress, ModelInfo, PreparedPrompt
+from ..._core._backend import GenerationProgress, PreparedPrompt
 from ..._core._channel import PieceChannel
 from ..._core._exceptions import BackendError, InvalidRequestError
-from ..._core._types import GenerationEnd, GenerationRequest
+from ..._core._types import GenerationEnd
 from .._draw import LogitBias
 from .._embeddings import Embedder
-from .._grammar import GrammarCompiler
-from .._pieces import PieceRule
-from .._platform import RepackDecision
 from .._prompt_cache import HostBudget, HostCache
+from ._facade import ModelFacade
 from ._loading import aload
 from ._loop import Scheduler
 from ._model import LlamaModel
@@ -63,7 +61,7 @@ class _ModelsLoaded:
         return LlamaModel.loaded
 
 
-class LlamaBackend(Backend):
+class LlamaBackend(ModelFacade):
     """llama.cpp inference: every running request is a sequence of one context, and
     one scheduler thread decodes them together (``docs/batching.md``).
 
@@ -149,88 +147,6 @@ class LlamaBackend(Backend):
         self._closed = True
         self._release_contexts()
         self.llama_model.close()
-
-    # ------------------------------------------------------------ the model
-
-    @property
-    def settings(self) -> LlamaSettings:
-        return self.llama_model.settings
-
-    @property
-    def lib(self) -> Any:
-        """llama.cpp's bindings the model and its contexts are run with (a test may
-        swap them for a wrapper that fails on purpose: the setter sets the model's)."""
-        return self.llama_model.lib
-
-    @lib.setter
-    def lib(self, value: Any) -> None:
-        self.llama_model.lib = value
-
-    @property
-    def info(self) -> ModelInfo:
-        return self.llama_model.info
-
-    @property
-    def slots(self) -> int:
-        return self.llama_model.settings.slots
-
-    @property
-    def n_vocab(self) -> int:
-        return self.llama_model.n_vocab
-
-    @property
-    def piece_rule(self) -> PieceRule:
-        """Where prompts are cut into prefill calls (docs/prompt-cache.md, "The cut")."""
-        return self.llama_model.piece_rule
-
-    @property
-    def grammars(self) -> GrammarCompiler:
-        return self.llama_model.grammars
-
-    @property
-    def system_info(self) -> str:
-        """``llama_print_system_info()`` of the loaded llama.cpp."""
-        return self.llama_model.system_info
-
-    @property
-    def repack(self) -> RepackDecision | None:
-        """Whether the weights were repacked (extra buffer types), and why."""
-        return self.llama_model.repack
-
-    def tokenize(self, text: str, *, add_bos: bool = True, parse_special: bool = True) -> list[int]:
-        """Text → token ids (:meth:`LlamaModel.tokenize`)."""
-        return self.llama_model.tokenize(text, add_bos=add_bos, parse_special=parse_special)
-
-    def piece(self, token: int) -> bytes:
-        """The bytes of one token (:meth:`LlamaModel.piece`)."""
-        return self.llama_model.piece(token)
-
-    def detokenize(self, tokens: Items[int]) -> bytes:
-        return self.llama_model.detokenize(tokens)
-
-    def token_bytes(self, token: int, *, special: bool) -> bytes:
-        """llama.cpp's ``llama_token_to_piece`` (:meth:`LlamaModel.token_bytes`)."""
-        return self.llama_model.token_bytes(token, special=special)
-
-    async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
-        return await self.llama_model.prepare(request)
-
-    async def tokenize_text(
-        self, text: str, *, add_special: bool = False, parse_special: bool = True
-    ) -> list[int]:
-        return await self.llama_model.tokenize_text(
-            text, add_special=add_special, parse_special=parse_special
-        )
-
-    async def count_text_tokens(
-        self, text: str, *, add_special: bool = False, parse_special: bool = True
-    ) -> int:
-        return await self.llama_model.count_text_tokens(
-            text, add_special=add_special, parse_special=parse_special
-        )
-
-    async def token_pieces(self, tokens: Items[int]) -> list[bytes]:
-        return await self.llama_model.token_pieces(tokens)
 
     # ---------------------------------------------------------- the contexts
 
