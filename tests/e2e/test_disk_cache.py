@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
+import time
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
+import trio
 
 from trioserve import Engine, GenerationRequest, LlamaBackend, LlamaSettings, SamplingParams, TextDelta, Usage
 from trioserve._backends._disk_cache import DiskStore
 
+from .._helpers import ServerProcess
 from ..conftest import THREADS
 
 pytestmark = pytest.mark.model
@@ -171,3 +176,52 @@ async def test_a_damaged_or_foreign_entry_is_a_logged_miss_and_the_text_is_right
     else:
         assert "unusable" in caplog.text
         assert _entries(cache_dir, "v1/bad/*")
+
+
+def _complete_http(url: str, prompt: str) -> tuple[str, dict[str, object]]:
+    response = httpx.post(
+        url + "/v1/completions",
+        json={"prompt": prompt, "max_tokens": 12, "temperature": 0},
+        timeout=300,
+    )
+    response.raise_for_status()
+    body = response.json()
+    return body["choices"][0]["text"], body["usage"]
+
+
+def _disk_writes(url: str) -> int:
+    disk = httpx.get(url + "/health", timeout=10).json()["batch"]["cache"]["disk"]
+    return int(disk["writes"])
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "kill -9"])
+def test_trioserve_serve_restores_a_conversation_after_a_restart_or_a_kill(
+    tmp_path: Path, uncached_backend: LlamaBackend, stop: str, store_dirs: list[Path]
+) -> None:
+    """The CLI as a user runs it: ``--cache-dir``; the server stopped with SIGTERM (every
+    cached prefix written at shutdown) or killed with SIGKILL once ``/health`` shows the
+    prefix written while it was idle; the next server's turn is restored from disk and
+    its text is the cache-off backend's."""
+    first, new = _conversation(uuid.uuid4().hex)
+    flags = ("--threads", str(THREADS), "--slots", "1", "--cache-dir", str(tmp_path))
+    with ServerProcess(*flags) as server:
+        url = server.wait_ready()
+        text, _ = _complete_http(url, first)
+        if stop == "SIGTERM":
+            assert server.stop(signal.SIGTERM) == 0
+        else:
+            deadline = time.monotonic() + 60
+            while _disk_writes(url) < 1:  # the idle write of the first turn's prefix
+                assert time.monotonic() < deadline, "the idle server wrote nothing to the disk tier"
+                time.sleep(0.02)
+            server.process.kill()
+            server.process.wait()
+    second = first + text + new
+    with ServerProcess(*flags) as server:
+        url = server.wait_ready()
+        answer, usage = _complete_http(url, second)
+        assert server.stop() == 0
+    reference, _ = trio.run(_complete, uncached_backend, second)
+    assert answer == reference
+    split = usage["trioserve"]["cached_tokens"]  # type: ignore[index]
+    assert split["disk"] == usage["prompt_tokens_details"]["cached_tokens"] > 0  # type: ignore[index]
