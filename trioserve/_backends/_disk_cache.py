@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import mmap
 import os
 import queue
 import struct
@@ -451,16 +452,10 @@ class DiskTier:
                 size = os.fstat(f.fileno()).st_size
                 if size != entry.size or size < HEAD.size + CRC.size:
                     raise ValueError(f"{size} bytes where {entry.size} were written")
-                data = bytearray(size)
-                view = memoryview(data)
-                got = 0
-                while got < size:
-                    if cancelled():
-                        return None
-                    n = f.readinto(view[got : got + PIECE])
-                    if not n:
-                        raise ValueError("truncated")
-                    got += n
+                # mapped, not read: the page cache's pages are the state llama.cpp copies
+                # into the cells (private: nothing written back; an entry is replaced or
+                # unlinked, never truncated in place, so the mapping stays whole)
+                mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
         except FileNotFoundError:
             self.misses += 1
             with self._lock:
@@ -472,10 +467,15 @@ class DiskTier:
                 self._remove(path)
             self.store.quarantine(path, str(e))
             return None
-        body = view[: size - CRC.size]
-        (crc,) = CRC.unpack(view[size - CRC.size :])
-        magic, length = HEAD.unpack(body[: HEAD.size])
-        if zlib.crc32(body) != crc or magic != MAGIC:
+        view = memoryview(mapped)
+        end = size - CRC.size
+        crc = 0
+        for start in range(0, end, PIECE):
+            if cancelled():
+                return None
+            crc = zlib.crc32(view[start : min(start + PIECE, end)], crc)
+        magic, length = HEAD.unpack(view[: HEAD.size])
+        if crc != CRC.unpack(view[end:])[0] or magic != MAGIC:
             self.misses += 1
             with self._lock:
                 self._remove(path)
@@ -485,4 +485,4 @@ class DiskTier:
             os.utime(path)  # recently used: the budget's eviction takes it last
         offset = HEAD.size + length + 4 * len(entry.tokens)
         self.restores += 1
-        return view[offset : size - CRC.size]
+        return view[offset:end]
