@@ -20,6 +20,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ._disk_cache import DiskEntry
 from ._memory import StateBuffer
 from ._pieces import PieceRule
 from ._prompt_cache import HostCache, shared_prefix
@@ -69,7 +70,7 @@ class Placement:
     seq_id: int
     reused: int = 0
     save: list[int] | None = None
-    restore: StateBuffer | bytes | None = None
+    restore: StateBuffer | bytes | DiskEntry | None = None
     checkpoint: int = 0
     save_salt: str = ""
 
@@ -115,6 +116,8 @@ class CacheStats:
     idle_tokens: int
     idle_aborted: int
     idle_pending: int
+    #: the disk tier (``DiskTier.stats``), ``None`` without one
+    disk: dict[str, object] | None = None
 
     @property
     def tokens(self) -> int:
@@ -148,6 +151,7 @@ class CacheStats:
                 "save_seconds": round(self.save_seconds, 6),
                 "restore_seconds": round(self.restore_seconds, 6),
             },
+            "disk": self.disk,
             "idle_recompute": {
                 "enabled": self.idle_recompute,
                 "chunks": self.idle_chunks,
@@ -243,7 +247,7 @@ class CachePolicy:
         """Whether ``seq_id`` caches a prefix worth saving to the host tier: one its cells
         give back exactly."""
         tokens = self._cached[seq_id]
-        return bool(tokens) and bool(self.host.budget) and self.serves(seq_id, len(tokens))
+        return bool(tokens) and self.host.keeps and self.serves(seq_id, len(tokens))
 
     def host_covers(self, tokens: list[int], salt: str = "") -> bool:
         """Whether the host tier already holds ``tokens`` of ``salt`` (as an entry or its
@@ -262,7 +266,7 @@ class CachePolicy:
         tokens = self._cached[seq_id]
         end = self._prompt_end[seq_id]
         host = self.host
-        if not host.window or not host.budget or not keep <= end < len(tokens):
+        if not host.window or not host.keeps or not keep <= end < len(tokens):
             return 0
         if host.usable(len(tokens), end, self._floor[seq_id]) or not self.serves(seq_id, end):
             return 0  # (the longer state gives it back; the cells cannot)
@@ -305,7 +309,7 @@ class CachePolicy:
         reused = shared[best]
         restore = None
         host = self.host
-        found = host.best(prompt, self.host_cuts(prompt), limit, salt=salt) if limit and host.budget else None
+        found = host.best(prompt, self.host_cuts(prompt), limit, salt=salt) if limit and host.keeps else None
         if found is not None and found[0] > reused:
             # host memory holds more of it: restore into the least recently used id
             best = min(free_ids, key=lambda i: self._used_at[i])

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ._disk_cache import DiskEntry, DiskTier
 from ._memory import StateBuffer
 
 __all__ = ["HostBudget", "HostCache", "shared_prefix"]
@@ -148,8 +149,17 @@ class HostCache:
         self.saves = 0
         self.restores = 0
         self.evictions = 0
+        #: the disk tier under this one (``--cache-dir``; docs/prompt-cache.md, "On
+        #: disk"): every state offered here is written there too, and a prompt it holds
+        #: more of is restored from it
+        self.disk: DiskTier | None = None
         with self.pool.lock:
             self.pool._tiers.append(self)
+
+    @property
+    def keeps(self) -> bool:
+        """Whether a saved state is kept anywhere: host memory, or the disk under it."""
+        return bool(self.budget) or self.disk is not None
 
     @property
     def budget(self) -> int:
@@ -243,11 +253,14 @@ class HostCache:
         recently used entries go (its cap), then the shared budget's (:class:`HostBudget`)."""
         key: _Key = (salt, tuple(tokens))
         start = self.floor(len(tokens), floor)
-        if not tokens or len(state) > self.budget or not self.serves(start, len(tokens)):
+        if not tokens or not self.serves(start, len(tokens)):
             return False
+        on_disk = self.disk is not None and self.disk.put(tokens, cuts, state, start=start, salt=salt)
+        if len(state) > self.budget:
+            return on_disk
         with self.pool.lock:
             if self._covers(key[1], cuts, salt):
-                return False
+                return on_disk
             # entries of this salt it extends (and gives back exactly) are redundant now
             n = len(tokens)
             for other in [
@@ -296,10 +309,22 @@ class HostCache:
 
     def best(
         self, prompt: Sequence[int], cuts: Sequence[int], limit: int, *, salt: str = ""
-    ) -> tuple[int, StateBuffer | bytes] | None:
+    ) -> tuple[int, StateBuffer | bytes | DiskEntry] | None:
         """``(shared tokens, state)`` of the entry of ``salt`` sharing the most whole
         pieces with ``prompt`` (``cuts``: its cuts; at most ``limit`` tokens); ``None``
-        if none shares a piece. The entry becomes the most recently used."""
+        if none shares a piece. The entry becomes the most recently used. When the disk
+        tier holds more of the prompt than host memory, its entry (a
+        :class:`~._disk_cache.DiskEntry`, read when it is restored)."""
+        found = self._best_in_memory(prompt, cuts, limit, salt) if self.budget else None
+        if self.disk is not None and (found is None or found[0] < limit):
+            on_disk = self.disk.best(prompt, cuts, limit, salt=salt)
+            if on_disk is not None and (found is None or on_disk[0] > found[0]):
+                return on_disk
+        return found
+
+    def _best_in_memory(
+        self, prompt: Sequence[int], cuts: Sequence[int], limit: int, salt: str
+    ) -> tuple[int, StateBuffer | bytes] | None:
         with self.pool.lock:
             best_key: _Key | None = None
             best_shared = 0

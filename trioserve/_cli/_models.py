@@ -220,6 +220,8 @@ def _settings(args: argparse.Namespace, name: str, path: Path, table: dict[str, 
         return table.get(key, default)
 
     repack = get("repack", args.repack)
+    if not args.cache_disk >= 0:
+        raise RuntimeError(f"--cache-disk must be 0 or more GiB, got {args.cache_disk}")
     return LlamaSettings(
         path,
         n_ctx=int(get("ctx_size", args.ctx_size)),
@@ -230,6 +232,8 @@ def _settings(args: argparse.Namespace, name: str, path: Path, table: dict[str, 
         piece_rule=get("piece_rule", args.piece_rule),
         prompt_cache=bool(get("prompt_cache", not args.no_prompt_cache)),
         cache_ram_bytes=int(get("cache_ram", args.cache_ram)) * 1024 * 1024,
+        cache_dir=cache_dir(args.cache_dir),
+        cache_disk_bytes=int(args.cache_disk * (1 << 30)),
         cache_mode=get("cache_mode", args.cache_mode),
         batch_invariant=bool(get("batch_invariant", args.batch_invariant)),
         model_id=name,
@@ -237,6 +241,16 @@ def _settings(args: argparse.Namespace, name: str, path: Path, table: dict[str, 
         pooling=get("pooling", args.pooling),
         speculate=get("speculate", args.speculate),
     )
+
+
+def cache_dir(value: str | None) -> Path | None:
+    """``--cache-dir``: a directory, ``auto`` (the per-user cache directory) or none."""
+    if value is None or value in ("", "off", "none"):
+        return None
+    if value == "auto":
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        return Path(base) / "trioserve" / "prompt-cache"
+    return Path(value).expanduser()
 
 
 def _keep_alive(value: object, origin: str) -> float | None:

@@ -215,6 +215,24 @@ def _prompt_cache(serve: argparse.ArgumentParser) -> None:
         "model's share), unloaded models' prefixes out first; it outlives a model's unload "
         "(default: 1024; 0: none)",
     )
+    group.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="DIR",
+        help="the prompt cache's disk tier: every cached prefix saved is written to DIR too, "
+        "restored after a restart, a crash or an unload, exactly (an entry is used only by a "
+        "model with the same file content, cell settings and llama.cpp build); several "
+        "servers may share DIR. 'auto': $XDG_CACHE_HOME/trioserve/prompt-cache. Off by "
+        "default: the states hold the prompts (docs/prompt-cache.md, 'On disk')",
+    )
+    group.add_argument(
+        "--cache-disk",
+        type=float,
+        default=8.0,
+        metavar="GIB",
+        help="the disk tier's budget for all of --cache-dir (every model's, every process's), "
+        "least recently used out first (default: 8)",
+    )
 
 
 def _upstream(serve: argparse.ArgumentParser) -> None:

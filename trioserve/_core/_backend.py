@@ -158,8 +158,10 @@ class GenerationProgress:
     __slots__ = (
         "cached_tokens",
         "completion_tokens",
+        "disk_tokens",
         "draft_accepted",
         "draft_proposed",
+        "host_tokens",
         "inference_ended",
         "piece_per_token",
         "prefill_seconds",
@@ -171,6 +173,10 @@ class GenerationProgress:
         self.prompt_tokens = prompt_tokens
         #: prompt tokens reused from the prompt cache (not evaluated)
         self.cached_tokens = 0
+        #: of those, restored from the host-memory tier and from the disk tier (the rest
+        #: were still in the KV cells)
+        self.host_tokens = 0
+        self.disk_tokens = 0
         #: prompt tokens in the KV cells so far (reused or evaluated): prefill progress
         self.prefilled_tokens = 0
         self.completion_tokens = 0

@@ -117,6 +117,8 @@ class EventStream:
             prompt_tokens=progress.prompt_tokens,
             completion_tokens=completion,
             cached_tokens=progress.cached_tokens,
+            cached_host_tokens=progress.host_tokens,
+            cached_disk_tokens=progress.disk_tokens,
         )
 
     @property

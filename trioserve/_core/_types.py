@@ -117,6 +117,21 @@ class Usage:
     completion_tokens: int
     #: prompt tokens whose evaluation was reused from the prompt cache
     cached_tokens: int = 0
+    #: of those, restored from the host-memory tier and from the disk tier (the rest
+    #: were still in the KV cells)
+    cached_host_tokens: int = 0
+    cached_disk_tokens: int = 0
+
+    def cache_split(self) -> dict[str, int] | None:
+        """Where the cached tokens came from — ``{"cells", "host", "disk"}`` — when a
+        tier below the cells gave some (the ``trioserve`` extension of a usage)."""
+        if not self.cached_host_tokens and not self.cached_disk_tokens:
+            return None
+        return {
+            "cells": self.cached_tokens - self.cached_host_tokens - self.cached_disk_tokens,
+            "host": self.cached_host_tokens,
+            "disk": self.cached_disk_tokens,
+        }
 
     @property
     def total_tokens(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+from .._core._types import Usage
 from ._metrics import Metrics
 from ._request import InFlightRequest, Kind
 from ._writing import usage_of
@@ -69,7 +70,7 @@ def log_request(metrics: Metrics, request: InFlightRequest) -> None:
             metrics.prefill.observe(events.progress.prefill_seconds)
     request_logger.info(
         "request %s %s model=%s status=%s cause=%s prompt_tokens=%s cached_tokens=%s "
-        "completion_tokens=%s ttft_ms=%s duration_ms=%.1f%s%s%s%s",
+        "completion_tokens=%s ttft_ms=%s duration_ms=%.1f%s%s%s%s%s",
         exchange.request_id,
         path,
         request.model or "-",
@@ -81,7 +82,16 @@ def log_request(metrics: Metrics, request: InFlightRequest) -> None:
         f"{ttft * 1000:.1f}" if ttft is not None else "-",
         duration * 1000,
         f" load_wait_ms={request.load_wait * 1000:.1f}" if request.load_wait else "",
+        _cache_split(usage),
         f" draft_accepted={accepted}/{proposed}" if proposed else "",
         f" cancel_latency_ms={cancel_latency * 1000:.2f}" if cancel_latency is not None else "",
         f" error={request.error!r}" if request.error else "",
     )
+
+
+def _cache_split(usage: Usage | None) -> str:
+    """`` cached_from=cells:N,host:N,disk:N`` when a tier below the cells gave tokens."""
+    split = usage.cache_split() if usage is not None else None
+    if split is None:
+        return ""
+    return " cached_from=" + ",".join(f"{tier}:{n}" for tier, n in split.items())

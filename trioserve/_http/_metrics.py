@@ -280,6 +280,41 @@ class _HostCacheCollector(Collector):
             ("trioserve_prompt_cache_idle_tokens", idle["tokens"], "tokens recomputed while idle"),
         ):
             yield CounterMetricFamily(name, f"llama backend: {text}.", value=value)
+        disks = [c["disk"] for c in caches if isinstance(c.get("disk"), dict)]
+        if disks:
+            # (the models of a server share one store: its bytes and budget once)
+            stores = {d["directory"].rsplit("/", 1)[0]: d for d in disks}
+            yield GaugeMetricFamily(
+                "trioserve_prompt_cache_disk_bytes",
+                "llama backend: bytes of prompt prefixes in the disk tier's directory (--cache-dir).",
+                value=sum(d["bytes"] for d in stores.values()),
+            )
+            yield GaugeMetricFamily(
+                "trioserve_prompt_cache_disk_budget_bytes",
+                "llama backend: the disk tier's budget (--cache-disk), in bytes.",
+                value=sum(d["budget_bytes"] for d in stores.values()),
+            )
+            for name, key, text in (
+                ("trioserve_prompt_cache_disk_restores", "restores", "prefixes restored from disk"),
+                (
+                    "trioserve_prompt_cache_disk_restored_tokens",
+                    "restored_tokens",
+                    "tokens restored from disk",
+                ),
+                ("trioserve_prompt_cache_disk_misses", "misses", "disk entries found and not usable"),
+            ):
+                yield CounterMetricFamily(name, f"llama backend: {text}.", value=sum(d[key] for d in disks))
+            for name, key, text in (
+                ("trioserve_prompt_cache_disk_writes", "writes", "prefixes written to disk"),
+                (
+                    "trioserve_prompt_cache_disk_dropped_writes",
+                    "dropped_writes",
+                    "writes dropped (queue full)",
+                ),
+                ("trioserve_prompt_cache_disk_evictions", "evictions", "disk entries evicted for the budget"),
+            ):
+                value = sum(d[key] for d in stores.values())
+                yield CounterMetricFamily(name, f"llama backend: {text}.", value=value)
 
 
 class _ModelCollector(Collector):

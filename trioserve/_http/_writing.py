@@ -32,6 +32,8 @@ def usage_of(choices: list[EventStream]) -> Usage:
         prompt_tokens=sum(events.usage.prompt_tokens for events in prompts),
         completion_tokens=sum(events.usage.completion_tokens for events in choices),
         cached_tokens=sum(events.usage.cached_tokens for events in prompts),
+        cached_host_tokens=sum(events.usage.cached_host_tokens for events in prompts),
+        cached_disk_tokens=sum(events.usage.cached_disk_tokens for events in prompts),
     )
 
 

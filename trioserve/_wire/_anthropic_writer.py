@@ -218,12 +218,16 @@ class AnthropicDialect:
         return self._stop_reason
 
     def _usage(self, usage: Usage) -> dict[str, object]:
-        return {
+        body: dict[str, object] = {
             "input_tokens": usage.prompt_tokens - usage.cached_tokens,
             "output_tokens": usage.completion_tokens,
             "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": usage.cached_tokens,
         }
+        split = usage.cache_split()
+        if split is not None:
+            body["trioserve"] = {"cached_tokens": split}
+        return body
 
     def _extension(self, body: dict[str, object]) -> dict[str, object]:
         if self._cause not in ("stop", "length"):

@@ -42,12 +42,16 @@ def error_event(error: dict[str, object]) -> bytes:
 
 
 def _usage_dict(usage: Usage) -> dict[str, object]:
-    return {
+    body: dict[str, object] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    split = usage.cache_split()
+    if split is not None:
+        body["trioserve"] = {"cached_tokens": split}
+    return body
 
 
 def _token_text(piece: bytes) -> str:

@@ -373,10 +373,14 @@ class ResponsesDialect:
 
 
 def _usage(usage: Usage) -> dict[str, object]:
-    return {
+    body: dict[str, object] = {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.total_tokens,
     }
+    split = usage.cache_split()
+    if split is not None:
+        body["trioserve"] = {"cached_tokens": split}
+    return body

@@ -293,12 +293,19 @@ class LlamaBackend(ModelFacade):
 
     def _release_contexts(self) -> None:
         self._stop_scheduler()
-        if self._host_cache is not None and self._scheduler.host is self._host_cache:
+        host = self._scheduler.host
+        kept = self._host_cache is not None and host is self._host_cache
+        if kept or host.disk is not None:
+            # every id's cached prefix: to host memory (a registry entry's tier, which
+            # outlives the unload) and to the disk tier (which outlives the process)
             saved = self._scheduler.kv.spill()
-            # its entries go first when another model's need the shared budget
-            self._host_cache.active = False
+            if kept:
+                # its entries go first when another model's need the shared budget
+                host.active = False
             if saved:
-                logger.info("kept %d cached prefix(es) in host memory for the next load", saved)
+                logger.info("kept %d cached prefix(es) for the next load", saved)
+        if host.disk is not None and not host.disk.store.flush(timeout=120):
+            logger.warning("the disk cache's writes did not finish within 120 s; some prefixes are not kept")
         self._scheduler.context.free(self.llama_model.lib)
         self._embedder.free()
 

@@ -38,6 +38,21 @@ class IdleRecompute:
                 if self.inbox.cells.is_free(seq_id):
                     self.kv.forget(seq_id)
 
+    def persist_safely(self) -> None:
+        """No request and no reply to recompute: write one free id's cached prefix to
+        the disk tier (``KvCells.persist``), so a crash loses only what came since."""
+        inbox = self.inbox
+        with inbox.condition:
+            if inbox.active or inbox.queue or inbox.stopping:
+                return
+            seq_id = self.kv.persist_pending(inbox.cells.free)
+        if seq_id is None:
+            return
+        try:
+            self.kv.persist(seq_id)
+        except Exception:  # an optimisation: without it, a crash loses this prefix
+            logger.exception("could not write a cached prefix to the disk tier")
+
     def run(self) -> None:
         """Evaluate one piece (aborted: tried again when idle)."""
         job = self.policy.next_recompute()

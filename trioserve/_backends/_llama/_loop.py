@@ -22,6 +22,7 @@ from .._memory import trim_heap
 from ._admission import Admission
 from ._capabilities import measure
 from ._context import Context
+from ._disk import open_disk_tier
 from ._executor import Executor
 from ._idle import IdleRecompute
 from ._inbox import Inbox
@@ -69,6 +70,15 @@ class Scheduler:
             enabled=self.cache_enabled,
             window=max(0, int(lib.llama_model_n_swa(model.model))),
         )
+        if self.cache_enabled:
+            #: the disk tier under it (``cache_dir``): states that outlive the process
+            try:
+                self.host.disk = open_disk_tier(
+                    model, rule="token" if self.fast else model.piece_rule.key, window=self.host.window
+                )
+            except BaseException:
+                context.free(lib)
+                raise
         #: the prompt cache (docs/prompt-cache.md): what each sequence id keeps, and the
         #: decisions made on it, are the policy's; the cells and llama.cpp calls are the
         #: KvCells'. Idle recompute: a finished conversation's pieces past its cached
@@ -118,9 +128,14 @@ class Scheduler:
                     self.heap_trims += 1
                 with inbox.condition:
                     while not inbox.stopping and not inbox.runnable():
-                        if self.policy.pending and not inbox.active and not inbox.queue:
+                        if (
+                            not inbox.active
+                            and not inbox.queue
+                            and (self.policy.pending or self.kv.persist_pending(inbox.cells.free) is not None)
+                        ):
                             # no request at all (a paused stream counts: its client
-                            # reads on): recompute a finished reply
+                            # reads on): recompute a finished reply, then write the
+                            # cached prefixes to the disk tier
                             break
                         inbox.condition.wait()
                     if inbox.stopping:
@@ -150,7 +165,10 @@ class Scheduler:
                     if sequence.result is None:  # (not failed at admission)
                         self._contained(self._prepare, sequence, "preparing its cached prefix")
                 if idle:
-                    self.idle.run_safely()
+                    if self.policy.pending:
+                        self.idle.run_safely()
+                    else:
+                        self.idle.persist_safely()
                 else:
                     self._step()
         except BaseException as exc:  # pragma: no cover - a bug in the loop itself

@@ -16,6 +16,7 @@ import trio
 from ..._core._backend import ChoiceGroup, GenerationProgress, PreparedPrompt
 from ..._core._channel import PieceChannel
 from ..._core._types import GenerationEnd
+from .._disk_cache import DiskEntry
 from .._draw import LogitBias
 from .._grammar import TokenMask
 from .._memory import StateBuffer
@@ -80,7 +81,7 @@ class CacheWork:
     save: list[int] | None = None
     save_salt: str = ""
     checkpoint: int = 0
-    restore: StateBuffer | bytes | None = None
+    restore: StateBuffer | bytes | DiskEntry | None = None
 
 
 @dataclasses.dataclass(slots=True, eq=False)

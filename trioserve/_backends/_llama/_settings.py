@@ -31,6 +31,12 @@ class LlamaSettings:
             longest cached prefix (``docs/prompt-cache.md``).
         cache_ram_bytes: host memory for cached prefixes evicted from KV cells (their
             sequence states), least recently used out first; 0: none.
+        cache_dir: a directory for the prompt cache's disk tier (docs/prompt-cache.md,
+            "On disk"): every state saved is written there too, restored from there
+            after a restart or an unload, and shared by the processes that use the same
+            directory; ``None`` (the library's default): no disk tier.
+        cache_disk_bytes: the disk tier's budget for the whole directory, least
+            recently used out first.
         idle_recompute: while nothing else runs, evaluate a finished conversation's reply
             in the canonical pieces, so the next turn reuses it (aborted by any request).
         cache_mode: ``"exact"`` (reuse only whole prompt pieces: a cached answer
@@ -71,6 +77,8 @@ class LlamaSettings:
         piece_rule: Literal["text", "aligned"] = "text",
         prompt_cache: bool = True,
         cache_ram_bytes: int = 1 << 30,
+        cache_dir: str | Path | None = None,
+        cache_disk_bytes: int = 8 << 30,
         idle_recompute: bool = True,
         cache_mode: Literal["exact", "fast"] = "exact",
         batch_invariant: bool = False,
@@ -105,6 +113,10 @@ class LlamaSettings:
         if cache_ram_bytes < 0:
             raise ValueError(f"cache_ram_bytes must be at least 0, got {cache_ram_bytes}")
         self.cache_ram_bytes = cache_ram_bytes
+        if cache_disk_bytes < 0:
+            raise ValueError(f"cache_disk_bytes must be at least 0, got {cache_disk_bytes}")
+        self.cache_dir = None if cache_dir is None else Path(cache_dir).expanduser()
+        self.cache_disk_bytes = cache_disk_bytes
         self.idle_recompute = idle_recompute
         if cache_mode not in ("exact", "fast"):
             raise ValueError(f"cache_mode must be 'exact' or 'fast', got {cache_mode!r}")

@@ -113,6 +113,7 @@ def cache_stats(scheduler: Scheduler) -> CacheStats:
         idle_tokens=idle.tokens,
         idle_aborted=idle.aborted,
         idle_pending=scheduler.policy.pending,
+        disk=host.disk.stats() if host.disk is not None else None,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from .._disk_cache import DiskTier
 from .._prompt_cache import HostCache
 
 __all__ = ["StateTier", "host_tier"]
@@ -27,10 +28,25 @@ class StateTier(Protocol):
     budget: int
     #: the model's sliding attention window (0: none): a saved state keeps only its last cells
     window: int
+    #: the disk tier under this one (``cache_dir``; ``None``: none)
+    disk: DiskTier | None
     #: counters for ``/health`` and ``/metrics``
     saves: int
     restores: int
     evictions: int
+
+    def serves(self, floor: int, shared: int) -> bool:
+        """Whether cells whose window layers start at ``floor`` give back ``shared`` tokens."""
+        ...
+
+    def floor(self, length: int, floor: int = 0) -> int:
+        """Where the window cells of a state of ``length`` tokens start."""
+        ...
+
+    @property
+    def keeps(self) -> bool:
+        """Whether a saved state is kept anywhere (this tier, or the disk under it)."""
+        ...
 
     def put(
         self, tokens: Sequence[int], cuts: Sequence[int], state: Any, *, floor: int = 0, salt: str = ""

@@ -1,0 +1,73 @@
+"""The disk tier a model's context opens (``cache_dir``; docs/prompt-cache.md, "On
+disk"): its directory in the server's :class:`~.._disk_cache.DiskStore`, named by the
+fingerprint of the cells this model computes — the GGUF's content, the settings that
+change cells, the llama.cpp build and the CPU features it runs with — so an entry is
+offered only to a model that would compute the same cells itself."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import llama_cpp
+
+from .._disk_cache import DiskStore, DiskTier, fingerprint, gguf_digest
+
+if TYPE_CHECKING:
+    from ._model import LlamaModel
+
+__all__ = ["open_disk_tier"]
+
+logger = logging.getLogger("trioserve.cache")
+
+
+def open_disk_tier(model: LlamaModel, *, rule: str, window: int) -> DiskTier | None:
+    """The model's disk tier, or ``None`` (no ``cache_dir``, or a budget of 0). Hashes
+    the GGUF the first time a file is seen (checking the load's abort between
+    megabytes); later loads read the digest the store remembers."""
+    settings = model.settings
+    if settings.cache_dir is None or not settings.cache_disk_bytes:
+        return None
+    store = DiskStore.shared(settings.cache_dir, settings.cache_disk_bytes)
+    params = model.lib.llama_context_default_params()
+    cells: dict[str, object] = {
+        # what the cells of a prefix are computed with (docs/prompt-cache.md, "On disk")
+        "n_ctx": settings.n_ctx,
+        "n_batch": settings.n_batch,
+        "prefill_chunk": settings.prefill_chunk,
+        "cut": rule,
+        "cache_mode": settings.cache_mode,
+        "type_k": int(params.type_k),
+        "type_v": int(params.type_v),
+        "flash_attn_type": int(params.flash_attn_type),
+        "swa_full": True,
+        "kv_unified": settings.slots == 1,
+        "batch_invariant": settings.batch_invariant,
+        "repacked": bool(model.repack.extra_buffers) if model.repack is not None else None,
+    }
+    build = f"llama-cpp-python {llama_cpp.__version__}; {model.system_info}"
+    content = gguf_digest(settings.model_path, store.root, check=model.check_abort)
+    print_ = fingerprint(content, cells, build)
+    tier = store.tier(
+        print_,
+        window=window,
+        made_of={"gguf_sha256": content, "file": str(settings.model_path), "cells": cells, "build": build},
+    )
+    if len(tier):
+        logger.info("%s: %d cached prefix(es) on disk (%s)", settings.model_id, len(tier), tier.directory)
+    for other, made in store.made_of(content):
+        if other != print_:
+            differ = sorted(
+                key
+                for key in {*cells, *made.get("cells", {})}
+                if cells.get(key) != made.get("cells", {}).get(key)
+            )
+            if made.get("build") != build:
+                differ.append("build")
+            logger.info(
+                "%s: the disk cache holds prefixes of this model made with other settings (%s): "
+                "they are not used",
+                settings.model_id,
+                ", ".join(differ) or "?",
+            )
+    return tier
