@@ -17,8 +17,20 @@ import httpx
 import pytest
 import trio
 
-from trioserve import Engine, GenerationRequest, LlamaBackend, LlamaSettings, SamplingParams, TextDelta, Usage
+from trioserve import (
+    Engine,
+    GenerationRequest,
+    LlamaBackend,
+    LlamaSettings,
+    LlamaSource,
+    ModelRegistry,
+    ModelSpec,
+    SamplingParams,
+    TextDelta,
+    Usage,
+)
 from trioserve._backends._disk_cache import DiskStore
+from trioserve._backends._prompt_cache import HostBudget
 
 from .._helpers import ServerProcess
 from ..conftest import THREADS
@@ -225,3 +237,37 @@ def test_trioserve_serve_restores_a_conversation_after_a_restart_or_a_kill(
     assert answer == reference
     split = usage["trioserve"]["cached_tokens"]  # type: ignore[index]
     assert split["disk"] == usage["prompt_tokens_details"]["cached_tokens"] > 0  # type: ignore[index]
+
+
+async def test_a_model_swapped_out_beyond_host_memory_restores_its_conversation_from_disk(
+    model_path: str, uncached_backend: LlamaBackend, tmp_path: Path, store_dirs: list[Path]
+) -> None:
+    """``--models-max 1``, three models, a host budget (1 MiB) smaller than one cached
+    prefix's state: the first model's conversation comes back after the other two ran,
+    restored from disk, and its text is the cache-off text."""
+    store_dirs.append(tmp_path)
+    pool = HostBudget(1 << 20)
+    names = ("alpha", "beta", "gamma")
+    specs = [
+        ModelSpec(
+            name=name,
+            source=LlamaSource(
+                _settings(model_path, tmp_path, model_id=name, cache_ram_bytes=1 << 20), host_pool=pool
+            ),
+        )
+        for name in names
+    ]
+    registry = ModelRegistry(specs, max_loaded=1)
+    first, new = _conversation(uuid.uuid4().hex)
+    async with registry:
+        async with registry.lease("alpha") as lease:
+            reply, _ = await _complete(lease.engine.backend, first)
+        for other in names[1:]:
+            async with registry.lease(other) as lease:
+                await _complete(lease.engine.backend, f"[{other}] Another conversation entirely.")
+        assert registry.snapshot().model("alpha").state == "unloaded"
+        async with registry.lease("alpha") as lease:
+            answer, usage = await _complete(lease.engine.backend, first + reply + new)
+    reference, _ = await _complete(uncached_backend, first + reply + new)
+    assert answer == reference
+    assert usage.cached_disk_tokens == usage.cached_tokens > 0
