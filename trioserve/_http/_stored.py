@@ -1,0 +1,220 @@
+"""Stored Responses (docs/dialects.md, "Stored responses"): one SQLite database of the
+responses clients asked to keep, each owned by the API key that created it, bounded by
+age and size.
+
+:class:`ResponseStore` is synchronous and used from one worker thread at a time
+(:class:`AsyncResponseStore` runs each call in a thread under a limiter of one): SQLite
+never runs on the event loop. Not wired to the routes yet (issue 35, next step)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+import trio
+
+__all__ = ["AsyncResponseStore", "ChainError", "ResponseStore", "StoredResponse"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    created REAL NOT NULL,
+    model TEXT NOT NULL,
+    previous_id TEXT,
+    status TEXT NOT NULL,
+    instructions TEXT,
+    input_items TEXT NOT NULL,
+    output_items TEXT NOT NULL,
+    body TEXT NOT NULL,
+    size INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
+"""
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    """One stored response: its input items (this turn's), output items and the body
+    as it was sent."""
+
+    id: str
+    owner: str
+    model: str
+    status: str
+    input_items: list[dict[str, Any]]
+    output_items: list[dict[str, Any]]
+    body: dict[str, Any]
+    previous_id: str | None = None
+    instructions: str | None = None
+    created: float = field(default_factory=time.time)
+
+
+class ChainError(LookupError):
+    """A ``previous_response_id`` chain that cannot be followed: a link is missing (or
+    another key's), or the chain is longer or larger than allowed. ``missing``: the id
+    not found (``None``: a bound was passed)."""
+
+    def __init__(self, message: str, missing: str | None = None) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+def _row(row: sqlite3.Row) -> StoredResponse:
+    return StoredResponse(
+        id=row["id"],
+        owner=row["owner"],
+        model=row["model"],
+        status=row["status"],
+        input_items=json.loads(row["input_items"]),
+        output_items=json.loads(row["output_items"]),
+        body=json.loads(row["body"]),
+        previous_id=row["previous_id"],
+        instructions=row["instructions"],
+        created=row["created"],
+    )
+
+
+class ResponseStore:
+    """The database. ``path``: a file (it survives a restart) or ``None`` (in memory).
+    ``max_age`` seconds and ``max_bytes`` (of the stored JSON) bound it: after each
+    write the expired and then the oldest responses go. Thread-safe (one lock)."""
+
+    def __init__(
+        self,
+        path: str | Path | None,
+        *,
+        max_age: float = 30 * 86400.0,
+        max_bytes: int = 512 << 20,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(":memory:" if path is None else str(path), check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        if path is not None:
+            self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.Lock()
+        self.max_age = max_age
+        self.max_bytes = max_bytes
+        self._clock = clock
+
+    def close(self) -> None:
+        """Close the database (a second call does nothing)."""
+        with self._lock:
+            self._db.close()
+
+    def put(self, response: StoredResponse) -> None:
+        """Store (or replace: a background response's status moves on) ``response``."""
+        values = (
+            response.id,
+            response.owner,
+            response.created,
+            response.model,
+            response.previous_id,
+            response.status,
+            response.instructions,
+            json.dumps(response.input_items),
+            json.dumps(response.output_items),
+            json.dumps(response.body),
+        )
+        size = sum(len(v) for v in values[-3:])
+        with self._lock, self._db:
+            self._db.execute(
+                "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (*values, size)
+            )
+            self._prune()
+
+    def _prune(self) -> None:
+        self._db.execute("DELETE FROM responses WHERE created < ?", (self._clock() - self.max_age,))
+        (total,) = self._db.execute("SELECT COALESCE(SUM(size), 0) FROM responses").fetchone()
+        if total <= self.max_bytes:
+            return
+        over = total - self.max_bytes
+        gone = 0
+        for row_id, size in self._db.execute("SELECT id, size FROM responses ORDER BY created").fetchall():
+            if gone >= over:
+                break
+            self._db.execute("DELETE FROM responses WHERE id = ?", (row_id,))
+            gone += size
+
+    def get(self, response_id: str, owner: str) -> StoredResponse | None:
+        """The response, if it exists and belongs to ``owner`` (else ``None``: another
+        key's response is not told apart from a missing one)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT * FROM responses WHERE id = ? AND owner = ? AND created >= ?",
+                (response_id, owner, self._clock() - self.max_age),
+            ).fetchone()
+        return _row(row) if row is not None else None
+
+    def delete(self, response_id: str, owner: str) -> bool:
+        with self._lock, self._db:
+            deleted = self._db.execute(
+                "DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
+            ).rowcount
+        return bool(deleted)
+
+    def chain(
+        self, response_id: str, owner: str, *, max_links: int = 1000, max_bytes: int = 32 << 20
+    ) -> list[StoredResponse]:
+        """``response_id`` and every response before it, oldest first: the conversation
+        a ``previous_response_id`` continues. :class:`ChainError` when a link is missing
+        (or another key's) or the chain passes ``max_links`` / ``max_bytes``."""
+        found: list[StoredResponse] = []
+        size = 0
+        next_id: str | None = response_id
+        while next_id is not None:
+            if len(found) >= max_links:
+                raise ChainError(f"the conversation is longer than {max_links} stored responses")
+            response = self.get(next_id, owner)
+            if response is None:
+                raise ChainError(f"no stored response {next_id!r}", missing=next_id)
+            size += len(json.dumps(response.input_items)) + len(json.dumps(response.output_items))
+            if size > max_bytes:
+                raise ChainError(f"the stored conversation is larger than {max_bytes} bytes")
+            found.append(response)
+            next_id = response.previous_id
+        found.reverse()
+        return found
+
+    def input_items(
+        self, response_id: str, owner: str, *, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> tuple[list[dict[str, Any]], bool] | None:
+        """A page of the response's input items (OpenAI's list: ``order`` ``asc`` or
+        ``desc``, ``after`` an item id, at most ``limit``), and whether more follow;
+        ``None`` if there is no such response of ``owner``."""
+        response = self.get(response_id, owner)
+        if response is None:
+            return None
+        items = list(response.input_items)
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            items = items[ids.index(after) + 1 :] if after in ids else []
+        return items[:limit], len(items) > limit
+
+
+class AsyncResponseStore:
+    """:class:`ResponseStore` for Trio: each call in a worker thread, one at a time."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+        self._limiter = trio.CapacityLimiter(1)
+
+    async def run(self, call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        def job() -> T:
+            return call(*args, **kwargs)
+
+        return await trio.to_thread.run_sync(job, limiter=self._limiter)
