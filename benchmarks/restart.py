@@ -6,6 +6,8 @@ format, ``--max-tokens`` a turn; a new tag per run, so that nothing is cached be
 
 - ``trioserve`` (``--cache-dir``, a new directory): turn 1 cold; SIGTERM; started
   again on the same directory; turn 2 = turn 1's prompt + its reply + a new question;
+- ``trioserve, one request first``: the same, with one unrelated 1-token request to the
+  restarted server before turn 2 (what a process pays once is then not in turn 2);
 - ``trioserve kill -9``: the same, killed with SIGKILL instead;
 - ``trioserve never stopped``: turn 1, then turn 2 on the same server (the bar's
   reference: the cells still hold turn 1);
@@ -123,6 +125,7 @@ def run(name: str, args: Any, log_dir: Path, first: str, new: str) -> dict[str, 
     ts_flags = ["--slots", "2", "--cache-dir", str(cache_dir)]
     extra = {
         "trioserve": ts_flags,
+        "trioserve, one request first": ts_flags,
         "trioserve kill -9": ts_flags,
         "trioserve never stopped": ts_flags,
         "trioserve --no-prompt-cache": ["--slots", "2", "--no-prompt-cache"],
@@ -136,9 +139,13 @@ def run(name: str, args: Any, log_dir: Path, first: str, new: str) -> dict[str, 
             second = first + one["text"] + new
             if kind == TS:
                 wait_settled(server)
-            if name in ("trioserve", "llama-server"):
+            if name in ("trioserve", "trioserve, one request first", "llama-server"):
                 server.stop()
                 server = start(kind, args, log_dir, extra)
+                if name == "trioserve, one request first":
+                    # the new process's first request pays for what a process does once
+                    # (first calls, allocations): this one is not the measured turn
+                    turn(client, server, "Hello", 1)
             elif name == "trioserve kill -9":
                 give_up = time.monotonic() + 60
                 while disk_writes(server) < 1 and time.monotonic() < give_up:
@@ -147,6 +154,10 @@ def run(name: str, args: Any, log_dir: Path, first: str, new: str) -> dict[str, 
                 server.proc.wait()
                 server = start(kind, args, log_dir, extra)
             two = turn(client, server, second, args.max_tokens)
+            if kind == TS:
+                # the time the scheduler spent restoring cached prefixes (host or disk)
+                ram = server.health().get("batch", {}).get("cache", {}).get("ram", {})
+                two["restore_ms"] = 1e3 * float(ram.get("restore_seconds") or 0.0)
             server.stop()
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
@@ -158,7 +169,8 @@ def main() -> None:
     args.model = cli.resolve_model(args)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-restart-"))
     first, new = prompt(uuid.uuid4().hex[:8], args.words)
-    names = ["trioserve", "trioserve kill -9", "trioserve never stopped", "llama-server"]
+    names = ["trioserve", "trioserve, one request first", "trioserve kill -9", "trioserve never stopped"]
+    names.append("llama-server")
     names.append("trioserve --no-prompt-cache")
     results = {name: run(name, args, log_dir, first, new) for name in names}
     reference = results["trioserve --no-prompt-cache"]["turn2"]["text"]
@@ -170,6 +182,7 @@ def main() -> None:
         print(
             f"{name:28} turn 2: TTFT {fmt(two.get('ttft_ms'))} ms, prompt {two.get('prompt_tokens')}, "
             f"cached {two.get('cached')} {two.get('split') or ''}, evaluated {two['evaluated']} {exact}"
+            + (f", restore {two['restore_ms']:.1f} ms" if "restore_ms" in two else "")
         )
     ttft = {name: r["turn2"].get("ttft_ms") for name, r in results.items()}
     ratios = {

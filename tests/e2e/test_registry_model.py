@@ -25,14 +25,16 @@ async def test_aclose_never_frees_a_model_under_a_running_tokenizer_thread(model
     with trio.fail_after(300):
         async with trio.open_nursery() as nursery, registry:
             async with registry.lease("m") as lease:
-                backend: Any = lease.engine.backend
-                original = backend.tokenize
+                # the tokenizer the backend's tokenize_text runs in its worker thread:
+                # the loaded model's (the backend holds it: LlamaBackend.llama_model)
+                model: Any = lease.engine.backend.llama_model
+                original = model.tokenize
 
                 def tokenize(*args: Any, **kwargs: Any) -> list[int]:
                     in_thread.set()
                     return list(original(*args, **kwargs))
 
-                backend.tokenize = tokenize
+                model.tokenize = tokenize
             registry.on_unloaded.append(lambda _entry, _engine: freed_after.append(bool(tokens)))
 
             async def tokenizer() -> None:
@@ -42,7 +44,7 @@ async def test_aclose_never_frees_a_model_under_a_running_tokenizer_thread(model
                     tokens.extend(await held.engine.backend.tokenize_text(text))
 
             nursery.start_soon(tokenizer)
-            await trio.to_thread.run_sync(in_thread.wait)
+            assert await trio.to_thread.run_sync(in_thread.wait, 120), "the tokenizer thread never started"
             # the registry is closed: the thread had returned before the model was freed
     assert freed_after == [True]
     assert len(tokens) > 100_000
