@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from .._core._types import GenerationRequest
 from ._anthropic import decode_count_tokens_request, decode_messages_request, messages_conversation
 from ._anthropic_writer import AnthropicDialect, anthropic_error
-from ._chat import ChatFormat
+from ._chat import ChatFormat, ChatPrompt
 from ._choices import ToolMode
 from ._conversation import Conversation, generation_for
 from ._dialect import OpenAIDialect
@@ -114,8 +115,21 @@ def _read_messages(body: bytes, chat_format: ChatFormat, options: ReadOptions) -
         omit_thinking=conversation.omit_thinking,
         parallel_calls=conversation.parallel_calls,
     )
+    return _one_generation(messages.stream, generation, model, dialect, conversation, rendered)
+
+
+def _one_generation(
+    stream: bool,
+    generation: GenerationRequest,
+    model: str,
+    dialect: AnthropicDialect | ResponsesDialect,
+    conversation: Conversation,
+    rendered: ChatPrompt,
+) -> ParsedRequest:
+    """What a conversation dialect (Messages, Responses) asks for: one generation, and
+    the tool and reasoning facts its conversation and rendered prompt give."""
     return ParsedRequest(
-        stream=messages.stream,
+        stream=stream,
         generations=(generation,),
         model=model,
         dialect=dialect,
@@ -142,17 +156,7 @@ def _read_responses(body: bytes, chat_format: ChatFormat, options: ReadOptions) 
         inside=rendered.opens_reasoning,
         parallel_calls=conversation.parallel_calls,
     )
-    return ParsedRequest(
-        stream=responses.stream,
-        generations=(generation,),
-        model=model,
-        dialect=dialect,
-        tool_mode=conversation.tool_mode,
-        tool_names=conversation.tool_names,
-        parallel_calls=conversation.parallel_calls,
-        reasoning=rendered.reasoning,
-        inside=rendered.opens_reasoning,
-    )
+    return _one_generation(responses.stream, generation, model, dialect, conversation, rendered)
 
 
 def _count_messages(body: bytes, options: ReadOptions) -> tuple[str | None, Conversation]:
