@@ -633,3 +633,91 @@ async def test_a_queued_request_that_leaves_never_touches_the_running_ones(
         await wait_for(lambda request_id=request_id: _has_log_line(caplog, request_id))  # type: ignore[misc]
         line = _log_line(caplog, request_id)
         assert "cause=length" in line or "cause=stop" in line, line
+
+
+@pytest.fixture
+async def stored_server(llama_backend: LlamaBackend, nursery: trio.Nursery) -> AsyncIterator[RunningServer]:
+    """The victims' server, storing Responses in memory (background responses run)."""
+    running = await start_server(
+        nursery,
+        llama_backend,
+        max_queue=4,
+        shutdown_grace=0.0,
+        stall_timeout=STALL_TIMEOUT,
+        http=HTTPSettings(responses_db="memory"),
+    )
+    yield running
+    running.server.shutdown()
+
+
+@pytest.mark.parametrize("phase", ["queued", "prefill", "decode"])
+async def test_cancel_cell_background(
+    phase: str,
+    stored_server: RunningServer,
+    llama_backend: LlamaBackend,
+    reference_text: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Cancel by id (``POST /v1/responses/{id}/cancel``): a background response — a
+    request scope no connection holds — in each phase with inference in flight or
+    queued. The same teardown as a disconnect: the thread leaves llama.cpp within the
+    bound, everything is released, the next request matches a fresh server's, and the
+    stored response says ``cancelled``."""
+    server = stored_server
+    caplog.set_level(logging.INFO, logger="trioserve.requests")
+    occupiers = await _occupy_the_slots(server) if phase == "queued" else []
+    threads_started = llama_backend.generations.started
+    prompt = LONG_PROMPT if phase == "prefill" else "Once upon a time"
+    body = {"input": prompt, "max_output_tokens": 40 if phase == "prefill" else 3000, "temperature": 0}
+    try:
+        async with server.client() as client:
+            created = await client.post("/v1/responses", json={**body, "background": True})
+            assert created.status_code == 200, created.text
+            response_id = created.json()["id"]
+            assert created.json()["status"] == "queued"
+            if phase == "queued":
+                await _wait_queued(server)
+            elif phase == "prefill":
+                await wait_for(lambda: server.engine.streams)
+                streams = list(server.engine.streams)
+                await wait_for(lambda: any(llama_backend.in_flight(s.progress) == "prefill" for s in streams))
+            else:
+                await wait_for(lambda: server.engine.streams)
+                stream = _only_stream(server)
+                await wait_for(lambda: stream.progress.completion_tokens >= 3)
+                await wait_for(lambda: llama_backend.in_flight(stream.progress) == "decode")
+            running = (await client.get(f"/v1/responses/{response_id}")).json()
+            assert running["status"] == ("queued" if phase == "queued" else "in_progress")
+            cancelled = await client.post(f"/v1/responses/{response_id}/cancel")
+            assert cancelled.status_code == 200, cancelled.text
+            assert cancelled.json()["status"] == "cancelled"
+            assert cancelled.json()["trioserve"]["end_cause"] == "cancelled"
+            stored = (await client.get(f"/v1/responses/{response_id}")).json()
+            assert stored["status"] == "cancelled"
+        for occupier in occupiers:
+            await occupier.aclose()
+        occupiers = []
+        health = await server.wait_idle(limit=3.0)
+        assert health["status"] == "ok"
+        assert llama_backend.generations.running == 0
+        assert server.engine.admission.in_use == 0
+        assert server.engine.admission.queued == 0
+        assert not server.engine.streams
+        if phase == "queued":
+            assert llama_backend.generations.started == threads_started
+    finally:
+        for occupier in occupiers:
+            await occupier.aclose()
+
+    # (the cancel answers once the background request has ended: its line is written)
+    line = _log_line(caplog, response_id)
+    assert "cause=cancelled" in line
+    if phase != "queued":
+        latency = re.search(r"cancel_latency_ms=([\d.]+)", line)
+        assert latency is not None, line
+        assert float(latency.group(1)) < CANCEL_LATENCY_BOUND_MS, line
+    if phase == "prefill":
+        assert "completion_tokens=0" in line, "cancelled during prefill: no token yet"
+    async with server.client() as client:
+        text = (await client.post("/v1/completions", json=REFERENCE)).json()["choices"][0]["text"]
+    assert text == reference_text

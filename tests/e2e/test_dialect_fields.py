@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -850,6 +851,62 @@ def r_max_tool_calls(api: Api) -> None:
     assert api.error(max_tool_calls=0, **asked)["param"] == "max_tool_calls"
 
 
+def _create(api: Api, **fields: object) -> dict[str, Any]:
+    """A response created on the module's server (whichever endpoint ``api`` is)."""
+    body = {"model": api.model, "input": MESSAGE, "max_output_tokens": 6, "temperature": 0, **fields}
+    response = api.client.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    created: dict[str, Any] = response.json()
+    return created
+
+
+def r_previous_response_id(api: Api) -> None:
+    first = _create(api, input=QUESTION)
+    assert first["store"] is True
+    follow = [{"role": "user", "content": "And tomorrow?"}]
+    whole = [{"role": "user", "content": QUESTION}, *first["output"], *follow]
+    continued = {"input": follow, "previous_response_id": first["id"]}
+    # the stored conversation, then this input: the prompt of the whole conversation
+    assert api.prompt_tokens(**continued) == api.prompt_tokens(input=whole)
+    if api.generates:
+        body = api.ok(**continued)
+        assert body["previous_response_id"] == first["id"]
+        assert text_of(body) == api.text(input=whole)
+    missing = api.error(previous_response_id="resp_0123456789abcdef0123456789abcdef")
+    assert missing["param"] == "previous_response_id"
+
+
+def r_store(api: Api) -> None:
+    stored = api.ok()
+    assert stored["store"] is True  # OpenAI's default
+    read = api.client.get(f"/v1/responses/{stored['id']}")
+    assert read.status_code == 200, read.text
+    assert read.json() == stored
+    unstored = api.ok(store=False)
+    assert unstored["store"] is False
+    assert api.client.get(f"/v1/responses/{unstored['id']}").status_code == 404
+
+
+def r_background(api: Api) -> None:
+    if not api.generates:  # (input_tokens: counted as it would run)
+        assert api.prompt_tokens(background=True) == api.prompt_tokens()
+        return
+    queued = api.ok(background=True)
+    assert queued["status"] in ("queued", "in_progress")
+    assert queued["background"] is True
+    assert queued["output"] == []
+    deadline = time.monotonic() + 120
+    body = queued
+    while body["status"] in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, body
+        time.sleep(0.05)  # (polled: GET is how a client learns a background response ended)
+        body = api.client.get(f"/v1/responses/{queued['id']}").json()
+    assert body["status"] == api.greedy()["status"]
+    assert text_of(body) == greedy_text(api)
+    assert api.error(background=True, store=False)["param"] == "store"
+    assert api.error(background=True, stream=True)["param"] == "stream"
+
+
 RESPONSES_HONOURED: dict[str, Callable[[Api], None]] = {
     "model": r_model,
     "input": r_input,
@@ -867,12 +924,13 @@ RESPONSES_HONOURED: dict[str, Callable[[Api], None]] = {
     "stream": r_stream,
     "metadata": r_metadata,
     "max_tool_calls": r_max_tool_calls,
+    "previous_response_id": r_previous_response_id,
+    "store": r_store,
+    "background": r_background,
 }
 RESPONSES_REFUSED: dict[str, tuple[dict[str, object], tuple[dict[str, object], ...]]] = {
-    "previous_response_id": ({"previous_response_id": "resp_123"}, ({"previous_response_id": None},)),
     "conversation": ({"conversation": "conv_123"}, ({"conversation": None},)),
     "prompt": ({"prompt": {"id": "pmpt_123"}}, ({"prompt": None},)),
-    "background": ({"background": True}, ({"background": None}, {"background": False})),
     "context_management": (
         {"context_management": [{"type": "compaction", "compact_threshold": 200000}]},
         ({"context_management": None},),
@@ -887,7 +945,6 @@ RESPONSES_REFUSED: dict[str, tuple[dict[str, object], tuple[dict[str, object], .
         {"text": {"verbosity": "low"}},
         ({"text": {"verbosity": None}}, {"text": {"verbosity": "medium"}}),
     ),
-    "store": ({"store": True}, ({"store": None}, {"store": False})),
     "include": (
         {"include": ["message.output_text.logprobs"]},
         ({"include": None}, {"include": []}, {"include": ["reasoning.encrypted_content"]}),
@@ -1121,14 +1178,6 @@ def test_the_anthropic_error_body(apis: dict[str, Api]) -> None:
     )
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
-
-
-def test_a_response_is_never_stored(apis: dict[str, Api]) -> None:
-    api = apis["responses"]
-    for fields in ({}, {"store": False}):
-        body = api.ok(**fields)
-        assert body["store"] is False
-        assert body["previous_response_id"] is None
 
 
 def _struct_fields(struct: type[msgspec.Struct]) -> set[str]:

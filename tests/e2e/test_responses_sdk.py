@@ -154,8 +154,8 @@ def test_refusals_name_the_field(client: openai.OpenAI, model: str) -> None:
         client.responses.create(model=model, input="x", previous_response_id="resp_123")
     assert caught.value.body["param"] == "previous_response_id"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as caught:
-        client.responses.create(model=model, input="x", store=True)
-    assert caught.value.body["param"] == "store"  # type: ignore[index]
+        client.responses.create(model=model, input="x", conversation="conv_123")
+    assert caught.value.body["param"] == "conversation"  # type: ignore[index]
 
 
 def test_openai_agents_default_responses_model_runs_an_agent_with_a_tool(server_url: str, model: str) -> None:

@@ -253,6 +253,19 @@ def cache_dir(value: str | None) -> Path | None:
     return Path(value).expanduser()
 
 
+def responses_db(value: str) -> str | None:
+    """``--responses-db``: a file, ``auto`` (the per-user data directory), ``memory`` or
+    ``off``."""
+    if value in ("", "off", "none"):
+        return None
+    if value == "memory":
+        return value
+    if value == "auto":
+        base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+        return str(Path(base) / "trioserve" / "responses.sqlite3")
+    return str(Path(value).expanduser())
+
+
 def _keep_alive(value: object, origin: str) -> float | None:
     if value is None:
         return None

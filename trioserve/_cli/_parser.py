@@ -404,6 +404,29 @@ def _dialects(serve: argparse.ArgumentParser) -> None:
         help="keep Claude Code's x-anthropic-billing-header system block in the prompt (by default "
         "it is removed: it changes every request and would defeat the prompt cache)",
     )
+    group.add_argument(
+        "--responses-db",
+        default="memory",
+        metavar="PATH",
+        help="where stored Responses (store, previous_response_id, background) are kept: a SQLite "
+        "file that survives restarts; 'auto': $XDG_DATA_HOME/trioserve/responses.sqlite3; 'memory' "
+        "(the default): lost at exit, nothing written to disk; 'off': none stored (store: true, "
+        "previous_response_id and background are refused)",
+    )
+    group.add_argument(
+        "--responses-max-age",
+        type=float,
+        default=30.0,
+        metavar="DAYS",
+        help="days a stored response is kept (default: 30)",
+    )
+    group.add_argument(
+        "--responses-max-mb",
+        type=float,
+        default=512.0,
+        metavar="MIB",
+        help="the stored responses' size at most, oldest out first (default: 512)",
+    )
 
 
 def _logging(serve: argparse.ArgumentParser) -> None:

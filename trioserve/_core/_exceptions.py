@@ -24,6 +24,7 @@ __all__ = [
     "OverloadedError",
     "PayloadTooLargeError",
     "PermissionDeniedError",
+    "RequestCancelledError",
     "ServiceUnavailableError",
     "TrioserveError",
     "UnsupportedMediaTypeError",
@@ -145,6 +146,15 @@ class ServiceUnavailableError(TrioserveError):
     def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
         super().__init__(message, code=code)
         self.retry_after = retry_after
+
+
+class RequestCancelledError(TrioserveError):
+    """Someone cancelled the request by its id before its response began."""
+
+    status = 409
+    error_type = "invalid_request_error"
+    default_code = "request_cancelled"
+    should_retry = False
 
 
 class DeadlineExceededError(TrioserveError):

@@ -29,7 +29,16 @@ __all__ = [
 #: started). On the wire ``finish_reason`` carries only OpenAI's values
 #: (``_wire._openai.openai_finish_reason``); the cause goes in the ``trioserve`` field.
 EndCause = Literal[
-    "stop", "length", "deadline", "disconnect", "shutdown", "stall", "error", "overloaded", "unload"
+    "stop",
+    "length",
+    "deadline",
+    "disconnect",
+    "shutdown",
+    "stall",
+    "error",
+    "overloaded",
+    "unload",
+    "cancelled",
 ]
 #: How a backend's generation ends on its own (the rest of :data:`EndCause` is decided
 #: around it).

@@ -12,10 +12,12 @@ every bound: ``docs/architecture.md``, ``docs/cancellation.md``.
 """
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
 import uuid
+from collections.abc import Callable
 from typing import Annotated
 
 import msgspec
@@ -33,8 +35,21 @@ from .._core._exceptions import (
     ServiceUnavailableError,
     TrioserveError,
 )
+from .._core._registry import ModelEntry
 from .._core._types import EndCause
-from .._wire import SPECS, ChatFormat, Dialect, DialectSpec, ParsedRequest, ReadOptions, decode
+from .._wire import (
+    SPECS,
+    ChatFormat,
+    Dialect,
+    DialectSpec,
+    ParsedRequest,
+    ReadOptions,
+    StoredAsk,
+    StoredContext,
+    decode,
+    encode_json,
+    responses_reply,
+)
 from ._access import AccessPolicy
 from ._accounting import log_request
 from ._errors import renderer
@@ -63,9 +78,17 @@ from ._lifecycle import (
 from ._request import InFlightRequest, Kind, Phase
 from ._settings import HTTPSettings
 from ._state import ServerState
+from ._stored import BackgroundJob
 from ._writing import ResponseWriter
 
-__all__ = ["FINAL_EVENT_TIMEOUT", "GENERATION_PATHS", "GenerationHandler", "cache_salt", "presented_key"]
+__all__ = [
+    "FINAL_EVENT_TIMEOUT",
+    "GENERATION_PATHS",
+    "GenerationHandler",
+    "cache_salt",
+    "key_salt",
+    "presented_key",
+]
 
 logger = logging.getLogger("trioserve.http")
 
@@ -115,11 +138,35 @@ def cache_salt(scope: Scope, body: bytes, access: AccessPolicy | None) -> str:
         given = decode(_salt_decoder, body).cache_salt
         if given is not None:
             return "salt:" + given
+    return key_salt(scope, access)
+
+
+def key_salt(scope: Scope, access: AccessPolicy | None) -> str:
+    """One per API key (``"key:…"``, a hash: the key itself is never kept) where keys
+    are required, else ``""``: whose cache a request shares, and whose stored
+    responses it may read."""
     if access is None or not access.requires_key:
         return ""
     key = presented_key(scope) or ""  # (checked already: the access layer let it in)
     digest = hashlib.sha256(b"trioserve cache salt\0" + key.encode()).hexdigest()
     return "key:" + digest[:32]
+
+
+async def _nowhere(_message: object) -> None:
+    """The ``send`` of a background response: no connection holds it."""
+
+
+async def _never_disconnects() -> dict[str, object]:
+    """The ``receive`` of a background response: nobody leaves (cancel it by id)."""
+    await trio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+async def _off_loop[T, *Args](large: bool, work: Callable[[*Args], T], *args: *Args) -> T:
+    """``work(*args)``, in a worker thread when ``large`` (a body over 64 KiB)."""
+    if large:
+        return await trio.to_thread.run_sync(work, *args)
+    return work(*args)
 
 
 def _check_limits(prepared: PreparedPrompt, settings: HTTPSettings, dialect: Dialect) -> PreparedPrompt:
@@ -200,15 +247,33 @@ class GenerationHandler:
         body = await _read_body(scope, receive, state.settings.max_body_bytes, state.settings.body_timeout)
         # which model: refused (404, 503 shutting down) before any work
         # (a large body's depth check and decode: off the event loop)
-        named = (
-            await trio.to_thread.run_sync(_peek_model, body)
-            if len(body) > INLINE_PARSE_BYTES
-            else _peek_model(body)
-        )
+        large = len(body) > INLINE_PARSE_BYTES
+        named = await trio.to_thread.run_sync(_peek_model, body) if large else _peek_model(body)
         entry = state.resolve(named)
         request.model = entry.name
-        keep_alive = _keep_alive(scope)
         request.set_timeout(_request_timeout(scope, state.settings))
+        ask = None
+        if state.responses is not None and spec.peek_stored is not None:
+            peek = spec.peek_stored
+            ask = await trio.to_thread.run_sync(peek, body) if large else peek(body)
+            if ask.background:
+                await self._start_background(request, spec, body, entry, ask)
+                return
+        await self._run(request, receive, spec, body, entry, ask)
+
+    async def _run(
+        self,
+        request: InFlightRequest,
+        receive: Receive,
+        spec: DialectSpec,
+        body: bytes,
+        entry: ModelEntry,
+        ask: StoredAsk | None,
+    ) -> None:
+        """The request's life in its scope, from the model's lease to its last byte."""
+        state = self.state
+        scope = request.asgi
+        keep_alive = _keep_alive(scope)
 
         with request.cancel_scope:
             state.add_request(request)
@@ -223,13 +288,21 @@ class GenerationHandler:
                         stall_timeout = math.inf if state.stall_timeout is None else state.stall_timeout
                         nursery.start_soon(watch_stall, request, stall_timeout, stall_scope)
                         try:
+                            # the stored conversation it continues (a thread's read)
+                            stored = None
+                            if ask is not None and state.responses is not None:
+                                stored = await state.responses.context(
+                                    ask.previous_response_id,
+                                    self.owner(scope),
+                                    request.exchange.request_id if ask.background else None,
+                                )
                             # the model, loaded (a load waits inside this request's
                             # deadline; a disconnect leaves it: docs/models.md)
                             if entry.state != "loaded":
                                 request.advance(Phase.LOADING)
                             lease = await state.lease(entry, request, keep_alive)
                             try:
-                                await self._generate(request, lease.engine, body, spec)
+                                await self._generate(request, lease.engine, body, spec, stored)
                             finally:
                                 lease.release()
                             nursery.cancel_scope.cancel()  # the watcher: this request is done
@@ -246,19 +319,105 @@ class GenerationHandler:
             request.note_deadline()  # no-op if another cause came first
             await self.writer.cancelled(request)
 
+    def owner(self, scope: Scope) -> str:
+        """Whose stored responses a request may read: its API key's (a hash), or
+        everyone's (``""``) where no keys are required."""
+        return key_salt(scope, self.access)
+
+    async def _start_background(
+        self, request: InFlightRequest, spec: DialectSpec, body: bytes, entry: ModelEntry, ask: StoredAsk
+    ) -> None:
+        """A background response: checked, stored as ``queued`` and started in the
+        server's nursery as a request no connection holds; this request answers with
+        the queued response object at once (docs/dialects.md, "Stored responses")."""
+        service = self.state.responses
+        assert service is not None
+        owner = self.owner(request.asgi)
+        response_id = "resp_" + uuid.uuid4().hex
+        stored = await service.context(ask.previous_response_id, owner, response_id)
+        options = self._options(stored)
+        large = len(body) > INLINE_PARSE_BYTES
+        turn, queued = await _off_loop(large, responses_reply, body, options)
+        # its own request: its own scope, deadline and log line; nothing to send to
+        exchange = Exchange(_nowhere, response_id, renderer(spec))
+        job_request = InFlightRequest(request.asgi, exchange, "responses")
+        job_request.model = entry.name
+        job_request.cancel_scope.deadline = request.cancel_scope.deadline
+        job = BackgroundJob(turn, owner, queued, job_request)
+        await service.record(turn, owner, queued)
+        service.jobs[response_id] = job
+        service.nursery.start_soon(self._background, job, spec, body, entry)
+        request.end("stop")
+        request.delivered = True
+        request.watch_scope.cancel()
+        await request.exchange.json(200, encode_json(queued))
+
+    async def _background(
+        self, job: BackgroundJob, spec: DialectSpec, body: bytes, entry: ModelEntry
+    ) -> None:
+        """Run a background response to its end, then store how it ended. Never raises
+        into the server's nursery but to stop (a bug is logged and stored as a failure)."""
+        service = self.state.responses
+        assert service is not None
+        assert job.request is not None
+        request = job.request
+        try:
+            ask = StoredAsk(job.turn.previous_id, background=True)
+            await self._run(request, _never_disconnects, spec, body, entry, ask)
+        except TrioserveError as exc:
+            request.end(request.cause or "error", exc.message)
+        except Exception as exc:
+            logger.exception("background response %s failed", job.turn.id)
+            request.end("error", f"{type(exc).__name__}: {exc}")
+        finally:
+            request.advance(Phase.DONE)
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._settle(job, request)
+                finally:
+                    service.jobs.pop(job.turn.id, None)
+                    log_request(self.state.metrics, request)
+                    job.done.set()
+
+    async def _settle(self, job: BackgroundJob, request: InFlightRequest) -> None:
+        """Store a background response's final state, unless its end stored it."""
+        service = self.state.responses
+        assert service is not None
+        cause = request.cause
+        if request.delivered and cause in ("stop", "length"):
+            return  # stored before its (unsent) last bytes
+        dialect = job.turn.dialect
+        if cause == "cancelled":
+            final = dialect.snapshot("cancelled", cause="cancelled")
+        elif cause in ("deadline", "shutdown", "unload"):
+            final = dialect.snapshot("incomplete", cause=cause)
+        else:
+            final = dialect.snapshot("failed", error=request.error or "inference failed", cause="error")
+        await service.record(job.turn, job.owner, final)
+
     async def _generate(
-        self, request: InFlightRequest, engine: Engine, body: bytes, spec: DialectSpec
+        self,
+        request: InFlightRequest,
+        engine: Engine,
+        body: bytes,
+        spec: DialectSpec,
+        stored: StoredContext | None = None,
     ) -> None:
         """Parse, prepare and run the request on its model's engine."""
         state = self.state
         exchange = request.exchange
         chat_format = state.chat_format(engine)
-        if len(body) > INLINE_PARSE_BYTES:
-            # decoding a large body, rendering a long chat: off the event loop
-            parsed = await trio.to_thread.run_sync(self._parse, spec, body, chat_format)
-        else:
-            parsed = self._parse(spec, body, chat_format)
+        # decoding a large body, rendering a long chat: off the event loop
+        large = len(body) > INLINE_PARSE_BYTES
+        parsed = await _off_loop(large, self._parse, spec, body, chat_format, stored)
         stream, request.model = parsed.stream, parsed.model
+        turn, service = parsed.turn, state.responses
+        if turn is not None and service is not None:
+            # stored before its last bytes go out (ResponseWriter._end)
+            request.on_end = functools.partial(service.record, turn, self.owner(request.asgi))
+            job = service.jobs.get(turn.id)
+            if job is not None:
+                job.turn = turn  # (the dialect that writes it: its final state is stored)
         slots = engine.admission.slots
         if parsed.choices > slots:
             if len(parsed.generations) == 1:
@@ -315,17 +474,22 @@ class GenerationHandler:
                         await self.writer.collect(request, parsed)
                 nursery.cancel_scope.cancel()  # the heartbeat
 
-    def _parse(self, spec: DialectSpec, body: bytes, chat_format: ChatFormat) -> ParsedRequest:
-        """The request, decoded by its route's dialect."""
-        read = spec.read
-        assert read is not None  # (every generation route has a decoder)
+    def _options(self, stored: StoredContext | None) -> ReadOptions:
         settings = self.state.settings
-        options = ReadOptions(
+        return ReadOptions(
             limits=settings.request_limits,
             model_name=self._model,
             keep_billing_header=settings.keep_billing_header,
+            stored=stored,
         )
-        return read(body, chat_format, options)
+
+    def _parse(
+        self, spec: DialectSpec, body: bytes, chat_format: ChatFormat, stored: StoredContext | None
+    ) -> ParsedRequest:
+        """The request, decoded by its route's dialect."""
+        read = spec.read
+        assert read is not None  # (every generation route has a decoder)
+        return read(body, chat_format, self._options(stored))
 
     def _model(self, requested: str | None) -> str:
         """The name the response carries: the model's own (an alias resolves to it)."""

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CANCEL_CAUSES", "END_CAUSES", "Metrics"]
 
-CANCEL_CAUSES = ("disconnect", "stall", "deadline", "shutdown", "unload")
+CANCEL_CAUSES = ("disconnect", "stall", "deadline", "shutdown", "unload", "cancelled")
 END_CAUSES = (
     "stop",
     "length",
@@ -30,6 +30,7 @@ END_CAUSES = (
     "overloaded",
     "shutdown",
     "unload",
+    "cancelled",
     "error",
 )
 

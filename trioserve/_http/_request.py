@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import math
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Literal
 
 import trio
@@ -67,6 +68,7 @@ class InFlightRequest:
         "kind",
         "load_wait",
         "model",
+        "on_end",
         "phase",
         "reservation",
         "started",
@@ -113,6 +115,10 @@ class InFlightRequest:
         self.connection_cut = False
         #: the last byte of a response that ended on its own went out
         self.delivered = False
+        #: awaited before the last bytes of a response that ended on its own are sent
+        #: (a stored response is written to the store first: a client that sends the
+        #: next turn as soon as it has this one finds it)
+        self.on_end: Callable[[], Awaitable[None]] | None = None
 
     def advance(self, phase: Phase) -> None:
         """Move to ``phase``; never back."""

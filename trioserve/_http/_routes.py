@@ -32,6 +32,7 @@ from .._wire import (
     DialectSpec,
     ReadOptions,
     RouterModelRequest,
+    StoredContext,
     decode_detokenize_request,
     decode_router_request,
     decode_tokenize_request,
@@ -52,9 +53,10 @@ from ._exchange import (
     body_timeout_error,
     headers_too_large,
 )
-from ._generation import GENERATION_PATHS, GenerationHandler, presented_key
+from ._generation import GENERATION_PATHS, GenerationHandler, key_salt, presented_key
 from ._lifecycle import INLINE_PARSE_BYTES
 from ._state import ServerState
+from ._stored_routes import add_stored_routes
 
 __all__ = ["create_app"]
 
@@ -371,16 +373,24 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
 
     # token counting (docs/dialects.md, "Token counting"): the prompt generation would
     # render, counted by the model's tokenizer; nothing is evaluated or queued
-    async def count(read: Callable[[bytes], tuple[str | None, Conversation]]) -> int:
+    async def count(spec: DialectSpec) -> int:
         """The prompt's tokens, by the named model's template and tokenizer (loading
         the model if it is not: the count is its tokenizer's). A body over 64 KiB is
         decoded and its chat rendered in a worker thread (the tokenizer's own rule puts
         a long prompt in one too), as the generation endpoints do; a cancel waits for
-        the thread, inside the lease."""
+        the thread, inside the lease. A Responses body that continues a stored response
+        is counted with the stored conversation before it."""
+        from quart import request
+
         registry = state.serving_registry()
         body = await _body_bytes()
         large = len(body) > INLINE_PARSE_BYTES
-        model, conversation = await _off_the_loop_if(large, read, body)
+        stored = None
+        if state.responses is not None and spec.peek_stored is not None:
+            ask = await _off_the_loop_if(large, spec.peek_stored, body)
+            owner = key_salt(cast("Scope", request.scope), access)
+            stored = await state.responses.context(ask.previous_response_id, owner)
+        model, conversation = await _off_the_loop_if(large, counter(spec, stored), body)
         async with registry.lease(state.resolve(model)) as lease:
             engine = lease.engine
             generation, _ = await _off_the_loop_if(
@@ -391,7 +401,9 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 generation.prompt, add_special=generation.add_bos, parse_special=True
             )
 
-    def counter(spec: DialectSpec) -> Callable[[bytes], tuple[str | None, Conversation]]:
+    def counter(
+        spec: DialectSpec, stored: StoredContext | None
+    ) -> Callable[[bytes], tuple[str | None, Conversation]]:
         """``spec``'s token-counting decoder, with this server's limits."""
         count = spec.count
         assert count is not None
@@ -402,17 +414,16 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 limits=state.settings.request_limits,
                 model_name=lambda requested: state.resolve(requested).name,
                 keep_billing_header=keep_billing_header,
+                stored=stored,
             )
             return count(body, options)
 
         return read
 
-    read_messages, read_responses = counter(MESSAGES), counter(RESPONSES)
-
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
         try:
-            tokens = await count(read_messages)
+            tokens = await count(MESSAGES)
         except TrioserveError as exc:
             return _error_response(exc, renderer(MESSAGES))
         return _json_response({"input_tokens": tokens})
@@ -420,10 +431,12 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
     @app.post("/v1/responses/input_tokens")
     async def input_tokens() -> Response:
         try:
-            tokens = await count(read_responses)
+            tokens = await count(RESPONSES)
         except TrioserveError as exc:
             return _error_response(exc)
         return _json_response({"object": "response.input_tokens", "input_tokens": tokens})
+
+    add_stored_routes(app, state, access)
 
     @app.errorhandler(404)
     async def not_found(_error: Exception) -> Response:

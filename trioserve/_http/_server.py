@@ -32,6 +32,7 @@ from ._hypercorn_patches import patch_hypercorn_connection_registry, patch_hyper
 from ._routes import create_app
 from ._settings import HTTPSettings
 from ._state import ServerState
+from ._stored import StoredResponses, open_stored_responses
 
 __all__ = ["Server", "ServerSettings", "serve_until_signalled"]
 
@@ -229,7 +230,9 @@ class Server:
                 # the registry closes (loads aborted, engines closed) after the drain;
                 # one its owner already runs stays theirs
                 running = contextlib.nullcontext() if self.registry.running else self.registry
-                async with running:
+                async with running, self._stored_responses() as responses:
+                    # (background responses run in its nursery: the drain below ends them)
+                    self.state.responses = responses
                     self.state.registry = self.registry
                     nursery.start_soon(self._announce, binds)
                     try:
@@ -241,6 +244,15 @@ class Server:
                             await self._drain(0.0)
             finally:
                 nursery.cancel_scope.cancel()
+
+    def _stored_responses(self) -> contextlib.AbstractAsyncContextManager[StoredResponses | None]:
+        """The stored Responses, if the settings keep any (``responses_db``)."""
+        http = self.settings.http
+        if http.responses_db is None:
+            return contextlib.nullcontext()
+        return open_stored_responses(
+            http.responses_db, max_age=http.responses_max_age, max_bytes=http.responses_max_bytes
+        )
 
     async def _announce(self, binds: list[str]) -> None:
         """Set :attr:`ready` once every startup model has loaded or failed; log it."""

@@ -34,6 +34,11 @@ class HTTPSettings:
             may hold together (400 beyond, naming both); ``None``: no limit.
         request_limits: what one request may ask for: stop sequences, ``logit_bias``
             entries, tools, schema sizes, messages (docs/api.md, "Limits").
+        responses_db: where stored Responses are kept: a SQLite file, ``"memory"``
+            (lost at exit) or ``None`` (none are stored: ``store: true``,
+            ``previous_response_id`` and ``background`` are refused).
+        responses_max_age: seconds a stored response is kept.
+        responses_max_bytes: the stored responses' JSON, at most (oldest out).
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
@@ -48,3 +53,6 @@ class HTTPSettings:
     body_timeout: float | None = 30.0
     max_embedding_tokens: int | None = 65536
     request_limits: RequestLimits = field(default_factory=RequestLimits)
+    responses_db: str | None = None
+    responses_max_age: float = 30 * 86400.0
+    responses_max_bytes: int = 512 << 20

@@ -16,6 +16,7 @@ from .._wire import ChatFormat, chat_format_for
 from ._metrics import Metrics
 from ._request import InFlightRequest
 from ._settings import HTTPSettings
+from ._stored import StoredResponses
 
 __all__ = ["ServerState"]
 
@@ -32,6 +33,8 @@ class ServerState:
     stall_timeout: float | None = None
     requests: set[InFlightRequest] = field(default_factory=set[InFlightRequest])
     metrics: Metrics = field(default_factory=Metrics)
+    #: the stored Responses (``None``: the server stores none: ``--responses-db off``)
+    responses: StoredResponses | None = None
     _idle: trio.Event = field(default_factory=trio.Event)
     _formats: dict[int, tuple[Engine, ChatFormat]] = field(
         default_factory=dict[int, tuple[Engine, ChatFormat]]

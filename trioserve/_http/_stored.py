@@ -4,7 +4,10 @@ age and size.
 
 :class:`ResponseStore` is synchronous and used from one worker thread at a time
 (:class:`AsyncResponseStore` runs each call in a thread under a limiter of one): SQLite
-never runs on the event loop. Not wired to the routes yet (issue 35, next step)."""
+never runs on the event loop. :class:`StoredResponses` is what the server holds: the
+store, and the background responses running now (each an
+:class:`~trioserve._http._request.InFlightRequest` no connection holds, in a nursery of
+the server's)."""
 
 from __future__ import annotations
 
@@ -12,14 +15,29 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import trio
 
-__all__ = ["AsyncResponseStore", "ChainError", "ResponseStore", "StoredResponse"]
+from .._core._exceptions import InvalidRequestError
+from .._wire import StoredContext, StoredTurn
+
+if TYPE_CHECKING:
+    from ._request import InFlightRequest
+
+__all__ = [
+    "AsyncResponseStore",
+    "BackgroundJob",
+    "ChainError",
+    "ResponseStore",
+    "StoredResponse",
+    "StoredResponses",
+    "open_stored_responses",
+]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -218,3 +236,108 @@ class AsyncResponseStore:
             return call(*args, **kwargs)
 
         return await trio.to_thread.run_sync(job, limiter=self._limiter)
+
+
+@dataclass(slots=True)
+class BackgroundJob:
+    """A background response while it runs: its request (cancel it to stop it), its
+    owner, and an event set once its final state is stored."""
+
+    turn: StoredTurn
+    owner: str
+    queued: dict[str, Any]
+    request: InFlightRequest | None = None
+    done: trio.Event = field(default_factory=trio.Event)
+
+
+class StoredResponses:
+    """The server's stored Responses: the database (in worker threads, one call at a
+    time), the background responses running now, and the nursery they run in."""
+
+    def __init__(self, store: ResponseStore, nursery: trio.Nursery) -> None:
+        self.store = AsyncResponseStore(store)
+        self.nursery = nursery
+        #: the background responses not finished yet, by id
+        self.jobs: dict[str, BackgroundJob] = {}
+
+    async def context(
+        self, previous_id: str | None, owner: str, response_id: str | None = None
+    ) -> StoredContext:
+        """What a request that continues ``previous_id`` (of ``owner``) is given: the
+        stored conversation, oldest first (400 naming ``previous_response_id`` when
+        it cannot be followed)."""
+        if previous_id is None:
+            return StoredContext(response_id=response_id)
+        job = self.jobs.get(previous_id)
+        if job is not None and job.owner == owner:
+            raise InvalidRequestError(
+                f"the response {previous_id!r} is still running in the background; wait until it "
+                "completes (GET /v1/responses/{id}) before continuing it",
+                param="previous_response_id",
+            )
+        try:
+            chain = await self.store.run(self.store.store.chain, previous_id, owner)
+        except ChainError as exc:
+            message = str(exc)
+            if exc.missing is not None:
+                message = (
+                    f"previous_response_id: no stored response {exc.missing!r} (it expired, was deleted, "
+                    "was not stored, or was made with another API key)"
+                )
+            raise InvalidRequestError(message, param="previous_response_id") from None
+        history: list[dict[str, Any]] = []
+        for response in chain:
+            history += response.input_items
+            history += response.output_items
+        return StoredContext(history=tuple(history), response_id=response_id)
+
+    async def record(self, turn: StoredTurn, owner: str, body: dict[str, Any] | None = None) -> None:
+        """Store ``turn`` with ``body`` (by default the last response object its dialect
+        wrote)."""
+        if body is None:
+            body = turn.dialect.final
+        if body is None:
+            return
+        output = body.get("output")
+        response = StoredResponse(
+            id=turn.id,
+            owner=owner,
+            model=turn.model,
+            status=str(body["status"]),
+            input_items=turn.input_items,
+            output_items=list(output) if isinstance(output, list) else [],
+            body=body,
+            previous_id=turn.previous_id,
+            instructions=turn.instructions,
+        )
+        await self.store.run(self.store.store.put, response)
+
+    async def get(self, response_id: str, owner: str) -> dict[str, Any] | None:
+        """The response object as it stands (a running background response's status
+        is read live), or ``None``."""
+        job = self.jobs.get(response_id)
+        if job is not None and job.owner == owner:
+            body = dict(job.queued)
+            request = job.request
+            if request is not None and request.choices:
+                body["status"] = "in_progress"
+            return body
+        stored = await self.store.run(self.store.store.get, response_id, owner)
+        return stored.body if stored is not None else None
+
+
+@asynccontextmanager
+async def open_stored_responses(
+    where: str | Path, *, max_age: float, max_bytes: int
+) -> AsyncIterator[StoredResponses]:
+    """The store at ``where`` (a file, or ``"memory"``), opened in a worker thread, with
+    a nursery for background responses; on the way out the nursery is waited for (the
+    server's drain has cancelled what runs) and the database closed."""
+    path = None if where == "memory" else Path(where)
+    store = await trio.to_thread.run_sync(lambda: ResponseStore(path, max_age=max_age, max_bytes=max_bytes))
+    try:
+        async with trio.open_nursery() as nursery:
+            yield StoredResponses(store, nursery)
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(store.close)

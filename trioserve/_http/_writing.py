@@ -11,7 +11,12 @@ import time
 import trio
 
 from .._core._engine import EventStream
-from .._core._exceptions import DeadlineExceededError, ServiceUnavailableError, TrioserveError
+from .._core._exceptions import (
+    DeadlineExceededError,
+    RequestCancelledError,
+    ServiceUnavailableError,
+    TrioserveError,
+)
 from .._core._types import Finished, TextDelta, TokenLogprob, Usage
 from .._wire import ParsedRequest, finished_choice
 from ._lifecycle import FINAL_EVENT_TIMEOUT, Heartbeat, send_last
@@ -191,6 +196,10 @@ class ResponseWriter:
         exchange = request.exchange
         request.advance(Phase.FINISHING)
         request.end(event.reason)
+        if request.on_end is not None:
+            # (shielded: what is stored is what is sent; one small write, in a thread)
+            with trio.CancelScope(shield=True):
+                await request.on_end()
         # Delivered before the last send: hypercorn reports the end of the response as
         # a disconnect, and that must not rewrite why it ended.
         request.delivered = True
@@ -237,6 +246,10 @@ class ResponseWriter:
             elif cause == "deadline":
                 await exchange.error(
                     DeadlineExceededError("the request's deadline passed before the response was complete")
+                )
+            elif cause == "cancelled":
+                await exchange.error(
+                    RequestCancelledError("the request was cancelled by its id before its response began")
                 )
             elif cause == "unload":
                 await exchange.error(

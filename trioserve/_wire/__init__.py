@@ -10,10 +10,11 @@ from ._codec import decode, encode_json
 from ._conversation import Conversation, generation_for
 from ._dialect import Dialect
 from ._embeddings import decode_embeddings_request, embeddings_inputs, embeddings_response
-from ._inbound import CHAT, COMPLETIONS, MESSAGES, OPENAI, RESPONSES, SPECS, spec_for_path
+from ._inbound import CHAT, COMPLETIONS, MESSAGES, OPENAI, RESPONSES, SPECS, responses_reply, spec_for_path
 from ._limits import RequestLimits
 from ._models import RouterModelRequest, decode_router_request
-from ._spec import DialectSpec, ErrorBody, ParsedRequest, ReadOptions
+from ._responses_writer import StoredTurn
+from ._spec import DialectSpec, ErrorBody, ParsedRequest, ReadOptions, StoredAsk, StoredContext
 from ._tokenize import (
     decode_detokenize_request,
     decode_tokenize_request,
@@ -37,6 +38,9 @@ __all__ = [
     "ReadOptions",
     "RequestLimits",
     "RouterModelRequest",
+    "StoredAsk",
+    "StoredContext",
+    "StoredTurn",
     "chat_format_for",
     "decode",
     "decode_detokenize_request",
@@ -49,6 +53,7 @@ __all__ = [
     "encode_json",
     "finished_choice",
     "generation_for",
+    "responses_reply",
     "spec_for_path",
     "tokenize_response",
 ]

@@ -22,11 +22,26 @@ from ._openai import (
     decode_chat_request,
     decode_completion_prompts,
 )
-from ._responses import decode_input_tokens_request, decode_responses_request, responses_conversation
-from ._responses_writer import ResponsesDialect
+from ._responses import (
+    decode_input_tokens_request,
+    decode_responses_request,
+    peek_stored,
+    responses_conversation,
+    turn_input_items,
+)
+from ._responses_writer import ResponsesDialect, StoredTurn
 from ._spec import DialectSpec, ParsedRequest, ReadOptions, openai_error_body
 
-__all__ = ["CHAT", "COMPLETIONS", "MESSAGES", "OPENAI", "RESPONSES", "SPECS", "spec_for_path"]
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "MESSAGES",
+    "OPENAI",
+    "RESPONSES",
+    "SPECS",
+    "responses_reply",
+    "spec_for_path",
+]
 
 
 def _read_openai(kind: str, body: bytes, chat_format: ChatFormat, options: ReadOptions) -> ParsedRequest:
@@ -125,10 +140,12 @@ def _one_generation(
     dialect: AnthropicDialect | ResponsesDialect,
     conversation: Conversation,
     rendered: ChatPrompt,
+    turn: StoredTurn | None = None,
 ) -> ParsedRequest:
     """What a conversation dialect (Messages, Responses) asks for: one generation, and
     the tool and reasoning facts its conversation and rendered prompt give."""
     return ParsedRequest(
+        turn=turn,
         stream=stream,
         generations=(generation,),
         model=model,
@@ -144,9 +161,12 @@ def _one_generation(
 def _read_responses(body: bytes, chat_format: ChatFormat, options: ReadOptions) -> ParsedRequest:
     """An OpenAI Responses request."""
     responses = decode_responses_request(body)
-    conversation = responses_conversation(responses, limits=options.limits)
+    stored = options.stored
+    conversation = responses_conversation(responses, limits=options.limits, stored=stored)
     model = options.model_name(responses.model)
     generation, rendered = generation_for(conversation, chat_format)
+    # stored: OpenAI's default, where the server has a store
+    storing = stored is not None and responses.store is not False
     dialect = ResponsesDialect(
         model,
         responses,
@@ -155,8 +175,42 @@ def _read_responses(body: bytes, chat_format: ChatFormat, options: ReadOptions) 
         reasoning=rendered.reasoning,
         inside=rendered.opens_reasoning,
         parallel_calls=conversation.parallel_calls,
+        stored=storing,
+        response_id=stored.response_id if stored is not None else None,
     )
-    return _one_generation(responses.stream, generation, model, dialect, conversation, rendered)
+    turn = None
+    if storing:
+        turn = StoredTurn(
+            dialect,
+            turn_input_items(responses),
+            previous_id=responses.previous_response_id,
+            instructions=responses.instructions,
+            background=bool(responses.background),
+            model=model,
+        )
+    return _one_generation(responses.stream, generation, model, dialect, conversation, rendered, turn)
+
+
+def responses_reply(body: bytes, options: ReadOptions) -> tuple[StoredTurn, dict[str, object]]:
+    """A background Responses request, checked before it runs (every check that needs
+    no model: a bad request is a 400 now, not a failed response later): the turn to
+    store, and the response object it answers at once (``status: "queued"``)."""
+    responses = decode_responses_request(body)
+    stored = options.stored
+    assert stored is not None
+    assert stored.response_id is not None
+    responses_conversation(responses, limits=options.limits, stored=stored)
+    model = options.model_name(responses.model)
+    dialect = ResponsesDialect(model, responses, stored=True, response_id=stored.response_id)
+    turn = StoredTurn(
+        dialect,
+        turn_input_items(responses),
+        previous_id=responses.previous_response_id,
+        instructions=responses.instructions,
+        background=True,
+        model=model,
+    )
+    return turn, dialect.snapshot("queued")
 
 
 def _count_messages(body: bytes, options: ReadOptions) -> tuple[str | None, Conversation]:
@@ -170,7 +224,7 @@ def _count_messages(body: bytes, options: ReadOptions) -> tuple[str | None, Conv
 def _count_responses(body: bytes, options: ReadOptions) -> tuple[str | None, Conversation]:
     """``/v1/responses/input_tokens``: the model it names, the conversation it counts."""
     request = decode_input_tokens_request(body)
-    return request.model, responses_conversation(request, limits=options.limits)
+    return request.model, responses_conversation(request, limits=options.limits, stored=options.stored)
 
 
 #: every other route of the OpenAI API (models, embeddings, tokenize, errors): its error body
@@ -186,6 +240,7 @@ RESPONSES = DialectSpec(
     read=_read_responses,
     param_names=MappingProxyType({"max_tokens": "max_output_tokens"}),
     count=_count_responses,
+    peek_stored=peek_stored,
 )
 
 #: the generation routes, each its dialect's spec

@@ -1,18 +1,20 @@
-"""OpenAI's Responses API, stateless, sans-IO: ``POST /v1/responses`` (and
+"""OpenAI's Responses API, sans-IO: ``POST /v1/responses`` (and
 ``/v1/responses/input_tokens``) bodies in, a
 :class:`~trioserve._wire._conversation.Conversation` out. The response (Responses events
 or a ``Response`` body): :mod:`._responses_writer`.
 
-Nothing is stored: ``store: true`` and ``previous_response_id`` are refused by name, as
-Codex CLI needs nothing else (``store: false``, the whole ``input`` each turn). The
-mapping and choices: ``docs/dialects.md``; the field table: ``docs/api.md``,
-"OpenAI Responses".
+Stored responses (``store``, ``previous_response_id``, ``background``) need the server's
+response store: the HTTP layer reads the stored conversation a request continues and
+hands it in (:class:`~trioserve._wire._spec.StoredContext`); without a store they are
+refused by name. The mapping and choices: ``docs/dialects.md``; the field table:
+``docs/api.md``, "OpenAI Responses".
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -21,7 +23,7 @@ from .._core._exceptions import InvalidRequestError
 from .._core._types import Constraint, SamplingParams
 from ._codec import decode as _decode
 from ._constraints import ANY_OBJECT, json_schema_constraint
-from ._conversation import Conversation, fold_system_messages
+from ._conversation import Conversation, fold_system_messages, new_id
 from ._limits import RequestLimits
 from ._messages import CallFunction, ChatMessage, MessageToolCall, flatten_text
 from ._openai import (
@@ -33,10 +35,36 @@ from ._tools import FunctionDef, Tool, check_tool_name, check_tool_schemas, chec
 __all__ = [
     "InputTokensRequest",
     "ResponsesRequest",
+    "StoredAsk",
+    "StoredContext",
     "decode_input_tokens_request",
     "decode_responses_request",
+    "peek_stored",
     "responses_conversation",
+    "turn_input_items",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredContext:
+    """What the server's response store gives a Responses request (docs/dialects.md,
+    "Stored responses"): the conversation a ``previous_response_id`` continues, and a
+    background response's id (given before it runs)."""
+
+    #: the earlier turns, oldest first: each stored response's input items, then its
+    #: output items, as a client would have sent them back
+    history: tuple[dict[str, Any], ...] = ()
+    #: a background response's id; ``None``: a foreground request
+    response_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredAsk:
+    """What a Responses body asks of the store, read before the body is decoded in
+    full: the response it continues, whether it runs in the background."""
+
+    previous_response_id: str | None = None
+    background: bool = False
 
 
 class InputContent(msgspec.Struct, kw_only=True):
@@ -98,11 +126,12 @@ class _ResponsesFields(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool | None = None
     reasoning: Any = None
     truncation: Literal["disabled", "auto"] | None = None
+    #: a stored response this one continues (needs the server's response store)
+    previous_response_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    background: bool | None = None
     # known, not honoured: refused (_REFUSED)
-    previous_response_id: Any = None
     conversation: Any = None
     prompt: Any = None
-    background: Any = None
     context_management: Any = None
     moderation: Any = None
 
@@ -135,10 +164,8 @@ _responses_decoder = msgspec.json.Decoder(ResponsesRequest)
 _input_tokens_decoder = msgspec.json.Decoder(InputTokensRequest)
 
 _REFUSED: tuple[Refusal, ...] = (
-    ("previous_response_id", (None,), "responses are not stored here; send the whole conversation in input"),
     ("conversation", (None,), "conversations are not stored here; send the whole conversation in input"),
     ("prompt", (None,), "there are no stored prompt templates here; send instructions and input"),
-    ("background", (None, False), "responses run in the foreground here (stream to see progress)"),
     ("context_management", (None,), "this server does not compact the context; send the input to use"),
     ("moderation", (None,), "this server runs no moderation"),
 )
@@ -163,12 +190,14 @@ def _content_text(content: str | list[InputContent] | None, where: str) -> str:
     return flatten_text(content, text_types=_TEXT_TYPES, joiner="", refuse=refuse)
 
 
-def _chat_messages(items: str | list[InputItem]) -> list[ChatMessage]:
+def _chat_messages(items: str | list[InputItem], first: int = 0) -> list[ChatMessage]:
+    """The chat of ``items``; ``first``: how many earlier (stored) items came before
+    them, so that an error names the request's own ``input[i]``."""
     if isinstance(items, str):
         return [ChatMessage(role="user", content=items)]
     out: list[ChatMessage] = []
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
+    for i, item in enumerate(items, -first):
+        where = f"input[{i}]" if i >= 0 else f"the stored conversation's item {i + first}"
         kind = item.type or "message"
         if kind == "message":
             if item.role is None:
@@ -273,8 +302,47 @@ def _constraint(text: TextConfig | None, limits: RequestLimits) -> Constraint | 
     return json_schema_constraint(json.dumps(fmt.schema_), "text.format.schema", limits)
 
 
-def _check(request: _ResponsesFields) -> None:
-    check_refused(request, _REFUSED)  # (background: false is OpenAI's default)
+#: why a stored-response field is refused on a server that stores none
+_NO_STORE = "this server stores no responses (start it with --responses-db)"
+
+
+def _check_stored(request: _ResponsesFields, stored: StoredContext | None) -> None:
+    """``store``, ``previous_response_id`` and ``background``: each needs the store."""
+    full = request if isinstance(request, ResponsesRequest) else None
+    if stored is None:
+        if request.previous_response_id is not None:
+            raise InvalidRequestError(
+                f"previous_response_id is not supported: {_NO_STORE}; send the whole conversation in input",
+                param="previous_response_id",
+            )
+        if request.background:
+            raise InvalidRequestError(
+                f"background is not supported: {_NO_STORE}; stream to see progress", param="background"
+            )
+        if full is not None and full.store:
+            raise InvalidRequestError(
+                f"store is not supported: {_NO_STORE}; send store: false", param="store"
+            )
+        return
+    if full is None or not request.background:
+        return
+    if full.store is False:
+        raise InvalidRequestError(
+            "background needs store: a background response is read back by its id (send store: true "
+            "or leave it out)",
+            param="store",
+        )
+    if full.stream:
+        raise InvalidRequestError(
+            "background with stream is not supported: poll GET /v1/responses/{id} (or send stream "
+            "without background)",
+            param="stream",
+        )
+
+
+def _check(request: _ResponsesFields, stored: StoredContext | None = None) -> None:
+    check_refused(request, _REFUSED)
+    _check_stored(request, stored)
     if request.reasoning is not None and request.reasoning not in ({}, {"effort": None}, {"effort": "none"}):
         raise InvalidRequestError(
             "reasoning is not supported: this server does not control reasoning effort "
@@ -294,10 +362,6 @@ def _check(request: _ResponsesFields) -> None:
         )
     if not isinstance(request, ResponsesRequest):
         return
-    if request.store:
-        raise InvalidRequestError(
-            "store is not supported: responses are not stored here; send store: false", param="store"
-        )
     for value in request.include or ():
         if value not in _INCLUDE_NOTHING:
             raise InvalidRequestError(
@@ -339,14 +403,23 @@ def _check_sizes(request: _ResponsesFields, limits: RequestLimits) -> None:
 
 
 def responses_conversation(
-    request: _ResponsesFields, *, limits: RequestLimits = DEFAULT_LIMITS
+    request: _ResponsesFields, *, limits: RequestLimits = DEFAULT_LIMITS, stored: StoredContext | None = None
 ) -> Conversation:
-    """The conversation a Responses (or input_tokens) request asks for, within ``limits``."""
-    _check(request)
+    """The conversation a Responses (or input_tokens) request asks for, within
+    ``limits``: the stored conversation it continues (``stored.history``), then its
+    own ``input``."""
+    _check(request, stored)
     if not request.input:
         raise InvalidRequestError("input is required: a text or a list of items", param="input")
     _check_sizes(request, limits)
-    messages = _chat_messages(request.input)
+    history = stored.history if stored is not None else ()
+    if history:
+        earlier = msgspec.convert(list(history), list[InputItem])
+        given = request.input
+        own = [InputItem(role="user", content=given)] if isinstance(given, str) else given
+        messages = _chat_messages([*earlier, *own], first=len(earlier))
+    else:
+        messages = _chat_messages(request.input)
     if request.instructions:
         messages.insert(0, ChatMessage(role="system", content=request.instructions))
     if not any(m.role != "system" and m.role != "developer" for m in messages):
@@ -378,6 +451,44 @@ def responses_conversation(
         constraint=constraint,
         thinking=False if request.reasoning == {"effort": "none"} else None,
     )
+
+
+def turn_input_items(request: _ResponsesFields) -> list[dict[str, Any]]:
+    """This turn's ``input``, as it is stored and listed (``input_items``): items, each
+    with an id (a text input is one user message)."""
+    items: list[dict[str, Any]] = []
+    given = request.input
+    if isinstance(given, str):
+        content: list[dict[str, Any]] = [{"type": "input_text", "text": given}]
+        return [{"id": new_id("msg_"), "type": "message", "role": "user", "content": content}]
+    for item in given:
+        out: dict[str, Any] = {k: v for k, v in msgspec.to_builtins(item).items() if v is not None}
+        out.setdefault("type", "message")
+        parts = out.get("content")
+        if out["type"] == "message" and isinstance(parts, str):
+            # (as OpenAI lists it: parts; one part renders as the string did)
+            kind = "output_text" if out.get("role") == "assistant" else "input_text"
+            out["content"] = [{"type": kind, "text": parts}]
+        elif out["type"] == "message" and isinstance(parts, list):
+            out["content"] = [{k: v for k, v in part.items() if v is not None} for part in parts]
+        out.setdefault("id", new_id("msg_" if out["type"] == "message" else "item_"))
+        items.append(out)
+    return items
+
+
+_peek_decoder = msgspec.json.Decoder(StoredAsk)
+
+
+def peek_stored(body: bytes) -> StoredAsk:
+    """What ``body`` asks of the response store, read before it is decoded in full
+    (a body that is not JSON, or whose fields have the wrong types, asks nothing: its
+    full decode reports it)."""
+    if b'"previous_response_id"' not in body and b'"background"' not in body:
+        return StoredAsk()
+    try:
+        return _peek_decoder.decode(body)
+    except msgspec.DecodeError:
+        return StoredAsk()
 
 
 def decode_responses_request(body: bytes) -> ResponsesRequest:

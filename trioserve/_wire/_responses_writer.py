@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from .._core._exceptions import TrioserveError
 from .._core._types import EndCause, TokenLogprob, Usage
@@ -15,7 +17,7 @@ from ._conversation import new_id
 from ._openai_writer import END_MESSAGES, ChoiceResult
 from ._responses import ResponsesRequest, ToolChoiceFunction
 
-__all__ = ["ResponsesDialect"]
+__all__ = ["ResponsesDialect", "StoredTurn"]
 
 
 # -- the request, echoed in the response object
@@ -110,11 +112,17 @@ class ResponsesDialect:
         reasoning: tuple[str, str] | None = None,
         inside: bool = False,
         parallel_calls: bool = True,
+        stored: bool = False,
+        response_id: str | None = None,
     ) -> None:
         self.model = model
-        self.id = new_id("resp_")
+        self.id = response_id or new_id("resp_")
         self.created_at = int(time.time())
         self._request = request
+        #: the response is kept in the server's store (its body says ``"store": true``)
+        self.stored = stored
+        #: the last whole response object written (``None``: none yet)
+        self.final: dict[str, object] | None = None
         self._reader = ChoiceReader(
             tool_mode, tool_names, reasoning=reasoning, inside=inside, parallel_calls=parallel_calls
         )
@@ -131,6 +139,19 @@ class ResponsesDialect:
 
     # -- the response object
 
+    def snapshot(
+        self, status: str, error: str | None = None, cause: EndCause | None = None
+    ) -> dict[str, object]:
+        """The response object as it stands, with ``status`` (a background response
+        queued, running, cancelled or cut short; ``error``: why it failed; ``cause``:
+        why it ended early)."""
+        if cause is not None:
+            self._cause, self._message = cause, None
+        body = self._response(status, None)
+        if error is not None:
+            body["error"] = {"code": "server_error", "message": error}
+        return body
+
     def _response(
         self, status: str, usage: Usage | None, error: TrioserveError | None = None
     ) -> dict[str, object]:
@@ -140,6 +161,7 @@ class ResponsesDialect:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
+            "background": bool(request.background),
             "error": {"code": "server_error", "message": error.message} if error is not None else None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": request.instructions,
@@ -148,9 +170,9 @@ class ResponsesDialect:
             "model": self.model,
             "output": list(self._output),
             "parallel_tool_calls": request.parallel_tool_calls is not False,
-            "previous_response_id": None,
+            "previous_response_id": request.previous_response_id,
             "reasoning": None,
-            "store": False,
+            "store": self.stored,
             "temperature": 1.0 if request.temperature is None else request.temperature,
             "text": {"format": _text_format(request)},
             "tool_choice": _tool_choice(request),
@@ -159,11 +181,13 @@ class ResponsesDialect:
             "truncation": "disabled",
             "usage": _usage(usage) if usage is not None else None,
         }
-        if status != "in_progress" and self._cause not in ("stop", "length"):
+        if status not in ("in_progress", "queued") and self._cause not in ("stop", "length"):
             body["trioserve"] = {
                 "end_cause": self._cause,
                 "message": self._message or END_MESSAGES.get(self._cause, ""),
             }
+        if status not in ("in_progress", "queued"):
+            self.final = body
         return body
 
     # -- events
@@ -384,3 +408,22 @@ def _usage(usage: Usage) -> dict[str, object]:
     if split is not None:
         body["trioserve"] = {"cached_tokens": split}
     return body
+
+
+@dataclass(slots=True)
+class StoredTurn:
+    """A Responses request whose response is stored: what the store keeps of it once
+    the response is written (docs/dialects.md, "Stored responses")."""
+
+    dialect: ResponsesDialect
+    #: this turn's input, as stored and listed (items with ids)
+    input_items: list[dict[str, Any]]
+    previous_id: str | None = None
+    instructions: str | None = None
+    #: a background response (its status is read live while it runs)
+    background: bool = False
+    model: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.dialect.id

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .._core._exceptions import InvalidRequestError, TrioserveError
 from .._core._types import GenerationRequest
@@ -17,6 +18,10 @@ from ._choices import ToolMode
 from ._conversation import Conversation
 from ._dialect import Dialect
 from ._limits import RequestLimits
+from ._responses import StoredAsk, StoredContext
+
+if TYPE_CHECKING:
+    from ._responses_writer import StoredTurn
 
 __all__ = [
     "CountReader",
@@ -25,6 +30,8 @@ __all__ = [
     "ParsedRequest",
     "ReadOptions",
     "RequestReader",
+    "StoredAsk",
+    "StoredContext",
     "openai_error_body",
 ]
 
@@ -47,6 +54,9 @@ class ReadOptions:
     model_name: Callable[[str | None], str]
     #: keep Claude Code's billing header in the prompt (docs/dialects.md)
     keep_billing_header: bool = False
+    #: the response store's answer for this request; ``None``: the server stores no
+    #: responses (``store``, ``previous_response_id`` and ``background`` are refused)
+    stored: StoredContext | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +78,8 @@ class ParsedRequest:
     #: the prompt opened its reasoning
     reasoning: tuple[str, str] | None = None
     inside: bool = False
+    #: what to store once the response is written (``None``: it is not stored)
+    turn: StoredTurn | None = None
 
     @property
     def generation(self) -> GenerationRequest:
@@ -111,6 +123,9 @@ class DialectSpec:
     #: its token-counting decoder (``/v1/messages/count_tokens``,
     #: ``/v1/responses/input_tokens``); ``None``: it has none
     count: CountReader | None = None
+    #: what a body asks of the response store (Responses); ``None``: its responses
+    #: are never stored
+    peek_stored: Callable[[bytes], StoredAsk] | None = None
 
     def rename(self, exc: InvalidRequestError) -> None:
         """Name ``exc``'s field as this dialect names it."""

@@ -1,0 +1,182 @@
+"""The stored Responses' own routes (docs/dialects.md, "Stored responses"): read one
+back, list its input items, delete it, cancel a background one. Each answers only the
+API key that created the response (another key's is a 404, as a missing one)."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import trio
+from quart import Response
+from quart_trio import QuartTrio
+
+from .._core._exceptions import InvalidRequestError, NotFoundError, TrioserveError
+from .._wire import encode_json
+from ._access import AccessPolicy
+from ._errors import render_error
+from ._exchange import Scope
+from ._generation import key_salt
+from ._lifecycle import FINAL_EVENT_TIMEOUT
+from ._state import ServerState
+from ._stored import StoredResponses
+
+__all__ = ["add_stored_routes"]
+
+#: ``include`` values a read honours trivially (nothing is encrypted here)
+_INCLUDE_NOTHING = frozenset({"reasoning.encrypted_content"})
+#: how long a cancel waits for the background response to stop and be stored
+_CANCEL_WAIT = FINAL_EVENT_TIMEOUT + 5.0
+
+
+def _json(body: dict[str, Any], status: int = 200) -> Response:
+    return Response(encode_json(body), status=status, content_type="application/json")
+
+
+def _error(exc: TrioserveError) -> Response:
+    status, headers, body = render_error(exc)
+    return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
+
+
+def _missing(response_id: str) -> NotFoundError:
+    return NotFoundError(
+        f"no stored response {response_id!r} (it expired, was deleted, was not stored, or was made "
+        "with another API key)",
+        param="response_id",
+    )
+
+
+def _check_include(values: list[str]) -> None:
+    for value in values:
+        if value not in _INCLUDE_NOTHING:
+            raise InvalidRequestError(
+                f"include is not supported: {value!r} cannot be included here "
+                "(reasoning.encrypted_content can: nothing is encrypted)",
+                param="include",
+            )
+
+
+def add_stored_routes(app: QuartTrio, state: ServerState, access: AccessPolicy | None) -> None:
+    """Add ``GET``/``DELETE /v1/responses/{id}``, ``GET …/input_items`` and
+    ``POST …/cancel`` to ``app``."""
+
+    def service() -> StoredResponses:
+        state.serving_registry()  # (503 while shutting down)
+        if state.responses is None:
+            raise NotFoundError(
+                "this server stores no responses (start it with --responses-db)", param="response_id"
+            )
+        return state.responses
+
+    def owner() -> str:
+        from quart import request
+
+        return key_salt(cast("Scope", request.scope), access)
+
+    @app.get("/v1/responses/<response_id>")
+    async def get_response(response_id: str) -> Response:
+        from quart import request
+
+        try:
+            responses = service()
+            if request.args.get("stream", "false").lower() not in ("false", "0", ""):
+                raise InvalidRequestError(
+                    "stream is not supported when reading a stored response back; read it whole",
+                    param="stream",
+                )
+            if "starting_after" in request.args:
+                raise InvalidRequestError(
+                    "starting_after is not supported (it resumes a stream; read the response whole)",
+                    param="starting_after",
+                )
+            _check_include(request.args.getlist("include[]") + request.args.getlist("include"))
+            body = await responses.get(response_id, owner())
+            if body is None:
+                raise _missing(response_id)
+        except TrioserveError as exc:
+            return _error(exc)
+        return _json(body)
+
+    @app.delete("/v1/responses/<response_id>")
+    async def delete_response(response_id: str) -> Response:
+        try:
+            responses = service()
+            who = owner()
+            job = responses.jobs.get(response_id)
+            if job is not None and job.owner == who and job.request is not None:
+                job.request.cancel("cancelled")  # (a running background response stops first)
+                with trio.move_on_after(_CANCEL_WAIT):
+                    await job.done.wait()
+            deleted = await responses.store.run(responses.store.store.delete, response_id, who)
+            if not deleted:
+                raise _missing(response_id)
+        except TrioserveError as exc:
+            return _error(exc)
+        return _json({"id": response_id, "object": "response", "deleted": True})
+
+    @app.get("/v1/responses/<response_id>/input_items")
+    async def input_items(response_id: str) -> Response:
+        from quart import request
+
+        try:
+            responses = service()
+            args = request.args
+            try:
+                limit = int(args.get("limit", "20"))
+            except ValueError:
+                limit = 0
+            if not 1 <= limit <= 100:
+                raise InvalidRequestError(
+                    f"limit must be a whole number from 1 to 100, got {args.get('limit')!r}", param="limit"
+                )
+            order = args.get("order", "desc")
+            if order not in ("asc", "desc"):
+                raise InvalidRequestError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+            _check_include(args.getlist("include[]") + args.getlist("include"))
+            page = await responses.store.run(
+                responses.store.store.input_items,
+                response_id,
+                owner(),
+                limit=limit,
+                order=order,
+                after=args.get("after"),
+            )
+            if page is None:
+                raise _missing(response_id)
+        except TrioserveError as exc:
+            return _error(exc)
+        items, more = page
+        return _json(
+            {
+                "object": "list",
+                "data": items,
+                "first_id": items[0].get("id") if items else None,
+                "last_id": items[-1].get("id") if items else None,
+                "has_more": more,
+            }
+        )
+
+    @app.post("/v1/responses/<response_id>/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        """Cancel a background response: its scope is cancelled (the same teardown as a
+        disconnect, in any phase), and the answer is the response object, stored with
+        ``status: "cancelled"``, once it has stopped."""
+        try:
+            responses = service()
+            who = owner()
+            job = responses.jobs.get(response_id)
+            if job is not None and job.owner == who and job.request is not None:
+                job.request.cancel("cancelled")
+                with trio.move_on_after(_CANCEL_WAIT):
+                    await job.done.wait()
+            body = await responses.get(response_id, who)
+            if body is None:
+                raise _missing(response_id)
+            if not body.get("background"):
+                raise InvalidRequestError(
+                    "only a background response can be cancelled (this one ran in the foreground: "
+                    "its client stops it by leaving)",
+                    param="response_id",
+                )
+        except TrioserveError as exc:
+            return _error(exc)
+        return _json(body)
