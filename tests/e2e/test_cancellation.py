@@ -721,3 +721,51 @@ async def test_cancel_cell_background(
     async with server.client() as client:
         text = (await client.post("/v1/completions", json=REFERENCE)).json()["choices"][0]["text"]
     assert text == reference_text
+
+
+@pytest.mark.parametrize("cause", ["deadline", "shutdown"])
+async def test_a_background_response_cut_short_is_stored_incomplete(
+    cause: str, llama_backend: LlamaBackend, nursery: trio.Nursery, tmp_path: Any
+) -> None:
+    """A background response in decode when its deadline (the creating request's
+    ``X-Request-Timeout``) passes, or the server shuts down (grace 0): it ends with that
+    cause, and the store — a file, read again after the server stopped — says
+    ``incomplete`` with the cause."""
+    from trioserve._http._stored import ResponseStore
+
+    database = tmp_path / "responses.sqlite3"
+    server = await start_server(
+        nursery, llama_backend, shutdown_grace=0.0, http=HTTPSettings(responses_db=str(database))
+    )
+    body = {"input": "Once upon a time", "max_output_tokens": 3000, "background": True}
+    headers = {"X-Request-Timeout": "1.0"} if cause == "deadline" else {}
+    async with server.client() as client:
+        created = await client.post("/v1/responses", json=body, headers=headers)
+        assert created.status_code == 200, created.text
+        response_id = created.json()["id"]
+        await wait_for(lambda: server.engine.streams)
+        stream = _only_stream(server)
+        await wait_for(lambda: stream.progress.completion_tokens >= 3)
+        if cause == "shutdown":
+            server.server.shutdown()
+            with trio.fail_after(5):
+                await server.server.stopped.wait()
+        else:
+            await server.wait_idle(limit=5.0)
+            responses = server.server.state.responses
+            assert responses is not None
+            # (its end is stored once the task is done with it)
+            await wait_for(lambda: response_id not in responses.jobs)
+            assert (await client.get(f"/v1/responses/{response_id}")).json()["status"] == "incomplete"
+            server.server.shutdown()
+            with trio.fail_after(5):
+                await server.server.stopped.wait()
+    store = ResponseStore(database)
+    try:
+        stored = store.get(response_id, "")
+    finally:
+        store.close()
+    assert stored is not None
+    assert stored.status == "incomplete"
+    assert stored.body["trioserve"]["end_cause"] == cause
+    assert llama_backend.generations.running == 0

@@ -169,9 +169,14 @@ def _figures(page: Page, turn: int) -> dict[str, int]:
         for name in ("prompt-tokens", "cached-tokens", "evaluated-tokens", "ttft-ms")
     }
     prompt, cached, evaluated, ttft = values.values()
+    disk = int(figures.get_attribute("data-disk-tokens") or "0")
+    host = int(figures.get_attribute("data-host-tokens") or "0")
+    tiers = [f"{n} from {where}" for n, where in ((host, "host memory"), (disk, "disk")) if n]
+    reused = f"{cached} reused" + (f" ({', '.join(tiers)})" if tiers else "")
     assert figures.text_content() == (
-        f"prompt {prompt} tokens: {cached} reused, {evaluated} evaluated · first token {ttft} ms"
+        f"prompt {prompt} tokens: {reused}, {evaluated} evaluated · first token {ttft} ms"
     )
+    values |= {"disk-tokens": disk, "host-tokens": host}
     assert evaluated + cached == prompt
     assert evaluated >= 1
     assert ttft > 0
@@ -227,6 +232,27 @@ def test_a_conversation_reuses_its_cached_prefix_and_the_page_shows_it(page: Pag
     assert sent[-1]["messages"] == [{"role": "user", "content": ANOTHER_TOPIC}]
     assert fresh["cached-tokens"] < 16  # (the first turn header at most)
     expect(page.locator("#conversation .turn")).to_have_count(1)
+
+
+@pytest.mark.model
+def test_the_page_says_which_tier_the_reused_prompt_came_from(page: Page, tmp_path: Path) -> None:
+    """A prompt sent, the server restarted on the same --cache-dir, the prompt sent
+    again: its prefix comes from the disk tier, and the page says so."""
+    args = ("--threads", "2", "--cache-dir", str(tmp_path))
+    prompt = "Write a short poem about the sea, the wind, the gulls and the old lighthouse keeper."
+    figures = []
+    for _ in range(2):
+        with ServerProcess(*args) as server:
+            page.goto(server.wait_ready() + "/")
+            page.fill("#max-tokens", "8")
+            page.fill("#prompt", prompt)
+            page.click("#send")
+            figures.append(_figures(page, 1))
+            assert server.stop() == 0
+    before, after = figures
+    assert before["disk-tokens"] == 0
+    assert after["disk-tokens"] > 0
+    assert after["disk-tokens"] <= after["cached-tokens"]
 
 
 def test_a_stopped_reply_stays_in_the_conversation_as_far_as_it_got(page: Page) -> None:
