@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.conversation import GEMMA_TEMPLATE, user_text
 from benchmarks.harness import cli, servers
 from benchmarks.harness.clients import body
-from benchmarks.harness.stats import fmt
+from benchmarks.harness.stats import fmt, median
 
 TS, LS = servers.TRIOSERVE, servers.LLAMA_SERVER
 
@@ -50,6 +50,7 @@ TS, LS = servers.TRIOSERVE, servers.LLAMA_SERVER
 def parse_args() -> Any:
     p = cli.parser(__doc__, ((TS, LS), (TS, LS)), threads=2, ctx_size=8192, max_tokens=16)
     cli.option(p, "--words", 2900, "words of turn 1 (about 4,000 tokens)")
+    cli.option(p, "--reps", 1, "runs of each trioserve case but cache-off (alternating; medians reported)")
     return p.parse_args()
 
 
@@ -169,22 +170,30 @@ def main() -> None:
     args.model = cli.resolve_model(args)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-restart-"))
     first, new = prompt(uuid.uuid4().hex[:8], args.words)
-    names = ["trioserve", "trioserve, one request first", "trioserve kill -9", "trioserve never stopped"]
-    names.append("llama-server")
-    names.append("trioserve --no-prompt-cache")
-    results = {name: run(name, args, log_dir, first, new) for name in names}
-    reference = results["trioserve --no-prompt-cache"]["turn2"]["text"]
-    for name, r in results.items():
-        two = r["turn2"]
-        exact = (
-            "" if not name.startswith("trioserve") else ("exact" if two["text"] == reference else "DIFFERS")
-        )
-        print(
-            f"{name:28} turn 2: TTFT {fmt(two.get('ttft_ms'))} ms, prompt {two.get('prompt_tokens')}, "
-            f"cached {two.get('cached')} {two.get('split') or ''}, evaluated {two['evaluated']} {exact}"
-            + (f", restore {two['restore_ms']:.1f} ms" if "restore_ms" in two else "")
-        )
-    ttft = {name: r["turn2"].get("ttft_ms") for name, r in results.items()}
+    repeated = ["trioserve", "trioserve, one request first", "trioserve kill -9", "trioserve never stopped"]
+    once = ["llama-server", "trioserve --no-prompt-cache"]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in repeated + once}
+    for rep in range(args.reps):
+        # (alternating: a slow spell of the machine falls on every case alike)
+        for name in repeated:
+            runs[name].append(run(name, args, log_dir, first, new))
+            cli.log(f"rep {rep + 1}: {name}: turn 2 TTFT {fmt(runs[name][-1]['turn2'].get('ttft_ms'))} ms")
+    for name in once:
+        runs[name].append(run(name, args, log_dir, first, new))
+    reference = runs["trioserve --no-prompt-cache"][0]["turn2"]["text"]
+    for name, done in runs.items():
+        for r in done:
+            two = r["turn2"]
+            exact = "exact" if two["text"] == reference else "DIFFERS"
+            exact = exact if name.startswith("trioserve") else ""
+            print(
+                f"{name:28} turn 2: TTFT {fmt(two.get('ttft_ms'))} ms, prompt {two.get('prompt_tokens')}, "
+                f"cached {two.get('cached')} {two.get('split') or ''}, evaluated {two['evaluated']} {exact}"
+                + (f", restore {two['restore_ms']:.1f} ms" if "restore_ms" in two else "")
+            )
+    ttft = {name: median([r["turn2"].get("ttft_ms") for r in done]) for name, done in runs.items()}
+    if args.reps > 1:
+        print("medians: " + ", ".join(f"{name} {value:.1f} ms" for name, value in ttft.items()))
     ratios = {
         "restart / never stopped": ttft["trioserve"] / ttft["trioserve never stopped"],
         "kill -9 / never stopped": ttft["trioserve kill -9"] / ttft["trioserve never stopped"],
@@ -192,12 +201,12 @@ def main() -> None:
     }
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}x")
-    exact = all(r["turn2"]["text"] == reference for n, r in results.items() if n.startswith("trioserve"))
+    exact = all(
+        r["turn2"]["text"] == reference for n, done in runs.items() if n.startswith("trioserve") for r in done
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(
-            json.dumps({"results": results, "ratios": ratios, "exact": exact}, indent=1)
-        )
+        Path(args.out).write_text(json.dumps({"runs": runs, "ratios": ratios, "exact": exact}, indent=1))
 
 
 if __name__ == "__main__":
