@@ -41,6 +41,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import cli, servers
 from benchmarks.harness.clients import COMPLETIONS, MESSAGES, PROGRESS, RawStream, body, messages_body
@@ -48,9 +50,19 @@ from benchmarks.harness.proc import cpu_seconds, wait_cpu_idle
 from benchmarks.harness.stats import dict_table, dist, fmt, median, rows_table
 
 DECODE, PREFILL, DEADLINE, TS, LS = "decode", "prefill", "deadline", servers.TRIOSERVE, servers.LLAMA_SERVER
+#: cancel by id (trioserve only): POST /v1/requests/{id}/cancel from another connection
+BY_ID_DECODE, BY_ID_PREFILL = "id-decode", "id-prefill"
 SERVERS, FRONT = (TS, servers.LLAMA_CPP_PYTHON, LS), f"front-{LS}"
 SENTENCE = "The history of the city is long and varied. "
-CAUSES = {DECODE: "disconnect in decode", PREFILL: "disconnect mid-prefill", DEADLINE: "deadline in decode"}
+CAUSES = {
+    DECODE: "disconnect in decode",
+    PREFILL: "disconnect mid-prefill",
+    DEADLINE: "deadline in decode",
+    BY_ID_DECODE: "cancel by id in decode",
+    BY_ID_PREFILL: "cancel by id mid-prefill",
+}
+#: the causes only trioserve has
+OWN_CAUSES = (DEADLINE, BY_ID_DECODE, BY_ID_PREFILL)
 NO_WORK_MS = 50.0  # a prefill run with less CPU than this before and after the close did no prefill
 TIMINGS = re.compile(rb'"(prompt_n|prompt_per_second)": ?([\d.]+)')
 INPUT_TOKENS = re.compile(rb'"input_tokens": ?(\d+)')  # Anthropic message_start's usage
@@ -81,7 +93,7 @@ def parse_args() -> Any:
     help_ = "completions: streamed POST /v1/completions; messages: streamed Anthropic POST /v1/messages"
     help_ += " (trioserve, llama-server, front-llama-server; default: completions)"
     p.add_argument("--endpoint", choices=ENDPOINTS, default="completions", help=help_)
-    help_ = f"comma-separated subset of {','.join(CAUSES)} (deadline: trioserve only; default: all)"
+    help_ = f"comma-separated subset of {','.join(CAUSES)} (deadline, id-*: trioserve only; default: all)"
     p.add_argument("--causes", type=causes, default=list(CAUSES), help=help_)
     args = p.parse_args()
     half = (args.reps + 1) // 2 if args.causes != [PREFILL] else args.reps
@@ -164,9 +176,24 @@ def run_job(server: Any, cause: str, round_: int, args: Any) -> dict[str, Any]:
     rid = str(uuid.uuid4())  # llama-cpp-python answers 400 to an X-Request-Id that is not a UUID
     timeout = {"X-Request-Timeout": f"{args.deadline:g}"} if cause == DEADLINE else {}
     headers, cpu_at_send, t_cause = {"X-Request-Id": rid, **timeout}, cpu_seconds(server.work.pid), None
-    payload = request(server, args, rid, 5) if cause == PREFILL else request(server, args, None, 2000)
+    prefill = cause in (PREFILL, BY_ID_PREFILL)
+    payload = request(server, args, rid, 5) if prefill else request(server, args, None, 2000)
     stream = open_stream(server, payload, headers, args)
-    if cause == DECODE:
+    answered_ms = None
+    if cause in (BY_ID_DECODE, BY_ID_PREFILL):
+        if cause == BY_ID_DECODE:
+            if not stream.read_until(lambda: stream.data_events() >= args.events, stream.sent_at + 60):
+                raise RuntimeError(f"{server.name} {rid}: {stream.data_events()} events in 60 s")
+        else:
+            stream.read_until(lambda: False, stream.sent_at + args.prefill_delay)
+        t_cause = time.perf_counter()
+        answer = httpx.post(f"{server.url}/v1/requests/{rid}/cancel", timeout=30)
+        answered_ms = (time.perf_counter() - t_cause) * 1e3
+        if answer.status_code != 200:
+            raise RuntimeError(f"{server.name} {rid}: cancel: HTTP {answer.status_code}: {answer.text[:200]}")
+        stream.read_until(lambda: False, time.perf_counter() + 5)  # (its final event, to the end)
+        stream.close()
+    elif cause == DECODE:
         if not stream.read_until(lambda: stream.data_events() >= args.events, stream.sent_at + 60):
             raise RuntimeError(f"{server.name} {rid}: {stream.data_events()} of {args.events} events in 60 s")
         t_cause = stream.close(args.close)
@@ -187,6 +214,7 @@ def run_job(server: Any, cause: str, round_: int, args: Any) -> dict[str, Any]:
     gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(stream.token_times())] if cause == DECODE else []
     done_ms = (stream.done_at - stream.sent_at) * 1e3 if stream.done_at else None
     s = {"server": server.name, "cause": cause, "round": round_, "id": rid, "step_gaps_ms": gaps}
+    s["cancel_answered_ms"] = answered_ms
     s.update(
         done_ms=done_ms,
         events_before_cause=stream.data_events(),
@@ -207,7 +235,7 @@ def run_job(server: Any, cause: str, round_: int, args: Any) -> dict[str, Any]:
 
 def exclusion(s: dict[str, Any]) -> str | None:
     """Why a prefill run did not measure a cancel mid-prefill (``None``: it did)."""
-    if s["cause"] != PREFILL:
+    if s["cause"] not in (PREFILL, BY_ID_PREFILL):
         return None
     if s["events_before_cause"]:
         return f"{s['events_before_cause']} token(s) arrived before the close: the prefill was over"
@@ -253,9 +281,12 @@ def run(args: Any) -> dict[str, Any]:
             cli.log(f"warm-up {server.name}: {reference[server.name]}")
         for round_ in range(max(args.reps, args.prefill_reps)):
             todo = {DECODE: round_ < args.reps, PREFILL: round_ < args.prefill_reps}
-            todo[DEADLINE] = todo[DECODE]
+            todo[DEADLINE] = todo[BY_ID_DECODE] = todo[DECODE]
+            todo[BY_ID_PREFILL] = todo[PREFILL]
             todo = {c: todo[c] and c in args.causes for c in todo}
-            jobs = [(s, c) for c in todo for s in contestants if todo[c] and (c != DEADLINE or s.name == TS)]
+            jobs = [
+                (s, c) for c in todo for s in contestants if todo[c] and (c not in OWN_CAUSES or s.name == TS)
+            ]
             turn = round_ % len(jobs) if jobs else 0
             for server, cause in jobs[turn:] + jobs[:turn]:
                 wait_idle(running, args, warnings)
@@ -287,7 +318,11 @@ def notes(samples: list[dict[str, Any]], args: Any) -> list[str]:
     return out
 
 
-METRICS = {"idle_ms": "CPU idle − cause (black-box)", "cancel_latency_ms": "cancel_latency_ms (log)"}
+METRICS = {
+    "idle_ms": "CPU idle − cause (black-box)",
+    "cancel_latency_ms": "cancel_latency_ms (log)",
+    "cancel_answered_ms": "cancel call → its answer",
+}
 END = {"completions": "[DONE]", "messages": "message_stop"}  # what ends a stream, per --endpoint
 
 
@@ -299,8 +334,10 @@ def summary(samples: list[dict[str, Any]], cfg: dict[str, Any], step: dict[str, 
         values = [s[key] for s in runs if s.get(key) is not None]
         if (key == "done_ms") != (cause == DEADLINE) or not (d := dist(values)):
             continue
-        bar = {DECODE: step[name] + 10, PREFILL: 100.0, DEADLINE: cfg["deadline"] * 1e3 + 100}[cause]
-        bar = None if cause == PREFILL and key != "idle_ms" else bar
+        # (cancel by id, issue 36: the CPU idle within 100 ms of the cancel call)
+        bars = {DECODE: step[name] + 10, PREFILL: 100.0, DEADLINE: cfg["deadline"] * 1e3 + 100}
+        bar = bars.get(cause, 100.0)
+        bar = None if cause in (PREFILL, BY_ID_PREFILL, BY_ID_DECODE) and key != "idle_ms" else bar
         cpu = dist([s["cpu_after_cause_ms"] for s in runs]) if key == "idle_ms" else None
         cpu_text = f"{cpu['p50']:.0f} / {cpu['max']:.0f}" if cpu else "—"
         end = END[cfg.get("endpoint", "completions")]

@@ -54,6 +54,9 @@ CAUSES = [
     "non_stream_deadline",
     "non_stream_shutdown",
 ]
+#: cancel by id (``POST /v1/requests/{id}/cancel``, docs/operations.md): the plain
+#: matrix's and the dialects' cells
+ID_CAUSES = ["by_id", "non_stream_by_id"]
 PHASES = ["queued", "prefill", "decode", "blocked"]
 #: longer than every phase takes to reach, even on a loaded machine: a stall must never
 #: come before the cause under test (a cancelled request's blocked send is cut after
@@ -267,7 +270,9 @@ def _events(data: bytes) -> list[dict[str, Any] | str]:
 
 #: every cell but three: a non-streaming response sends nothing until it is complete, so
 #: it cannot be blocked on a slow reader
-CELLS = [(c, p) for c in CAUSES for p in PHASES if not (c.startswith("non_stream") and p == "blocked")]
+CELLS = [
+    (c, p) for c in CAUSES + ID_CAUSES for p in PHASES if not (c.startswith("non_stream") and p == "blocked")
+]
 
 
 @pytest.mark.parametrize(("cause", "phase"), CELLS, ids=[f"{c}-{p}" for c, p in CELLS])
@@ -295,6 +300,10 @@ CONSTRAINED = {
 #: the cells of constrained decoding and of n > 1: every cause, the phases with inference
 #: in flight (queued is the plain matrix's: nothing of the request has started)
 EXTRA_CELLS = [(c, p) for c in CAUSES for p in ("prefill", "decode", "blocked") if (c, p) in CELLS]
+#: what GET /v1/requests and the cancel's answer call each phase
+PHASE_NAMES = {"queued": "queued", "prefill": "prefill", "decode": "decode", "blocked": "paused"}
+#: the end cause each cause is recorded with
+END_CAUSE = {"deadline": "deadline", "shutdown": "shutdown", "by_id": "cancelled"}
 
 
 @pytest.mark.parametrize(("cause", "phase"), EXTRA_CELLS, ids=[f"{c}-{p}" for c, p in EXTRA_CELLS])
@@ -470,11 +479,21 @@ async def _cancel_cell(
             pass  # it is already ticking
         elif victim.cause == "shutdown":
             server.server.shutdown()
+        elif victim.cause == "by_id":
+            async with server.client() as client:
+                listed = (await client.get("/v1/requests")).json()["data"]
+                (shown,) = [r for r in listed if r["id"] == victim.request_id]
+                assert shown["phase"] == PHASE_NAMES[phase], shown
+                answer = await client.post(f"/v1/requests/{victim.request_id}/cancel")
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["phase"] == PHASE_NAMES[phase]
+            assert answer.json()["end_cause"] == "cancelled"
+            assert answer.json()["done"] is True  # answered once the request has ended
         else:
             await victim.apply_disconnect()
 
         # --- what the client saw
-        if victim.cause in ("deadline", "shutdown") and phase != "blocked":
+        if victim.cause in ("deadline", "shutdown", "by_id") and phase != "blocked":
             data = await victim.received()
             _check_final_event(victim, data)
         if victim.cause != "shutdown":
@@ -508,7 +527,7 @@ async def _cancel_cell(
     # shows the server idle: wait for it)
     await wait_for(lambda: _has_log_line(caplog, victim.request_id))
     line = _log_line(caplog, victim.request_id)
-    expected_cause = {"deadline": "deadline", "shutdown": "shutdown"}.get(victim.cause, "disconnect")
+    expected_cause = END_CAUSE.get(victim.cause, "disconnect")
     assert f"cause={expected_cause}" in line
     if phase != "queued":
         latency = re.search(r"cancel_latency_ms=([\d.]+)", line)
@@ -528,12 +547,12 @@ async def _cancel_cell(
 
 
 def _check_final_event(victim: Victim, data: bytes) -> None:
-    """Deadline and shutdown: the client is told why its request ended."""
-    cause = victim.cause
+    """Deadline, shutdown, a cancel by id: the client is told why its request ended."""
+    cause = END_CAUSE[victim.cause]
     if not victim.streaming:
         # nothing was sent yet: an HTTP error status instead of a stream
         status = victim.h2.headers.get(b":status") if victim.h2 else data.split(b" ", 2)[1]
-        assert status == (b"504" if cause == "deadline" else b"503"), data[:200]
+        assert status == {"deadline": b"504", "shutdown": b"503", "cancelled": b"409"}[cause], data[:200]
         assert b'"error"' in data
         if victim.dialect == "messages":  # Anthropic's error body
             assert b'"type":"error"' in data, data[-300:]

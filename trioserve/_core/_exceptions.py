@@ -14,6 +14,7 @@ __all__ = [
     "AuthenticationError",
     "BackendError",
     "ChatTemplateError",
+    "ConflictError",
     "ContextLengthError",
     "DeadlineExceededError",
     "HeadersTooLargeError",
@@ -148,8 +149,18 @@ class ServiceUnavailableError(TrioserveError):
         self.retry_after = retry_after
 
 
+class ConflictError(TrioserveError):
+    """The request conflicts with one in flight (its ``X-Request-Id`` is taken)."""
+
+    status = 409
+    error_type = "invalid_request_error"
+    default_code = "conflict"
+    should_retry = False
+
+
 class RequestCancelledError(TrioserveError):
-    """Someone cancelled the request by its id before its response began."""
+    """Someone cancelled the request by its id (or a newer request of its session
+    superseded it) before its response began."""
 
     status = 409
     error_type = "invalid_request_error"

@@ -39,6 +39,7 @@ EndCause = Literal[
     "overloaded",
     "unload",
     "cancelled",
+    "superseded",
 ]
 #: How a backend's generation ends on its own (the rest of :data:`EndCause` is decided
 #: around it).

@@ -88,6 +88,7 @@ __all__ = [
     "cache_salt",
     "key_salt",
     "presented_key",
+    "valid_id",
 ]
 
 logger = logging.getLogger("trioserve.http")
@@ -139,6 +140,16 @@ def cache_salt(scope: Scope, body: bytes, access: AccessPolicy | None) -> str:
         if given is not None:
             return "salt:" + given
     return key_salt(scope, access)
+
+
+#: a client's request and session ids: what they may hold
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
+_ID_RULE = "{name} must be 1 to 128 letters, digits, '.', '_', ':' or '-'"
+
+
+def valid_id(value: str) -> bool:
+    """Whether ``value`` may be a request's or a session's id."""
+    return 0 < len(value) <= 128 and set(value) <= _ID_CHARS
 
 
 def key_salt(scope: Scope, access: AccessPolicy | None) -> str:
@@ -204,12 +215,21 @@ class GenerationHandler:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
         spec = _SPECS[kind]
-        exchange = Exchange(send, _header(scope, b"x-request-id") or uuid.uuid4().hex, renderer(spec))
+        given = _header(scope, b"x-request-id")
+        valid = given is not None and valid_id(given)
+        exchange = Exchange(send, given if given is not None and valid else uuid.uuid4().hex, renderer(spec))
         request = InFlightRequest(scope, exchange, kind)
+        request.owner = self.owner(scope)
         try:
             limit = self.state.settings.max_header_bytes
             if headers_too_large(scope, limit):
                 raise HeadersTooLargeError(f"the request headers exceed the limit of {limit} bytes")
+            if given is not None and not valid:
+                raise InvalidRequestError(_ID_RULE.format(name="X-Request-Id"), param="X-Request-Id")
+            session = _header(scope, b"x-session-id")
+            if session is not None and not valid_id(session):
+                raise InvalidRequestError(_ID_RULE.format(name="X-Session-Id"), param="X-Session-Id")
+            request.session = session
             if scope["method"] != "POST":
                 raise MethodNotAllowedError(f"{scope['path']} accepts POST only, not {scope['method']}")
             await self._serve(request, receive, spec)
@@ -239,6 +259,7 @@ class GenerationHandler:
         finally:
             request.advance(Phase.DONE)
             log_request(self.state.metrics, request)
+            request.done.set()
 
     async def _serve(self, request: InFlightRequest, receive: Receive, spec: DialectSpec) -> None:
         state = self.state
@@ -341,6 +362,7 @@ class GenerationHandler:
         # its own request: its own scope, deadline and log line; nothing to send to
         exchange = Exchange(_nowhere, response_id, renderer(spec))
         job_request = InFlightRequest(request.asgi, exchange, "responses")
+        job_request.owner = owner
         job_request.model = entry.name
         job_request.cancel_scope.deadline = request.cancel_scope.deadline
         job = BackgroundJob(turn, owner, queued, job_request)
@@ -377,6 +399,7 @@ class GenerationHandler:
                 finally:
                     service.jobs.pop(job.turn.id, None)
                     log_request(self.state.metrics, request)
+                    request.done.set()
                     job.done.set()
 
     async def _settle(self, job: BackgroundJob, request: InFlightRequest) -> None:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CANCEL_CAUSES", "END_CAUSES", "Metrics"]
 
-CANCEL_CAUSES = ("disconnect", "stall", "deadline", "shutdown", "unload", "cancelled")
+CANCEL_CAUSES = ("disconnect", "stall", "deadline", "shutdown", "unload", "cancelled", "superseded")
 END_CAUSES = (
     "stop",
     "length",
@@ -31,6 +31,7 @@ END_CAUSES = (
     "shutdown",
     "unload",
     "cancelled",
+    "superseded",
     "error",
 )
 

@@ -59,8 +59,10 @@ class InFlightRequest:
         "cause",
         "choices",
         "connection_cut",
+        "created_at",
         "delivered",
         "dialect",
+        "done",
         "ended_choices",
         "error",
         "events",
@@ -69,8 +71,10 @@ class InFlightRequest:
         "load_wait",
         "model",
         "on_end",
+        "owner",
         "phase",
         "reservation",
+        "session",
         "started",
         "tokens_at_cancel",
         "watch_scope",
@@ -81,8 +85,17 @@ class InFlightRequest:
         self.exchange = exchange
         self.kind: Kind = kind
         self.phase = Phase.RECEIVING
-        #: ``time.perf_counter()`` when the request arrived
+        #: ``time.perf_counter()`` when the request arrived (and the wall clock's time)
         self.started = time.perf_counter()
+        self.created_at = time.time()
+        #: whose request it is: its API key's salt (``""`` without keys): who may list
+        #: and cancel it besides an admin key
+        self.owner = ""
+        #: its ``X-Session-Id``: a newer request of the same owner and session
+        #: supersedes it (cancels it, cause ``superseded``)
+        self.session: str | None = None
+        #: set once the request is done (its log line written)
+        self.done = trio.Event()
         #: the one scope every cause cancels; its deadline is set when the request is parsed
         self.cancel_scope = trio.CancelScope()
         #: why the request ended (``None`` while nothing has ended it)

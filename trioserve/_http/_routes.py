@@ -55,6 +55,7 @@ from ._exchange import (
 )
 from ._generation import GENERATION_PATHS, GenerationHandler, key_salt, presented_key
 from ._lifecycle import INLINE_PARSE_BYTES
+from ._requests_routes import add_request_routes
 from ._state import ServerState
 from ._stored_routes import add_stored_routes
 
@@ -437,6 +438,7 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
         return _json_response({"object": "response.input_tokens", "input_tokens": tokens})
 
     add_stored_routes(app, state, access)
+    add_request_routes(app, state, access)
 
     @app.errorhandler(404)
     async def not_found(_error: Exception) -> Response:

@@ -9,7 +9,7 @@ import trio
 
 from .._core._admission import Admission
 from .._core._engine import Engine
-from .._core._exceptions import ServiceUnavailableError
+from .._core._exceptions import ConflictError, ServiceUnavailableError
 from .._core._registry import Lease, ModelEntry, ModelRegistry
 from .._core._types import EndCause
 from .._wire import ChatFormat, chat_format_for
@@ -32,6 +32,13 @@ class ServerState:
     #: the server's stall timeout: a send blocked this long ends the request (cause ``stall``)
     stall_timeout: float | None = None
     requests: set[InFlightRequest] = field(default_factory=set[InFlightRequest])
+    #: the requests in flight by (owner, request id), and by (owner, session)
+    by_id: dict[tuple[str, str], InFlightRequest] = field(
+        default_factory=dict[tuple[str, str], InFlightRequest]
+    )
+    by_session: dict[tuple[str, str], InFlightRequest] = field(
+        default_factory=dict[tuple[str, str], InFlightRequest]
+    )
     metrics: Metrics = field(default_factory=Metrics)
     #: the stored Responses (``None``: the server stores none: ``--responses-db off``)
     responses: StoredResponses | None = None
@@ -44,14 +51,46 @@ class ServerState:
     )
 
     def add_request(self, request: InFlightRequest) -> None:
+        """Track ``request`` (409 if its owner has one of the same id in flight); a
+        request of a session supersedes the one of that session in flight (cancelled,
+        cause ``superseded``)."""
+        key = (request.owner, request.exchange.request_id)
+        if key in self.by_id:
+            raise ConflictError(
+                f"a request with the id {key[1]!r} is in flight for this API key; send another "
+                "X-Request-Id (or none: one is generated)",
+                param="X-Request-Id",
+            )
+        self.by_id[key] = request
+        if request.session is not None:
+            session = (request.owner, request.session)
+            previous = self.by_session.get(session)
+            if previous is not None:
+                previous.cancel("superseded")
+            self.by_session[session] = request
         self.requests.add(request)
         if self._idle.is_set():
             self._idle = trio.Event()
 
     def remove_request(self, request: InFlightRequest) -> None:
+        key = (request.owner, request.exchange.request_id)
+        if self.by_id.get(key) is request:
+            del self.by_id[key]
+        if request.session is not None:
+            session = (request.owner, request.session)
+            if self.by_session.get(session) is request:
+                del self.by_session[session]
         self.requests.discard(request)
         if not self.requests:
             self._idle.set()
+
+    def find_requests(self, request_id: str, owner: str, *, admin: bool = False) -> list[InFlightRequest]:
+        """The requests in flight with ``request_id``: ``owner``'s, or anyone's for an
+        admin key."""
+        if not admin:
+            found = self.by_id.get((owner, request_id))
+            return [found] if found is not None else []
+        return [request for (_, rid), request in self.by_id.items() if rid == request_id]
 
     async def wait_idle(self) -> None:
         """Return once no request is in flight."""

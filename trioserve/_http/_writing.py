@@ -249,7 +249,18 @@ class ResponseWriter:
                 )
             elif cause == "cancelled":
                 await exchange.error(
-                    RequestCancelledError("the request was cancelled by its id before its response began")
+                    RequestCancelledError(
+                        "the request was cancelled by its id (POST /v1/requests/{id}/cancel) before its "
+                        "response began"
+                    )
+                )
+            elif cause == "superseded":
+                await exchange.error(
+                    RequestCancelledError(
+                        "a newer request of the same session (X-Session-Id) replaced this one before its "
+                        "response began",
+                        code="superseded",
+                    )
                 )
             elif cause == "unload":
                 await exchange.error(

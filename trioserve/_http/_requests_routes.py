@@ -1,0 +1,131 @@
+"""Requests by id (docs/operations.md, "Requests by id"): list the caller's requests in
+flight, cancel one from outside — in any phase, the same teardown as a disconnect.
+An API key sees and cancels its own requests; an admin key, everyone's."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+import trio
+from quart import Response
+from quart_trio import QuartTrio
+
+from .._core._exceptions import NotFoundError, TrioserveError
+from .._wire import encode_json
+from ._access import AccessPolicy
+from ._errors import render_error
+from ._exchange import Scope
+from ._generation import key_salt, presented_key
+from ._lifecycle import FINAL_EVENT_TIMEOUT
+from ._request import InFlightRequest, Phase
+from ._state import ServerState
+
+__all__ = ["add_request_routes", "phase_of"]
+
+#: how long a cancel waits for the request to end (its final event is bounded by
+#: FINAL_EVENT_TIMEOUT; a background response's end is stored after it)
+_CANCEL_WAIT = FINAL_EVENT_TIMEOUT + 5.0
+
+
+def phase_of(request: InFlightRequest) -> str:
+    """Where a request is, in words: ``receiving`` (its body), ``loading`` (its model),
+    ``queued`` (for a slot), ``prefill``, ``decode``, ``paused`` (its reader is slow:
+    the stream's buffer is full), ``finishing``, ``done``."""
+    phase = request.phase
+    if phase is Phase.RECEIVING:
+        return "receiving"
+    if phase is Phase.LOADING:
+        return "loading"
+    if phase >= Phase.FINISHING:
+        return "finishing" if phase is Phase.FINISHING else "done"
+    events = request.events
+    if events is None:
+        return "queued"
+    if events.progress.completion_tokens == 0:
+        return "prefill"
+    if events.buffered_room == 0:
+        return "paused"
+    return "decode"
+
+
+def _describe(request: InFlightRequest) -> dict[str, Any]:
+    events = request.events
+    return {
+        "id": request.exchange.request_id,
+        "object": "request",
+        "model": request.model,
+        "endpoint": request.kind,
+        "phase": phase_of(request),
+        "session": request.session,
+        "created": int(request.created_at),
+        "elapsed_ms": round((time.perf_counter() - request.started) * 1000.0, 1),
+        "prompt_tokens": events.progress.prompt_tokens if events is not None else None,
+        "completion_tokens": events.progress.completion_tokens if events is not None else 0,
+    }
+
+
+def add_request_routes(app: QuartTrio, state: ServerState, access: AccessPolicy | None) -> None:
+    """Add ``GET /v1/requests``, ``POST /v1/requests/{id}/cancel`` and
+    ``DELETE /v1/requests/{id}`` to ``app``."""
+
+    def caller() -> tuple[str, bool]:
+        from quart import request
+
+        scope = cast("Scope", request.scope)
+        key = presented_key(scope)
+        admin = access is not None and key is not None and access.key_is_admin(key)
+        return key_salt(scope, access), admin
+
+    def json(body: dict[str, Any], status: int = 200) -> Response:
+        return Response(encode_json(body), status=status, content_type="application/json")
+
+    @app.get("/v1/requests")
+    async def list_requests() -> Response:
+        owner, admin = caller()
+        mine = [r for r in state.requests if admin or r.owner == owner]
+        mine.sort(key=lambda r: r.started)
+        return json({"object": "list", "data": [_describe(r) for r in mine]})
+
+    async def cancel(request_id: str) -> Response:
+        owner, admin = caller()
+        found = state.find_requests(request_id, owner, admin=admin)
+        if not found:
+            status, headers, body = render_error(
+                NotFoundError(
+                    f"no request {request_id!r} in flight for this API key (it ended, or never was)",
+                    param="request_id",
+                )
+            )
+            return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
+        phases = [phase_of(r) for r in found]
+        for request in found:
+            request.cancel("cancelled")
+        with trio.move_on_after(_CANCEL_WAIT):
+            for request in found:
+                await request.done.wait()
+        first = found[0]
+        return json(
+            {
+                "id": request_id,
+                "object": "request",
+                "cancelled": True,
+                # the phase it was in when the cancel came
+                "phase": phases[0],
+                "model": first.model,
+                "end_cause": first.cause,
+                "done": all(r.done.is_set() for r in found),
+            }
+        )
+
+    @app.post("/v1/requests/<request_id>/cancel")
+    async def cancel_request(request_id: str) -> Response:
+        try:
+            return await cancel(request_id)
+        except TrioserveError as exc:  # (none expected: kept in the error shape)
+            status, headers, body = render_error(exc)
+            return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
+
+    @app.delete("/v1/requests/<request_id>")
+    async def delete_request(request_id: str) -> Response:
+        return await cancel_request(request_id)
