@@ -179,14 +179,14 @@ def run_job(server: Any, cause: str, round_: int, args: Any) -> dict[str, Any]:
     prefill = cause in (PREFILL, BY_ID_PREFILL)
     payload = request(server, args, rid, 5) if prefill else request(server, args, None, 2000)
     stream = open_stream(server, payload, headers, args)
-    answered_ms = None
+    answered_ms, events_at_cause = None, None
     if cause in (BY_ID_DECODE, BY_ID_PREFILL):
         if cause == BY_ID_DECODE:
             if not stream.read_until(lambda: stream.data_events() >= args.events, stream.sent_at + 60):
                 raise RuntimeError(f"{server.name} {rid}: {stream.data_events()} events in 60 s")
         else:
             stream.read_until(lambda: False, stream.sent_at + args.prefill_delay)
-        t_cause = time.perf_counter()
+        t_cause, events_at_cause = time.perf_counter(), stream.data_events()
         answer = httpx.post(f"{server.url}/v1/requests/{rid}/cancel", timeout=30)
         answered_ms = (time.perf_counter() - t_cause) * 1e3
         if answer.status_code != 200:
@@ -217,7 +217,7 @@ def run_job(server: Any, cause: str, round_: int, args: Any) -> dict[str, Any]:
     s["cancel_answered_ms"] = answered_ms
     s.update(
         done_ms=done_ms,
-        events_before_cause=stream.data_events(),
+        events_before_cause=stream.data_events() if events_at_cause is None else events_at_cause,
         finish_reason=stream.finish_reason(),
         end_cause=stream.end_cause(),
     )
@@ -306,7 +306,10 @@ def notes(samples: list[dict[str, Any]], args: Any) -> list[str]:
         where = f"{s['server']} {s['cause']} round {s['round']} ({s['id']})"
         out += [f"{where}: left out: {s['excluded']}"] if s["excluded"] else []
         out += [f"{where}: CPU not idle within {args.idle_cap:g} s"] if s.get("idle_ms") == math.inf else []
-        expected, end = "deadline" if s["cause"] == DEADLINE else "disconnect", END[args.endpoint]
+        expected = {DEADLINE: "deadline", BY_ID_DECODE: "cancelled", BY_ID_PREFILL: "cancelled"}.get(
+            s["cause"], "disconnect"
+        )
+        end = END[args.endpoint]
         logged = (s["log_cause"], s["cancel_latency_ms"])
         if s["server"] == servers.TRIOSERVE and (logged[0] != expected or logged[1] is None):
             out.append(f"{where}: log cause, cancel_latency_ms {logged}; expected {expected}")

@@ -27,10 +27,11 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True}
 
 
 @pytest.fixture
-async def server(llama_backend: LlamaBackend, nursery: trio.Nursery) -> AsyncIterator[RunningServer]:
+async def server(batched_backend: LlamaBackend, nursery: trio.Nursery) -> AsyncIterator[RunningServer]:
+    """Two sequences: a second request runs beside the one in flight."""
     running = await start_server(
         nursery,
-        llama_backend,
+        batched_backend,
         api_keys=(KEY, OTHER),
         admin_keys=(ADMIN,),
         shutdown_grace=0.0,
@@ -38,6 +39,14 @@ async def server(llama_backend: LlamaBackend, nursery: trio.Nursery) -> AsyncIte
     )
     yield running
     running.server.shutdown()
+
+
+async def _idle(server: RunningServer) -> None:
+    """Until nothing runs (``/health`` says little without a key: read the engine)."""
+    engine = server.engine
+    admission = engine.admission
+    await wait_for(lambda: not engine.streams and admission.in_use == 0 and not admission.queued)
+    assert engine.backend.generations.running == 0
 
 
 def _client(server: RunningServer, key: str) -> httpx.AsyncClient:
@@ -81,7 +90,7 @@ async def test_ids_are_listed_by_owner_and_cancelled_from_another_connection(ser
         assert b"data: [DONE]" in data
     finally:
         await stream.aclose()
-    await server.wait_idle(limit=3.0)
+    await _idle(server)
 
 
 async def test_an_id_in_flight_is_taken_and_a_bad_id_is_refused(server: RunningServer) -> None:
@@ -109,11 +118,11 @@ async def test_an_id_in_flight_is_taken_and_a_bad_id_is_refused(server: RunningS
             assert [r["id"] for r in (await mine.get("/v1/requests")).json()["data"]] == ["twice"]
     finally:
         await stream.aclose()
-    await server.wait_idle(limit=3.0)
+    await _idle(server)
 
 
 async def test_in_a_session_the_latest_request_wins(
-    server: RunningServer, llama_backend: LlamaBackend, caplog: pytest.LogCaptureFixture
+    server: RunningServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Twenty requests of one session, 50 ms apart (an editor's keystrokes): each
     arrival cancels the one before it (cause ``superseded``, the thread out within the
@@ -160,5 +169,4 @@ async def test_in_a_session_the_latest_request_wins(
             assert "cause=length" in line or "cause=stop" in line, line
     assert superseded >= 1
     assert b'"end_cause"' not in data  # the other session's stream ended on its own
-    await server.wait_idle(limit=3.0)
-    assert llama_backend.generations.running == 0
+    await _idle(server)
