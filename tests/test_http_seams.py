@@ -121,9 +121,9 @@ async def test_a_large_body_is_parsed_off_the_event_loop(monkeypatch: Any) -> No
     threads: list[threading.Thread] = []
     real = GenerationHandler._parse
 
-    def parse(self: GenerationHandler, kind: Any, body: bytes, chat_format: Any) -> Any:
+    def parse(self: GenerationHandler, kind: Any, body: bytes, chat_format: Any, stored: Any) -> Any:
         threads.append(threading.current_thread())
-        return real(self, kind, body, chat_format)
+        return real(self, kind, body, chat_format, stored)
 
     monkeypatch.setattr(GenerationHandler, "_parse", parse)
     backend = ScriptedBackend(script=[b"a"], context_length=1 << 20)
