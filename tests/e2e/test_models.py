@@ -459,7 +459,7 @@ async def test_a_conversation_comes_back_after_a_swap_from_the_host_tier_and_sta
     assert results["swapped"][0] == results["stayed"][0] == expected
 
 
-LOAD_CAUSES = ["close", "non_stream_close", "deadline", "non_stream_deadline", "shutdown", "library"]
+LOAD_CAUSES = ["close", "non_stream_close", "deadline", "non_stream_deadline", "shutdown", "library", "by_id"]
 
 
 @pytest.mark.parametrize("cause", LOAD_CAUSES)
@@ -481,8 +481,9 @@ async def test_cancel_cell_loading(
     before = LlamaBackend.loaded
     gamma.gate.clear()
     responses: list[httpx.Response] = []
-    stream = cause in ("close", "deadline", "shutdown")
+    stream = cause in ("close", "deadline", "shutdown", "by_id")
     headers = {"X-Request-Timeout": "1"} if "deadline" in cause else {}
+    headers["X-Request-Id"] = "loading-victim"
     body = {"model": "gamma", "prompt": "Hi", "max_tokens": 4, "stream": stream}
     async with trio.open_nursery() as requests:
         if cause == "library":
@@ -504,6 +505,10 @@ async def test_cancel_cell_loading(
             requests.cancel_scope.cancel()
         elif cause == "shutdown":
             server.shutdown()
+        elif cause == "by_id":  # (POST /v1/requests/{id}/cancel, from another connection)
+            answer = await client_for(url).post("/v1/requests/loading-victim/cancel")
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["phase"] == "loading"
         # (a deadline passes by itself)
     await wait_for(lambda: _load_over_or_aborted(registry, "gamma"), limit=10)
     gamma.gate.set()
@@ -516,9 +521,14 @@ async def test_cancel_cell_loading(
         assert responses[0].json()["error"]["code"] == "deadline_exceeded"
     elif cause == "shutdown":
         assert responses[0].status_code == 503
+    elif cause == "by_id":  # (nothing was sent before the model loaded)
+        assert responses[0].status_code == 409
+        assert responses[0].json()["error"]["code"] == "request_cancelled"
     if cause != "library":
         await wait_for(lambda: "/v1/completions model=gamma" in caplog.text)
-        expected = {"close": "disconnect", "non_stream_close": "disconnect"}.get(cause, cause.split("_")[-1])
+        expected = {"close": "disconnect", "non_stream_close": "disconnect", "by_id": "cancelled"}.get(
+            cause, cause.split("_")[-1]
+        )
         assert f"cause={expected}" in caplog.text
     server.shutdown()
 

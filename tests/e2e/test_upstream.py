@@ -296,6 +296,38 @@ async def test_client_disconnect_makes_the_upstream_go_idle(
 
 
 @pytest.mark.model
+async def test_a_cancel_by_id_in_the_relay_makes_the_upstream_go_idle(
+    upstream: LlamaUpstream, llama_front: RunningServer
+) -> None:
+    """Cancel by id (``POST /v1/requests/{id}/cancel``) of a relayed stream: the same
+    teardown as a disconnect — the upstream connection closed, the upstream idle."""
+    body = {"prompt": "Once upon a time", "max_tokens": 1500, "stream": True, "logit_bias": _NO_EOS}
+    client = await RawStream.post(llama_front.url, "/v1/completions", body, {"X-Request-Id": "relayed"})
+    try:
+        with trio.fail_after(60):
+            await client.read_until(b"data: ", 8)
+        async with llama_front.client() as other:
+            listed = (await other.get("/v1/requests")).json()["data"]
+            assert [r["phase"] for r in listed] == ["decode"]
+            cancelled = time.perf_counter()
+            ticks_at_cancel = _cpu_ticks(upstream.pid)
+            answer = await other.post("/v1/requests/relayed/cancel")
+        assert answer.status_code == 200, answer.text
+        with trio.fail_after(10):
+            await client.read_to_eof_or(b"0\r\n\r\n")
+    finally:
+        await client.aclose()
+    assert b'"end_cause":"cancelled"' in client.received
+    idle_after = await _seconds_until_idle(upstream.pid, cancelled)
+    cpu_after = (_cpu_ticks(upstream.pid) - ticks_at_cancel) / os.sysconf("SC_CLK_TCK")
+    cpu = f"{cpu_after * 1000:.0f} ms CPU"
+    print(f"\n{upstream.kind} upstream: idle {idle_after * 1000:.0f} ms after the cancel ({cpu})")
+    assert idle_after < 1.0, f"the upstream kept using CPU for {idle_after * 1000:.0f} ms after the cancel"
+    health = await llama_front.wait_idle()
+    assert health["generations_running"] == 0
+
+
+@pytest.mark.model
 async def test_deadline_ends_the_stream_and_the_upstream_request(
     upstream: LlamaUpstream, llama_front: RunningServer
 ) -> None:

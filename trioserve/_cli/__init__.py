@@ -110,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_aliases=tuple(args.model_alias),
             keep_billing_header=args.keep_billing_header,
             responses_db=_models.responses_db(args.responses_db),
+            otlp_endpoint=args.otlp_endpoint or None,
+            service_name=args.service_name,
             responses_max_age=args.responses_max_age * 86400.0,
             responses_max_bytes=int(args.responses_max_mb * (1 << 20)),
             request_limits=RequestLimits(
@@ -124,7 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
         ),
     )
-    server = Server(models, settings)
+    try:
+        server = Server(models, settings)
+    except RuntimeError as exc:  # e.g. --otlp-endpoint without the otel extra
+        logger.error("%s", exc)
+        return 2
     logger.info("trioserve %s (pid %d): loading %s", _version(), os.getpid(), description)
     if settings.api_keys or settings.admin_keys:
         logger.info(

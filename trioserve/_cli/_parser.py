@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from .._wire._limits import RequestLimits
@@ -430,6 +431,19 @@ def _dialects(serve: argparse.ArgumentParser) -> None:
 
 
 def _logging(serve: argparse.ArgumentParser) -> None:
-    group = serve.add_argument_group("logging")
+    group = serve.add_argument_group("logging and tracing")
+    group.add_argument(
+        "--otlp-endpoint",
+        default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+        metavar="URL",
+        help="export a span per generation request (its phases as children, parented to the "
+        "client's traceparent) to this OTLP/HTTP traces URL, e.g. http://127.0.0.1:4318/v1/traces "
+        "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; needs the otel extra)",
+    )
+    group.add_argument(
+        "--service-name",
+        default=os.environ.get("OTEL_SERVICE_NAME", "trioserve"),
+        help="the spans' service.name (default: $OTEL_SERVICE_NAME or trioserve)",
+    )
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     group.add_argument("--log-format", default="human", choices=["human", "json"])

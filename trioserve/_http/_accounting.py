@@ -23,8 +23,9 @@ ENDPOINTS: dict[Kind, str] = {
 }
 
 
-def log_request(metrics: Metrics, request: InFlightRequest) -> None:
-    """The request's one log line, and its metrics."""
+def log_request(metrics: Metrics, request: InFlightRequest) -> Usage | None:
+    """The request's one log line, and its metrics; its usage (``None``: it never
+    reached inference)."""
     exchange = request.exchange
     duration = time.perf_counter() - request.started
     events = request.events
@@ -70,7 +71,7 @@ def log_request(metrics: Metrics, request: InFlightRequest) -> None:
             metrics.prefill.observe(events.progress.prefill_seconds)
     request_logger.info(
         "request %s %s model=%s status=%s cause=%s prompt_tokens=%s cached_tokens=%s "
-        "completion_tokens=%s ttft_ms=%s duration_ms=%.1f%s%s%s%s%s",
+        "completion_tokens=%s ttft_ms=%s duration_ms=%.1f%s%s%s%s%s%s",
         exchange.request_id,
         path,
         request.model or "-",
@@ -86,7 +87,9 @@ def log_request(metrics: Metrics, request: InFlightRequest) -> None:
         f" draft_accepted={accepted}/{proposed}" if proposed else "",
         f" cancel_latency_ms={cancel_latency * 1000:.2f}" if cancel_latency is not None else "",
         f" error={request.error!r}" if request.error else "",
+        f" trace_id={request.trace_id}" if request.trace_id else "",
     )
+    return usage
 
 
 def _cache_split(usage: Usage | None) -> str:

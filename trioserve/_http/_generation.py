@@ -36,6 +36,7 @@ from .._core._exceptions import (
     TrioserveError,
 )
 from .._core._registry import ModelEntry
+from .._core._tracing import TRACEPARENT
 from .._core._types import EndCause
 from .._wire import (
     SPECS,
@@ -51,6 +52,7 @@ from .._wire import (
     responses_reply,
 )
 from ._access import AccessPolicy
+from ._accounting import ENDPOINTS as ENDPOINT_PATHS
 from ._accounting import log_request
 from ._errors import renderer
 from ._exchange import (
@@ -220,6 +222,10 @@ class GenerationHandler:
         exchange = Exchange(send, given if given is not None and valid else uuid.uuid4().hex, renderer(spec))
         request = InFlightRequest(scope, exchange, kind)
         request.owner = self.owner(scope)
+        tracing = self.state.tracing
+        tracing.begin(request, ENDPOINT_PATHS[kind])
+        # (the request's child tasks inherit it: its upstream calls carry the trace)
+        traced = TRACEPARENT.set(request.traceparent)
         try:
             limit = self.state.settings.max_header_bytes
             if headers_too_large(scope, limit):
@@ -257,8 +263,9 @@ class GenerationHandler:
                 request.end("error" if isinstance(exc, Exception) else "shutdown")
             raise
         finally:
+            TRACEPARENT.reset(traced)
             request.advance(Phase.DONE)
-            log_request(self.state.metrics, request)
+            tracing.end(request, log_request(self.state.metrics, request))
             request.done.set()
 
     async def _serve(self, request: InFlightRequest, receive: Receive, spec: DialectSpec) -> None:
@@ -363,6 +370,7 @@ class GenerationHandler:
         exchange = Exchange(_nowhere, response_id, renderer(spec))
         job_request = InFlightRequest(request.asgi, exchange, "responses")
         job_request.owner = owner
+        self.state.tracing.begin(job_request, "/v1/responses")
         job_request.model = entry.name
         job_request.cancel_scope.deadline = request.cancel_scope.deadline
         job = BackgroundJob(turn, owner, queued, job_request)
@@ -383,6 +391,7 @@ class GenerationHandler:
         assert service is not None
         assert job.request is not None
         request = job.request
+        TRACEPARENT.set(request.traceparent)  # (this task's own context: the job's trace)
         try:
             ask = StoredAsk(job.turn.previous_id, background=True)
             await self._run(request, _never_disconnects, spec, body, entry, ask)
@@ -398,7 +407,7 @@ class GenerationHandler:
                     await self._settle(job, request)
                 finally:
                     service.jobs.pop(job.turn.id, None)
-                    log_request(self.state.metrics, request)
+                    self.state.tracing.end(request, log_request(self.state.metrics, request))
                     request.done.set()
                     job.done.set()
 

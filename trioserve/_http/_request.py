@@ -19,7 +19,7 @@ import enum
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import trio
 
@@ -73,10 +73,14 @@ class InFlightRequest:
         "on_end",
         "owner",
         "phase",
+        "phase_at",
         "reservation",
         "session",
+        "span",
         "started",
         "tokens_at_cancel",
+        "trace_id",
+        "traceparent",
         "watch_scope",
     )
 
@@ -85,6 +89,8 @@ class InFlightRequest:
         self.exchange = exchange
         self.kind: Kind = kind
         self.phase = Phase.RECEIVING
+        #: ``time.perf_counter()`` when each phase began (0.0: not reached)
+        self.phase_at = [0.0] * len(Phase)
         #: ``time.perf_counter()`` when the request arrived (and the wall clock's time)
         self.started = time.perf_counter()
         self.created_at = time.time()
@@ -96,6 +102,11 @@ class InFlightRequest:
         self.session: str | None = None
         #: set once the request is done (its log line written)
         self.done = trio.Event()
+        #: its server span (tracing on: ``_tracing.Tracing``), the ``traceparent`` its
+        #: upstream calls carry, and its trace id (for the log line)
+        self.span: Any = None
+        self.traceparent: str | None = None
+        self.trace_id: str | None = None
         #: the one scope every cause cancels; its deadline is set when the request is parsed
         self.cancel_scope = trio.CancelScope()
         #: why the request ended (``None`` while nothing has ended it)
@@ -137,6 +148,8 @@ class InFlightRequest:
         """Move to ``phase``; never back."""
         if phase < self.phase:
             raise RuntimeError(f"a request cannot go back from {self.phase.name} to {phase.name}")
+        if phase != self.phase:
+            self.phase_at[phase] = time.perf_counter()
         self.phase = phase
 
     def set_timeout(self, timeout: float | None) -> None:

@@ -33,6 +33,7 @@ from ._routes import create_app
 from ._settings import HTTPSettings
 from ._state import ServerState
 from ._stored import StoredResponses, open_stored_responses
+from ._tracing import Tracing
 
 __all__ = ["Server", "ServerSettings", "serve_until_signalled"]
 
@@ -148,7 +149,12 @@ class Server:
         self.ready = trio.Event()
         #: set when :meth:`run` has finished: every request and the backend are closed
         self.stopped = trio.Event()
-        self.state = ServerState(settings=self.settings.http, stall_timeout=self.settings.stall_timeout)
+        http = self.settings.http
+        self.state = ServerState(
+            settings=http,
+            stall_timeout=self.settings.stall_timeout,
+            tracing=Tracing(http.otlp_endpoint, service=http.service_name),
+        )
         self.state.metrics.bind_registry(self.registry)
         self.registry.on_unloaded.append(lambda _entry, engine: self.state.forget(engine))
         self._last_engine: Engine | None = None
@@ -244,6 +250,9 @@ class Server:
                             await self._drain(0.0)
             finally:
                 nursery.cancel_scope.cancel()
+                if self.state.tracing.enabled:
+                    with trio.CancelScope(shield=True):  # (what is left goes out; bounded)
+                        await trio.to_thread.run_sync(self.state.tracing.shutdown)
 
     def _stored_responses(self) -> contextlib.AbstractAsyncContextManager[StoredResponses | None]:
         """The stored Responses, if the settings keep any (``responses_db``)."""

@@ -39,6 +39,10 @@ class HTTPSettings:
             ``previous_response_id`` and ``background`` are refused).
         responses_max_age: seconds a stored response is kept.
         responses_max_bytes: the stored responses' JSON, at most (oldest out).
+        otlp_endpoint: an OTLP/HTTP traces URL to export a span per request to (the
+            ``otel`` extra); ``None``: no spans (a client's ``traceparent`` still goes
+            on to upstreams).
+        service_name: the ``service.name`` of the spans.
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
@@ -56,3 +60,5 @@ class HTTPSettings:
     responses_db: str | None = None
     responses_max_age: float = 30 * 86400.0
     responses_max_bytes: int = 512 << 20
+    otlp_endpoint: str | None = None
+    service_name: str = "trioserve"

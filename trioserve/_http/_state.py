@@ -17,6 +17,7 @@ from ._metrics import Metrics
 from ._request import InFlightRequest
 from ._settings import HTTPSettings
 from ._stored import StoredResponses
+from ._tracing import Tracing
 
 __all__ = ["ServerState"]
 
@@ -42,6 +43,8 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     #: the stored Responses (``None``: the server stores none: ``--responses-db off``)
     responses: StoredResponses | None = None
+    #: the tracer (no spans unless an OTLP endpoint is configured)
+    tracing: Tracing = field(default_factory=Tracing)
     _idle: trio.Event = field(default_factory=trio.Event)
     _formats: dict[int, tuple[Engine, ChatFormat]] = field(
         default_factory=dict[int, tuple[Engine, ChatFormat]]

@@ -9,7 +9,7 @@ Promises:
   a socket with a small receive buffer: a client that stops reading stops the upstream;
 * a cancel closes the upstream connection (HTTP/1.1, never pooled) before ``Cancelled``
   propagates; the time left on the request's deadline goes upstream as
-  ``X-Request-Timeout``.
+  ``X-Request-Timeout``, the request's trace as ``traceparent``.
 
 Why: ``docs/deployment.md``, "What each layer cancels".
 """
@@ -30,6 +30,7 @@ import trio
 
 from ..._core._backend import GenerationProgress
 from ..._core._channel import PieceChannel
+from ..._core._tracing import TRACEPARENT
 from ..._core._types import GenerationEnd
 from ..._wire._sse import SSEDecoder
 from ..._wire._upstream import (
@@ -138,6 +139,9 @@ class UpstreamClient:
 
     def _headers(self, accept: str = "text/event-stream") -> dict[str, str]:
         headers = {"Accept": accept, **self._auth_headers()}
+        traceparent = TRACEPARENT.get()
+        if traceparent is not None:
+            headers["traceparent"] = traceparent  # (the request's trace goes on upstream)
         deadline = trio.current_effective_deadline()
         if deadline != math.inf:
             # rounded up to the millisecond: the upstream's deadline must not come first
