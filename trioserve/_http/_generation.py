@@ -400,14 +400,24 @@ class GenerationHandler:
         except Exception as exc:
             logger.exception("background response %s failed", job.turn.id)
             request.end("error", f"{type(exc).__name__}: {exc}")
+        except BaseException:  # cancelled from outside its scope: the server is stopping
+            if request.cause is None:
+                request.end("shutdown")
+            raise
         finally:
             request.advance(Phase.DONE)
             with trio.CancelScope(shield=True):
+                # (a store, log or export failure is logged: never the server's nursery's)
                 try:
                     await self._settle(job, request)
+                except Exception:
+                    logger.exception("background response %s: its end could not be stored", job.turn.id)
                 finally:
                     service.jobs.pop(job.turn.id, None)
-                    self.state.tracing.end(request, log_request(self.state.metrics, request))
+                    try:
+                        self.state.tracing.end(request, log_request(self.state.metrics, request))
+                    except Exception:
+                        logger.exception("background response %s: its log line failed", job.turn.id)
                     request.done.set()
                     job.done.set()
 

@@ -109,7 +109,8 @@ def add_request_routes(app: QuartTrio, state: ServerState, access: AccessPolicy 
             {
                 "id": request_id,
                 "object": "request",
-                "cancelled": True,
+                # (false: it had ended on its own before the cancel reached it)
+                "cancelled": first.cause == "cancelled",
                 # the phase it was in when the cancel came
                 "phase": phases[0],
                 "model": first.model,

@@ -166,6 +166,20 @@ class ResponseStore:
             self._db.execute("DELETE FROM responses WHERE id = ?", (row_id,))
             gone += size
 
+    def settle_unfinished(self) -> int:
+        """Background responses a killed process left ``queued`` or ``in_progress``:
+        stored ``incomplete`` with cause ``shutdown`` (a client polling them must see
+        an end); how many."""
+        cause = json.dumps(
+            {"end_cause": "shutdown", "message": "the server stopped before this response was complete"}
+        )
+        with self._lock, self._db:
+            return self._db.execute(
+                "UPDATE responses SET status = 'incomplete', body = json_set(body, '$.status', "
+                "'incomplete', '$.trioserve', json(?)) WHERE status IN ('queued', 'in_progress')",
+                (cause,),
+            ).rowcount
+
     def get(self, response_id: str, owner: str) -> StoredResponse | None:
         """The response, if it exists and belongs to ``owner`` (else ``None``: another
         key's response is not told apart from a missing one)."""
@@ -289,7 +303,7 @@ class StoredResponses:
         for response in chain:
             history += response.input_items
             history += response.output_items
-        return StoredContext(history=tuple(history), response_id=response_id)
+        return StoredContext(history=tuple(history), response_id=response_id, previous_id=previous_id)
 
     async def record(self, turn: StoredTurn, owner: str, body: dict[str, Any] | None = None) -> None:
         """Store ``turn`` with ``body`` (by default the last response object its dialect
@@ -334,7 +348,13 @@ async def open_stored_responses(
     a nursery for background responses; on the way out the nursery is waited for (the
     server's drain has cancelled what runs) and the database closed."""
     path = None if where == "memory" else Path(where)
-    store = await trio.to_thread.run_sync(lambda: ResponseStore(path, max_age=max_age, max_bytes=max_bytes))
+
+    def open_store() -> ResponseStore:
+        store = ResponseStore(path, max_age=max_age, max_bytes=max_bytes)
+        store.settle_unfinished()
+        return store
+
+    store = await trio.to_thread.run_sync(open_store)
     try:
         async with trio.open_nursery() as nursery:
             yield StoredResponses(store, nursery)

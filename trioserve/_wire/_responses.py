@@ -56,6 +56,9 @@ class StoredContext:
     history: tuple[dict[str, Any], ...] = ()
     #: a background response's id; ``None``: a foreground request
     response_id: str | None = None
+    #: the ``previous_response_id`` whose conversation ``history`` is (the body must
+    #: name the same one: else 400, never a prompt without its history)
+    previous_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +66,8 @@ class StoredAsk:
     """What a Responses body asks of the store, read before the body is decoded in
     full: the response it continues, whether it runs in the background."""
 
-    previous_response_id: str | None = None
-    background: bool = False
+    previous_response_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    background: bool | None = None
 
 
 class InputContent(msgspec.Struct, kw_only=True):
@@ -409,6 +412,12 @@ def responses_conversation(
     ``limits``: the stored conversation it continues (``stored.history``), then its
     own ``input``."""
     _check(request, stored)
+    if stored is not None and request.previous_response_id != stored.previous_id:
+        # (the store was read for another id than the body names: never run without it)
+        raise InvalidRequestError(
+            "previous_response_id could not be read; send it as a string of 1 to 256 characters",
+            param="previous_response_id",
+        )
     if not request.input:
         raise InvalidRequestError("input is required: a text or a list of items", param="input")
     _check_sizes(request, limits)

@@ -134,3 +134,20 @@ async def test_the_async_store_runs_in_a_thread() -> None:
     assert got.id == "resp_1"
     with trio.fail_after(5):
         assert await store.run(store.store.delete, "resp_1", "key:a")
+
+
+def test_background_responses_a_killed_process_left_running_end_incomplete() -> None:
+    store = _store()
+    running = _response(1)
+    running.status, running.body = "queued", {"id": "resp_1", "status": "queued"}
+    store.put(running)
+    store.put(_response(2))  # completed: untouched
+    assert store.settle_unfinished() == 1
+    got = store.get("resp_1", "key:a")
+    assert got is not None
+    assert got.status == got.body["status"] == "incomplete"
+    assert got.body["trioserve"]["end_cause"] == "shutdown"
+    done = store.get("resp_2", "key:a")
+    assert done is not None
+    assert done.status == "completed"
+    assert store.settle_unfinished() == 0

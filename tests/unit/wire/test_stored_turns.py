@@ -51,7 +51,7 @@ def test_a_continuation_renders_the_prompt_of_the_whole_conversation() -> None:
     own = [call, answer, {"role": "user", "content": "And tomorrow?"}]
     continued = _read(
         {"instructions": "Be brief.", "input": own, "previous_response_id": turn.id, "tools": tools},
-        StoredContext(history=history),
+        StoredContext(history=history, previous_id=turn.id),
     )
     whole = [{"role": "user", "content": "Weather in Rome?"}, *body["output"], *own]
     stateless = _read({"instructions": "Be brief.", "input": whole, "tools": tools, "store": False})
@@ -66,13 +66,14 @@ def test_the_previous_instructions_are_not_carried_over() -> None:
     first = _read({"instructions": "Speak French.", "input": "Hi"})
     history = (*first.turn.input_items, *_body(first)["output"])
     asked = {"input": "Again", "previous_response_id": first.turn.id}
-    continued = _read(asked, StoredContext(history=history))
+    continued = _read(asked, StoredContext(history=history, previous_id=first.turn.id))
     assert "Speak French." not in continued.generation.prompt
     assert "Hi" in continued.generation.prompt
 
 
 def test_the_stored_turn_and_the_response_object() -> None:
-    parsed = _read({"input": "Hello", "metadata": {"k": "v"}, "previous_response_id": "resp_0"})
+    asked = {"input": "Hello", "metadata": {"k": "v"}, "previous_response_id": "resp_0"}
+    parsed = _read(asked, StoredContext(previous_id="resp_0"))
     turn = parsed.turn
     assert turn is not None
     (item,) = turn.input_items
@@ -144,3 +145,11 @@ def test_peek_reads_only_what_the_store_needs() -> None:
     assert peek(b'{"previous_response_id": "resp_1", "background": true}') == StoredAsk("resp_1", True)
     # (the full decode reports it)
     assert peek(b'{"previous_response_id": 5, "background": true') == StoredAsk()
+    # a null background still reads the id: the conversation is never dropped
+    assert peek(b'{"previous_response_id": "resp_1", "background": null}') == StoredAsk("resp_1", None)
+
+
+def test_a_body_that_names_another_id_than_the_store_read_is_refused() -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        _read({"input": "x", "previous_response_id": "resp_2"}, StoredContext(previous_id=None))
+    assert caught.value.param == "previous_response_id"
