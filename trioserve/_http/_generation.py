@@ -17,7 +17,6 @@ import hashlib
 import logging
 import math
 import uuid
-from collections.abc import Callable
 from typing import Annotated
 
 import msgspec
@@ -73,6 +72,7 @@ from ._lifecycle import (
     FINAL_EVENT_TIMEOUT,
     INLINE_PARSE_BYTES,
     Heartbeat,
+    off_the_loop_if,
     send_last,
     watch_disconnect,
     watch_stall,
@@ -175,13 +175,6 @@ async def _never_disconnects() -> dict[str, object]:
     raise AssertionError("unreachable")
 
 
-async def _off_loop[T, *Args](large: bool, work: Callable[[*Args], T], *args: *Args) -> T:
-    """``work(*args)``, in a worker thread when ``large`` (a body over 64 KiB)."""
-    if large:
-        return await trio.to_thread.run_sync(work, *args)
-    return work(*args)
-
-
 def _check_limits(prepared: PreparedPrompt, settings: HTTPSettings, dialect: Dialect) -> PreparedPrompt:
     """The server's own limits, on top of what fits the context (a request whose
     ``max_tokens`` is only an upper bound, Anthropic's, is held to the limit instead, and
@@ -276,14 +269,14 @@ class GenerationHandler:
         # which model: refused (404, 503 shutting down) before any work
         # (a large body's depth check and decode: off the event loop)
         large = len(body) > INLINE_PARSE_BYTES
-        named = await trio.to_thread.run_sync(_peek_model, body) if large else _peek_model(body)
+        named = await off_the_loop_if(large, _peek_model, body)
         entry = state.resolve(named)
         request.model = entry.name
         request.set_timeout(_request_timeout(scope, state.settings))
         ask = None
         if state.responses is not None and spec.peek_stored is not None:
             peek = spec.peek_stored
-            ask = await trio.to_thread.run_sync(peek, body) if large else peek(body)
+            ask = await off_the_loop_if(large, peek, body)
             if ask.background:
                 await self._start_background(request, spec, body, entry, ask)
                 return
@@ -365,7 +358,7 @@ class GenerationHandler:
         stored = await service.context(ask.previous_response_id, owner, response_id)
         options = self._options(stored)
         large = len(body) > INLINE_PARSE_BYTES
-        turn, queued = await _off_loop(large, responses_reply, body, options)
+        turn, queued = await off_the_loop_if(large, responses_reply, body, options)
         # its own request: its own scope, deadline and log line; nothing to send to
         exchange = Exchange(_nowhere, response_id, renderer(spec))
         job_request = InFlightRequest(request.asgi, exchange, "responses")
@@ -451,7 +444,7 @@ class GenerationHandler:
         chat_format = state.chat_format(engine)
         # decoding a large body, rendering a long chat: off the event loop
         large = len(body) > INLINE_PARSE_BYTES
-        parsed = await _off_loop(large, self._parse, spec, body, chat_format, stored)
+        parsed = await off_the_loop_if(large, self._parse, spec, body, chat_format, stored)
         stream, request.model = parsed.stream, parsed.model
         turn, service = parsed.turn, state.responses
         if turn is not None and service is not None:

@@ -18,6 +18,7 @@ __all__ = [
     "INLINE_PARSE_BYTES",
     "Heartbeat",
     "end_connection",
+    "off_the_loop_if",
     "send_last",
     "watch_disconnect",
     "watch_stall",
@@ -140,3 +141,12 @@ class Heartbeat:
     async def hand_over(self) -> None:
         self.scope.cancel()
         await self.done.wait()
+
+
+async def off_the_loop_if[T, *Args](large: bool, work: Callable[[*Args], T], *args: *Args) -> T:
+    """``work(*args)``, in a worker thread when ``large`` (a body over 64 KiB, a long
+    answer). Never abandoned: a cancel waits for the thread to return, so whatever it
+    uses (a model, held by a lease around this call) outlives it."""
+    if large:
+        return await trio.to_thread.run_sync(work, *args)
+    return work(*args)

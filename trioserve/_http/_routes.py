@@ -54,7 +54,7 @@ from ._exchange import (
     headers_too_large,
 )
 from ._generation import GENERATION_PATHS, GenerationHandler, key_salt, presented_key
-from ._lifecycle import INLINE_PARSE_BYTES
+from ._lifecycle import INLINE_PARSE_BYTES, off_the_loop_if
 from ._requests_routes import add_request_routes
 from ._state import ServerState
 from ._stored_routes import add_stored_routes
@@ -142,20 +142,11 @@ async def _body_bytes() -> bytes:
     raise body_timeout_error(timeout)
 
 
-async def _off_the_loop_if[T, *Args](large: bool, work: Callable[[*Args], T], *args: *Args) -> T:
-    """``work(*args)``, in a worker thread when ``large``. Never abandoned: a cancel
-    waits for the thread to return, so whatever it uses (a model, held by a lease
-    around this call) outlives it."""
-    if large:
-        return await trio.to_thread.run_sync(work, *args)
-    return work(*args)
-
-
 async def _json_body[T](decode: Callable[[bytes], T]) -> T:
     """The request's body (:func:`_body_bytes`), decoded by ``decode`` (bodies over
     64 KiB: in a worker thread, as the generation endpoints do)."""
     body = await _body_bytes()
-    return await _off_the_loop_if(len(body) > INLINE_PARSE_BYTES, decode, body)
+    return await off_the_loop_if(len(body) > INLINE_PARSE_BYTES, decode, body)
 
 
 def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) -> QuartTrio:
@@ -357,7 +348,7 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 pieces = await backend.token_pieces(tokens) if request.with_pieces else None
         except TrioserveError as exc:
             return _error_response(exc)
-        body = await _off_the_loop_if(len(tokens) > _INLINE_ENCODE_TOKENS, tokenize_response, tokens, pieces)
+        body = await off_the_loop_if(len(tokens) > _INLINE_ENCODE_TOKENS, tokenize_response, tokens, pieces)
         return Response(body, content_type="application/json")
 
     @app.post("/detokenize")
@@ -369,7 +360,7 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 pieces = await lease.engine.backend.token_pieces(request.tokens)
         except TrioserveError as exc:
             return _error_response(exc)
-        body = await _off_the_loop_if(len(pieces) > _INLINE_ENCODE_TOKENS, detokenize_response, pieces)
+        body = await off_the_loop_if(len(pieces) > _INLINE_ENCODE_TOKENS, detokenize_response, pieces)
         return Response(body, content_type="application/json")
 
     # token counting (docs/dialects.md, "Token counting"): the prompt generation would
@@ -388,13 +379,13 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
         large = len(body) > INLINE_PARSE_BYTES
         stored = None
         if state.responses is not None and spec.peek_stored is not None:
-            ask = await _off_the_loop_if(large, spec.peek_stored, body)
+            ask = await off_the_loop_if(large, spec.peek_stored, body)
             owner = key_salt(cast("Scope", request.scope), access)
             stored = await state.responses.context(ask.previous_response_id, owner)
-        model, conversation = await _off_the_loop_if(large, counter(spec, stored), body)
+        model, conversation = await off_the_loop_if(large, counter(spec, stored), body)
         async with registry.lease(state.resolve(model)) as lease:
             engine = lease.engine
-            generation, _ = await _off_the_loop_if(
+            generation, _ = await off_the_loop_if(
                 large, generation_for, conversation, state.chat_format(engine)
             )
             assert isinstance(generation.prompt, str)
