@@ -170,6 +170,33 @@ async def test_an_upstream_that_cannot_be_reached_is_unavailable() -> None:
         await _stream(handler)
 
 
+async def test_a_connection_dropped_unanswered_is_sent_again_once() -> None:
+    """A server closing an idle keep-alive connection just as a request goes out on it
+    answers nothing: the request is sent once more on a new connection (no byte reached
+    the client, the upstream is not failed); a second drop is the upstream's failure."""
+    calls: list[bytes] = []
+
+    async def drops_once(request: httpx.Request) -> httpx.Response:
+        calls.append(request.content)
+        if len(calls) == 1:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, content=_streamed(_sse(_text("hi", "stop"))))
+
+    end, collected, _, answered = await _stream(drops_once)
+    assert (end, collected.pieces, answered) == ("stop", [b"hi"], ["yes"])
+    assert calls == [b'{"prompt":"x"}'] * 2
+
+    calls.clear()
+
+    async def drops(request: httpx.Request) -> httpx.Response:
+        calls.append(request.content)
+        raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+
+    with pytest.raises(UpstreamUnavailable, match="RemoteProtocolError: Server disconnected"):
+        await _stream(drops)
+    assert len(calls) == 2
+
+
 #: status, error body → what the client raises, and whether the upstream counts as up
 REFUSALS: list[tuple[int, dict[str, object], type[Exception], type[Exception] | None, str, bool]] = [
     (

@@ -194,7 +194,16 @@ class UpstreamClient:
         response is closed (:func:`_body`)."""
         request = self._client.build_request("POST", upstream.url + path, json=body, headers=headers)
         try:
-            response = await self._client.send(request, stream=True)
+            try:
+                response = await self._client.send(request, stream=True)
+            except httpx.RemoteProtocolError:
+                # A server that closes an idle keep-alive connection as the request goes
+                # out on it (a race no expiry on our side can rule out: the server may
+                # close at any time) answers nothing; the request did not start there.
+                # Once more, on a new connection (the dropped one left the pool); a
+                # second drop is the upstream's failure.
+                logger.debug("upstream %s dropped a connection unanswered; sending again", upstream.url)
+                response = await self._client.send(request, stream=True)
         except httpx.ReadTimeout as exc:
             if embeddings:
                 raise _errors.silent(upstream.url) from None
