@@ -1,16 +1,34 @@
-"""Admission: a fixed number of slots and a bounded FIFO queue in front of them.
+"""Admission: a fixed number of slots and a bounded queue in front of them, ordered by
+priority, then by fair share, then by arrival — and preemption by pause.
 
-A request either gets a slot, waits in the queue (first come, first served), or is
-refused at once with :class:`OverloadedError` — never queued without bound. Waiting is
-an ordinary Trio wait, so a queued request that is cancelled (client gone, deadline,
-shutdown) leaves the queue at that instant; nothing polls.
+A request either gets a slot, waits in the queue, or is refused at once with
+:class:`OverloadedError` — never queued without bound. Waiting is an ordinary Trio
+wait, so a queued request that is cancelled (client gone, deadline, shutdown, a cancel
+by id) leaves the queue at that instant; nothing polls.
+
+Each request carries a :class:`Ticket`: its ``priority`` (lower first, vLLM's
+semantics), its ``account`` (whose share it uses: the API key) with a ``weight`` and an
+optional ``concurrency`` limit. A free slot goes to the waiter of the best priority;
+among those, to the account with the fewest tokens served per unit of weight (the
+virtual token counter: tokens evaluated and generated, counted live while a request
+runs; an account that arrives after being idle starts at the lowest counter of the
+active ones, so idling earns no credit); within an account, first come, first served.
+A waiter whose account holds ``concurrency`` slots waits without blocking the others.
+
+Preemption: when the best waiter cannot be granted and a running lease is *pausable*
+(its backend can set its sequence aside with its state kept) and outranked by the
+waiter — a worse priority, or the same priority on an account over its share of the
+slots while the waiter's account is under its own — the lease is asked to pause
+(:attr:`SlotLease.on_pause`). Its holder gives the slot back with
+:meth:`SlotLease.pause`, which then waits in the queue with the lease's ticket and
+original arrival until the lease is granted again. The design: docs/scheduling.md.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -18,7 +36,26 @@ import trio
 
 from ._exceptions import OverloadedError
 
-__all__ = ["Admission", "AdmissionSnapshot", "Reservation", "SlotLease"]
+__all__ = ["Admission", "AdmissionSnapshot", "Reservation", "SlotLease", "Ticket"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Ticket:
+    """Where a request stands in the queue (the HTTP layer makes it from the body's
+    ``priority`` and the API key's entry in the keys file)."""
+
+    #: lower first; any integer (vLLM's ``priority``)
+    priority: int = 0
+    #: whose share it uses (a hash of the API key; ``""``: the one local user)
+    account: str = ""
+    #: the account's weight in the fair share (> 0)
+    weight: float = 1.0
+    #: the most slots the account may hold at once (``None``: no limit)
+    concurrency: int | None = None
+
+
+#: the ticket of a request that names none
+DEFAULT_TICKET = Ticket()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +67,10 @@ class AdmissionSnapshot:
     #: waiting in the queue (reserved places included: they are about to)
     queued: int
     max_queue: int
+    #: leases set aside by preemption, waiting to be granted again (among ``queued``)
+    paused: int = 0
+    #: preemptions asked for since start
+    preemptions: int = 0
 
 
 class Reservation:
@@ -48,38 +89,110 @@ class Reservation:
             self._admission.reserved -= 1
 
 
+def _nothing() -> None:
+    pass
+
+
+def _no_usage() -> int:
+    return 0
+
+
 class SlotLease:
     """Held slots (one, or ``count`` for a request with ``n`` choices). :meth:`release`
     is idempotent, so the holder can give the slots back as soon as inference ends,
-    while the ``async with`` guarantees it at exit."""
+    while the ``async with`` guarantees it at exit.
 
-    __slots__ = ("_admission", "count", "released")
+    Preemption: a holder that can set its work aside sets :attr:`pausable` and
+    :attr:`on_pause`; when admission asks (``pause_asked``), it sets the work aside and
+    calls :meth:`pause` (or :meth:`decline` if it cannot)."""
 
-    def __init__(self, admission: Admission, count: int = 1) -> None:
+    __slots__ = (
+        "_admission",
+        "arrival",
+        "charged",
+        "count",
+        "on_pause",
+        "pausable",
+        "pause_asked",
+        "paused",
+        "pauses",
+        "released",
+        "ticket",
+        "usage",
+    )
+
+    def __init__(self, admission: Admission, count: int = 1, ticket: Ticket = DEFAULT_TICKET) -> None:
         self._admission = admission
         self.count = count
+        self.ticket = ticket
         self.released = False
+        #: the arrival order it was queued in (a paused lease keeps it)
+        self.arrival = 0
+        #: tokens served so far (evaluated + generated), for the fair share; the holder
+        #: sets it; ``charged``: the part already counted
+        self.usage: Callable[[], int] = _no_usage
+        self.charged = 0
+        self.pausable = False
+        self.on_pause: Callable[[], None] = _nothing
+        self.pause_asked = False
+        #: between :meth:`pause` giving the slots back and getting them again
+        self.paused = False
+        self.pauses = 0
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._admission._give_back(self.count)
+            self._admission._give_back(self)
+
+    async def pause(self) -> None:
+        """Give the slots back and wait in the queue (this lease's ticket, its original
+        arrival) until they are granted again. The holder has set its work aside.
+
+        Cancellation: cancelled while waiting, the lease stays released (its holder
+        ends); nothing is left in the queue."""
+        admission = self._admission
+        if self.released:
+            raise RuntimeError("a released lease cannot pause")
+        self.pauses += 1
+        self.released = True
+        admission._give_back(self)
+        self.paused = True
+        admission.paused += 1
+        try:
+            await admission._acquire(self)
+        finally:
+            self.paused = False
+            admission.paused -= 1
+        self.released = False
+
+    def decline(self) -> None:
+        """The holder cannot pause (its work ended, or cannot be set aside): admission
+        looks for another way."""
+        if self.pause_asked:
+            self.pause_asked = False
+            self._admission._pausing -= self.count
+        self.pausable = False
+        self._admission._grant()
 
 
 class _Waiter:
-    __slots__ = ("count", "granted")
+    __slots__ = ("arrival", "count", "granted", "lease", "ticket")
 
-    def __init__(self, count: int) -> None:
-        self.count = count
+    def __init__(self, lease: SlotLease) -> None:
+        self.lease = lease
+        self.count = lease.count
+        self.ticket = lease.ticket
+        self.arrival = lease.arrival
         self.granted = trio.Event()
 
 
 class Admission:
-    """``slots`` concurrent holders; at most ``max_queue`` waiting, served in order.
+    """``slots`` concurrent holders; at most ``max_queue`` waiting, served by priority,
+    fair share and arrival (the module docstring).
 
     A request that needs several slots (``n`` choices) waits for all of them at once,
     in its place in the queue: it never holds some while waiting for the rest, and no
-    later request overtakes it (first come, first served, whatever each needs).
+    waiter ranked after it overtakes it.
 
     Args:
         slots: how many requests may hold a slot at once (≥ 1).
@@ -99,12 +212,21 @@ class Admission:
         self.max_queue = max_queue
         self.expected_service_time = expected_service_time
         self._free = slots
-        #: the queue, first come first served: the head is granted as soon as its count
-        #: of slots is free
-        self._waiters: deque[_Waiter] = deque()
+        #: the queue (ranked at each grant: few entries, never sorted per token)
+        self._waiters: list[_Waiter] = []
+        self._arrivals = itertools.count()
         self.queued = 0
         #: places held by requests between the check and the queue (see reserve())
         self.reserved = 0
+        #: the leases holding slots
+        self._leases: set[SlotLease] = set()
+        #: per active account (holding or waiting): tokens served per unit of weight,
+        #: of leases that have ended or paused (the running ones are counted live)
+        self._served: dict[str, float] = {}
+        #: slots of leases asked to pause that have not yet given them back
+        self._pausing = 0
+        self.paused = 0
+        self.preemptions = 0
 
     @property
     def in_use(self) -> int:
@@ -112,37 +234,174 @@ class Admission:
 
     def snapshot(self) -> AdmissionSnapshot:
         return AdmissionSnapshot(
-            slots=self.slots, in_use=self.in_use, queued=self.queued + self.reserved, max_queue=self.max_queue
+            slots=self.slots,
+            in_use=self.in_use,
+            queued=self.queued + self.reserved,
+            max_queue=self.max_queue,
+            paused=self.paused,
+            preemptions=self.preemptions,
         )
 
-    def _give_back(self, count: int) -> None:
-        self._free += count
+    # ---------------------------------------------------------- fair share
+
+    def _active(self) -> set[str]:
+        return {lease.ticket.account for lease in self._leases} | {w.ticket.account for w in self._waiters}
+
+    def counter(self, account: str) -> float:
+        """The account's virtual token counter: tokens served per unit of weight."""
+        live = 0.0
+        for lease in self._leases:
+            if lease.ticket.account == account:
+                live += (lease.usage() - lease.charged) / lease.ticket.weight
+        return self._served.get(account, 0.0) + live
+
+    def _activate(self, account: str, active: set[str]) -> None:
+        """An account with nothing held or queued arrives: it starts at the lowest
+        counter of the active accounts (no credit for idling, no debt either)."""
+        if account in active:
+            return
+        others = [self.counter(a) for a in active]
+        self._served[account] = min(others) if others else 0.0
+
+    def _settle(self, lease: SlotLease) -> None:
+        """Count what a lease that stops holding served."""
+        used = lease.usage()
+        account = lease.ticket.account
+        self._served[account] = self._served.get(account, 0.0) + (used - lease.charged) / lease.ticket.weight
+        lease.charged = used
+
+    def _forget_idle(self) -> None:
+        active = self._active()
+        for account in [a for a in self._served if a not in active]:
+            del self._served[account]
+
+    def _held_by(self, account: str) -> int:
+        return sum(lease.count for lease in self._leases if lease.ticket.account == account)
+
+    def _shares(self) -> dict[str, float]:
+        """Each active account's fair share of the slots, by weight."""
+        weights: dict[str, float] = {}
+        for lease in self._leases:
+            weights[lease.ticket.account] = lease.ticket.weight
+        for waiter in self._waiters:
+            weights[waiter.ticket.account] = waiter.ticket.weight
+        total = sum(weights.values())
+        return {account: self.slots * weight / total for account, weight in weights.items()}
+
+    # ---------------------------------------------------------- granting
+
+    def _give_back(self, lease: SlotLease) -> None:
+        if lease in self._leases:
+            self._leases.discard(lease)
+            self._settle(lease)
+        if lease.pause_asked:
+            lease.pause_asked = False
+            self._pausing -= lease.count
+        self._free += lease.count
         self._grant()
+        self._forget_idle()
+
+    def _eligible(self, waiter: _Waiter) -> bool:
+        limit = waiter.ticket.concurrency
+        return limit is None or self._held_by(waiter.ticket.account) + waiter.count <= limit
+
+    def _best(self) -> _Waiter | None:
+        best: _Waiter | None = None
+        best_key: tuple[int, float, int] | None = None
+        counters: dict[str, float] = {}
+        for waiter in self._waiters:
+            if not self._eligible(waiter):
+                continue
+            account = waiter.ticket.account
+            if account not in counters:
+                counters[account] = self.counter(account)
+            key = (waiter.ticket.priority, counters[account], waiter.arrival)
+            if best_key is None or key < best_key:
+                best, best_key = waiter, key
+        return best
 
     def _grant(self) -> None:
-        waiters = self._waiters
-        while waiters and waiters[0].count <= self._free:
-            waiter = waiters.popleft()
+        while True:
+            waiter = self._best()
+            if waiter is None:
+                return
+            if waiter.count > self._free:
+                self._preempt_for(waiter)
+                return
+            self._waiters.remove(waiter)
             self._free -= waiter.count
+            lease = waiter.lease
+            lease.charged = lease.usage()
+            self._leases.add(lease)
             waiter.granted.set()
 
-    async def _acquire(self, count: int) -> None:
-        if not self._waiters and count <= self._free:
-            await trio.lowlevel.checkpoint_if_cancelled()
-            self._free -= count
-            await trio.lowlevel.cancel_shielded_checkpoint()
+    def _outranks(self, waiter: _Waiter, lease: SlotLease, shares: dict[str, float]) -> bool:
+        mine, theirs = waiter.ticket, lease.ticket
+        if theirs.priority != mine.priority:
+            return theirs.priority > mine.priority
+        if theirs.account == mine.account:
+            return False
+        # the same priority: a waiter's account under its share takes a slot from an
+        # account over its own (and never so far that the roles swap)
+        return (
+            self._held_by(mine.account) + waiter.count <= shares[mine.account]
+            and self._held_by(theirs.account) - lease.count >= shares[theirs.account]
+        )
+
+    def _preempt_for(self, waiter: _Waiter) -> None:
+        """Ask outranked pausable leases to pause until ``waiter`` would fit."""
+        need = waiter.count - self._free - self._pausing
+        if need <= 0:
             return
-        waiter = _Waiter(count)
+        shares = self._shares()
+        victims = [
+            lease
+            for lease in self._leases
+            if lease.pausable and not lease.pause_asked and self._outranks(waiter, lease, shares)
+        ]
+        # the worst priority first; then the account furthest over its share; then the
+        # one that has served least (least set aside), the latest arrival
+        victims.sort(
+            key=lambda lease: (
+                -lease.ticket.priority,
+                -(self._held_by(lease.ticket.account) - shares[lease.ticket.account]),
+                lease.usage() - lease.charged,
+                -lease.arrival,
+            )
+        )
+        for lease in victims:
+            if need <= 0:
+                break
+            lease.pause_asked = True
+            self._pausing += lease.count
+            self.preemptions += 1
+            need -= lease.count
+            lease.on_pause()
+
+    async def _acquire(self, lease: SlotLease) -> None:
+        """Wait until ``lease``'s slots are granted (it then holds them)."""
+        self._activate(lease.ticket.account, self._active())
+        waiter = _Waiter(lease)
         self._waiters.append(waiter)
+        self._grant()
+        at_once = waiter.granted.is_set()
         try:
-            await waiter.granted.wait()
+            if at_once:
+                await trio.lowlevel.checkpoint_if_cancelled()
+            else:
+                await waiter.granted.wait()
         except BaseException:
             if waiter.granted.is_set():
-                self._give_back(count)  # granted as the cancel arrived: not taken
+                # granted as the cancel arrived: not taken
+                self._leases.discard(lease)
+                self._free += lease.count
             else:
                 self._waiters.remove(waiter)
-                self._grant()  # the ones behind it may fit now
+            self._grant()  # the ones behind it may fit now
+            self._forget_idle()
             raise
+        if at_once:
+            await trio.lowlevel.cancel_shielded_checkpoint()  # (a schedule point all the same)
 
     def retry_after(self) -> float:
         """Seconds a refused client should wait before trying again."""
@@ -184,7 +443,11 @@ class Admission:
 
     @asynccontextmanager
     async def slot(
-        self, reservation: Reservation | None = None, *, count: int = 1
+        self,
+        reservation: Reservation | None = None,
+        *,
+        count: int = 1,
+        ticket: Ticket = DEFAULT_TICKET,
     ) -> AsyncIterator[SlotLease]:
         """Hold one slot (``count`` slots) for the body of the ``async with`` (or until
         the lease is released, if that comes first).
@@ -203,12 +466,13 @@ class Admission:
             reservation.release()  # becomes a queue place, with no checkpoint in between
         if not 1 <= count <= self.slots:
             raise ValueError(f"count must be in [1, {self.slots}], got {count}")
+        lease = SlotLease(self, count, ticket)
+        lease.arrival = next(self._arrivals)
         self.queued += 1
         try:
-            await self._acquire(count)
+            await self._acquire(lease)
         finally:
             self.queued -= 1
-        lease = SlotLease(self, count)
         try:
             yield lease
         finally:

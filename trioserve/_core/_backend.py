@@ -13,6 +13,12 @@ the engine owns everything else. Contract for :meth:`Backend.generate`:
 * count what it makes in its :class:`GenerationProgress`; a backend whose pieces are
   tokens sets ``piece_per_token`` (then a stream cut by a stop sequence reports the
   tokens up to the stop, not those made past it before the cancel reached it).
+* a backend that can set a running generation aside (:attr:`Backend.pausable`) and
+  finds ``progress.preemption`` set takes part in preemption: it sets the lease's
+  ``on_pause``; asked, it sets the work aside at its next step (its state kept), calls
+  ``await preemption.pause()`` (the slot goes back; it returns once the slot is held
+  again) and resumes where it stopped — or calls ``preemption.decline()``. A cancel
+  while paused is a cancel like any other (docs/scheduling.md).
 
 The backends that fit it: ``docs/embedding.md``.
 """
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 
 import trio
 
+from ._admission import SlotLease
 from ._channel import PieceChannel
 from ._exceptions import ContextLengthError, InvalidRequestError, NotSupportedError
 from ._types import GenerationEnd, GenerationRequest
@@ -164,6 +171,7 @@ class GenerationProgress:
         "host_tokens",
         "inference_ended",
         "piece_per_token",
+        "preemption",
         "prefill_seconds",
         "prefilled_tokens",
         "prompt_tokens",
@@ -192,6 +200,14 @@ class GenerationProgress:
         #: ``time.perf_counter()`` when inference returned (its thread left the model);
         #: with the time a cancel was requested, this gives the cancel latency
         self.inference_ended: float | None = None
+        #: the lease to pause, where the backend is pausable and the request holds one
+        #: slot (the engine sets it)
+        self.preemption: SlotLease | None = None
+
+    @property
+    def served_tokens(self) -> int:
+        """Tokens evaluated and generated so far (the fair share's measure)."""
+        return self.prefilled_tokens - self.cached_tokens + self.completion_tokens
 
 
 class Backend(ABC):
@@ -205,6 +221,10 @@ class Backend(ABC):
     @abstractmethod
     def slots(self) -> int:
         """How many generations may run at once."""
+
+    #: whether :meth:`generate` can set a running generation aside and resume it
+    #: (preemption by pause: the module docstring)
+    pausable: bool = False
 
     @abstractmethod
     async def prepare(self, request: GenerationRequest) -> PreparedPrompt:

@@ -24,7 +24,7 @@ from typing import Self, cast
 
 import trio
 
-from ._admission import Admission, Reservation
+from ._admission import DEFAULT_TICKET, Admission, Reservation, Ticket
 from ._backend import Backend, ChoiceGroup, GenerationProgress, PreparedPrompt
 from ._channel import PieceChannel
 from ._errors import unwrap_group
@@ -290,13 +290,17 @@ class Engine:
 
     @asynccontextmanager
     async def stream(
-        self, request: GenerationRequest | PreparedPrompt, *, reservation: Reservation | None = None
+        self,
+        request: GenerationRequest | PreparedPrompt,
+        *,
+        reservation: Reservation | None = None,
+        ticket: Ticket = DEFAULT_TICKET,
     ) -> AsyncIterator[EventStream]:
         """Run one generation; the body consumes its events.
 
         Everything :meth:`stream_choices` says holds, for ``n=1``.
         """
-        async with self.stream_choices(request, 1, reservation=reservation) as streams:
+        async with self.stream_choices(request, 1, reservation=reservation, ticket=ticket) as streams:
             yield streams[0]
 
     @asynccontextmanager
@@ -306,6 +310,7 @@ class Engine:
         n: int,
         *,
         reservation: Reservation | None = None,
+        ticket: Ticket = DEFAULT_TICKET,
     ) -> AsyncIterator[list[EventStream]]:
         """Run ``n`` generations of one prompt (OpenAI's ``n``), holding ``n`` slots;
         the body consumes their events (one stream per choice, in a task each or in
@@ -320,6 +325,9 @@ class Engine:
             request: what to generate.
             reservation: a place taken earlier with ``engine.admission.reserve()``;
                 it is given back however this ends (an invalid request included).
+            ticket: its priority and account in the queue (:class:`Ticket`); a
+                request of one slot on a pausable backend may be paused for a better
+                ranked one and resumed (docs/scheduling.md).
 
         Raises:
             InvalidRequestError: (and subclasses) the request cannot be served.
@@ -355,7 +363,7 @@ class Engine:
                     if reservation is not None:
                         reservation.release()
                     raise
-                async with self.admission.slot(reservation, count=n * len(prompts)) as lease:
+                async with self.admission.slot(reservation, count=n * len(prompts), ticket=ticket) as lease:
                     timings.admitted = time.perf_counter()
                     choices: list[tuple[PreparedPrompt, EventStream]] = []
                     for prepared in prompts:
@@ -372,6 +380,11 @@ class Engine:
                             )
                             choices.append((prompt, events))
                     all_events = [events for _, events in choices]
+                    progresses = [events._progress for events in all_events]
+                    lease.usage = lambda: sum(p.served_tokens for p in progresses)
+                    if self.backend.pausable and lease.count == 1:
+                        lease.pausable = True
+                        progresses[0].preemption = lease
                     self.streams.update(all_events)
                     remaining = [len(choices)]
 

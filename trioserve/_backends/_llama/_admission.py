@@ -26,6 +26,9 @@ class Admission:
         whole chunks with its prompt (ties, and no prefix: the least recently used id),
         and start it after that prefix. The plan is computed without the lock; the
         commit takes it."""
+        if sequence.saved is not None:
+            self._assign_resumed(sequence)
+            return
         prompt = sequence.asked.prompt
         sequence.cache.cuts = cuts = self.rule.cuts(prompt)
         cells = self.inbox.cells
@@ -40,6 +43,19 @@ class Admission:
         sequence.cache.checkpoint = plan.checkpoint
         sequence.prefilled = sequence.pos = plan.reused
         sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = plan.reused
+
+    def _assign_resumed(self, sequence: Sequence) -> None:
+        """A paused sequence comes back: the least recently used free id (its cached
+        prefix saved to host memory first, as for a choice); its state is restored
+        there (:meth:`~._kv.KvCells.unpark`) and it goes on where it stopped."""
+        cells = self.inbox.cells
+        plan = self.policy.place_follower(cells.free)
+        with self.inbox.condition:
+            cells.take(plan.seq_id)
+            self.policy.take(plan.seq_id, sequence.asked.salt)
+            sequence.seq_id = plan.seq_id
+        if plan.save is not None:
+            sequence.cache.save, sequence.cache.save_salt = plan.save, plan.save_salt
 
     def assign_follower(self, sequence: Sequence, leader: Sequence) -> None:
         """Give ``sequence`` (a later choice of ``leader``'s group) the least recently

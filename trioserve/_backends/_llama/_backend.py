@@ -25,8 +25,10 @@ Design, defaults and measurements: ``docs/batching.md``; the module map:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Items
 from typing import Literal, Self
@@ -44,7 +46,7 @@ from ._facade import ModelFacade
 from ._loading import aload
 from ._loop import Scheduler
 from ._model import LlamaModel
-from ._sequence import Sequence
+from ._sequence import CANCELLED, Sequence
 from ._settings import LlamaSettings
 from ._stats import Snapshot, cache_stats, snapshot, speculation_stats
 
@@ -73,6 +75,8 @@ class LlamaBackend(ModelFacade):
 
     #: models loaded and not yet freed, in this process (:attr:`LlamaModel.loaded`)
     loaded = _ModelsLoaded()
+    #: a running sequence can be set aside (its state saved) and resumed
+    pausable = True
 
     def __init__(self, model: LlamaModel, *, host_cache: HostCache | None = None) -> None:
         """Create the contexts that run ``model`` (the warm-up and the measures of
@@ -329,19 +333,39 @@ class LlamaBackend(ModelFacade):
         sequence = Sequence(prompt, progress, sampler, channel, bias)
         inbox = scheduler.inbox
         channel.on_room = inbox.wake
+        lease = progress.preemption
         with self.generations:
             try:
                 inbox.submit(sequence)
             except BaseException:
                 model.lib.llama_sampler_free(sequence.sampler)
                 raise
+            if lease is not None:
+                lease.on_pause = functools.partial(inbox.pause, sequence)
             try:
-                await sequence.removed.wait()
+                while True:
+                    await sequence.removed.wait()
+                    if sequence.park is None:
+                        break  # removed: it has its result
+                    # preemption (docs/scheduling.md): set aside, or declined
+                    assert lease is not None
+                    sequence.removed = trio.Event()
+                    if sequence.park == "declined":
+                        sequence.park = None
+                        lease.decline()
+                        continue
+                    await lease.pause()  # the slot goes back; held again on return
+                    inbox.resume(sequence)
             finally:
-                if not sequence.removed.is_set():
-                    inbox.cancel(sequence)
-                    with trio.CancelScope(shield=True):
-                        await sequence.removed.wait()
+                if lease is not None:
+                    lease.on_pause = _no_pause
+                if sequence.result is None and not sequence.removed.is_set():
+                    if inbox.withdraw(sequence):
+                        # parked: out of the scheduler, so freed here
+                        self._free_parked(sequence)
+                    else:
+                        with trio.CancelScope(shield=True):
+                            await sequence.removed.wait()
         result = sequence.result
         if isinstance(result, BaseException):
             # one error object can end several sequences (a failed call, a dead
@@ -353,3 +377,16 @@ class LlamaBackend(ModelFacade):
         # removed as cancelled: the request's own Cancelled is raised here
         await trio.lowlevel.checkpoint_if_cancelled()
         raise BackendError("the sequence was dropped, but its request was not cancelled")
+
+    def _free_parked(self, sequence: Sequence) -> None:
+        """A parked sequence whose request ended: its sampler and saved state go."""
+        if sequence.sampler is not None:
+            self.llama_model.lib.llama_sampler_free(sequence.sampler)
+            sequence.sampler = None
+        sequence.saved = None
+        sequence.result = CANCELLED
+        sequence.progress.inference_ended = time.perf_counter()
+
+
+def _no_pause() -> None:
+    pass

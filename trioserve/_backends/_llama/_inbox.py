@@ -96,6 +96,44 @@ class Inbox:
                     self.abort_flag.value = 1
             self.condition.notify()
 
+    def pause(self, sequence: Sequence) -> None:
+        """Ask the loop to set ``sequence`` aside at its next step (preemption): its
+        state saved, its id freed; it is handed back with ``park`` set."""
+        with self.condition:
+            if sequence.result is None and not sequence.parked_out:
+                sequence.pause_asked = True
+                if self.idle_in_flight or sequence in self.in_flight:
+                    # the better-ranked request should not wait for this call: it is
+                    # rolled back and made again by those that stay
+                    self.abort_flag.value = 1
+                self.condition.notify()
+
+    def resume(self, sequence: Sequence) -> None:
+        """Give a parked ``sequence`` back to the loop: it is admitted before the queue
+        (it held its slot first) and goes on from its saved state."""
+        with self.condition:
+            if self.failure is not None:
+                raise BackendError(f"the batch scheduler has failed: {self.failure}")
+            if self.stopping:
+                raise BackendError("the backend is closed")
+            sequence.parked_out = False
+            sequence.park = None
+            self.queue.appendleft(sequence)
+            if self.idle_in_flight:
+                self.abort_flag.value = 1  # idle work never delays a request
+            self.condition.notify()
+
+    def withdraw(self, sequence: Sequence) -> bool:
+        """The request of ``sequence`` ends before the scheduler handed it back: if it is
+        parked, it is the caller's to free (``True``); otherwise it is cancelled in the
+        loop (``False``: wait for it to be handed back)."""
+        with self.condition:
+            if sequence.parked_out:
+                sequence.parked_out = False
+                return True
+        self.cancel(sequence)
+        return False
+
     def wake(self) -> None:
         with self.condition:
             if self.idle_in_flight:
@@ -132,8 +170,12 @@ class Inbox:
         evaluate, a stream with room in its channel. (Called under the lock.)"""
         if any(s.cancelled for s in self.queue) or self.next_admission() is not None:
             return True
+        if any(s.pause_asked for s in self.queue):
+            return True
         for sequence in self.active:
-            if sequence.cancelled or (not sequence.decoding and sequence.leader is None):
+            if sequence.cancelled or sequence.pause_asked:
+                return True
+            if not sequence.decoding and sequence.leader is None:
                 return True
             if sequence.decoding and sequence.channel.room > 0:
                 return True

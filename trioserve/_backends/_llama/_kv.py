@@ -46,6 +46,8 @@ class KvCells:
         self.kv_bytes_per_token = 0.0
         self.restore_seconds = 0.0
         self.save_seconds = 0.0
+        #: preemption: time spent saving paused sequences' states
+        self.park_seconds = 0.0
 
     @property
     def lib(self) -> Any:
@@ -137,10 +139,33 @@ class KvCells:
             raise BackendError(f"llama.cpp could not clear the cells of sequence {seq_id}")
         return 0
 
-    def prepare(self, sequence: Sequence) -> None:
-        """Carry out admission's plan: save the prefix being overwritten to host memory,
-        restore the one to reuse from it, drop the cells past the reused prefix."""
+    def park(self, sequence: Sequence) -> StateBuffer:
+        """Preemption: the state of ``sequence``'s cells (in a mapping of its own), then
+        its cells cleared; :meth:`unpark` puts it back under any free id."""
         lib = self.lib
+        seq_id = sequence.seq_id
+        size = lib.llama_state_seq_get_size(self.ctx, seq_id)
+        state = StateBuffer(size)
+        state.used = lib.llama_state_seq_get_data(self.ctx, state.array, size, seq_id)
+        if not state.used:
+            raise BackendError(f"llama.cpp could not save the state of sequence {seq_id}")
+        self.forget(seq_id)
+        return state
+
+    def unpark(self, sequence: Sequence) -> None:
+        """A parked ``sequence`` resumes under its new id: the id's cached prefix saved
+        as admission planned, then the sequence's state restored, cell for cell."""
+        where = sequence.prefilled, sequence.pos
+        self._save_planned(sequence)
+        sequence.prefilled, sequence.pos = where  # (the save touches the id's cells only)
+        state, sequence.saved = sequence.saved, None
+        assert state is not None
+        seq_id = sequence.seq_id
+        self.trim(seq_id, 0)
+        if not self.lib.llama_state_seq_set_data(self.ctx, state.array, len(state), seq_id):
+            raise BackendError("llama.cpp could not restore the state of a paused request")
+
+    def _save_planned(self, sequence: Sequence) -> None:
         seq_id = sequence.seq_id
         if sequence.cache.save is not None:
             started = time.perf_counter()
@@ -159,6 +184,13 @@ class KvCells:
                 # the save is an optimisation: without it, a later turn evaluates again
                 logger.exception("could not save a cached prefix to host memory; it is dropped")
             self.save_seconds += time.perf_counter() - started
+
+    def prepare(self, sequence: Sequence) -> None:
+        """Carry out admission's plan: save the prefix being overwritten to host memory,
+        restore the one to reuse from it, drop the cells past the reused prefix."""
+        lib = self.lib
+        seq_id = sequence.seq_id
+        self._save_planned(sequence)
         if sequence.cache.restore is not None:
             started = time.perf_counter()
             state, sequence.cache.restore = sequence.cache.restore, None

@@ -29,7 +29,7 @@ from ._inbox import Inbox
 from ._kv import KvCells
 from ._outputs import End, Outputs
 from ._planner import Candidate, Limits, plan_step
-from ._sequence import CANCELLED, Sequence, hand_back
+from ._sequence import CANCELLED, Sequence, hand_back, hand_park
 from ._tiers import host_tier
 
 if TYPE_CHECKING:
@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 __all__ = ["Scheduler"]
 
 logger = logging.getLogger("trioserve.llama")
+
+#: after setting a sequence aside, how long the loop waits for the request it made
+#: room for before the next step (a condition wait: submit wakes it)
+_HANDOFF_SECONDS = 0.010
 
 
 class Scheduler:
@@ -108,6 +112,10 @@ class Scheduler:
         #: a sequence ended since the heap was last trimmed (_memory.trim_heap, when idle)
         self._trim_due = False
         self.heap_trims = 0
+        #: sequences set aside by preemption; one was set aside this step (the
+        #: request it made room for is about to be submitted)
+        self.parks = 0
+        self._handoff = False
         self.steps = 0
         self.aborted_calls = 0
         #: a test seam (``LlamaBackend.inject_fault``): called before a sequence's
@@ -140,6 +148,12 @@ class Scheduler:
                         inbox.condition.wait()
                     if inbox.stopping:
                         break
+                    if self._handoff and not inbox.queue:
+                        # a sequence was just set aside for a better-ranked request:
+                        # its submission is a moment away; its first call should not
+                        # wait for a whole step of the others (woken by submit)
+                        inbox.condition.wait(timeout=_HANDOFF_SECONDS)
+                    self._handoff = False
                     idle = not inbox.runnable()
                     # cancelled before it got a sequence id: nothing to clear
                     gone = [s for s in inbox.queue if s.cancelled]
@@ -147,6 +161,12 @@ class Scheduler:
                         inbox.queue.remove(sequence)
                         if sequence.group is not None:
                             sequence.group.size -= 1  # the others need not wait for it
+                    # asked to pause before they got an id: set aside as they are
+                    parking = [s for s in inbox.queue if s.pause_asked and s.group is None]
+                    for sequence in parking:
+                        inbox.queue.remove(sequence)
+                        sequence.pause_asked = False
+                        sequence.parked_out = True
                     # Take the admissible sequences out of the queue; their prefix
                     # matching runs after the lock is released (the Trio thread takes
                     # it in submit, cancel, wake and every /health or /metrics read).
@@ -160,6 +180,8 @@ class Scheduler:
                         groups.append(members)
                 for sequence in gone:
                     self._remove(sequence, CANCELLED)
+                for sequence in parking:
+                    hand_park(sequence, "parked")
                 admitted = self._admit(groups)
                 for sequence in admitted:
                     if sequence.result is None:  # (not failed at admission)
@@ -217,7 +239,47 @@ class Scheduler:
     def _prepare(self, sequence: Sequence) -> None:
         if self.prepare_fault is not None:
             self.prepare_fault()
-        self.kv.prepare(sequence)
+        if sequence.saved is not None:
+            self.kv.unpark(sequence)  # a paused sequence resumes
+        else:
+            self.kv.prepare(sequence)
+
+    def _park(self, sequence: Sequence) -> None:
+        """Preemption: set ``sequence`` aside between steps — its cells' state saved
+        (the prompt and the reply so far, as computed), its cells cleared and its id
+        freed; its sampler, drafter and pending token stay with it — and hand it back
+        parked. A choice of ``n`` > 1 is never set aside (``declined``)."""
+        inbox = self.inbox
+        if sequence.group is not None or sequence.leader is not None or sequence.followers:
+            with inbox.condition:
+                sequence.pause_asked = False
+            hand_park(sequence, "declined")
+            return
+        started = time.perf_counter()
+        try:
+            state = self.kv.park(sequence) if sequence.pos > 0 else None
+        except Exception:
+            logger.exception("could not set a request aside; it goes on")
+            with inbox.condition:
+                sequence.pause_asked = False
+            hand_park(sequence, "declined")
+            return
+        self.kv.park_seconds += time.perf_counter() - started
+        self.parks += 1
+        self._handoff = True
+        with inbox.condition:
+            sequence.pause_asked = False
+            inbox.active.remove(sequence)
+            inbox.cells.give_back(sequence.seq_id)
+            sequence.seq_id = -1
+            cancelled = sequence.cancelled
+            if not cancelled:
+                sequence.saved = state
+                sequence.parked_out = True
+        if cancelled:
+            self._remove(sequence, CANCELLED)  # (its cells are gone already)
+        else:
+            hand_park(sequence, "parked")
 
     def _contained(self, step: Any, sequence: Sequence, what: str, *args: Any) -> bool:
         """Run ``step(sequence, *args)``; if it raises, only ``sequence`` fails (its
@@ -250,6 +312,7 @@ class Scheduler:
         if sequence.sampler is not None:
             self._model.lib.llama_sampler_free(sequence.sampler)
             sequence.sampler = None
+        sequence.saved = None
         sequence.result = result
         sequence.progress.inference_ended = time.perf_counter()
 
@@ -288,6 +351,12 @@ class Scheduler:
         active = self.inbox.active
         for sequence in [s for s in active if s.cancelled]:
             self._remove(sequence, CANCELLED)
+        # 1b. set aside those preemption asks to pause
+        parking = [s for s in active if s.pause_asked]
+        for sequence in parking:
+            self._park(sequence)
+        if self._handoff or not active:
+            return  # the request it made room for is admitted first (_run)
         # 2. plan the calls of this step (the planner: data in, a plan out)
         plan = plan_step([_candidate(key, s) for key, s in enumerate(active)], self.limits)
         running = list(active)
@@ -295,6 +364,12 @@ class Scheduler:
             self.outputs.plan_draft_safely(running[plan.draft])
         # 3. run them
         for planned in plan.calls:
+            if any(s.pause_asked for s in running):
+                # set aside at once (next step); the calls left wait a step, and a
+                # guess planned for one of them is planned again then
+                if plan.draft is not None:
+                    running[plan.draft].spec.draft = []
+                break
             call = [(running[key], count) for key, count in planned]
             try:
                 self._decode_call(call)
@@ -371,6 +446,7 @@ def _candidate(key: int, sequence: Sequence) -> Candidate:
         prefilled=sequence.prefilled,
         prompt_length=len(sequence.asked.prompt),
         cuts=sequence.cache.cuts,
+        priority=sequence.priority,
     )
 
 

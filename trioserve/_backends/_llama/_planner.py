@@ -33,6 +33,8 @@ class Candidate:
     prefilled: int = 0
     prompt_length: int = 0
     cuts: tuple[int, ...] | list[int] = ()
+    #: its request's priority (lower first: docs/scheduling.md)
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,6 +105,17 @@ def plan_step(candidates: list[Candidate], limits: Limits) -> StepPlan:
     # nothing here (the split separates them anyway), and alone its numerics never
     # depend on the load.
     decoders.sort(key=_seq_id)
+    urgent = False
+    if prefillers:
+        # the best priority's prompt first (stable: arrival order within a priority);
+        # while a prompt of a better priority than some running streams is evaluated,
+        # those streams wait (their cells kept): its first token comes as on an idle
+        # server, not after every lower-priority stream's decode call
+        prefillers.sort(key=_priority)
+        best = prefillers[0].priority
+        if any(c.priority > best for c in decoders):
+            urgent = True
+            decoders = [c for c in decoders if c.priority <= best]
     alone: list[Candidate] = []
     limit = limits.shared_context_limit
     if limit is not None:
@@ -122,9 +135,17 @@ def plan_step(candidates: list[Candidate], limits: Limits) -> StepPlan:
         # server makes, so cached pieces are exactly what it would compute
         first = prefillers[0]
         end = next_cut(first.cuts, first.prefilled, first.prompt_length)
-        calls.append([(first.key, end - first.prefilled)])
+        piece = [(first.key, end - first.prefilled)]
+        if urgent:
+            calls.insert(0, piece)
+        else:
+            calls.append(piece)
     return StepPlan(calls, draft)
 
 
 def _seq_id(candidate: Candidate) -> int:
     return candidate.seq_id
+
+
+def _priority(candidate: Candidate) -> int:
+    return candidate.priority

@@ -22,7 +22,17 @@ from .._grammar import TokenMask
 from .._memory import StateBuffer
 from .._speculation import Drafter
 
-__all__ = ["CANCELLED", "Asked", "CacheWork", "Output", "Phase", "Sequence", "Speculation", "hand_back"]
+__all__ = [
+    "CANCELLED",
+    "Asked",
+    "CacheWork",
+    "Output",
+    "Phase",
+    "Sequence",
+    "Speculation",
+    "hand_back",
+    "hand_park",
+]
 
 logger = logging.getLogger("trioserve.llama")
 
@@ -117,7 +127,8 @@ class Sequence:
     :class:`Speculation`, :class:`Output`), made once per sequence, and where it is.
     Fields are written by one side only:
 
-    * Trio side: ``cancelled``;
+    * Trio side: ``cancelled``, ``pause_asked``; everything while it is parked
+      (``parked_out``);
     * scheduler thread: everything else until it hands the sequence back.
     """
 
@@ -131,12 +142,17 @@ class Sequence:
         "group",
         "leader",
         "out",
+        "park",
+        "parked_out",
+        "pause_asked",
         "pos",
         "prefilled",
+        "priority",
         "progress",
         "removed",
         "result",
         "sampler",
+        "saved",
         "seq_id",
         "spec",
         "token",
@@ -183,7 +199,19 @@ class Sequence:
         self.followers: list[Sequence] = []
         self.token = trio.lowlevel.current_trio_token()
         self.channel = channel
+        #: set when the scheduler hands it back — removed (``result`` set) or set aside
+        #: (``park``); a new one for each resume
         self.removed = trio.Event()
+        #: preemption (docs/scheduling.md): asked to pause (the Trio side, under the
+        #: lock); set aside with its state (``saved``) and out of the scheduler, owned by
+        #: the Trio side until it resumes (``parked_out``, under the lock); what the last
+        #: ask came to
+        #: its request's priority (lower first), for the planner
+        self.priority = progress.preemption.ticket.priority if progress.preemption is not None else 0
+        self.pause_asked = False
+        self.parked_out = False
+        self.saved: StateBuffer | None = None
+        self.park: Literal["parked", "declined"] | None = None
         self.result: GenerationEnd | Literal["cancelled"] | BaseException | None = None
         self.cancelled = False
         self.seq_id = -1
@@ -205,6 +233,13 @@ class Sequence:
         if self.leader is not None:
             return Phase.WAITING
         return Phase.DECODE if self.decoding else Phase.PREFILL
+
+
+def hand_park(sequence: Sequence, outcome: Literal["parked", "declined"]) -> None:
+    """Tell the request that ``sequence`` was set aside (``parked``: out of the
+    scheduler, its state in ``saved``) or will not be (``declined``)."""
+    sequence.park = outcome
+    hand_back(sequence)
 
 
 def hand_back(sequence: Sequence) -> None:
