@@ -21,6 +21,7 @@ from ._backends import (
 )
 from ._backends._models import default_model_path
 from ._backends._sources import LlamaSource
+from ._core._admission import Ticket
 from ._core._channel import Aborted, PieceChannel
 from ._core._engine import Engine, EventStream, StreamTimings
 from ._core._exceptions import (
@@ -36,6 +37,7 @@ from ._core._exceptions import (
     OverloadedError,
     PayloadTooLargeError,
     PermissionDeniedError,
+    RateLimitError,
     ServiceUnavailableError,
     TrioserveError,
     UnsupportedMediaTypeError,
@@ -100,6 +102,7 @@ __all__ = [
     "PermissionDeniedError",
     "PieceChannel",
     "PreparedPrompt",
+    "RateLimitError",
     "RegistrySnapshot",
     "RequestLimits",
     "SamplingParams",
@@ -111,6 +114,7 @@ __all__ = [
     "StreamTimings",
     "TextDelta",
     "ThreadedBackend",
+    "Ticket",
     "TokenLogprob",
     "TrioserveError",
     "UnsupportedMediaTypeError",

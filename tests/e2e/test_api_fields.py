@@ -341,6 +341,14 @@ def check_seed(api: Api) -> None:
     assert len(set(texts)) > 1
 
 
+def check_priority(api: Api) -> None:
+    # the order it gives under load: tests/e2e/test_priorities.py; here its range, and
+    # that it changes no text
+    assert api.text(max_tokens=3, priority=-5) == api.text(max_tokens=3, priority=7) == api.greedy(3)
+    for bad in (10**7, "high"):
+        assert api.error(400, max_tokens=1, priority=bad)["param"] == "priority"
+
+
 def check_temperature(api: Api) -> None:
     assert api.text(temperature=0) == api.text(temperature=0) == api.greedy()
     assert any(api.text(temperature=2, seed=seed) != api.greedy() for seed in (1, 2, 3))
@@ -453,6 +461,7 @@ HONOURED: dict[str, Callable[[Api], None]] = {
     "repeat_last_n": check_repeat_last_n,
     "cache_prompt": check_cache_prompt,
     "speculate": check_speculate,
+    "priority": check_priority,
     "json_schema": check_json_schema,
     "grammar": check_grammar,
 }
@@ -531,6 +540,7 @@ ENDPOINTS: dict[str, tuple[str, ...]] = {
     "repeat_last_n": BOTH,
     "cache_prompt": BOTH,
     "speculate": BOTH,
+    "priority": BOTH,
     "json_schema": BOTH,
     "grammar": BOTH,
 }

@@ -386,6 +386,13 @@ def a_temperature(api: Api) -> None:
     assert "temperature" in api.error(temperature=-0.1)["message"]
 
 
+def a_priority(api: Api) -> None:
+    # the order it gives under load: tests/e2e/test_priorities.py; here its range, and
+    # that it changes no text
+    assert api.text(temperature=0, priority=-5) == greedy_text(api)
+    assert "priority" in api.error(priority=10**7)["message"]
+
+
 def greedy_at_temperature_1(name: str, value: float, bad: float) -> Callable[[Api], None]:
     def check(api: Api) -> None:
         # only the most likely token survives the truncation: the draw is the greedy one
@@ -514,6 +521,7 @@ ANTHROPIC_HONOURED: dict[str, Callable[[Api], None]] = {
     "stop_sequences": a_stop_sequences,
     "stream": a_stream,
     "temperature": a_temperature,
+    "priority": a_priority,
     "top_p": greedy_at_temperature_1("top_p", 1e-6, 0.0),
     "top_k": greedy_at_temperature_1("top_k", 1, -1),
     "tools": a_tools,
@@ -595,6 +603,7 @@ ANTHROPIC_ENDPOINTS: dict[str, tuple[str, ...]] = {
     "temperature": MESSAGES,
     "top_p": MESSAGES,
     "top_k": MESSAGES,
+    "priority": MESSAGES,
     "tools": BOTH_A,
     "tools[].defer_loading": BOTH_A,
     "tools[].input_examples": BOTH_A,
@@ -807,6 +816,11 @@ def r_temperature(api: Api) -> None:
     assert api.error(temperature=2.5)["param"] == "temperature"
 
 
+def r_priority(api: Api) -> None:
+    assert api.text(temperature=0, priority=-5) == greedy_text(api)
+    assert api.error(priority=10**7)["param"] == "priority"
+
+
 def r_top_p(api: Api) -> None:
     # only the most likely token survives the truncation: the draw is the greedy one
     body = api.ok(temperature=1, top_p=1e-6)
@@ -920,6 +934,7 @@ RESPONSES_HONOURED: dict[str, Callable[[Api], None]] = {
     "parallel_tool_calls": r_parallel_tool_calls,
     "max_output_tokens": r_max_output_tokens,
     "temperature": r_temperature,
+    "priority": r_priority,
     "top_p": r_top_p,
     "stream": r_stream,
     "metadata": r_metadata,
@@ -994,6 +1009,7 @@ RESPONSES_ENDPOINTS: dict[str, tuple[str, ...]] = {
     "service_tier": RESPONSES,
     "top_logprobs": RESPONSES,
     "max_tool_calls": RESPONSES,
+    "priority": RESPONSES,
     "stream_options": RESPONSES,
     "user": RESPONSES,
     "safety_identifier": RESPONSES,

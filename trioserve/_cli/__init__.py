@@ -96,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         api_keys=_api_keys(args),
         admin_keys=_admin_keys(args),
         cors_origins=tuple(args.cors_origin),
+        keys_file=args.keys_file,
         send_buffer_bytes=args.send_buffer_bytes,
         http=HTTPSettings(
             heartbeat_interval=args.heartbeat_interval or None,
@@ -131,7 +132,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as exc:  # e.g. --otlp-endpoint without the otel extra
         logger.error("%s", exc)
         return 2
+    except (OSError, ValueError) as exc:  # the keys file
+        logger.error("--keys-file %s: %s", args.keys_file, exc)
+        return 2
     logger.info("trioserve %s (pid %d): loading %s", _version(), os.getpid(), description)
+    keys = server.state.accounts.file.accounts
+    if keys:
+        logger.info("keys file %s: %d key(s)", settings.keys_file, len(keys))
     if settings.api_keys or settings.admin_keys:
         logger.info(
             "API keys required on /v1/* and /metrics (%d key(s), %d admin key(s))",

@@ -380,6 +380,14 @@ def _access(serve: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--api-key-file", type=Path, help="a file with one API key per line")
     group.add_argument(
+        "--keys-file",
+        type=Path,
+        metavar="TOML",
+        help="API keys with their priority, fair-share weight and limits (concurrency, tokens and "
+        "requests per minute), and [defaults] for the others; read again on SIGHUP "
+        "(docs/operations.md, 'Keys, priorities and limits')",
+    )
+    group.add_argument(
         "--admin-key",
         action="append",
         default=[],

@@ -306,16 +306,21 @@ class Admission:
         return limit is None or self._held_by(waiter.ticket.account) + waiter.count <= limit
 
     def _best(self) -> _Waiter | None:
+        """The waiter to grant next: the best priority; then an account under its share
+        of the slots before one at or over it; then the account served least; then
+        the earliest arrival."""
         best: _Waiter | None = None
-        best_key: tuple[int, float, int] | None = None
+        best_key: tuple[int, bool, float, int] | None = None
         counters: dict[str, float] = {}
+        shares = self._shares() if len(self._active()) > 1 else None
         for waiter in self._waiters:
             if not self._eligible(waiter):
                 continue
             account = waiter.ticket.account
             if account not in counters:
                 counters[account] = self.counter(account)
-            key = (waiter.ticket.priority, counters[account], waiter.arrival)
+            over = shares is not None and self._held_by(account) + waiter.count > shares[account]
+            key = (waiter.ticket.priority, over, counters[account], waiter.arrival)
             if best_key is None or key < best_key:
                 best, best_key = waiter, key
         return best

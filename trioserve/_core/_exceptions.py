@@ -25,6 +25,7 @@ __all__ = [
     "OverloadedError",
     "PayloadTooLargeError",
     "PermissionDeniedError",
+    "RateLimitError",
     "RequestCancelledError",
     "ServiceUnavailableError",
     "TrioserveError",
@@ -40,6 +41,8 @@ class TrioserveError(Exception):
     default_code: ClassVar[str | None] = None
     #: seconds after which a retry may succeed (sent as ``Retry-After``); ``None``: no advice
     retry_after: float | None = None
+    #: more response headers (a rate limit's ``x-ratelimit-*``)
+    headers: tuple[tuple[bytes, bytes], ...] = ()
     #: whether the same request sent again can succeed (sent as ``x-should-retry``, which
     #: the OpenAI and Anthropic SDKs obey instead of their own rule: they retry every 5xx,
     #: 408, 409 and 429 twice by default); ``None``: no advice
@@ -137,6 +140,23 @@ class OverloadedError(TrioserveError):
         # the same request's deadline would pass again in the same queue
         super().__init__(message, code=code, should_retry=False if code == "deadline_unreachable" else None)
         self.retry_after = retry_after
+
+
+class RateLimitError(TrioserveError):
+    """The API key is over one of its limits (the keys file: requests or tokens per
+    minute). ``retry_after``: when the limit has room again; the ``x-ratelimit-*``
+    headers say which limit and how much is left."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+
+    def __init__(
+        self, message: str, *, retry_after: float, headers: tuple[tuple[bytes, bytes], ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.headers = headers
 
 
 class ServiceUnavailableError(TrioserveError):

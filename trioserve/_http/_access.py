@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
 from .._core._exceptions import AuthenticationError, PermissionDeniedError
+from ._accounts import KeysFile
 from ._errors import render_for_path
 
 __all__ = ["AccessPolicy", "with_access_control"]
@@ -42,14 +43,24 @@ class AccessPolicy:
     """Which API keys are valid and which origins may call from a browser."""
 
     def __init__(
-        self, api_keys: Iterable[str] = (), cors_origins: Iterable[str] = (), admin_keys: Iterable[str] = ()
+        self,
+        api_keys: Iterable[str] = (),
+        cors_origins: Iterable[str] = (),
+        admin_keys: Iterable[str] = (),
+        *,
+        keys_file: KeysFile | None = None,
     ) -> None:
-        self._admin_digests = [hashlib.sha256(key.encode()).digest() for key in admin_keys if key]
-        self._digests = [
-            *(hashlib.sha256(key.encode()).digest() for key in api_keys if key),
-            *self._admin_digests,  # an admin key is an API key too
-        ]
+        self._given_admin = [hashlib.sha256(key.encode()).digest() for key in admin_keys if key]
+        self._given = [hashlib.sha256(key.encode()).digest() for key in api_keys if key]
         self.cors_origins = frozenset(cors_origins)
+        self.use(keys_file or KeysFile())
+
+    def use(self, keys_file: KeysFile) -> None:
+        """The keys of ``keys_file`` are valid from now on, with the ones given at
+        start (a reload: a key removed from the file is refused at once)."""
+        self._admin_digests = [*self._given_admin, *keys_file.admin_keys]
+        # an admin key is an API key too
+        self._digests = [*self._given, *keys_file.keys, *self._admin_digests]
 
     @property
     def requires_key(self) -> bool:

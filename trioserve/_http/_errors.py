@@ -26,6 +26,7 @@ def _headers(exc: TrioserveError) -> list[tuple[bytes, bytes]]:
         headers.append((b"x-should-retry", b"true" if exc.should_retry else b"false"))
     if exc.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    headers.extend(exc.headers)
     return headers
 
 

@@ -34,6 +34,7 @@ class Exchange:
 
     __slots__ = (
         "ended",
+        "extra_headers",
         "last_sent",
         "render",
         "request_id",
@@ -50,6 +51,8 @@ class Exchange:
         #: how an error response is rendered (OpenAI's body; Anthropic's on its endpoints)
         self.render = render
         self.started = False
+        #: headers every response of this exchange carries (a key's ``x-ratelimit-*``)
+        self.extra_headers: list[tuple[bytes, bytes]] = []
         #: the last body message (``more_body`` false) went out
         self.ended = False
         self.status = 0
@@ -75,7 +78,7 @@ class Exchange:
                 {
                     "type": "http.response.start",
                     "status": status,
-                    "headers": [*headers, (b"x-request-id", self.request_id.encode())],
+                    "headers": [*headers, *self.extra_headers, (b"x-request-id", self.request_id.encode())],
                 }
             )
 

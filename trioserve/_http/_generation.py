@@ -258,7 +258,10 @@ class GenerationHandler:
         finally:
             TRACEPARENT.reset(traced)
             request.advance(Phase.DONE)
-            tracing.end(request, log_request(self.state.metrics, request))
+            usage = log_request(self.state.metrics, request)
+            if usage is not None and request.account is not None:
+                self.state.accounts.charge(request.owner, request.account, usage.completion_tokens)
+            tracing.end(request, usage)
             request.done.set()
 
     async def _serve(self, request: InFlightRequest, receive: Receive, spec: DialectSpec) -> None:
@@ -339,6 +342,13 @@ class GenerationHandler:
         if request.cancel_scope.cancelled_caught or request.cause is not None:
             request.note_deadline()  # no-op if another cause came first
             await self.writer.cancelled(request)
+
+    def _key(self, scope: Scope) -> str | None:
+        """The API key the request presented, where keys are required (checked by the
+        access layer already); ``None`` otherwise."""
+        if self.access is None or not self.access.requires_key:
+            return None
+        return presented_key(scope)
 
     def owner(self, scope: Scope) -> str:
         """Whose stored responses a request may read: its API key's (a hash), or
@@ -466,6 +476,11 @@ class GenerationHandler:
                 param="prompt",
             )
         dialect = request.dialect = parsed.dialect
+        # its place in the queue, and its key's rate limits (429 before any work)
+        accounts = state.accounts
+        account = request.account = accounts.account(self._key(request.asgi))
+        ticket = request.ticket = accounts.ticket(account, request.owner, parsed.priority)
+        exchange.extra_headers = accounts.admit(request.owner, account)
         salt = cache_salt(request.asgi, body, self.access)
         generations = [dataclasses.replace(g, cache_salt=salt) if salt else g for g in parsed.generations]
         request.advance(Phase.QUEUED)
@@ -479,6 +494,7 @@ class GenerationHandler:
         except InvalidRequestError as exc:
             spec.rename(exc)  # (the engine's names, as the dialect calls them)
             raise
+        accounts.charge(request.owner, account, sum(len(p.tokens) for p in prompts))
         with unwrap_group():
             async with trio.open_nursery() as nursery:
                 heartbeat = None
@@ -499,6 +515,7 @@ class GenerationHandler:
                     prompts if len(prompts) > 1 else prompts[0],
                     parsed.n,
                     reservation=request.reservation,
+                    ticket=ticket,
                 ) as choices:
                     request.events, request.choices = choices[0], choices
                     if stream and parsed.plain:

@@ -141,6 +141,16 @@ class Metrics:
             "trioserve_queued_requests", "Requests waiting for a slot.", registry=registry
         )
         self.slots_in_use = Gauge("trioserve_slots_in_use", "Slots held.", registry=registry)
+        self.paused_requests = Gauge(
+            "trioserve_paused_requests",
+            "Requests set aside for a better-ranked one (preemption), waiting for a slot again.",
+            registry=registry,
+        )
+        self.preemptions = Gauge(
+            "trioserve_preemptions",
+            "Running requests asked to pause for a better-ranked one since each model loaded.",
+            registry=registry,
+        )
         self.slots_total = Gauge("trioserve_slots", "Slots (capacity).", registry=registry)
         self.batch_sequences = Gauge(
             "trioserve_batch_sequences",
@@ -190,6 +200,8 @@ class Metrics:
         self.active_streams.set_function(total(lambda e: e.active_streams))
         self.queued_requests.set_function(total(lambda e: e.admission.queued))
         self.slots_in_use.set_function(total(lambda e: e.admission.in_use))
+        self.paused_requests.set_function(total(lambda e: e.admission.paused))
+        self.preemptions.set_function(total(lambda e: e.admission.preemptions))
         self.slots_total.set_function(total(lambda e: e.admission.slots))
 
         def stat(name: str) -> Callable[[Engine], float]:

@@ -26,9 +26,10 @@ import trio
 from .._core._types import EndCause
 
 if TYPE_CHECKING:
-    from .._core._admission import Reservation
+    from .._core._admission import Reservation, Ticket
     from .._core._engine import EventStream
     from .._wire import Dialect
+    from ._accounts import Account
     from ._exchange import Exchange, Scope
 
 __all__ = ["InFlightRequest", "Kind", "Phase"]
@@ -52,6 +53,7 @@ class InFlightRequest:
     """One generation request: its exchange, its cancel scope and why it ended."""
 
     __slots__ = (
+        "account",
         "asgi",
         "cancel_scope",
         "cancelled",
@@ -78,6 +80,7 @@ class InFlightRequest:
         "session",
         "span",
         "started",
+        "ticket",
         "tokens_at_cancel",
         "trace_id",
         "traceparent",
@@ -97,6 +100,10 @@ class InFlightRequest:
         #: whose request it is: its API key's salt (``""`` without keys): who may list
         #: and cancel it besides an admin key
         self.owner = ""
+        #: its key's entry in the keys file (the defaults without one), and its place
+        #: in the queue (priority, share), once parsed
+        self.account: Account | None = None
+        self.ticket: Ticket | None = None
         #: its ``X-Session-Id``: a newer request of the same owner and session
         #: supersedes it (cancels it, cause ``superseded``)
         self.session: str | None = None

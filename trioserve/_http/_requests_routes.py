@@ -30,8 +30,10 @@ _CANCEL_WAIT = FINAL_EVENT_TIMEOUT + 5.0
 
 def phase_of(request: InFlightRequest) -> str:
     """Where a request is, in words: ``receiving`` (its body), ``loading`` (its model),
-    ``queued`` (for a slot), ``prefill``, ``decode``, ``paused`` (its reader is slow:
-    the stream's buffer is full), ``finishing``, ``done``."""
+    ``queued`` (for a slot), ``prefill``, ``decode``, ``paused`` (set aside for a
+    better-ranked request, waiting for a slot again — :func:`paused_by` says
+    ``preempted`` — or its reader is slow: the stream's buffer is full, ``reader``),
+    ``finishing``, ``done``."""
     phase = request.phase
     if phase is Phase.RECEIVING:
         return "receiving"
@@ -42,11 +44,26 @@ def phase_of(request: InFlightRequest) -> str:
     events = request.events
     if events is None:
         return "queued"
+    if paused_by(request) is not None:
+        return "paused"
     if events.progress.completion_tokens == 0:
         return "prefill"
-    if events.buffered_room == 0:
-        return "paused"
     return "decode"
+
+
+def paused_by(request: InFlightRequest) -> str | None:
+    """Why a running request is paused: ``preempted`` (its slot went to a better-ranked
+    request), ``reader`` (its client reads slower than it generates); ``None``: it is
+    not."""
+    events = request.events
+    if events is None or request.phase >= Phase.FINISHING:
+        return None
+    lease = events.progress.preemption
+    if lease is not None and lease.paused:
+        return "preempted"
+    if events.progress.completion_tokens and events.buffered_room == 0:
+        return "reader"
+    return None
 
 
 def _describe(request: InFlightRequest) -> dict[str, Any]:
@@ -57,6 +74,9 @@ def _describe(request: InFlightRequest) -> dict[str, Any]:
         "model": request.model,
         "endpoint": request.kind,
         "phase": phase_of(request),
+        "paused": paused_by(request),
+        "priority": request.ticket.priority if request.ticket is not None else None,
+        "key": request.account.name if request.account is not None else None,
         "session": request.session,
         "created": int(request.created_at),
         "elapsed_ms": round((time.perf_counter() - request.started) * 1000.0, 1),

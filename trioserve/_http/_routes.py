@@ -174,6 +174,8 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
             slots=engine.admission.slots,
             slots_in_use=engine.admission.in_use,
             queued=engine.admission.queued,
+            paused=engine.admission.paused,
+            preemptions=engine.admission.preemptions,
             active_streams=engine.active_streams,
             generations_running=backend.generations.running,
         )
@@ -230,6 +232,8 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 slots=engine.admission.slots,
                 slots_in_use=engine.admission.in_use,
                 queued=engine.admission.queued,
+                paused=engine.admission.paused,
+                preemptions=engine.admission.preemptions,
                 active_streams=engine.active_streams,
                 generations_running=engine.backend.generations.running,
             )

@@ -16,6 +16,7 @@ import signal
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import hypercorn
 import trio
@@ -27,6 +28,7 @@ from .._core._engine import Engine
 from .._core._errors import unwrap_group
 from .._core._registry import BackendSource, ModelEntry, ModelRegistry, ModelSpec
 from ._access import AccessPolicy
+from ._accounts import Accounts, parse_keys_file
 from ._generation import FINAL_EVENT_TIMEOUT
 from ._hypercorn_patches import patch_hypercorn_connection_registry, patch_hypercorn_h2_backpressure
 from ._routes import create_app
@@ -93,6 +95,9 @@ class ServerSettings:
             everyone: ``POST /models/load``, ``POST /models/unload``, ``X-Keep-Alive``
             (with keys configured, other keys get 403 there; with none, anyone may).
         cors_origins: browser origins allowed to call the API (``*``: any; none: CORS off).
+        keys_file: a TOML file of API keys with their priorities, fair-share weights
+            and limits (docs/operations.md, "Keys, priorities and limits"); read again
+            on ``SIGHUP`` (:meth:`Server.reload_keys`).
         http: limits and defaults of the HTTP surface.
     """
 
@@ -105,6 +110,7 @@ class ServerSettings:
     api_keys: tuple[str, ...] = ()
     admin_keys: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
+    keys_file: Path | None = None
     http: HTTPSettings = field(default_factory=HTTPSettings)
 
 
@@ -150,10 +156,13 @@ class Server:
         #: set when :meth:`run` has finished: every request and the backend are closed
         self.stopped = trio.Event()
         http = self.settings.http
+        keys_file = self.settings.keys_file
+        keys = parse_keys_file(keys_file.read_text()) if keys_file is not None else None
         self.state = ServerState(
             settings=http,
             stall_timeout=self.settings.stall_timeout,
             tracing=Tracing(http.otlp_endpoint, service=http.service_name),
+            accounts=Accounts(keys, keys_file),
         )
         self.state.metrics.bind_registry(self.registry)
         self.registry.on_unloaded.append(lambda _entry, engine: self.state.forget(engine))
@@ -164,12 +173,13 @@ class Server:
                 self._last_engine = entry.engine
 
         self.registry.on_loaded.append(loaded)
-        self.app = create_app(
-            self.state,
-            AccessPolicy(
-                self.settings.api_keys, self.settings.cors_origins, admin_keys=self.settings.admin_keys
-            ),
+        self.access = AccessPolicy(
+            self.settings.api_keys,
+            self.settings.cors_origins,
+            admin_keys=self.settings.admin_keys,
+            keys_file=keys,
         )
+        self.app = create_app(self.state, self.access)
         self._stop_accepting = trio.Event()
         self._shutdown_requested = trio.Event()
 
@@ -178,6 +188,16 @@ class Server:
         """The default model's engine, once loaded (after the server stopped: the last
         one, closed, for what its counters say)."""
         return self.registry.default.engine or self._last_engine
+
+    def reload_keys(self) -> bool:
+        """Read the keys file again: its keys, priorities, weights and limits hold for
+        the requests to come (a file that fails to parse is logged; the keys in force
+        stay). Whether it was replaced."""
+        accounts = self.state.accounts
+        if not accounts.reload():
+            return False
+        self.access.use(accounts.file)
+        return True
 
     def shutdown(self) -> None:
         """Begin a graceful shutdown (idempotent; safe from any Trio task)."""
@@ -307,8 +327,8 @@ async def serve_until_signalled(
     server: Server, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Run ``server``; SIGINT or SIGTERM starts a graceful shutdown, a second signal
-    cuts the grace period short."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    cuts the grace period short; SIGHUP reads the keys file again."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
 
             async def run_server(task_status: trio.TaskStatus[list[str]]) -> None:
@@ -319,6 +339,9 @@ async def serve_until_signalled(
             task_status.started(binds)
             received = 0
             async for signum in signals:
+                if signum == signal.SIGHUP:
+                    server.reload_keys()
+                    continue
                 received += 1
                 if received == 1:
                     logger.info("%s: shutting down gracefully", signal.Signals(signum).name)

@@ -13,6 +13,7 @@ from .._core._exceptions import ConflictError, ServiceUnavailableError
 from .._core._registry import Lease, ModelEntry, ModelRegistry
 from .._core._types import EndCause
 from .._wire import ChatFormat, chat_format_for
+from ._accounts import Accounts
 from ._metrics import Metrics
 from ._request import InFlightRequest
 from ._settings import HTTPSettings
@@ -45,6 +46,8 @@ class ServerState:
     responses: StoredResponses | None = None
     #: the tracer (no spans unless an OTLP endpoint is configured)
     tracing: Tracing = field(default_factory=Tracing)
+    #: the API keys' priorities, shares and limits (the keys file)
+    accounts: Accounts = field(default_factory=Accounts)
     _idle: trio.Event = field(default_factory=trio.Event)
     _formats: dict[int, tuple[Engine, ChatFormat]] = field(
         default_factory=dict[int, tuple[Engine, ChatFormat]]

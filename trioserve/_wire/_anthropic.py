@@ -25,6 +25,7 @@ from ._limits import RequestLimits
 from ._messages import CallFunction, ChatMessage, MessageToolCall, flatten_text
 from ._openai import (
     DEFAULT_LIMITS,
+    Priority,
 )
 from ._refusals import Refusal, check_refused
 from ._tools import FunctionDef, Tool, check_tool_name, check_tool_schemas
@@ -151,6 +152,8 @@ class MessagesRequest(_MessagesFields, kw_only=True):
     #: ``{"user_id": …}``: accepted, not used (an identifier)
     metadata: dict[str, Any] | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
+    #: trioserve's (vLLM's meaning): the request's priority, lower first
+    priority: Priority | None = None
     # identifiers: accepted, not used
     user_profile_id: str | None = None
     workspace_id: str | None = None

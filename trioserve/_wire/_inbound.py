@@ -95,6 +95,7 @@ def _read_openai(kind: str, body: bytes, chat_format: ChatFormat, options: ReadO
             parallel_calls=parallel_calls,
         ),
         n=request.n,
+        priority=request.priority,
         tool_mode=tool_mode,
         tool_names=names,
         parallel_calls=parallel_calls,
@@ -130,7 +131,9 @@ def _read_messages(body: bytes, chat_format: ChatFormat, options: ReadOptions) -
         omit_thinking=conversation.omit_thinking,
         parallel_calls=conversation.parallel_calls,
     )
-    return _one_generation(messages.stream, generation, model, dialect, conversation, rendered)
+    return _one_generation(
+        messages.stream, generation, model, dialect, conversation, rendered, priority=messages.priority
+    )
 
 
 def _one_generation(
@@ -141,11 +144,14 @@ def _one_generation(
     conversation: Conversation,
     rendered: ChatPrompt,
     turn: StoredTurn | None = None,
+    *,
+    priority: int | None = None,
 ) -> ParsedRequest:
     """What a conversation dialect (Messages, Responses) asks for: one generation, and
     the tool and reasoning facts its conversation and rendered prompt give."""
     return ParsedRequest(
         turn=turn,
+        priority=priority,
         stream=stream,
         generations=(generation,),
         model=model,
@@ -188,7 +194,16 @@ def _read_responses(body: bytes, chat_format: ChatFormat, options: ReadOptions) 
             background=bool(responses.background),
             model=model,
         )
-    return _one_generation(responses.stream, generation, model, dialect, conversation, rendered, turn)
+    return _one_generation(
+        responses.stream,
+        generation,
+        model,
+        dialect,
+        conversation,
+        rendered,
+        turn,
+        priority=responses.priority,
+    )
 
 
 def responses_reply(body: bytes, options: ReadOptions) -> tuple[StoredTurn, dict[str, object]]:

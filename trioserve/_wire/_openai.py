@@ -52,6 +52,9 @@ __all__ = [
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
+#: a request's place in the queue: lower first (vLLM's ``priority``); the key's default
+#: when absent (docs/scheduling.md)
+Priority = Annotated[int, msgspec.Meta(ge=-1_000_000, le=1_000_000)]
 Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
@@ -101,6 +104,8 @@ class _CommonFields(msgspec.Struct, kw_only=True):
     #: trioserve's: ``false`` decodes this request one token per call, without guessing
     #: ahead (speculative decoding; the text at temperature 0 is the same either way)
     speculate: bool = True
+    #: vLLM's: the request's priority, lower first (docs/scheduling.md)
+    priority: Priority | None = None
     #: llama-server's constraint fields: a JSON Schema, a GBNF grammar
     json_schema: dict[str, Any] | None = None
     grammar: str | None = None

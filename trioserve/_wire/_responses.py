@@ -28,6 +28,7 @@ from ._limits import RequestLimits
 from ._messages import CallFunction, ChatMessage, MessageToolCall, flatten_text
 from ._openai import (
     DEFAULT_LIMITS,
+    Priority,
 )
 from ._refusals import Refusal, check_refused
 from ._tools import FunctionDef, Tool, check_tool_name, check_tool_schemas, check_tools
@@ -155,6 +156,8 @@ class ResponsesRequest(_ResponsesFields, kw_only=True):
     service_tier: Literal["auto", "default"] | None = None
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     max_tool_calls: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    #: trioserve's (vLLM's meaning): the request's priority, lower first
+    priority: Priority | None = None
     stream_options: Any = None
     # identifiers: accepted, not used
     user: str | None = None

@@ -80,6 +80,8 @@ class ParsedRequest:
     inside: bool = False
     #: what to store once the response is written (``None``: it is not stored)
     turn: StoredTurn | None = None
+    #: the body's ``priority`` (``None``: the API key's default)
+    priority: int | None = None
 
     @property
     def generation(self) -> GenerationRequest:
