@@ -476,6 +476,7 @@ class GenerationHandler:
                 param="prompt",
             )
         dialect = request.dialect = parsed.dialect
+        dialect.request_id = exchange.request_id
         # its place in the queue, and its key's rate limits (429 before any work)
         accounts = state.accounts
         account = request.account = accounts.account(self._key(request.asgi))

@@ -77,6 +77,8 @@ class AnthropicDialect:
         self._omit_thinking = omit_thinking
         self._max_tokens = max_tokens
         self.id = new_id("msg_")
+        #: the request's id (``X-Request-Id``), in trioserve's field of the message
+        self.request_id: str | None = None
         self._reader = ChoiceReader(
             tool_mode, tool_names, reasoning=reasoning, inside=inside, parallel_calls=parallel_calls
         )
@@ -141,6 +143,8 @@ class AnthropicDialect:
                 "cache_read_input_tokens": 0,
             },
         }
+        if self.request_id is not None:
+            message["trioserve"] = {"request_id": self.request_id}
         out = _event(b"message_start", {"type": "message_start", "message": message})
         if self._reader.mode == "none" and not self._reasoning:
             out += self._start({"type": "text", "text": ""})
@@ -230,11 +234,14 @@ class AnthropicDialect:
         return body
 
     def _extension(self, body: dict[str, object]) -> dict[str, object]:
+        extension: dict[str, object] = {}
+        if self.request_id is not None:
+            extension["request_id"] = self.request_id
         if self._cause not in ("stop", "length"):
-            body["trioserve"] = {
-                "end_cause": self._cause,
-                "message": self._message or END_MESSAGES.get(self._cause, ""),
-            }
+            extension["end_cause"] = self._cause
+            extension["message"] = self._message or END_MESSAGES.get(self._cause, "")
+        if extension:
+            body["trioserve"] = extension
         return body
 
     def end(self, usage: Usage) -> bytes:

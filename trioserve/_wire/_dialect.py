@@ -67,6 +67,11 @@ class Dialect(Protocol):
         """The body of a non-streamed response."""
         ...
 
+    #: the request's id (``X-Request-Id``): set by the HTTP layer before anything is
+    #: written; every body carries it in trioserve's field (a non-streamed body; a
+    #: stream's first or last event)
+    request_id: str | None
+
     def limit_max_tokens(self, limit: int) -> None:
         """The server's ``--max-tokens-limit`` bounds this response below what it asked
         for (only a request whose ``max_tokens`` is an upper bound, Anthropic's, is held
@@ -112,6 +117,15 @@ class OpenAIDialect:
         ]
         self.plain_delta: Callable[[str], bytes] = first.delta
 
+    @property
+    def request_id(self) -> str | None:
+        return self.encoders[0].request_id
+
+    @request_id.setter
+    def request_id(self, value: str | None) -> None:
+        for encoder in self.encoders:
+            encoder.request_id = value
+
     def opening(self, prompt_tokens: int) -> bytes:
         if self.kind == "chat":
             return b"".join(encoder.role() for encoder in self.encoders)
@@ -124,7 +138,9 @@ class OpenAIDialect:
         return error_event(error.to_dict())
 
     def body(self, choices: Sequence[ChoiceResult], usage: Usage) -> bytes:
-        return non_stream_response(self.kind, model=self.model, usage=usage, choices=choices)
+        return non_stream_response(
+            self.kind, model=self.model, usage=usage, choices=choices, request_id=self.request_id
+        )
 
     def limit_max_tokens(self, limit: int) -> None:
         """(Its ``max_tokens`` is refused above the limit, never held to it.)"""

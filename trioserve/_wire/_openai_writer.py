@@ -117,6 +117,8 @@ class ChunkEncoder:
         self.include_usage = include_usage
         self.index = index
         self.id: str = first.id if first else ("cmpl-" if kind == "text" else "chatcmpl-") + uuid.uuid4().hex
+        #: the request's id (``X-Request-Id``), in trioserve's field of the finish chunk
+        self.request_id: str | None = None
         self.created: int = first.created if first else int(time.time())
         self.model = model
         self._object = "text_completion" if kind == "text" else "chat.completion.chunk"
@@ -221,11 +223,16 @@ class ChunkEncoder:
             choice["text"] = ""
         else:
             choice["delta"] = {}
-        extra: dict[str, object] = {}
+        extension: dict[str, object] = {}
+        if self.request_id is not None:
+            extension["request_id"] = self.request_id
         if cause not in ("stop", "length"):
             # trioserve's own field: why the stream ended, in words a user can act on.
-            extra["trioserve"] = {"end_cause": cause, "message": message or END_MESSAGES.get(cause, "")}
-        return self._chunk([choice], **extra)
+            extension["end_cause"] = cause
+            extension["message"] = message or END_MESSAGES.get(cause, "")
+        if not extension:
+            return self._chunk([choice])
+        return self._chunk([choice], trioserve=extension)
 
     def end(self, usage: Usage) -> bytes:
         """The usage chunk if asked for, and ``[DONE]``."""
@@ -287,8 +294,10 @@ def non_stream_response(
     cause: EndCause = "stop",
     usage: Usage,
     choices: Sequence[ChoiceResult] | None = None,
+    request_id: str | None = None,
 ) -> bytes:
-    """The body of a ``stream: false`` response (``choices``, or one from ``text``)."""
+    """The body of a ``stream: false`` response (``choices``, or one from ``text``);
+    ``request_id`` goes in trioserve's field."""
     created = int(time.time())
     results = list(choices) if choices is not None else [ChoiceResult(text=text, cause=cause)]
     out: list[dict[str, object]] = []
@@ -332,4 +341,6 @@ def non_stream_response(
         "choices": out,
         "usage": _usage_dict(usage),
     }
+    if request_id is not None:
+        body["trioserve"] = {"request_id": request_id}
     return encode_json(body)

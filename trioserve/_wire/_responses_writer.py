@@ -117,6 +117,8 @@ class ResponsesDialect:
     ) -> None:
         self.model = model
         self.id = response_id or new_id("resp_")
+        #: the request's id (``X-Request-Id``), in trioserve's field of the response
+        self.request_id: str | None = None
         self.created_at = int(time.time())
         self._request = request
         #: the response is kept in the server's store (its body says ``"store": true``)
@@ -181,11 +183,14 @@ class ResponsesDialect:
             "truncation": "disabled",
             "usage": _usage(usage) if usage is not None else None,
         }
+        extension: dict[str, object] = {}
+        if self.request_id is not None:
+            extension["request_id"] = self.request_id
         if status not in ("in_progress", "queued") and self._cause not in ("stop", "length"):
-            body["trioserve"] = {
-                "end_cause": self._cause,
-                "message": self._message or END_MESSAGES.get(self._cause, ""),
-            }
+            extension["end_cause"] = self._cause
+            extension["message"] = self._message or END_MESSAGES.get(self._cause, "")
+        if extension:
+            body["trioserve"] = extension
         if status not in ("in_progress", "queued"):
             self.final = body
         return body

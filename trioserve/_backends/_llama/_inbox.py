@@ -100,7 +100,8 @@ class Inbox:
         """Ask the loop to set ``sequence`` aside at its next step (preemption): its
         state saved, its id freed; it is handed back with ``park`` set."""
         with self.condition:
-            if sequence.result is None and not sequence.parked_out:
+            if sequence.result is None:
+                # (parked and about to resume: it is set aside again from the queue)
                 sequence.pause_asked = True
                 if self.idle_in_flight or sequence in self.in_flight:
                     # the better-ranked request should not wait for this call: it is
@@ -118,7 +119,7 @@ class Inbox:
                 raise BackendError("the backend is closed")
             sequence.parked_out = False
             sequence.park = None
-            self.queue.appendleft(sequence)
+            self.queue.appendleft(sequence)  # (asked to pause meanwhile: set aside again)
             if self.idle_in_flight:
                 self.abort_flag.value = 1  # idle work never delays a request
             self.condition.notify()
@@ -170,7 +171,7 @@ class Inbox:
         evaluate, a stream with room in its channel. (Called under the lock.)"""
         if any(s.cancelled for s in self.queue) or self.next_admission() is not None:
             return True
-        if any(s.pause_asked for s in self.queue):
+        if any(s.pause_asked and s.group is None for s in self.queue):
             return True
         for sequence in self.active:
             if sequence.cancelled or sequence.pause_asked:

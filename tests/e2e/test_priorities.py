@@ -1,0 +1,219 @@
+"""Priorities, preemption by pause and the keys file on real servers with real
+inference (docs/scheduling.md): a better priority pauses a running stream, which
+resumes with its text unchanged (batch-invariant: compared); a paused request
+cancelled by id leaves nothing; a key's limits answer 429 with OpenAI's headers
+through the openai SDK, its priority bound 403, and SIGHUP reloads the file.
+Fair shares under load: ``benchmarks/fairness.py`` (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import signal
+import textwrap
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+
+from trioserve import HTTPSettings, LlamaBackend
+
+from .._helpers import RawStream, RunningServer, ServerProcess, start_server, wait_for
+
+pytestmark = pytest.mark.model
+
+#: Gemma's end of sequence, banned: every stream runs to its token limit
+NO_EOS = {"1": -100}
+PROMPTS = [
+    "The history of Rome",
+    "A recipe for bread",
+    "The cat sat on",
+    "My favourite city is",
+    "Once upon a time",
+    "The best way to learn",
+    "In the year 2050",
+    "Water boils at",
+]
+
+
+@pytest.fixture
+async def invariant_server(
+    invariant_backend: LlamaBackend, nursery: trio.Nursery
+) -> AsyncIterator[RunningServer]:
+    running = await start_server(nursery, invariant_backend, shutdown_grace=0.0, http=HTTPSettings())
+    yield running
+    running.server.shutdown()
+
+
+@pytest.fixture
+async def server(batched_backend: LlamaBackend, nursery: trio.Nursery) -> AsyncIterator[RunningServer]:
+    running = await start_server(nursery, batched_backend, shutdown_grace=0.0, http=HTTPSettings())
+    yield running
+    running.server.shutdown()
+
+
+async def _complete(client: httpx.AsyncClient, prompt: str, max_tokens: int, **fields: object) -> str:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logit_bias": NO_EOS, **fields}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["text"])
+
+
+async def test_a_better_priority_pauses_a_running_stream_whose_text_is_unchanged(
+    invariant_server: RunningServer,
+) -> None:
+    """Eight slots decoding priority-5 streams; a priority-0 request arrives: one stream
+    is set aside (its cells saved) for it, and resumes after. With --batch-invariant
+    every text is the uninterrupted one."""
+    server = invariant_server
+    admission = server.engine.admission
+    tokens = 96
+    async with server.client(timeout=120) as client:
+        alone: dict[str, str] = {}
+
+        async def reference(prompt: str) -> None:
+            alone[prompt] = await _complete(client, prompt, tokens)
+
+        async with trio.open_nursery() as nursery:
+            for prompt in PROMPTS:
+                nursery.start_soon(reference, prompt)
+        urgent_alone = await _complete(client, "Hello, my name is", 8)
+        preemptions = admission.preemptions
+
+        paused: dict[str, str] = {}
+
+        async def low(prompt: str) -> None:
+            paused[prompt] = await _complete(client, prompt, tokens, priority=5)
+
+        async with trio.open_nursery() as nursery:
+            for prompt in PROMPTS:
+                nursery.start_soon(low, prompt)
+
+            streams = server.engine.streams
+            await wait_for(
+                lambda: len(streams) == len(PROMPTS) and all(s.progress.completion_tokens for s in streams),
+                limit=60,
+            )
+            assert admission.in_use == admission.slots
+            urgent = await _complete(client, "Hello, my name is", 8, priority=0)
+            assert admission.preemptions == preemptions + 1
+        assert paused == alone
+        assert urgent == urgent_alone
+    assert admission.paused == 0
+    assert admission.in_use == 0
+
+
+async def test_a_paused_request_cancelled_by_id_leaves_nothing(server: RunningServer) -> None:
+    """The cancellation matrix's cell for a request set aside by preemption: a cancel by
+    id reaches it while it waits to resume (the answer says ``paused``); its saved
+    state and its place go; the others run on, and the next text is a fresh server's."""
+    engine = server.engine
+    admission = engine.admission
+    fresh_body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+    long = {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True, "logit_bias": NO_EOS}
+    async with server.client(timeout=60) as client:
+        fresh = (await client.post("/v1/completions", json=fresh_body)).json()["choices"][0]["text"]
+        streams = []
+        try:
+            for name, priority in (("low-1", 5), ("low-2", 5)):
+                stream = await RawStream.post(
+                    server.url, "/v1/completions", {**long, "priority": priority}, {"X-Request-Id": name}
+                )
+                await stream.read_until(b"data: ", 2)
+                streams.append(stream)
+            urgent = await RawStream.post(
+                server.url, "/v1/completions", {**long, "priority": 0}, {"X-Request-Id": "urgent"}
+            )
+            streams.append(urgent)
+            await urgent.read_until(b"data: ", 2)
+            listed = (await client.get("/v1/requests")).json()["data"]
+            (set_aside,) = [r for r in listed if r["paused"] == "preempted"]
+            assert set_aside["phase"] == "paused"
+            assert set_aside["priority"] == 5
+            assert admission.paused == 1
+            answer = await client.post(f"/v1/requests/{set_aside['id']}/cancel")
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["phase"] == "paused"
+            assert answer.json()["end_cause"] == "cancelled"
+            cancelled = streams[0] if set_aside["id"] == "low-1" else streams[1]
+            with trio.fail_after(5):
+                data = await cancelled.read_to_eof_or(b"0\r\n\r\n")
+            assert b'"end_cause":"cancelled"' in data
+            assert admission.paused == 0
+            # the two running on decode on: cancel them too, and nothing is left
+            for request_id in ("urgent", "low-1" if set_aside["id"] == "low-2" else "low-2"):
+                assert (await client.post(f"/v1/requests/{request_id}/cancel")).json()["cancelled"]
+        finally:
+            for stream in streams:
+                await stream.aclose()
+        await wait_for(lambda: not engine.streams and admission.in_use == 0 and not admission.queued)
+        assert engine.backend.generations.running == 0
+        assert admission.paused == 0
+        again = (await client.post("/v1/completions", json=fresh_body)).json()["choices"][0]["text"]
+        assert again == fresh
+
+
+KEYS_FILE = """
+[defaults]
+priority = 3
+
+[[key]]
+name = "editor"
+key = "sk-editor"
+priority = 0
+weight = 4
+
+[[key]]
+name = "batch"
+key = "sk-batch"
+priority = 10
+requests_per_minute = 2
+"""
+
+
+def test_the_keys_file_sets_priorities_and_limits_and_is_reloaded_on_sighup(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(textwrap.dedent(KEYS_FILE))
+    with ServerProcess("--threads", "2", "--slots", "2", "--keys-file", str(keys)) as server:
+        url = server.wait_ready() + "/v1"
+        batch = openai.OpenAI(base_url=url, api_key="sk-batch", max_retries=0)
+        editor = openai.OpenAI(base_url=url, api_key="sk-editor", max_retries=0)
+        raw = batch.completions.with_raw_response.create(model="m", prompt="Hi", max_tokens=1)
+        assert raw.headers["x-ratelimit-limit-requests"] == "2"
+        assert raw.headers["x-ratelimit-remaining-requests"] == "1"
+        batch.completions.create(model="m", prompt="Hi", max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as limited:
+            batch.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=1
+            )
+        error = limited.value
+        assert error.code == "rate_limit_exceeded"
+        assert "requests per minute (2)" in error.message
+        assert error.response.headers["x-ratelimit-remaining-requests"] == "0"
+        assert int(error.response.headers["retry-after"]) >= 1
+        # a key may ask for a worse priority than its own, not a better one
+        editor.completions.create(model="m", prompt="Hi", max_tokens=1, extra_body={"priority": 7})
+        with pytest.raises(openai.PermissionDeniedError) as denied:
+            batch.completions.create(model="m", prompt="Hi", max_tokens=1, extra_body={"priority": 0})
+        assert "at best 10" in denied.value.message
+        # a key not in the file is refused; after SIGHUP with it added, it works
+        newcomer = openai.OpenAI(base_url=url, api_key="sk-new", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            newcomer.models.list()
+        keys.write_text(textwrap.dedent(KEYS_FILE) + '\n[[key]]\nname = "new"\nkey = "sk-new"\n')
+        server.process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while not any("reloaded: 3 key(s)" in line for line in server.log):
+            assert time.monotonic() < deadline, "".join(server.log[-20:])
+            time.sleep(0.02)  # (the reload is logged: what shows it happened)
+        newcomer.completions.create(model="m", prompt="Hi", max_tokens=1)
+        # a file that fails to parse keeps the keys in force
+        keys.write_text("[[key]]\nkey = 'sk-other'\nweight = 0\n")
+        server.process.send_signal(signal.SIGHUP)
+        while not any("not reloaded" in line for line in server.log):
+            assert time.monotonic() < deadline + 10, "".join(server.log[-20:])
+            time.sleep(0.02)
+        newcomer.completions.create(model="m", prompt="Hi", max_tokens=1)
+        assert server.stop() == 0
