@@ -70,7 +70,7 @@ async def test_a_better_priority_pauses_a_running_stream_whose_text_is_unchanged
     server = invariant_server
     admission = server.engine.admission
     tokens = 96
-    async with server.client(timeout=120) as client:
+    async with server.client() as client:
         alone: dict[str, str] = {}
 
         async def reference(prompt: str) -> None:
@@ -113,7 +113,7 @@ async def test_a_paused_request_cancelled_by_id_leaves_nothing(server: RunningSe
     admission = engine.admission
     fresh_body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
     long = {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True, "logit_bias": NO_EOS}
-    async with server.client(timeout=60) as client:
+    async with server.client() as client:
         fresh = (await client.post("/v1/completions", json=fresh_body)).json()["choices"][0]["text"]
         streams = []
         try:
@@ -180,13 +180,14 @@ def test_the_keys_file_sets_priorities_and_limits_and_is_reloaded_on_sighup(tmp_
         url = server.wait_ready() + "/v1"
         batch = openai.OpenAI(base_url=url, api_key="sk-batch", max_retries=0)
         editor = openai.OpenAI(base_url=url, api_key="sk-editor", max_retries=0)
-        raw = batch.completions.with_raw_response.create(model="m", prompt="Hi", max_tokens=1)
+        model = editor.models.list().data[0].id
+        raw = batch.completions.with_raw_response.create(model=model, prompt="Hi", max_tokens=1)
         assert raw.headers["x-ratelimit-limit-requests"] == "2"
         assert raw.headers["x-ratelimit-remaining-requests"] == "1"
-        batch.completions.create(model="m", prompt="Hi", max_tokens=1)
+        batch.completions.create(model=model, prompt="Hi", max_tokens=1)
         with pytest.raises(openai.RateLimitError) as limited:
             batch.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=1
+                model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1
             )
         error = limited.value
         assert error.code == "rate_limit_exceeded"
@@ -194,9 +195,9 @@ def test_the_keys_file_sets_priorities_and_limits_and_is_reloaded_on_sighup(tmp_
         assert error.response.headers["x-ratelimit-remaining-requests"] == "0"
         assert int(error.response.headers["retry-after"]) >= 1
         # a key may ask for a worse priority than its own, not a better one
-        editor.completions.create(model="m", prompt="Hi", max_tokens=1, extra_body={"priority": 7})
+        editor.completions.create(model=model, prompt="Hi", max_tokens=1, extra_body={"priority": 7})
         with pytest.raises(openai.PermissionDeniedError) as denied:
-            batch.completions.create(model="m", prompt="Hi", max_tokens=1, extra_body={"priority": 0})
+            batch.completions.create(model=model, prompt="Hi", max_tokens=1, extra_body={"priority": 0})
         assert "at best 10" in denied.value.message
         # a key not in the file is refused; after SIGHUP with it added, it works
         newcomer = openai.OpenAI(base_url=url, api_key="sk-new", max_retries=0)
@@ -208,12 +209,12 @@ def test_the_keys_file_sets_priorities_and_limits_and_is_reloaded_on_sighup(tmp_
         while not any("reloaded: 3 key(s)" in line for line in server.log):
             assert time.monotonic() < deadline, "".join(server.log[-20:])
             time.sleep(0.02)  # (the reload is logged: what shows it happened)
-        newcomer.completions.create(model="m", prompt="Hi", max_tokens=1)
+        newcomer.completions.create(model=model, prompt="Hi", max_tokens=1)
         # a file that fails to parse keeps the keys in force
         keys.write_text("[[key]]\nkey = 'sk-other'\nweight = 0\n")
         server.process.send_signal(signal.SIGHUP)
         while not any("not reloaded" in line for line in server.log):
             assert time.monotonic() < deadline + 10, "".join(server.log[-20:])
             time.sleep(0.02)
-        newcomer.completions.create(model="m", prompt="Hi", max_tokens=1)
+        newcomer.completions.create(model=model, prompt="Hi", max_tokens=1)
         assert server.stop() == 0
