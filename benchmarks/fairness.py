@@ -147,7 +147,13 @@ def paced(
     for _ in range(args.b_requests):
         time.sleep(max(0.0, next_at - time.perf_counter()))
         next_at = time.perf_counter() + args.b_interval
-        out.append(stream(client, url, path, payload, key))
+        # a new connection each time (a person's requests seconds apart: measured here,
+        # llama-server under load closes idle keep-alive connections unanswered)
+        with httpx.Client(timeout=client.timeout) as fresh:
+            try:
+                out.append(stream(fresh, url, path, payload, key))
+            except httpx.HTTPError as exc:
+                out.append({"ttft_ms": float("nan"), "tokens": 0, "seconds": 0.0, "error": repr(exc)})
     return out
 
 
@@ -211,6 +217,7 @@ def fairness(server: servers.Server, args: Any) -> dict[str, Any]:
         "a_drop": drop,
         "b_share": share,
         "errors": load.errors[:5],
+        "b_errors": [r["error"] for r in (*b_alone, *b_loaded) if "error" in r],
         "bar_ttft": loaded <= 1.5 * alone,
         "bar_throughput": drop <= share + 0.05,
     }

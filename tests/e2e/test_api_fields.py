@@ -341,6 +341,17 @@ def check_seed(api: Api) -> None:
     assert len(set(texts)) > 1
 
 
+def check_suffix(api: Api) -> None:
+    # fill in the middle needs a model with FIM tokens: its effect (the same prompt
+    # tokens and text as /infill, on a FIM model, beside llama-server) is
+    # tests/e2e/test_infill.py's; here, the default model says why it cannot
+    error = api.error(400, max_tokens=1, suffix=" and that is all.")
+    assert error["param"] == "suffix"
+    assert error["code"] == "infill_not_supported"
+    assert "FIM" in error["message"]
+    assert api.text(max_tokens=3, suffix="") == api.greedy(3)
+
+
 def check_priority(api: Api) -> None:
     # the order it gives under load: tests/e2e/test_priorities.py; here its range, and
     # that it changes no text
@@ -462,6 +473,7 @@ HONOURED: dict[str, Callable[[Api], None]] = {
     "cache_prompt": check_cache_prompt,
     "speculate": check_speculate,
     "priority": check_priority,
+    "suffix": check_suffix,
     "json_schema": check_json_schema,
     "grammar": check_grammar,
 }
@@ -478,7 +490,6 @@ REFUSED: dict[str, tuple[object, tuple[object, ...]]] = {
     "reasoning_effort": ("low", (None, "none")),
     "service_tier": ("flex", (None, "auto", "default")),
     "store": (True, (None, False)),
-    "suffix": (" and that is all.", (None, "")),
     "verbosity": ("low", (None, "medium")),
     "web_search_options": ({}, (None,)),
 }

@@ -62,6 +62,8 @@ class ModelInfo:
     architecture: str | None = None
     bos_token: str = ""
     eos_token: str = ""
+    #: the model can fill in the middle (its vocabulary names FIM tokens: ``/infill``)
+    infill: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,6 +96,19 @@ def refuse_unsupported(request: GenerationRequest, backend: str) -> None:
         )
     if request.logprobs is not None:
         raise InvalidRequestError(f"logprobs are not supported by the {backend} backend", param="logprobs")
+    if request.infill is not None:
+        raise InvalidRequestError(
+            f"fill in the middle (/infill, suffix) is not supported by the {backend} backend: it lays "
+            "out the prompt with the model's own FIM tokens, which only a llama backend has",
+            param="input_prefix",
+            code="infill_not_supported",
+        )
+    if request.sampling.samplers is not None:
+        raise InvalidRequestError(
+            f"samplers (a sampler chain in a given order) is not supported by the {backend} backend; "
+            "send the request without it",
+            param="samplers",
+        )
 
 
 class ChoiceGroup:

@@ -29,7 +29,7 @@ from ._backend import Backend, ChoiceGroup, GenerationProgress, PreparedPrompt
 from ._channel import PieceChannel
 from ._errors import unwrap_group
 from ._exceptions import BackendError, ServiceUnavailableError, TrioserveError
-from ._text import TextAssembler
+from ._text import LineRules, TextAssembler
 from ._types import Finished, GenerationEnd, GenerationRequest, TextDelta, TokenLogprob, Usage
 
 __all__ = ["WINDOW", "Engine", "EventStream", "StreamTimings"]
@@ -86,7 +86,14 @@ class EventStream:
         self._channel = channel
         self._progress = progress
         self._producer_scope = producer_scope
-        self._assembler = TextAssembler(prompt.request.stop)
+        request = prompt.request
+        limits = request.lines
+        lines = (
+            LineRules(limits.n_indent, limits.t_max_predict)
+            if limits is not None and (limits.n_indent > 0 or limits.t_max_predict is not None)
+            else None
+        )
+        self._assembler = TextAssembler(request.stop, lines)
         #: log-probabilities: pieces come with their entries (``(bytes, TokenLogprob)``),
         #: kept until the text they are part of is given out
         self._logprobs = prompt.request.logprobs is not None
@@ -113,12 +120,18 @@ class EventStream:
         completion = progress.completion_tokens
         if self._stopped_by_sequence and progress.piece_per_token:
             completion = min(completion, self._fed)
+        timings = self.timings
+        decode = 0.0
+        if timings.first_token is not None:
+            decode = (timings.finished or time.perf_counter()) - timings.first_token
         return Usage(
             prompt_tokens=progress.prompt_tokens,
             completion_tokens=completion,
             cached_tokens=progress.cached_tokens,
             cached_host_tokens=progress.host_tokens,
             cached_disk_tokens=progress.disk_tokens,
+            prefill_seconds=progress.prefill_seconds,
+            decode_seconds=decode,
         )
 
     @property
@@ -210,6 +223,8 @@ class EventStream:
         self.timings.finished = time.perf_counter()
         if self.backend_error is not None:
             final = Finished(reason="error", usage=self.usage, message=str(self.backend_error))
+        elif self._stopped_by_sequence and self._assembler.limited:
+            final = Finished(reason="length", usage=self.usage)  # (a line rule: a limit)
         elif self._stopped_by_sequence:
             final = Finished(reason="stop", usage=self.usage, stop_sequence=self._assembler.stop_sequence)
         else:

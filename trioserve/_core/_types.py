@@ -10,11 +10,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 __all__ = [
+    "SAMPLER_NAMES",
     "Constraint",
     "EndCause",
     "Finished",
     "GenerationEnd",
     "GenerationRequest",
+    "Infill",
+    "LineLimits",
     "SamplingParams",
     "TextDelta",
     "TokenLogprob",
@@ -65,12 +68,17 @@ class SamplingParams:
     #: (1: off; -1: all of them)
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
+    #: llama-server's ``samplers``: the sampler chain in this order (names from
+    #: :data:`SAMPLER_NAMES`), then the draw; ``None``: the default order. Only the
+    #: listed samplers apply (no ``temperature`` in the list: none applied)
+    samplers: tuple[str, ...] | None = None
 
     @property
     def plain_greedy(self) -> bool:
         """Temperature 0 with nothing that changes the logits: the argmax is the token."""
         return (
             self.temperature == 0
+            and self.samplers is None
             and not self.logit_bias
             and self.frequency_penalty == 0
             and self.presence_penalty == 0
@@ -87,6 +95,33 @@ class Constraint:
 
     kind: Literal["json_schema", "lark", "gbnf"]
     source: str
+
+
+#: the sampler names ``SamplingParams.samplers`` may list (llama.cpp's, as llama-server
+#: takes them; "infill": llama.cpp's fill-in-the-middle sampler)
+SAMPLER_NAMES = frozenset({"top_k", "top_p", "min_p", "temperature", "infill", "penalties"})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Infill:
+    """A fill-in-the-middle request (code completion): the text before and after the
+    cursor (a string, or llama-server's list of strings and token ids), the start of
+    the middle, extra context chunks ``(filename, text)``. The backend lays out the
+    prompt with the model's FIM tokens (``_backends/_infill.py``)."""
+
+    prefix: str | Sequence[str | int]
+    suffix: str | Sequence[str | int]
+    extra: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LineLimits:
+    """Code completion's line rules (llama-server's ``n_indent``, ``t_max_predict_ms``:
+    ``_core/_text.py``'s :class:`~trioserve._core._text.LineRules`)."""
+
+    n_indent: int = 0
+    #: seconds from the first token after which a new line ends the text
+    t_max_predict: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,6 +154,14 @@ class GenerationRequest:
     #: ``max_tokens`` is only an upper bound: when fewer fit after the prompt, generate
     #: until the context is full (Anthropic's semantics) instead of refusing the request
     clamp_max_tokens: bool = False
+    #: fill in the middle: ``prompt`` (a text) is the start of the middle, the backend
+    #: lays out the whole prompt from these parts and the model's FIM tokens
+    infill: Infill | None = None
+    #: code completion's line rules (``None``: none)
+    lines: LineLimits | None = None
+    #: seconds the request may take to its first token (queue and prompt: an editor's
+    #: ``t_max_prompt_ms``); past it, it ends as at its deadline (``None``: no limit)
+    first_token_timeout: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -131,6 +174,10 @@ class Usage:
     #: were still in the KV cells)
     cached_host_tokens: int = 0
     cached_disk_tokens: int = 0
+    #: seconds evaluating the prompt, and from the first token to the end (for
+    #: llama-server's ``timings`` on the endpoints that report them)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
 
     def cache_split(self) -> dict[str, int] | None:
         """Where the cached tokens came from — ``{"cells", "host", "disk"}`` — when a

@@ -1,7 +1,7 @@
 """Access control, as one ASGI layer in front of everything: API keys, admin keys and
 CORS.
 
-With keys configured, ``/v1/…``, ``/metrics``, ``/tokenize`` and ``/detokenize`` need
+With keys configured, ``/v1/…``, ``/metrics``, ``/infill``, ``/tokenize`` and ``/detokenize`` need
 ``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and the page stay open.
 What changes a model's lifetime for everyone — ``POST /models/load``, ``POST
 /models/unload`` and a request's ``X-Keep-Alive`` header — needs an *admin* key then
@@ -33,7 +33,7 @@ ASGIApp = Callable[
 _OPEN_PATHS = frozenset({"/", "/health", "/index.html", "/favicon.ico"})
 #: outside ``/v1/``, the paths that need a key (llama-server's tokenizer endpoints too)
 _KEYED_PATHS = frozenset(
-    {"/metrics", "/tokenize", "/detokenize", "/models", "/models/load", "/models/unload"}
+    {"/metrics", "/tokenize", "/detokenize", "/infill", "/models", "/models/load", "/models/unload"}
 )
 #: paths that change a model's lifetime for every client: an admin key's
 _ADMIN_PATHS = frozenset({"/models/load", "/models/unload"})

@@ -19,6 +19,7 @@ ENDPOINTS: dict[Kind, str] = {
     "text": "/v1/completions",
     "chat": "/v1/chat/completions",
     "messages": "/v1/messages",
+    "infill": "/infill",
     "responses": "/v1/responses",
 }
 

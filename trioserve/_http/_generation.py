@@ -100,6 +100,7 @@ GENERATION_PATHS: dict[str, Kind] = {
     "/v1/chat/completions": "chat",
     "/v1/messages": "messages",
     "/v1/responses": "responses",
+    "/infill": "infill",
 }
 
 #: each generation route's dialect, picked once per request at the route
@@ -477,6 +478,9 @@ class GenerationHandler:
             )
         dialect = request.dialect = parsed.dialect
         dialect.request_id = exchange.request_id
+        first_token = parsed.generation.first_token_timeout
+        if first_token is not None:
+            request.limit_first_token(first_token)
         # its place in the queue, and its key's rate limits (429 before any work)
         accounts = state.accounts
         account = request.account = accounts.account(self._key(request.asgi))

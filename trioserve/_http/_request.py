@@ -36,7 +36,7 @@ __all__ = ["InFlightRequest", "Kind", "Phase"]
 
 #: the generation endpoints: ``/v1/completions``, ``/v1/chat/completions``,
 #: ``/v1/messages`` (Anthropic), ``/v1/responses`` (OpenAI Responses)
-Kind = Literal["text", "chat", "messages", "responses", "embeddings"]
+Kind = Literal["text", "chat", "messages", "responses", "infill", "embeddings"]
 
 
 class Phase(enum.IntEnum):
@@ -53,6 +53,7 @@ class InFlightRequest:
     """One generation request: its exchange, its cancel scope and why it ended."""
 
     __slots__ = (
+        "_full_deadline",
         "account",
         "asgi",
         "cancel_scope",
@@ -116,6 +117,9 @@ class InFlightRequest:
         self.trace_id: str | None = None
         #: the one scope every cause cancels; its deadline is set when the request is parsed
         self.cancel_scope = trio.CancelScope()
+        #: the deadline to go back to once the first token is out (a time limit on the
+        #: prompt: :meth:`limit_first_token`)
+        self._full_deadline: float | None = None
         #: why the request ended (``None`` while nothing has ended it)
         self.cause: EndCause | None = None
         #: the message of the error that ended it, for the log line
@@ -158,6 +162,16 @@ class InFlightRequest:
         if phase != self.phase:
             self.phase_at[phase] = time.perf_counter()
         self.phase = phase
+        if phase >= Phase.STREAMING and self._full_deadline is not None:
+            # the first token is out: the prompt's time limit no longer applies
+            self.cancel_scope.deadline, self._full_deadline = self._full_deadline, None
+
+    def limit_first_token(self, seconds: float) -> None:
+        """A time limit on the way to the first token (queue, prompt): past it the
+        request ends as at its deadline; the first token lifts it (an editor's
+        ``t_max_prompt_ms``)."""
+        self._full_deadline = self.cancel_scope.deadline
+        self.cancel_scope.deadline = min(self._full_deadline, trio.current_time() + seconds)
 
     def set_timeout(self, timeout: float | None) -> None:
         self.cancel_scope.deadline = math.inf if timeout is None else trio.current_time() + timeout

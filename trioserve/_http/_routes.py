@@ -254,6 +254,12 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
         context = engine.backend.info.context_length if engine is not None else None
         body = _model_object(name, entry.loaded_at, context)
         body["status"] = entry.describe()
+        # what it can do, once loaded (None: not known until it is)
+        body["capabilities"] = (
+            {"completion": True, "chat": True, "infill": engine.backend.info.infill}
+            if engine is not None
+            else None
+        )
         return body
 
     @app.get("/v1/models")

@@ -15,6 +15,7 @@ from ._chat import ChatFormat, ChatPrompt
 from ._choices import ToolMode
 from ._conversation import Conversation, generation_for
 from ._dialect import OpenAIDialect
+from ._infill import InfillDialect, decode_infill_request
 from ._openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,6 +36,7 @@ from ._spec import DialectSpec, ParsedRequest, ReadOptions, openai_error_body
 __all__ = [
     "CHAT",
     "COMPLETIONS",
+    "INFILL",
     "MESSAGES",
     "OPENAI",
     "RESPONSES",
@@ -228,6 +230,19 @@ def responses_reply(body: bytes, options: ReadOptions) -> tuple[StoredTurn, dict
     return turn, dialect.snapshot("queued")
 
 
+def _read_infill(body: bytes, chat_format: ChatFormat, options: ReadOptions) -> ParsedRequest:
+    """llama-server's ``/infill``: code completion (the backend lays out the prompt)."""
+    request, generation = decode_infill_request(body, options.limits)
+    model = options.model_name(request.model)
+    return ParsedRequest(
+        stream=request.stream,
+        generations=(generation,),
+        model=model,
+        dialect=InfillDialect(model, request),
+        priority=request.priority,
+    )
+
+
 def _count_messages(body: bytes, options: ReadOptions) -> tuple[str | None, Conversation]:
     """``/v1/messages/count_tokens``: the model it names, the conversation it counts."""
     request = decode_count_tokens_request(body)
@@ -244,7 +259,13 @@ def _count_responses(body: bytes, options: ReadOptions) -> tuple[str | None, Con
 
 #: every other route of the OpenAI API (models, embeddings, tokenize, errors): its error body
 OPENAI = DialectSpec(kind="openai", error_body=openai_error_body)
-COMPLETIONS = DialectSpec(kind="text", error_body=openai_error_body, read=_read_completions)
+COMPLETIONS = DialectSpec(
+    kind="text",
+    error_body=openai_error_body,
+    read=_read_completions,
+    # (fill in the middle: what the backend calls the text before the cursor)
+    param_names=MappingProxyType({"input_prefix": "suffix"}),
+)
 CHAT = DialectSpec(kind="chat", error_body=openai_error_body, read=_read_chat)
 MESSAGES = DialectSpec(
     kind="messages", error_body=anthropic_error, read=_read_messages, count=_count_messages
@@ -258,12 +279,16 @@ RESPONSES = DialectSpec(
     peek_stored=peek_stored,
 )
 
+#: llama-server's code completion (its /completion-shaped answer; OpenAI's error body)
+INFILL = DialectSpec(kind="infill", error_body=openai_error_body, read=_read_infill)
+
 #: the generation routes, each its dialect's spec
 SPECS: dict[str, DialectSpec] = {
     "/v1/completions": COMPLETIONS,
     "/v1/chat/completions": CHAT,
     "/v1/messages": MESSAGES,
     "/v1/responses": RESPONSES,
+    "/infill": INFILL,
 }
 
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from .._core._exceptions import InvalidRequestError
-from .._core._types import Constraint, GenerationRequest, SamplingParams
+from .._core._types import Constraint, GenerationRequest, Infill, SamplingParams
 from ._codec import decode as _decode
 from ._codec import encode_json
 from ._constraints import ANY_OBJECT, json_schema_constraint
@@ -184,7 +184,6 @@ DEFAULT_LIMITS = RequestLimits()
 #: (docs/api.md, "Request fields").
 _REFUSED: tuple[Refusal, ...] = (
     ("echo", (None, False), "add the prompt to the text yourself"),
-    ("suffix", (None, ""), "this model has no fill-in-the-middle mode"),
     ("best_of", (None, 1), "use n and pick on the client"),
     ("functions", (None, []), "the field is deprecated; send tools"),
     ("function_call", (None,), "the field is deprecated; send tool_choice"),
@@ -214,7 +213,7 @@ _CHAT_ONLY = {
 _COMPLETIONS_ONLY = {
     "prompt": "send messages",
     "echo": "echo is a completions field (and not supported)",
-    "suffix": "suffix is a completions field (and not supported)",
+    "suffix": "suffix is a completions field (fill in the middle: send prompt and suffix there)",
     "best_of": "best_of is a completions field (and not supported)",
 }
 
@@ -372,6 +371,9 @@ def decode_completion_prompts(
     request = _decode(_completion_decoder, body)
     _check_common(request)
     prompts = _completion_prompts(request.prompt, request.n, limits)
+    infill = _suffix_infill(request, prompts)
+    if infill is not None:
+        prompts = [""]  # (the prompt is the text before the cursor: the middle starts empty)
     sampling = _sampling(request, limits)
     stops = _stops(request.stop, limits)
     constraint = _constraint(request, limits)
@@ -385,10 +387,28 @@ def decode_completion_prompts(
             speculate=request.speculate,
             constraint=constraint,
             logprobs=request.logprobs,
+            infill=infill,
+            add_bos=infill is None,
         )
         for prompt in prompts
     ]
     return request, generations
+
+
+def _suffix_infill(request: CompletionRequest, prompts: list[str | list[int]]) -> Infill | None:
+    """OpenAI's ``suffix`` (Continue, Tabby): fill in the middle, the prompt before the
+    cursor and the suffix after it, laid out by the backend as ``/infill`` lays them
+    out (the same prompt tokens); ``None`` without a suffix."""
+    suffix = request.suffix
+    if suffix is None or suffix == "":
+        return None
+    if not isinstance(suffix, str):
+        raise InvalidRequestError("suffix must be a string: the text after the cursor", param="suffix")
+    if len(prompts) != 1 or not isinstance(prompts[0], str):
+        raise InvalidRequestError(
+            "with suffix, prompt must be one string (the text before the cursor)", param="prompt"
+        )
+    return Infill(prefix=prompts[0], suffix=suffix)
 
 
 def decode_completion_request(

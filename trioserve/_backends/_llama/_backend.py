@@ -316,9 +316,11 @@ class LlamaBackend(ModelFacade):
     async def generate(
         self, prompt: PreparedPrompt, channel: PieceChannel, progress: GenerationProgress
     ) -> GenerationEnd:
-        if prompt.max_new_tokens <= 0:
+        if prompt.max_new_tokens <= 0 and not (prompt.request.cache_prompt and self._scheduler.cache_enabled):
             await trio.lowlevel.checkpoint()
-            return "length"  # nothing to generate
+            return "length"  # nothing to generate, nothing to keep
+        # (no token asked, but a prompt to cache: an editor's warm-up of its extra
+        # context — the prompt is evaluated into the cache, nothing is drawn)
         scheduler = self._scheduler
         bias = prompt.logit_bias if isinstance(prompt.logit_bias, LogitBias) else None
         if bias is None and prompt.request.sampling.logit_bias:  # (a prompt not from prepare)

@@ -428,6 +428,9 @@ class Scheduler:
         drafts = filled.drafts
         emit = self.outputs.emit
         for sequence, index in outputs:
+            if sequence.asked.max_new <= 0:
+                self._remove(sequence, "length")  # a prompt to evaluate only: it is cached
+                continue
             token, end = emit(sequence, index)
             if end is None and drafts and sequence in drafts:
                 end = self.outputs.verify(sequence, index, token, drafts[sequence])

@@ -22,6 +22,7 @@ from ..._core._exceptions import InvalidRequestError
 from ..._core._types import GenerationRequest, SamplingParams
 from .._draw import LogitBias
 from .._grammar import GrammarCompiler
+from .._infill import FimTokens, InfillParts, infill_tokens
 from .._pieces import classify_piece, make_rule
 from .._platform import RepackDecision
 from .._side_work import run_side_work
@@ -83,6 +84,8 @@ class LlamaModel:
         self.n_vocab: int = lib.llama_vocab_n_tokens(self.vocab)
         #: the BOS token id (-1: none): the warm-up decodes it
         self.bos: int = lib.llama_vocab_bos(self.vocab)
+        #: its fill-in-the-middle tokens (``None``: it has none: no ``/infill``)
+        self.fim = self._fim_tokens()
         self._piece_cache: dict[int, bytes] = {}
         #: the constraint compiler (its view of the vocabulary is built on first use)
         self.grammars = GrammarCompiler(lib, self.vocab, self.n_vocab, self.token_bytes)
@@ -105,9 +108,51 @@ class LlamaModel:
             architecture=self._meta("general.architecture"),
             bos_token=self._token_text(self.bos),
             eos_token=self._token_text(lib.llama_vocab_eos(self.vocab)),
+            infill=self.fim is not None,
         )
         with LlamaModel._count_lock:
             LlamaModel.loaded += 1
+
+    def _fim_tokens(self) -> FimTokens | None:
+        lib, vocab = self.lib, self.vocab
+        ids = [
+            int(read(vocab))
+            for read in (lib.llama_vocab_fim_pre, lib.llama_vocab_fim_suf, lib.llama_vocab_fim_mid)
+        ]
+        if any(token < 0 for token in ids):
+            return None
+        repo, separator = int(lib.llama_vocab_fim_rep(vocab)), int(lib.llama_vocab_fim_sep(vocab))
+        return FimTokens(
+            ids[0],
+            ids[1],
+            ids[2],
+            repo=repo if repo >= 0 else None,
+            separator=separator if separator >= 0 else None,
+        )
+
+    def infill_prompt(self, request: GenerationRequest) -> list[int]:
+        """A fill-in-the-middle request's prompt tokens, laid out as llama-server's
+        ``/infill`` (``_backends/_infill.py``). 400 for a model without FIM tokens."""
+        assert request.infill is not None
+        if self.fim is None:
+            raise InvalidRequestError(
+                "this model cannot fill in the middle: its vocabulary names no FIM prefix, suffix and "
+                "middle tokens (tokenizer.ggml.fim_pre_token_id, …); use a code model that has them "
+                "(GET /v1/models says which can: capabilities.infill)",
+                param="input_prefix",
+                code="infill_not_supported",
+            )
+        infill = request.infill
+        prompt = request.prompt if isinstance(request.prompt, str) else ""
+        parts = InfillParts(infill.prefix, infill.suffix, prompt, infill.extra)
+        add_bos = bool(self.lib.llama_vocab_get_add_bos(self.vocab)) and self.bos >= 0
+
+        def tokenize(text: str, parse_special: bool) -> list[int]:
+            return self.tokenize(text, add_bos=False, parse_special=parse_special)
+
+        return infill_tokens(
+            parts, self.fim, tokenize, n_ctx=self.settings.n_ctx, bos=self.bos if add_bos else None
+        )
 
     def _classify_token(self, token: int) -> int:
         """A token's class for the cut (``_pieces``): control or not, its text. (The BOS
@@ -254,7 +299,16 @@ class LlamaModel:
         return [self.special_piece(t) for t in tokens]
 
     async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
-        if isinstance(request.prompt, str):
+        if request.infill is not None:
+            infill = request.infill
+            size = (
+                sum(len(text) for _, text in infill.extra) + len(str(infill.prefix)) + len(str(infill.suffix))
+            )
+            if size > _INLINE_TOKENIZE_CHARS:
+                tokens = await trio.to_thread.run_sync(self.infill_prompt, request)
+            else:
+                tokens = self.infill_prompt(request)
+        elif isinstance(request.prompt, str):
             if len(request.prompt) > _INLINE_TOKENIZE_CHARS:
                 tokens = await trio.to_thread.run_sync(
                     lambda: self.tokenize(request.prompt, add_bos=request.add_bos)  # type: ignore[arg-type]
@@ -302,4 +356,5 @@ class LlamaModel:
             max_new_tokens=max_new_tokens,
             seed_offset=seed_offset,
             bias=bias,
+            vocab=self.vocab,
         )

@@ -27,10 +27,14 @@ def sampler_chain(
     max_new_tokens: int = 0,
     seed_offset: int = 0,
     bias: LogitBias | None = None,
+    vocab: Any = None,
 ) -> Any:
     """llama.cpp's sampler chain for ``params``, in llama-server's order: logit
-    bias, penalties, top-k, top-p, min-p, temperature, then the draw (or greedy).
-    ``bias``: ``params.logit_bias`` as arrays, if the request's prepare made them."""
+    bias, penalties, top-k, top-p, min-p, temperature, then the draw (or greedy) —
+    or, where the request names its ``samplers``, those in its order, then the draw,
+    as llama-server builds them (``common_sampler_init``). ``bias``:
+    ``params.logit_bias`` as arrays, if the request's prepare made them; ``vocab``:
+    the model's vocabulary (the ``infill`` sampler needs it)."""
     chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
     add = lib.llama_sampler_chain_add
     if params.logit_bias:
@@ -41,6 +45,11 @@ def sampler_chain(
         add(chain, lib.llama_sampler_init_logit_bias(n_vocab, len(entries), entries))
     # (llama-cpp-python 0.3.36's llama.h: the vocabulary size comes first)
     penalties = lib.llama_sampler_init_penalties
+    if params.samplers is not None:
+        _named_chain(lib, chain, params, n_vocab, max_new_tokens, vocab)
+        seed = params.seed + seed_offset if params.seed is not None else random.getrandbits(32)
+        add(chain, lib.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        return chain
     if params.repeat_penalty != 1:
         last_n = params.repeat_last_n if params.repeat_last_n >= 0 else max(1, max_new_tokens)
         add(chain, penalties(n_vocab, last_n, params.repeat_penalty, 0.0, 0.0))
@@ -63,6 +72,35 @@ def sampler_chain(
         seed = params.seed + seed_offset if params.seed is not None else random.getrandbits(32)
         add(chain, lib.llama_sampler_init_dist(seed & 0xFFFFFFFF))
     return chain
+
+
+def _named_chain(
+    lib: Any, chain: Any, params: SamplingParams, n_vocab: int, max_new: int, vocab: Any
+) -> None:
+    """The samplers ``params.samplers`` names, in its order, with llama-server's
+    arguments (``min_keep`` 0; temperature through ``temp_ext``, which at 0 keeps only
+    the most likely token)."""
+    add = lib.llama_sampler_chain_add
+    for name in params.samplers or ():
+        if name == "top_k":
+            add(chain, lib.llama_sampler_init_top_k(params.top_k))
+        elif name == "top_p":
+            add(chain, lib.llama_sampler_init_top_p(params.top_p, 0))
+        elif name == "min_p":
+            add(chain, lib.llama_sampler_init_min_p(params.min_p, 0))
+        elif name == "temperature":
+            add(chain, lib.llama_sampler_init_temp_ext(params.temperature, 0.0, 1.0))
+        elif name == "infill":
+            add(chain, lib.llama_sampler_init_infill(vocab))
+        elif name == "penalties":
+            last_n = params.repeat_last_n if params.repeat_last_n >= 0 else max(1, max_new)
+            frequency, presence = params.frequency_penalty, params.presence_penalty
+            add(
+                chain,
+                lib.llama_sampler_init_penalties(n_vocab, last_n, params.repeat_penalty, frequency, presence),
+            )
+        else:  # pragma: no cover - (the wire layer checks the names: SAMPLER_NAMES)
+            raise InvalidRequestError(f"unknown sampler {name!r}", param="samplers")
 
 
 async def logit_bias(params: SamplingParams, n_vocab: int) -> LogitBias | None:
