@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -12,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
-from benchmarks.harness.servers import TRIOSERVE, free_port, trioserve_command
+from benchmarks.harness.servers import LLAMA_SERVER, TRIOSERVE, command, free_port, trioserve_command
 from benchmarks.harness.servers import Server as HarnessServer
 from trioserve import Backend, Engine, HTTPSettings, LlamaBackend, LlamaSettings, Server, ServerSettings
 
@@ -339,3 +341,24 @@ async def leave_during_the_first_embedding_call(
     stopped_after = trio.current_time() - left
     assert embedder.context is not None
     return embedder.context.calls - before, stopped_after
+
+
+def llama_server_command(model: Path, port: int, extra: list[str]) -> list[str]:
+    """The harness's llama-server command line. Its binary: ``$TRIOSERVE_LLAMA_SERVER``,
+    else the path that ``scripts/build-llama-server`` prints (building it if it is not
+    cached). Fails the test, saying how to get the binary, if neither works."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "build-llama-server"
+    try:
+        argv = command(LLAMA_SERVER, model, port, threads=2, ctx_size=4096, extra=extra)
+    except subprocess.CalledProcessError as exc:
+        pytest.fail(
+            f"llama.cpp's llama-server is missing and {script} could not build it "
+            f"(exit {exc.returncode}); run it by hand (needs cmake and a C++ compiler) or set "
+            f"TRIOSERVE_LLAMA_SERVER:\n{(exc.stderr or '')[-3000:]}"
+        )
+    except (OSError, IndexError) as exc:  # (IndexError: it printed nothing)
+        pytest.fail(f"could not run {script} to get llama.cpp's llama-server: {exc!r}")
+    if not os.access(argv[0], os.X_OK):
+        given = "TRIOSERVE_LLAMA_SERVER=" if os.environ.get("TRIOSERVE_LLAMA_SERVER") else f"{script} gave "
+        pytest.fail(f"{given}{argv[0]} is not an executable file")
+    return argv

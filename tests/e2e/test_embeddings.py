@@ -20,8 +20,14 @@ import trio
 from benchmarks.harness.servers import LLAMA_SERVER, Server, free_port
 from trioserve import HTTPSettings, LlamaBackend, default_model_path
 
-from .._helpers import RawStream, RunningServer, leave_during_the_first_embedding_call, start_server, wait_for
-from .test_upstream import _llama_server_command
+from .._helpers import (
+    RawStream,
+    RunningServer,
+    leave_during_the_first_embedding_call,
+    llama_server_command,
+    start_server,
+    wait_for,
+)
 
 pytestmark = pytest.mark.model
 
@@ -102,7 +108,7 @@ def llama_server_embeddings(tmp_path_factory: pytest.TempPathFactory) -> Iterato
     with one, each input is evaluated alone, as trioserve evaluates every input."""
     port = free_port()
     model = default_model_path(progress=False)
-    argv = _llama_server_command(model, port, ["--embeddings", "--pooling", "mean", "--parallel", "1"])
+    argv = llama_server_command(model, port, ["--embeddings", "--pooling", "mean", "--parallel", "1"])
     server = Server(LLAMA_SERVER, argv, port, tmp_path_factory.mktemp("llama-server-embeddings"))
     try:
         server.wait_ready(timeout=120)

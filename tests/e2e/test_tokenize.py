@@ -16,8 +16,7 @@ import trio
 from benchmarks.harness.servers import LLAMA_SERVER, Server, free_port
 from trioserve import Backend, HTTPSettings, LlamaBackend, ScriptedBackend, default_model_path
 
-from .._helpers import RunningServer, start_server
-from .test_upstream import _llama_server_command
+from .._helpers import RunningServer, llama_server_command, start_server
 
 pytestmark = pytest.mark.model
 
@@ -365,7 +364,7 @@ async def test_the_tokenizer_endpoints_need_the_key_when_one_is_set(
 def llama_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """llama.cpp's C++ llama-server on the default model (its tokenizer is all we ask)."""
     port = free_port()
-    argv = _llama_server_command(default_model_path(progress=False), port, ["--ctx-size", "512"])
+    argv = llama_server_command(default_model_path(progress=False), port, ["--ctx-size", "512"])
     upstream = Server(LLAMA_SERVER, argv, port, tmp_path_factory.mktemp("llama-server"))
     try:
         upstream.wait_ready(120)

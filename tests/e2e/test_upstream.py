@@ -57,6 +57,7 @@ from .._helpers import (
     RunningServer,
     ServerProcess,
     leave_during_the_first_embedding_call,
+    llama_server_command,
     start_server,
     wait_for,
 )
@@ -171,27 +172,6 @@ def llama_cpp_python_upstream(tmp_path_factory: pytest.TempPathFactory) -> Itera
     yield from _run_upstream(LLAMA_CPP_PYTHON, argv, port, log_dir, {"repeat_penalty": 1.0})
 
 
-def _llama_server_command(model: Path, port: int, extra: list[str]) -> list[str]:
-    """The harness's llama-server command line. Its binary: ``$TRIOSERVE_LLAMA_SERVER``,
-    else the path that ``scripts/build-llama-server`` prints (building it if it is not
-    cached). Fails the test, saying how to get the binary, if neither works."""
-    script = ROOT / "scripts" / "build-llama-server"
-    try:
-        argv = command(LLAMA_SERVER, model, port, threads=2, ctx_size=4096, extra=extra)
-    except subprocess.CalledProcessError as exc:
-        pytest.fail(
-            f"llama.cpp's llama-server is missing and {script} could not build it "
-            f"(exit {exc.returncode}); run it by hand (needs cmake and a C++ compiler) or set "
-            f"TRIOSERVE_LLAMA_SERVER:\n{(exc.stderr or '')[-3000:]}"
-        )
-    except (OSError, IndexError) as exc:  # (IndexError: it printed nothing)
-        pytest.fail(f"could not run {script} to get llama.cpp's llama-server: {exc!r}")
-    if not os.access(argv[0], os.X_OK):
-        given = "TRIOSERVE_LLAMA_SERVER=" if os.environ.get("TRIOSERVE_LLAMA_SERVER") else f"{script} gave "
-        pytest.fail(f"{given}{argv[0]} is not an executable file")
-    return argv
-
-
 #: llama-server's settings for a prompt evaluation that stops soon after a cancel
 #: (docs/deployment.md, "Upstream llama-server"): small batches. (trioserve asks an
 #: upstream that answers llama-server's /props for prompt-progress events itself:
@@ -206,7 +186,7 @@ def llama_server_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     """llama.cpp's C++ llama-server on the default model, one slot (always ended)."""
     port = free_port()
     model = default_model_path(progress=False)
-    argv = _llama_server_command(model, port, ["--ctx-size", "4096", "--parallel", "1", *LLAMA_SERVER_BATCH])
+    argv = llama_server_command(model, port, ["--ctx-size", "4096", "--parallel", "1", *LLAMA_SERVER_BATCH])
     argv.append("--slots")
     log_dir = tmp_path_factory.mktemp("llama-server")
     yield from _run_upstream(LLAMA_SERVER, argv, port, log_dir, dict(LLAMA_SERVER_EXTRA_BODY))
