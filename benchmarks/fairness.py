@@ -8,9 +8,11 @@ contestant: B's time to first token alone (A idle) and under A's load, and A's
 generated tokens/s alone and beside B over the same window. The bar: B's median TTFT
 under load ≤ 1.5 × B alone, and A's throughput drop ≤ B's share of the tokens
 generated. Contestants: ``trioserve`` with a keys file (A and B one key each, equal
-weights: fair shares), ``trioserve-fcfs`` (the same keys without a keys file: one
-account, first come first served, as before issue 36), ``llama-server`` (first come,
-first served; ``--parallel`` = slots, one context per slot as trioserve's).
+weights: fair shares), ``trioserve-fcfs`` (no API keys: one account, first come first
+served within a priority, as before issue 36), ``llama-server`` (first come,
+first served; ``--parallel`` = slots, one context per slot as trioserve's). A's
+tokens in a window: each request's tokens spread evenly over its time (requests of
+400 tokens outlast a window).
 
 ``priority``: ``--slots`` (8) priority-5 streams decode; a priority-0 streamed
 completion (``--urgent-tokens``) arrives, every ``--b-interval`` s, ``--b-requests`` of
@@ -112,15 +114,17 @@ class Load:
 
     def __init__(self, url: str, path: str, payload: dict[str, Any], key: str, count: int, timeout: float):
         self.stop = threading.Event()
-        self.done: list[tuple[float, int]] = []
+        #: each finished request: (start, end, tokens)
+        self.done: list[tuple[float, float, int]] = []
         self.errors: list[str] = []
 
         def worker() -> None:
             with httpx.Client(timeout=httpx.Timeout(10.0, read=timeout)) as client:
                 while not self.stop.is_set():
                     try:
+                        started = time.perf_counter()
                         got = stream(client, url, path, payload, key)
-                        self.done.append((time.perf_counter(), got["tokens"]))
+                        self.done.append((started, time.perf_counter(), got["tokens"]))
                     except Exception as exc:  # recorded; the thread goes on
                         self.errors.append(f"{type(exc).__name__}: {exc}")
                         time.sleep(0.1)
@@ -129,8 +133,14 @@ class Load:
         for thread in self.threads:
             thread.start()
 
-    def tokens_between(self, t0: float, t1: float) -> int:
-        return sum(n for at, n in self.done if t0 <= at < t1)
+    def tokens_between(self, t0: float, t1: float) -> float:
+        """Tokens generated in ``[t0, t1)``: each request's spread over its time."""
+        total = 0.0
+        for start, end, n in self.done:
+            overlap = min(end, t1) - max(start, t0)
+            if overlap > 0 and end > start:
+                total += n * overlap / (end - start)
+        return total
 
     def close(self) -> None:
         self.stop.set()
@@ -171,7 +181,9 @@ def start(name: str, model: Path, logs: Path, args: Any, keys: Path) -> servers.
             name, model, logs, **{**settings, "ctx_size": args.ctx_size, "extra": extra}
         )
     else:
-        extra = ["--slots", str(args.slots), "--max-queue", "64", "--api-key", KEY_A, "--api-key", KEY_B]
+        extra = ["--slots", str(args.slots), "--max-queue", "64"]
+        if name != FCFS:
+            extra += ["--api-key", KEY_A, "--api-key", KEY_B]
         if name == TS:
             extra += ["--keys-file", str(keys)]
         if name == TS_BI:
@@ -195,14 +207,13 @@ def fairness(server: servers.Server, args: Any) -> dict[str, Any]:
             t0 = time.perf_counter()
             time.sleep(window)
             t1 = time.perf_counter()
-            a_alone = load.tokens_between(t0, t1) / (t1 - t0)
-            t2 = time.perf_counter()
             b_loaded = paced(client, url, "/v1/chat/completions", b_payload, KEY_B, args)
-            t3 = time.perf_counter()
-            a_beside = load.tokens_between(t2, t3) / (t3 - t2)
+            t2 = time.perf_counter()
         finally:
-            load.close()
-    b_tokens = sum(r["tokens"] for r in b_loaded) / (t3 - t2)
+            load.close()  # (every request in the windows has ended: counted whole)
+    a_alone = load.tokens_between(t0, t1) / (t1 - t0)
+    a_beside = load.tokens_between(t1, t2) / (t2 - t1)
+    b_tokens = sum(r["tokens"] for r in b_loaded) / (t2 - t1)
     alone, loaded = median([r["ttft_ms"] for r in b_alone]), median([r["ttft_ms"] for r in b_loaded])
     drop = 1 - a_beside / a_alone if a_alone else float("nan")
     share = b_tokens / (b_tokens + a_beside) if a_beside else float("nan")
@@ -223,6 +234,14 @@ def fairness(server: servers.Server, args: Any) -> dict[str, Any]:
     }
 
 
+def _health(server: servers.Server) -> dict[str, Any]:
+    """trioserve's ``/health`` in full (keys are required: with one)."""
+    answer: dict[str, Any] = httpx.get(
+        server.url + "/health", headers={"authorization": f"Bearer {KEY_A}"}, timeout=5.0
+    ).json()
+    return answer
+
+
 def priority(server: servers.Server, args: Any) -> dict[str, Any]:
     url, timeout = server.url, args.request_timeout
     low = {
@@ -239,12 +258,12 @@ def priority(server: servers.Server, args: Any) -> dict[str, Any]:
         load = Load(url, "/v1/completions", low, KEY_A, args.slots, timeout)
         try:
             deadline = time.perf_counter() + 60
-            while server.health().get("slots_in_use") != args.slots and time.perf_counter() < deadline:
+            while _health(server).get("slots_in_use") != args.slots and time.perf_counter() < deadline:
                 time.sleep(0.05)
             time.sleep(1.0)  # every low stream decoding
-            before = server.health().get("preemptions", 0)
+            before = _health(server)["preemptions"]
             busy = paced(client, url, "/v1/completions", urgent, KEY_B, args)
-            preemptions = server.health().get("preemptions", 0) - before
+            preemptions = _health(server)["preemptions"] - before
         finally:
             load.close()
     alone, loaded = median([r["ttft_ms"] for r in idle]), median([r["ttft_ms"] for r in busy])

@@ -16,7 +16,13 @@ def _decoder(key: int, seq_id: int | None = None, *, pos: int = 10, room: int = 
 
 
 def _prefiller(
-    key: int, *, prefilled: int = 0, length: int = 300, cuts: list[int] | None = None, waiting: bool = False
+    key: int,
+    *,
+    prefilled: int = 0,
+    length: int = 300,
+    cuts: list[int] | None = None,
+    waiting: bool = False,
+    priority: int = 0,
 ) -> Candidate:
     return Candidate(
         key=key,
@@ -28,6 +34,7 @@ def _prefiller(
         prefilled=prefilled,
         prompt_length=length,
         cuts=cuts if cuts is not None else [128, 256],
+        priority=priority,
     )
 
 
@@ -49,6 +56,20 @@ def test_a_paused_stream_is_left_out() -> None:
 def test_one_prompt_piece_per_step_in_a_call_of_its_own_after_the_decoders() -> None:
     plan = plan_step([_prefiller(0), _prefiller(1), _decoder(2)], WIDE)
     assert plan.calls == [[(2, 0)], [(0, 128)]]
+
+
+def test_a_prompts_last_piece_goes_before_the_decoders() -> None:
+    # its first token is drawn from that call: it does not wait for the decode calls
+    plan = plan_step([_prefiller(0, prefilled=256), _decoder(1)], WIDE)
+    assert plan.calls == [[(0, 44)], [(1, 0)]]
+
+
+def test_a_better_prioritys_prompt_goes_first_and_worse_streams_wait() -> None:
+    worse = Candidate(key=1, seq_id=1, pos=10, decoding=True, waiting=False, room=4, priority=5)
+    same = Candidate(key=2, seq_id=2, pos=10, decoding=True, waiting=False, room=4, priority=0)
+    plan = plan_step([_prefiller(3, priority=5), _prefiller(0), worse, same], WIDE)
+    # the priority-0 prompt first (a whole piece), the priority-5 stream left out this step
+    assert plan.calls == [[(0, 128)], [(2, 0)]]
 
 
 def test_a_prompt_piece_ends_on_the_next_cut_or_the_prompt_end() -> None:

@@ -136,7 +136,10 @@ def plan_step(candidates: list[Candidate], limits: Limits) -> StepPlan:
         first = prefillers[0]
         end = next_cut(first.cuts, first.prefilled, first.prompt_length)
         piece = [(first.key, end - first.prefilled)]
-        if urgent:
+        if urgent or end == first.prompt_length:
+            # a better priority's prompt, or a prompt's last piece (its first token is
+            # drawn from it): before the decode calls, so the first token does not wait
+            # for them (separate calls: the order changes no numerics)
             calls.insert(0, piece)
         else:
             calls.append(piece)
