@@ -225,7 +225,7 @@ async def test_fifty_requests_alternating_on_one_model_slot_all_complete(
                     choice = json.loads(line[6:])["choices"][0]
                     pieces.append(choice["text"])
                     reason = choice["finish_reason"] or reason
-                    assert "trioserve" not in line  # not cut
+                    assert "end_cause" not in line  # not cut
         finishes.append((model, reason, len(pieces)))
 
     async with trio.open_nursery() as watcher:
@@ -291,7 +291,7 @@ async def test_a_stream_on_a_makes_b_wait_and_never_ends_early(
     chunks = [json.loads(e[6:]) for e in events[:-1]]
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] in ("length", "stop")  # A ended on its own, not cut
-    assert all("trioserve" not in c for c in chunks)
+    assert all("end_cause" not in c.get("trioserve", {}) for c in chunks)
     assert chunks[-1]["usage"]["completion_tokens"] >= 1
     assert b_answer
     assert b_answer[0]["model"] == "beta"

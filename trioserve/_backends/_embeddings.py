@@ -3,11 +3,14 @@ batch and its abort flag (docs/embeddings.md).
 
 The context returns every token's vector (llama.cpp's pooling off) and the pooling —
 the mean, the first token (CLS), the last — is done here, in float64. Each input is its
-own ``llama_decode`` call: batching inputs changes their numerics (on this CPU, a call of
-8 or more short inputs moved the first one's vector by a cosine of 6e-4 against the
-same input alone, whichever pooling did the mean: the kernels change with the width of
-the call), and an input's vector should not depend on what it was sent with. One input
-per call gives the same bits for the same input, always.
+call holds as many inputs as measured exact: batching inputs can change their numerics
+(on this CPU, a call of 8 or more short inputs in one shared KV stream moved the first
+one's vector by a cosine of 6e-4 against the same input alone: the kernels change with
+the width of the call), and an input's vector must not depend on what it was sent with.
+So at the context's creation a probe embeds inputs of several lengths alone and then
+together, in calls of 2, 4 and 8 inputs, and keeps the widest whose vectors equal the
+lone ones bit for bit (:attr:`EmbeddingContext.width`; 1 if none is): the same bits
+for the same input, always, and fewer, fuller calls where that holds.
 
 :class:`EmbeddingContext` is used by one thread at a time (:class:`Embedder` holds the
 lock); :meth:`EmbeddingContext.embed` evaluates the inputs in as few ``llama_decode``
@@ -50,8 +53,24 @@ Pooling = Literal["mean", "cls", "last"]
 POOLINGS: dict[str, int] = {"none": 0, "mean": 1, "cls": 2, "last": 3}
 _NAMES = {value: name for name, value in POOLINGS.items()}
 _UNSPECIFIED = -1
-#: inputs (sequences) per ``llama_decode`` call, at most: one (see the module's docstring)
-MAX_SEQUENCES = 1
+#: inputs (sequences) per ``llama_decode`` call, at most: the probe tries up to this
+MAX_SEQUENCES = 8
+#: the probe's inputs: lengths from one token to a few dozen (the kernels a lone call
+#: takes depend on its rows), in an order that mixes them within each call
+PROBE_TEXTS = (
+    "Hi",
+    "The history of the city is long and varied, with rivers, bridges and old markets.",
+    "ok",
+    "Embeddings map texts to vectors.",
+    "def area(radius): return 3.14159 * radius ** 2  # a circle",
+    "Water boils at one hundred degrees Celsius at sea level.",
+    "A",
+    "Structured concurrency: every task has a parent scope that outlives it, and a cancel reaches all.",
+    "Rome",
+    "The quick brown fox jumps over the lazy dog.",
+    "1 2 3",
+    "Trio, hypercorn and llama.cpp.",
+)
 
 
 class CpuTurns:
@@ -151,7 +170,7 @@ class EmbeddingContext:
             "embeddings: %s pooling (%s), %d dimensions", self.pooling, self.pooling_source, self.n_embd
         )
         # every token's vector; pooled by embed()
-        ctx = self._create(model, POOLINGS["none"])
+        ctx = self._create(model, POOLINGS["none"], MAX_SEQUENCES)
         self.ctx = ctx
         self.memory = lib.llama_get_memory(ctx)
         self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
@@ -164,15 +183,37 @@ class EmbeddingContext:
         #: ``llama_decode`` calls made, and aborted (tests and /health)
         self.calls = 0
         self.aborted_calls = 0
+        #: inputs per call, at most: measured exact (the module's docstring)
+        self.width = 1
+        self.width = self._exact_width(model)
+        logger.info("embeddings: %d input(s) per call (measured exact)", self.width)
 
-    def _create(self, model: LlamaModel, pooling: int) -> Any:
+    def _exact_width(self, model: LlamaModel) -> int:
+        """The widest call (≤ :data:`MAX_SEQUENCES` inputs) whose every vector equals its
+        lone evaluation's, bit for bit; 1 if none is. A few calls, at creation."""
+        inputs = [model.tokenize(text) for text in PROBE_TEXTS]
+        alone = self.embed(inputs)  # (width 1: one input per call)
+        best = 1
+        width = 2
+        while width <= MAX_SEQUENCES:
+            self.width = width
+            try:
+                together = self.embed(inputs)
+            finally:
+                self.width = 1
+            if together != alone:
+                break
+            best = width
+            width *= 2
+        return best
+    def _create(self, model: LlamaModel, pooling: int, sequences: int = 1) -> Any:
         lib = self.lib
         settings = model.settings
         params = lib.llama_context_default_params()
         params.n_ctx = self.n_batch
         params.n_batch = self.n_batch
         params.n_ubatch = self.n_batch
-        params.n_seq_max = MAX_SEQUENCES
+        params.n_seq_max = sequences
         params.n_threads = settings.n_threads
         params.n_threads_batch = settings.n_threads
         params.embeddings = True
@@ -184,11 +225,12 @@ class EmbeddingContext:
         return ctx
 
     def groups(self, inputs: Sequence[Sequence[int]]) -> list[range]:
-        """The inputs of each call: consecutive, ≤ ``n_batch`` tokens, ≤ 64 inputs."""
+        """The inputs of each call: consecutive, ≤ ``n_batch`` tokens, ≤ :attr:`width`
+        inputs."""
         out: list[range] = []
         start, tokens = 0, 0
         for i, item in enumerate(inputs):
-            if i > start and (tokens + len(item) > self.n_batch or i - start >= MAX_SEQUENCES):
+            if i > start and (tokens + len(item) > self.n_batch or i - start >= self.width):
                 out.append(range(start, i))
                 start, tokens = i, 0
             tokens += len(item)

@@ -175,9 +175,10 @@ class Usage:
     cached_host_tokens: int = 0
     cached_disk_tokens: int = 0
     #: seconds evaluating the prompt, and from the first token to the end (for
-    #: llama-server's ``timings`` on the endpoints that report them)
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
+    #: llama-server's ``timings`` on the endpoints that report them; not part of a
+    #: usage's value: two usages of the same tokens are equal)
+    prefill_seconds: float = field(default=0.0, compare=False)
+    decode_seconds: float = field(default=0.0, compare=False)
 
     def cache_split(self) -> dict[str, int] | None:
         """Where the cached tokens came from — ``{"cells", "host", "disk"}`` — when a
