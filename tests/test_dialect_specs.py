@@ -32,6 +32,7 @@ BODIES = {
     "/v1/chat/completions": b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}',
     "/v1/messages": b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}',
     "/v1/responses": b'{"input": "hi", "max_output_tokens": 3}',
+    "/infill": b'{"input_prefix": "def f(", "input_suffix": "):\\n", "n_predict": 3}',
 }
 
 

@@ -65,7 +65,16 @@ async def test_a_model_by_id_is_its_entry_in_the_list(server: RunningServer) -> 
             response = await client.get(f"/v1/models/{entry['id']}")  # the alias: a slash in the path
             assert response.status_code == 200, response.text
             model = response.json()
-            assert set(model) == {"id", "object", "created", "owned_by", "context_length", "status"}
+            assert set(model) == {
+                "id",
+                "object",
+                "created",
+                "owned_by",
+                "context_length",
+                "status",
+                "capabilities",
+            }
+            assert model["capabilities"] == {"completion": True, "chat": True, "infill": False}
             assert model["status"]["state"] == "loaded"
             assert {**model, "created": 0} == {**entry, "created": 0}
             assert isinstance(model["created"], int)
