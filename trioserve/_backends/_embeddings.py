@@ -206,6 +206,7 @@ class EmbeddingContext:
             best = width
             width *= 2
         return best
+
     def _create(self, model: LlamaModel, pooling: int, sequences: int = 1) -> Any:
         lib = self.lib
         settings = model.settings
