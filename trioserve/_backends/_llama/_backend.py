@@ -347,13 +347,19 @@ class LlamaBackend(ModelFacade):
             try:
                 while True:
                     await sequence.removed.wait()
-                    if sequence.park is None:
+                    park = sequence.park
+                    if park is None:
                         break  # removed: it has its result
                     # preemption (docs/scheduling.md): set aside, or declined
                     assert lease is not None
+                    sequence.park = None
+                    # a new event first, then the result read: a removal that follows
+                    # a decline at once is seen either way (it sets the new event, or
+                    # its result is read here)
                     sequence.removed = trio.Event()
-                    if sequence.park == "declined":
-                        sequence.park = None
+                    if sequence.result is not None:
+                        break
+                    if park == "declined":
                         lease.decline()
                         continue
                     await lease.pause()  # the slot goes back; held again on return
