@@ -74,7 +74,13 @@ async def test_a_model_by_id_is_its_entry_in_the_list(server: RunningServer) -> 
                 "status",
                 "capabilities",
             }
-            assert model["capabilities"] == {"completion": True, "chat": True, "infill": False}
+            assert model["capabilities"] == {
+                "completion": True,
+                "chat": True,
+                "infill": False,
+                "embeddings": True,
+                "rerank": None,
+            }
             assert model["status"]["state"] == "loaded"
             assert {**model, "created": 0} == {**entry, "created": 0}
             assert isinstance(model["created"], int)

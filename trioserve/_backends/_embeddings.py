@@ -46,11 +46,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("trioserve.embeddings")
 
+
 __all__ = ["POOLINGS", "CpuTurns", "Embedder", "EmbeddingContext", "Pooling"]
 
-Pooling = Literal["mean", "cls", "last"]
+#: "rank": a cross-encoder's score (the classifier head in the graph: docs/rerank.md)
+Pooling = Literal["mean", "cls", "last", "rank"]
 #: llama.cpp's ``llama_pooling_type`` values
-POOLINGS: dict[str, int] = {"none": 0, "mean": 1, "cls": 2, "last": 3}
+POOLINGS: dict[str, int] = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 _NAMES = {value: name for name, value in POOLINGS.items()}
 _UNSPECIFIED = -1
 #: inputs (sequences) per ``llama_decode`` call, at most: the probe tries up to this
@@ -136,7 +138,11 @@ class CpuTurns:
 class EmbeddingContext:
     """A llama context for pooled embeddings: room for ``n_batch`` tokens of up to
     :data:`MAX_SEQUENCES` inputs per call (one ubatch: a pooled vector needs its whole
-    input in one evaluation)."""
+    input in one evaluation).
+
+    With ``pooling="rank"`` it is a cross-encoder's context: llama.cpp pools each
+    sequence through the model's classifier head, and :meth:`embed` returns each
+    input's head outputs (``n_out`` numbers, the score first), not normalised."""
 
     def __init__(
         self, model: LlamaModel, *, pooling: Pooling | None = None, turns: CpuTurns | None = None
@@ -161,16 +167,24 @@ class EmbeddingContext:
             if resolved == POOLINGS["none"]:
                 # a generative model has no pooling of its own: mean, the usual default
                 resolved, self.pooling_source = POOLINGS["mean"], "default (the model has none)"
+        if resolved == POOLINGS["rank"] and pooling != "rank":
+            # a cross-encoder's own pooling is its score; its embeddings: the mean
+            resolved, self.pooling_source = POOLINGS["mean"], "default (the model's own pools a rank)"
         if resolved not in _NAMES or resolved == POOLINGS["none"]:
             raise BackendError(
                 f"llama.cpp pools this model's embeddings as type {resolved}, which is not supported"
             )
         self.pooling: str = _NAMES[resolved]
+        #: numbers per input: the embedding's dimensions, or the classifier's outputs
+        self.n_out: int = self.n_embd
+        if self.pooling == "rank":
+            self.n_out = max(1, int(lib.llama_model_n_cls_out(model.model)))
         logger.info(
-            "embeddings: %s pooling (%s), %d dimensions", self.pooling, self.pooling_source, self.n_embd
+            "embeddings: %s pooling (%s), %d dimensions", self.pooling, self.pooling_source, self.n_out
         )
-        # every token's vector; pooled by embed()
-        ctx = self._create(model, POOLINGS["none"], MAX_SEQUENCES)
+        # every token's vector, pooled by embed() — or, ranking, llama.cpp's rank pooling
+        native = POOLINGS["rank"] if self.pooling == "rank" else POOLINGS["none"]
+        ctx = self._create(model, native, MAX_SEQUENCES)
         self.ctx = ctx
         self.memory = lib.llama_get_memory(ctx)
         self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
@@ -277,6 +291,13 @@ class EmbeddingContext:
                 raise BackendError(
                     f"llama.cpp could not evaluate the embedding batch (llama_decode returned {rc})"
                 )
+            if self.pooling == "rank":
+                for seq in range(len(group)):
+                    scores = lib.llama_get_embeddings_seq(self.ctx, seq)
+                    if not scores:
+                        raise BackendError("llama.cpp returned no rank score")
+                    out.append([float(scores[i]) for i in range(self.n_out)])
+                continue
             pointer = lib.llama_get_embeddings(self.ctx)
             if not pointer:
                 raise BackendError("llama.cpp returned no embeddings")
@@ -301,26 +322,40 @@ class EmbeddingContext:
         self.lib.llama_free(self.ctx)
 
 
-class Embedder:
-    """A model's embedding context, created on first use, one request at a time (the
+class Embedder[C]:
+    """A model's embedding context (or another context of the same kind: a rank or a
+    yes/no reranking context), created on first use, one request at a time (the
     others wait in arrival order, each in its own cancel scope)."""
 
-    def __init__(self, model: LlamaModel, pooling: Pooling | None = None) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        pooling: Pooling | None = None,
+        *,
+        turns: CpuTurns | None = None,
+        make: Callable[[LlamaModel, CpuTurns], C] | None = None,
+    ) -> None:
         self._model = model
         self._pooling: Pooling | None = pooling
-        self._context: EmbeddingContext | None = None
+        if make is None:
+
+            def make(model: LlamaModel, turns: CpuTurns) -> C:
+                return EmbeddingContext(model, pooling=pooling, turns=turns)  # type: ignore[return-value]
+
+        self._make = make
+        self._context: C | None = None
         self._lock = trio.Lock()
         self._closed = False
         #: the cores' turns: the model's generation scheduler takes one per decode call too
-        self.turns = CpuTurns()
+        self.turns = turns if turns is not None else CpuTurns()
 
     @property
-    def context(self) -> EmbeddingContext | None:
+    def context(self) -> C | None:
         return self._context
 
     @property
     def busy(self) -> bool:
-        """A request holds the embedding context (running, or leaving after a cancel)."""
+        """A request holds the context (running, or leaving after a cancel)."""
         return self._lock.locked()
 
     def check(self, inputs: Sequence[Sequence[int]]) -> None:
@@ -340,15 +375,23 @@ class Embedder:
         aborted inside llama.cpp; ``Cancelled`` propagates once the thread has
         returned (never abandoned)."""
         self.check(inputs)
+        work = list(inputs)
+        return await self.run(lambda context: context.embed(work))  # type: ignore[attr-defined]
+
+    async def run[T](self, call: Callable[[C], T]) -> T:
+        """``call(context)`` in a worker thread, holding the context (made on first
+        use). Cancellation: the context's abort flag is raised, the call in flight
+        returns from llama.cpp within a graph node (one waiting for its turn on the
+        cores leaves at once), and ``Cancelled`` propagates once the thread has
+        returned (never abandoned)."""
         async with self._lock:
             if self._closed:
                 raise BackendError("the model is closed")
             if self._context is None:
-                self._context = await trio.to_thread.run_sync(
-                    lambda: EmbeddingContext(self._model, pooling=self._pooling, turns=self.turns)
-                )
+                self._context = await trio.to_thread.run_sync(self._make, self._model, self.turns)
             context = self._context
-            context.abort_flag.value = 0
+            flag = context.abort_flag  # type: ignore[attr-defined]
+            flag.value = 0
             done = False
 
             async def abort_on_cancel() -> None:
@@ -356,23 +399,23 @@ class Embedder:
                     await trio.sleep_forever()
                 finally:
                     if not done:
-                        context.abort_flag.value = 1
+                        flag.value = 1
                         self.turns.wake()  # a call waiting for its turn leaves at once
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(abort_on_cancel)
                 try:
-                    vectors = await trio.to_thread.run_sync(context.embed, list(inputs))
+                    result = await trio.to_thread.run_sync(call, context)
                 except Aborted:
                     await trio.lowlevel.checkpoint()  # the cancel that raised the flag
-                    raise BackendError("the embedding batch was aborted") from None
+                    raise BackendError("the evaluation was aborted") from None
                 done = True
                 nursery.cancel_scope.cancel()
-            return vectors
+            return result
 
     def free(self) -> None:
-        """Free the context (blocking; the caller holds no embed in flight)."""
+        """Free the context (blocking; the caller holds no call in flight)."""
         self._closed = True
         if self._context is not None:
-            self._context.free()
+            self._context.free()  # type: ignore[attr-defined]
             self._context = None

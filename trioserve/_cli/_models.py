@@ -47,6 +47,8 @@ PRESET_KEYS = {
     "repack": "--repack",
     "pooling": "--pooling",
     "speculate": "--speculate",
+    "rerank": "--rerank",
+    "rerank_template": "--rerank-template",
 }
 
 
@@ -70,6 +72,8 @@ PRESET_TYPES: dict[str, tuple[type, ...]] = {
     "repack": (str,),
     "pooling": (str,),
     "speculate": (str,),
+    "rerank": (str,),
+    "rerank_template": (str,),
 }
 _CHOICES = {
     "cache_mode": ("exact", "fast"),
@@ -77,6 +81,7 @@ _CHOICES = {
     "repack": ("auto", "on", "off"),
     "pooling": ("mean", "cls", "last"),
     "speculate": ("off", "auto", "fast"),
+    "rerank": ("yes-no", "off"),
 }
 
 
@@ -240,6 +245,8 @@ def _settings(args: argparse.Namespace, name: str, path: Path, table: dict[str, 
         repack={"auto": None, "on": True, "off": False}[repack],
         pooling=get("pooling", args.pooling),
         speculate=get("speculate", args.speculate),
+        rerank=None if (rerank := get("rerank", args.rerank)) in (None, "off") else rerank,
+        rerank_template=get("rerank_template", args.rerank_template),
     )
 
 

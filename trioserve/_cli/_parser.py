@@ -106,6 +106,20 @@ def _model(serve: argparse.ArgumentParser) -> None:
         "that has none; docs/embeddings.md)",
     )
     group.add_argument(
+        "--rerank",
+        choices=("yes-no", "off"),
+        default=None,
+        help="yes-no: a generative model reranks (/v1/rerank) by the probability of 'yes' after "
+        "its rerank prompt; a cross-encoder GGUF (rank pooling) reranks without this (docs/rerank.md)",
+    )
+    group.add_argument(
+        "--rerank-template",
+        default=None,
+        metavar="TEXT",
+        help="the yes-no reranker's prompt, with {instruction}, {query} and {document} "
+        "(default: a generic one; Qwen3-Reranker's own in docs/rerank.md)",
+    )
+    group.add_argument(
         "--scripted",
         action="store_true",
         help="serve the scripted test backend instead of a model (for benchmarking the stack)",

@@ -45,6 +45,7 @@ __all__ = [
     "GenerationProgress",
     "ModelInfo",
     "PreparedPrompt",
+    "Ranking",
     "check_dimensions",
     "check_token_ids",
     "fit_to_context",
@@ -64,6 +65,26 @@ class ModelInfo:
     eos_token: str = ""
     #: the model can fill in the middle (its vocabulary names FIM tokens: ``/infill``)
     infill: bool = False
+    #: what reranking it does: ``"cross-encoder"``, ``"yes-no"`` or ``None`` (docs/rerank.md)
+    rerank: str | None = None
+    #: it generates text (an encoder embeds and ranks only)
+    generates: bool = True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Ranking:
+    """A rerank's answer (``Backend.rerank``): a score per document, in the order given."""
+
+    scores: list[float]
+    #: tokens evaluated for it (the shared prefix counted once)
+    prompt_tokens: int
+    #: ``"cross-encoder"`` or ``"yes-no"``
+    kind: str
+    #: what a score is: ``"logit"`` or ``"probability"``
+    score: str
+    #: of ``prompt_tokens``, the shared prefix's (a ``yes-no`` reranker; 0: it was kept
+    #: from the previous request)
+    prefix_tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -362,6 +383,25 @@ class Backend(ABC):
             )
         vectors = await self.embed(tokens)
         return vectors, sum(len(item) for item in tokens)
+
+    async def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        instruction: str | None = None,
+        max_tokens_per_doc: int | None = None,
+        max_tokens: int | None = None,
+    ) -> Ranking:
+        """Score each document's relevance to ``query`` (docs/rerank.md). Must stop
+        promptly when cancelled, leaving nothing behind. Default: a 400
+        (``rerank_not_supported``): the backend has no reranker."""
+        raise InvalidRequestError(
+            f"reranking is not supported by this server's backend ({type(self).__name__}): it needs a "
+            "local model that is a cross-encoder or a yes-no reranker",
+            param="model",
+            code="rerank_not_supported",
+        )
 
     async def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
         """The bytes of each token, special tokens rendered as their text (``<bos>``),

@@ -22,7 +22,7 @@ from .._core._exceptions import AuthenticationError, PermissionDeniedError
 from ._accounts import KeysFile
 from ._errors import render_for_path
 
-__all__ = ["AccessPolicy", "with_access_control"]
+__all__ = ["AccessPolicy", "key_salt", "presented_key", "with_access_control"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -33,7 +33,17 @@ ASGIApp = Callable[
 _OPEN_PATHS = frozenset({"/", "/health", "/index.html", "/favicon.ico"})
 #: outside ``/v1/``, the paths that need a key (llama-server's tokenizer endpoints too)
 _KEYED_PATHS = frozenset(
-    {"/metrics", "/tokenize", "/detokenize", "/infill", "/models", "/models/load", "/models/unload"}
+    {
+        "/metrics",
+        "/tokenize",
+        "/detokenize",
+        "/infill",
+        "/rerank",
+        "/reranking",
+        "/models",
+        "/models/load",
+        "/models/unload",
+    }
 )
 #: paths that change a model's lifetime for every client: an admin key's
 _ADMIN_PATHS = frozenset({"/models/load", "/models/unload"})
@@ -200,3 +210,25 @@ async def _respond(
 ) -> None:
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def presented_key(scope: Scope) -> str | None:
+    """The API key a request presents, read as the access layer reads it
+    (``Authorization: Bearer``, else ``x-api-key``); ``None``: none."""
+    authorization = _header(scope, b"authorization")
+    if authorization is not None:
+        scheme, _, key = authorization.partition(" ")
+        return key.strip() if scheme.lower() == "bearer" else None
+    api_key = _header(scope, b"x-api-key")
+    return api_key.strip() if api_key is not None else None
+
+
+def key_salt(scope: Scope, access: AccessPolicy | None) -> str:
+    """One per API key (``"key:…"``, a hash: the key itself is never kept) where keys
+    are required, else ``""``: whose cache a request shares, and whose stored
+    responses it may read."""
+    if access is None or not access.requires_key:
+        return ""
+    key = presented_key(scope) or ""  # (checked already: the access layer let it in)
+    digest = hashlib.sha256(b"trioserve cache salt\0" + key.encode()).hexdigest()
+    return "key:" + digest[:32]

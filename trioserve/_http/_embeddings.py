@@ -10,10 +10,12 @@ import functools
 import logging
 import time
 import uuid
+from typing import Any
 
 import trio
 
-from .._core._admission import Admission
+from .._core._admission import DEFAULT_TICKET, Admission, Ticket
+from .._core._backend import Backend
 from .._core._errors import unwrap_group
 from .._core._exceptions import (
     DeadlineExceededError,
@@ -24,6 +26,7 @@ from .._core._exceptions import (
     TrioserveError,
 )
 from .._wire import decode_embeddings_request, embeddings_inputs, embeddings_response
+from ._access import AccessPolicy, key_salt
 from ._exchange import (
     Exchange,
     Receive,
@@ -38,10 +41,10 @@ from ._exchange import (
     headers_too_large,
 )
 from ._lifecycle import INLINE_PARSE_BYTES, watch_disconnect
-from ._request import InFlightRequest, Phase
+from ._request import InFlightRequest, Kind, Phase
 from ._state import ServerState
 
-__all__ = ["EMBEDDINGS_PATH", "EmbeddingsHandler"]
+__all__ = ["EMBEDDINGS_PATH", "EmbeddingsHandler", "RetrievalHandler"]
 
 EMBEDDINGS_PATH = "/v1/embeddings"
 request_logger = logging.getLogger("trioserve.requests")
@@ -50,15 +53,27 @@ request_logger = logging.getLogger("trioserve.requests")
 _INLINE_ENCODE_FLOATS = 64 * 1024
 
 
-class EmbeddingsHandler:
-    """Serves one embeddings request from parse to final byte."""
+class RetrievalHandler:
+    """One retrieval request (embeddings, rerank) from parse to final byte: the body,
+    the model's lease, the model's retrieval queue, the backend's work and the answer,
+    all in the request's one cancel scope. Subclasses say how to read, compute and
+    answer."""
 
-    def __init__(self, state: ServerState) -> None:
+    #: the endpoint, as the log line and the metrics name it
+    path = EMBEDDINGS_PATH
+    #: the request's kind (``GET /v1/requests``)
+    kind: Kind = "embeddings"
+    #: what the request computes, for the 504/503 messages
+    noun = "the embeddings"
+
+    def __init__(self, state: ServerState, access: AccessPolicy | None = None) -> None:
         self.state = state
+        self.access = access
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         exchange = Exchange(send, _header(scope, b"x-request-id") or uuid.uuid4().hex)
-        request = InFlightRequest(scope, exchange, "embeddings")
+        request = InFlightRequest(scope, exchange, self.kind)
+        request.owner = key_salt(scope, self.access)
         inputs_count = tokens_count = 0
         try:
             limit = self.state.settings.max_header_bytes
@@ -79,21 +94,61 @@ class EmbeddingsHandler:
             request.advance(Phase.DONE)
             self._log(request, inputs_count, tokens_count)
 
+    # what a subclass says
+
+    def parse(self, body: bytes, path: str) -> Any:
+        """The body, read and checked (400s); it may run in a worker thread."""
+        return decode_embeddings_request(body)
+
+    def model_of(self, parsed: Any) -> str | None:
+        return parsed.model
+
+    def count(self, parsed: Any) -> int:
+        """Inputs (or documents) in the request, for the log line."""
+        return len(embeddings_inputs(parsed))
+
+    def ticket(self, request: InFlightRequest, parsed: Any) -> Ticket:
+        return DEFAULT_TICKET
+
+    async def compute(self, backend: Backend, parsed: Any) -> tuple[Any, int]:
+        """The work: ``(result, tokens evaluated)``; cancelled with the request."""
+        return await backend.embed_inputs(
+            embeddings_inputs(parsed),
+            dimensions=parsed.dimensions,
+            max_tokens=self.state.settings.max_embedding_tokens,
+        )
+
+    def encode(self, request: InFlightRequest, parsed: Any, result: Any, tokens: int) -> bytes:
+        return embeddings_response(
+            result, model=request.model or "", prompt_tokens=tokens, encoding=parsed.encoding_format
+        )
+
+    def path_of(self, request: InFlightRequest) -> str:
+        """The endpoint as the log line and the metrics name it (one of a few)."""
+        return self.path
+
+    def encode_inline(self, result: Any) -> bool:
+        """Whether the answer is small enough to encode on the event loop."""
+        return sum(len(vector) for vector in result) <= _INLINE_ENCODE_FLOATS
+
+    # the flow
+
     async def _serve(self, request: InFlightRequest, receive: Receive) -> tuple[int, int]:
         state = self.state
         scope, exchange = request.asgi, request.exchange
         _check_content_type(scope)
         body = await _read_body(scope, receive, state.settings.max_body_bytes, state.settings.body_timeout)
         if len(body) > INLINE_PARSE_BYTES:
-            parsed = await trio.to_thread.run_sync(decode_embeddings_request, body)
+            parsed = await trio.to_thread.run_sync(self.parse, body, scope["path"])
         else:
-            parsed = decode_embeddings_request(body)
-        entry = state.resolve(parsed.model)
+            parsed = self.parse(body, scope["path"])
+        entry = state.resolve(self.model_of(parsed))
         request.model = entry.name
-        inputs = embeddings_inputs(parsed)
+        inputs = self.count(parsed)
+        ticket = request.ticket = self.ticket(request, parsed)
         keep_alive = _keep_alive(scope)
         request.set_timeout(_request_timeout(scope, state.settings))
-        vectors: list[list[float]] = []
+        result: Any = None
         count = 0
         with request.cancel_scope:
             request.advance(Phase.LOADING if entry.state != "loaded" else Phase.QUEUED)
@@ -107,16 +162,12 @@ class EmbeddingsHandler:
                             request.advance(Phase.QUEUED)
                             admission = state.embeddings_admission(lease.engine)
                             # 429 when the queue is full or the deadline cannot be met
-                            async with admission.slot():
+                            async with admission.slot(ticket=ticket):
                                 started = time.perf_counter()
-                                # the backend tokenizes, checks the total against the
-                                # cap and embeds (501 if it computes no embeddings), or
-                                # forwards the inputs (the upstream relay)
-                                vectors, count = await lease.engine.backend.embed_inputs(
-                                    inputs,
-                                    dimensions=parsed.dimensions,
-                                    max_tokens=state.settings.max_embedding_tokens,
-                                )
+                                # the backend tokenizes, checks the limits before
+                                # anything is evaluated, and computes — or forwards
+                                # the inputs (the upstream relay)
+                                result, count = await self.compute(lease.engine.backend, parsed)
                                 _note_service_time(admission, time.perf_counter() - started)
                         finally:
                             lease.release()
@@ -126,42 +177,37 @@ class EmbeddingsHandler:
         if request.cancel_scope.cancelled_caught or request.cause is not None:
             request.note_deadline()
             if request.cause == "deadline":
-                raise DeadlineExceededError("the request's deadline passed before the embeddings were done")
+                raise DeadlineExceededError(f"the request's deadline passed before {self.noun} were done")
             if request.cause == "shutdown":
                 raise ServiceUnavailableError("the server is shutting down; retry on another instance")
             if request.cause == "unload":
                 raise ServiceUnavailableError(
-                    f"the model {request.model!r} was unloaded before the embeddings were done",
+                    f"the model {request.model!r} was unloaded before {self.noun} were done",
                     code="model_unloaded",
                 )
-            return len(inputs), 0  # the client has gone
+            return inputs, 0  # the client has gone
         request.advance(Phase.FINISHING)
-        encode = functools.partial(
-            embeddings_response,
-            vectors,
-            model=request.model,
-            prompt_tokens=count,
-            encoding=parsed.encoding_format,
-        )
-        if sum(len(vector) for vector in vectors) > _INLINE_ENCODE_FLOATS:
-            response = await trio.to_thread.run_sync(encode)  # (millions of floats: off the loop)
-        else:
+        encode = functools.partial(self.encode, request, parsed, result, count)
+        if self.encode_inline(result):
             response = encode()
+        else:
+            response = await trio.to_thread.run_sync(encode)  # (millions of floats: off the loop)
         request.end("stop")
         request.delivered = True
         request.watch_scope.cancel()
         await exchange.json(200, response)
-        return len(inputs), count
+        return inputs, count
 
     def _log(self, request: InFlightRequest, inputs: int, tokens: int) -> None:
         metrics = self.state.metrics
         exchange = request.exchange
         duration = time.perf_counter() - request.started
-        metrics.requests.labels(endpoint=EMBEDDINGS_PATH, status=str(exchange.status or 0)).inc()
+        path = self.path_of(request)
+        metrics.requests.labels(endpoint=path, status=str(exchange.status or 0)).inc()
         request_logger.info(
             "request %s %s model=%s status=%s cause=%s inputs=%d prompt_tokens=%d duration_ms=%.1f%s",
             exchange.request_id,
-            EMBEDDINGS_PATH,
+            path,
             request.model or "-",
             exchange.status or "-",
             request.cause,
@@ -170,6 +216,10 @@ class EmbeddingsHandler:
             duration * 1000,
             f" error={request.error!r}" if request.error else "",
         )
+
+
+class EmbeddingsHandler(RetrievalHandler):
+    """``POST /v1/embeddings`` (the base's defaults)."""
 
 
 def _note_service_time(admission: Admission, seconds: float) -> None:

@@ -13,7 +13,6 @@ every bound: ``docs/architecture.md``, ``docs/cancellation.md``.
 
 import dataclasses
 import functools
-import hashlib
 import logging
 import math
 import uuid
@@ -50,7 +49,7 @@ from .._wire import (
     encode_json,
     responses_reply,
 )
-from ._access import AccessPolicy
+from ._access import AccessPolicy, key_salt, presented_key
 from ._accounting import ENDPOINTS as ENDPOINT_PATHS
 from ._accounting import log_request
 from ._errors import renderer
@@ -121,17 +120,6 @@ class _CacheSaltField(msgspec.Struct):
 _salt_decoder = msgspec.json.Decoder(_CacheSaltField)
 
 
-def presented_key(scope: Scope) -> str | None:
-    """The API key a request presents, read as the access layer reads it
-    (``Authorization: Bearer``, else ``x-api-key``); ``None``: none."""
-    authorization = _header(scope, b"authorization")
-    if authorization is not None:
-        scheme, _, key = authorization.partition(" ")
-        return key.strip() if scheme.lower() == "bearer" else None
-    api_key = _header(scope, b"x-api-key")
-    return api_key.strip() if api_key is not None else None
-
-
 def cache_salt(scope: Scope, body: bytes, access: AccessPolicy | None) -> str:
     """The request's ``GenerationRequest.cache_salt``: the body's ``cache_salt``
     (``"salt:…"``: whoever sends the same one shares a cache, whatever their key); else,
@@ -153,17 +141,6 @@ _ID_RULE = "{name} must be 1 to 128 letters, digits, '.', '_', ':' or '-'"
 def valid_id(value: str) -> bool:
     """Whether ``value`` may be a request's or a session's id."""
     return 0 < len(value) <= 128 and set(value) <= _ID_CHARS
-
-
-def key_salt(scope: Scope, access: AccessPolicy | None) -> str:
-    """One per API key (``"key:…"``, a hash: the key itself is never kept) where keys
-    are required, else ``""``: whose cache a request shares, and whose stored
-    responses it may read."""
-    if access is None or not access.requires_key:
-        return ""
-    key = presented_key(scope) or ""  # (checked already: the access layer let it in)
-    digest = hashlib.sha256(b"trioserve cache salt\0" + key.encode()).hexdigest()
-    return "key:" + digest[:32]
 
 
 async def _nowhere(_message: object) -> None:

@@ -36,7 +36,7 @@ __all__ = ["InFlightRequest", "Kind", "Phase"]
 
 #: the generation endpoints: ``/v1/completions``, ``/v1/chat/completions``,
 #: ``/v1/messages`` (Anthropic), ``/v1/responses`` (OpenAI Responses)
-Kind = Literal["text", "chat", "messages", "responses", "infill", "embeddings"]
+Kind = Literal["text", "chat", "messages", "responses", "infill", "embeddings", "rerank"]
 
 
 class Phase(enum.IntEnum):

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response
 from quart_trio import QuartTrio
 
+from .._core._backend import Backend
 from .._core._exceptions import (
     HeadersTooLargeError,
     InvalidRequestError,
@@ -56,6 +57,7 @@ from ._exchange import (
 from ._generation import GENERATION_PATHS, GenerationHandler, key_salt, presented_key
 from ._lifecycle import INLINE_PARSE_BYTES, off_the_loop_if
 from ._requests_routes import add_request_routes
+from ._rerank import RERANK_PATHS, RerankHandler
 from ._state import ServerState
 from ._stored_routes import add_stored_routes
 
@@ -73,7 +75,8 @@ def create_app(
     behind the access policy (API keys, CORS) if one is given."""
     quart: Any = _create_quart_app(state, access)  # its ASGI types are narrower than ours
     generation = GenerationHandler(state, access)
-    embeddings = EmbeddingsHandler(state)
+    embeddings = EmbeddingsHandler(state, access)
+    rerank = RerankHandler(state, access)
 
     header_limit = state.settings.max_header_bytes
 
@@ -83,8 +86,12 @@ def create_app(
             if kind is not None:
                 await generation(scope, receive, send, kind)  # checks headers, logs, counts
                 return
-            if (scope["path"].rstrip("/") or "/") == EMBEDDINGS_PATH:
+            path = scope["path"].rstrip("/") or "/"
+            if path == EMBEDDINGS_PATH:
                 await embeddings(scope, receive, send)
+                return
+            if path in RERANK_PATHS:
+                await rerank(scope, receive, send)
                 return
             if headers_too_large(scope, header_limit):
                 error = HeadersTooLargeError(f"the request headers exceed the limit of {header_limit} bytes")
@@ -112,6 +119,12 @@ def _health(
 def _error_response(exc: TrioserveError, render: ErrorRenderer = render_error) -> Response:
     status, headers, body = render(exc)
     return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
+
+
+def _embeds(backend: Backend) -> bool:
+    """Whether ``backend`` serves ``/v1/embeddings``: it computes vectors, or it forwards
+    the request (the upstream relay)."""
+    return backend.embedding_size is not None or type(backend).embed_inputs is not Backend.embed_inputs
 
 
 def _model_object(name: str, created: int, context_length: int | None) -> dict[str, object]:
@@ -255,9 +268,16 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
         body = _model_object(name, entry.loaded_at, context)
         body["status"] = entry.describe()
         # what it can do, once loaded (None: not known until it is)
+        info = engine.backend.info if engine is not None else None
         body["capabilities"] = (
-            {"completion": True, "chat": True, "infill": engine.backend.info.infill}
-            if engine is not None
+            {
+                "completion": info.generates,
+                "chat": info.generates,
+                "infill": info.infill,
+                "embeddings": _embeds(engine.backend),
+                "rerank": info.rerank,
+            }
+            if engine is not None and info is not None
             else None
         )
         return body

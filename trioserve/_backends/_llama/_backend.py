@@ -35,13 +35,14 @@ from typing import Literal, Self
 
 import trio
 
-from ..._core._backend import GenerationProgress, PreparedPrompt
+from ..._core._backend import GenerationProgress, PreparedPrompt, Ranking
 from ..._core._channel import PieceChannel
 from ..._core._exceptions import BackendError, InvalidRequestError
 from ..._core._types import GenerationEnd
 from .._draw import LogitBias
 from .._embeddings import Embedder
 from .._prompt_cache import HostBudget, HostCache
+from .._rerank import Reranker
 from ._facade import ModelFacade
 from ._loading import aload
 from ._loop import Scheduler
@@ -93,6 +94,8 @@ class LlamaBackend(ModelFacade):
         # the scheduler takes its turns on the cores from it (CpuTurns)
         self._embedder = Embedder(model, model.settings.pooling)
         self._scheduler = Scheduler(model, host_cache, self._embedder.turns)
+        # reranking (docs/rerank.md): its context made on the first rerank, same turns
+        self._reranker = Reranker(model, self._embedder.turns)
 
     # ----------------------------------------------------------------- loading
 
@@ -173,6 +176,27 @@ class LlamaBackend(ModelFacade):
                     param="input",
                 )
         return await self._embedder.embed(inputs)
+
+    @property
+    def reranker(self) -> Reranker:
+        return self._reranker
+
+    async def rerank(
+        self,
+        query: str,
+        documents: Items[str],
+        *,
+        instruction: str | None = None,
+        max_tokens_per_doc: int | None = None,
+        max_tokens: int | None = None,
+    ) -> Ranking:
+        return await self._reranker.rerank(
+            query,
+            documents,
+            instruction=instruction,
+            max_tokens_per_doc=max_tokens_per_doc,
+            max_tokens=max_tokens,
+        )
 
     @property
     def max_call_width(self) -> int:
@@ -312,6 +336,7 @@ class LlamaBackend(ModelFacade):
             logger.warning("the disk cache's writes did not finish within 120 s; some prefixes are not kept")
         self._scheduler.context.free(self.llama_model.lib)
         self._embedder.free()
+        self._reranker.free()
 
     async def generate(
         self, prompt: PreparedPrompt, channel: PieceChannel, progress: GenerationProgress

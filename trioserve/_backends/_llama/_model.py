@@ -18,13 +18,14 @@ import numpy
 import trio
 
 from ..._core._backend import ModelInfo, PreparedPrompt, check_token_ids, fit_to_context
-from ..._core._exceptions import InvalidRequestError
+from ..._core._exceptions import BackendError, InvalidRequestError
 from ..._core._types import GenerationRequest, SamplingParams
 from .._draw import LogitBias
 from .._grammar import GrammarCompiler
 from .._infill import FimTokens, InfillParts, infill_tokens
 from .._pieces import classify_piece, make_rule
 from .._platform import RepackDecision
+from .._rerank import reranker_kind
 from .._side_work import run_side_work
 from ._loading import load
 from ._native import LoadAborted
@@ -101,14 +102,25 @@ class LlamaModel:
         train_ctx = lib.llama_model_n_ctx_train(model)
         if settings.n_ctx > train_ctx:
             logger.warning("n_ctx %d exceeds the model's training context %d", settings.n_ctx, train_ctx)
+        #: ``general.architecture`` (``bert``, ``gemma3``…)
+        self.architecture = self._meta("general.architecture") or ""
+        #: the model generates text (an encoder — BERT and its kin — does not: its
+        #: attention sees the whole input; it embeds and ranks only)
+        self.generates = (self._meta(f"{self.architecture}.attention.causal") or "true").strip() != "false"
+        #: what reranking it can do (docs/rerank.md)
+        self.rerank_kind = reranker_kind(self)
+        if self.rerank_kind == "yes-no":
+            self.yes_no_tokens()  # (a vocabulary without them fails the load, not a request)
         self._info = ModelInfo(
             id=settings.model_id,
             context_length=settings.n_ctx,
             chat_template=self._meta("tokenizer.chat_template"),
-            architecture=self._meta("general.architecture"),
+            architecture=self.architecture or None,
             bos_token=self._token_text(self.bos),
             eos_token=self._token_text(lib.llama_vocab_eos(self.vocab)),
             infill=self.fim is not None,
+            rerank=self.rerank_kind,
+            generates=self.generates,
         )
         with LlamaModel._count_lock:
             LlamaModel.loaded += 1
@@ -193,6 +205,37 @@ class LlamaModel:
             LlamaModel.loaded -= 1
 
     # ------------------------------------------------------------- metadata
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as text (``None``: the file has no such key)."""
+        return self._meta(key)
+
+    def yes_no_tokens(self) -> tuple[int, int]:
+        """The single tokens of "yes" and "no" (a ``yes-no`` reranker's answer); a
+        vocabulary that spells either in several tokens cannot be one."""
+        out = []
+        for word in ("yes", "no"):
+            tokens = self.tokenize(word, add_bos=False, parse_special=False)
+            if len(tokens) != 1:
+                raise BackendError(
+                    f"rerank = 'yes-no' needs {word!r} to be one token of the model's vocabulary; "
+                    f"it is {len(tokens)}: this model cannot be a yes/no reranker"
+                )
+            out.append(tokens[0])
+        return out[0], out[1]
+
+    def pair_flags(self) -> dict[str, Any]:
+        """The vocabulary's special tokens and add-flags, as a cross-encoder's pair
+        layout reads them (``_backends/_rerank.py::pair_tokens``)."""
+        lib, vocab = self.lib, self.vocab
+        return {
+            "bos": int(lib.llama_vocab_bos(vocab)),
+            "eos": int(lib.llama_vocab_eos(vocab)),
+            "sep": int(lib.llama_vocab_sep(vocab)),
+            "add_bos": bool(lib.llama_vocab_get_add_bos(vocab)),
+            "add_eos": bool(lib.llama_vocab_get_add_eos(vocab)),
+            "add_sep": bool(lib.llama_vocab_get_add_sep(vocab)),
+        }
 
     def _meta(self, key: str) -> str | None:
         size = 1 << 16
@@ -299,6 +342,14 @@ class LlamaModel:
         return [self.special_piece(t) for t in tokens]
 
     async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
+        if not self.generates:
+            raise InvalidRequestError(
+                f"the model {self.settings.model_id!r} is an encoder ({self.architecture}): it embeds"
+                + (" and reranks" if self.rerank_kind else "")
+                + " but cannot generate text; send this request to a generative model",
+                param="model",
+                code="generation_not_supported",
+            )
         if request.infill is not None:
             infill = request.infill
             size = (

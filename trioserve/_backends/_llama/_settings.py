@@ -63,6 +63,10 @@ class LlamaSettings:
         pooling: how ``/v1/embeddings`` pools a model's token vectors: ``None`` (the
             GGUF's; mean for a model that has none), ``"mean"``, ``"cls"``, ``"last"``
             (docs/embeddings.md).
+        rerank: ``"yes-no"``: a generative model reranks by its "yes" probability
+            (docs/rerank.md); a cross-encoder GGUF reranks without it.
+        rerank_template: that reranker's prompt (``{instruction}``, ``{query}``,
+            ``{document}``); default: ``_backends/_rerank.py``'s ``DEFAULT_TEMPLATE``.
     """
 
     def __init__(
@@ -87,6 +91,8 @@ class LlamaSettings:
         warm_up: bool = True,
         pooling: Literal["mean", "cls", "last"] | None = None,
         speculate: Literal["off", "auto", "fast"] = "auto",
+        rerank: Literal["yes-no"] | None = None,
+        rerank_template: str | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
@@ -128,3 +134,13 @@ class LlamaSettings:
         if pooling not in (None, "mean", "cls", "last"):
             raise ValueError(f"pooling must be 'mean', 'cls' or 'last', got {pooling!r}")
         self.pooling: Literal["mean", "cls", "last"] | None = pooling
+        if rerank not in (None, "yes-no"):
+            raise ValueError(f"rerank must be 'yes-no' or None, got {rerank!r}")
+        if rerank_template is not None:
+            if rerank is None:
+                raise ValueError("rerank_template is for rerank = 'yes-no'; set that too")
+            from .._rerank import YesNoTemplate
+
+            YesNoTemplate.parse(rerank_template)  # (ValueError naming the mistake)
+        self.rerank: Literal["yes-no"] | None = rerank
+        self.rerank_template = rerank_template

@@ -1,0 +1,373 @@
+"""Reranking on a loaded model (docs/rerank.md): a cross-encoder's pairs through a rank
+context, or a generative model's "yes" probability with the query as one shared prefix.
+
+The layouts are pure functions (unit-tested); :class:`YesNoContext` is the llama context
+of a ``yes-no`` reranker, used by one thread at a time; :class:`Reranker` is a model's
+reranking, held by its backend: it tokenizes, checks the limits before anything is
+evaluated, and runs the context through an :class:`~._embeddings.Embedder` (one request
+at a time, the abort flag raised by a cancel, the cores' turns shared with generation).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import trio
+
+from .._core._backend import Ranking
+from .._core._channel import Aborted
+from .._core._exceptions import BackendError, InvalidRequestError
+from ._embeddings import CpuTurns, Embedder, EmbeddingContext
+
+if TYPE_CHECKING:
+    from ._llama._model import LlamaModel
+
+logger = logging.getLogger("trioserve.rerank")
+
+__all__ = [
+    "DEFAULT_INSTRUCTION",
+    "DEFAULT_TEMPLATE",
+    "RerankKind",
+    "Reranker",
+    "YesNoContext",
+    "YesNoTemplate",
+    "pair_tokens",
+    "yes_probability",
+]
+
+RerankKind = Literal["cross-encoder", "yes-no"]
+#: Qwen3-Reranker's default task line
+DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+#: a yes/no prompt for a model without one of its own (Qwen3-Reranker's wording; its
+#: published template, with its chat markers, is in docs/rerank.md for its preset)
+DEFAULT_TEMPLATE = (
+    "Judge whether the Document meets the requirements based on the Query and the Instruct "
+    'provided. Note that the answer can only be "yes" or "no".\n'
+    "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}\nAnswer (yes or no):\n"
+)
+#: the architectures whose rank graph ends in a softmax (llama.cpp's build_pooling)
+_SOFTMAX_ARCHITECTURES = frozenset({"qwen3", "qwen3vl"})
+
+
+@dataclass(frozen=True, slots=True)
+class YesNoTemplate:
+    """A ``yes-no`` reranker's prompt: the text before ``{document}`` (holding
+    ``{query}`` and, optionally, ``{instruction}``) and the text after it. Filled by
+    splitting, never by ``str.format``: braces in a query or a document are text."""
+
+    head: str
+    tail: str
+
+    @classmethod
+    def parse(cls, text: str) -> YesNoTemplate:
+        """Raises ``ValueError`` naming what is wrong."""
+        for name in ("{query}", "{document}"):
+            if text.count(name) != 1:
+                raise ValueError(
+                    f"a rerank template must hold {name} exactly once (found {text.count(name)})"
+                )
+        if text.count("{instruction}") > 1:
+            raise ValueError("a rerank template may hold {instruction} at most once")
+        head, tail = text.split("{document}")
+        if "{query}" not in head or "{instruction}" in tail:
+            raise ValueError(
+                "a rerank template must place {query} (and {instruction}) before {document}: "
+                "the text before the document is the prefix every document shares"
+            )
+        return cls(head, tail)
+
+    def prefix(self, query: str, instruction: str) -> str:
+        before, after = self.head.split("{query}")
+        before = before.replace("{instruction}", instruction, 1)
+        after = after.replace("{instruction}", instruction, 1)
+        return before + query + after
+
+    @property
+    def has_instruction(self) -> bool:
+        return "{instruction}" in self.head
+
+
+def pair_tokens(
+    query: Sequence[int],
+    document: Sequence[int],
+    *,
+    bos: int,
+    eos: int,
+    sep: int,
+    add_bos: bool,
+    add_eos: bool,
+    add_sep: bool,
+) -> list[int]:
+    """A cross-encoder's pair as llama-server lays it without a rerank template
+    (``format_prompt_rerank``): BOS? query EOS? SEP? document EOS? — EOS falling back to
+    SEP when the vocabulary has none."""
+    end = eos if eos >= 0 else sep
+    out: list[int] = []
+    if add_bos:
+        out.append(bos)
+    out.extend(query)
+    if add_eos:
+        out.append(end)
+    if add_sep:
+        out.append(sep)
+    out.extend(document)
+    if add_eos:
+        out.append(end)
+    return out
+
+
+def templated_pair(template: str, query: str, document: str) -> str:
+    """A cross-encoder's pair through the GGUF's rerank template (``{query}``,
+    ``{document}``): each placeholder filled once, user text never re-read for
+    placeholders."""
+    parts = template.split("{query}")
+    filled = query.join(part.replace("{document}", "\x00") for part in parts)
+    return filled.replace("\x00", document)
+
+
+def yes_probability(yes: float, no: float) -> float:
+    """``exp(yes) / (exp(yes) + exp(no))`` in float64, stable for any logits."""
+    return 1.0 / (1.0 + math.exp(min(700.0, float(no) - float(yes))))
+
+
+def reranker_kind(model: LlamaModel) -> RerankKind | None:
+    """What reranking the model can do: a GGUF with rank pooling is a cross-encoder;
+    a generative model its settings name ``yes-no``; otherwise none."""
+    pooling = model.meta(f"{model.architecture}.pooling_type")
+    if pooling is not None and pooling.strip() == "4":
+        return "cross-encoder"
+    if model.settings.rerank == "yes-no":
+        return "yes-no"
+    return None
+
+
+class YesNoContext:
+    """A generative model's reranking context: sequence 0 holds the shared prefix, each
+    document is evaluated after it in sequence 1 (the prefix's cells shared, not
+    copied), its last row's logits read for "yes" and "no". One document per call: a
+    score never depends on the other documents (docs/rerank.md, "Exactness")."""
+
+    def __init__(self, model: LlamaModel, turns: CpuTurns) -> None:
+        from ._llama._native import make_abort_callback
+
+        lib = model.lib
+        self.lib = lib
+        self.turns = turns
+        self.n_batch = model.settings.n_batch
+        self.yes, self.no = model.yes_no_tokens()
+        params = lib.llama_context_default_params()
+        params.n_ctx = self.n_batch
+        params.n_batch = self.n_batch
+        params.n_ubatch = self.n_batch
+        params.n_seq_max = 2
+        params.n_threads = model.settings.n_threads
+        params.n_threads_batch = model.settings.n_threads
+        params.kv_unified = True  # sequence 1 shares sequence 0's cells
+        ctx = lib.llama_init_from_model(model.model, params)
+        if not ctx:
+            raise BackendError(f"llama.cpp could not create a reranking context of {self.n_batch} tokens")
+        self.ctx = ctx
+        self.memory = lib.llama_get_memory(ctx)
+        self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        for i in range(self.n_batch):
+            self.batch.n_seq_id[i] = 1
+        self.abort_flag = ctypes.c_ubyte(0)
+        self._abort_callback, _ = make_abort_callback(lib)
+        lib.llama_set_abort_callback(ctx, self._abort_callback, ctypes.addressof(self.abort_flag))
+        #: the prefix sequence 0 holds (``None``: nothing valid)
+        self._prefix: list[int] | None = None
+        #: ``llama_decode`` calls, aborted calls, tokens evaluated, prefixes evaluated
+        self.calls = 0
+        self.aborted_calls = 0
+        self.evaluated = 0
+        self.prefix_evaluations = 0
+
+    def _decode(self, tokens: Sequence[int], start: int, seq: int, *, last_logits: bool) -> None:
+        lib, batch = self.lib, self.batch
+        for i, token in enumerate(tokens):
+            batch.token[i] = token
+            batch.pos[i] = start + i
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = 0
+        if last_logits:
+            batch.logits[len(tokens) - 1] = 1
+        batch.n_tokens = len(tokens)
+        if self.abort_flag.value or not self.turns.acquire(abort=lambda: self.abort_flag.value):
+            raise Aborted
+        try:
+            self.calls += 1
+            rc = lib.llama_decode(self.ctx, batch)
+        finally:
+            self.turns.release()
+        if rc == 2 or (rc != 0 and self.abort_flag.value):
+            self.aborted_calls += 1
+            raise Aborted
+        if rc != 0:
+            raise BackendError(
+                f"llama.cpp could not evaluate the reranking batch (llama_decode returned {rc})"
+            )
+        self.evaluated += len(tokens)
+
+    def rank(self, prefix: Sequence[int], documents: Sequence[Sequence[int]]) -> tuple[list[float], int]:
+        """Each document's "yes" probability after ``prefix`` (blocking), and how many
+        prefix tokens were evaluated (0: sequence 0 held it already)."""
+        lib, memory = self.lib, self.memory
+        prefix_evaluated = 0
+        try:
+            if self._prefix != list(prefix):
+                self._prefix = None
+                lib.llama_memory_clear(memory, True)
+                self._decode(prefix, 0, 0, last_logits=False)
+                self._prefix = list(prefix)
+                self.prefix_evaluations += 1
+                prefix_evaluated = len(prefix)
+            scores: list[float] = []
+            for document in documents:
+                lib.llama_memory_seq_rm(memory, 1, -1, -1)
+                lib.llama_memory_seq_cp(memory, 0, 1, -1, -1)
+                self._decode(document, len(prefix), 1, last_logits=True)
+                logits = lib.llama_get_logits_ith(self.ctx, len(document) - 1)
+                if not logits:
+                    raise BackendError("llama.cpp returned no logits for the reranking row")
+                scores.append(yes_probability(logits[self.yes], logits[self.no]))
+            lib.llama_memory_seq_rm(memory, 1, -1, -1)
+        except BaseException:
+            self._prefix = None
+            lib.llama_memory_clear(memory, True)
+            raise
+        return scores, prefix_evaluated
+
+    def free(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+
+
+class Reranker:
+    """A model's reranking (``kind`` ``None``: it cannot rerank): the limits, the
+    layout, and the context run through an :class:`Embedder`."""
+
+    def __init__(self, model: LlamaModel, turns: CpuTurns) -> None:
+        self._model = model
+        self.kind: RerankKind | None = reranker_kind(model)
+        self.score: Literal["logit", "probability"] = "probability"
+        self._runner: Embedder[Any] | None = None
+        self._template: YesNoTemplate | None = None
+        self._pair_template: str | None = None
+        if self.kind == "cross-encoder":
+            self._runner = Embedder(model, "rank", turns=turns)
+            self._pair_template = model.meta("tokenizer.chat_template.rerank")
+            if model.architecture not in _SOFTMAX_ARCHITECTURES:
+                self.score = "logit"
+        elif self.kind == "yes-no":
+            self._template = YesNoTemplate.parse(model.settings.rerank_template or DEFAULT_TEMPLATE)
+            self._runner = Embedder(model, turns=turns, make=YesNoContext)
+
+    @property
+    def context(self) -> EmbeddingContext | YesNoContext | None:
+        return None if self._runner is None else self._runner.context
+
+    @property
+    def busy(self) -> bool:
+        return self._runner is not None and self._runner.busy
+
+    async def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        instruction: str | None = None,
+        max_tokens_per_doc: int | None = None,
+        max_tokens: int | None = None,
+    ) -> Ranking:
+        if self._runner is None:
+            raise InvalidRequestError(
+                f"the model {self._model.settings.model_id!r} cannot rerank: serve a cross-encoder GGUF "
+                '(rank pooling: bge-reranker, jina-reranker, ms-marco MiniLM) or set rerank = "yes-no" '
+                "in a generative model's preset (--rerank yes-no); GET /v1/models says which can "
+                "(capabilities.rerank)",
+                param="model",
+                code="rerank_not_supported",
+            )
+        if instruction is not None and (self._template is None or not self._template.has_instruction):
+            raise InvalidRequestError(
+                "instruction is only for a yes-no reranker whose template holds {instruction}; "
+                f"this model is a {self.kind} without one: send the request without it",
+                param="instruction",
+            )
+        layout = await trio.to_thread.run_sync(
+            self._layout, query, list(documents), instruction or DEFAULT_INSTRUCTION, max_tokens_per_doc
+        )
+        head, items = layout
+        limit = self._model.settings.n_batch
+        for i, item in enumerate(items):
+            if len(head) + len(item) > limit:
+                raise InvalidRequestError(
+                    f"documents[{i}] with the query makes {len(head) + len(item)} tokens; a pair may have at "
+                    f"most {limit} (the batch size: it is scored in one evaluation): shorten it, send "
+                    "max_tokens_per_doc, or raise --batch-size",
+                    param=f"documents[{i}]",
+                    code="document_too_long",
+                )
+        total = len(head) + sum(len(item) for item in items)
+        if max_tokens is not None and total > max_tokens:
+            raise InvalidRequestError(
+                f"the query and documents hold {total} tokens together; a request may hold at most "
+                f"{max_tokens} (--max-embedding-tokens): send fewer or shorter documents per request",
+                param="documents",
+                code="too_many_tokens",
+            )
+        if self.kind == "cross-encoder":
+            assert not head
+            outputs = await self._runner.run(lambda context: context.embed(items))
+            return Ranking(
+                scores=[row[0] for row in outputs],
+                prompt_tokens=total,
+                kind="cross-encoder",
+                score=self.score,
+            )
+        scores, prefix_evaluated = await self._runner.run(lambda context: context.rank(head, items))
+        return Ranking(
+            scores=scores,
+            prompt_tokens=total - len(head) + prefix_evaluated,
+            kind="yes-no",
+            score="probability",
+            prefix_tokens=prefix_evaluated,
+        )
+
+    def _layout(
+        self, query: str, documents: list[str], instruction: str, cut: int | None
+    ) -> tuple[list[int], list[list[int]]]:
+        """(the shared prefix's tokens — none for a cross-encoder —, each document's
+        tokens after it). Blocking: a worker thread."""
+        model = self._model
+
+        def text(value: str) -> list[int]:  # user text: special tokens are text
+            tokens = model.tokenize(value, add_bos=False, parse_special=False)
+            return tokens[:cut] if cut is not None else tokens
+
+        if self._template is not None:
+            template = self._template
+            head = model.tokenize(template.prefix(query, instruction), add_bos=True, parse_special=True)
+            tail = model.tokenize(template.tail, add_bos=False, parse_special=True)
+            return head, [text(document) + tail for document in documents]
+        if self._pair_template is not None:
+            if cut is not None:
+                documents = [model.detokenize(text(document)) for document in documents]
+            return [], [
+                model.tokenize(
+                    templated_pair(self._pair_template, query, document), add_bos=False, parse_special=True
+                )
+                for document in documents
+            ]
+        flags = model.pair_flags()
+        query_tokens = model.tokenize(query, add_bos=False, parse_special=False)
+        return [], [pair_tokens(query_tokens, text(document), **flags) for document in documents]
+
+    def free(self) -> None:
+        if self._runner is not None:
+            self._runner.free()
