@@ -101,7 +101,8 @@ class RetrievalHandler:
         return decode_embeddings_request(body)
 
     def model_of(self, parsed: Any) -> str | None:
-        return parsed.model
+        model: str | None = parsed.model
+        return model
 
     def count(self, parsed: Any) -> int:
         """Inputs (or documents) in the request, for the log line."""

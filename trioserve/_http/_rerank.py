@@ -9,7 +9,7 @@ from typing import Any
 
 from .._core._admission import Ticket
 from .._core._backend import Backend, Ranking
-from .._wire._rerank import RerankQuery, decode_rerank_request, rerank_response
+from .._wire import RerankQuery, decode_rerank_request, rerank_response
 from ._embeddings import RetrievalHandler
 from ._request import InFlightRequest
 

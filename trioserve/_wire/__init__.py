@@ -13,6 +13,7 @@ from ._embeddings import decode_embeddings_request, embeddings_inputs, embedding
 from ._inbound import CHAT, COMPLETIONS, MESSAGES, OPENAI, RESPONSES, SPECS, responses_reply, spec_for_path
 from ._limits import RequestLimits
 from ._models import RouterModelRequest, decode_router_request
+from ._rerank import RerankQuery, decode_rerank_request, rerank_response
 from ._responses_writer import StoredTurn
 from ._spec import DialectSpec, ErrorBody, ParsedRequest, ReadOptions, StoredAsk, StoredContext
 from ._tokenize import (
@@ -37,6 +38,7 @@ __all__ = [
     "ParsedRequest",
     "ReadOptions",
     "RequestLimits",
+    "RerankQuery",
     "RouterModelRequest",
     "StoredAsk",
     "StoredContext",
@@ -45,6 +47,7 @@ __all__ = [
     "decode",
     "decode_detokenize_request",
     "decode_embeddings_request",
+    "decode_rerank_request",
     "decode_router_request",
     "decode_tokenize_request",
     "detokenize_response",
@@ -53,6 +56,7 @@ __all__ = [
     "encode_json",
     "finished_choice",
     "generation_for",
+    "rerank_response",
     "responses_reply",
     "spec_for_path",
     "tokenize_response",

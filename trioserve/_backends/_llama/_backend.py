@@ -40,7 +40,7 @@ from ..._core._channel import PieceChannel
 from ..._core._exceptions import BackendError, InvalidRequestError
 from ..._core._types import GenerationEnd
 from .._draw import LogitBias
-from .._embeddings import Embedder
+from .._embeddings import Embedder, EmbeddingContext
 from .._prompt_cache import HostBudget, HostCache
 from .._rerank import Reranker
 from ._facade import ModelFacade
@@ -92,7 +92,7 @@ class LlamaBackend(ModelFacade):
         self._closed = False
         # the embedding context: created on the first /v1/embeddings (docs/embeddings.md);
         # the scheduler takes its turns on the cores from it (CpuTurns)
-        self._embedder = Embedder(model, model.settings.pooling)
+        self._embedder: Embedder[EmbeddingContext] = Embedder(model, model.settings.pooling)
         self._scheduler = Scheduler(model, host_cache, self._embedder.turns)
         # reranking (docs/rerank.md): its context made on the first rerank, same turns
         self._reranker = Reranker(model, self._embedder.turns)
@@ -162,7 +162,7 @@ class LlamaBackend(ModelFacade):
         return self.llama_model.n_embd
 
     @property
-    def embedder(self) -> Embedder:
+    def embedder(self) -> Embedder[EmbeddingContext]:
         return self._embedder
 
     async def embed(self, inputs: Items[Items[int]]) -> list[list[float]]:

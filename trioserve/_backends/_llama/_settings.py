@@ -139,7 +139,7 @@ class LlamaSettings:
         if rerank_template is not None:
             if rerank is None:
                 raise ValueError("rerank_template is for rerank = 'yes-no'; set that too")
-            from .._rerank import YesNoTemplate
+            from .._rerank_layout import YesNoTemplate
 
             YesNoTemplate.parse(rerank_template)  # (ValueError naming the mistake)
         self.rerank: Literal["yes-no"] | None = rerank
