@@ -105,10 +105,16 @@ def llama_server_embeddings(tmp_path_factory: pytest.TempPathFactory) -> Iterato
     has no pooling of its own; trioserve's default for such a model is mean) and one
     slot: with its default four, it evaluates inputs side by side and their vectors
     move with what they were batched with (one of 20 by a cosine of 4.5e-4, measured);
-    with one, each input is evaluated alone, as trioserve evaluates every input."""
+    with one, each input is evaluated alone, as trioserve's vectors are computed. And
+    flash attention off, as trioserve's embedding context runs (docs/embeddings.md:
+    with it on, vectors move by up to 1e-3 of cosine on this model). trioserve pads each
+    input to whole 16-row tiles (so a call of several is exact), which moves a vector
+    by up to 1.2e-4 of cosine from llama-server's unpadded call (measured)."""
     port = free_port()
     model = default_model_path(progress=False)
-    argv = llama_server_command(model, port, ["--embeddings", "--pooling", "mean", "--parallel", "1"])
+    argv = llama_server_command(
+        model, port, ["--embeddings", "--pooling", "mean", "--parallel", "1", "--flash-attn", "off"]
+    )
     server = Server(LLAMA_SERVER, argv, port, tmp_path_factory.mktemp("llama-server-embeddings"))
     try:
         server.wait_ready(timeout=120)
@@ -126,7 +132,7 @@ async def test_the_vectors_equal_llama_servers(server: RunningServer, llama_serv
         _cosine(a["embedding"], b["embedding"]) for a, b in zip(ours["data"], theirs["data"], strict=True)
     ]
     print(f"\ncosine with llama-server's: min {min(cosines):.7f} over {len(cosines)} inputs")
-    assert min(cosines) >= 0.9999, cosines
+    assert min(cosines) >= 0.9998, cosines
     assert ours["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
 
 
@@ -299,7 +305,7 @@ async def test_more_embedding_tokens_than_the_cap_is_400_naming_both_before_any_
     embedder = llama_backend.embedder
     total = sum(len(llama_backend.tokenize(text, add_bos=True, parse_special=True)) for text in TEXTS)
     assert total > 50
-    before = embedder.context.calls if embedder.context is not None else 0
+    before = embedder.context.inputs if embedder.context is not None else 0
     async with running.client() as client:
         refused = await client.post("/v1/embeddings", json={"input": TEXTS})
         accepted = await client.post("/v1/embeddings", json={"input": TEXTS[:2]})
@@ -310,7 +316,7 @@ async def test_more_embedding_tokens_than_the_cap_is_400_naming_both_before_any_
     assert "at most 50" in error["message"]
     assert accepted.status_code == 200, accepted.text
     assert embedder.context is not None
-    assert embedder.context.calls - before == 2  # the accepted request's two inputs only
+    assert embedder.context.inputs - before == 2  # the accepted request's two inputs only
     running.server.shutdown()
 
 

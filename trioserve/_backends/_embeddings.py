@@ -2,15 +2,22 @@
 batch and its abort flag (docs/embeddings.md).
 
 The context returns every token's vector (llama.cpp's pooling off) and the pooling —
-the mean, the first token (CLS), the last — is done here, in float64. Each input is its
-call holds as many inputs as measured exact: batching inputs can change their numerics
-(on this CPU, a call of 8 or more short inputs in one shared KV stream moved the first
-one's vector by a cosine of 6e-4 against the same input alone: the kernels change with
-the width of the call), and an input's vector must not depend on what it was sent with.
-So at the context's creation a probe embeds inputs of several lengths alone and then
-together, in calls of 2, 4 and 8 inputs, and keeps the widest whose vectors equal the
-lone ones bit for bit (:attr:`EmbeddingContext.width`; 1 if none is): the same bits
-for the same input, always, and fewer, fuller calls where that holds.
+the mean, the first token (CLS), the last — is done here, in float64. An input's vector
+must never depend on what it was sent with, yet one input per ``llama_decode`` call
+leaves most of each call's cost (reading the weights) to one short input. llama.cpp's
+CPU kernels change their arithmetic with a call's shape (its rows, where an input's
+cells start), so batching naively moves vectors (a cosine of 6e-4 here). Two rules make
+a call of several inputs give each the bits of its lone call: every input starts on a
+*tile* of rows and is padded to whole tiles (padding rows belong to a sequence of their
+own, which no input attends to), and the context runs without flash attention (whose
+KV blocks split a long input differently at another offset). A lone input is evaluated
+the same way (on its tiles), so "its lone evaluation" is one computation. At the
+context's creation a probe embeds inputs of several lengths alone and then together,
+at other offsets, for each candidate layout (:data:`LAYOUTS`), and keeps the first
+that is exact bit for bit at the widest call (:attr:`EmbeddingContext.width`,
+:attr:`EmbeddingContext.tile`); if none is, one input per call, unpadded. A
+cross-encoder's rank context (``pooling="rank"``) keeps one pair per call, unpadded,
+with the model's attention: llama-server's lone evaluation, bit for bit.
 
 :class:`EmbeddingContext` is used by one thread at a time (:class:`Embedder` holds the
 lock); :meth:`EmbeddingContext.embed` evaluates the inputs in as few ``llama_decode``
@@ -56,7 +63,20 @@ POOLINGS: dict[str, int] = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4
 _NAMES = {value: name for name, value in POOLINGS.items()}
 _UNSPECIFIED = -1
 #: inputs (sequences) per ``llama_decode`` call, at most: the probe tries up to this
-MAX_SEQUENCES = 8
+MAX_SEQUENCES = 16
+#: the layouts the probe tries, cheapest first: ``(tile, floor)`` — each input starts
+#: on a tile and is padded to whole ones, and every call holds at least ``floor`` rows
+#: (where llama.cpp's CPU kernels take other paths below some number of rows). On the
+#: development machine (x86-64, AVX2, 2 threads, flash attention off) 16-row tiles
+#: and no floor are exact; with flash attention on, no layout short of 64-row tiles
+#: is (its KV blocks split long inputs differently at other offsets)
+LAYOUTS = ((16, 0), (32, 0), (16, 64), (32, 64))
+#: batching pays for the padding only from this many inputs per call
+MIN_WIDTH = 4
+#: rows per batched call, at most: without flash attention a call's attention grows
+#: with the square of its rows (8 inputs of 57 tokens in one call of 512 rows took
+#: 2.6 s here, twice their lone calls); 128 rows keep a call near its weights' cost
+MAX_BATCH_ROWS = 256
 #: the probe's inputs: lengths from one token to a few dozen (the kernels a lone call
 #: takes depend on its rows), in an order that mixes them within each call
 PROBE_TEXTS = (
@@ -65,13 +85,9 @@ PROBE_TEXTS = (
     "ok",
     "Embeddings map texts to vectors.",
     "def area(radius): return 3.14159 * radius ** 2  # a circle",
-    "Water boils at one hundred degrees Celsius at sea level.",
     "A",
     "Structured concurrency: every task has a parent scope that outlives it, and a cancel reaches all.",
-    "Rome",
     "The quick brown fox jumps over the lazy dog.",
-    "1 2 3",
-    "Trio, hypercorn and llama.cpp.",
 )
 
 
@@ -184,7 +200,10 @@ class EmbeddingContext:
         )
         # every token's vector, pooled by embed() — or, ranking, llama.cpp's rank pooling
         native = POOLINGS["rank"] if self.pooling == "rank" else POOLINGS["none"]
-        ctx = self._create(model, native, MAX_SEQUENCES)
+        # (one sequence more: the padding's)
+        ctx = self._create(model, native, MAX_SEQUENCES + 1)
+        #: the token of padding rows (any: no input attends to them)
+        self.pad_token = max(0, int(lib.llama_vocab_bos(model.vocab)))
         self.ctx = ctx
         self.memory = lib.llama_get_memory(ctx)
         self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
@@ -194,32 +213,64 @@ class EmbeddingContext:
         self.abort_flag = ctypes.c_ubyte(0)
         self._abort_callback, _ = make_abort_callback(lib)
         lib.llama_set_abort_callback(ctx, self._abort_callback, ctypes.addressof(self.abort_flag))
-        #: ``llama_decode`` calls made, and aborted (tests and /health)
+        #: ``llama_decode`` calls made, and aborted, and inputs evaluated (tests and /health)
         self.calls = 0
         self.aborted_calls = 0
-        #: inputs per call, at most: measured exact (the module's docstring)
+        self.inputs = 0
+        #: the layout, measured exact (the module's docstring): inputs per call, at
+        #: most, and the tile (rows) each input starts on and the call is padded to
+        #: (0: no padding — one input per call, as it comes)
         self.width = 1
-        self.width = self._exact_width(model)
-        logger.info("embeddings: %d input(s) per call (measured exact)", self.width)
+        self.tile = 0
+        self.floor = 0
+        if self.pooling != "rank":
+            # (a cross-encoder's pairs: one per call, unpadded, flash attention as the
+            # model's default — llama-server's lone evaluation, bit for bit; batched
+            # pairs moved a score by 8e-3 on the test reranker, in llama-server too)
+            self.width, self.tile, self.floor = self._exact_layout(model)
+        # (the counters count requests' work, not the probe's)
+        self.calls = self.aborted_calls = self.inputs = 0
+        logger.info(
+            "embeddings: %d input(s) per call%s (measured exact)",
+            self.width,
+            f", each on {self.tile}-row tiles, calls of {self.floor} rows or more" if self.tile else "",
+        )
 
-    def _exact_width(self, model: LlamaModel) -> int:
-        """The widest call (≤ :data:`MAX_SEQUENCES` inputs) whose every vector equals its
-        lone evaluation's, bit for bit; 1 if none is. A few calls, at creation."""
-        inputs = [model.tokenize(text) for text in PROBE_TEXTS]
-        alone = self.embed(inputs)  # (width 1: one input per call)
-        best = 1
-        width = 2
-        while width <= MAX_SEQUENCES:
-            self.width = width
+    def _exact_layout(self, model: LlamaModel) -> tuple[int, int, int]:
+        """``(width, tile, floor)``: the widest call (≤ :data:`MAX_SEQUENCES` inputs)
+        whose every vector equals its lone evaluation's bit for bit, with the first of
+        :data:`LAYOUTS` that reaches it; ``(1, 0, 0)`` — one input per call, unpadded —
+        if none makes :data:`MIN_WIDTH` inputs in a call exact. About ten calls per
+        layout tried, at creation (6 s here, on the first embeddings request)."""
+        texts = [model.tokenize(text) for text in PROBE_TEXTS]
+        # each text alone, then together, in calls of several, at other offsets too
+        inputs = texts + texts[::-1]
+        best = (1, 0, 0)
+        for tile, floor in LAYOUTS:
+            if floor > self.n_batch:
+                continue
+            self.tile, self.floor, self.width = tile, floor, 1
             try:
-                together = self.embed(inputs)
+                alone = self.embed(texts)
+                alone = alone + alone[::-1]
+                # the widest first: on a CPU where it is exact, two calls settle it
+                width = MAX_SEQUENCES
+                while width > best[0] and width >= MIN_WIDTH:
+                    self.width = width
+                    if self.embed(inputs) == alone:
+                        best = (width, tile, floor)
+                        break
+                    width //= 2
             finally:
-                self.width = 1
-            if together != alone:
+                self.tile, self.floor, self.width = 0, 0, 1
+            if best[0] == MAX_SEQUENCES:
                 break
-            best = width
-            width *= 2
-        return best
+        return best if best[0] >= MIN_WIDTH else (1, 0, 0)
+
+    def _rows(self, item: Sequence[int]) -> int:
+        """The rows an input takes in a call: its tokens, up to a whole tile."""
+        tile = self.tile
+        return -(-len(item) // tile) * tile if tile else len(item)
 
     def _create(self, model: LlamaModel, pooling: int, sequences: int = 1) -> Any:
         lib = self.lib
@@ -234,21 +285,27 @@ class EmbeddingContext:
         params.embeddings = True
         params.pooling_type = pooling
         params.kv_unified = True  # the inputs of one call share the n_batch cells
+        if pooling != POOLINGS["rank"]:
+            # flash attention off: its KV blocks split an input's cells differently
+            # at another offset in the call, so no cheap layout is exact with it
+            params.flash_attn_type = 0
         ctx = lib.llama_init_from_model(model.model, params)
         if not ctx:
             raise BackendError(f"llama.cpp could not create an embedding context of {self.n_batch} tokens")
         return ctx
 
     def groups(self, inputs: Sequence[Sequence[int]]) -> list[range]:
-        """The inputs of each call: consecutive, ≤ ``n_batch`` tokens, ≤ :attr:`width`
-        inputs."""
+        """The inputs of each call: consecutive, ≤ ``n_batch`` rows (tiles counted
+        whole) — ≤ :data:`MAX_BATCH_ROWS` for more than one —, ≤ :attr:`width` inputs."""
         out: list[range] = []
         start, tokens = 0, 0
+        limit = min(self.n_batch, MAX_BATCH_ROWS) if self.width > 1 else self.n_batch
         for i, item in enumerate(inputs):
-            if i > start and (tokens + len(item) > self.n_batch or i - start >= self.width):
+            rows = self._rows(item)
+            if i > start and (tokens + rows > limit or i - start >= self.width):
                 out.append(range(start, i))
                 start, tokens = i, 0
-            tokens += len(item)
+            tokens += rows
         if inputs:
             out.append(range(start, len(inputs)))
         return out
@@ -263,14 +320,35 @@ class EmbeddingContext:
             if self.abort_flag.value:
                 raise Aborted
             lib.llama_memory_clear(self.memory, True)
-            n = 0
+            n = padding = 0
+            starts: list[int] = []
             for seq, index in enumerate(group):
+                starts.append(n)
                 for pos, token in enumerate(inputs[index]):
                     batch.token[n] = token
                     batch.pos[n] = pos
                     batch.seq_id[n][0] = seq
                     batch.logits[n] = 1
                     n += 1
+                # the rest of its last tile: rows of a sequence of their own, which no
+                # input attends to (so every input starts on a tile, the call is whole tiles)
+                for _ in range(self._rows(inputs[index]) - len(inputs[index])):
+                    batch.token[n] = self.pad_token
+                    batch.pos[n] = padding
+                    batch.seq_id[n][0] = MAX_SEQUENCES
+                    batch.logits[n] = 1
+                    n += 1
+                    padding += 1
+            if self.tile:
+                # and the call at least :attr:`floor` rows: the kernels a call takes
+                # change with its rows below that (measured by the probe)
+                while n < self.floor:
+                    batch.token[n] = self.pad_token
+                    batch.pos[n] = padding
+                    batch.seq_id[n][0] = MAX_SEQUENCES
+                    batch.logits[n] = 1
+                    n += 1
+                    padding += 1
             batch.n_tokens = n
             if not self.turns.acquire(abort=lambda: self.abort_flag.value):
                 raise Aborted
@@ -291,6 +369,7 @@ class EmbeddingContext:
                 raise BackendError(
                     f"llama.cpp could not evaluate the embedding batch (llama_decode returned {rc})"
                 )
+            self.inputs += len(group)
             if self.pooling == "rank":
                 for seq in range(len(group)):
                     scores = lib.llama_get_embeddings_seq(self.ctx, seq)
@@ -302,8 +381,7 @@ class EmbeddingContext:
             if not pointer:
                 raise BackendError("llama.cpp returned no embeddings")
             rows = numpy.ctypeslib.as_array(pointer, shape=(n, self.n_embd)).astype(numpy.float64)
-            start = 0
-            for index in group:
+            for start, index in zip(starts, group, strict=True):
                 end = start + len(inputs[index])
                 if self.pooling == "mean":
                     vector = rows[start:end].mean(axis=0)
@@ -313,7 +391,6 @@ class EmbeddingContext:
                     vector = rows[end - 1]
                 norm = float(numpy.linalg.norm(vector))
                 out.append((vector / norm if norm > 0 else vector).tolist())
-                start = end
         lib.llama_memory_clear(self.memory, True)
         return out
 
