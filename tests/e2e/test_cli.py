@@ -196,6 +196,8 @@ def test_a_models_dir_with_a_preset_serves_each_model_with_its_settings(
         ("[models.x]\nctx_size = true\n", "ctx_size must be int, got True"),
         ("[models.x]\nrepack = 'yes'\n", "repack must be one of auto, on, off"),
         ("[defaults]\npath = 'a.gguf'\n", "[defaults] cannot have a path"),
+        ("[models.x]\nrerank = 'maybe'\n", "rerank must be one of yes-no, off"),
+        ("[models.x]\nrerank_template = 'no query here'\n", "must hold {query} exactly once"),
     ],
 )
 def test_a_preset_that_cannot_work_exits_2_naming_what_is_wrong(

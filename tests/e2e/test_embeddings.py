@@ -136,6 +136,36 @@ async def test_the_vectors_equal_llama_servers(server: RunningServer, llama_serv
     assert ours["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
 
 
+async def test_a_vector_is_the_same_bits_alone_and_in_any_batch(
+    server: RunningServer, llama_backend: LlamaBackend
+) -> None:
+    """Inputs of 1 to ~90 tokens, sent together, shuffled, and one by one: every vector
+    the same bits (docs/embeddings.md, "Batched, and still exact"). On a CPU where the
+    probe found a batched layout exact, the request made fewer calls than inputs; where
+    it found none, one call each — the bits are the same either way."""
+    words = ["river", "stone", "über", "東京", "light", ",", "market", "!", "22", "naïve"]
+    texts = [" ".join(words[(i * 3 + j) % len(words)] for j in range(1 + (i * 7) % 60)) for i in range(40)]
+    order = [(i * 17) % len(texts) for i in range(len(texts))]  # (a permutation: 17 and 40 are coprime)
+    async with server.client() as client:
+        together = (await client.post("/v1/embeddings", json={"input": texts})).json()["data"]
+        context = llama_backend.embedder.context
+        assert context is not None
+        calls = context.calls
+        shuffled = (await client.post("/v1/embeddings", json={"input": [texts[i] for i in order]})).json()[
+            "data"
+        ]
+        calls = context.calls - calls
+        alone = [
+            (await client.post("/v1/embeddings", json={"input": text})).json()["data"][0]["embedding"]
+            for text in texts
+        ]
+    print(f"\n{len(texts)} inputs in {calls} call(s): width {context.width}, tile {context.tile}")
+    assert [item["embedding"] for item in together] == alone
+    assert [item["embedding"] for item in shuffled] == [alone[i] for i in order]
+    if context.width > 1:
+        assert calls < len(texts)
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [

@@ -97,6 +97,13 @@ def _check_value(origin: str, key: str, value: object) -> None:
         raise RuntimeError(f"{origin}: {key} must be one of {', '.join(_CHOICES[key])}, got {value!r}")
     if kinds == (int,) and value < 0:  # type: ignore[operator]
         raise RuntimeError(f"{origin}: {key} must be 0 or more, got {value!r}")
+    if key == "rerank_template":
+        from .._backends._rerank_layout import YesNoTemplate
+
+        try:
+            YesNoTemplate.parse(str(value))
+        except ValueError as exc:
+            raise RuntimeError(f"{origin}: {exc}") from None
 
 
 @dataclass
