@@ -2,6 +2,9 @@
 the default model (``…/test-models/``), named by a digest of what made them so a change
 here makes a new file. Both servers (trioserve and llama.cpp's llama-server) load them.
 
+- :func:`fim_model`: the default Gemma 3 270M with three (``plain``) or five
+  (``repo``) of its unused special tokens named as FIM tokens (``gguf_new_metadata``):
+  a real model with real fill-in-the-middle plumbing (the default has none).
 - :func:`tiny_reranker`: a cross-encoder as llama.cpp converts BERT rerankers
   (bge-reranker, ms-marco MiniLM): architecture ``bert``, pooling type 4 (rank), the
   classification head (``cls`` dense + tanh, ``cls.output`` to one label), a WordPiece
@@ -15,13 +18,15 @@ from __future__ import annotations
 import hashlib
 import os
 import string
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy
 
 from trioserve import default_model_path
 
-__all__ = ["tiny_reranker"]
+__all__ = ["FIM_LAYOUTS", "fim_model", "tiny_reranker"]
 
 #: the shapes: 2 layers of 64 dimensions, 4 heads, 512 positions
 _N_EMBD, _N_FF, _N_LAYER, _N_HEAD, _N_CTX = 64, 128, 2, 4, 512
@@ -131,5 +136,43 @@ def tiny_reranker() -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    partial.rename(target)
+    return target
+
+
+#: Gemma 3's <unused0>… (ids 6…): named FIM prefix, suffix, middle, repo, separator
+FIM_LAYOUTS = {
+    "repo": [("fim_pre", 6), ("fim_suf", 7), ("fim_mid", 8), ("fim_rep", 9), ("fim_sep", 10)],
+    "plain": [("fim_pre", 6), ("fim_suf", 7), ("fim_mid", 8)],
+}
+
+
+def fim_model(layout: str) -> Path:
+    """The default model with FIM tokens named (``layout``), cached beside it."""
+    source = default_model_path(progress=False)
+    digest = hashlib.sha256(
+        f"{source.stat().st_size}:{source.name}:{FIM_LAYOUTS[layout]}".encode()
+    ).hexdigest()[:12]
+    target = _cache_dir() / f"{source.stem}-fim-{layout}-{digest}.gguf"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    tokens = [
+        arg for name, token in FIM_LAYOUTS[layout] for arg in ("--special-token-by-id", name, str(token))
+    ]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gguf.scripts.gguf_new_metadata",
+            str(source),
+            str(partial),
+            *tokens,
+            "--force",
+        ],
+        check=True,
+        capture_output=True,
+    )
     partial.rename(target)
     return target

@@ -12,11 +12,8 @@ plumbing (the default model has none: ``llama_vocab_fim_pre`` is -1).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,18 +23,15 @@ import pytest
 import trio
 
 from benchmarks.harness.servers import LLAMA_SERVER, Server, free_port
-from trioserve import GenerationRequest, HTTPSettings, LlamaBackend, LlamaSettings, default_model_path
+from trioserve import GenerationRequest, HTTPSettings, LlamaBackend, LlamaSettings
 from trioserve._core._types import Infill
 
 from .._helpers import RawStream, RunningServer, llama_server_command, start_server, wait_for
+from .._models import FIM_LAYOUTS
+from .._models import fim_model as make_fim_model
 
 pytestmark = pytest.mark.model
 
-#: Gemma 3's <unused0>… (ids 6…): named FIM prefix, suffix, middle, repo, separator
-LAYOUTS = {
-    "repo": [("fim_pre", 6), ("fim_suf", 7), ("fim_mid", 8), ("fim_rep", 9), ("fim_sep", 10)],
-    "plain": [("fim_pre", 6), ("fim_suf", 7), ("fim_mid", 8)],
-}
 N_CTX = 4096
 #: both servers evaluate prompts in pieces of this many tokens (see ``fim_backend``)
 BATCH = 512
@@ -57,38 +51,9 @@ EXTRA = [
 ]
 
 
-def _fim_model(layout: str) -> Path:
-    """The default model with FIM tokens named (``layout``), cached beside it."""
-    source = default_model_path(progress=False)
-    digest = hashlib.sha256(f"{source.stat().st_size}:{source.name}:{LAYOUTS[layout]}".encode()).hexdigest()[
-        :12
-    ]
-    target = source.parent / "test-models" / f"{source.stem}-fim-{layout}-{digest}.gguf"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".partial")
-    tokens = [arg for name, token in LAYOUTS[layout] for arg in ("--special-token-by-id", name, str(token))]
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gguf.scripts.gguf_new_metadata",
-            str(source),
-            str(partial),
-            *tokens,
-            "--force",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    partial.rename(target)
-    return target
-
-
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(scope="module", params=list(FIM_LAYOUTS))
 def fim_model(request: pytest.FixtureRequest) -> Path:
-    return _fim_model(request.param)
+    return make_fim_model(request.param)
 
 
 @pytest.fixture(scope="module")
