@@ -1,0 +1,217 @@
+"""The image fetch guard (``_http/_fetch.py``, docs/vision.md) against a real local HTTP
+server that plays a public image host: it serves an image, redirects to loopback, private
+and link-local addresses, sends too much, or never answers. The local host itself is
+trusted by name (``trust``: as an operator's internal image server would be); every
+host it redirects to is checked."""
+
+from __future__ import annotations
+
+import ipaddress
+from functools import partial
+
+import pytest
+import trio
+
+from trioserve._core._exceptions import InvalidRequestError
+from trioserve._http._fetch import FetchPolicy, address_rule, fetch, parse_allow
+
+IMAGE = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
+
+
+class Host:
+    """A tiny HTTP/1.1 server on 127.0.0.1: ``/path`` → a canned answer."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.requests: list[str] = []
+        self.closed = trio.Event()  # a connection the client closed while the server waited
+        self.slow = trio.Event()  # /slow was asked for
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = await stream.receive_some(4096)
+            if not chunk:
+                return
+            data += chunk
+        line = data.split(b"\r\n", 1)[0].decode()
+        path = line.split(" ")[1]
+        self.requests.append(path)
+        other = self.port + 1  # (nothing listens there: a redirect to it must not be followed)
+        redirects = {
+            "/to-loopback": f"http://127.0.0.1:{other}/img",
+            "/to-private": "http://10.1.2.3/img",
+            "/to-metadata": "http://169.254.169.254/latest/meta-data/",
+            "/to-mapped": f"http://[::ffff:127.0.0.1]:{other}/img",
+            "/loop": "/loop",
+            "/relative": "/img",
+        }
+        if path in redirects:
+            await stream.send_all(
+                f"HTTP/1.1 302 Found\r\nLocation: {redirects[path]}\r\nContent-Length: 0\r\n\r\n".encode()
+            )
+        elif path == "/img":
+            await stream.send_all(
+                b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: %d\r\n\r\n" % len(IMAGE)
+                + IMAGE
+            )
+        elif path == "/big-declared":
+            await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 999999999\r\n\r\n")
+        elif path == "/big-chunked":
+            await stream.send_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            chunk = b"x" * 4096
+            for _ in range(64):
+                await stream.send_all(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            await stream.send_all(b"0\r\n\r\n")
+        elif path == "/slow":
+            self.slow.set()
+            try:
+                while await stream.receive_some(4096):
+                    pass
+            finally:
+                self.closed.set()
+        else:
+            await stream.send_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+        await stream.aclose()
+
+
+@pytest.fixture
+async def host(nursery: trio.Nursery) -> Host:
+    server = Host()
+    listeners = await nursery.start(partial(trio.serve_tcp, server.handle, 0, host="127.0.0.1"))
+    server.port = listeners[0].socket.getsockname()[1]
+    return server
+
+
+def policy(host: Host, **overrides: object) -> FetchPolicy:
+    settings: dict[str, object] = {"enabled": True, "trust": parse_allow([f"127.0.0.1:{host.port}"])}
+    settings.update(overrides)
+    return FetchPolicy(**settings)  # type: ignore[arg-type]
+
+
+async def refused(url: str, fetch_policy: FetchPolicy) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as caught:
+        await fetch(url, fetch_policy, param="messages[0].content[1].image_url.url")
+    assert caught.value.param == "messages[0].content[1].image_url.url"
+    return caught.value
+
+
+async def test_an_image_from_an_allowed_host_and_a_relative_redirect(host: Host) -> None:
+    assert await fetch(f"http://127.0.0.1:{host.port}/img", policy(host), param="p") == IMAGE
+    assert await fetch(f"http://127.0.0.1:{host.port}/relative", policy(host), param="p") == IMAGE
+
+
+@pytest.mark.parametrize(
+    ("path", "rule"),
+    [
+        ("/to-loopback", "loopback"),
+        ("/to-private", "private"),
+        ("/to-metadata", "link-local"),
+        ("/to-mapped", "loopback"),
+    ],
+)
+async def test_a_redirect_into_the_servers_network_is_refused_naming_the_rule(
+    host: Host, path: str, rule: str
+) -> None:
+    error = await refused(f"http://127.0.0.1:{host.port}{path}", policy(host))
+    assert error.code == "media_url_refused"
+    assert f"a {rule} address" in error.message
+    assert host.requests == [path]  # the redirect was never followed
+
+
+async def test_an_allow_list_refuses_every_other_host(host: Host) -> None:
+    listed = policy(host, trust=frozenset(), allow=parse_allow([f"http://127.0.0.1:{host.port}/"]))
+    # listed hosts are fetched (an allow-listed host is not checked against the rules either)
+    assert await fetch(f"http://127.0.0.1:{host.port}/img", listed, param="p") == IMAGE
+    error = await refused(f"http://127.0.0.1:{host.port}/to-private", listed)
+    assert "not in the server's allowed hosts" in error.message
+
+
+async def test_with_no_allow_list_every_hop_is_checked(host: Host) -> None:
+    public = FetchPolicy(enabled=True)
+    for url, rule in [
+        (f"http://localhost:{host.port}/img", "loopback"),  # a name that resolves to 127.0.0.1
+        ("http://10.0.0.7/x.png", "private"),
+        ("http://169.254.169.254/latest/", "link-local"),
+        ("http://100.64.1.1/x.png", "CGNAT"),
+        ("http://[::1]/x.png", "loopback"),
+        ("http://0.0.0.0/x.png", "unspecified"),
+    ]:
+        error = await refused(url, public)
+        assert rule in error.message, (url, error.message)
+    assert host.requests == []  # nothing was ever fetched
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("ftp://example.com/x.png", "http or https"),
+        ("file:///etc/passwd", "http or https"),
+        ("http://user:pw@example.com/x.png", "credentials"),
+        ("http:///x.png", "no host"),
+        ("http://example.com:99999/x.png", "not a valid URL"),
+    ],
+)
+async def test_urls_that_are_not_plain_http_are_refused(url: str, says: str) -> None:
+    error = await refused(url, FetchPolicy(enabled=True))
+    assert says in error.message
+
+
+async def test_fetching_off_is_a_400_that_says_how(host: Host) -> None:
+    error = await refused(f"http://127.0.0.1:{host.port}/img", FetchPolicy())
+    assert error.code == "media_fetch_disabled"
+    assert "data URL" in error.message
+    assert host.requests == []
+
+
+async def test_too_many_redirects_and_too_many_bytes(host: Host) -> None:
+    error = await refused(f"http://127.0.0.1:{host.port}/loop", policy(host))
+    assert "more than 3 times" in error.message
+    assert host.requests.count("/loop") == 4
+    for path in ("/big-declared", "/big-chunked"):
+        error = await refused(f"http://127.0.0.1:{host.port}{path}", policy(host, max_bytes=100_000))
+        assert error.code == "image_too_large"
+
+
+async def test_a_host_that_never_answers_times_out(host: Host) -> None:
+    error = await refused(f"http://127.0.0.1:{host.port}/slow", policy(host, timeout=0.3))
+    assert error.code == "media_fetch_failed"
+    assert "0.3 s" in error.message
+
+
+async def test_a_cancel_closes_the_fetch_at_once(host: Host) -> None:
+    """The caller's scope cancelled mid-fetch (a client that left): the connection to
+    the image host is closed at once."""
+    with trio.CancelScope() as scope:
+
+        async def cancel_when_asked() -> None:
+            await host.slow.wait()
+            scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_when_asked)
+            await fetch(f"http://127.0.0.1:{host.port}/slow", policy(host, timeout=60), param="p")
+    assert scope.cancelled_caught
+    with trio.fail_after(2):
+        await host.closed.wait()
+
+
+def test_the_address_rules() -> None:
+    cases = {
+        "127.0.0.1": "loopback",
+        "10.0.0.1": "private",
+        "192.168.1.1": "private",
+        "172.16.0.1": "private",
+        "169.254.169.254": "link-local",
+        "100.64.0.1": "shared address space (CGNAT)",
+        "0.0.0.0": "unspecified",
+        "224.0.0.1": "multicast",
+        "::1": "loopback",
+        "fe80::1": "link-local",
+        "fd00::1": "private",
+        "::ffff:10.0.0.1": "private",
+        "8.8.8.8": None,
+        "2606:4700:4700::1111": None,
+    }
+    for text, rule in cases.items():
+        assert address_rule(ipaddress.ip_address(text)) == rule, text

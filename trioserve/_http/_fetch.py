@@ -1,0 +1,230 @@
+"""Fetching a remote image safely (docs/vision.md, "The flow"): off unless the operator
+turns it on; http(s) only; every address a host resolves to — and every redirect hop's —
+checked to be globally routable (no loopback, private, link-local, CGNAT, multicast,
+reserved or unspecified address: the server must not become a proxy into its own
+network, vLLM #57157, CVE-2025-6242); the connection made to the address that was
+checked (a second DNS answer cannot swap it: no rebinding); a cap on redirects, bytes
+and time; all of it inside the caller's cancel scope (a client that leaves cancels
+the fetch at once).
+
+Hosts the operator lists in ``allow`` are the only ones fetched when that list is not
+empty; hosts in ``allow`` or ``trust`` are fetched without their addresses checked (the
+operator named them: an internal image server). Every redirect hop is a new URL under
+the same rules.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import urllib.parse
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import httpx
+import trio
+
+from .._core._exceptions import InvalidRequestError
+
+__all__ = ["FetchPolicy", "address_rule", "fetch", "parse_allow"]
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+_CGNAT = ipaddress.ip_network("100.64.0.0/10")
+
+
+@dataclass(frozen=True, slots=True)
+class FetchPolicy:
+    #: remote URLs are fetched at all (``--media-fetch``)
+    enabled: bool = False
+    #: ``host`` or ``host:port`` entries (lower case); empty: any public host
+    allow: frozenset[str] = field(default_factory=frozenset)
+    #: ``host`` or ``host:port`` entries whose addresses are not checked
+    trust: frozenset[str] = field(default_factory=frozenset)
+    max_bytes: int = 20 << 20
+    timeout: float = 10.0
+    max_redirects: int = 3
+
+
+def address_rule(address: IPAddress) -> str | None:
+    """The rule an address breaks, in words (``None``: it is globally routable)."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback:
+        return "loopback"
+    if address.is_unspecified:
+        return "unspecified"
+    if address.is_link_local:
+        return "link-local"
+    if isinstance(address, ipaddress.IPv4Address) and address in _CGNAT:
+        return "shared address space (CGNAT)"
+    if address.is_private:
+        return "private"
+    if address.is_multicast:
+        return "multicast"
+    if address.is_reserved:
+        return "reserved"
+    if not address.is_global:
+        return "not globally routable"
+    return None
+
+
+def _refuse(param: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(message, param=param, code="media_url_refused")
+
+
+def _target(url: str, param: str) -> tuple[str, str, int]:
+    """``(scheme, host, port)`` of an http(s) URL, or a 400."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise _refuse(param, f"the image URL is not a valid URL: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise _refuse(param, f"an image URL must be http or https, not {parts.scheme or 'none'!r}")
+    if not parts.hostname:
+        raise _refuse(param, "the image URL names no host")
+    if parts.username is not None or parts.password is not None:
+        raise _refuse(param, "an image URL may not carry credentials")
+    return parts.scheme, parts.hostname.lower(), port or (443 if parts.scheme == "https" else 80)
+
+
+async def _resolve(host: str, port: int) -> list[IPAddress]:
+    try:
+        return [ipaddress.ip_address(host)]
+    except ValueError:
+        pass
+    try:
+        infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
+    except OSError as exc:
+        raise InvalidRequestError(
+            f"the image URL's host {host!r} could not be resolved: {exc}",
+            param=None,
+            code="media_fetch_failed",
+        ) from None
+    return list(dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos))
+
+
+async def _checked_address(policy: FetchPolicy, host: str, port: int, param: str) -> IPAddress:
+    """The address to connect to: every address the host has, checked (one bad: the
+    URL is refused — a host with one private address among public ones is not safe)."""
+    named = f"{host}:{port}"
+    listed = host in policy.allow or named in policy.allow
+    trusted = listed or host in policy.trust or named in policy.trust
+    if policy.allow and not trusted:
+        raise _refuse(
+            param,
+            f"the image URL's host {host}:{port} is not in the server's allowed hosts (--media-fetch-allow)",
+        )
+    addresses = await _resolve(host, port)
+    if not addresses:
+        raise InvalidRequestError(
+            f"the image URL's host {host!r} has no address", param=param, code="media_fetch_failed"
+        )
+    if not trusted:
+        for address in addresses:
+            rule = address_rule(address)
+            if rule is not None:
+                raise _refuse(
+                    param,
+                    f"the image URL's host {host} resolves to {address}, a {rule} address: images are "
+                    "fetched from public addresses only",
+                )
+    return addresses[0]
+
+
+async def fetch(
+    url: str, policy: FetchPolicy, *, param: str, client: httpx.AsyncClient | None = None
+) -> bytes:
+    """The bytes at ``url`` under ``policy``; a 400 (``param`` named) for anything
+    refused or failed. Cancellable at any point (the connection is closed)."""
+    if not policy.enabled:
+        raise InvalidRequestError(
+            "image URLs are not fetched by this server: send the image as a data URL "
+            "(data:image/png;base64,…), or start the server with --media-fetch",
+            param=param,
+            code="media_fetch_disabled",
+        )
+    own = client is None
+    http = client or httpx.AsyncClient(timeout=policy.timeout, follow_redirects=False, trust_env=False)
+    try:
+        with trio.move_on_after(policy.timeout if policy.timeout > 0 else math.inf) as timer:
+            return await _fetch(http, url, policy, param)
+        assert timer.cancelled_caught
+        raise InvalidRequestError(
+            f"the image URL did not answer within {policy.timeout:g} s (--media-fetch-timeout)",
+            param=param,
+            code="media_fetch_failed",
+        )
+    finally:
+        if own:
+            await http.aclose()
+
+
+async def _fetch(http: httpx.AsyncClient, url: str, policy: FetchPolicy, param: str) -> bytes:
+    for hop in range(policy.max_redirects + 1):
+        scheme, host, port = _target(url, param)
+        address = await _checked_address(policy, host, port, param)
+        # connect to the address just checked; the Host header and TLS name stay the host's
+        literal = f"[{address}]" if address.version == 6 else str(address)
+        parts = urllib.parse.urlsplit(url)
+        direct = urllib.parse.urlunsplit((scheme, f"{literal}:{port}", parts.path or "/", parts.query, ""))
+        request = http.build_request(
+            "GET",
+            direct,
+            headers={"Host": parts.netloc.rsplit("@", 1)[-1]},
+            extensions={"sni_hostname": host},
+        )
+        try:
+            response = await http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise InvalidRequestError(
+                f"the image URL could not be fetched: {exc}", param=param, code="media_fetch_failed"
+            ) from None
+        try:
+            if response.is_redirect:
+                location = response.headers.get("location")
+                if not location:
+                    raise InvalidRequestError(
+                        "the image URL redirected without a Location", param=param, code="media_fetch_failed"
+                    )
+                url = urllib.parse.urljoin(url, location)
+                if hop == policy.max_redirects:
+                    raise _refuse(param, f"the image URL redirected more than {policy.max_redirects} times")
+                continue
+            if response.status_code != 200:
+                raise InvalidRequestError(
+                    f"the image URL answered {response.status_code}", param=param, code="media_fetch_failed"
+                )
+            declared = response.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > policy.max_bytes:
+                raise _too_large(param, policy.max_bytes)
+            return await _read_capped(response.aiter_bytes(), policy.max_bytes, param)
+        finally:
+            await response.aclose()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _too_large(param: str, limit: int) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"the image is larger than {limit} bytes (--max-image-bytes)", param=param, code="image_too_large"
+    )
+
+
+async def _read_capped(chunks: object, limit: int, param: str) -> bytes:
+    body = bytearray()
+    async for chunk in chunks:  # type: ignore[attr-defined]
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(param, limit)
+    return bytes(body)
+
+
+def parse_allow(entries: Iterable[str]) -> frozenset[str]:
+    """``--media-fetch-allow`` entries, normalised (lower case, no scheme)."""
+    out = set()
+    for entry in entries:
+        entry = entry.strip().lower()
+        if "://" in entry:
+            entry = entry.split("://", 1)[1]
+        out.add(entry.rstrip("/"))
+    return frozenset(e for e in out if e)
