@@ -1,0 +1,137 @@
+"""A tiny vision projector ("mmproj") for the default Gemma 3 270M, made with ``gguf`` (no
+hub downloads): written once, cached beside the default model (``…/test-models/``), named
+by a digest of its recipe, like the models in ``_models.py``.
+
+- :func:`tiny_gemma3_projector`: a SigLIP vision tower and Gemma 3's projector as
+  llama.cpp converts them (``clip.projector_type`` ``gemma3``; libmtmd's
+  ``clip_graph_siglip``), with random weights from a fixed seed. libmtmd resizes every
+  image to :data:`IMAGE_SIZE` square, cuts it into :data:`PATCH_SIZE` patches (8 × 8),
+  runs two 64-dimension encoder layers, average-pools 2 × 2 patches
+  (``clip.vision.projector.scale_factor``) and projects the 4 × 4 result into the text
+  model's 640 dimensions: :data:`IMAGE_TOKENS` (16) embeddings per image, wrapped by the
+  text model's ``<start_of_image>`` / ``<end_of_image>`` tokens. Its embeddings mean
+  nothing; they are real libmtmd computations, which is what the tests exercise.
+- :func:`png_bytes`: a small RGB PNG (solid or a gradient) made with ``zlib`` alone
+  (no Pillow), for image parts of requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import numpy
+
+from ._models import _cache_dir
+
+__all__ = ["IMAGE_SIZE", "IMAGE_TOKENS", "PATCH_SIZE", "png_bytes", "tiny_gemma3_projector"]
+
+#: what libmtmd resizes every image to (square), and the patch side in pixels
+IMAGE_SIZE, PATCH_SIZE = 64, 8
+#: patches pooled per side before the projection (the real models: 4, 896 / 14 → 256 tokens)
+_MERGE = 2
+#: the vision tower: 64 dimensions, 128 feed-forward (must differ from 64, or libmtmd
+#: takes the ffn tensors for a legacy up/down swap), 2 layers, 4 heads
+_N_EMBD, _N_FF, _N_LAYER, _N_HEAD = 64, 128, 2, 4
+#: Gemma 3 270M's n_embd: libmtmd refuses a projector whose output differs
+_N_EMBD_TEXT = 640
+#: image embeddings (tokens) per image
+IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE // _MERGE) ** 2
+
+
+def tiny_gemma3_projector() -> Path:
+    """The path of the tiny gemma3 mmproj GGUF (made on first use)."""
+    import gguf
+
+    recipe = (
+        f"gemma3-mmproj:{IMAGE_SIZE}:{PATCH_SIZE}:{_MERGE}:{_N_EMBD}:{_N_FF}:{_N_LAYER}:{_N_HEAD}"
+        f":{_N_EMBD_TEXT}:seed=41:v1"
+    )
+    digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
+    target = _cache_dir() / f"tiny-gemma3-mmproj-{digest}.gguf"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    rng = numpy.random.default_rng(41)
+
+    def weight(*shape: int, scale: float = 0.02) -> numpy.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(numpy.float32)
+
+    def ones(n: int) -> numpy.ndarray:
+        return numpy.ones(n, dtype=numpy.float32)
+
+    n_patches = (IMAGE_SIZE // PATCH_SIZE) ** 2
+    writer = gguf.GGUFWriter(str(partial), "clip")
+    writer.add_name("trioserve tiny gemma3 projector (random weights, tests only)")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
+    writer.add_vision_projection_dim(_N_EMBD_TEXT)
+    writer.add_vision_image_size(IMAGE_SIZE)
+    writer.add_vision_patch_size(PATCH_SIZE)
+    writer.add_vision_embedding_length(_N_EMBD)
+    writer.add_vision_feed_forward_length(_N_FF)
+    writer.add_vision_block_count(_N_LAYER)
+    writer.add_vision_head_count(_N_HEAD)
+    writer.add_vision_attention_layernorm_eps(1e-6)
+    writer.add_vision_use_gelu(True)
+    writer.add_vision_image_mean([0.5, 0.5, 0.5])
+    writer.add_vision_image_std([0.5, 0.5, 0.5])
+    writer.add_vision_projector_scale_factor(_MERGE)
+    # (numpy shapes are ggml's dimensions reversed)
+    writer.add_tensor("v.patch_embd.weight", weight(_N_EMBD, 3, PATCH_SIZE, PATCH_SIZE, scale=0.05))
+    writer.add_tensor("v.patch_embd.bias", weight(_N_EMBD))
+    writer.add_tensor("v.position_embd.weight", weight(n_patches, _N_EMBD))
+    for i in range(_N_LAYER):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            writer.add_tensor(f"v.blk.{i}.{name}.weight", weight(_N_EMBD, _N_EMBD, scale=0.1))
+            writer.add_tensor(f"v.blk.{i}.{name}.bias", weight(_N_EMBD))
+        for name in ("ln1", "ln2"):
+            writer.add_tensor(f"v.blk.{i}.{name}.weight", ones(_N_EMBD))
+            writer.add_tensor(f"v.blk.{i}.{name}.bias", weight(_N_EMBD))
+        writer.add_tensor(f"v.blk.{i}.ffn_up.weight", weight(_N_FF, _N_EMBD, scale=0.1))
+        writer.add_tensor(f"v.blk.{i}.ffn_up.bias", weight(_N_FF))
+        writer.add_tensor(f"v.blk.{i}.ffn_down.weight", weight(_N_EMBD, _N_FF, scale=0.1))
+        writer.add_tensor(f"v.blk.{i}.ffn_down.bias", weight(_N_EMBD))
+    writer.add_tensor("v.post_ln.weight", ones(_N_EMBD))
+    writer.add_tensor("v.post_ln.bias", weight(_N_EMBD))
+    # Gemma 3's projector: RMS norm (weight stored as 1 + w, as the converter does), then
+    # a plain matrix from the vision width to the text width (ggml [640, 64])
+    writer.add_tensor("mm.soft_emb_norm.weight", ones(_N_EMBD))
+    writer.add_tensor("mm.input_projection.weight", weight(_N_EMBD, _N_EMBD_TEXT))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.rename(target)
+    return target
+
+
+def png_bytes(width: int = 32, height: int = 32, color: tuple[int, int, int] | None = None) -> bytes:
+    """An RGB PNG: one ``color`` throughout, or (``None``) a red/green gradient."""
+    if color is None:
+        ys, xs = numpy.mgrid[0:height, 0:width]
+        pixels = numpy.stack(
+            [xs * 255 // max(width - 1, 1), ys * 255 // max(height - 1, 1), numpy.full_like(xs, 96)],
+            axis=-1,
+        ).astype(numpy.uint8)
+    else:
+        pixels = numpy.empty((height, width, 3), dtype=numpy.uint8)
+        pixels[:] = color
+    # each row: filter type 0 (none), then its pixels
+    raw = b"".join(b"\x00" + row.tobytes() for row in pixels)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
