@@ -39,6 +39,7 @@ logger = logging.getLogger("trioserve.rerank")
 
 __all__ = ["Reranker", "YesNoContext", "reranker_kind"]
 
+
 def reranker_kind(model: LlamaModel) -> RerankKind | None:
     """What reranking the model can do: a GGUF with rank pooling is a cross-encoder;
     a generative model its settings name ``yes-no``; otherwise none."""
