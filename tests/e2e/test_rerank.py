@@ -150,7 +150,7 @@ async def test_a_cross_encoder_score_does_not_depend_on_the_other_documents(cros
 async def test_the_cohere_sdk_reranks_through_v1_and_v2(cross: RunningServer, peer: str) -> None:
     import cohere
 
-    def calls() -> tuple[Any, Any]:
+    def calls() -> tuple[Any, Any, Any]:
         with httpx.Client(timeout=60) as http:
             v1 = cohere.Client(api_key="x", base_url=cross.url, httpx_client=http)
             v2 = cohere.ClientV2(api_key="x", base_url=cross.url, httpx_client=http)
@@ -163,7 +163,7 @@ async def test_the_cohere_sdk_reranks_through_v1_and_v2(cross: RunningServer, pe
             )
             return first, second
 
-    first, second = await trio.to_thread.run_sync(calls)
+    first, second, uncut = await trio.to_thread.run_sync(calls)
     peers = (await post(peer, "/v1/rerank", {"query": QUERIES[0], "documents": DOCUMENTS, "top_n": 3})).json()
     assert [r.index for r in first.results] == [r["index"] for r in peers["results"]]
     for result, peer_result in zip(first.results, peers["results"], strict=True):
@@ -175,6 +175,7 @@ async def test_the_cohere_sdk_reranks_through_v1_and_v2(cross: RunningServer, pe
         (r.relevance_score for r in second.results), reverse=True
     )
     assert second.meta.api_version.version == "2"
+    assert second.meta.tokens.input_tokens < uncut.meta.tokens.input_tokens
 
 
 async def test_a_cross_encoder_refuses_what_it_cannot_do(cross: RunningServer) -> None:
@@ -206,24 +207,29 @@ async def post_get(url: str, path: str) -> Any:
 
 
 async def test_a_model_that_cannot_rerank_says_how_to_make_one(nursery: trio.Nursery) -> None:
-    running = await start_server(nursery, ScriptedBackend([b"ok"]), close_backend=True)
+    running = await start_server(nursery, ScriptedBackend([b"ok"]), close_backend=True, api_keys=["k"])
     try:
-        response = await post(running.url, "/v1/rerank", {"query": "q", "documents": ["a"]})
-        assert response.status_code == 400
-        assert response.json()["error"]["code"] == "rerank_not_supported"
+        async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
+            for path in ("/v1/rerank", "/rerank", "/v1/reranking", "/reranking", "/v2/rerank"):
+                body = {"query": "q", "documents": ["a"]}
+                assert (await client.post(path, json=body)).status_code == 401, path  # keys required
+                response = await client.post(path, json=body, headers={"Authorization": "Bearer k"})
+                assert response.status_code == 400, path
+                assert response.json()["error"]["code"] == "rerank_not_supported"
     finally:
         running.server.shutdown()
 
 
 def expected_tokens(backend: LlamaBackend, query: str, documents: list[str]) -> tuple[int, list[int]]:
-    """The yes/no layout counted independently: (prefix tokens, each document's)."""
+    """The yes/no layout counted independently: (prefix tokens, each document's) — the
+    template's text with its special tokens read, the user's as plain text, BOS first."""
     model = backend.llama_model
     template = YesNoTemplate.parse(DEFAULT_TEMPLATE)
-    prefix = model.tokenize(template.prefix(query, DEFAULT_INSTRUCTION), add_bos=True, parse_special=True)
+    prefix = 1  # BOS (Gemma adds it)
+    for text, is_template in template.prefix_segments(query, DEFAULT_INSTRUCTION):
+        prefix += len(model.tokenize(text, add_bos=False, parse_special=is_template))
     tail = model.tokenize(template.tail, add_bos=False, parse_special=True)
-    return len(prefix), [
-        len(model.tokenize(d, add_bos=False, parse_special=False)) + len(tail) for d in documents
-    ]
+    return prefix, [len(model.tokenize(d, add_bos=False, parse_special=False)) + len(tail) for d in documents]
 
 
 async def test_n_documents_cost_one_prefix_plus_the_documents(
@@ -276,6 +282,7 @@ async def test_a_client_that_leaves_mid_rerank_stops_the_batch(
     # the prefix evaluated and a document's call running
     await wait_for(lambda: context.calls >= before + 2, limit=60)
     await client.aclose()
+    at_close = context.calls
     left = trio.current_time()
     await wait_for(lambda: not reranker.busy, limit=5)
     stopped_after = trio.current_time() - left
@@ -283,7 +290,8 @@ async def test_a_client_that_leaves_mid_rerank_stops_the_batch(
     print(
         f"\nthe client left mid-rerank: {made} of 201 calls made, stopped {stopped_after * 1000:.0f} ms after"
     )
-    assert made <= 4  # the ones before the close, the one in flight (and at most the next)
+    assert context.calls <= at_close + 1  # the one in flight (at most the next, started as the flag rose)
+    assert made < 201
     assert stopped_after < 1.0
     health = await yes_no.wait_idle()
     assert health["status"] == "ok"
@@ -299,6 +307,8 @@ async def test_a_deadline_mid_rerank_is_504_and_stops_the_batch(
 ) -> None:
     reranker = yes_no_backend.reranker
     documents = [f"{DOCUMENTS[i % len(DOCUMENTS)]} [{i}]" for i in range(300)]
+    context = reranker.context
+    before = context.calls if context is not None else 0
     async with yes_no.client() as client:
         response = await client.post(
             "/v1/rerank",
@@ -308,3 +318,5 @@ async def test_a_deadline_mid_rerank_is_504_and_stops_the_batch(
     assert response.status_code == 504, response.text
     assert response.json()["error"]["code"] == "deadline_exceeded"
     await wait_for(lambda: not reranker.busy, limit=5)
+    assert reranker.context is not None
+    assert reranker.context.calls - before < 150  # stopped, not all 301 calls made

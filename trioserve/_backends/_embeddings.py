@@ -75,7 +75,7 @@ LAYOUTS = ((16, 0), (32, 0), (16, 64), (32, 64))
 MIN_WIDTH = 4
 #: rows per batched call, at most: without flash attention a call's attention grows
 #: with the square of its rows (8 inputs of 57 tokens in one call of 512 rows took
-#: 2.6 s here, twice their lone calls); 128 rows keep a call near its weights' cost
+#: 2.6 s here, twice their lone calls); 256 rows keep a call near its weights' cost
 MAX_BATCH_ROWS = 256
 #: the probe's inputs: lengths from one token to a few dozen (the kernels a lone call
 #: takes depend on its rows), in an order that mixes them within each call
@@ -161,7 +161,12 @@ class EmbeddingContext:
     input's head outputs (``n_out`` numbers, the score first), not normalised."""
 
     def __init__(
-        self, model: LlamaModel, *, pooling: Pooling | None = None, turns: CpuTurns | None = None
+        self,
+        model: LlamaModel,
+        *,
+        pooling: Pooling | None = None,
+        turns: CpuTurns | None = None,
+        abort_flag: ctypes.c_ubyte | None = None,
     ) -> None:
         from ._llama._native import make_abort_callback  # (not the face: it imports this module)
 
@@ -210,7 +215,8 @@ class EmbeddingContext:
         for i in range(self.n_batch):
             self.batch.n_seq_id[i] = 1
         # the callback object and its flag must outlive the context: keep references
-        self.abort_flag = ctypes.c_ubyte(0)
+        # (the flag its Embedder raises on a cancel, the probe's calls included)
+        self.abort_flag = abort_flag if abort_flag is not None else ctypes.c_ubyte(0)
         self._abort_callback, _ = make_abort_callback(lib)
         lib.llama_set_abort_callback(ctx, self._abort_callback, ctypes.addressof(self.abort_flag))
         #: ``llama_decode`` calls made, and aborted, and inputs evaluated (tests and /health)
@@ -227,7 +233,11 @@ class EmbeddingContext:
             # (a cross-encoder's pairs: one per call, unpadded, flash attention as the
             # model's default — llama-server's lone evaluation, bit for bit; batched
             # pairs moved a score by 8e-3 on the test reranker, in llama-server too)
-            self.width, self.tile, self.floor = self._exact_layout(model)
+            try:
+                self.width, self.tile, self.floor = self._exact_layout(model)
+            except BaseException:  # (aborted by a cancel, or failed: nothing kept)
+                self.free()
+                raise
         # (the counters count requests' work, not the probe's)
         self.calls = self.aborted_calls = self.inputs = 0
         logger.info(
@@ -268,9 +278,14 @@ class EmbeddingContext:
         return best if best[0] >= MIN_WIDTH else (1, 0, 0)
 
     def _rows(self, item: Sequence[int]) -> int:
-        """The rows an input takes in a call: its tokens, up to a whole tile."""
+        """The rows an input takes in a call: its tokens, up to a whole tile — unless
+        the whole tiles would not fit one call: then its tokens (such an input is
+        always alone in its call, and always evaluated so)."""
         tile = self.tile
-        return -(-len(item) // tile) * tile if tile else len(item)
+        if not tile:
+            return len(item)
+        rows = -(-len(item) // tile) * tile
+        return rows if rows <= self.n_batch else len(item)
 
     def _create(self, model: LlamaModel, pooling: int, sequences: int = 1) -> Any:
         lib = self.lib
@@ -410,14 +425,16 @@ class Embedder[C]:
         pooling: Pooling | None = None,
         *,
         turns: CpuTurns | None = None,
-        make: Callable[[LlamaModel, CpuTurns], C] | None = None,
+        make: Callable[[LlamaModel, CpuTurns, ctypes.c_ubyte], C] | None = None,
     ) -> None:
         self._model = model
         self._pooling: Pooling | None = pooling
         if make is None:
 
-            def make(model: LlamaModel, turns: CpuTurns) -> C:
-                return EmbeddingContext(model, pooling=pooling, turns=turns)  # type: ignore[return-value]
+            def make(model: LlamaModel, turns: CpuTurns, flag: ctypes.c_ubyte) -> C:
+                return EmbeddingContext(  # type: ignore[return-value]
+                    model, pooling=pooling, turns=turns, abort_flag=flag
+                )
 
         self._make = make
         self._context: C | None = None
@@ -425,6 +442,8 @@ class Embedder[C]:
         self._closed = False
         #: the cores' turns: the model's generation scheduler takes one per decode call too
         self.turns = turns if turns is not None else CpuTurns()
+        #: the context's abort flag (raised by a cancel: its creation's probe, a call)
+        self.abort_flag = ctypes.c_ubyte(0)
 
     @property
     def context(self) -> C | None:
@@ -464,10 +483,7 @@ class Embedder[C]:
         async with self._lock:
             if self._closed:
                 raise BackendError("the model is closed")
-            if self._context is None:
-                self._context = await trio.to_thread.run_sync(self._make, self._model, self.turns)
-            context = self._context
-            flag = context.abort_flag  # type: ignore[attr-defined]
+            flag = self.abort_flag
             flag.value = 0
             done = False
 
@@ -482,7 +498,13 @@ class Embedder[C]:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(abort_on_cancel)
                 try:
-                    result = await trio.to_thread.run_sync(call, context)
+                    if self._context is None:
+                        # (its probe's calls stop as a request's do: a client that
+                        # leaves during the first request leaves nothing behind)
+                        self._context = await trio.to_thread.run_sync(
+                            self._make, self._model, self.turns, flag
+                        )
+                    result = await trio.to_thread.run_sync(call, self._context)
                 except Aborted:
                     await trio.lowlevel.checkpoint()  # the cancel that raised the flag
                     raise BackendError("the evaluation was aborted") from None

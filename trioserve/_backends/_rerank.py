@@ -57,7 +57,7 @@ class YesNoContext:
     copied), its last row's logits read for "yes" and "no". One document per call: a
     score never depends on the other documents (docs/rerank.md, "Exactness")."""
 
-    def __init__(self, model: LlamaModel, turns: CpuTurns) -> None:
+    def __init__(self, model: LlamaModel, turns: CpuTurns, abort_flag: ctypes.c_ubyte | None = None) -> None:
         from ._llama._native import make_abort_callback
 
         lib = model.lib
@@ -81,7 +81,7 @@ class YesNoContext:
         self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
         for i in range(self.n_batch):
             self.batch.n_seq_id[i] = 1
-        self.abort_flag = ctypes.c_ubyte(0)
+        self.abort_flag = abort_flag if abort_flag is not None else ctypes.c_ubyte(0)
         self._abort_callback, _ = make_abort_callback(lib)
         lib.llama_set_abort_callback(ctx, self._abort_callback, ctypes.addressof(self.abort_flag))
         #: the prefix sequence 0 holds (``None``: nothing valid)
@@ -171,6 +171,11 @@ class Reranker:
         elif self.kind == "yes-no":
             self._template = YesNoTemplate.parse(model.settings.rerank_template or DEFAULT_TEMPLATE)
             self._runner = Embedder(model, turns=turns, make=YesNoContext)
+        #: the tokens after each document (a yes/no reranker's template tail)
+        self._tail: list[int] = (
+            model.tokenize(self._template.tail, add_bos=False, parse_special=True) if self._template else []
+        )
+        self._flags = model.pair_flags()
 
     @property
     def context(self) -> EmbeddingContext | YesNoContext | None:
@@ -204,30 +209,52 @@ class Reranker:
                 f"this model is a {self.kind} without one: send the request without it",
                 param="instruction",
             )
-        layout = await trio.to_thread.run_sync(
-            self._layout, query, list(documents), instruction or DEFAULT_INSTRUCTION, max_tokens_per_doc
-        )
-        head, items = layout
+        instruction = DEFAULT_INSTRUCTION if instruction is None else instruction
         limit = self._model.settings.n_batch
-        for i, item in enumerate(items):
-            if len(head) + len(item) > limit:
-                raise InvalidRequestError(
-                    f"documents[{i}] with the query makes {len(head) + len(item)} tokens; a pair may have at "
-                    f"most {limit} (the batch size: it is scored in one evaluation): shorten it, send "
-                    "max_tokens_per_doc, or raise --batch-size",
-                    param=f"documents[{i}]",
-                    code="document_too_long",
-                )
-        total = len(head) + sum(len(item) for item in items)
-        if max_tokens is not None and total > max_tokens:
+        # the query's part first (a query too long on its own is the query's fault)
+        head, query_tokens = await trio.to_thread.run_sync(self._head, query, instruction)
+        fixed = (
+            len(head) + len(self._tail) if self._template is not None else len(self._pair([], query_tokens))
+        )
+        if fixed >= limit:
             raise InvalidRequestError(
-                f"the query and documents hold {total} tokens together; a request may hold at most "
-                f"{max_tokens} (--max-embedding-tokens): send fewer or shorter documents per request",
-                param="documents",
-                code="too_many_tokens",
+                f"the query makes {fixed} tokens of every pair with a document; a pair may "
+                f"have at most {limit} (the batch size): shorten the query, or raise --batch-size",
+                param="query",
+                code="query_too_long",
             )
+        # then the documents, a few at a time (each step a checkpoint: a cancel stops
+        # it; the total is checked as it grows, so a too-large request stops early)
+        items: list[list[int]] = []
+        total = len(head)
+        step = 32
+        for start in range(0, len(documents), step):
+            chunk = list(documents[start : start + step])
+            made = await trio.to_thread.run_sync(self._items, chunk, query, query_tokens, max_tokens_per_doc)
+            for i, item in enumerate(made, start):
+                if len(head) + len(item) > limit:
+                    raise InvalidRequestError(
+                        f"documents[{i}] with the query makes {len(head) + len(item)} tokens; "
+                        f"a pair may have at most {limit} (the batch size: it is scored in one "
+                        "evaluation): shorten it, send max_tokens_per_doc, or raise --batch-size",
+                        param=f"documents[{i}]",
+                        code="document_too_long",
+                    )
+                if not item:
+                    raise InvalidRequestError(
+                        f"documents[{i}] holds no token", param=f"documents[{i}]", code="empty_document"
+                    )
+                total += len(item)
+                if max_tokens is not None and total > max_tokens:
+                    raise InvalidRequestError(
+                        f"the query and documents hold more than {max_tokens} tokens together (past it at "
+                        f"documents[{i}]; --max-embedding-tokens): send fewer or shorter documents "
+                        "per request",
+                        param="documents",
+                        code="too_many_tokens",
+                    )
+            items.extend(made)
         if self.kind == "cross-encoder":
-            assert not head
             outputs = await self._runner.run(lambda context: context.embed(items))
             return Ranking(
                 scores=[row[0] for row in outputs],
@@ -244,11 +271,25 @@ class Reranker:
             prefix_tokens=prefix_evaluated,
         )
 
-    def _layout(
-        self, query: str, documents: list[str], instruction: str, cut: int | None
-    ) -> tuple[list[int], list[list[int]]]:
-        """(the shared prefix's tokens — none for a cross-encoder —, each document's
-        tokens after it). Blocking: a worker thread."""
+    def _head(self, query: str, instruction: str) -> tuple[list[int], list[int]]:
+        """``(the shared prefix's tokens — none for a cross-encoder —, the query's
+        tokens as a pair holds them)``. Blocking: a worker thread."""
+        model = self._model
+        if self._template is None:
+            return [], model.tokenize(query, add_bos=False, parse_special=False)
+        head = [model.bos] if model.pair_flags()["add_bos"] and model.bos >= 0 else []
+        for text, template in self._template.prefix_segments(query, instruction):
+            head += model.tokenize(text, add_bos=False, parse_special=template)
+        return head, []
+
+    def _pair(self, document: list[int], query_tokens: list[int]) -> list[int]:
+        return pair_tokens(query_tokens, document, **self._flags)
+
+    def _items(
+        self, documents: list[str], query: str, query_tokens: list[int], cut: int | None
+    ) -> list[list[int]]:
+        """Each document's tokens after the prefix (a yes/no reranker), or its whole
+        pair (a cross-encoder). Blocking: a worker thread."""
         model = self._model
 
         def text(value: str) -> list[int]:  # user text: special tokens are text
@@ -256,24 +297,20 @@ class Reranker:
             return tokens[:cut] if cut is not None else tokens
 
         if self._template is not None:
-            template = self._template
-            head = model.tokenize(template.prefix(query, instruction), add_bos=True, parse_special=True)
-            tail = model.tokenize(template.tail, add_bos=False, parse_special=True)
-            return head, [text(document) + tail for document in documents]
+            return [text(document) + self._tail for document in documents]
         if self._pair_template is not None:
+            # (as llama-server: the filled template tokenized whole, specials read)
             if cut is not None:
                 documents = [
                     model.detokenize(text(document)).decode(errors="replace") for document in documents
                 ]
-            return [], [
+            return [
                 model.tokenize(
                     templated_pair(self._pair_template, query, document), add_bos=False, parse_special=True
                 )
                 for document in documents
             ]
-        flags = model.pair_flags()
-        query_tokens = model.tokenize(query, add_bos=False, parse_special=False)
-        return [], [pair_tokens(query_tokens, text(document), **flags) for document in documents]
+        return [self._pair(text(document), query_tokens) for document in documents]
 
     def free(self) -> None:
         if self._runner is not None:

@@ -62,10 +62,21 @@ class YesNoTemplate:
         return cls(head, tail)
 
     def prefix(self, query: str, instruction: str) -> str:
-        before, after = self.head.split("{query}")
-        before = before.replace("{instruction}", instruction, 1)
-        after = after.replace("{instruction}", instruction, 1)
-        return before + query + after
+        return "".join(text for text, _ in self.prefix_segments(query, instruction))
+
+    def prefix_segments(self, query: str, instruction: str) -> list[tuple[str, bool]]:
+        """The prefix as ``(text, is_template)`` pieces, in order: the template's own
+        text (its special tokens read as such) and the user's (read as plain text, so a
+        query cannot close the turn the template opened). Empty pieces are left out."""
+        out: list[tuple[str, bool]] = []
+        for i, part in enumerate(self.head.split("{query}")):
+            if i:
+                out.append((query, False))
+            for j, piece in enumerate(part.split("{instruction}")):
+                if j:
+                    out.append((instruction, False))
+                out.append((piece, True))
+        return [(text, template) for text, template in out if text]
 
     @property
     def has_instruction(self) -> bool:
@@ -105,9 +116,7 @@ def templated_pair(template: str, query: str, document: str) -> str:
     """A cross-encoder's pair through the GGUF's rerank template (``{query}``,
     ``{document}``): each placeholder filled once, user text never re-read for
     placeholders."""
-    parts = template.split("{query}")
-    filled = query.join(part.replace("{document}", "\x00") for part in parts)
-    return filled.replace("\x00", document)
+    return document.join(part.replace("{query}", query) for part in template.split("{document}"))
 
 
 def yes_probability(yes: float, no: float) -> float:

@@ -40,6 +40,7 @@ _KEYED_PATHS = frozenset(
         "/infill",
         "/rerank",
         "/reranking",
+        "/v2/rerank",
         "/models",
         "/models/load",
         "/models/unload",

@@ -119,6 +119,9 @@ class RetrievalHandler:
             max_tokens=self.state.settings.max_embedding_tokens,
         )
 
+    def charge(self, request: InFlightRequest, tokens: int) -> None:
+        """Count the tokens evaluated against the request's API key (none here)."""
+
     def encode(self, request: InFlightRequest, parsed: Any, result: Any, tokens: int) -> bytes:
         return embeddings_response(
             result, model=request.model or "", prompt_tokens=tokens, encoding=parsed.encoding_format
@@ -170,6 +173,7 @@ class RetrievalHandler:
                                 # the inputs (the upstream relay)
                                 result, count = await self.compute(lease.engine.backend, parsed)
                                 _note_service_time(admission, time.perf_counter() - started)
+                                self.charge(request, count)
                         finally:
                             lease.release()
                         nursery.cancel_scope.cancel()

@@ -40,7 +40,14 @@ class RerankHandler(RetrievalHandler):
 
             key = presented_key(request.asgi)
         account = request.account = accounts.account(key)
-        return accounts.ticket(account, request.owner, parsed.priority)
+        ticket = accounts.ticket(account, request.owner, parsed.priority)
+        # its key's rate limits: 429 before any work, the headers on every answer
+        request.exchange.extra_headers = accounts.admit(request.owner, account)
+        return ticket
+
+    def charge(self, request: InFlightRequest, tokens: int) -> None:
+        if request.account is not None:
+            self.state.accounts.charge(request.owner, request.account, tokens)
 
     async def compute(self, backend: Backend, parsed: RerankQuery) -> tuple[Ranking, int]:
         ranking = await backend.rerank(

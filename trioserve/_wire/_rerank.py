@@ -43,6 +43,10 @@ class RerankRequest(msgspec.Struct, kw_only=True):
     instruction: str | None = None
     priority: int | None = None
     user: str | None = None
+    # TEI's: its scores are the model's raw ones here (as llama-server's)
+    raw_scores: bool | None = None
+    truncate: bool | None = None
+    truncation_direction: str | None = None
     # known, not honoured: refused by name when given
     rank_fields: list[str] | None = None
     max_chunks_per_doc: int | None = None
@@ -85,6 +89,21 @@ def decode_rerank_request(body: bytes, path: str) -> RerankQuery:
     if raw.relevant_spans is not None and raw.relevant_spans.mode != "disabled":
         raise InvalidRequestError(
             "relevant_spans is not supported: only a score per document is computed", param="relevant_spans"
+        )
+    if raw.raw_scores is False:
+        raise InvalidRequestError(
+            "raw_scores false (TEI's sigmoid) is not supported: the scores are the model's own "
+            "(trioserve.score says whether a logit or a probability); send raw_scores true or leave it out",
+            param="raw_scores",
+        )
+    if raw.truncate:
+        raise InvalidRequestError(
+            "truncate is not supported: send max_tokens_per_doc to cut long documents", param="truncate"
+        )
+    if raw.truncation_direction is not None:
+        raise InvalidRequestError(
+            "truncation_direction is not supported: max_tokens_per_doc keeps a document's start",
+            param="truncation_direction",
         )
     if raw.query is None:
         raise InvalidRequestError(

@@ -28,6 +28,17 @@ def test_the_default_template_parses_and_splits_at_the_document() -> None:
     assert template.tail == "\nAnswer (yes or no):\n"
 
 
+def test_the_prefix_keeps_the_users_text_apart_from_the_templates() -> None:
+    template = YesNoTemplate.parse("<s>I: {instruction}\nQ: {query}\nD: {document}</s>")
+    assert template.prefix_segments("q <end>", "task") == [
+        ("<s>I: ", True),
+        ("task", False),
+        ("\nQ: ", True),
+        ("q <end>", False),
+        ("\nD: ", True),
+    ]
+
+
 def test_braces_in_the_query_are_text_never_placeholders() -> None:
     template = YesNoTemplate.parse("Q: {query} I: {instruction} D: {document}!")
     assert (
@@ -73,6 +84,7 @@ def test_a_pair_with_eos_closes_both_texts_and_falls_back_to_sep() -> None:
 def test_a_gguf_rerank_template_fills_each_placeholder_once() -> None:
     template = "<q>{query}</q><d>{document}</d>"
     assert templated_pair(template, "a {document}", "b {query}") == "<q>a {document}</q><d>b {query}</d>"
+    assert templated_pair(template, "a\x00b", "DOC") == "<q>a\x00b</q><d>DOC</d>"
 
 
 def test_the_yes_probability_is_the_two_way_softmax_and_never_overflows() -> None:

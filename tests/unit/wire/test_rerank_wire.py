@@ -82,6 +82,9 @@ def test_tei_texts_answer_as_a_list_with_text_when_asked() -> None:
         ({"query": "q", "documents": ["a"] * (MAX_DOCUMENTS + 1)}, "documents"),
         ({"query": "q", "documents": [{"title": "no text"}]}, "documents[0]"),
         ({"query": 3, "documents": ["a"]}, "query"),
+        ({"query": "q", "texts": ["a"], "raw_scores": False}, "raw_scores"),
+        ({"query": "q", "texts": ["a"], "truncate": True}, "truncate"),
+        ({"query": "q", "texts": ["a"], "truncation_direction": "Left"}, "truncation_direction"),
     ],
 )
 def test_a_bad_body_is_a_400_naming_the_field(body: dict[str, object], param: str) -> None:
