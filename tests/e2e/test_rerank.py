@@ -161,7 +161,8 @@ async def test_the_cohere_sdk_reranks_through_v1_and_v2(cross: RunningServer, pe
             second = v2.rerank(
                 model=model, query=QUERIES[0], documents=DOCUMENTS, top_n=3, max_tokens_per_doc=4
             )
-            return first, second
+            uncut = v2.rerank(model=model, query=QUERIES[0], documents=DOCUMENTS, top_n=3)
+            return first, second, uncut
 
     first, second, uncut = await trio.to_thread.run_sync(calls)
     peers = (await post(peer, "/v1/rerank", {"query": QUERIES[0], "documents": DOCUMENTS, "top_n": 3})).json()
