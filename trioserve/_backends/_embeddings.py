@@ -347,23 +347,11 @@ class EmbeddingContext:
                     n += 1
                 # the rest of its last tile: rows of a sequence of their own, which no
                 # input attends to (so every input starts on a tile, the call is whole tiles)
-                for _ in range(self._rows(inputs[index]) - len(inputs[index])):
-                    batch.token[n] = self.pad_token
-                    batch.pos[n] = padding
-                    batch.seq_id[n][0] = MAX_SEQUENCES
-                    batch.logits[n] = 1
-                    n += 1
-                    padding += 1
+                n, padding = self._pad(n, n + self._rows(inputs[index]) - len(inputs[index]), padding)
             if self.tile:
                 # and the call at least :attr:`floor` rows: the kernels a call takes
                 # change with its rows below that (measured by the probe)
-                while n < self.floor:
-                    batch.token[n] = self.pad_token
-                    batch.pos[n] = padding
-                    batch.seq_id[n][0] = MAX_SEQUENCES
-                    batch.logits[n] = 1
-                    n += 1
-                    padding += 1
+                n, padding = self._pad(n, max(n, self.floor), padding)
             batch.n_tokens = n
             if not self.turns.acquire(abort=lambda: self.abort_flag.value):
                 raise Aborted
@@ -408,6 +396,18 @@ class EmbeddingContext:
                 out.append((vector / norm if norm > 0 else vector).tolist())
         lib.llama_memory_clear(self.memory, True)
         return out
+
+    def _pad(self, n: int, end: int, position: int) -> tuple[int, int]:
+        """Padding rows ``n`` … ``end`` − 1 in the batch (the padding sequence's, at
+        positions from ``position`` on): ``(end, the next position)``."""
+        batch = self.batch
+        for row in range(n, end):
+            batch.token[row] = self.pad_token
+            batch.pos[row] = position
+            batch.seq_id[row][0] = MAX_SEQUENCES
+            batch.logits[row] = 1
+            position += 1
+        return end, position
 
     def free(self) -> None:
         self.lib.llama_batch_free(self.batch)
