@@ -28,6 +28,12 @@ class Host:
         self.slow = trio.Event()  # /slow was asked for
 
     async def handle(self, stream: trio.SocketStream) -> None:
+        try:
+            await self.answer(stream)
+        except trio.BrokenResourceError:
+            pass  # the client hung up mid-answer: what a capped fetch does on purpose
+
+    async def answer(self, stream: trio.SocketStream) -> None:
         data = b""
         while b"\r\n\r\n" not in data:
             chunk = await stream.receive_some(4096)
