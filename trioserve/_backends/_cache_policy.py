@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ._disk_cache import DiskEntry
 from ._memory import StateBuffer
-from ._pieces import PieceRule
+from ._pieces import PieceRule, image_runs
 from ._prompt_cache import HostCache, shared_prefix
 
 __all__ = ["CachePolicy", "CacheStats", "Placement", "next_cut"]
@@ -231,7 +231,11 @@ class CachePolicy:
 
     def host_cuts(self, tokens: list[int]) -> Sequence[int]:
         """Where the host tier indexes ``tokens``' prefixes: at its cuts (fast: every token)."""
-        return range(1, len(tokens) + 1) if self.fast else self.rule.cuts(tokens)
+        if not self.fast:
+            return self.rule.cuts(tokens)
+        if image_runs(tokens, self.rule.n_vocab):  # (never inside an image: docs/vision.md)
+            return [p for p in range(1, len(tokens) + 1) if self.rule.image_floor(tokens, p) == p]
+        return range(1, len(tokens) + 1)
 
     def spill_order(self) -> list[int]:
         """Every id, the most recently used last (the order to save their prefixes to
@@ -291,12 +295,19 @@ class CachePolicy:
         limit = 0
         if self.enabled and cache_prompt:
             # at least the last piece (fast: token) is evaluated: its logits are needed
-            limit = len(prompt) - 1 if self.fast else _last_cut(cuts, len(prompt) - 1)
+            limit = (
+                self.rule.image_floor(prompt, len(prompt) - 1)
+                if self.fast
+                else _last_cut(cuts, len(prompt) - 1)
+            )
         cached = self._cached
         salts = self._salt
         if self.fast:
             shared = {
-                i: _common_prefix(cached[i], prompt, limit) if salts[i] == salt else 0 for i in free_ids
+                i: self.rule.image_floor(prompt, _common_prefix(cached[i], prompt, limit))
+                if salts[i] == salt
+                else 0
+                for i in free_ids
             }
         else:
             shared = {

@@ -14,6 +14,13 @@ line of text or a sentence once the piece is long enough to be efficient, and ne
 lets a piece grow past ``max_piece`` tokens. A prompt with no structure at all is cut
 every ``max_piece`` tokens from its start: the absolute alignment of before, exactly.
 
+An image in a prompt (docs/vision.md) is a run of placeholder ids ≥ ``n_vocab``, the
+first of each image's at an even offset from ``n_vocab`` and the rest at odd ones
+(``_vision.py``): an image is evaluated in one call, so the cut never falls inside
+one, and falls at each image's start and end (its cells are then a whole piece: a later
+turn about the same image reuses them). That rule needs the token after a cut, so it
+is causal only for prompts that do not end inside an image, which no prompt does.
+
 Pure Python and numpy: the scheduler thread computes cuts; a token's class is looked up
 once per token id (lazily: the vocabulary has up to 262,144 entries).
 """
@@ -25,7 +32,18 @@ from typing import Literal
 
 import numpy
 
-__all__ = ["END", "NL", "SENT", "START", "WS", "PieceRule", "classify_piece", "host_rule", "make_rule"]
+__all__ = [
+    "END",
+    "NL",
+    "SENT",
+    "START",
+    "WS",
+    "PieceRule",
+    "classify_piece",
+    "host_rule",
+    "image_runs",
+    "make_rule",
+]
 
 #: token classes (bits)
 NL = 1  #: its text ends with a newline
@@ -36,6 +54,27 @@ END = 16  #: a control token that ends generation (``<end_of_turn>``, ``<|im_end
 _UNKNOWN = 255
 
 _SENTENCE_ENDS = tuple(s.encode() for s in (".", "!", "?", ";", ":", "。", "！", "？", "；"))
+
+
+def image_runs(tokens: Sequence[int], n_vocab: int) -> list[tuple[int, int]]:
+    """Each image's ``(start, end)`` in ``tokens`` (placeholder ids ≥ ``n_vocab``; an
+    even offset from ``n_vocab`` starts an image), in order."""
+    if not n_vocab or not len(tokens):
+        return []
+    ids = numpy.asarray(tokens, dtype=numpy.int64)
+    image = ids >= n_vocab
+    if not image.any():
+        return []
+    starts = image & (((ids - n_vocab) % 2 == 0) | ~numpy.concatenate(([False], image[:-1])))
+    start_at = numpy.flatnonzero(starts).tolist()
+    out = []
+    for i, start in enumerate(start_at):
+        end = start + 1
+        limit = start_at[i + 1] if i + 1 < len(start_at) else len(tokens)
+        while end < limit and image[end]:
+            end += 1
+        out.append((start, end))
+    return out
 
 
 def classify_piece(piece: bytes, *, control: bool, end: bool) -> int:
@@ -79,6 +118,8 @@ class PieceRule:
         self.window = window
         self._classify = classify
         self._table = numpy.full(n_vocab, _UNKNOWN, dtype=numpy.uint8) if classify is not None else None
+        #: ids from here up are images' placeholders (0: the rule knows no vocabulary)
+        self.n_vocab = n_vocab
         self.kind: Literal["text", "aligned"] = "aligned" if classify is None else "text"
         #: identifies the rule: a host tier of cached prefixes is valid only under it
         self.key = f"{self.kind}/{max_piece}/{min_line}/{min_sentence}/{window}"
@@ -91,6 +132,9 @@ class PieceRule:
         if table is None:
             return [0] * len(tokens)
         ids = numpy.asarray(tokens, dtype=numpy.int64)
+        image = ids >= len(table)
+        if image.any():
+            ids = numpy.where(image, 0, ids)  # (an image's placeholders: looked up as id 0…)
         found = table[ids]
         unknown = found == _UNKNOWN
         if unknown.any():
@@ -98,6 +142,8 @@ class PieceRule:
             for token in numpy.unique(ids[unknown]).tolist():
                 table[token] = self._classify(token)
             found = table[ids]
+        if image.any():
+            found = numpy.where(image, 0, found)  # (…and classed as plain text)
         classes: list[int] = found.tolist()
         return classes
 
@@ -107,6 +153,29 @@ class PieceRule:
         """The positions ``p`` (``0 < p <= len(tokens)``) where the rule cuts, in order.
         The end of ``tokens`` is listed only if the rule cuts there (a prompt's last
         call always ends there; it is a *cut* — reusable by a longer prompt — only then)."""
+        out = self._text_cuts(tokens)
+        runs = image_runs(tokens, self.n_vocab)
+        return self.around_images(out, runs) if runs else out
+
+    @staticmethod
+    def around_images(cuts: Sequence[int], runs: list[tuple[int, int]]) -> list[int]:
+        """``cuts`` with none inside an image, and one at each image's start and end."""
+        kept = set(cuts)
+        for start, end in runs:
+            kept.difference_update(range(start + 1, end))
+            if start:
+                kept.add(start)
+            kept.add(end)
+        return sorted(kept)
+
+    def image_floor(self, tokens: Sequence[int], n: int) -> int:
+        """``n``, or the start of the image it falls inside (a prefix never ends there)."""
+        if 0 < n < len(tokens) and tokens[n] >= self.n_vocab > 0 and (tokens[n] - self.n_vocab) % 2:
+            while n > 0 and tokens[n] >= self.n_vocab and (tokens[n] - self.n_vocab) % 2:
+                n -= 1
+        return n
+
+    def _text_cuts(self, tokens: Sequence[int]) -> list[int]:
         n = len(tokens)
         limit = self.max_piece
         if self._table is None:

@@ -69,6 +69,8 @@ class ModelInfo:
     rerank: str | None = None
     #: it generates text (an encoder embeds and ranks only)
     generates: bool = True
+    #: it takes images (a vision projector is loaded with it: docs/vision.md)
+    vision: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -104,6 +106,9 @@ class PreparedPrompt:
     #: one evaluation of the prompt (a backend that cannot share runs them apart)
     group: ChoiceGroup | None = None
     choice: int = 0
+    #: the backend's own form of the prompt's images (where they sit, what encodes
+    #: them: docs/vision.md), if it has any
+    media: object | None = None
 
 
 def refuse_unsupported(request: GenerationRequest, backend: str) -> None:
@@ -117,6 +122,12 @@ def refuse_unsupported(request: GenerationRequest, backend: str) -> None:
         )
     if request.logprobs is not None:
         raise InvalidRequestError(f"logprobs are not supported by the {backend} backend", param="logprobs")
+    if request.images:
+        raise InvalidRequestError(
+            f"images are not supported by the {backend} backend",
+            param="messages",
+            code="images_not_supported",
+        )
     if request.infill is not None:
         raise InvalidRequestError(
             f"fill in the middle (/infill, suffix) is not supported by the {backend} backend: it lays "

@@ -9,6 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ._media import RemoteImage
+
 __all__ = [
     "SAMPLER_NAMES",
     "Constraint",
@@ -162,6 +164,10 @@ class GenerationRequest:
     #: seconds the request may take to its first token (queue and prompt: an editor's
     #: ``t_max_prompt_ms``); past it, it ends as at its deadline (``None``: no limit)
     first_token_timeout: float | None = None
+    #: the images the prompt's markers name (``_core/_media.py``: ``image_marker(k)`` in
+    #: the text stands for ``images[k]``): encoded image files (PNG, JPEG, …), or a
+    #: :class:`RemoteImage` the server fetches before preparing (docs/vision.md)
+    images: tuple[bytes | RemoteImage, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -49,6 +49,12 @@ class Context:
         for i in range(settings.n_batch):
             self.batch.n_seq_id[i] = 1
             self.batch.seq_id[i][0] = 0
+        #: a vision model's image calls: rows of embeddings instead of token ids
+        self.embd_batch = None
+        if model.projector is not None:
+            self.embd_batch = lib.llama_batch_init(settings.n_batch, model.n_embd, 1)
+            for i in range(settings.n_batch):
+                self.embd_batch.n_seq_id[i] = 1
         # The callback object and its flag must outlive the context: keep references.
         self.abort_flag = ctypes.c_ubyte(0)
         self._abort_callback, self.abort_flag_used = make_abort_callback(lib)
@@ -56,4 +62,6 @@ class Context:
 
     def free(self, lib: Any) -> None:
         lib.llama_batch_free(self.batch)
+        if self.embd_batch is not None:
+            lib.llama_batch_free(self.embd_batch)
         lib.llama_free(self.ctx)

@@ -9,6 +9,7 @@ returns ``ModelRunnerOutput``; it never calls back into the scheduler)."""
 
 from __future__ import annotations
 
+import ctypes
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ._sequence import Sequence
 
 if TYPE_CHECKING:
+    from .._vision import ImageSpan, VisionPrompt
+    from ._context import Context
     from ._model import LlamaModel
 
 __all__ = ["DECODE_ABORTED", "Executor", "Filled", "Outcome"]
@@ -37,6 +40,8 @@ class Filled:
     drafts: dict[Sequence, list[int]] = field(default_factory=dict)
     #: the rows of each sequence (what ``rows_in_flight`` reports)
     per_sequence: dict[Sequence, int] = field(default_factory=dict)
+    #: an image call (docs/vision.md): the images to encode into the embeddings batch
+    images: tuple[VisionPrompt, list[ImageSpan]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +72,21 @@ class Executor:
     """Writes the batch of one context and runs ``llama_decode`` on it (the scheduler
     thread only)."""
 
-    def __init__(self, model: LlamaModel, ctx: Any, batch: Any, turns: Turns) -> None:
+    def __init__(self, model: LlamaModel, context: Context, turns: Turns) -> None:
         self._model = model
-        self.ctx = ctx
-        self.batch = batch
+        self.ctx = context.ctx
+        self.batch = context.batch
+        self.embd_batch = context.embd_batch
+        self.abort_flag = context.abort_flag
         self.turns = turns
+        #: the call written last is an image call: its images and spans
+        self._images: tuple[VisionPrompt, list[ImageSpan]] | None = None
+        if model.projector is not None:
+            model.projector.watch(context.abort_flag)  # (an encode stops on a cancel)
+
+    @property
+    def n_vocab(self) -> int:
+        return self._model.n_vocab
 
     @property
     def lib(self) -> Any:
@@ -81,6 +96,11 @@ class Executor:
     def fill(self, call: list[tuple[Sequence, int]]) -> Filled:
         """Write ``call``'s rows into the batch (a decoding sequence's drafted guesses
         are taken from it: they ride in this call)."""
+        self._images = None
+        if len(call) == 1 and call[0][1] and call[0][0].asked.media is not None:
+            images = self._fill_images(*call[0])
+            if images is not None:
+                return images
         batch = self.batch
         tokens = batch.token
         positions = batch.pos
@@ -128,6 +148,36 @@ class Executor:
         filled.per_sequence = {s: (c or 1 + len(drafts.get(s, ()))) for s, c in call}
         return filled
 
+    def _fill_images(self, sequence: Sequence, count: int) -> Filled | None:
+        """A prompt piece that is an image (the cut keeps images whole, each piece of
+        its own): the embeddings batch's rows, to be filled by :meth:`decode`'s encode.
+        ``None``: the piece is text."""
+        media = sequence.asked.media
+        assert media is not None
+        start = sequence.prefilled
+        end = start + count
+        spans = [span for span in media.spans if start <= span.start < end]
+        if not spans:
+            return None
+        if spans[0].start != start or spans[-1].end != end:  # pragma: no cover - the cut's promise
+            raise RuntimeError(f"a prompt piece [{start}, {end}) holds an image and text")
+        batch = self.embd_batch
+        for i in range(count):
+            batch.pos[i] = start + i
+            batch.seq_id[i][0] = sequence.seq_id
+            batch.logits[i] = 0
+        filled = Filled(count)
+        if not sequence.out.first_chunk_at:
+            sequence.out.first_chunk_at = time.perf_counter()
+        if end == len(sequence.asked.prompt):  # (a prompt that ends with an image)
+            batch.logits[count - 1] = 1
+            filled.outputs.append((sequence, count - 1))
+        batch.n_tokens = count
+        filled.per_sequence = {sequence: count}
+        filled.images = (media, spans)
+        self._images = filled.images
+        return filled
+
     def fill_chunk(self, seq_id: int, history: list[int], start: int, end: int) -> None:
         """Write the tokens ``history[start:end]`` of ``seq_id`` (no logits): the idle
         recompute's call."""
@@ -144,4 +194,34 @@ class Executor:
         """Run the call written last. The cores are shared with embeddings: a cancel
         while waiting for them aborts the call at once (the abort flag)."""
         with self.turns.turn():
+            if self._images is not None:
+                return self._decode_images(*self._images)
             return Outcome(self.lib.llama_decode(self.ctx, self.batch))
+
+    def _decode_images(self, media: VisionPrompt, spans: list[ImageSpan]) -> Outcome:
+        """Encode each image (the vision tower: stopped by the abort flag between graph
+        nodes) into the embeddings batch, then evaluate it — with attention both ways
+        inside the image where the projector asks for it (gemma3), as libmtmd's helper
+        does."""
+        self._images = None
+        projector = self._model.projector
+        assert projector is not None
+        batch = self.embd_batch
+        row = ctypes.sizeof(ctypes.c_float) * projector.n_embd
+        base = ctypes.addressof(batch.embd.contents)
+        first = spans[0].start
+
+        def aborted() -> bool:
+            return bool(self.abort_flag.value)
+
+        for span in spans:
+            if not projector.encode(media.chunks, span, base + (span.start - first) * row, aborted):
+                return Outcome(DECODE_ABORTED)
+        lib = self.lib
+        if projector.non_causal:
+            lib.llama_set_causal_attn(self.ctx, False)
+        try:
+            return Outcome(lib.llama_decode(self.ctx, batch))
+        finally:
+            if projector.non_causal:
+                lib.llama_set_causal_attn(self.ctx, True)

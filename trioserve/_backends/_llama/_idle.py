@@ -59,6 +59,10 @@ class IdleRecompute:
         if job is None:  # (nothing left whole: done)
             return
         seq_id, history, start, end = job.seq_id, job.history, job.start, job.end
+        if max(history[start:end], default=0) >= self.executor.n_vocab:
+            # (an image past the cached cells: not recomputed — its encode is a request's)
+            self.policy.drop_history(seq_id)
+            return
         self.executor.fill_chunk(seq_id, history, start, end)
         tokens = history[:end]
         inbox = self.inbox

@@ -91,7 +91,7 @@ def load[M: "LlamaModel"](
         try:
             if abort is not None and abort.is_set():
                 raise LoadAborted(f"the load of {settings.model_path} was aborted")
-            return cls(
+            loaded = cls(
                 settings,
                 llama_cpp,
                 model,
@@ -101,6 +101,13 @@ def load[M: "LlamaModel"](
             )
         except BaseException:
             llama_cpp.llama_model_free(model)
+            raise
+        try:
+            # its projector, in the same load (docs/vision.md)
+            loaded.load_projector()
+            return loaded
+        except BaseException:
+            loaded.close()
             raise
     finally:
         LoadLog.loading -= 1

@@ -101,7 +101,7 @@ class Scheduler:
         self.inbox.target = self._run
         self.kv = KvCells(model, context.ctx, context.memory, host=self.host, policy=self.policy)
         self.admission = Admission(self.inbox, self.policy, model.piece_rule)
-        self.executor = Executor(model, context.ctx, context.batch, turns)
+        self.executor = Executor(model, context, turns)
         self.outputs = Outputs(model, context.ctx, context.memory, caps)
         self.idle = IdleRecompute(self.inbox, self.policy, self.kv, self.executor)
         self.limits = Limits(

@@ -19,6 +19,7 @@ import trio
 
 from ..._core._backend import ModelInfo, PreparedPrompt, check_token_ids, fit_to_context
 from ..._core._exceptions import BackendError, InvalidRequestError
+from ..._core._media import split_at_markers
 from ..._core._types import GenerationRequest, SamplingParams
 from .._draw import LogitBias
 from .._grammar import GrammarCompiler
@@ -27,6 +28,7 @@ from .._pieces import classify_piece, make_rule
 from .._platform import RepackDecision
 from .._rerank import reranker_kind
 from .._side_work import run_side_work
+from .._vision import Projector, VisionPrompt
 from ._loading import load
 from ._native import LoadAborted
 from ._sampler import logit_bias, sampler_chain
@@ -122,8 +124,27 @@ class LlamaModel:
             rerank=self.rerank_kind,
             generates=self.generates,
         )
+        #: its vision projector (``settings.mmproj``: :meth:`load_projector`), or None
+        self.projector: Projector | None = None
         with LlamaModel._count_lock:
             LlamaModel.loaded += 1
+
+    def load_projector(self) -> None:
+        """Load ``settings.mmproj`` (the load's last phase: blocking, aborted with it)."""
+        path = self.settings.mmproj
+        if path is None:
+            return
+        self.check_abort()
+        self.projector = Projector(
+            self.model,
+            path,
+            n_vocab=self.n_vocab,
+            n_embd=self.n_embd,
+            n_threads=self.settings.n_threads,
+            abort=self._load_abort,
+        )
+        self._info = dataclasses.replace(self._info, vision=True)
+        self.check_abort()
 
     def _fim_tokens(self) -> FimTokens | None:
         lib, vocab = self.lib, self.vocab
@@ -199,6 +220,8 @@ class LlamaModel:
         if self._freed:
             return
         self._freed = True
+        if self.projector is not None:
+            self.projector.free()
         self.grammars.wait_idle()  # a compile a cancel abandoned still reads the vocabulary
         self.lib.llama_model_free(self.model)
         with LlamaModel._count_lock:
@@ -359,6 +382,8 @@ class LlamaModel:
                 tokens = await trio.to_thread.run_sync(self.infill_prompt, request)
             else:
                 tokens = self.infill_prompt(request)
+        elif request.images:
+            return await self._prepare_images(request)
         elif isinstance(request.prompt, str):
             if len(request.prompt) > _INLINE_TOKENIZE_CHARS:
                 tokens = await trio.to_thread.run_sync(
@@ -373,8 +398,15 @@ class LlamaModel:
                 raise InvalidRequestError(
                     f"prompt token ids must be in [0, {self.n_vocab}); got {bad[0]}", param="prompt"
                 )
+        return await self._finish_prepare(request, tokens)
+
+    async def _finish_prepare(
+        self, request: GenerationRequest, tokens: list[int], media: VisionPrompt | None = None
+    ) -> PreparedPrompt:
         bias = await logit_bias(request.sampling, self.n_vocab)
         prepared = fit_to_context(request, tokens, self.settings.n_ctx)
+        if media is not None:
+            prepared = dataclasses.replace(prepared, media=media)
         if bias is not None:
             prepared = dataclasses.replace(prepared, logit_bias=bias)
         if request.constraint is not None:
@@ -389,6 +421,57 @@ class LlamaModel:
             )
             prepared = dataclasses.replace(prepared, compiled=mask)
         return prepared
+
+    async def _prepare_images(self, request: GenerationRequest) -> PreparedPrompt:
+        """A prompt with images: laid out by the projector (docs/vision.md)."""
+        projector = self.projector
+        if projector is None:
+            raise InvalidRequestError(
+                f"the model {self.settings.model_id!r} does not take images: it has no vision projector "
+                "(serve it with --mmproj FILE, or a preset's mmproj key); send text only",
+                param="messages",
+                code="images_not_supported",
+            )
+        if not isinstance(request.prompt, str) or request.infill is not None:
+            raise InvalidRequestError("images go in a chat's messages, with a text prompt", param="prompt")
+        images: list[bytes] = []
+        for i, image in enumerate(request.images):
+            if not isinstance(image, bytes):
+                raise InvalidRequestError(
+                    f"image {i} is a URL ({image.url}): fetch it first (the server fetches only with "
+                    "--media-fetch or --media-dir)",
+                    param=image.param,
+                    code="media_fetch_disabled",
+                )
+            images.append(image)
+        pieces = split_at_markers(request.prompt)
+        named = [p for p in pieces if isinstance(p, int)]
+        if any(index >= len(images) for index in named):
+            raise InvalidRequestError("the prompt names an image the request does not hold", param="messages")
+        if not named:
+            raise InvalidRequestError(
+                "the chat template left this conversation's images out of the prompt", param="messages"
+            )
+        laid_out = await trio.to_thread.run_sync(
+            lambda: projector.tokenize(pieces, images, add_bos=request.add_bos)
+        )
+        limit = self.settings.max_image_tokens
+        if laid_out.image_tokens > limit:
+            raise InvalidRequestError(
+                f"the images of this request take {laid_out.image_tokens} tokens; this model takes at most "
+                f"{limit} image tokens per request (--max-image-tokens)",
+                param="messages",
+                code="too_many_image_tokens",
+            )
+        widest = max(span.length for span in laid_out.spans)
+        if widest > self.settings.n_batch:
+            raise InvalidRequestError(
+                f"an image of this request takes {widest} tokens, which must be evaluated in one call; "
+                f"this server's batch holds {self.settings.n_batch} (raise --n-batch)",
+                param="messages",
+                code="image_too_large",
+            )
+        return await self._finish_prepare(request, laid_out.tokens, laid_out)
 
     def sampler(
         self,

@@ -163,6 +163,10 @@ class Outputs:
         if done < len(generated) - 1:
             drafter.extend(generated[done:-1])
         draft = drafter.propose(sequence.out.next_token, limit)
+        if draft and sequence.asked.media is not None:
+            # (an image's placeholder ids are no tokens: a guess stops before one)
+            n_vocab = self.model.n_vocab
+            draft = draft[: next((i for i, t in enumerate(draft) if t >= n_vocab), len(draft))]
         if draft and sequence.asked.mask is not None:
             # a guess the constraint forbids is not proposed
             draft = draft[: sequence.asked.mask.valid_prefix(draft)]

@@ -21,6 +21,7 @@ from .._draw import LogitBias
 from .._grammar import TokenMask
 from .._memory import StateBuffer
 from .._speculation import Drafter
+from .._vision import VisionPrompt
 
 __all__ = [
     "CANCELLED",
@@ -76,6 +77,8 @@ class Asked:
     logprobs: int | None
     #: needs the slow path per token: a mask, or log-probabilities
     special: bool
+    #: its images (``_vision.VisionPrompt``: where they sit, what encodes them), if any
+    media: VisionPrompt | None = None
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -184,6 +187,7 @@ class Sequence:
             mask=mask,
             logprobs=request.logprobs,
             special=mask is not None or request.logprobs is not None,
+            media=prompt.media if isinstance(prompt.media, VisionPrompt) else None,
         )
         self.cache = CacheWork()
         self.spec = Speculation(speculate=request.speculate)

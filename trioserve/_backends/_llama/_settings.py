@@ -67,6 +67,9 @@ class LlamaSettings:
             (docs/rerank.md); a cross-encoder GGUF reranks without it.
         rerank_template: that reranker's prompt (``{instruction}``, ``{query}``,
             ``{document}``); default: ``_backends/_rerank.py``'s ``DEFAULT_TEMPLATE``.
+        mmproj: the model's vision projector (a GGUF libmtmd loads: ``--mmproj``): the
+            model then takes images (docs/vision.md).
+        max_image_tokens: the most image tokens one request's prompt may hold.
     """
 
     def __init__(
@@ -93,6 +96,8 @@ class LlamaSettings:
         speculate: Literal["off", "auto", "fast"] = "auto",
         rerank: Literal["yes-no"] | None = None,
         rerank_template: str | None = None,
+        mmproj: str | Path | None = None,
+        max_image_tokens: int = 4096,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
@@ -144,3 +149,7 @@ class LlamaSettings:
             YesNoTemplate.parse(rerank_template)  # (ValueError naming the mistake)
         self.rerank: Literal["yes-no"] | None = rerank
         self.rerank_template = rerank_template
+        self.mmproj = None if mmproj is None else Path(mmproj).expanduser()
+        if max_image_tokens < 1:
+            raise ValueError(f"max_image_tokens must be at least 1, got {max_image_tokens}")
+        self.max_image_tokens = max_image_tokens

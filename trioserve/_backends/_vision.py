@@ -1,0 +1,320 @@
+"""A model's projector (``--mmproj``) through libmtmd: images into prompt tokens and
+embeddings (docs/vision.md).
+
+:class:`Projector` loads the projector beside its model and turns a prompt whose text
+holds images (``_core/_media.py``'s markers) into a :class:`VisionPrompt`: the token ids
+of its text, and at each image's positions a *placeholder id* made from the image's
+content (≥ ``n_vocab``: never a real token), so the token list is an exact cache key;
+and the image's libmtmd chunk, encoded only when its cells are evaluated (a second turn
+about the same image restores them from the cache and encodes nothing).
+
+Encoding stops on a cancel: libmtmd has no abort callback, but ggml's graph-evaluation
+callback (``cb_eval``, the C check in ``_abort.c``) is asked after every node of the
+vision tower and stops the graph when the scheduler's abort flag is up; the encode
+then returns with garbage embeddings, which the caller (who raised the flag) drops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib
+import io
+import logging
+import secrets
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._core._exceptions import BackendError, InvalidRequestError
+
+__all__ = ["ImageSpan", "Projector", "VisionPrompt", "find_projector"]
+
+logger = logging.getLogger("trioserve.vision")
+
+#: the largest image (pixels, read from its header before it is decoded)
+MAX_PIXELS = 50_000_000
+#: placeholder ids lie in [n_vocab, _ID_CEILING): llama_token is an int32
+_ID_CEILING = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """One image's positions in a prompt: ``start``, ``length`` tokens, its chunk."""
+
+    start: int
+    length: int
+    #: the chunk's index in :attr:`VisionPrompt.chunks`
+    chunk: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class _Chunks:
+    """libmtmd's tokenized chunks of one prompt (freed when the last holder lets go:
+    the prepared prompt, and the sequence that evaluates it)."""
+
+    def __init__(self, mtmd: Any, handle: Any) -> None:
+        self.mtmd = mtmd
+        self.handle = handle
+        self._finalizer = weakref.finalize(self, mtmd.mtmd_input_chunks_free, handle)
+
+    def get(self, index: int) -> Any:
+        return self.mtmd.mtmd_input_chunks_get(self.handle, index)
+
+
+@dataclass(frozen=True, slots=True)
+class VisionPrompt:
+    """A prompt with images, tokenized: ``tokens`` (placeholders at image positions),
+    the images' spans in order, and the chunks that encode them."""
+
+    tokens: list[int]
+    spans: tuple[ImageSpan, ...]
+    chunks: _Chunks
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(span.length for span in self.spans)
+
+
+def find_projector(model_path: Path) -> Path | None:
+    """A projector beside a model in a models directory, by name (llama-server's and
+    LM Studio's conventions): ``mmproj-<model>.gguf``, ``<model>-mmproj.gguf``,
+    ``<model>.mmproj.gguf``, or one ``mmproj*.gguf`` whose name holds the model's."""
+    stem = model_path.name.removesuffix(".gguf")
+    folder = model_path.parent
+    for name in (f"mmproj-{stem}.gguf", f"{stem}-mmproj.gguf", f"{stem}.mmproj.gguf"):
+        if (folder / name).is_file():
+            return folder / name
+    matches = sorted(
+        p for p in folder.glob("*.gguf") if "mmproj" in p.name.lower() and stem.lower() in p.name.lower()
+    )
+    return matches[0] if len(matches) == 1 else None
+
+
+def is_projector_file(path: Path) -> bool:
+    """A GGUF a models directory lists as a projector, not as a model of its own."""
+    return "mmproj" in path.name.lower()
+
+
+class Projector:
+    """libmtmd's context for one model's projector (made in the model's load thread;
+    encodes run on the scheduler thread, tokenizing on worker threads)."""
+
+    def __init__(
+        self,
+        model: Any,
+        path: Path,
+        *,
+        n_vocab: int,
+        n_embd: int,
+        n_threads: int,
+        abort: threading.Event | None = None,
+    ) -> None:
+        import llama_cpp
+        from llama_cpp import mtmd_cpp
+
+        self.mtmd = mtmd_cpp
+        self.path = path
+        self.n_vocab = n_vocab
+        self.n_embd = n_embd
+        if not path.is_file():
+            raise FileNotFoundError(f"projector file not found: {path}")
+        stat = path.stat()
+        #: what the placeholder ids are made from besides an image: the projector (a
+        #: cached image's cells are its embeddings; the disk tier's fingerprint holds
+        #: the projector's content hash too)
+        self._seed = hashlib.blake2b(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).digest()
+        # (libmtmd splits its text at this marker: one no client text can hold)
+        self.marker = f"<__mtmd_{secrets.token_hex(8)}__>"
+        self._marker_bytes = self.marker.encode()
+        # the abort check reads the flag this slot points to (set by the scheduler)
+        self._flag_slot = ctypes.c_void_p(None)
+        abort_module = importlib.import_module("trioserve._backends._abort")
+        self._eval_check = llama_cpp.ggml_backend_sched_eval_callback(abort_module.EVAL_CHECK_ADDRESS)
+
+        def on_progress(_value: float, _data: object) -> bool:
+            return abort is None or not abort.is_set()
+
+        self._progress = mtmd_cpp.mtmd_progress_callback(on_progress)
+        params = mtmd_cpp.mtmd_context_params_default()
+        params.use_gpu = False
+        params.print_timings = False
+        params.n_threads = n_threads
+        params.warmup = True
+        params.media_marker = self._marker_bytes
+        params.cb_eval = self._eval_check
+        params.cb_eval_user_data = ctypes.addressof(self._flag_slot)
+        params.progress_callback = self._progress
+        self.ctx = mtmd_cpp.mtmd_init_from_file(str(path).encode(), model, params)
+        if not self.ctx:
+            if abort is not None and abort.is_set():
+                from ._llama._native import LoadAborted
+
+                raise LoadAborted(f"the load of {path} was aborted")
+            raise BackendError(f"libmtmd could not load the projector {path} for this model")
+        try:
+            if not mtmd_cpp.mtmd_support_vision(self.ctx):
+                raise BackendError(f"{path} is not a vision projector (libmtmd: no image input)")
+            if mtmd_cpp.mtmd_decode_use_mrope(self.ctx):
+                raise BackendError(
+                    f"{path} places image tokens with M-RoPE (Qwen2-VL and kin), which trioserve does not "
+                    "support yet (docs/vision.md)"
+                )
+        except BaseException:
+            self.free()
+            raise
+        #: gemma3 and kin attend inside an image both ways: its cells in one call
+        self.non_causal = bool(mtmd_cpp.mtmd_decode_use_non_causal(self.ctx, None))
+        self.encodes = 0
+        self.aborted_encodes = 0
+
+    def free(self) -> None:
+        if self.ctx:
+            self.mtmd.mtmd_free(self.ctx)
+            self.ctx = None
+
+    def watch(self, flag: ctypes.c_ubyte | None) -> None:
+        """Stop encodes when ``flag`` is up (the scheduler's abort flag)."""
+        self._flag_slot.value = ctypes.addressof(flag) if flag is not None else None
+
+    # ------------------------------------------------------------- tokenizing
+
+    def tokenize(
+        self,
+        pieces: Sequence[str | int],
+        images: Sequence[bytes],
+        *,
+        add_bos: bool,
+        param: str = "messages",
+        check: Callable[[], None] = lambda: None,
+    ) -> VisionPrompt:
+        """``pieces`` (text, and image indices into ``images``) as a :class:`VisionPrompt`
+        (blocking: each image is decoded; a worker thread's work)."""
+        mtmd = self.mtmd
+        parts: list[str] = []
+        bitmaps: list[Any] = []
+        digests: list[bytes] = []
+        made: dict[int, tuple[Any, bytes]] = {}
+        try:
+            for piece in pieces:
+                if isinstance(piece, str):
+                    parts.append(piece)
+                    continue
+                if piece not in made:
+                    check()
+                    made[piece] = self._bitmap(images[piece], f"{param} (image {piece})")
+                bitmap, digest = made[piece]
+                bitmaps.append(bitmap)
+                digests.append(digest)
+                parts.append(self.marker)
+            text = "".join(parts).encode()
+            handle = mtmd.mtmd_input_chunks_init()
+            chunks = _Chunks(mtmd, handle)
+            given = mtmd.mtmd_input_text(
+                text=text, text_len=len(text), add_special=add_bos, parse_special=True
+            )
+            array = (mtmd.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
+            rc = mtmd.mtmd_tokenize(self.ctx, handle, ctypes.byref(given), array, len(bitmaps))
+        finally:
+            for bitmap, _ in made.values():
+                mtmd.mtmd_bitmap_free(bitmap)
+        if rc != 0:
+            raise InvalidRequestError(
+                f"libmtmd could not lay out this prompt's {len(bitmaps)} image(s) (mtmd_tokenize: {rc})",
+                param=param,
+                code="invalid_image",
+            )
+        return self._lay_out(chunks, digests)
+
+    def _bitmap(self, data: bytes, what: str) -> tuple[Any, bytes]:
+        """One image decoded (its size checked from its header first), and its digest."""
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            raise InvalidRequestError(
+                f"{what} is not an image this server can read (PNG, JPEG, GIF, BMP, WebP…): {exc}",
+                param="messages",
+                code="invalid_image",
+            ) from None
+        if width * height > MAX_PIXELS:
+            raise InvalidRequestError(
+                f"{what} is {width}×{height} pixels; images may have at most {MAX_PIXELS:,} pixels",
+                param="messages",
+                code="image_too_large",
+            )
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        bitmap = self.mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buffer, len(data), False)
+        if not bitmap:
+            raise InvalidRequestError(
+                f"{what} could not be decoded (libmtmd reads PNG, JPEG, BMP, GIF, TGA, PSD…)",
+                param="messages",
+                code="invalid_image",
+            )
+        n = self.mtmd.mtmd_bitmap_get_n_bytes(bitmap)
+        pixels = ctypes.string_at(self.mtmd.mtmd_bitmap_get_data(bitmap), n)
+        nx, ny = self.mtmd.mtmd_bitmap_get_nx(bitmap), self.mtmd.mtmd_bitmap_get_ny(bitmap)
+        digest = hashlib.blake2b(pixels, digest_size=32, person=b"trioserve-image")
+        digest.update(f"|{nx}x{ny}".encode())
+        return bitmap, digest.digest()
+
+    def _lay_out(self, chunks: _Chunks, digests: list[bytes]) -> VisionPrompt:
+        mtmd = self.mtmd
+        tokens: list[int] = []
+        spans: list[ImageSpan] = []
+        n = mtmd.mtmd_input_chunks_size(chunks.handle)
+        images = iter(digests)
+        for index in range(n):
+            chunk = chunks.get(index)
+            kind = mtmd.mtmd_input_chunk_get_type(chunk)
+            if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                count = ctypes.c_size_t()
+                ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
+                tokens.extend(ids[i] for i in range(count.value))
+                continue
+            if kind != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                raise InvalidRequestError("this server takes images only (no audio)", param="messages")
+            length = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
+            spans.append(ImageSpan(len(tokens), length, index))
+            tokens.extend(self.placeholders(next(images), length))
+        return VisionPrompt(tokens, tuple(spans), chunks)
+
+    def placeholders(self, digest: bytes, length: int) -> list[int]:
+        """An image's placeholder ids: one per position, each from the projector, the
+        image's content and the position (two different images agree at a position
+        with probability ~2⁻³⁰, at all of an image's positions never in practice). The
+        first sits at an even offset from ``n_vocab``, the others at odd ones: where one
+        image ends and the next starts shows in the ids (``_pieces.image_runs``)."""
+        half = (_ID_CEILING - self.n_vocab) // 2
+        base = hashlib.blake2b(digest, digest_size=32, key=self._seed).digest()
+        out = []
+        for i in range(length):
+            value = int.from_bytes(hashlib.blake2b(i.to_bytes(4, "little"), key=base).digest()[:8], "little")
+            out.append(self.n_vocab + 2 * (value % half) + (1 if i else 0))
+        return out
+
+    # --------------------------------------------------------------- encoding
+
+    def encode(self, chunks: _Chunks, span: ImageSpan, into: Any, aborted: Callable[[], bool]) -> bool:
+        """Encode ``span``'s image and copy its ``length × n_embd`` floats to ``into``
+        (a ctypes float pointer: the batch's ``embd``). False: stopped by the abort flag
+        (``aborted()``), nothing usable written. Blocking: the scheduler thread's."""
+        mtmd = self.mtmd
+        rc = mtmd.mtmd_encode_chunk(self.ctx, chunks.get(span.chunk))
+        if aborted():
+            self.aborted_encodes += 1
+            return False
+        if rc != 0:
+            raise BackendError(f"libmtmd could not encode an image (mtmd_encode_chunk: {rc})")
+        out = mtmd.mtmd_get_output_embd(self.ctx)
+        ctypes.memmove(into, out, span.length * self.n_embd * ctypes.sizeof(ctypes.c_float))
+        self.encodes += 1
+        return True
