@@ -73,6 +73,7 @@ async def test_a_model_by_id_is_its_entry_in_the_list(server: RunningServer) -> 
                 "context_length",
                 "status",
                 "capabilities",
+                "input_modalities",
             }
             assert model["capabilities"] == {
                 "completion": True,
@@ -80,7 +81,9 @@ async def test_a_model_by_id_is_its_entry_in_the_list(server: RunningServer) -> 
                 "infill": False,
                 "embeddings": True,
                 "rerank": None,
+                "vision": False,
             }
+            assert model["input_modalities"] == ["text"]
             assert model["status"]["state"] == "loaded"
             assert {**model, "created": 0} == {**entry, "created": 0}
             assert isinstance(model["created"], int)

@@ -39,6 +39,11 @@ class LlamaSource:
         self._host: HostCache | None = None
         self._stamp: tuple[int, int, int] | None = None
 
+    @property
+    def input_modalities(self) -> tuple[str, ...]:
+        """What the model reads, known before it loads: text, and images with a projector."""
+        return ("text", "image") if self.settings.mmproj is not None else ("text",)
+
     def footprint(self) -> int:
         """The file's size: the weights, before the KV cells are known (the registry uses
         the measured growth once the model has loaded)."""
@@ -46,6 +51,8 @@ class LlamaSource:
         files = [path]
         if "-00001-of-" in path.name:  # a multi-file model: every shard
             files = sorted(path.parent.glob(path.name.replace("-00001-of-", "-*-of-")))
+        if self.settings.mmproj is not None:  # (its projector loads with it)
+            files.append(self.settings.mmproj)
         total = 0
         for file in files:
             with contextlib.suppress(OSError):

@@ -17,6 +17,7 @@ import trio
 from .._backends import Backend
 from .._core._registry import ModelRegistry
 from .._http import HTTPSettings
+from .._http._fetch import FetchPolicy, parse_allow
 from .._http._server import Server, ServerSettings, serve_until_signalled
 from .._wire._limits import RequestLimits
 from . import _models
@@ -115,6 +116,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             service_name=args.service_name,
             responses_max_age=args.responses_max_age * 86400.0,
             responses_max_bytes=int(args.responses_max_mb * (1 << 20)),
+            media=FetchPolicy(
+                enabled=args.media_fetch,
+                allow=parse_allow(args.media_fetch_allow),
+                max_bytes=args.max_image_bytes,
+                timeout=args.media_fetch_timeout,
+                root=args.media_dir,
+            ),
             request_limits=RequestLimits(
                 max_stop_sequences=args.max_stop_sequences,
                 max_stop_bytes=args.max_stop_bytes,

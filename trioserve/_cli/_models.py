@@ -19,6 +19,7 @@ from typing import Any
 from .._backends import Backend, LlamaBackend, LlamaSettings, ScriptedBackend, UpstreamBackend
 from .._backends._prompt_cache import HostBudget
 from .._backends._sources import LlamaSource
+from .._backends._vision import find_projector, is_projector_file
 from .._core._exceptions import InvalidRequestError
 from .._core._registry import ModelRegistry, ModelSpec
 from .._http._exchange import parse_keep_alive
@@ -49,6 +50,8 @@ PRESET_KEYS = {
     "speculate": "--speculate",
     "rerank": "--rerank",
     "rerank_template": "--rerank-template",
+    "mmproj": "--mmproj",
+    "max_image_tokens": "--max-image-tokens",
 }
 
 
@@ -74,6 +77,8 @@ PRESET_TYPES: dict[str, tuple[type, ...]] = {
     "speculate": (str,),
     "rerank": (str,),
     "rerank_template": (str,),
+    "mmproj": (str,),
+    "max_image_tokens": (int,),
 }
 _CHOICES = {
     "cache_mode": ("exact", "fast"),
@@ -111,6 +116,8 @@ class _Model:
     name: str
     path: Path | None = None
     settings: dict[str, Any] = field(default_factory=dict[str, Any])
+    #: a projector found beside it in --models-dir
+    projector: Path | None = None
 
 
 def is_registry(args: argparse.Namespace) -> bool:
@@ -122,15 +129,16 @@ def is_registry(args: argparse.Namespace) -> bool:
 def discover(directory: Path) -> dict[str, Path]:
     """The models in ``directory``: each ``.gguf`` (named by its file name without
     ``.gguf``) and each subfolder holding one (a multi-file model, named by the folder:
-    its first shard, ``*-00001-of-*.gguf``). Projector files (``mmproj*``) are not models."""
+    its first shard, ``*-00001-of-*.gguf``). Projector files (``mmproj`` in the name) are
+    not models: each is its model's (:func:`projector_for`)."""
     if not directory.is_dir():
         raise RuntimeError(f"--models-dir {directory}: not a directory")
     found: dict[str, Path] = {}
     for item in sorted(directory.iterdir()):
-        if item.is_file() and item.suffix == ".gguf" and not item.name.startswith("mmproj"):
+        if item.is_file() and item.suffix == ".gguf" and not is_projector_file(item):
             found[item.name.removesuffix(".gguf")] = item
         elif item.is_dir():
-            files = sorted(f for f in item.glob("*.gguf") if not f.name.startswith("mmproj"))
+            files = sorted(f for f in item.glob("*.gguf") if not is_projector_file(f))
             shards = [f for f in files if "-00001-of-" in f.name]
             if shards:
                 found[item.name] = shards[0]
@@ -173,14 +181,16 @@ def read_preset(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
             )
         for key, value in table.items():
             _check_value(f"--models-preset {path}: [{name}]", key, value)
-        if name == "defaults" and "path" in table:
-            raise RuntimeError(
-                f"--models-preset {path}: [defaults] cannot have a path (each model has its own)"
-            )
+        for own in ("path", "mmproj"):
+            if name == "defaults" and own in table:
+                raise RuntimeError(
+                    f"--models-preset {path}: [defaults] cannot have a {own} (each model has its own)"
+                )
         if not name:
             raise RuntimeError(f"--models-preset {path}: a model needs a name ([models.NAME])")
-        if "path" in table:
-            table["path"] = (path.parent / str(table["path"])).resolve()
+        for key in ("path", "mmproj"):
+            if key in table:
+                table[key] = (path.parent / str(table[key])).resolve()
     return defaults, models
 
 
@@ -197,6 +207,8 @@ def _models(args: argparse.Namespace) -> tuple[list[_Model], dict[str, Any]]:
     for directory in args.models_dir:
         for name, path in discover(directory).items():
             add(name, path, f"in --models-dir {directory}")
+            # a projector beside it, by name (docs/vision.md); a preset's mmproj wins
+            models[name].projector = find_projector(path)
     for spec in args.model:
         if "=" in spec and not Path(spec).is_file():
             name, _, path_text = spec.partition("=")
@@ -227,7 +239,9 @@ def _models(args: argparse.Namespace) -> tuple[list[_Model], dict[str, Any]]:
     return list(models.values()), defaults
 
 
-def _settings(args: argparse.Namespace, name: str, path: Path, table: dict[str, Any]) -> LlamaSettings:
+def _settings(
+    args: argparse.Namespace, name: str, path: Path, table: dict[str, Any], projector: Path | None = None
+) -> LlamaSettings:
     def get(key: str, default: Any) -> Any:
         return table.get(key, default)
 
@@ -254,6 +268,8 @@ def _settings(args: argparse.Namespace, name: str, path: Path, table: dict[str, 
         speculate=get("speculate", args.speculate),
         rerank=None if (rerank := get("rerank", args.rerank)) in (None, "off") else rerank,
         rerank_template=get("rerank_template", args.rerank_template),
+        mmproj=get("mmproj", projector),
+        max_image_tokens=int(get("max_image_tokens", args.max_image_tokens)),
     )
 
 
@@ -308,6 +324,11 @@ def registry(args: argparse.Namespace, *, max_queue: int) -> tuple[str, ModelReg
     # --cache-ram: one host-memory budget for every model's prompt cache (a model's
     # cache_ram caps its share of it): unloaded models' prefixes go first
     host_pool = HostBudget(args.cache_ram * 1024 * 1024)
+    if args.mmproj:
+        raise RuntimeError(
+            "--mmproj is for one model; with several, give a model its projector with a preset's "
+            "mmproj key, or put it beside the model in --models-dir (mmproj-NAME.gguf)"
+        )
     specs = []
     for index, model in enumerate(models):
         assert model.path is not None
@@ -319,7 +340,9 @@ def registry(args: argparse.Namespace, *, max_queue: int) -> tuple[str, ModelReg
         specs.append(
             ModelSpec(
                 name=model.name,
-                source=LlamaSource(_settings(args, model.name, model.path, table), host_pool=host_pool),
+                source=LlamaSource(
+                    _settings(args, model.name, model.path, table, model.projector), host_pool=host_pool
+                ),
                 aliases=aliases,
                 pinned=bool(table.get("pinned", False)),
                 keep_alive=keep_alive,
@@ -393,7 +416,10 @@ def loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backen
         path = Path(args.model[0])
         if not path.is_file():
             raise FileNotFoundError(f"model file not found: {path}")
-    settings = _settings(args, args.model_id or path.name.removesuffix(".gguf"), path, {})
+    projector = Path(args.mmproj) if args.mmproj else None
+    if projector is not None and not projector.is_file():
+        raise FileNotFoundError(f"--mmproj: projector file not found: {projector}")
+    settings = _settings(args, args.model_id or path.name.removesuffix(".gguf"), path, {}, projector)
     description = (
         f"model {path} ({settings.slots} sequences of {settings.n_ctx} tokens, "
         f"{settings.n_threads} threads{', batch-invariant' if settings.batch_invariant else ''})"

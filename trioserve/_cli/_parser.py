@@ -50,6 +50,7 @@ def parser() -> argparse.ArgumentParser:
     _admission(serve)
     _flow(serve)
     _access(serve)
+    _media(serve)
     _dialects(serve)
     _logging(serve)
     return root
@@ -118,6 +119,21 @@ def _model(serve: argparse.ArgumentParser) -> None:
         metavar="TEXT",
         help="the yes-no reranker's prompt, with {instruction}, {query} and {document} "
         "(default: a generic one; Qwen3-Reranker's own in docs/rerank.md)",
+    )
+    group.add_argument(
+        "--mmproj",
+        default=None,
+        metavar="FILE",
+        help="the model's vision projector (a GGUF libmtmd loads, as llama-server's --mmproj): the "
+        "model takes images (docs/vision.md); with several models, a preset's mmproj key or a "
+        "projector beside the model in --models-dir",
+    )
+    group.add_argument(
+        "--max-image-tokens",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="the most image tokens one request's prompt may hold (default: 4096)",
     )
     group.add_argument(
         "--scripted",
@@ -379,6 +395,45 @@ def _flow(serve: argparse.ArgumentParser) -> None:
         type=float,
         default=15.0,
         help="SSE comment after this many silent seconds (queued, long prefill; default: 15; 0: off)",
+    )
+
+
+def _media(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("images (docs/vision.md)")
+    group.add_argument(
+        "--media-fetch",
+        action="store_true",
+        help="fetch http(s) image URLs (off by default: send images as data URLs); every address "
+        "and redirect hop is checked against loopback, private and link-local ranges",
+    )
+    group.add_argument(
+        "--media-fetch-allow",
+        action="append",
+        default=[],
+        metavar="HOST[:PORT]",
+        help="with --media-fetch: fetch only from these hosts (repeatable; default: any public host)",
+    )
+    group.add_argument(
+        "--media-fetch-timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="the most one image fetch may take (default: 10)",
+    )
+    group.add_argument(
+        "--max-image-bytes",
+        type=_positive_int,
+        default=20 << 20,
+        metavar="BYTES",
+        help="the largest image, decoded from a data URL or fetched (default: 20 MiB; a data URL "
+        "also counts toward --max-body-bytes)",
+    )
+    group.add_argument(
+        "--media-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="read file:// image URLs, only under DIR (default: never)",
     )
 
 

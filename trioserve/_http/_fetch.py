@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import os
 import urllib.parse
-from collections.abc import Iterable
+import urllib.request
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import trio
 
 from .._core._exceptions import InvalidRequestError
+from .._core._media import RemoteImage
 
-__all__ = ["FetchPolicy", "address_rule", "fetch", "parse_allow"]
+__all__ = ["FetchPolicy", "address_rule", "fetch", "parse_allow", "read_local", "resolve_images"]
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _CGNAT = ipaddress.ip_network("100.64.0.0/10")
@@ -43,6 +47,8 @@ class FetchPolicy:
     max_bytes: int = 20 << 20
     timeout: float = 10.0
     max_redirects: int = 3
+    #: ``file://`` URLs are read only under this directory (``--media-dir``; ``None``: never)
+    root: Path | None = None
 
 
 def address_rule(address: IPAddress) -> str | None:
@@ -217,6 +223,70 @@ async def _read_capped(chunks: object, limit: int, param: str) -> bytes:
         if len(body) > limit:
             raise _too_large(param, limit)
     return bytes(body)
+
+
+async def resolve_images(
+    images: Sequence[bytes | RemoteImage], policy: FetchPolicy
+) -> tuple[bytes | RemoteImage, ...]:
+    """A request's images with every URL replaced by its bytes: remote ones fetched
+    (:func:`fetch`) and local ones read (:func:`read_local`), all at once, inside the
+    caller's cancel scope. The first refusal cancels the others and is raised."""
+    out: list[bytes | RemoteImage] = list(images)
+
+    async def get(index: int, image: RemoteImage) -> None:
+        if image.url.lower().startswith("file:"):
+            out[index] = await read_local(image.url, policy, param=image.param)
+        else:
+            out[index] = await fetch(image.url, policy, param=image.param)
+
+    remote = [(i, image) for i, image in enumerate(images) if isinstance(image, RemoteImage)]
+    if len(remote) == 1:
+        await get(*remote[0])
+    elif remote:
+        async with trio.open_nursery() as nursery:
+            for index, image in remote:
+                nursery.start_soon(get, index, image)
+    return tuple(out)
+
+
+async def read_local(url: str, policy: FetchPolicy, *, param: str) -> bytes:
+    """A ``file://`` URL's bytes, only under ``policy.root`` (``--media-dir``): the path
+    resolved (symbolic links and ``..`` followed) must stay inside it."""
+    if policy.root is None:
+        raise InvalidRequestError(
+            "local files are not read by this server: send the image as a data URL, or start the "
+            "server with --media-dir DIR (file:// URLs under DIR)",
+            param=param,
+            code="media_file_refused",
+        )
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise InvalidRequestError(
+            "a file:// URL must name a local path (file:///path)", param=param, code="invalid_image_url"
+        )
+    root = policy.root
+
+    def read() -> bytes:
+        path = Path(os.path.realpath(urllib.request.url2pathname(parts.path)))
+        base = Path(os.path.realpath(root))
+        if not path.is_relative_to(base):
+            raise InvalidRequestError(
+                "the file is outside the directory this server reads images from (--media-dir)",
+                param=param,
+                code="media_file_refused",
+            )
+        try:
+            with path.open("rb") as file:
+                data = file.read(policy.max_bytes + 1)
+        except OSError as exc:
+            raise InvalidRequestError(
+                f"the image file could not be read: {exc.strerror}", param=param, code="media_fetch_failed"
+            ) from None
+        if len(data) > policy.max_bytes:
+            raise _too_large(param, policy.max_bytes)
+        return data
+
+    return await trio.to_thread.run_sync(read)
 
 
 def parse_allow(entries: Iterable[str]) -> frozenset[str]:

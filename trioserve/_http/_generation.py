@@ -33,9 +33,10 @@ from .._core._exceptions import (
     ServiceUnavailableError,
     TrioserveError,
 )
+from .._core._media import RemoteImage
 from .._core._registry import ModelEntry
 from .._core._tracing import TRACEPARENT
-from .._core._types import EndCause
+from .._core._types import EndCause, GenerationRequest
 from .._wire import (
     SPECS,
     ChatFormat,
@@ -67,6 +68,7 @@ from ._exchange import (
     _request_timeout,
     headers_too_large,
 )
+from ._fetch import resolve_images
 from ._lifecycle import (
     FINAL_EVENT_TIMEOUT,
     INLINE_PARSE_BYTES,
@@ -468,6 +470,10 @@ class GenerationHandler:
         request.advance(Phase.QUEUED)
         # a server at capacity refuses before tokenizing or compiling a constraint
         engine.admission.check()
+        if any(g.images for g in generations):
+            # image URLs fetched, local files read: inside the request's scope (a client
+            # that leaves cancels them), before the prompt is laid out (docs/vision.md)
+            generations = [await self._with_images(g) for g in generations]
         try:
             prompts = [
                 _check_limits(await engine.prepare(generation), state.settings, parsed.dialect)
@@ -507,6 +513,12 @@ class GenerationHandler:
                     else:
                         await self.writer.collect(request, parsed)
                 nursery.cancel_scope.cancel()  # the heartbeat
+
+    async def _with_images(self, generation: GenerationRequest) -> GenerationRequest:
+        if not any(isinstance(image, RemoteImage) for image in generation.images):
+            return generation
+        images = await resolve_images(generation.images, self.state.settings.media)
+        return dataclasses.replace(generation, images=images)
 
     def _options(self, stored: StoredContext | None) -> ReadOptions:
         settings = self.state.settings

@@ -3,6 +3,7 @@ quart-trio, behind the access policy."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import uuid
@@ -54,6 +55,7 @@ from ._exchange import (
     body_timeout_error,
     headers_too_large,
 )
+from ._fetch import resolve_images
 from ._generation import GENERATION_PATHS, GenerationHandler, key_salt, presented_key
 from ._lifecycle import INLINE_PARSE_BYTES, off_the_loop_if
 from ._requests_routes import add_request_routes
@@ -276,10 +278,17 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 "infill": info.infill,
                 "embeddings": _embeds(engine.backend),
                 "rerank": info.rerank,
+                "vision": info.vision,
             }
             if engine is not None and info is not None
             else None
         )
+        # what it reads, loaded or not (docs/vision.md)
+        if info is not None:
+            body["input_modalities"] = ["text", "image"] if info.vision else ["text"]
+        else:
+            known = getattr(entry.spec.source, "input_modalities", None)
+            body["input_modalities"] = list(known) if known is not None else None
         return body
 
     @app.get("/v1/models")
@@ -419,6 +428,12 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 large, generation_for, conversation, state.chat_format(engine)
             )
             assert isinstance(generation.prompt, str)
+            if generation.images:
+                # images count as the tokens they take (docs/vision.md): laid out as for
+                # generation, their URLs fetched under the same rules
+                images = await resolve_images(generation.images, state.settings.media)
+                asked = dataclasses.replace(generation, images=images, max_tokens=1, clamp_max_tokens=True)
+                return len((await engine.backend.prepare(asked)).tokens)
             return await engine.backend.count_text_tokens(
                 generation.prompt, add_special=generation.add_bos, parse_special=True
             )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .._wire import RequestLimits
+from ._fetch import FetchPolicy
 
 __all__ = ["HTTPSettings"]
 
@@ -33,7 +34,9 @@ class HTTPSettings:
         max_embedding_tokens: the most tokens one ``/v1/embeddings`` request's inputs
             may hold together (400 beyond, naming both); ``None``: no limit.
         request_limits: what one request may ask for: stop sequences, ``logit_bias``
-            entries, tools, schema sizes, messages (docs/api.md, "Limits").
+            entries, tools, schema sizes, messages, images (docs/api.md, "Limits").
+        media: whether and how image URLs are fetched (``--media-fetch``…) and local
+            image files read (``--media-dir``): docs/vision.md.
         responses_db: where stored Responses are kept: a SQLite file, ``"memory"``
             (lost at exit) or ``None`` (none are stored: ``store: true``,
             ``previous_response_id`` and ``background`` are refused).
@@ -57,6 +60,8 @@ class HTTPSettings:
     body_timeout: float | None = 30.0
     max_embedding_tokens: int | None = 65536
     request_limits: RequestLimits = field(default_factory=RequestLimits)
+    #: how image URLs are fetched and local image files read (docs/vision.md)
+    media: FetchPolicy = field(default_factory=FetchPolicy)
     responses_db: str | None = None
     responses_max_age: float = 30 * 86400.0
     responses_max_bytes: int = 512 << 20

@@ -50,7 +50,7 @@ class Context:
             self.batch.n_seq_id[i] = 1
             self.batch.seq_id[i][0] = 0
         #: a vision model's image calls: rows of embeddings instead of token ids
-        self.embd_batch = None
+        self.embd_batch: Any = None
         if model.projector is not None:
             self.embd_batch = lib.llama_batch_init(settings.n_batch, model.n_embd, 1)
             for i in range(settings.n_batch):
