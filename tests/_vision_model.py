@@ -27,7 +27,15 @@ import numpy
 
 from ._models import _cache_dir
 
-__all__ = ["IMAGE_SIZE", "IMAGE_TOKENS", "PATCH_SIZE", "png_bytes", "tiny_gemma3_projector"]
+__all__ = [
+    "IMAGE_SIZE",
+    "IMAGE_TOKENS",
+    "PATCH_SIZE",
+    "gemma3_projector",
+    "heavy_gemma3_projector",
+    "png_bytes",
+    "tiny_gemma3_projector",
+]
 
 #: what libmtmd resizes every image to (square), and the patch side in pixels
 IMAGE_SIZE, PATCH_SIZE = 64, 8
@@ -44,10 +52,32 @@ IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE // _MERGE) ** 2
 
 def tiny_gemma3_projector() -> Path:
     """The path of the tiny gemma3 mmproj GGUF (made on first use)."""
+    return gemma3_projector()
+
+
+def heavy_gemma3_projector() -> Path:
+    """A gemma3 projector laid out as the real one (896-pixel images, 14-pixel patches,
+    4 × 4 pooling: 256 image tokens), narrow and shallow but with the real 4,096
+    patches, so an encode takes long enough to leave in the middle of (its weights are
+    random too): the benchmarks' and the encode-cancel test's."""
+    return gemma3_projector(image_size=896, patch_size=14, merge=4, n_embd=128, n_ff=256, n_layer=4)
+
+
+def gemma3_projector(
+    *,
+    image_size: int = IMAGE_SIZE,
+    patch_size: int = PATCH_SIZE,
+    merge: int = _MERGE,
+    n_embd: int = _N_EMBD,
+    n_ff: int = _N_FF,
+    n_layer: int = _N_LAYER,
+    n_head: int = _N_HEAD,
+) -> Path:
+    """A random-weight gemma3 mmproj GGUF of this shape (made on first use, cached)."""
     import gguf
 
     recipe = (
-        f"gemma3-mmproj:{IMAGE_SIZE}:{PATCH_SIZE}:{_MERGE}:{_N_EMBD}:{_N_FF}:{_N_LAYER}:{_N_HEAD}"
+        f"gemma3-mmproj:{image_size}:{patch_size}:{merge}:{n_embd}:{n_ff}:{n_layer}:{n_head}"
         f":{_N_EMBD_TEXT}:seed=41:v1"
     )
     digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
@@ -64,45 +94,45 @@ def tiny_gemma3_projector() -> Path:
     def ones(n: int) -> numpy.ndarray:
         return numpy.ones(n, dtype=numpy.float32)
 
-    n_patches = (IMAGE_SIZE // PATCH_SIZE) ** 2
+    n_patches = (image_size // patch_size) ** 2
     writer = gguf.GGUFWriter(str(partial), "clip")
     writer.add_name("trioserve tiny gemma3 projector (random weights, tests only)")
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_clip_has_vision_encoder(True)
     writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
     writer.add_vision_projection_dim(_N_EMBD_TEXT)
-    writer.add_vision_image_size(IMAGE_SIZE)
-    writer.add_vision_patch_size(PATCH_SIZE)
-    writer.add_vision_embedding_length(_N_EMBD)
-    writer.add_vision_feed_forward_length(_N_FF)
-    writer.add_vision_block_count(_N_LAYER)
-    writer.add_vision_head_count(_N_HEAD)
+    writer.add_vision_image_size(image_size)
+    writer.add_vision_patch_size(patch_size)
+    writer.add_vision_embedding_length(n_embd)
+    writer.add_vision_feed_forward_length(n_ff)
+    writer.add_vision_block_count(n_layer)
+    writer.add_vision_head_count(n_head)
     writer.add_vision_attention_layernorm_eps(1e-6)
     writer.add_vision_use_gelu(True)
     writer.add_vision_image_mean([0.5, 0.5, 0.5])
     writer.add_vision_image_std([0.5, 0.5, 0.5])
-    writer.add_vision_projector_scale_factor(_MERGE)
+    writer.add_vision_projector_scale_factor(merge)
     # (numpy shapes are ggml's dimensions reversed)
-    writer.add_tensor("v.patch_embd.weight", weight(_N_EMBD, 3, PATCH_SIZE, PATCH_SIZE, scale=0.05))
-    writer.add_tensor("v.patch_embd.bias", weight(_N_EMBD))
-    writer.add_tensor("v.position_embd.weight", weight(n_patches, _N_EMBD))
-    for i in range(_N_LAYER):
+    writer.add_tensor("v.patch_embd.weight", weight(n_embd, 3, patch_size, patch_size, scale=0.05))
+    writer.add_tensor("v.patch_embd.bias", weight(n_embd))
+    writer.add_tensor("v.position_embd.weight", weight(n_patches, n_embd))
+    for i in range(n_layer):
         for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            writer.add_tensor(f"v.blk.{i}.{name}.weight", weight(_N_EMBD, _N_EMBD, scale=0.1))
-            writer.add_tensor(f"v.blk.{i}.{name}.bias", weight(_N_EMBD))
+            writer.add_tensor(f"v.blk.{i}.{name}.weight", weight(n_embd, n_embd, scale=0.1))
+            writer.add_tensor(f"v.blk.{i}.{name}.bias", weight(n_embd))
         for name in ("ln1", "ln2"):
-            writer.add_tensor(f"v.blk.{i}.{name}.weight", ones(_N_EMBD))
-            writer.add_tensor(f"v.blk.{i}.{name}.bias", weight(_N_EMBD))
-        writer.add_tensor(f"v.blk.{i}.ffn_up.weight", weight(_N_FF, _N_EMBD, scale=0.1))
-        writer.add_tensor(f"v.blk.{i}.ffn_up.bias", weight(_N_FF))
-        writer.add_tensor(f"v.blk.{i}.ffn_down.weight", weight(_N_EMBD, _N_FF, scale=0.1))
-        writer.add_tensor(f"v.blk.{i}.ffn_down.bias", weight(_N_EMBD))
-    writer.add_tensor("v.post_ln.weight", ones(_N_EMBD))
-    writer.add_tensor("v.post_ln.bias", weight(_N_EMBD))
+            writer.add_tensor(f"v.blk.{i}.{name}.weight", ones(n_embd))
+            writer.add_tensor(f"v.blk.{i}.{name}.bias", weight(n_embd))
+        writer.add_tensor(f"v.blk.{i}.ffn_up.weight", weight(n_ff, n_embd, scale=0.1))
+        writer.add_tensor(f"v.blk.{i}.ffn_up.bias", weight(n_ff))
+        writer.add_tensor(f"v.blk.{i}.ffn_down.weight", weight(n_embd, n_ff, scale=0.1))
+        writer.add_tensor(f"v.blk.{i}.ffn_down.bias", weight(n_embd))
+    writer.add_tensor("v.post_ln.weight", ones(n_embd))
+    writer.add_tensor("v.post_ln.bias", weight(n_embd))
     # Gemma 3's projector: RMS norm (weight stored as 1 + w, as the converter does), then
     # a plain matrix from the vision width to the text width (ggml [640, 64])
-    writer.add_tensor("mm.soft_emb_norm.weight", ones(_N_EMBD))
-    writer.add_tensor("mm.input_projection.weight", weight(_N_EMBD, _N_EMBD_TEXT))
+    writer.add_tensor("mm.soft_emb_norm.weight", ones(n_embd))
+    writer.add_tensor("mm.input_projection.weight", weight(n_embd, _N_EMBD_TEXT))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

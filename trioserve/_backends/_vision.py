@@ -171,8 +171,11 @@ class Projector:
             raise
         #: gemma3 and kin attend inside an image both ways: its cells in one call
         self.non_causal = bool(mtmd_cpp.mtmd_decode_use_non_causal(self.ctx, None))
+        #: images encoded, and encodes the abort flag stopped
         self.encodes = 0
         self.aborted_encodes = 0
+        #: a test seam: called on the scheduler thread right before each encode
+        self.before_encode: Callable[[], None] | None = None
 
     def free(self) -> None:
         if self.ctx:
@@ -182,6 +185,12 @@ class Projector:
     def watch(self, flag: ctypes.c_ubyte | None) -> None:
         """Stop encodes when ``flag`` is up (the scheduler's abort flag)."""
         self._flag_slot.value = ctypes.addressof(flag) if flag is not None else None
+
+    @property
+    def abort_requested(self) -> bool:
+        """The watched abort flag is up (an encode now would stop at its first node)."""
+        address = self._flag_slot.value
+        return bool(address and ctypes.c_ubyte.from_address(address).value)
 
     # ------------------------------------------------------------- tokenizing
 
@@ -308,6 +317,8 @@ class Projector:
         (a ctypes float pointer: the batch's ``embd``). False: stopped by the abort flag
         (``aborted()``), nothing usable written. Blocking: the scheduler thread's."""
         mtmd = self.mtmd
+        if self.before_encode is not None:
+            self.before_encode()
         rc = mtmd.mtmd_encode_chunk(self.ctx, chunks.get(span.chunk))
         if aborted():
             self.aborted_encodes += 1

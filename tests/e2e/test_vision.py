@@ -1,0 +1,327 @@
+"""Images in the conversation (docs/vision.md), beside llama.cpp's own llama-server on
+the same files: the default Gemma 3 270M with the tiny random-weight gemma3 projector of
+``tests/_vision_model.py`` (16 image tokens, wrapped in ``<start_of_image>`` /
+``<end_of_image>``).
+
+- The same chat with an image gives llama-server ``--mmproj``'s prompt count and greedy
+  text; the Anthropic and Responses shapes of it give the chat's.
+- The image-aware cache: a second turn about the same image restores the image's cells
+  (no encode) and its text equals a fresh server's; another image at the same place
+  shares only the text before it; a text-only request to the vision model caches as on
+  a text model.
+- A client that leaves during an image encode stops it (the abort flag, through ggml's
+  graph-evaluation callback) and frees its slot.
+- Refusals: a model without a projector, an undecodable image, the image-token budget.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from benchmarks.harness.servers import LLAMA_SERVER, Server, free_port
+from trioserve import HTTPSettings, LlamaBackend, LlamaSettings, default_model_path
+
+from .._helpers import RawStream, RunningServer, llama_server_command, start_server, wait_for
+from .._vision_model import IMAGE_TOKENS, png_bytes, tiny_gemma3_projector
+
+pytestmark = pytest.mark.model
+
+#: images that differ in colour, size and kind (a gradient, solids; libmtmd resizes all)
+IMAGES = [png_bytes(64, 64, (200, 30, 30)), png_bytes(48, 80), png_bytes(32, 32, (20, 160, 220))]
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def chat_body(image: bytes, question: str = "What is in the picture?", **extra: Any) -> dict[str, Any]:
+    return {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": question},
+                    {"type": "image_url", "image_url": {"url": data_url(image)}},
+                ],
+            }
+        ],
+        "max_tokens": 12,
+        "temperature": 0,
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def projector() -> Path:
+    return tiny_gemma3_projector()
+
+
+@pytest.fixture(scope="module")
+def vision_backend(projector: Path) -> Iterator[LlamaBackend]:
+    backend = LlamaBackend.load(
+        LlamaSettings(default_model_path(), n_ctx=1024, n_threads=2, slots=2, mmproj=projector)
+    )
+    backend.idle_recompute = False  # (the cache tests count what each turn evaluates)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def peer(projector: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """llama-server ``--mmproj`` on the same files, with the same built-in Gemma format
+    (with Jinja it would read the name as template text), one slot."""
+    port = free_port()
+    argv = llama_server_command(
+        default_model_path(),
+        port,
+        ["--mmproj", str(projector), "--no-jinja", "--chat-template", "gemma", "--parallel", "1"],
+    )
+    server = Server(LLAMA_SERVER, argv, port, tmp_path_factory.mktemp("llama-server-vision"))
+    try:
+        server.wait_ready(timeout=120)
+        yield server.url
+    finally:
+        server.stop(grace=10)
+
+
+@pytest.fixture
+async def vision(vision_backend: LlamaBackend, nursery: trio.Nursery) -> RunningServer:
+    vision_backend.clear_cache()
+    running = await start_server(nursery, vision_backend, http=HTTPSettings())
+    return running
+
+
+async def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        return await client.post(path, json=body)
+
+
+async def chat(url: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    response = await post(url, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    return answer["choices"][0]["message"]["content"], answer["usage"]
+
+
+async def test_an_image_chat_equals_llama_servers(vision: RunningServer, peer: str) -> None:
+    projector = vision.engine.backend.llama_model.projector  # type: ignore[attr-defined]
+    assert projector is not None
+    for image in IMAGES:
+        ours, usage = await chat(vision.url, chat_body(image))
+        theirs, their_usage = await chat(peer, {**chat_body(image), "cache_prompt": False})
+        assert usage["prompt_tokens"] == their_usage["prompt_tokens"]
+        assert ours == theirs
+    # each image counted: its 16 embeddings and the two tokens around them
+    text_only = await chat(
+        vision.url,
+        {**chat_body(IMAGES[0]), "messages": [{"role": "user", "content": "What is in the picture?"}]},
+    )
+    assert usage["prompt_tokens"] - text_only[1]["prompt_tokens"] == IMAGE_TOKENS + 2
+
+
+async def test_the_anthropic_and_responses_shapes_give_the_chats_text(vision: RunningServer) -> None:
+    image = IMAGES[1]
+    text, usage = await chat(vision.url, chat_body(image))
+    b64 = base64.b64encode(image).decode()
+    messages = await post(
+        vision.url,
+        "/v1/messages",
+        {
+            "model": "x",
+            "max_tokens": 12,
+            "temperature": 0,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is in the picture?"},
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": b64},
+                        },
+                    ],
+                }
+            ],
+        },
+    )
+    assert messages.status_code == 200, messages.text
+    answer = messages.json()
+    assert (
+        answer["usage"]["input_tokens"] + answer["usage"]["cache_read_input_tokens"] == usage["prompt_tokens"]
+    )
+    assert "".join(b["text"] for b in answer["content"] if b["type"] == "text") == text
+    responses = await post(
+        vision.url,
+        "/v1/responses",
+        {
+            "max_output_tokens": 12,
+            "temperature": 0,
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "What is in the picture?"},
+                        {"type": "input_image", "image_url": data_url(image)},
+                    ],
+                }
+            ],
+        },
+    )
+    assert responses.status_code == 200, responses.text
+    body = responses.json()
+    assert body["usage"]["input_tokens"] == usage["prompt_tokens"]
+    said = [c["text"] for item in body["output"] if item["type"] == "message" for c in item["content"]]
+    assert "".join(said) == text
+    # counted as generated: the image's tokens included
+    counted = await post(
+        vision.url,
+        "/v1/messages/count_tokens",
+        {
+            "model": "x",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is in the picture?"},
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": b64},
+                        },
+                    ],
+                }
+            ],
+        },
+    )
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] == usage["prompt_tokens"]
+
+
+async def test_a_second_turn_about_the_same_image_restores_its_cells(
+    vision: RunningServer, vision_backend: LlamaBackend
+) -> None:
+    projector = vision_backend.llama_model.projector
+    assert projector is not None
+    first = chat_body(IMAGES[0])
+    answer, usage = await chat(vision.url, first)
+    encodes = projector.encodes
+    turn2 = {
+        **first,
+        "messages": [
+            *first["messages"],
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And what colour is it?"},
+        ],
+    }
+    text2, usage2 = await chat(vision.url, turn2)
+    assert projector.encodes == encodes  # the image's cells were reused: nothing encoded
+    # everything up to the end of turn 1's prompt pieces came from the cache
+    image_end = usage["prompt_tokens"] - 6  # (after the image: "\n", the turn's end and header)
+    assert usage2["prompt_tokens_details"]["cached_tokens"] >= image_end
+    # the text equals a fresh server's
+    vision_backend.clear_cache()
+    fresh, fresh_usage = await chat(vision.url, turn2)
+    assert fresh_usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert projector.encodes == encodes + 1
+    assert fresh == text2
+    # another image at the same place shares only the text before it
+    _other, other_usage = await chat(
+        vision.url,
+        {
+            **turn2,
+            "messages": [
+                {
+                    **turn2["messages"][0],
+                    "content": [
+                        turn2["messages"][0]["content"][0],
+                        {"type": "image_url", "image_url": {"url": data_url(IMAGES[2])}},
+                    ],
+                },
+                *turn2["messages"][1:],
+            ],
+        },
+    )
+    assert other_usage["prompt_tokens_details"]["cached_tokens"] < image_end - IMAGE_TOKENS
+    assert projector.encodes == encodes + 2
+
+
+async def test_a_text_only_request_to_a_vision_model_caches_as_on_a_text_model(
+    vision: RunningServer,
+) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Name three colours. " * 20}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    _, first = await chat(vision.url, body)
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    _, second = await chat(vision.url, body)
+    assert second["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] - 8
+
+
+async def test_a_client_that_leaves_during_an_image_encode_stops_it(
+    vision: RunningServer, vision_backend: LlamaBackend
+) -> None:
+    """The encode waits at its start (a seam) until the client has left and the abort
+    flag is up; then libmtmd's graph stops at its first node through ``cb_eval``."""
+    projector = vision_backend.llama_model.projector
+    assert projector is not None
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(30)
+
+    encodes, aborted, calls = projector.encodes, projector.aborted_encodes, vision_backend.aborted_calls
+    projector.before_encode = hold
+    try:
+        client = await RawStream.post(
+            vision.url, "/v1/chat/completions", {**chat_body(IMAGES[2]), "stream": True}
+        )
+        await wait_for(entered.is_set, limit=30)
+        await client.aclose()
+        await wait_for(lambda: projector.abort_requested, limit=10)
+    finally:
+        release.set()
+        projector.before_encode = None
+    await vision.wait_idle()
+    assert projector.aborted_encodes == aborted + 1
+    assert projector.encodes == encodes
+    assert vision_backend.aborted_calls == calls + 1
+    assert vision_backend.generations.running == 0
+    # and the next request about that image encodes it and answers
+    _text, _ = await chat(vision.url, chat_body(IMAGES[2]))
+    assert projector.encodes == encodes + 1
+
+
+async def test_refusals(
+    vision: RunningServer, vision_backend: LlamaBackend, llama_server: RunningServer
+) -> None:
+    bad = await post(vision.url, "/v1/chat/completions", chat_body(b"not an image at all"))
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["code"] == "invalid_image"
+    # the image-token budget (--max-image-tokens)
+    settings = vision_backend.llama_model.settings
+    settings.max_image_tokens = IMAGE_TOKENS - 1
+    try:
+        over = await post(vision.url, "/v1/chat/completions", chat_body(IMAGES[0]))
+    finally:
+        settings.max_image_tokens = 4096
+    assert over.status_code == 400, over.text
+    assert over.json()["error"]["code"] == "too_many_image_tokens"
+    assert "--max-image-tokens" in over.json()["error"]["message"]
+    # a model without a projector
+    refused = await post(llama_server.url, "/v1/chat/completions", chat_body(IMAGES[0]))
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "images_not_supported"
+    assert "--mmproj" in error["message"]
+    # the other streams are undisturbed: the vision model still answers
+    await chat(vision.url, chat_body(IMAGES[1]))
