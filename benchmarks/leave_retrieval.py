@@ -1,4 +1,5 @@
-"""A client that leaves mid-rerank or mid-infill: how soon the server's CPU is idle.
+"""A client that leaves mid-rerank, mid-infill or mid-image-encode: how soon the server's
+CPU is idle.
 
 Each case: the server as a process (2 threads), one request on a raw socket, closed
 once the server has spent ``--busy`` seconds of CPU on it (the work is running, not
@@ -12,12 +13,13 @@ run-queue wait for 100 ms: ``benchmarks/harness/proc.py``). Cases:
 - ``infill``: ``/infill`` with a long prefix (~3,000 tokens of code) on the default
   model with FIM tokens named (``tests/_models.py``), trioserve and llama-server.
 
-    python benchmarks/leave_retrieval.py --reps 5 [--json out.json]
+    python benchmarks/leave_retrieval.py --reps 5 [--case "image encode"] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import socket
 import statistics
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness.proc import cpu_seconds, wait_cpu_idle
 from benchmarks.harness.servers import LLAMA_SERVER, TRIOSERVE, Server, command, free_port
 from tests._models import fim_model, tiny_reranker
+from tests._vision_model import heavy_gemma3_projector, png_bytes
 from trioserve import default_model_path
 
 DOCUMENT = "The river runs past the old market and under the stone bridge, towards the sea"
@@ -46,6 +49,24 @@ def post(port: int, path: str, body: dict[str, Any]) -> socket.socket:
         + data
     )
     return sock
+
+
+def image_chat(rep: int) -> dict[str, Any]:
+    """A chat about a new image each time (a colour of its own: nothing cached)."""
+    image = base64.b64encode(png_bytes(64, 64, (rep * 37 % 256, 90, 200 - rep))).decode()
+    return {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in the picture?"},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+                ],
+            }
+        ],
+        "max_tokens": 32,
+        "temperature": 0,
+    }
 
 
 def leave_once(server: Server, path: str, body: dict[str, Any], busy: float) -> dict[str, Any]:
@@ -74,6 +95,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--busy", type=float, default=0.15, help="CPU seconds spent before the client leaves")
     p.add_argument("--json", type=Path)
+    p.add_argument("--case", action="append", default=[], help="run only these cases (repeatable)")
     args = p.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="bench-leave-retrieval-"))
     documents = [f"{DOCUMENT} ({i})." for i in range(1000)]
@@ -108,15 +130,31 @@ def main() -> None:
             )
             for name in (TRIOSERVE, LLAMA_SERVER)
         ),
+        *(
+            (
+                "image encode",
+                name,
+                default_model_path(progress=False),
+                ["--mmproj", str(heavy_gemma3_projector())]
+                + (["--no-jinja", "--chat-template", "gemma"] if name == LLAMA_SERVER else []),
+                "/v1/chat/completions",
+                {},
+            )
+            for name in (TRIOSERVE, LLAMA_SERVER)
+        ),
     ]
     results: list[dict[str, Any]] = []
     for case, name, model, extra, path, body in cases:
+        if args.case and case not in args.case:
+            continue
         port = free_port()
         argv = command(name, model, port, threads=2, ctx_size=4096, extra=extra)
         server = Server(name, argv, port, logs, logs / f"{case.replace(' ', '-')}-{name}.log")
         try:
             server.wait_ready(timeout=180)
-            samples = [leave_once(server, path, body, args.busy) for _ in range(args.reps)]
+            samples = [
+                leave_once(server, path, body or image_chat(rep), args.busy) for rep in range(args.reps)
+            ]
         finally:
             server.proc.terminate()
             server.proc.wait(timeout=30)

@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 import trio
 
+from .._core._errors import unwrap_group
 from .._core._exceptions import InvalidRequestError
 from .._core._media import RemoteImage
 
@@ -243,9 +244,10 @@ async def resolve_images(
     if len(remote) == 1:
         await get(*remote[0])
     elif remote:
-        async with trio.open_nursery() as nursery:
-            for index, image in remote:
-                nursery.start_soon(get, index, image)
+        with unwrap_group():  # (the first refusal, as itself)
+            async with trio.open_nursery() as nursery:
+                for index, image in remote:
+                    nursery.start_soon(get, index, image)
     return tuple(out)
 
 

@@ -6,14 +6,17 @@ host it redirects to is checked."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 from functools import partial
+from pathlib import Path
 
 import pytest
 import trio
 
 from trioserve._core._exceptions import InvalidRequestError
-from trioserve._http._fetch import FetchPolicy, address_rule, fetch, parse_allow
+from trioserve._core._media import RemoteImage
+from trioserve._http._fetch import FetchPolicy, address_rule, fetch, parse_allow, read_local, resolve_images
 
 IMAGE = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
 
@@ -28,10 +31,9 @@ class Host:
         self.slow = trio.Event()  # /slow was asked for
 
     async def handle(self, stream: trio.SocketStream) -> None:
-        try:
+        # (the client may hang up mid-answer: what a capped fetch does on purpose)
+        with contextlib.suppress(trio.BrokenResourceError):
             await self.answer(stream)
-        except trio.BrokenResourceError:
-            pass  # the client hung up mid-answer: what a capped fetch does on purpose
 
     async def answer(self, stream: trio.SocketStream) -> None:
         data = b""
@@ -221,3 +223,47 @@ def test_the_address_rules() -> None:
     }
     for text, rule in cases.items():
         assert address_rule(ipaddress.ip_address(text)) == rule, text
+
+
+async def test_local_files_only_under_the_media_dir(tmp_path: Path) -> None:
+    root = tmp_path / "images"
+    root.mkdir()
+    (root / "cat.png").write_bytes(IMAGE)
+    (tmp_path / "secret.txt").write_bytes(b"not for clients")
+    (root / "link.png").symlink_to(tmp_path / "secret.txt")
+    allowed = FetchPolicy(root=root)
+    assert await read_local((root / "cat.png").as_uri(), allowed, param="p") == IMAGE
+    for url in (
+        (tmp_path / "secret.txt").as_uri(),  # outside the root
+        (root / ".." / "secret.txt").as_uri(),  # out by ".."
+        (root / "link.png").as_uri(),  # out by a symbolic link
+    ):
+        with pytest.raises(InvalidRequestError) as caught:
+            await read_local(url, allowed, param="p")
+        assert caught.value.code == "media_file_refused", url
+        assert "--media-dir" in caught.value.message
+    with pytest.raises(InvalidRequestError) as caught:  # no root: never
+        await read_local((root / "cat.png").as_uri(), FetchPolicy(), param="p")
+    assert caught.value.code == "media_file_refused"
+    with pytest.raises(InvalidRequestError) as caught:  # over the size cap
+        await read_local((root / "cat.png").as_uri(), FetchPolicy(root=root, max_bytes=10), param="p")
+    assert caught.value.code == "image_too_large"
+    with pytest.raises(InvalidRequestError) as caught:  # another host's file
+        await read_local("file://example.com/cat.png", allowed, param="p")
+    assert caught.value.code == "invalid_image_url"
+
+
+async def test_resolving_a_requests_images_keeps_their_order(host: Host, tmp_path: Path) -> None:
+    (tmp_path / "a.png").write_bytes(b"local image")
+    images = (
+        b"inline",
+        RemoteImage(f"http://127.0.0.1:{host.port}/img", "messages[0].content[1]"),
+        RemoteImage((tmp_path / "a.png").as_uri(), "messages[0].content[2]"),
+    )
+    resolved = await resolve_images(images, policy(host, root=tmp_path))
+    assert resolved == (b"inline", IMAGE, b"local image")
+    # one refusal ends them all, naming its own part
+    bad = (*images, RemoteImage(f"http://127.0.0.1:{host.port}/to-private", "messages[1].content[0]"))
+    with pytest.raises(InvalidRequestError) as caught:
+        await resolve_images(bad, policy(host, root=tmp_path))
+    assert caught.value.param == "messages[1].content[0]"
