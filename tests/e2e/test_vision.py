@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import threading
+from functools import partial
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,10 @@ import trio
 from benchmarks.harness.servers import LLAMA_SERVER, Server, free_port
 from trioserve import HTTPSettings, LlamaBackend, LlamaSettings, default_model_path
 
+from trioserve._http._fetch import FetchPolicy, parse_allow
+
 from .._helpers import RawStream, RunningServer, llama_server_command, start_server, wait_for
+from .._image_host import Host
 from .._vision_model import IMAGE_TOKENS, png_bytes, tiny_gemma3_projector
 
 pytestmark = pytest.mark.model
@@ -299,6 +303,44 @@ async def test_a_client_that_leaves_during_an_image_encode_stops_it(
     # and the next request about that image encodes it and answers
     _text, _ = await chat(vision.url, chat_body(IMAGES[2]))
     assert projector.encodes == encodes + 1
+
+
+@pytest.fixture
+async def image_host(nursery: trio.Nursery) -> Host:
+    host = Host()
+    listeners = await nursery.start(partial(trio.serve_tcp, host.handle, 0, host="127.0.0.1"))
+    host.port = listeners[0].socket.getsockname()[1]
+    return host
+
+
+async def test_an_image_url_is_fetched_and_a_client_that_leaves_cancels_the_fetch(
+    vision_backend: LlamaBackend, image_host: Host, nursery: trio.Nursery, vision: RunningServer
+) -> None:
+    """With --media-fetch (the local host trusted by name, as an operator's internal
+    image server would be): a fetched image answers as the same image sent inline; a
+    client that leaves while the image host is silent closes the fetch's connection."""
+    image_host.files["/photo.png"] = IMAGES[1]
+    media = FetchPolicy(enabled=True, trust=parse_allow([f"127.0.0.1:{image_host.port}"]))
+    fetching = await start_server(nursery, vision_backend, http=HTTPSettings(media=media))
+    body = chat_body(IMAGES[1])
+    inline, _ = await chat(fetching.url, body)
+    url = f"http://127.0.0.1:{image_host.port}/photo.png"
+    body["messages"][0]["content"][1]["image_url"]["url"] = url
+    fetched, _ = await chat(fetching.url, body)
+    assert fetched == inline
+    # the default server does not fetch: a 400 that says how
+    off = await post(vision.url, "/v1/chat/completions", body)
+    assert off.status_code == 400, off.text
+    assert off.json()["error"]["code"] == "media_fetch_disabled"
+    # a client that leaves during a slow fetch
+    body["messages"][0]["content"][1]["image_url"]["url"] = f"http://127.0.0.1:{image_host.port}/slow"
+    client = await RawStream.post(fetching.url, "/v1/chat/completions", body)
+    with trio.fail_after(30):
+        await image_host.slow.wait()
+    await client.aclose()
+    with trio.fail_after(5):
+        await image_host.closed.wait()
+    await fetching.wait_idle()
 
 
 async def test_refusals(
