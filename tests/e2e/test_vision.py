@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import base64
 import threading
-from functools import partial
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ import trio
 
 from benchmarks.harness.servers import LLAMA_SERVER, Server, free_port
 from trioserve import HTTPSettings, LlamaBackend, LlamaSettings, default_model_path
-
 from trioserve._http._fetch import FetchPolicy, parse_allow
 
 from .._helpers import RawStream, RunningServer, llama_server_command, start_server, wait_for
