@@ -211,7 +211,22 @@ def test_tool_choice(choice: dict[str, Any], mode: str, tool_choice: str) -> Non
         ({"tools": [{"name": "a"}]}, "tools[0].input_schema"),
         ({"tool_choice": {"type": "tool", "name": "x"}}, "tool_choice"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}],
+                    }
+                ]
+            },
+            "messages[0].content[0].source.type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            "messages[0].content[0].source",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "text"}}]}]},
             "messages[0].content[0]",
         ),
         (
@@ -420,6 +435,18 @@ def test_responses_input_items_become_a_chat() -> None:
         ({"top_logprobs": 3}, "top_logprobs"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].image_url",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]},
+            "input[0].content[0].file_id",
+        ),
+        (
+            {"input": [{"role": "assistant", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0]",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]},
             "input[0].content[0]",
         ),
     ],

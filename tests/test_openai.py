@@ -95,7 +95,16 @@ def test_bad_completion_requests_name_the_problem(body: bytes, param: str | None
         (b'{"messages": [{"role": "wizard", "content": "x"}]}', "Invalid enum value 'wizard'"),
         (
             b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
-            "'image_url' are not supported",
+            "needs an image_url object with a url",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}',
+            "'input_audio' are not supported",
+        ),
+        (
+            b'{"messages": [{"role": "system", "content": '
+            b'[{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+            "images go in user messages",
         ),
         (b'{"messages": "hello"}', "Expected `array`, got `str`"),
     ],

@@ -143,13 +143,28 @@ BAD_INPUTS: list[tuple[str, str, str, dict[str, Any], int, str | None, str]] = [
         "at least one user message",
     ),
     (
-        "image content part",
+        "image content part without its image_url",
         "POST",
         CHAT,
         {"json": {"messages": [user([{"type": "image_url"}])]}},
         400,
         None,
-        "'image_url' are not supported",
+        "needs an image_url object with a url",
+    ),
+    (
+        "an image for a model without a projector",
+        "POST",
+        CHAT,
+        {
+            "json": {
+                "messages": [
+                    user([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])
+                ]
+            }
+        },
+        400,
+        "images_not_supported",
+        "--mmproj",
     ),
     (
         "unknown model",

@@ -240,6 +240,8 @@ def a_messages(api: Api) -> None:
     error = api.error(messages=[user(), assistant("Hello ")])
     assert "trailing whitespace" in error["message"]
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    assert "does not take images" in api.error(messages=[user([image])])["message"]  # (no --mmproj)
+    image = {"type": "image", "source": {"type": "file", "file_id": "file_1"}}
     assert "messages[0].content[0]" in api.error(messages=[user([image])])["message"]
     assert "messages" in api.error(messages=[])["message"]
     assert "messages" in api.error(messages=OMIT)["message"]
@@ -665,7 +667,9 @@ def r_input(api: Api) -> None:
     assert error["param"] == "input[0].type"
     assert api.error(input=[{"type": "message", "content": MESSAGE}])["param"] == "input[0].role"
     image = {"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}
-    assert api.error(input=[image])["param"] == "input[0].content[0]"
+    assert api.error(input=[image])["code"] == "images_not_supported"  # (a model without --mmproj)
+    image = {"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}
+    assert api.error(input=[image])["param"] == "input[0].content[0].file_id"
     assert api.error(input=[])["param"] == "input"
     assert api.error(input="")["param"] == "input"
     assert api.error(input=OMIT)["param"] == "input"  # required

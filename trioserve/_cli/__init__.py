@@ -132,6 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_messages=args.max_messages,
                 max_content_parts=args.max_content_parts,
                 max_batch_choices=args.max_batch_choices,
+                max_images=args.max_images,
+                max_image_bytes=args.max_image_bytes,
             ),
         ),
     )

@@ -366,6 +366,7 @@ _REQUEST_LIMITS = (
     ("--max-messages", "messages (or Responses input items) per request"),
     ("--max-content-parts", "content parts (blocks) of all of a request's messages"),
     ("--max-batch-choices", "/v1/completions: prompts x n per request"),
+    ("--max-images", "images per request (docs/vision.md)"),
 )
 
 

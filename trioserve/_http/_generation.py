@@ -470,9 +470,10 @@ class GenerationHandler:
         request.advance(Phase.QUEUED)
         # a server at capacity refuses before tokenizing or compiling a constraint
         engine.admission.check()
-        if any(g.images for g in generations):
+        if any(g.images for g in generations) and engine.backend.info.vision:
             # image URLs fetched, local files read: inside the request's scope (a client
-            # that leaves cancels them), before the prompt is laid out (docs/vision.md)
+            # that leaves cancels them), before the prompt is laid out (docs/vision.md);
+            # never for a model that cannot see them (its prepare refuses them)
             generations = [await self._with_images(g) for g in generations]
         try:
             prompts = [

@@ -428,7 +428,7 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 large, generation_for, conversation, state.chat_format(engine)
             )
             assert isinstance(generation.prompt, str)
-            if generation.images:
+            if generation.images and engine.backend.info.vision:
                 # images count as the tokens they take (docs/vision.md): laid out as for
                 # generation, their URLs fetched under the same rules
                 images = await resolve_images(generation.images, state.settings.media)

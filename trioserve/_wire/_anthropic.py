@@ -22,6 +22,7 @@ from ._codec import decode as _decode
 from ._constraints import json_schema_constraint
 from ._conversation import Conversation, fold_system_messages
 from ._limits import RequestLimits
+from ._media import MediaCollector, join_parts
 from ._messages import CallFunction, ChatMessage, MessageToolCall, flatten_text
 from ._openai import (
     DEFAULT_LIMITS,
@@ -43,6 +44,16 @@ __all__ = [
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 
 
+class ImageSource(msgspec.Struct, kw_only=True):
+    """An ``image`` block's ``source``: ``base64`` (``media_type``, ``data``) or ``url``."""
+
+    type: str
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+    file_id: str | None = None
+
+
 class Block(msgspec.Struct, kw_only=True):
     """One content block (``text``, ``tool_use``, ``tool_result``, ``thinking``, …):
     every type's fields, so that a type trioserve cannot read is refused by name."""
@@ -57,6 +68,8 @@ class Block(msgspec.Struct, kw_only=True):
     tool_use_id: str | None = None
     content: str | list[Block] | None = None
     is_error: bool | None = None
+    # image
+    source: ImageSource | None = None
     # accepted everywhere: the prompt cache is automatic
     cache_control: Any = None
     citations: Any = None
@@ -177,7 +190,8 @@ _REFUSED: tuple[Refusal, ...] = (
 def _text_of(blocks: str | list[Block] | None, where: str) -> str:
     def refuse(i: int, type_: str) -> InvalidRequestError:
         return InvalidRequestError(
-            f"{where}[{i}] is a {type_!r} block; this model reads text only", param=f"{where}[{i}]"
+            f"{where}[{i}] is a {type_!r} block; only text is read here (images go in user messages)",
+            param=f"{where}[{i}]",
         )
 
     return flatten_text(blocks, text_types=("text",), joiner="\n", refuse=refuse)
@@ -191,7 +205,25 @@ def _system_text(system: str | list[Block] | None, keep_billing_header: bool) ->
     return _text_of(system, "system")
 
 
-def _chat_messages(messages: Sequence[Message]) -> list[ChatMessage]:
+def _image(block: Block, where: str, media: MediaCollector) -> str:
+    """An ``image`` block: its marker (the image read into ``media``)."""
+    source = block.source
+    if source is None:
+        raise InvalidRequestError(f"{where} (image) needs a source", param=f"{where}.source")
+    if source.type == "base64":
+        if not source.data:
+            raise InvalidRequestError(f"{where} (image) needs source.data", param=f"{where}.source.data")
+        return media.add_base64(source.data, source.media_type, param=f"{where}.source")
+    if source.type == "url":
+        return media.add(source.url or "", param=f"{where}.source.url")
+    raise InvalidRequestError(
+        f"{where} is an image with a {source.type!r} source; this server reads base64 and url sources "
+        "(it keeps no files)",
+        param=f"{where}.source.type",
+    )
+
+
+def _chat_messages(messages: Sequence[Message], media: MediaCollector) -> list[ChatMessage]:
     out: list[ChatMessage] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}].content"
@@ -207,7 +239,7 @@ def _chat_messages(messages: Sequence[Message]) -> list[ChatMessage]:
             for j, block in enumerate(content):
                 if block.type == "tool_result":
                     if texts:
-                        out.append(ChatMessage(role="user", content="\n".join(texts)))
+                        out.append(ChatMessage(role="user", content=join_parts(texts, "\n")))
                         texts = []
                     if not block.tool_use_id:
                         raise InvalidRequestError(
@@ -223,14 +255,16 @@ def _chat_messages(messages: Sequence[Message]) -> list[ChatMessage]:
                     )
                 elif block.type == "text" and block.text is not None:
                     texts.append(block.text)
+                elif block.type == "image":
+                    texts.append(_image(block, f"{where}[{j}]", media))
                 else:
                     raise InvalidRequestError(
-                        f"{where}[{j}] is a {block.type!r} block; a user message holds text and "
-                        "tool_result blocks here (this model reads text only)",
+                        f"{where}[{j}] is a {block.type!r} block; a user message holds text, image and "
+                        "tool_result blocks here",
                         param=f"{where}[{j}]",
                     )
             if texts:
-                out.append(ChatMessage(role="user", content="\n".join(texts)))
+                out.append(ChatMessage(role="user", content=join_parts(texts, "\n")))
             continue
         texts, calls = [], []
         for j, block in enumerate(content):
@@ -388,13 +422,20 @@ def _constraint(request: _MessagesFields, limits: RequestLimits) -> Constraint |
 
 
 def messages_conversation(
-    request: _MessagesFields, *, keep_billing_header: bool = False, limits: RequestLimits = DEFAULT_LIMITS
+    request: _MessagesFields,
+    *,
+    keep_billing_header: bool = False,
+    limits: RequestLimits = DEFAULT_LIMITS,
+    media: MediaCollector | None = None,
 ) -> Conversation:
-    """The conversation a Messages (or count_tokens) request asks for, within ``limits``."""
+    """The conversation a Messages (or count_tokens) request asks for, within ``limits``;
+    its images read into ``media`` (a collector of its own when none is given)."""
+    if media is None:
+        media = MediaCollector(limits)
     full = request if isinstance(request, MessagesRequest) else None
     _check_common(request, full.max_tokens if full else None)
     _check_sizes(request, limits)
-    messages = _chat_messages(request.messages)
+    messages = _chat_messages(request.messages, media)
     system = _system_text(request.system, keep_billing_header)
     if system:
         messages.insert(0, ChatMessage(role="system", content=system))
@@ -454,6 +495,7 @@ def messages_conversation(
         thinking_budget=request.thinking.budget_tokens
         if request.thinking is not None and request.thinking.type == "enabled"
         else None,
+        images=media.images,
     )
 
 

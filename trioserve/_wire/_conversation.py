@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._core._exceptions import InvalidRequestError
+from .._core._media import RemoteImage
 from .._core._types import Constraint, GenerationRequest, SamplingParams
 from ._chat import ChatFormat, ChatPrompt
 from ._choices import ToolMode
@@ -112,6 +113,8 @@ class Conversation:
     thinking_budget: int | None = None
     #: Anthropic's ``thinking.display: omitted``: thinking blocks without their text
     omit_thinking: bool = False
+    #: the images its messages' markers name (docs/vision.md)
+    images: tuple[bytes | RemoteImage, ...] = ()
 
     @property
     def tool_mode(self) -> ToolMode:
@@ -164,5 +167,6 @@ def generation_for(
         add_bos=not rendered.has_bos,
         constraint=constraint,
         clamp_max_tokens=conversation.clamp_max_tokens,
+        images=conversation.images,
     )
     return generation, rendered

@@ -16,6 +16,7 @@ from ._choices import ToolMode
 from ._conversation import Conversation, generation_for
 from ._dialect import OpenAIDialect
 from ._infill import InfillDialect, decode_infill_request
+from ._media import MediaCollector
 from ._openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,18 +59,25 @@ def _read_openai(kind: str, body: bytes, chat_format: ChatFormat, options: ReadO
     if kind == "text":
         request, generations = decode_completion_prompts(body, limits)
     else:
-        chat = decode_chat_request(body, limits)
+        media = MediaCollector(limits)
+        chat = decode_chat_request(body, limits, media)
         mode = chat.tool_mode()
         tools = chat.tools if mode != "none" else None
         rendered = chat_format.render(chat.messages, tools=tools)
+        images = media.images
         generation = chat_generation(
-            chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos, limits=limits
+            chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos, limits=limits, images=images
         )
         if generation.constraint is not None and rendered.reasoning is not None:
             # the constraint holds from the first token: the answer is never reasoning
             rendered = chat_format.render(chat.messages, tools=tools, thinking=False)
             generation = chat_generation(
-                chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos, limits=limits
+                chat,
+                rendered.text,
+                rendered.stops,
+                add_bos=not rendered.has_bos,
+                limits=limits,
+                images=images,
             )
         else:
             reasoning, inside = rendered.reasoning, rendered.opens_reasoning

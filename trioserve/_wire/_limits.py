@@ -45,6 +45,8 @@ class RequestLimits:
         max_messages: messages (or Responses ``input`` items) per request.
         max_content_parts: content parts (blocks) of all messages together.
         max_batch_choices: on ``/v1/completions``, prompts × ``n``.
+        max_images: images per request (docs/vision.md).
+        max_image_bytes: the bytes of one image (a data URL's, decoded).
     """
 
     max_stop_sequences: int = 16
@@ -55,6 +57,8 @@ class RequestLimits:
     max_messages: int = 4096
     max_content_parts: int = 16384
     max_batch_choices: int = 64
+    max_images: int = 16
+    max_image_bytes: int = 20 * 1024 * 1024
 
     def check_stops(self, stops: Sequence[str], param: str, *, openai: bool = False) -> None:
         """Refuse too many stop sequences, or too many bytes of them (``openai``: OpenAI's

@@ -9,8 +9,18 @@ from typing import Literal, Protocol
 import msgspec
 
 from .._core._exceptions import InvalidRequestError
+from ._media import MediaCollector
 
-__all__ = ["CallFunction", "ChatMessage", "ContentPart", "MessageToolCall", "TextLike", "flatten_text"]
+__all__ = [
+    "CallFunction",
+    "ChatMessage",
+    "ContentPart",
+    "ImageUrl",
+    "MessageToolCall",
+    "TextLike",
+    "flatten_text",
+    "take_images",
+]
 
 
 class TextLike(Protocol):
@@ -44,13 +54,53 @@ def flatten_text[P: TextLike](
 
 def _refuse_part(index: int, type_: str) -> InvalidRequestError:
     return InvalidRequestError(
-        f"content parts of type {type_!r} are not supported; send text", param="messages"
+        f"content parts of type {type_!r} are not supported; send text (and images as image_url)",
+        param="messages",
     )
+
+
+class ImageUrl(msgspec.Struct, kw_only=True):
+    """OpenAI's ``image_url`` object: a data URL or an http(s) URL, and ``detail``."""
+
+    url: str | None = None
+    detail: str | None = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
+    #: an ``image_url`` part's image (docs/vision.md: replaced by a text part holding its
+    #: marker once the request's images are collected: :func:`take_images`)
+    image_url: ImageUrl | None = None
+
+
+def take_images(messages: Sequence[ChatMessage], media: MediaCollector, param: str = "messages") -> None:
+    """Each ``image_url`` part of ``messages`` read into ``media`` and replaced, in
+    place, by a text part holding its marker (images go in user messages only)."""
+    for i, message in enumerate(messages):
+        content = message.content
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if part.type != "image_url":
+                continue
+            where = f"{param}[{i}].content[{j}]"
+            if message.role != "user":
+                raise InvalidRequestError(
+                    f"{where} is an image in a {message.role} message; images go in user messages",
+                    param=where,
+                )
+            if part.image_url is None:
+                raise InvalidRequestError(
+                    f"{where} (image_url) needs an image_url object with a url", param=f"{where}.image_url"
+                )
+            marker = media.add(
+                part.image_url.url or "",
+                param=f"{where}.image_url.url",
+                detail=part.image_url.detail,
+                detail_param=f"{where}.image_url.detail",
+            )
+            content[j] = ContentPart(type="text", text=marker)
 
 
 class CallFunction(msgspec.Struct, kw_only=True):

@@ -14,12 +14,14 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from .._core._exceptions import InvalidRequestError
+from .._core._media import RemoteImage
 from .._core._types import Constraint, GenerationRequest, Infill, SamplingParams
 from ._codec import decode as _decode
 from ._codec import encode_json
 from ._constraints import ANY_OBJECT, json_schema_constraint
 from ._limits import RequestLimits, top_level_entries
-from ._messages import CallFunction, ChatMessage, ContentPart, MessageToolCall
+from ._media import MediaCollector
+from ._messages import CallFunction, ChatMessage, ContentPart, MessageToolCall, take_images
 from ._openai_writer import (
     ChoiceResult,
     ChunkEncoder,
@@ -434,14 +436,18 @@ def check_messages(messages: Sequence[ChatMessage], limits: RequestLimits, param
         )
 
 
-def decode_chat_request(body: bytes, limits: RequestLimits = DEFAULT_LIMITS) -> ChatCompletionRequest:
+def decode_chat_request(
+    body: bytes, limits: RequestLimits = DEFAULT_LIMITS, media: MediaCollector | None = None
+) -> ChatCompletionRequest:
     """Parse and validate a ``/v1/chat/completions`` body (the prompt is rendered later,
-    by the model's chat template) within ``limits``."""
+    by the model's chat template) within ``limits``. Its images go to ``media`` (each
+    image part becomes a text part holding its marker: docs/vision.md)."""
     request = _decode(_chat_decoder, body)
     _check_common(request)
     if not request.messages:
         raise InvalidRequestError("messages must hold at least one message", param="messages")
     check_messages(request.messages, limits)
+    take_images(request.messages, media if media is not None else MediaCollector(limits))
     for message in request.messages:
         message.text()  # rejects unsupported content parts early
     if request.top_logprobs is not None and not request.logprobs:
@@ -481,9 +487,11 @@ def chat_generation(
     *,
     add_bos: bool = True,
     limits: RequestLimits = DEFAULT_LIMITS,
+    images: tuple[bytes | RemoteImage, ...] = (),
 ) -> GenerationRequest:
     """The generation for a chat request whose messages were rendered to ``prompt``
-    (``add_bos=False`` when the template already wrote the BOS token)."""
+    (``add_bos=False`` when the template already wrote the BOS token); ``images``: the
+    ones its markers name."""
     max_tokens = request.max_completion_tokens or request.max_tokens
     mode = request.tool_mode()
     constraint = _constraint(request, limits)
@@ -502,4 +510,5 @@ def chat_generation(
         speculate=request.speculate,
         constraint=constraint,
         logprobs=logprobs,
+        images=images,
     )

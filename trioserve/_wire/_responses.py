@@ -25,6 +25,7 @@ from ._codec import decode as _decode
 from ._constraints import ANY_OBJECT, json_schema_constraint
 from ._conversation import Conversation, fold_system_messages, new_id
 from ._limits import RequestLimits
+from ._media import MediaCollector, join_parts
 from ._messages import CallFunction, ChatMessage, MessageToolCall, flatten_text
 from ._openai import (
     DEFAULT_LIMITS,
@@ -74,6 +75,10 @@ class StoredAsk:
 class InputContent(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
+    # input_image (docs/vision.md)
+    image_url: str | None = None
+    detail: str | None = None
+    file_id: str | None = None
 
 
 class InputItem(msgspec.Struct, kw_only=True):
@@ -186,17 +191,45 @@ _MAX_METADATA = 16
 _TEXT_TYPES = ("input_text", "output_text", "text")
 
 
-def _content_text(content: str | list[InputContent] | None, where: str) -> str:
+def _content_text(
+    content: str | list[InputContent] | None, where: str, media: MediaCollector | None = None
+) -> str:
+    """A content's text; with ``media`` (a user message's), its ``input_image`` parts as
+    their markers, in place."""
+
     def refuse(i: int, type_: str) -> InvalidRequestError:
         return InvalidRequestError(
-            f"{where}[{i}] is of type {type_!r}; this model reads text only (input_text)",
+            f"{where}[{i}] is of type {type_!r}; only text is read here (input_text; images go in user "
+            "messages as input_image)",
             param=f"{where}[{i}]",
         )
 
+    if media is not None and isinstance(content, list) and any(c.type == "input_image" for c in content):
+        parts: list[str] = []
+        for i, part in enumerate(content):
+            if part.type == "input_image":
+                parts.append(_image(part, f"{where}[{i}]", media))
+            elif part.type in _TEXT_TYPES and part.text is not None:
+                parts.append(part.text)
+            else:
+                raise refuse(i, part.type)
+        return join_parts(parts, "")
     return flatten_text(content, text_types=_TEXT_TYPES, joiner="", refuse=refuse)
 
 
-def _chat_messages(items: str | list[InputItem], first: int = 0) -> list[ChatMessage]:
+def _image(part: InputContent, where: str, media: MediaCollector) -> str:
+    if part.file_id is not None:
+        raise InvalidRequestError(
+            f"{where} names a file_id; this server keeps no files: send image_url (a data URL or an "
+            "http(s) URL)",
+            param=f"{where}.file_id",
+        )
+    return media.add(
+        part.image_url or "", param=f"{where}.image_url", detail=part.detail, detail_param=f"{where}.detail"
+    )
+
+
+def _chat_messages(items: str | list[InputItem], media: MediaCollector, first: int = 0) -> list[ChatMessage]:
     """The chat of ``items``; ``first``: how many earlier (stored) items came before
     them, so that an error names the request's own ``input[i]``."""
     if isinstance(items, str):
@@ -208,7 +241,10 @@ def _chat_messages(items: str | list[InputItem], first: int = 0) -> list[ChatMes
         if kind == "message":
             if item.role is None:
                 raise InvalidRequestError(f"{where} (a message) needs a role", param=f"{where}.role")
-            out.append(ChatMessage(role=item.role, content=_content_text(item.content, f"{where}.content")))
+            images = media if item.role == "user" else None
+            out.append(
+                ChatMessage(role=item.role, content=_content_text(item.content, f"{where}.content", images))
+            )
         elif kind == "function_call":
             if not item.call_id or not item.name:
                 raise InvalidRequestError(f"{where} (function_call) needs call_id and name", param=where)
@@ -409,11 +445,17 @@ def _check_sizes(request: _ResponsesFields, limits: RequestLimits) -> None:
 
 
 def responses_conversation(
-    request: _ResponsesFields, *, limits: RequestLimits = DEFAULT_LIMITS, stored: StoredContext | None = None
+    request: _ResponsesFields,
+    *,
+    limits: RequestLimits = DEFAULT_LIMITS,
+    stored: StoredContext | None = None,
+    media: MediaCollector | None = None,
 ) -> Conversation:
     """The conversation a Responses (or input_tokens) request asks for, within
     ``limits``: the stored conversation it continues (``stored.history``), then its
-    own ``input``."""
+    own ``input``; its images (the stored ones too) read into ``media``."""
+    if media is None:
+        media = MediaCollector(limits)
     _check(request, stored)
     if stored is not None and request.previous_response_id != stored.previous_id:
         # (the store was read for another id than the body names: never run without it)
@@ -429,9 +471,9 @@ def responses_conversation(
         earlier = msgspec.convert(list(history), list[InputItem])
         given = request.input
         own = [InputItem(role="user", content=given)] if isinstance(given, str) else given
-        messages = _chat_messages([*earlier, *own], first=len(earlier))
+        messages = _chat_messages([*earlier, *own], media, first=len(earlier))
     else:
-        messages = _chat_messages(request.input)
+        messages = _chat_messages(request.input, media)
     if request.instructions:
         messages.insert(0, ChatMessage(role="system", content=request.instructions))
     if not any(m.role != "system" and m.role != "developer" for m in messages):
@@ -462,6 +504,7 @@ def responses_conversation(
         stops=(),
         constraint=constraint,
         thinking=False if request.reasoning == {"effort": "none"} else None,
+        images=media.images,
     )
 
 
