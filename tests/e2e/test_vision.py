@@ -77,17 +77,31 @@ def vision_backend(projector: Path) -> Iterator[LlamaBackend]:
     backend.close()
 
 
+#: Gemma's turn format as a Jinja template, the layout trioserve's Gemma format renders
+#: (this base model has no template of its own): llama-server with ``--jinja`` joins a
+#: message's parts as trioserve does — text parts with a newline, nothing around an
+#: image's marker; its ``--no-jinja`` path puts a newline between every two parts
+GEMMA_TEMPLATE = (
+    "{%- for message in messages -%}{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' "
+    "else message['role']) + '\\n' + message['content'] + '<end_of_turn>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+
+
 @pytest.fixture(scope="module")
 def peer(projector: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """llama-server ``--mmproj`` on the same files, with the same built-in Gemma format
-    (with Jinja it would read the name as template text), one slot."""
+    """llama-server ``--mmproj`` on the same files, with the same Gemma turn format, one
+    slot."""
+    folder = tmp_path_factory.mktemp("llama-server-vision")
+    template = folder / "gemma.jinja"
+    template.write_text(GEMMA_TEMPLATE)
     port = free_port()
     argv = llama_server_command(
         default_model_path(),
         port,
-        ["--mmproj", str(projector), "--no-jinja", "--chat-template", "gemma", "--parallel", "1"],
+        ["--mmproj", str(projector), "--jinja", "--chat-template-file", str(template), "--parallel", "1"],
     )
-    server = Server(LLAMA_SERVER, argv, port, tmp_path_factory.mktemp("llama-server-vision"))
+    server = Server(LLAMA_SERVER, argv, port, folder)
     try:
         server.wait_ready(timeout=120)
         yield server.url
@@ -114,20 +128,42 @@ async def chat(url: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return answer["choices"][0]["message"]["content"], answer["usage"]
 
 
-async def test_an_image_chat_equals_llama_servers(vision: RunningServer, peer: str) -> None:
-    projector = vision.engine.backend.llama_model.projector  # type: ignore[attr-defined]
-    assert projector is not None
-    for image in IMAGES:
-        ours, usage = await chat(vision.url, chat_body(image))
-        theirs, their_usage = await chat(peer, {**chat_body(image), "cache_prompt": False})
-        assert usage["prompt_tokens"] == their_usage["prompt_tokens"]
-        assert ours == theirs
+async def test_an_image_chat_equals_llama_servers(projector: Path, peer: str, vision: RunningServer) -> None:
+    """The same calls give the same bits: llama-server evaluates the text before an
+    image in one call, so trioserve runs here with the aligned cut of 512 (its pieces:
+    the text before the image, the image, the text after: llama-server's calls). With
+    the default text cut the text before the image is cut after its turn header, and a
+    greedy text may differ from llama-server's in a near tie (measured: one of these
+    three images) — it equals a fresh trioserve's, which the cache tests check."""
+    aligned = LlamaBackend.load(
+        LlamaSettings(
+            default_model_path(),
+            n_ctx=1024,
+            n_threads=2,
+            slots=1,
+            mmproj=projector,
+            piece_rule="aligned",
+            prefill_chunk=512,
+        )
+    )
+    try:
+        async with trio.open_nursery() as serving:
+            running = await start_server(serving, aligned, http=HTTPSettings())
+            for index, image in enumerate(IMAGES):
+                ours, usage = await chat(running.url, chat_body(image))
+                theirs, their_usage = await chat(peer, {**chat_body(image), "cache_prompt": False})
+                assert usage["prompt_tokens"] == their_usage["prompt_tokens"]
+                assert ours == theirs, (index, ours, theirs)
+            running.server.shutdown()
+    finally:
+        aligned.close()
     # each image counted: its 16 embeddings and the two tokens around them
-    text_only = await chat(
+    _, text_only = await chat(
         vision.url,
         {**chat_body(IMAGES[0]), "messages": [{"role": "user", "content": "What is in the picture?"}]},
     )
-    assert usage["prompt_tokens"] - text_only[1]["prompt_tokens"] == IMAGE_TOKENS + 2
+    _, with_image = await chat(vision.url, chat_body(IMAGES[0]))
+    assert with_image["prompt_tokens"] - text_only["prompt_tokens"] == IMAGE_TOKENS + 2
 
 
 async def test_the_anthropic_and_responses_shapes_give_the_chats_text(vision: RunningServer) -> None:
@@ -138,7 +174,6 @@ async def test_the_anthropic_and_responses_shapes_give_the_chats_text(vision: Ru
         vision.url,
         "/v1/messages",
         {
-            "model": "x",
             "max_tokens": 12,
             "temperature": 0,
             "messages": [
@@ -188,7 +223,6 @@ async def test_the_anthropic_and_responses_shapes_give_the_chats_text(vision: Ru
         vision.url,
         "/v1/messages/count_tokens",
         {
-            "model": "x",
             "messages": [
                 {
                     "role": "user",
@@ -251,22 +285,29 @@ async def test_a_second_turn_about_the_same_image_restores_its_cells(
             ],
         },
     )
-    assert other_usage["prompt_tokens_details"]["cached_tokens"] < image_end - IMAGE_TOKENS
+    assert (
+        other_usage["prompt_tokens_details"]["cached_tokens"] <= image_end - IMAGE_TOKENS
+    )  # (none of the image)
     assert projector.encodes == encodes + 2
 
 
 async def test_a_text_only_request_to_a_vision_model_caches_as_on_a_text_model(
-    vision: RunningServer,
+    vision: RunningServer, llama_server: RunningServer
 ) -> None:
-    body = {
-        "messages": [{"role": "user", "content": "Name three colours. " * 20}],
-        "max_tokens": 4,
-        "temperature": 0,
-    }
-    _, first = await chat(vision.url, body)
-    assert first["prompt_tokens_details"]["cached_tokens"] == 0
-    _, second = await chat(vision.url, body)
-    assert second["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] - 8
+    """llama-server with --mmproj reuses no prompt at all (llama.cpp #21133); here a
+    text-only request to the vision model reuses exactly what the text model reuses."""
+    lines = "\n".join(
+        f"Line {i}: the river runs past the old market and under the bridge." for i in range(12)
+    )
+    body = {"messages": [{"role": "user", "content": lines}], "max_tokens": 4, "temperature": 0}
+    cached = []
+    for url in (vision.url, llama_server.url):
+        _, first = await chat(url, body)
+        _, second = await chat(url, body)
+        assert first["prompt_tokens_details"]["cached_tokens"] == 0
+        cached.append(second["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == cached[1]
+    assert cached[0] > 100  # (the whole pieces of a ~170-token prompt)
 
 
 async def test_a_client_that_leaves_during_an_image_encode_stops_it(

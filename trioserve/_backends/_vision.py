@@ -115,11 +115,15 @@ class Projector:
         n_embd: int,
         n_threads: int,
         abort: threading.Event | None = None,
+        log_callback: Any = None,
     ) -> None:
         import llama_cpp
         from llama_cpp import mtmd_cpp
 
         self.mtmd = mtmd_cpp
+        if log_callback is not None:
+            mtmd_cpp.mtmd_log_set(log_callback, None)
+            mtmd_cpp.mtmd_helper_log_set(log_callback, None)
         self.path = path
         self.n_vocab = n_vocab
         self.n_embd = n_embd

@@ -30,7 +30,7 @@ from .._rerank import reranker_kind
 from .._side_work import run_side_work
 from .._vision import Projector, VisionPrompt
 from ._loading import load
-from ._native import LoadAborted
+from ._native import LoadAborted, LoadLog, make_log_callback
 from ._sampler import logit_bias, sampler_chain
 from ._settings import LlamaSettings
 
@@ -135,6 +135,8 @@ class LlamaModel:
         if path is None:
             return
         self.check_abort()
+        if LoadLog.callback is None:  # (libmtmd logs as llama.cpp does: to our logger)
+            LoadLog.callback = make_log_callback()
         self.projector = Projector(
             self.model,
             path,
@@ -142,6 +144,7 @@ class LlamaModel:
             n_embd=self.n_embd,
             n_threads=self.settings.n_threads,
             abort=self._load_abort,
+            log_callback=LoadLog.callback,
         )
         self._info = dataclasses.replace(self._info, vision=True)
         self.check_abort()
