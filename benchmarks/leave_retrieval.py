@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness.proc import cpu_seconds, wait_cpu_idle
 from benchmarks.harness.servers import LLAMA_SERVER, TRIOSERVE, Server, command, free_port
 from tests._models import fim_model, tiny_reranker
-from tests._vision_model import heavy_gemma3_projector, png_bytes
+from tests._vision_model import heavy_gemma3_projector, png_bytes, wide_gemma3_projector
 from trioserve import default_model_path
 
 DOCUMENT = "The river runs past the old market and under the stone bridge, towards the sea"
@@ -132,13 +132,17 @@ def main() -> None:
         ),
         *(
             (
-                "image encode",
+                case,
                 name,
                 default_model_path(progress=False),
-                ["--mmproj", str(heavy_gemma3_projector())]
+                ["--mmproj", str(projector())]
                 + (["--no-jinja", "--chat-template", "gemma"] if name == LLAMA_SERVER else []),
                 "/v1/chat/completions",
                 {},
+            )
+            for case, projector in (
+                ("image encode", heavy_gemma3_projector),
+                ("image encode (wide)", wide_gemma3_projector),
             )
             for name in (TRIOSERVE, LLAMA_SERVER)
         ),

@@ -35,6 +35,7 @@ __all__ = [
     "heavy_gemma3_projector",
     "png_bytes",
     "tiny_gemma3_projector",
+    "wide_gemma3_projector",
 ]
 
 #: what libmtmd resizes every image to (square), and the patch side in pixels
@@ -61,6 +62,15 @@ def heavy_gemma3_projector() -> Path:
     patches, so an encode takes long enough to leave in the middle of (its weights are
     random too): the benchmarks' and the encode-cancel test's."""
     return gemma3_projector(image_size=896, patch_size=14, merge=4, n_embd=128, n_ff=256, n_layer=4)
+
+
+def wide_gemma3_projector() -> Path:
+    """Two layers of the real Gemma 3 vision tower's width (SigLIP so400m: 1,152
+    dimensions, 4,304 feed-forward, 16 heads) over the real 4,096 patches: how long one
+    graph node of a real encode takes, which bounds how soon a cancel stops it."""
+    return gemma3_projector(
+        image_size=896, patch_size=14, merge=4, n_embd=1152, n_ff=4304, n_layer=2, n_head=16
+    )
 
 
 def gemma3_projector(
