@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from .._helpers import ServerProcess
+from .._vision_model import tiny_gemma3_projector
 
 pytestmark = pytest.mark.model
 
@@ -79,6 +80,18 @@ def test_json_logs_have_one_line_per_request_with_its_id() -> None:
     assert "request req-42 /v1/completions" in lines[0]
     assert "cause=length" in lines[0]
     assert "completion_tokens=3" in lines[0]
+
+
+def test_mmproj_flags_that_cannot_work_exit_2(
+    tmp_path: object, model_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trioserve._cli import main
+
+    assert main(["serve", "--port", "0", "--mmproj", f"{tmp_path}/none.gguf"]) == 2
+    assert "projector file not found" in capsys.readouterr().err
+    many = ["--model", f"a={model_path}", "--model", f"b={model_path}"]
+    assert main(["serve", "--port", "0", *many, "--mmproj", str(tiny_gemma3_projector())]) == 2
+    assert "--mmproj is for one model" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -149,6 +162,8 @@ def test_a_models_dir_with_a_preset_serves_each_model_with_its_settings(
     directory.mkdir()
     for name in ("alpha", "beta"):
         os.link(model_path, directory / f"{name}.gguf")
+    # a projector beside alpha, found by its name (docs/vision.md); never a model itself
+    os.link(tiny_gemma3_projector(), directory / "mmproj-alpha.gguf")
     preset = Path(str(tmp_path)) / "models.toml"
     preset.write_text(
         '[defaults]\nslots = 2\n\n[models.beta]\nctx_size = 512\naliases = ["b"]\npinned = true\n'
@@ -165,7 +180,9 @@ def test_a_models_dir_with_a_preset_serves_each_model_with_its_settings(
     )
     with ServerProcess(*args, "--ctx-size", "1024") as server:
         url = server.wait_ready()
-        listed = {m["id"]: m["status"]["state"] for m in httpx.get(url + "/v1/models").json()["data"]}
+        models = httpx.get(url + "/v1/models").json()["data"]
+        listed = {m["id"]: m["status"]["state"] for m in models}
+        modalities = {m["id"]: m["input_modalities"] for m in models}
         body = {"model": "b", "prompt": "Once upon a time", "max_tokens": 3, "logit_bias": {"1": -100}}
         answer = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
         beta = httpx.get(url + "/v1/models/beta").json()
@@ -173,6 +190,7 @@ def test_a_models_dir_with_a_preset_serves_each_model_with_its_settings(
         refused = httpx.post(url + "/v1/completions", json={**body, "model": "alpha"}, timeout=120)
         exit_code = server.stop(signal.SIGINT)
     assert listed == {"alpha": "unloaded", "beta": "unloaded", "b": "unloaded"}
+    assert modalities == {"alpha": ["text", "image"], "beta": ["text"], "b": ["text"]}
     assert answer["model"] == "beta"
     assert answer["usage"]["completion_tokens"] == 3
     assert beta["context_length"] == 512
@@ -198,6 +216,8 @@ def test_a_models_dir_with_a_preset_serves_each_model_with_its_settings(
         ("[defaults]\npath = 'a.gguf'\n", "[defaults] cannot have a path"),
         ("[models.x]\nrerank = 'maybe'\n", "rerank must be one of yes-no, off"),
         ("[models.x]\nrerank_template = 'no query here'\n", "must hold {query} exactly once"),
+        ("[defaults]\nmmproj = 'p.gguf'\n", "[defaults] cannot have a mmproj"),
+        ("[models.x]\nmax_image_tokens = 'many'\n", "max_image_tokens must be int"),
     ],
 )
 def test_a_preset_that_cannot_work_exits_2_naming_what_is_wrong(

@@ -28,7 +28,18 @@ import pytest
 import trio
 
 from benchmarks.harness.servers import LLAMA_SERVER, Server, free_port
-from trioserve import HTTPSettings, LlamaBackend, LlamaSettings, default_model_path
+from trioserve import (
+    Engine,
+    GenerationRequest,
+    HTTPSettings,
+    LlamaBackend,
+    LlamaSettings,
+    SamplingParams,
+    TextDelta,
+    Usage,
+    default_model_path,
+)
+from trioserve._core._media import image_marker
 from trioserve._http._fetch import FetchPolicy, parse_allow
 
 from .._helpers import RawStream, RunningServer, llama_server_command, start_server, wait_for
@@ -36,6 +47,8 @@ from .._image_host import Host
 from .._vision_model import IMAGE_TOKENS, png_bytes, tiny_gemma3_projector
 
 pytestmark = pytest.mark.model
+
+GREEDY = SamplingParams(temperature=0.0)
 
 #: images that differ in colour, size and kind (a gradient, solids; libmtmd resizes all)
 IMAGES = [png_bytes(64, 64, (200, 30, 30)), png_bytes(48, 80), png_bytes(32, 32, (20, 160, 220))]
@@ -407,3 +420,57 @@ async def test_refusals(
     assert "--mmproj" in error["message"]
     # the other streams are undisturbed: the vision model still answers
     await chat(vision.url, chat_body(IMAGES[1]))
+
+
+async def test_an_images_cells_survive_a_restart_in_the_disk_tier(projector: Path, tmp_path: Path) -> None:
+    """Turn 1 about an image, the backend closed (its cache written to disk) and loaded
+    again: turn 2 restores the image's cells from disk, encodes nothing, and answers
+    as a backend with the cache off."""
+    settings = {
+        "n_ctx": 1024,
+        "n_threads": 2,
+        "slots": 1,
+        "mmproj": projector,
+        "idle_recompute": False,
+        "warm_up": False,
+    }
+    image = png_bytes(40, 24, (250, 200, 10))
+    prompt = f"<start_of_turn>user\nDescribe it.{image_marker(0)}<end_of_turn>\n<start_of_turn>model\n"
+    turn2 = (
+        prompt
+        + "It is yellow.<end_of_turn>\n<start_of_turn>user\n"
+        + "And its shape?<end_of_turn>\n<start_of_turn>model\n"
+    )
+
+    async def run(backend: LlamaBackend, text: str) -> tuple[str, Usage]:
+        request = GenerationRequest(prompt=text, max_tokens=8, sampling=GREEDY, images=(image,))
+        async with Engine(backend) as engine:
+            parts: list[str] = []
+            async with engine.stream(request) as events:
+                async for event in events:
+                    if type(event) is TextDelta:
+                        parts.append(event.text)
+                usage = events.usage
+        assert usage is not None
+        return "".join(parts), usage
+
+    first = await LlamaBackend.aload(LlamaSettings(default_model_path(), cache_dir=tmp_path, **settings))
+    try:
+        await run(first, prompt)
+    finally:
+        await first.aclose()
+    again = await LlamaBackend.aload(LlamaSettings(default_model_path(), cache_dir=tmp_path, **settings))
+    try:
+        text, usage = await run(again, turn2)
+        assert again.llama_model.projector is not None
+        assert again.llama_model.projector.encodes == 0
+        assert usage.cached_disk_tokens == usage.cached_tokens > IMAGE_TOKENS
+    finally:
+        await again.aclose()
+    fresh = await LlamaBackend.aload(LlamaSettings(default_model_path(), prompt_cache=False, **settings))
+    try:
+        fresh_text, fresh_usage = await run(fresh, turn2)
+        assert fresh_usage.cached_tokens == 0
+    finally:
+        await fresh.aclose()
+    assert text == fresh_text
