@@ -258,6 +258,19 @@ class LlamaBackend(ModelFacade):
             "steps": self.steps,
             "aborted_calls": self.aborted_calls,
             "speculation": self.speculation_stats(),
+            "vision": self.vision_stats(),
+        }
+
+    def vision_stats(self) -> dict[str, object] | None:
+        """The projector (docs/vision.md): its file, images encoded, encodes a cancel
+        stopped; ``None`` for a model that takes no images."""
+        projector = self.llama_model.projector
+        if projector is None:
+            return None
+        return {
+            "projector": str(projector.path),
+            "encodes": projector.encodes,
+            "aborted_encodes": projector.aborted_encodes,
         }
 
     def speculation_stats(self) -> dict[str, object]:
