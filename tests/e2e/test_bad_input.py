@@ -152,7 +152,7 @@ BAD_INPUTS: list[tuple[str, str, str, dict[str, Any], int, str | None, str]] = [
         "needs an image_url object with a url",
     ),
     (
-        "an image for a model without a projector",
+        "an image for a backend that cannot see images",
         "POST",
         CHAT,
         {
@@ -164,7 +164,7 @@ BAD_INPUTS: list[tuple[str, str, str, dict[str, Any], int, str | None, str]] = [
         },
         400,
         "images_not_supported",
-        "--mmproj",
+        "images are not supported",
     ),
     (
         "unknown model",
