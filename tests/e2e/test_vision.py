@@ -317,7 +317,7 @@ async def test_a_text_only_request_to_a_vision_model_caches_as_on_a_text_model(
     for url in (vision.url, llama_server.url):
         _, first = await chat(url, body)
         _, second = await chat(url, body)
-        assert first["prompt_tokens_details"]["cached_tokens"] == 0
+        assert first["prompt_tokens_details"]["cached_tokens"] < 8  # (at most a turn header)
         cached.append(second["prompt_tokens_details"]["cached_tokens"])
     assert cached[0] == cached[1]
     assert cached[0] > 100  # (the whole pieces of a ~170-token prompt)

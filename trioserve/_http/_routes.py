@@ -428,10 +428,13 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 large, generation_for, conversation, state.chat_format(engine)
             )
             assert isinstance(generation.prompt, str)
-            if generation.images and engine.backend.info.vision:
+            if generation.images:
                 # images count as the tokens they take (docs/vision.md): laid out as for
-                # generation, their URLs fetched under the same rules
-                images = await resolve_images(generation.images, state.settings.media)
+                # generation, their URLs fetched under the same rules (a model that
+                # cannot see images refuses them in prepare, before any fetch)
+                images = generation.images
+                if engine.backend.info.vision:
+                    images = await resolve_images(images, state.settings.media)
                 asked = dataclasses.replace(generation, images=images, max_tokens=1, clamp_max_tokens=True)
                 return len((await engine.backend.prepare(asked)).tokens)
             return await engine.backend.count_text_tokens(
