@@ -21,6 +21,7 @@ from .._http._fetch import FetchPolicy, parse_allow
 from .._http._server import Server, ServerSettings, serve_until_signalled
 from .._wire._limits import RequestLimits
 from . import _models
+from ._cluster import run_cluster
 from ._parser import parser as _parser
 
 __all__ = ["main"]
@@ -78,6 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (AttributeError, ValueError, OSError):  # pragma: no cover - stderr has no file
             logger.warning("faulthandler could not be enabled: stderr is not a file")
     args = _parser().parse_args(argv)
+    if args.command == "cluster":
+        _configure_logging("info", "text")
+        return run_cluster(args)
     _configure_logging(args.log_level, args.log_format)
     models: Callable[[], Awaitable[Backend]] | ModelRegistry
     try:

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from .._wire._limits import RequestLimits
+from ._cluster import add_cluster_command
 
 __all__ = ["parser"]
 
@@ -53,6 +54,7 @@ def parser() -> argparse.ArgumentParser:
     _media(serve)
     _dialects(serve)
     _logging(serve)
+    add_cluster_command(commands)
     return root
 
 
