@@ -99,7 +99,7 @@ def converse(url: str, conversations: int = 5, turns: int = 5) -> list[dict[str,
                         "text": text,
                         "prompt_tokens": usage["prompt_tokens"],
                         "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-                        "split": (usage.get("trioserve") or {}).get("cache"),
+                        "split": (usage.get("trioserve") or {}).get("cached_tokens"),
                     }
                 )
     return rows

@@ -286,9 +286,9 @@ class DiskTier:
     """One model's entries in a :class:`DiskStore` (its fingerprint's directory).
 
     The index (prefix digests at each entry's cuts, under its salt's tag) is built from
-    the files' headers when the tier is made and kept by this process's writes; a
-    prompt that finds nothing looks again at the directory when it changed (another
-    process wrote to it). Thread-safe."""
+    the files' headers when the tier is made and kept by this process's writes; each
+    lookup reads the headers of entries another process wrote since, when the
+    directory changed (one ``stat`` per lookup). Thread-safe."""
 
     def __init__(self, store: DiskStore, directory: Path, *, window: int = 0) -> None:
         self.store = store
@@ -411,16 +411,16 @@ class DiskTier:
     ) -> tuple[int, DiskEntry] | None:
         """``(shared tokens, entry)`` of the entry of ``salt`` sharing the most whole
         pieces with ``prompt`` (at most ``limit`` tokens), or ``None``."""
-        found = self._best(prompt, cuts, limit, salt_tag(salt))
-        if found is None:
-            try:
-                changed = self.directory.stat().st_mtime_ns != self._seen_mtime
-            except OSError:
-                changed = False
-            if changed:  # another process wrote (or evicted) since: look again
-                self.scan()
-                found = self._best(prompt, cuts, limit, salt_tag(salt))
-        return found
+        try:
+            changed = self.directory.stat().st_mtime_ns != self._seen_mtime
+        except OSError:
+            changed = False
+        if changed:
+            # another process wrote (or evicted) since: read the new entries' headers
+            # first — a shorter prefix found in the index must not hide a longer one a
+            # worker behind the same gateway has just written (docs/deployment.md)
+            self.scan()
+        return self._best(prompt, cuts, limit, salt_tag(salt))
 
     def _best(
         self, prompt: Sequence[int], cuts: Sequence[int], limit: int, tag: str

@@ -262,3 +262,22 @@ def test_entries_another_process_writes_are_found_without_a_restart(tmp_path: Pa
     assert bytes(tier.read(found[1]) or b"") == STATE
     mine.close()
     theirs.close()
+
+
+def test_a_longer_prefix_another_process_writes_is_found_over_a_shorter_one_known(tmp_path: Path) -> None:
+    """A conversation that moves between workers behind a gateway: this process knows
+    turn 1's prefix; another writes turn 2's, which holds it; the next lookup finds
+    turn 2's (the index's shorter match does not stop it looking at the directory)."""
+    mine = _store(tmp_path)
+    tier = mine.tier(FP)
+    _written(mine, tier, TOKENS[:32])
+    longer = [*TOKENS, 7, 8, 9]
+    assert tier.best(longer, [*CUTS, 67], 66) is not None  # turn 1's 32 tokens, known
+    assert tier.best(longer, [*CUTS, 67], 66)[0] == 32  # type: ignore[index]
+    theirs = _store(tmp_path)
+    _written(theirs, theirs.tier(FP), TOKENS)
+    found = tier.best(longer, [*CUTS, 67], 66)
+    assert found is not None
+    assert found[0] == 64
+    mine.close()
+    theirs.close()
