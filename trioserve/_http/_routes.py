@@ -4,6 +4,7 @@ quart-trio, behind the access policy."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import math
 import uuid
@@ -253,6 +254,54 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 generations_running=engine.backend.generations.running,
             )
         return _health({**body, "status": "ok", "requests_in_flight": len(state.requests), "models": models})
+
+    @app.get("/v1/loads")
+    @app.get("/loads")
+    async def loads() -> Response:
+        """A gateway's load poll (the Shepherd Model Gateway's ``/v1/loads`` schema,
+        sglang's: docs/deployment.md, "Many workers behind a gateway"): one rank with
+        the named model's (``?model=``; default: the default model's) running and
+        queued requests and its slots, from the admission state itself. 503 while
+        shutting down (a gateway then takes no load figure from a draining worker)."""
+        from quart import request
+
+        if state.shutting_down or state.registry is None:
+            return _json_response({"error": "not serving"}, 503, {"Retry-After": "1"})
+        registry = state.registry
+        name = request.args.get("model")
+        try:
+            entry = state.resolve(name) if name else registry.default
+        except TrioserveError as exc:
+            return _error_response(exc)
+        engine = entry.engine
+        running = waiting = in_use = used = 0
+        slots = total = 1
+        if engine is not None:
+            admission = engine.admission
+            running, waiting, in_use, slots = (
+                engine.backend.generations.running,
+                admission.queued,
+                admission.in_use,
+                admission.slots,
+            )
+            kv_usage = getattr(engine.backend, "kv_usage", None)
+            if kv_usage is not None:
+                used, total = kv_usage()
+        rank = {
+            "dp_rank": 0,
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "num_total_reqs": running + waiting,
+            # KV cells the running requests hold, of every slot's (a busy slot is not a
+            # full cache: a request beyond the slots queues, it is not refused)
+            "num_used_tokens": used,
+            "max_total_num_tokens": total,
+            "token_usage": used / total,
+            "utilization": in_use / slots,
+            "max_running_requests": slots,
+        }
+        stamp = datetime.datetime.now(datetime.UTC).isoformat()
+        return _json_response({"timestamp": stamp, "dp_rank_count": 1, "loads": [rank]})
 
     page = (resources.files("trioserve") / "static" / "index.html").read_bytes()
 

@@ -261,6 +261,16 @@ class LlamaBackend(ModelFacade):
             "vision": self.vision_stats(),
         }
 
+    def kv_usage(self) -> tuple[int, int]:
+        """``(cells the running sequences hold, cells of every slot)``: the KV pressure a
+        gateway's load poll reads (docs/deployment.md). Cells a free id keeps for the
+        prompt cache are not counted: a new request takes them over."""
+        inbox = self._scheduler.inbox
+        with inbox.condition:
+            used = sum(max(s.pos, s.prefilled) for s in inbox.active)
+        settings = self.settings
+        return used, settings.slots * settings.n_ctx
+
     def vision_stats(self) -> dict[str, object] | None:
         """The projector (docs/vision.md): its file, images encoded, encodes a cancel
         stopped; ``None`` for a model that takes no images."""
