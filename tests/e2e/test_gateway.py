@@ -287,3 +287,50 @@ def test_a_killed_worker_its_stream_errors_and_its_queued_request_goes_elsewhere
             gateway.stop()
         for worker in workers:
             worker.stop()
+
+
+def test_the_cluster_command_serves_through_smg_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    """``trioserve cluster``: SMG and two workers sharing a cache dir, one command."""
+    port, metrics = free_port(), free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "trioserve",
+        "cluster",
+        "--workers",
+        "2",
+        "--policy",
+        "round_robin",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--",
+        *WORKER,
+    ]
+    cluster = Server("cluster", argv, port, tmp_path)
+    try:
+        give_up = time.monotonic() + 300
+        while time.monotonic() < give_up:
+            cluster.check_alive()
+            try:
+                if httpx.get(cluster.url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)  # (another process's readiness: polled)
+        body = {
+            "model": model_id(cluster.url),
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4,
+        }
+        assert chat(cluster.url, body)["choices"][0]["finish_reason"] == "length"
+        cluster.proc.send_signal(signal.SIGINT)
+        assert cluster.proc.wait(timeout=60) == 0
+    finally:
+        cluster.stop()
+    log = cluster.log_text()
+    assert "gateway on http://127.0.0.1:" in log
+    assert log.count("trioserve.server: stopped") == 2  # (both workers drained and stopped)

@@ -29,6 +29,20 @@ __all__ = ["add_cluster_command", "run_cluster"]
 
 logger = logging.getLogger("trioserve.cluster")
 
+#: SMG's settings for a worker that dies or drains (docs/deployment.md): a failed
+#: connection opens the worker's breaker at once, one failed health check (a draining
+#: worker's /health is 503) takes it out of the rotation within a second
+GATEWAY_FAILOVER = (
+    "--cb-failure-threshold",
+    "1",
+    "--health-check-interval-secs",
+    "1",
+    "--health-failure-threshold",
+    "1",
+    "--load-monitor-interval",
+    "1",
+)
+
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "least_load", "random", "consistent_hashing")
 
 
@@ -47,6 +61,9 @@ def add_cluster_command(commands: argparse._SubParsersAction[argparse.ArgumentPa
         "--cache-dir",
         default="auto",
         help="the prompt-cache directory every worker shares (default: auto, the per-user one)",
+    )
+    cluster.add_argument(
+        "--metrics-port", type=int, default=29000, help="SMG's Prometheus port (default: 29000)"
     )
     cluster.add_argument("--smg", default=None, metavar="PATH", help="the smg executable (default: on PATH)")
     cluster.add_argument(
@@ -134,7 +151,19 @@ def run_cluster(args: argparse.Namespace) -> int:
             urls.append(f"http://127.0.0.1:{port}")
         for (what, process), url in zip(children, urls, strict=True):
             _wait_ready(url + "/health", process, what, args.ready_timeout)
-        gateway = [smg, "launch", "--host", args.host, "--port", str(args.port), "--policy", args.policy]
+        gateway = [
+            smg,
+            "launch",
+            "--host",
+            args.host,
+            "--port",
+            str(args.port),
+            "--policy",
+            args.policy,
+            "--prometheus-port",
+            str(args.metrics_port),
+            *GATEWAY_FAILOVER,
+        ]
         children.insert(0, ("smg", subprocess.Popen([*gateway, "--worker-urls", *urls])))
         _wait_ready(f"http://127.0.0.1:{args.port}/health", children[0][1], "smg", args.ready_timeout)
         logger.info(
