@@ -187,11 +187,14 @@ _REFUSED: tuple[Refusal, ...] = (
 )
 
 
-def _text_of(blocks: str | list[Block] | None, where: str) -> str:
+def _text_of(blocks: str | list[Block] | None, where: str, *, images: str = "go in user messages") -> str:
+    """Text blocks' text; any other block a 400 naming it (``images``: where an image
+    goes instead, for the message of one that came here)."""
+
     def refuse(i: int, type_: str) -> InvalidRequestError:
+        hint = f"images {images}" if type_ == "image" else "images go in user messages"
         return InvalidRequestError(
-            f"{where}[{i}] is a {type_!r} block; only text is read here (images go in user messages)",
-            param=f"{where}[{i}]",
+            f"{where}[{i}] is a {type_!r} block; only text is read here ({hint})", param=f"{where}[{i}]"
         )
 
     return flatten_text(blocks, text_types=("text",), joiner="\n", refuse=refuse)
@@ -212,13 +215,17 @@ def _image(block: Block, where: str, media: MediaCollector) -> str:
         raise InvalidRequestError(f"{where} (image) needs a source", param=f"{where}.source")
     if source.type == "base64":
         if not source.data:
-            raise InvalidRequestError(f"{where} (image) needs source.data", param=f"{where}.source.data")
+            raise InvalidRequestError(
+                f"{where} (image) needs source.data: the image's base64",
+                param=f"{where}.source.data",
+                code="invalid_image",
+            )
         return media.add_base64(source.data, source.media_type, param=f"{where}.source")
     if source.type == "url":
         return media.add(source.url or "", param=f"{where}.source.url")
     raise InvalidRequestError(
         f"{where} is an image with a {source.type!r} source; this server reads base64 and url sources "
-        "(it keeps no files)",
+        "(it keeps no files: send the image itself, as base64)",
         param=f"{where}.source.type",
     )
 
@@ -245,7 +252,12 @@ def _chat_messages(messages: Sequence[Message], media: MediaCollector) -> list[C
                         raise InvalidRequestError(
                             f"{where}[{j}] (tool_result) needs tool_use_id", param=f"{where}[{j}].tool_use_id"
                         )
-                    result = _text_of(block.content, f"{where}[{j}].content")
+                    result = _text_of(
+                        block.content,
+                        f"{where}[{j}].content",
+                        images="in a tool_result are not read here: put the image in the user message "
+                        "beside the tool_result",
+                    )
                     out.append(
                         ChatMessage(
                             role="tool",
@@ -282,9 +294,10 @@ def _chat_messages(messages: Sequence[Message], media: MediaCollector) -> list[C
             elif block.type in ("thinking", "redacted_thinking"):
                 continue  # earlier turns' reasoning is not part of the prompt (as Anthropic does)
             else:
+                images = " (images go in user messages)" if block.type == "image" else ""
                 raise InvalidRequestError(
                     f"{where}[{j}] is a {block.type!r} block; an assistant message holds text and "
-                    "tool_use blocks here",
+                    f"tool_use blocks here{images}",
                     param=f"{where}[{j}]",
                 )
         if texts or calls:

@@ -3,9 +3,10 @@ marker in its message's text, in place (``_core/_media.py``), and the image join
 request's list — decoded here when it is a data URL, left for the server to fetch when
 it is a URL (:class:`~trioserve._core._media.RemoteImage`).
 
-Text and markers are joined as llama-server joins content parts: the dialect's own
-joiner between two texts, nothing before or after a marker (``common/chat.cpp``,
-``concat_content_parts``)."""
+Text and markers are joined as llama-server joins content parts for a template that
+takes a string: the dialect's own joiner between two texts, nothing before or after a
+marker (``common/chat.cpp``, ``concat_content_parts``; its ``--no-jinja`` path puts a
+newline between every two parts instead)."""
 
 from __future__ import annotations
 
@@ -50,20 +51,28 @@ class MediaCollector:
     def images(self) -> tuple[bytes | RemoteImage, ...]:
         return tuple(self._images)
 
-    def add(self, url: str, *, param: str, detail: str | None = None, detail_param: str = "") -> Marker:
-        """Read one image reference (``url``: a data URL or an http(s)/file URL); the
-        marker that stands for it. A 400 naming ``param`` for anything refused."""
-        if detail not in (None, "auto", "high"):
-            if detail == "low":
-                raise InvalidRequestError(
-                    "detail 'low' cannot be honoured: this model's projector sees every image at its one "
-                    "fixed resolution; send detail 'auto' or 'high', or leave it out",
-                    param=detail_param or param,
-                    code="unsupported_detail",
-                )
-            raise InvalidRequestError(
-                f"detail must be 'auto', 'high' or 'low', got {detail!r}", param=detail_param or param
-            )
+    def add(
+        self, url: str, *, param: str, detail: str | None = None, detail_param: str | None = None
+    ) -> Marker:
+        """Read one image reference (``url``: a data URL, or an http(s) or file URL that
+        the server fetches later); the marker that stands for it. A 400 naming ``param``
+        (``detail_param`` for ``detail``) for anything refused."""
+        _check_detail(detail, detail_param or param)
+        self._check_count(param)
+        return self._append(self._read(url, param))
+
+    def add_base64(self, data: str, media_type: str | None, *, param: str) -> Marker:
+        """An image given as base64 text and its media type (Anthropic's ``source``:
+        ``param`` names it; a refusal names its ``media_type`` or its ``data``)."""
+        self._check_count(param)
+        _check_media_type(media_type, f"{param}.media_type", "source.media_type")
+        return self._append(self._decode(data, f"{param}.data"))
+
+    def _append(self, image: bytes | RemoteImage) -> Marker:
+        self._images.append(image)
+        return Marker(image_marker(len(self._images) - 1))
+
+    def _check_count(self, param: str) -> None:
         limit = self.limits.max_images
         if len(self._images) >= limit:
             raise InvalidRequestError(
@@ -72,75 +81,103 @@ class MediaCollector:
                 param=param,
                 code="too_many_images",
             )
-        self._images.append(self._read(url, param))
-        return Marker(image_marker(len(self._images) - 1))
-
-    def add_base64(self, data: str, media_type: str | None, *, param: str) -> Marker:
-        """An image given as base64 text and its media type (Anthropic's ``source``)."""
-        return self.add(f"data:{media_type or ''};base64,{data}", param=param)
 
     def _read(self, url: str, param: str) -> bytes | RemoteImage:
-        if not isinstance(url, str) or not url:
-            raise InvalidRequestError("the image needs a URL (a data: URL or an http(s) URL)", param=param)
-        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        if not url:
+            raise InvalidRequestError(
+                "the image needs a URL (a data: URL or an http(s) URL)", param=param, code="invalid_image_url"
+            )
+        scheme, colon, rest = url.partition(":")
+        scheme = scheme.lower() if colon else ""
         if scheme == "data":
-            return self._data_url(url, param)
+            return self._data_url(rest, param)
         if scheme in ("http", "https", "file"):
-            parts = urllib.parse.urlsplit(url)
-            if scheme != "file" and not parts.hostname:
-                raise InvalidRequestError(
-                    f"the image URL {url[:100]!r} names no host", param=param, code="invalid_image_url"
-                )
+            _check_url(url, scheme, param)
             return RemoteImage(url, param)
         raise InvalidRequestError(
-            f"the image URL must be a data: URL (data:image/png;base64,…) or an http(s) URL; got "
-            f"{url[:40]!r}…",
+            f"the image URL must be a data: URL (data:image/png;base64,…), an http(s) URL or a file:// URL; "
+            f"got {url[:40]!r}",
             param=param,
             code="invalid_image_url",
         )
 
-    def _data_url(self, url: str, param: str) -> bytes:
-        header, comma, payload = url.partition(",")
+    def _data_url(self, rest: str, param: str) -> bytes:
+        header, comma, payload = rest.partition(",")
         if not comma:
-            raise InvalidRequestError(
-                "a data URL needs a comma before its data (data:image/png;base64,…)",
-                param=param,
-                code="invalid_image",
-            )
-        kinds = header[5:].split(";")
-        media_type = kinds[0].strip().lower()
-        if not media_type.startswith("image/"):
-            raise InvalidRequestError(
-                f"the data URL's media type must be an image type (image/png, image/jpeg…), got "
-                f"{media_type or 'none'!r}",
-                param=param,
-                code="invalid_image",
-            )
+            raise _invalid("a data URL needs a comma before its data (data:image/png;base64,…)", param)
+        kinds = header.split(";")
+        _check_media_type(kinds[0], param, "the data URL's media type")
         if "base64" not in (k.strip().lower() for k in kinds[1:]):
-            raise InvalidRequestError(
-                "the image's data URL must be base64 (data:image/png;base64,…)",
-                param=param,
-                code="invalid_image",
-            )
+            raise _invalid("the image's data URL must be base64 (data:image/png;base64,…)", param)
+        return self._decode(payload, param)
+
+    def _decode(self, payload: str, param: str) -> bytes:
+        """Strict base64 (surrounding whitespace aside), at most ``max_image_bytes``
+        decoded: a payload too long for that is refused before it is decoded."""
         limit = self.limits.max_image_bytes
-        if len(payload) // 4 * 3 > limit + 2:  # (before decoding: the size it would have)
-            raise InvalidRequestError(
-                f"the image is larger than {limit} bytes (--max-image-bytes)",
-                param=param,
-                code="image_too_large",
-            )
+        payload = payload.strip()
+        if len(payload) // 4 * 3 > limit + 2:  # (at least this many bytes once decoded)
+            raise _too_large(limit, param)
         try:
-            data = binascii.a2b_base64(payload.strip(), strict_mode=True)
+            data = binascii.a2b_base64(payload, strict_mode=True)
         except (binascii.Error, ValueError):
-            raise InvalidRequestError(
-                "the image's data URL holds invalid base64", param=param, code="invalid_image"
-            ) from None
+            raise _invalid("the image's data is not valid base64", param) from None
         if not data:
-            raise InvalidRequestError("the image's data URL is empty", param=param, code="invalid_image")
+            raise _invalid("the image's data is empty", param)
         if len(data) > limit:
-            raise InvalidRequestError(
-                f"the image is larger than {limit} bytes (--max-image-bytes)",
-                param=param,
-                code="image_too_large",
-            )
+            raise _too_large(limit, param)
         return data
+
+
+def _invalid(message: str, param: str) -> InvalidRequestError:
+    return InvalidRequestError(message, param=param, code="invalid_image")
+
+
+def _too_large(limit: int, param: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"the image is larger than {limit} bytes, this server's limit for one image (--max-image-bytes)",
+        param=param,
+        code="image_too_large",
+    )
+
+
+def _check_detail(detail: str | None, param: str) -> None:
+    if detail in (None, "auto", "high"):
+        return
+    if detail == "low":
+        raise InvalidRequestError(
+            "detail 'low' cannot be honoured: this model's projector sees every image at its one "
+            "fixed resolution, there is no lower one; send detail 'auto' or 'high', or leave it out",
+            param=param,
+            code="unsupported_detail",
+        )
+    raise InvalidRequestError(f"detail must be 'auto', 'high' or 'low', got {detail!r}", param=param)
+
+
+def _check_media_type(media_type: str | None, param: str, what: str) -> None:
+    kind = (media_type or "").strip().lower()
+    if not kind.startswith("image/") or kind == "image/":
+        raise _invalid(
+            f"{what} must be an image type (image/png, image/jpeg…), got {kind or 'none'!r}", param
+        )
+
+
+def _check_url(url: str, scheme: str, param: str) -> None:
+    """Refuse an http(s) or file URL that is not one (the server decides later whether
+    it may fetch it)."""
+    problem = None
+    if any(c <= " " or c == "\x7f" for c in url):
+        problem = "holds whitespace or control characters (percent-encode them)"
+    else:
+        try:
+            parts = urllib.parse.urlsplit(url)
+            _ = parts.port  # (a port out of range raises)
+        except ValueError as exc:
+            problem = f"is malformed ({exc})"
+        else:
+            if scheme != "file" and not parts.hostname:
+                problem = "names no host"
+    if problem is not None:
+        raise InvalidRequestError(
+            f"the image URL {url[:100]!r} {problem}", param=param, code="invalid_image_url"
+        )

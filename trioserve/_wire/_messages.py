@@ -52,17 +52,18 @@ def flatten_text[P: TextLike](
     return joiner.join(parts)
 
 
+def _unsupported(type_: str) -> str:
+    return f"content parts of type {type_!r} are not supported; send text (and images as image_url)"
+
+
 def _refuse_part(index: int, type_: str) -> InvalidRequestError:
-    return InvalidRequestError(
-        f"content parts of type {type_!r} are not supported; send text (and images as image_url)",
-        param="messages",
-    )
+    return InvalidRequestError(_unsupported(type_), param="messages")
 
 
 class ImageUrl(msgspec.Struct, kw_only=True):
     """OpenAI's ``image_url`` object: a data URL or an http(s) URL, and ``detail``."""
 
-    url: str | None = None
+    url: str
     detail: str | None = None
 
 
@@ -76,15 +77,26 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
 def take_images(messages: Sequence[ChatMessage], media: MediaCollector, param: str = "messages") -> None:
     """Each ``image_url`` part of ``messages`` read into ``media`` and replaced, in
-    place, by a text part holding its marker (images go in user messages only)."""
+    place, by a text part holding its marker (images go in user messages only); a part
+    of any other type than ``text`` a 400 naming it."""
     for i, message in enumerate(messages):
         content = message.content
         if not isinstance(content, list):
             continue
         for j, part in enumerate(content):
-            if part.type != "image_url":
-                continue
             where = f"{param}[{i}].content[{j}]"
+            if part.type == "text":
+                if part.text is None:
+                    raise InvalidRequestError(f"{where} (text) needs text", param=f"{where}.text")
+                if part.image_url is not None:
+                    raise InvalidRequestError(
+                        f"{where} is a text part with an image_url; send the image as a part of its own "
+                        "(type image_url)",
+                        param=f"{where}.image_url",
+                    )
+                continue
+            if part.type != "image_url":
+                raise InvalidRequestError(_unsupported(part.type), param=where)
             if message.role != "user":
                 raise InvalidRequestError(
                     f"{where} is an image in a {message.role} message; images go in user messages",
@@ -95,7 +107,7 @@ def take_images(messages: Sequence[ChatMessage], media: MediaCollector, param: s
                     f"{where} (image_url) needs an image_url object with a url", param=f"{where}.image_url"
                 )
             marker = media.add(
-                part.image_url.url or "",
+                part.image_url.url,
                 param=f"{where}.image_url.url",
                 detail=part.image_url.detail,
                 detail_param=f"{where}.image_url.detail",

@@ -447,9 +447,8 @@ def decode_chat_request(
     if not request.messages:
         raise InvalidRequestError("messages must hold at least one message", param="messages")
     check_messages(request.messages, limits)
+    # (refuses every part that is neither text nor an image, naming it)
     take_images(request.messages, media if media is not None else MediaCollector(limits))
-    for message in request.messages:
-        message.text()  # rejects unsupported content parts early
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     # checked here, not only when the generation is built: a refusal before any rendering
