@@ -756,7 +756,10 @@ async def test_a_background_response_cut_short_is_stored_incomplete(
     server = await start_server(
         nursery, llama_backend, shutdown_grace=0.0, http=HTTPSettings(responses_db=str(database))
     )
-    body = {"input": "Once upon a time", "max_output_tokens": 3000, "background": True}
+    # (a count, greedy: it goes on past the deadline whatever this CPU's kernels draw —
+    # a free story at temperature 1 sometimes ended before it)
+    count = ", ".join(str(i) for i in range(1, 40)) + ","
+    body = {"input": count, "max_output_tokens": 3000, "background": True, "temperature": 0}
     headers = {"X-Request-Timeout": "1.0"} if cause == "deadline" else {}
     async with server.client() as client:
         created = await client.post("/v1/responses", json=body, headers=headers)
