@@ -18,13 +18,13 @@ import json
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness.cluster import start_gateway, start_workers
 from benchmarks.harness.servers import Server, free_port, trioserve_command
 
 #: turns whose reuse counts as "its whole previous prompt": all but the last piece
@@ -41,38 +41,6 @@ def user_turn(conversation: int, turn: int) -> str:
         f"region {conversation}, and what changed after the storm of year {1800 + 10 * turn + i}?"
         for i in range(5)
     )
-
-
-def smg_binary() -> str:
-    found = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
-    return found
-
-
-def start_workers(count: int, cache_dir: Path, logs: Path, *extra: str) -> list[Server]:
-    workers = []
-    for i in range(count):
-        port = free_port()
-        argv = trioserve_command(port, *WORKER_FLAGS, "--cache-dir", str(cache_dir), *extra)
-        workers.append(Server(f"worker{i + 1}", argv, port, logs))
-    for worker in workers:
-        worker.wait_ready(timeout=300)
-    return workers
-
-
-def start_smg(urls: list[str], policy: str, logs: Path, *extra: str) -> Server:
-    port = free_port()
-    argv = [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
-    gateway = Server("smg", [*argv, *extra, "--worker-urls", *urls], port, logs)
-    give_up = time.monotonic() + 120
-    while time.monotonic() < give_up:
-        gateway.check_alive()
-        try:
-            if httpx.get(gateway.url + "/v1/models", timeout=2).status_code == 200:
-                return gateway
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"smg not ready:\n{gateway.log_tail()}")
 
 
 def converse(url: str, conversations: int = 5, turns: int = 5) -> list[dict[str, Any]]:
@@ -137,10 +105,10 @@ def main() -> None:
     print(f"single server: {reuse(reference)[0]}/{reuse(reference)[1]} later turns reused their prompt")
     for policy in policies:
         cache_dir = Path(tempfile.mkdtemp(prefix="bench-gateway-cache-"))
-        workers = start_workers(2, cache_dir, logs)
+        workers = start_workers(2, cache_dir, logs, *WORKER_FLAGS)
         gateway = None
         try:
-            gateway = start_smg([w.url for w in workers], policy, logs)
+            gateway = start_gateway(workers, policy, logs)
             rows = converse(gateway.url)
         finally:
             if gateway is not None:

@@ -14,7 +14,6 @@ processes (docs/deployment.md, "Many workers behind a gateway"):
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import socket
 import sys
@@ -27,75 +26,23 @@ import httpx
 import openai
 import pytest
 
-from benchmarks.harness.servers import Server, free_port, trioserve_command
+from benchmarks.harness.cluster import smg_binary, start_gateway
+from benchmarks.harness.cluster import start_workers as launch_workers
+from benchmarks.harness.servers import Server, free_port
 
 pytestmark = pytest.mark.model
 
 WORKER = ("--threads", "1", "--ctx-size", "4096", "--speculate", "off")
-#: SMG's settings for a worker that dies (docs/deployment.md): a failed connection
-#: opens the worker's breaker at once, and one failed health check takes it out
-GATEWAY_FAILOVER = (
-    "--cb-failure-threshold",
-    "1",
-    "--health-check-interval-secs",
-    "1",
-    "--health-failure-threshold",
-    "1",
-)
 #: the prompt's last piece is always evaluated again (its logits are needed)
 LAST_PIECE = 160
 
 
-def smg() -> str:
-    found = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
-    if not Path(found).exists():
+def start_workers(count: int, cache_dir: Path, logs: Path, *extra: str) -> list[Server]:
+    if not Path(smg_binary()).exists():
         pytest.fail(
             "smg (the Shepherd Model Gateway) is not installed: pip install smg (the test extra has it)"
         )
-    return found
-
-
-def start_workers(count: int, cache_dir: Path, logs: Path, *extra: str) -> list[Server]:
-    workers = []
-    for i in range(count):
-        port = free_port()
-        argv = trioserve_command(port, *WORKER, "--cache-dir", str(cache_dir), *extra)
-        workers.append(Server(f"worker{i + 1}", argv, port, logs))
-    for worker in workers:
-        worker.wait_ready(timeout=300)
-    return workers
-
-
-def start_gateway(workers: list[Server], policy: str, logs: Path) -> Server:
-    port = free_port()
-    argv = [
-        smg(),
-        "launch",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--policy",
-        policy,
-        "--prometheus-port",
-        str(free_port()),
-        "--load-monitor-interval",
-        "1",
-        *GATEWAY_FAILOVER,
-        "--worker-urls",
-        *[w.url for w in workers],
-    ]
-    gateway = Server("smg", argv, port, logs)
-    give_up = time.monotonic() + 120
-    while time.monotonic() < give_up:
-        gateway.check_alive()
-        try:
-            if httpx.get(gateway.url + "/v1/models", timeout=2).status_code == 200:
-                return gateway
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)  # (another process's readiness: polled)
-    raise TimeoutError(f"smg not ready:\n{gateway.log_tail()}")
+    return launch_workers(count, cache_dir, logs, *WORKER, *extra)
 
 
 @pytest.fixture(scope="module")
