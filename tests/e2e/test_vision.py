@@ -183,24 +183,17 @@ async def test_the_anthropic_and_responses_shapes_give_the_chats_text(vision: Ru
     image = IMAGES[1]
     text, usage = await chat(vision.url, chat_body(image))
     b64 = base64.b64encode(image).decode()
+    image_block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}
+    anthropic_messages = [
+        {"role": "user", "content": [{"type": "text", "text": "What is in the picture?"}, image_block]}
+    ]
     messages = await post(
         vision.url,
         "/v1/messages",
         {
             "max_tokens": 12,
             "temperature": 0,
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": "What is in the picture?"},
-                        {
-                            "type": "image",
-                            "source": {"type": "base64", "media_type": "image/png", "data": b64},
-                        },
-                    ],
-                }
-            ],
+            "messages": anthropic_messages,
         },
     )
     assert messages.status_code == 200, messages.text
@@ -236,18 +229,7 @@ async def test_the_anthropic_and_responses_shapes_give_the_chats_text(vision: Ru
         vision.url,
         "/v1/messages/count_tokens",
         {
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": "What is in the picture?"},
-                        {
-                            "type": "image",
-                            "source": {"type": "base64", "media_type": "image/png", "data": b64},
-                        },
-                    ],
-                }
-            ],
+            "messages": anthropic_messages,
         },
     )
     assert counted.status_code == 200, counted.text
