@@ -42,6 +42,7 @@ OFF, PLAIN = "trioserve-off", servers.LLAMA_SERVER
 CONTESTANTS: dict[str, list[str]] = {
     OFF: ["--speculate", "off"],
     "trioserve-auto": ["--speculate", "auto"],
+    "trioserve-exact": ["--speculate", "exact"],
     "trioserve-fast": ["--speculate", "fast"],
     PLAIN: [],
     "llama-server-ngram-simple": ["--spec-type", "ngram-simple"],
@@ -364,10 +365,61 @@ def free_prompt(subject: str) -> str:
     return f"Write a short story about {subject}.\n\nStory:\n"
 
 
+# --- issue 40's two: short edits (~120-token prompts) and a long verbatim copy ---
+
+SNIPPETS: list[tuple[str, str, str]] = [
+    (
+        "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
+        "    return total / len(values)\n",
+        "total",
+        "acc",
+    ),
+    (
+        "def find_user(users, name):\n    for user in users:\n        if user.name == name:\n"
+        "            return user\n    return None\n",
+        "user",
+        "account",
+    ),
+    (
+        "def clamp(x, low, high):\n    if x < low:\n        return low\n    if x > high:\n"
+        "        return high\n    return x\n",
+        "x",
+        "value",
+    ),
+    (
+        "def count_words(text):\n    counts = {}\n    for word in text.split():\n"
+        "        counts[word] = counts.get(word, 0) + 1\n    return counts\n",
+        "counts",
+        "tally",
+    ),
+    (
+        "def read_lines(path):\n    lines = []\n    with open(path) as handle:\n"
+        "        for line in handle:\n            lines.append(line.rstrip())\n    return lines\n",
+        "lines",
+        "rows",
+    ),
+]
+
+
+def long_copy_prompt(first: int) -> str:
+    """The five passages (~1,100 tokens), then the start of a verbatim copy of them,
+    beginning with passage ``first``."""
+    passages = [p for p, _ in PASSAGES]
+    text = "\n\n".join(passages[first:] + passages[:first])
+    start = " ".join(text.split()[:6])
+    return f"{text}\n\nThe text above, copied out word for word:\n\n{start}"
+
+
 WORKLOADS: dict[str, list[str]] = {
     "edit": [edit_prompt(*f) for f in FUNCTIONS],
     "quote": [quote_prompt(*p) for p in PASSAGES],
     "free": [free_prompt(s) for s in STORIES],
+    # (two small functions, the first one's identifier renamed: ~110 tokens)
+    "short-edit": [
+        edit_prompt(f"{code}\n\n{SNIPPETS[(i + 1) % len(SNIPPETS)][0]}", old, new)
+        for i, (code, old, new) in enumerate(SNIPPETS)
+    ],
+    "long-copy": [long_copy_prompt(i) for i in range(len(PASSAGES))],
 }
 
 
@@ -376,6 +428,9 @@ def parse_args() -> Any:
     cli.option(p, "--rounds", 2, "rounds: every prompt to every contestant once a round")
     cli.option(p, "--prompts-per-workload", 0, "prompts per workload, the first ones (0: all)")
     p.add_argument("--quick", action="store_true", help="1 prompt per workload, 32 tokens: a smoke test")
+    p.add_argument(
+        "--workloads", default="", help=f"comma-separated, from {','.join(WORKLOADS)} (default: all)"
+    )
     args = p.parse_args()
     if args.quick:
         args.prompts_per_workload, args.max_tokens = 1, 32
@@ -452,7 +507,13 @@ def wait_idle(server: servers.Server, limit: float = 30.0) -> None:
 def run(args: Any) -> dict[str, Any]:
     model, settings = cli.resolve_model(args), {"threads": args.threads, "ctx_size": args.ctx_size}
     keep = args.prompts_per_workload or None
-    workloads = {name: prompts[:keep] for name, prompts in WORKLOADS.items()}
+    chosen = (
+        [w.strip() for w in args.workloads.split(",") if w.strip()] if args.workloads else list(WORKLOADS)
+    )
+    unknown = set(chosen) - set(WORKLOADS)
+    if unknown:
+        raise SystemExit(f"--workloads: unknown {sorted(unknown)}; pick from {','.join(WORKLOADS)}")
+    workloads = {name: WORKLOADS[name][:keep] for name in chosen}
     cfg = cli.environment(model, **settings, max_tokens=args.max_tokens, contestants=args.contestants)
     cfg |= {"rounds": args.rounds, "quick": args.quick, "prompts": workloads}
     requests: list[dict[str, Any]] = []

@@ -6,7 +6,7 @@ It compares policies without a server (relative figures: the prefill, the HTTP p
 and the texts that fast mode changes are left out), so a policy change can be judged
 in seconds; the benchmark (benchmarks/speculation.py) is the measurement.
 
-    .venv/bin/python scripts/probes/draft_sim.py [--width 16] [--tokens /tmp/draft_sim.json]
+    .venv/bin/python scripts/probes/draft_sim.py [--width 16] [--policy ngram-simple] [--tokens /tmp/draft_sim.json]
 
 Row costs: scripts/probes/spec_exact.py --timing --widths 1,4,8,12,16 (repacked,
 context 7, 2026-12-02); 2 and 3 rows from docs/speculation.md's table, scaled by
@@ -26,7 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trioserve._backends._speculation import Drafter
 
-COST_MS = {1: 15.4, 2: 30.0, 3: 34.0, 4: 36.1, 8: 58.9, 12: 75.7, 16: 89.5}
+#: 2026-12-05, AMD EPYC (AVX-512), 2 threads, repacked, context 899:
+#: scripts/probes/spec_exact.py --timing --widths 1,2,3,4,8,16,32,48,64
+#: (the first machine's, 2026-12-02: 1: 15.4, 2: 30.0, 3: 34.0, 4: 36.1, 8: 58.9, 12: 75.7, 16: 89.5)
+COST_MS = {1: 13.4, 2: 24.2, 3: 29.6, 4: 32.3, 8: 51.1, 16: 82.5, 32: 164.9, 48: 240.9, 64: 291.9}
 
 
 def cost(rows: int) -> float:
@@ -65,9 +68,46 @@ def greedy_tokens(path: Path, max_tokens: int) -> dict[str, list[dict[str, list[
     return out
 
 
-def replay(prompt: list[int], made: list[int], width: int) -> tuple[int, float]:
+class NgramSimple:
+    """llama-server's ``--spec-type ngram-simple`` (common/ngram-map.cpp,
+    ``common_ngram_simple_draft``): the last 12 tokens (the current one included) looked
+    up backwards in the context, the 48 tokens after the most recent match proposed —
+    or nothing when fewer than 12 follow it. No state, no back-off."""
+
+    def __init__(self, prompt: list[int], size_n: int = 12, size_m: int = 48) -> None:
+        self.context = list(prompt)
+        self.n, self.m = size_n, size_m
+
+    def extend(self, tokens: list[int]) -> None:
+        self.context.extend(tokens)
+
+    def propose(self, current: int, limit: int) -> list[int]:
+        tokens, n = self.context, self.n
+        cur = len(tokens)
+        if cur <= n + self.m + 1:
+            return []
+        pattern = tokens[cur - n + 1 :] + [current]
+        for j in range(cur - n - 1, 0, -1):
+            if tokens[j : j + n] == pattern:
+                copy = min(self.m, cur - (j + n))
+                if copy < n:
+                    return []
+                return tokens[j + n : j + n + min(copy, limit)]
+        return []
+
+    def settle(self, proposed: int, accepted: int) -> None:
+        pass
+
+
+POLICIES = {
+    "trioserve": lambda prompt, width: Drafter(prompt, longest=width - 1),
+    "ngram-simple": lambda prompt, width: NgramSimple(prompt),
+}
+
+
+def replay(prompt: list[int], made: list[int], width: int, policy: str = "trioserve") -> tuple[int, float]:
     """(tokens decoded after the first, milliseconds) for one prompt."""
-    drafter = Drafter(prompt, longest=width - 1)
+    drafter = POLICIES[policy](prompt, width)
     i, ms = 0, 0.0  # made[i]: the token about to be decoded
     while i < len(made) - 1:
         done = len(drafter.context) - len(prompt)
@@ -96,18 +136,19 @@ def main() -> None:
     )
     parser.add_argument("--tokens", type=Path, default=Path("/tmp/draft_sim.json"))
     parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--policy", default="trioserve", choices=sorted(POLICIES))
     args = parser.parse_args()
     data = greedy_tokens(args.tokens, args.max_tokens)
     one_row = 1000 / cost(1)
     for workload, items in data.items():
         tokens = ms = 0.0
         for item in items:
-            t, m = replay(item["prompt"], item["made"], args.width)
+            t, m = replay(item["prompt"], item["made"], args.width, args.policy)
             tokens += t
             ms += m
         tps = tokens / ms * 1000
         print(
-            f"{workload:6s} width {args.width:2d}: {tps:6.1f} tok/s decode, {tps / one_row:.2f}x one row a call"
+            f"{args.policy} {workload:10s} width {args.width:2d}: {tps:6.1f} tok/s decode, {tps / one_row:.2f}x one row a call"
         )
 
 

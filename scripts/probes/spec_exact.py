@@ -42,16 +42,23 @@ def main() -> None:
     parser.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--widths", default="1,2,3,4,6,7,8")
     parser.add_argument("--timing", action="store_true", help="time decode calls of each width instead")
+    parser.add_argument("--type-k", type=int, default=None, help="ggml type of the K cache (0 f32, 1 f16, 30 bf16)")
+    parser.add_argument("--type-v", type=int, default=None, help="ggml type of the V cache")
     args = parser.parse_args()
     repack = {"on": True, "off": False, "auto": None}[args.repack]
-    if args.flash_attn != "auto":
+    if args.flash_attn != "auto" or args.type_k is not None or args.type_v is not None:
         import llama_cpp
 
         default_params = llama_cpp.llama_context_default_params
 
         def params():  # type: ignore[no-untyped-def]
             p = default_params()
-            p.flash_attn_type = 1 if args.flash_attn == "on" else 0
+            if args.flash_attn != "auto":
+                p.flash_attn_type = 1 if args.flash_attn == "on" else 0
+            if args.type_k is not None:
+                p.type_k = args.type_k
+            if args.type_v is not None:
+                p.type_v = args.type_v
             return p
 
         llama_cpp.llama_context_default_params = params

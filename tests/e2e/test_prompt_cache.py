@@ -243,6 +243,12 @@ async def test_cached_tokens_reach_the_openai_sdk_the_metrics_and_health(llama_s
     assert float(budget.group(1)) == cache["ram"]["budget_bytes"]
     for name in ("ram_bytes", "saves_total", "restores_total", "evictions_total", "idle_chunks_total"):
         assert f"\ntrioserve_prompt_cache_{name} " in metrics
+    # which speculation path the model runs (the default: auto, no pad rows)
+    speculation = health["batch"]["speculation"]
+    assert speculation["mode"] == "auto"
+    assert speculation["pad_context"] is None
+    assert 'trioserve_speculation_models{mode="auto",padded="no"} 1.0' in metrics
+    assert "\ntrioserve_speculation_padded_steps_total 0.0" in metrics
 
     body = {"prompt": prompt, "max_tokens": 2, "cache_prompt": False}
     async with llama_server.client() as http:

@@ -310,3 +310,96 @@ async def test_fast_mode_verifies_wide_calls_and_leaves_no_cells(model_path: str
         assert backend.generations.running == 0
     finally:
         backend.close()
+
+
+# --- --speculate exact: exact at any length (issue 40) ---
+
+#: material that invites copying, in four lengths: the prompts' shared prefixes
+_LINES = [
+    f"    value_{i} = read_field(config, '{_WORDS[i % 10]}_{i}')  # the {_WORDS[(i * 3) % 10]} setting\n"
+    for i in range(120)
+]
+
+
+def _long_prompts(backend: LlamaBackend, count: int) -> list[str]:
+    """``count`` prompts from ~300 to ~1,970 tokens: a long function (four lengths, each
+    the shared prefix of a quarter of the prompts: the prompt cache evaluates it once),
+    then an ask to copy it, rename in it, or go on with it."""
+    bases = []
+    for lines in (12, 34, 57, 78):
+        bases.append("def load(config):\n" + "".join(_LINES[:lines]) + "    return value_0\n\n")
+    prompts = []
+    for i in range(count):
+        base = bases[i * len(bases) // count]
+        a, b = _WORDS[i % 10], _WORDS[(i * 7 + 3) % 10]
+        kind = i % 4
+        if kind == 0:
+            prompts.append(f"{base}# The same function, copied:\n\ndef load(config):\n")
+        elif kind == 1:
+            prompts.append(
+                f"{base}# The same function with read_field renamed to {a}_field:\n\ndef load(config):\n"
+            )
+        elif kind == 2:
+            prompts.append(f"{base}# The {a} and {b} settings, listed:\n")
+        else:
+            prompts.append(f"{base}def {a}_{i}(config):\n    value_{i} = read_field(config, '{b}_{i}')")
+    assert len(backend.tokenize(prompts[-1])) + 40 < 2048
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def exact(model_path: str) -> Iterator[LlamaBackend]:
+    loaded = LlamaBackend.load(
+        LlamaSettings(model_path, n_ctx=2048, n_threads=THREADS, slots=1, speculate="exact")
+    )
+    print(f"\nexact: {_configuration(loaded)}")
+    yield loaded
+    loaded.close()
+
+
+async def test_exact_mode_keeps_every_text_at_any_length(exact: LlamaBackend) -> None:
+    """``--speculate exact``: 200 prompts of ~300 to ~1,970 tokens (past the 256 cells
+    where a lone one-row step's attention would take another path than a verify call's),
+    varied ``max_tokens`` and stop sequences, log-probabilities on half: each text, token
+    count and log-probability equals the same request's with speculation off (without the
+    pad rows the log-probabilities differ: a verify row is not a lone step's then), guesses
+    were verified and accepted past 256 cells,
+    and the steps without a guess carried a pad row. A CPU where no verify call is
+    exact guesses nothing and pads nothing."""
+    config = _configuration(exact)
+    stats = exact.speculation_stats()
+    assert stats["mode"] == "exact"
+    exact_somewhere = stats["verify_width"] != 1
+    engine = Engine(exact)
+    prompts = _long_prompts(exact, 200)
+    assert min(len(exact.tokenize(p)) for p in prompts) > SPLIT_KV_CONTEXT
+    before = exact.speculation_stats()
+    differ = []
+    for i, prompt in enumerate(prompts):
+        stop = (f" {_WORDS[(i + 4) % 10]}",) if i % 4 == 3 else ()
+        # (log-probabilities on half of them: a row that differs in its last bits shows
+        # there, where a greedy text rarely does)
+        common = {"prompt": prompt, "max_tokens": 4 + i % 29, "sampling": GREEDY, "stop": stop}
+        common["logprobs"] = 1 if i % 2 == 0 else None
+        plain = await _run(engine, GenerationRequest(**common, speculate=False))  # type: ignore[arg-type]
+        guessed = await _run(engine, GenerationRequest(**common, speculate=True))  # type: ignore[arg-type]
+        if plain != guessed:
+            differ.append((i, plain, guessed))
+    after = exact.speculation_stats()
+
+    def delta(key: str) -> int:
+        return int(after[key]) - int(before[key])  # type: ignore[call-overload]
+
+    print(
+        f"{config}: {len(prompts)} prompts, {delta('proposed')} guessed, {delta('accepted')} accepted, "
+        f"{delta('padded_steps')} padded steps, {len(differ)} differ"
+    )
+    assert not differ, f"{config}: {len(differ)} of {len(prompts)} texts changed, e.g. {differ[0]!r}"
+    if exact_somewhere:
+        assert stats["pad_context"] == SPLIT_KV_CONTEXT
+        assert stats["context_limit"] == 2048
+        assert delta("accepted") > 0, f"{config}: nothing was speculated past {SPLIT_KV_CONTEXT} cells"
+        assert delta("padded_steps") > 0, f"{config}: no step carried a pad row"
+    else:
+        assert delta("proposed") == 0
+        assert delta("padded_steps") == 0

@@ -85,7 +85,7 @@ _CHOICES = {
     "piece_rule": ("text", "aligned"),
     "repack": ("auto", "on", "off"),
     "pooling": ("mean", "cls", "last"),
-    "speculate": ("off", "auto", "fast"),
+    "speculate": ("off", "auto", "exact", "fast"),
     "rerank": ("yes-no", "off"),
 }
 

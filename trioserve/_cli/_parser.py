@@ -231,11 +231,13 @@ def _prompt_cache(serve: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--speculate",
-        choices=("off", "auto", "fast"),
+        choices=("off", "auto", "exact", "fast"),
         default="auto",
         help="prompt-lookup speculative decoding of a stream that decodes alone. auto: only "
         "where it cannot change a text (verify calls as wide as measured exact at load, "
-        "contexts up to 256 tokens); fast: wide verify calls at any length, as llama-server's "
+        "contexts up to 256 tokens); exact: as auto at any length (a lone step past 256 tokens "
+        "with no guess carries a pad row: slower plain steps there, same text with and without "
+        "guesses); fast: wide verify calls at any length, as llama-server's "
         "n-gram modes (a temperature-0 text may change); off (default: auto; docs/speculation.md)",
     )
     group.add_argument(

@@ -266,11 +266,40 @@ class _HostCacheCollector(Collector):
                 value=sum(pool.budget for pool in pools),
             )
         caches = []
+        speculation = []
         for engine in self._engines():
             stats = engine.backend.stats()
             cache = stats.get("cache") if stats else None
             if isinstance(cache, dict):
                 caches.append(cache)
+            spec = stats.get("speculation") if stats else None
+            if isinstance(spec, dict):
+                speculation.append(spec)
+        if speculation:
+            # which path runs (docs/speculation.md, "Observability")
+            modes = GaugeMetricFamily(
+                "trioserve_speculation_models",
+                "llama backend: loaded models by speculation mode (--speculate) and whether a "
+                "one-row step past the split-KV context carries a pad row.",
+                labels=["mode", "padded"],
+            )
+            counted: dict[tuple[str, str], int] = {}
+            for spec in speculation:
+                path = (str(spec["mode"]), "yes" if spec.get("pad_context") else "no")
+                counted[path] = counted.get(path, 0) + 1
+            for (mode, padded), n in sorted(counted.items()):
+                modes.add_metric([mode, padded], n)
+            yield modes
+            for name, key, text in (
+                ("trioserve_speculation_verify_calls", "verify_calls", "decode calls that verified guesses"),
+                (
+                    "trioserve_speculation_padded_steps",
+                    "padded_steps",
+                    "one-row steps that carried a pad row",
+                ),
+            ):
+                value = sum(int(spec.get(key, 0)) for spec in speculation)
+                yield CounterMetricFamily(name, f"llama backend: {text}.", value=value)
         if not caches:
             return
         keys = ("bytes", "budget_bytes", "saves", "restores", "evictions")

@@ -111,9 +111,13 @@ class Capabilities:
     #: (rows: the token being decoded and its drafts; 1: no speculation), and the
     #: longest context (cells) a verify call may reach ("auto": past it, a lone one-row
     #: step takes flash attention's split-KV path, which no call of two rows takes)
-    speculation: Literal["off", "auto", "fast"]
+    speculation: Literal["off", "auto", "exact", "fast"]
     verify_width: int
     verify_context_limit: int
+    #: "exact": a decode call of one row (a lone stream's step with no guess) past this
+    #: context carries a pad row (thrown away), so that it takes the attention path a
+    #: verify call takes (``None``: never)
+    pad_context: int | None = None
 
 
 def measure(model: LlamaModel, context: Context) -> Capabilities:
@@ -138,18 +142,26 @@ def measure(model: LlamaModel, context: Context) -> Capabilities:
     verify_context_limit = settings.n_ctx
     if speculation == "fast":
         verify_width = min(1 + FAST_DRAFT, settings.n_batch)
-    elif speculation == "auto":
+    pad_context = None
+    if speculation in ("auto", "exact"):
         started = time.perf_counter()
         verify_width = probe_speculation(model, context, 1 + MAX_DRAFT)
         if verify_width < 1 + SHORTEST_DRAFT:
             verify_width = 1  # (a single guess per call cannot pay for its row)
         if settings.n_threads > 1:
-            verify_context_limit = min(settings.n_ctx, SPLIT_KV_CONTEXT)
+            if speculation == "exact" and verify_width > 1:
+                # past it a lone one-row step would take the split-KV path: a pad row
+                # keeps every step on the path verify rows take (docs/speculation.md)
+                pad_context = min(settings.n_ctx, SPLIT_KV_CONTEXT)
+            else:
+                verify_context_limit = min(settings.n_ctx, SPLIT_KV_CONTEXT)
         logger.info(
-            "speculative decoding (auto, exact): verify calls of at most %d rows, while a context "
-            "is at most %d tokens (measured in %.0f ms)",
+            "speculative decoding (%s): verify calls of at most %d rows, while a context "
+            "is at most %d tokens%s (measured in %.0f ms)",
+            speculation,
             verify_width,
             verify_context_limit,
+            f"; a one-row step past {pad_context} cells carries a pad row" if pad_context else "",
             (time.perf_counter() - started) * 1000,
         )
     max_call_width, shared_context_limit = settings.slots, settings.n_ctx
@@ -168,4 +180,5 @@ def measure(model: LlamaModel, context: Context) -> Capabilities:
         speculation=speculation,
         verify_width=verify_width,
         verify_context_limit=verify_context_limit,
+        pad_context=pad_context,
     )

@@ -42,6 +42,8 @@ class Filled:
     per_sequence: dict[Sequence, int] = field(default_factory=dict)
     #: an image call (docs/vision.md): the images to encode into the embeddings batch
     images: tuple[VisionPrompt, list[ImageSpan]] | None = None
+    #: the sequence whose one-row step carries a pad row (its cell removed after the call)
+    padded: Sequence | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,11 @@ class Executor:
         self.embd_batch = context.embd_batch
         self.abort_flag = context.abort_flag
         self.turns = turns
+        #: a one-row decode call past this context carries a pad row (``--speculate
+        #: exact``: docs/speculation.md, "Exact at any length"); ``None``: never
+        self.pad_context: int | None = None
+        #: decode calls that carried a pad row
+        self.padded_steps = 0
         #: the call written last is an image call: its images and spans
         self._images: tuple[VisionPrompt, list[ImageSpan]] | None = None
         if model.projector is not None:
@@ -143,6 +150,19 @@ class Executor:
                 if start + count == len(prompt):
                     logits[n - 1] = 1
                     outputs.append((sequence, n - 1))
+        if n == 1 and self.pad_context is not None and not call[0][1]:
+            sequence = call[0][0]
+            if sequence.pos + 1 > self.pad_context:
+                # a lone one-row step would take flash attention's split-KV path, which
+                # no verify row takes: a second row (thrown away, no logits) keeps it
+                # on the path of the rows that verify guesses
+                tokens[1] = tokens[0]
+                positions[1] = sequence.pos + 1
+                seq_ids[1][0] = sequence.seq_id
+                logits[1] = 0
+                n = 2
+                filled.padded = sequence
+                self.padded_steps += 1
         batch.n_tokens = n
         filled.rows = n
         filled.per_sequence = {s: (c or 1 + len(drafts.get(s, ()))) for s, c in call}

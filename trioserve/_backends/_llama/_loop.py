@@ -102,6 +102,7 @@ class Scheduler:
         self.kv = KvCells(model, context.ctx, context.memory, host=self.host, policy=self.policy)
         self.admission = Admission(self.inbox, self.policy, model.piece_rule)
         self.executor = Executor(model, context, turns)
+        self.executor.pad_context = caps.pad_context
         self.outputs = Outputs(model, context.ctx, context.memory, caps)
         self.idle = IdleRecompute(self.inbox, self.policy, self.kv, self.executor)
         self.limits = Limits(
@@ -425,6 +426,10 @@ class Scheduler:
                         outputs += self.kv.share_prompt(sequence, outputs)
             else:
                 sequence.pos += 1
+        if filled.padded is not None:
+            # its pad row's cell goes, the token's stays (a pad needs partial removal:
+            # verify calls need it too, and pads come only with them)
+            self.kv.trim(filled.padded.seq_id, filled.padded.pos)
         drafts = filled.drafts
         emit = self.outputs.emit
         for sequence, index in outputs:

@@ -57,7 +57,10 @@ class LlamaSettings:
             (``docs/speculation.md``): ``"auto"`` (the default: only where the verify
             call's rows are computed exactly as one-token steps — the widths measured at
             load, contexts where a lone step takes the same attention path — so the
-            text never changes), ``"fast"`` (wide verify calls at any context, as
+            text never changes), ``"exact"`` (as auto at any context: a lone step past
+            256 cells with no guess carries a pad row, so steps and verify rows take one
+            attention path; the pad costs a step about 16 % on the CPU measured),
+            ``"fast"`` (wide verify calls at any context, as
             llama-server's n-gram modes: faster, and a temperature-0 text may change) or
             ``"off"``.
         pooling: how ``/v1/embeddings`` pools a model's token vectors: ``None`` (the
@@ -93,7 +96,7 @@ class LlamaSettings:
         repack: bool | None = None,
         warm_up: bool = True,
         pooling: Literal["mean", "cls", "last"] | None = None,
-        speculate: Literal["off", "auto", "fast"] = "auto",
+        speculate: Literal["off", "auto", "exact", "fast"] = "auto",
         rerank: Literal["yes-no"] | None = None,
         rerank_template: str | None = None,
         mmproj: str | Path | None = None,
@@ -132,9 +135,9 @@ class LlamaSettings:
         if cache_mode not in ("exact", "fast"):
             raise ValueError(f"cache_mode must be 'exact' or 'fast', got {cache_mode!r}")
         self.cache_mode = cache_mode
-        if speculate not in ("off", "auto", "fast"):
-            raise ValueError(f"speculate must be 'off', 'auto' or 'fast', got {speculate!r}")
-        self.speculate: Literal["off", "auto", "fast"] = speculate
+        if speculate not in ("off", "auto", "exact", "fast"):
+            raise ValueError(f"speculate must be 'off', 'auto', 'exact' or 'fast', got {speculate!r}")
+        self.speculate: Literal["off", "auto", "exact", "fast"] = speculate
         self.model_id = model_id or self.model_path.name.removesuffix(".gguf")
         if pooling not in (None, "mean", "cls", "last"):
             raise ValueError(f"pooling must be 'mean', 'cls' or 'last', got {pooling!r}")

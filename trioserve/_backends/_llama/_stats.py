@@ -126,6 +126,9 @@ def speculation_stats(scheduler: Scheduler) -> dict[str, object]:
         "mode": caps.speculation,
         "verify_width": caps.verify_width,
         "context_limit": caps.verify_context_limit,
+        # "exact": one-row steps past this context carry a pad row (null: none do)
+        "pad_context": caps.pad_context,
+        "padded_steps": scheduler.executor.padded_steps,
         "verify_calls": stats.verify_calls,
         "proposed": stats.proposed,
         "accepted": stats.accepted,
