@@ -403,3 +403,49 @@ async def test_exact_mode_keeps_every_text_at_any_length(exact: LlamaBackend) ->
     else:
         assert delta("proposed") == 0
         assert delta("padded_steps") == 0
+
+
+async def test_a_cancel_reaches_a_padded_step(exact: LlamaBackend) -> None:
+    """``--speculate exact``, past 256 cells, no guesses (``speculate: false``): every
+    step is a call of two rows, the token's and a pad. The caller's scope is cancelled
+    while one is inside llama.cpp: the call is aborted, no cell past the prompt is left
+    (neither the token's nor the pad's), and the request's text is then as before."""
+    engine = Engine(exact)
+    prompt = "The history of the old harbor town, told by its oldest inhabitant. " * 30
+    prompt_length = len(exact.tokenize(prompt))
+    assert prompt_length > SPLIT_KV_CONTEXT
+    common = {"prompt": prompt, "sampling": GREEDY, "speculate": False, "logprobs": 1}
+    expected = await _run(engine, GenerationRequest(**common, max_tokens=12))  # type: ignore[arg-type]
+    if exact.speculation_stats()["pad_context"] is None:
+        # a CPU where no verify call is exact: nothing is guessed, so nothing is padded
+        assert exact.speculation_stats()["padded_steps"] == 0
+        return
+    padded = int(exact.speculation_stats()["padded_steps"])  # type: ignore[call-overload]
+    cancelled_at = 0.0
+    with trio.CancelScope() as scope:
+        async with engine.stream(GenerationRequest(**common, max_tokens=400)) as events:  # type: ignore[arg-type]
+            progress = events.progress
+
+            async def cancel_inside_a_padded_step() -> None:
+                nonlocal cancelled_at
+                # (a decode call of two rows: past the prompt, every step is padded)
+                await wait_for(
+                    lambda: exact.in_flight(progress) == "decode" and exact.rows_in_flight(progress) > 1,
+                    limit=60,
+                    step=0.0005,
+                )
+                cancelled_at = time.perf_counter()
+                scope.cancel()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancel_inside_a_padded_step)
+                async for _ in events:
+                    pass
+    assert scope.cancelled_caught
+    assert int(exact.speculation_stats()["padded_steps"]) > padded  # type: ignore[call-overload]
+    assert exact.generations.running == 0
+    ended = progress.inference_ended
+    assert ended is not None
+    assert ended - cancelled_at < 0.25
+    assert exact.last_cell(0) < prompt_length  # (the prompt's whole pieces at most: cached)
+    assert await _run(engine, GenerationRequest(**common, max_tokens=12)) == expected  # type: ignore[arg-type]

@@ -221,7 +221,8 @@ class LlamaBackend(ModelFacade):
 
     def rows_in_flight(self, progress: GenerationProgress) -> int:
         """Rows of the call in flight for this generation: more than one while decoding
-        is a speculative verify call (docs/speculation.md). An observable for tests."""
+        is a speculative verify call or a padded step (``--speculate exact``:
+        docs/speculation.md). An observable for tests."""
         return self._scheduler.inbox.rows_in_flight(progress)
 
     @property

@@ -166,6 +166,8 @@ class Executor:
         batch.n_tokens = n
         filled.rows = n
         filled.per_sequence = {s: (c or 1 + len(drafts.get(s, ()))) for s, c in call}
+        if filled.padded is not None:
+            filled.per_sequence[filled.padded] = 2  # (its pad row is its own: a cancel owns the call)
         return filled
 
     def _fill_images(self, sequence: Sequence, count: int) -> Filled | None:

@@ -141,10 +141,12 @@ class Outputs:
         verify_width = capabilities.verify_width
         channel = sequence.channel
         room = channel.room
-        if capabilities.speculation == "fast" and room == channel.capacity:
-            # fast: a reader that has taken every piece may get a run longer than the
-            # channel's window (at most FAST_DRAFT + 1 pieces at once: still bounded); a
-            # reader that is behind keeps the window, and pauses the stream as before
+        if capabilities.speculation == "fast" and room > 0:
+            # fast: a stream with room in its channel may make a run longer than the
+            # window (it then holds at most capacity − 1 + FAST_DRAFT + 1 pieces: still
+            # bounded); a reader that is behind fills the window and pauses the stream
+            # as before (a draft cut to the room left after a partial run cost a copy
+            # its next long draft: docs/speculation.md, "The reader window")
             room = verify_width
         limit = min(
             verify_width - 1,
