@@ -149,7 +149,7 @@ def measure(model: LlamaModel, context: Context) -> Capabilities:
         if verify_width < 1 + SHORTEST_DRAFT:
             verify_width = 1  # (a single guess per call cannot pay for its row)
         if settings.n_threads > 1:
-            if speculation == "exact" and verify_width > 1:
+            if speculation == "exact" and verify_width > 1 and settings.n_batch >= 2:
                 # past it a lone one-row step would take the split-KV path: a pad row
                 # keeps every step on the path verify rows take (docs/speculation.md)
                 pad_context = min(settings.n_ctx, SPLIT_KV_CONTEXT)
