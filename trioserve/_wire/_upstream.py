@@ -258,10 +258,11 @@ def infill_event(data: str) -> CompletionEvent:
     error = chunk.get("error")
     if error is not None:
         return CompletionEvent(error=error_text(error))
-    content = chunk.get("content")
-    texts = (content,) if isinstance(content, str) and content else ()
     if chunk.get("stop") is not True:
-        return CompletionEvent(texts=texts) if texts else _NOTHING
+        content = chunk.get("content")
+        return CompletionEvent(texts=(content,)) if isinstance(content, str) and content else _NOTHING
+    # the final object: its content is not text to hand on (llama-server's is empty;
+    # an upstream trioserve's repeats the whole text the deltas carried)
     extension = chunk.get("trioserve")
     message = cause = None
     if isinstance(extension, dict):
@@ -280,7 +281,6 @@ def infill_event(data: str) -> CompletionEvent:
         predicted = timings.get("predicted_n")
     usage = (evaluated, predicted) if isinstance(evaluated, int) and isinstance(predicted, int) else None
     return CompletionEvent(
-        texts=texts,
         finish_reason=reason,
         usage=usage,
         message=message if isinstance(message, str) else None,
