@@ -11,7 +11,7 @@ The bodies of llama-server's answers are the ones it sent (llama.cpp as
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import httpx
@@ -26,7 +26,7 @@ from trioserve._core._exceptions import BackendError, InvalidRequestError
 from trioserve._core._types import GenerationRequest, Infill, SamplingParams
 
 URL = "http://upstream"
-Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
+Handler = Callable[[httpx.Request], Coroutine[Any, Any, httpx.Response]]
 
 #: llama-server's 501 for a model without FIM tokens, and without --reranking
 NO_FIM = (
@@ -108,9 +108,8 @@ async def _infill(handler: Handler) -> tuple[str, Collected, GenerationProgress]
     progress = GenerationProgress(prompt_tokens=0)
     client = _client(handler)
     try:
-        end = await client.infill(
-            UpstreamState(url=URL), {"input_prefix": "a"}, Sink(collected, progress), lambda: None
-        )  # type: ignore[arg-type]
+        sink = Sink(collected, progress)  # type: ignore[arg-type]
+        end = await client.infill(UpstreamState(url=URL), {"input_prefix": "a"}, sink, lambda: None)
     finally:
         await client.aclose()
     return end, collected, progress
@@ -371,10 +370,12 @@ async def test_rerank_forwards_and_says_what_it_cannot_know() -> None:
             "documents": ["d0", "d1"],
             "top_n": 2,
         }
-        for name, value in (("instruction", "be brief"), ("max_tokens_per_doc", 5)):
-            with pytest.raises(InvalidRequestError, match=f"{name} is not supported") as caught:
-                await backend.rerank("q", ["d"], **{name: value})
-            assert caught.value.param == name
+        with pytest.raises(InvalidRequestError, match="instruction is not supported") as caught:
+            await backend.rerank("q", ["d"], instruction="be brief")
+        assert caught.value.param == "instruction"
+        with pytest.raises(InvalidRequestError, match="max_tokens_per_doc is not supported") as caught:
+            await backend.rerank("q", ["d"], max_tokens_per_doc=5)
+        assert caught.value.param == "max_tokens_per_doc"
         assert len(seen) == 1  # (refused before any upstream is asked)
     finally:
         await backend.aclose()

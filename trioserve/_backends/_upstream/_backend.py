@@ -79,9 +79,9 @@ class UpstreamBackend(Backend):
             upstream's stream the kernel holds for a client that is not reading. Small,
             so a slow client slows the upstream soon.
         api_key: sent upstream as ``Authorization: Bearer …``.
-        extra_body: fields merged into every upstream completion request (e.g.
-            ``{"repeat_penalty": 1.0}`` for llama-cpp-python, whose default is 1.1);
-            not into embeddings requests.
+        extra_body: fields merged into every upstream completion and ``/infill``
+            request (e.g. ``{"repeat_penalty": 1.0}`` for llama-cpp-python, whose
+            default is 1.1); not into embeddings or rerank requests.
     """
 
     def __init__(
