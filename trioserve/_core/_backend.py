@@ -63,9 +63,11 @@ class ModelInfo:
     architecture: str | None = None
     bos_token: str = ""
     eos_token: str = ""
-    #: the model can fill in the middle (its vocabulary names FIM tokens: ``/infill``)
-    infill: bool = False
-    #: what reranking it does: ``"cross-encoder"``, ``"yes-no"`` or ``None`` (docs/rerank.md)
+    #: the model can fill in the middle (its vocabulary names FIM tokens: ``/infill``);
+    #: ``None``: not known (the upstream relay, until an upstream has answered one)
+    infill: bool | None = False
+    #: what reranking it does: ``"cross-encoder"``, ``"yes-no"``, ``"upstream"`` (the
+    #: relay, once an upstream has reranked) or ``None`` (docs/rerank.md)
     rerank: str | None = None
     #: it generates text (an encoder embeds and ranks only)
     generates: bool = True
@@ -80,9 +82,11 @@ class Ranking:
     scores: list[float]
     #: tokens evaluated for it (the shared prefix counted once)
     prompt_tokens: int
-    #: ``"cross-encoder"`` or ``"yes-no"``
+    #: ``"cross-encoder"``, ``"yes-no"``, or ``"upstream"`` (the relay: an upstream's,
+    #: which it does not name)
     kind: str
-    #: what a score is: ``"logit"`` or ``"probability"``
+    #: what a score is: ``"logit"``, ``"probability"``, or ``"unknown"`` (the relay: the
+    #: upstream's own, unnamed)
     score: str
     #: of ``prompt_tokens``, the shared prefix's (a ``yes-no`` reranker; 0: it was kept
     #: from the previous request)
@@ -111,9 +115,11 @@ class PreparedPrompt:
     media: object | None = None
 
 
-def refuse_unsupported(request: GenerationRequest, backend: str) -> None:
+def refuse_unsupported(request: GenerationRequest, backend: str, *, infill: bool = False) -> None:
     """For backends that cannot constrain their text or report log-probabilities:
-    refuse such requests (400 naming the field) rather than ignore the ask."""
+    refuse such requests (400 naming the field) rather than ignore the ask.
+    ``infill``: the backend fills in the middle another way (the upstream relay
+    forwards it, ``samplers`` included); ``samplers`` is still refused elsewhere."""
     if request.constraint is not None:
         raise InvalidRequestError(
             f"constrained decoding (response_format, json_schema, grammar, forced tool calls) "
@@ -128,17 +134,18 @@ def refuse_unsupported(request: GenerationRequest, backend: str) -> None:
             param="messages",
             code="images_not_supported",
         )
-    if request.infill is not None:
+    if request.infill is not None and not infill:
         raise InvalidRequestError(
             f"fill in the middle (/infill, suffix) is not supported by the {backend} backend: it lays "
             "out the prompt with the model's own FIM tokens, which only a llama backend has",
             param="input_prefix",
             code="infill_not_supported",
         )
-    if request.sampling.samplers is not None:
+    if request.sampling.samplers is not None and not (infill and request.infill is not None):
+        where = " outside /infill" if infill else ""
         raise InvalidRequestError(
-            f"samplers (a sampler chain in a given order) is not supported by the {backend} backend; "
-            "send the request without it",
+            f"samplers (a sampler chain in a given order) is not supported{where} by the {backend} "
+            "backend; send the request without it",
             param="samplers",
         )
 

@@ -1,8 +1,9 @@
 """What trioserve says to an OpenAI-compatible upstream server, and reads back.
 
 Sans-IO, like the rest of :mod:`trioserve._wire`: the body of a streamed
-``POST /v1/completions``, one SSE event's data turned into a :class:`CompletionEvent`,
-an error body's message, an embeddings answer, and what ``GET /v1/models`` and
+``POST /v1/completions`` and of llama-server's streamed ``POST /infill``, one SSE
+event's data of either turned into a :class:`CompletionEvent`, an error body's
+message, an embeddings answer, a rerank answer, and what ``GET /v1/models`` and
 llama-server's ``GET /props`` say about the model. The upstream backend
 (:mod:`trioserve._backends._upstream`) does the I/O and decides what each answer means
 for the request (retry, cooldown, the client's error).
@@ -16,21 +17,26 @@ from typing import Any
 
 import msgspec
 
-from .._core._types import GenerationRequest
+from .._core._types import GenerationRequest, SamplingParams
 
 __all__ = [
     "CompletionEvent",
     "EmbeddingsAnswer",
     "ModelDescription",
     "NotJSON",
+    "RerankAnswer",
     "base_url",
     "completion_event",
     "completion_payload",
     "decode_embeddings",
+    "decode_rerank",
     "error_fields",
     "error_text",
+    "infill_event",
+    "infill_payload",
     "models_answer",
     "props_answer",
+    "rerank_payload",
 ]
 
 #: stop sequences forwarded upstream (OpenAI and trioserve accept at most 4; the engine
@@ -90,6 +96,63 @@ def completion_payload(
     return payload
 
 
+def _penalties(sampling: SamplingParams) -> dict[str, Any]:
+    """The penalties, only where asked for (llama-server's defaults are "off")."""
+    payload: dict[str, Any] = {}
+    for name, value, default in (
+        ("frequency_penalty", sampling.frequency_penalty, 0.0),
+        ("presence_penalty", sampling.presence_penalty, 0.0),
+        ("repeat_penalty", sampling.repeat_penalty, 1.0),
+    ):
+        if value != default:
+            payload[name] = value
+    if sampling.repeat_penalty != 1.0 and sampling.repeat_last_n != 64:
+        payload["repeat_last_n"] = sampling.repeat_last_n
+    return payload
+
+
+def infill_payload(request: GenerationRequest, *, extra_body: Mapping[str, object]) -> dict[str, Any]:
+    """llama-server's streamed ``/infill`` body for a fill-in-the-middle ``request``
+    (without ``model``): its own fields, so the upstream lays out the prompt with its
+    model's FIM tokens. The sampling is sent whole (``top_k`` and ``min_p`` too: a
+    ``suffix`` completion's 0 is not llama-server's default), the penalties only when
+    asked for."""
+    infill = request.infill
+    assert infill is not None
+    assert isinstance(request.prompt, str)
+    sampling = request.sampling
+    payload: dict[str, Any] = {
+        "input_prefix": infill.prefix if isinstance(infill.prefix, str) else list(infill.prefix),
+        "input_suffix": infill.suffix if isinstance(infill.suffix, str) else list(infill.suffix),
+        "input_extra": [{"filename": filename, "text": text} for filename, text in infill.extra],
+        "prompt": request.prompt,
+        "n_predict": request.max_tokens if request.max_tokens is not None else -1,
+        "stream": True,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "min_p": sampling.min_p,
+        "cache_prompt": request.cache_prompt,
+    }
+    if sampling.seed is not None:
+        payload["seed"] = sampling.seed
+    if request.stop:
+        payload["stop"] = list(request.stop)
+    if sampling.samplers is not None:
+        payload["samplers"] = list(sampling.samplers)
+    if sampling.logit_bias:  # (a suffix completion's; /infill refuses it)
+        payload["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias.items()}
+    payload.update(_penalties(sampling))
+    lines = request.lines
+    if lines is not None:
+        if lines.n_indent:
+            payload["n_indent"] = lines.n_indent
+        if lines.t_max_predict is not None:
+            payload["t_max_predict_ms"] = round(lines.t_max_predict * 1000)
+    payload.update(extra_body)
+    return payload
+
+
 # ------------------------------------------------------------- the streamed answer
 
 
@@ -114,6 +177,9 @@ class CompletionEvent:
     has_extension: bool = False
     #: a mid-stream error's text (vLLM and llama-server report them so)
     error: str | None = None
+    #: the stream's last event (llama-server's ``/infill`` sends no ``[DONE]``: its
+    #: final object, ``"stop": true``, ends it)
+    last: bool = False
 
 
 _NOTHING = CompletionEvent()
@@ -167,6 +233,59 @@ def completion_event(data: str) -> CompletionEvent:
         usage=usage,
         message=message,
         has_extension=has_extension,
+    )
+
+
+#: llama-server's ``stop_type`` → the finish reason ("word": a stop sequence)
+_STOP_TYPES = {"eos": "stop", "word": "stop", "limit": "length"}
+
+
+def infill_event(data: str) -> CompletionEvent:
+    """One SSE event's data of llama-server's streamed ``/infill`` (its
+    ``/completion`` shape: ``content``, ``stop``, ``stop_type``, ``tokens_evaluated``,
+    ``tokens_predicted``, ``timings``; or an upstream trioserve's, with its
+    ``trioserve.end_cause``) as a :class:`CompletionEvent`.
+
+    Raises:
+        NotJSON: the data is not JSON.
+    """
+    try:
+        chunk = _decode_json(data)
+    except msgspec.DecodeError:
+        raise NotJSON(data) from None
+    if not isinstance(chunk, dict):
+        return _NOTHING
+    error = chunk.get("error")
+    if error is not None:
+        return CompletionEvent(error=error_text(error))
+    if chunk.get("stop") is not True:
+        content = chunk.get("content")
+        return CompletionEvent(texts=(content,)) if isinstance(content, str) and content else _NOTHING
+    # the final object: its content is not text to hand on (llama-server's is empty;
+    # an upstream trioserve's repeats the whole text the deltas carried)
+    extension = chunk.get("trioserve")
+    message = cause = None
+    if isinstance(extension, dict):
+        message = extension.get("message")
+        if isinstance(extension.get("end_cause"), str):
+            cause = extension["end_cause"]
+    stop_type = chunk.get("stop_type")
+    reason = cause or _STOP_TYPES.get(stop_type if isinstance(stop_type, str) else "", "stop")
+    timings = chunk.get("timings")
+    timings = timings if isinstance(timings, dict) else {}
+    evaluated, predicted = chunk.get("tokens_evaluated"), chunk.get("tokens_predicted")
+    if not isinstance(evaluated, int):  # (response_fields may have left them out)
+        prompt_n, cache_n = timings.get("prompt_n"), timings.get("cache_n")
+        evaluated = prompt_n + cache_n if isinstance(prompt_n, int) and isinstance(cache_n, int) else None
+    if not isinstance(predicted, int):
+        predicted = timings.get("predicted_n")
+    usage = (evaluated, predicted) if isinstance(evaluated, int) and isinstance(predicted, int) else None
+    return CompletionEvent(
+        finish_reason=reason,
+        usage=usage,
+        message=message if isinstance(message, str) else None,
+        has_extension=isinstance(extension, dict),
+        last=True,
     )
 
 
@@ -246,6 +365,58 @@ def decode_embeddings(data: bytes) -> EmbeddingsAnswer | None:
     """The answer, or ``None`` if it is not one."""
     try:
         return _embeddings_decoder.decode(data)
+    except msgspec.DecodeError:  # (ValidationError included)
+        return None
+
+
+# ------------------------------------------------------------------------- rerank
+
+
+def rerank_payload(query: str, documents: list[str]) -> dict[str, Any]:
+    """A ``POST /v1/rerank`` body (without ``model``): every document's score asked
+    for (``top_n``: all of them; the relay sorts and cuts)."""
+    return {"query": query, "documents": documents, "top_n": len(documents)}
+
+
+class _RerankResult(msgspec.Struct):
+    index: int
+    relevance_score: float
+
+
+class _RerankUsage(msgspec.Struct):
+    prompt_tokens: int = 0
+
+
+class _RerankExtension(msgspec.Struct):
+    reranker: str | None = None
+    score: str | None = None
+
+
+class RerankAnswer(msgspec.Struct):
+    """A rerank answer (llama-server's and Jina's shape, vLLM's and trioserve's too):
+    a score per document by index, the usage if it sent one, and an upstream
+    trioserve's word on what its scores are."""
+
+    results: list[_RerankResult]
+    usage: _RerankUsage | None = None
+    trioserve: _RerankExtension | None = None
+
+    def scores(self, documents: int) -> tuple[list[float], int] | None:
+        """``(scores in the documents' order, prompt tokens)``; ``None`` unless there
+        is exactly one score per document."""
+        if sorted(item.index for item in self.results) != list(range(documents)):
+            return None
+        scores = [item.relevance_score for item in sorted(self.results, key=lambda item: item.index)]
+        return scores, self.usage.prompt_tokens if self.usage is not None else 0
+
+
+_rerank_decoder = msgspec.json.Decoder(RerankAnswer)
+
+
+def decode_rerank(data: bytes) -> RerankAnswer | None:
+    """The answer, or ``None`` if it is not one."""
+    try:
+        return _rerank_decoder.decode(data)
     except msgspec.DecodeError:  # (ValidationError included)
         return None
 

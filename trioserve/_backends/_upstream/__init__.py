@@ -2,13 +2,14 @@
 
 One job per module, from the face down::
 
-    _backend     UpstreamBackend: the Backend the engine sees (prepare, generate,
-                 embed_inputs, aload); builds each request's body (_wire._upstream)
+    _backend     UpstreamBackend: the Backend the engine sees (prepare, generate --
+                 /v1/completions, or /infill for fill in the middle --, embed_inputs,
+                 rerank, aload); builds each request's body (_wire._upstream)
     _discovery   at load: what the upstreams serve, and which answer at all
     _attempts    the one attempt/retry loop: an upstream per attempt, retry while no
                  byte reached the client
     _balancer    which upstream serves the next attempt; health and cooldown
-    _client      HTTP/1.1 to one upstream: one exchange for both POSTs, the SSE relay,
+    _client      HTTP/1.1 to one upstream: one exchange for every POST, the SSE relay,
                  /v1/models and /props
     _errors      every way an upstream fails, mapped to trioserve's errors; what the
                  client gets when no upstream is left

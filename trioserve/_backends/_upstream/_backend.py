@@ -8,11 +8,16 @@ reached the client is retried on another; after the first byte it ends with an e
 each failure).
 There is no local tokenizer: token counts come from the upstream's usage chunk, else
 ``completion_tokens`` counts text chunks. ``POST /v1/embeddings`` is forwarded as it
-came (:meth:`UpstreamBackend.embed_inputs`). ``docs/deployment.md`` has the why.
+came (:meth:`UpstreamBackend.embed_inputs`), a rerank to the upstream's
+``/v1/rerank`` (:meth:`UpstreamBackend.rerank`), and fill in the middle (``/infill``,
+``suffix``) to llama-server's ``/infill``, whose model lays out the prompt with its own
+FIM tokens. Whether the upstreams can do the last two is learnt from their answers
+(``info.infill``, ``info.rerank``). ``docs/deployment.md`` has the why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -21,14 +26,21 @@ from typing import Any
 
 import trio
 
-from ..._core._backend import Backend, GenerationProgress, ModelInfo, PreparedPrompt, refuse_unsupported
+from ..._core._backend import (
+    Backend,
+    GenerationProgress,
+    ModelInfo,
+    PreparedPrompt,
+    Ranking,
+    refuse_unsupported,
+)
 from ..._core._channel import PieceChannel
 from ..._core._exceptions import (
     BackendError,
     InvalidRequestError,
 )
 from ..._core._types import GenerationEnd, GenerationRequest
-from ..._wire._upstream import base_url, completion_payload
+from ..._wire._upstream import base_url, completion_payload, infill_payload, rerank_payload
 from . import _errors
 from ._attempts import attempt_each
 from ._balancer import Balancer, UpstreamState
@@ -67,9 +79,9 @@ class UpstreamBackend(Backend):
             upstream's stream the kernel holds for a client that is not reading. Small,
             so a slow client slows the upstream soon.
         api_key: sent upstream as ``Authorization: Bearer …``.
-        extra_body: fields merged into every upstream completion request (e.g.
-            ``{"repeat_penalty": 1.0}`` for llama-cpp-python, whose default is 1.1);
-            not into embeddings requests.
+        extra_body: fields merged into every upstream completion and ``/infill``
+            request (e.g. ``{"repeat_penalty": 1.0}`` for llama-cpp-python, whose
+            default is 1.1); not into embeddings or rerank requests.
     """
 
     def __init__(
@@ -137,7 +149,9 @@ class UpstreamBackend(Backend):
             BackendError: no upstream answered within ``load_timeout``.
         """
         backend = cls(
-            urls, info=ModelInfo(id=model_id or "upstream", context_length=UNKNOWN_CONTEXT_LENGTH), **settings
+            urls,
+            info=ModelInfo(id=model_id or "upstream", context_length=UNKNOWN_CONTEXT_LENGTH, infill=None),
+            **settings,
         )
         try:
             first = await describe_upstreams(backend._client, backend.balancer, load_timeout)
@@ -148,6 +162,7 @@ class UpstreamBackend(Backend):
                 architecture=architecture,
                 bos_token=first.bos_token,
                 eos_token=first.eos_token,
+                infill=None,  # (no upstream says; learnt from its answers: _learn)
             )
         except BaseException:
             with trio.CancelScope(shield=True):
@@ -177,11 +192,28 @@ class UpstreamBackend(Backend):
         """``slots_per_upstream`` × the number of upstreams."""
         return self.slots_per_upstream * len(self.upstreams)
 
+    def _learn(self, upstream: UpstreamState, capability: str, able: bool) -> None:
+        """What an upstream's answer showed it can do (``"infill"``, ``"rerank"``),
+        and so what ``info`` says: ``infill`` ``True`` while one upstream last served
+        one, ``False`` while every one last refused, ``None`` (unknown) otherwise;
+        ``rerank`` ``"upstream"`` while one last reranked, else ``None``. No upstream
+        says in advance (llama-server's ``/props`` and ``/v1/models`` name no FIM
+        tokens and no ``--reranking``), and a probe would cost each a request."""
+        if upstream.capabilities.get(capability) is able:
+            return
+        upstream.capabilities[capability] = able
+        known = [u.capabilities.get("infill") for u in self.upstreams]
+        infill = True if True in known else False if all(k is False for k in known) else None
+        ranks = any(u.capabilities.get("rerank") for u in self.upstreams)
+        self._info = dataclasses.replace(self._info, infill=infill, rerank="upstream" if ranks else None)
+
     # ----------------------------------------------------------------- requests
 
     async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
         """Check what can be checked without the model: a text prompt, and an upstream
         to send it to. The prompt's token count is unknown (0) until the upstream says.
+        Fill in the middle goes as it came (the middle's start, ``prompt``, may be
+        empty; the prefix and suffix may hold token ids: llama-server takes them).
 
         Raises:
             InvalidRequestError: a token-id prompt (there is no local tokenizer to
@@ -189,14 +221,14 @@ class UpstreamBackend(Backend):
             ServiceUnavailableError: every upstream is in its cooldown (503 with
                 ``Retry-After``).
         """
-        refuse_unsupported(request, "upstream")
+        refuse_unsupported(request, "upstream", infill=True)
         if not isinstance(request.prompt, str):
             raise InvalidRequestError(
                 "token-id prompts are not supported by this server (it forwards text to an "
                 "upstream server and has no tokenizer of its own); send the prompt as text",
                 param="prompt",
             )
-        if not request.prompt:
+        if not request.prompt and request.infill is None:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         _errors.refuse_if_all_cooling_down(self.balancer)
         max_new = request.max_tokens if request.max_tokens is not None else self._info.context_length
@@ -223,6 +255,8 @@ class UpstreamBackend(Backend):
         send: PieceChannel,
         progress: GenerationProgress,
     ) -> GenerationEnd:
+        if prompt.request.infill is not None:
+            return await self._infill(prompt, send, progress)
         payload = completion_payload(
             prompt.request, bos_token=self._info.bos_token, extra_body=self.extra_body
         )
@@ -237,6 +271,42 @@ class UpstreamBackend(Backend):
             attempt,
             unavailable=BackendError,
             exhausted=functools.partial(_errors.generation_failed, self.balancer),
+            committed=lambda: sink.sent,
+            overload_ends=True,
+        )
+
+    async def _infill(
+        self,
+        prompt: PreparedPrompt,
+        send: PieceChannel,
+        progress: GenerationProgress,
+    ) -> GenerationEnd:
+        """Fill in the middle through llama-server's ``POST /infill``: the same
+        attempts, retries and promises as a completion; an upstream without it
+        (404/405/501, or a 4xx saying so) is a retry, and when every one tried lacks
+        it, the client's 400 ``infill_not_supported`` names each's answer."""
+        payload = infill_payload(prompt.request, extra_body=self.extra_body)
+        sink = Sink(send, progress)
+
+        async def attempt(upstream: UpstreamState, answered: Callable[[], None]) -> GenerationEnd:
+            body = {**upstream.request_fields, **payload, "model": upstream.model_id or self._info.id}
+            try:
+                end = await self._client.infill(upstream, body, sink, answered)
+            except _errors.Retry as retry:
+                if retry.error.code == "infill_not_supported":
+                    self._learn(upstream, "infill", False)
+                raise
+            finally:
+                if sink.sent:
+                    self._learn(upstream, "infill", True)
+            self._learn(upstream, "infill", True)
+            return end
+
+        return await attempt_each(
+            self.balancer,
+            attempt,
+            unavailable=BackendError,
+            exhausted=functools.partial(_errors.infill_failed, self.balancer),
             committed=lambda: sink.sent,
             overload_ends=True,
         )
@@ -281,6 +351,67 @@ class UpstreamBackend(Backend):
         ) -> tuple[list[list[float]], int]:
             body = {"model": upstream.model_id or self._info.id, **payload}
             return await self._client.embeddings(upstream, body, answered)
+
+        return await attempt_each(
+            self.balancer,
+            attempt,
+            unavailable=functools.partial(_errors.unavailable_for_embeddings, self.balancer),
+            exhausted=functools.partial(_errors.embeddings_failed, self.balancer),
+        )
+
+    # ------------------------------------------------------------------- rerank
+
+    async def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        instruction: str | None = None,
+        max_tokens_per_doc: int | None = None,
+        max_tokens: int | None = None,
+    ) -> Ranking:
+        """Forward the query and documents to an upstream's ``POST /v1/rerank``
+        (llama-server ``--reranking``, vLLM, trioserve): its scores in the documents'
+        order and its ``usage.prompt_tokens`` (0 if it sends none). Read whole and
+        retried as :meth:`embed_inputs` is, with the same errors and the same cancel
+        promise; an upstream that does not rerank (404/405/501, or a 4xx saying so) is
+        a retry, and when every one tried does not, the client's 400
+        ``rerank_not_supported`` names each's answer. ``max_tokens`` is not checked
+        here (no local tokenizer). The ranking's kind is ``"upstream"`` and its score
+        ``"unknown"`` (llama-server's cross-encoder sends a logit, vLLM a probability;
+        neither says which) unless the upstream is a trioserve, which says both.
+
+        Raises:
+            InvalidRequestError: ``instruction`` or ``max_tokens_per_doc`` (llama-server
+                takes neither: it would ignore them), or an upstream's 4xx.
+        """
+        for name, value in (("instruction", instruction), ("max_tokens_per_doc", max_tokens_per_doc)):
+            if value is not None:
+                raise InvalidRequestError(
+                    f"{name} is not supported by this server: it forwards reranking to an upstream "
+                    "server that does not take it (llama-server would ignore it); send the request "
+                    f"without {name}",
+                    param=name,
+                )
+        _errors.refuse_if_all_cooling_down(self.balancer)
+        payload = rerank_payload(query, list(documents))
+
+        async def attempt(upstream: UpstreamState, answered: Callable[[], None]) -> Ranking:
+            body = {"model": upstream.model_id or self._info.id, **payload}
+            try:
+                answer, scores, prompt_tokens = await self._client.rerank(upstream, body, answered)
+            except _errors.Retry as retry:
+                if retry.error.code == "rerank_not_supported":
+                    self._learn(upstream, "rerank", False)
+                raise
+            self._learn(upstream, "rerank", True)
+            said = answer.trioserve
+            return Ranking(
+                scores=scores,
+                prompt_tokens=prompt_tokens,
+                kind=said.reranker if said is not None and said.reranker else "upstream",
+                score=said.score if said is not None and said.score else "unknown",
+            )
 
         return await attempt_each(
             self.balancer,

@@ -39,6 +39,9 @@ class UpstreamState:
     #: a request is probing it after its cooldown
     probing: bool = False
     last_error: str | None = None
+    #: what its last answers showed it can do: ``"infill"`` (llama-server's
+    #: ``/infill``), ``"rerank"`` (``/v1/rerank``); absent: not asked yet
+    capabilities: dict[str, bool] = field(default_factory=dict)
 
     def available(self, now: float) -> bool:
         if self.failed_until is None:

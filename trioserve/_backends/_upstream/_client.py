@@ -1,7 +1,8 @@
-"""Talking to one upstream server: a streamed ``POST /v1/completions`` relayed into a
-request's channel, a ``POST /v1/embeddings`` (read whole: nothing reaches the client
-before all the vectors), ``GET /v1/models`` (and llama-server's ``/props``) to describe
-it. Both POSTs go through one exchange (:meth:`UpstreamClient._exchange`); what the
+"""Talking to one upstream server: a streamed ``POST /v1/completions`` or llama-server's
+streamed ``POST /infill`` relayed into a request's channel, a ``POST /v1/embeddings``
+and a ``POST /v1/rerank`` (read whole: nothing reaches the client before all the
+vectors or scores), ``GET /v1/models`` (and llama-server's ``/props``) to describe it.
+Every POST goes through one exchange (:meth:`UpstreamClient._exchange`); what the
 answers mean is :mod:`._errors`', what they say is :mod:`trioserve._wire._upstream`'s.
 Promises:
 
@@ -20,7 +21,7 @@ import logging
 import math
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -34,16 +35,21 @@ from ..._core._tracing import TRACEPARENT
 from ..._core._types import GenerationEnd
 from ..._wire._sse import SSEDecoder
 from ..._wire._upstream import (
+    CompletionEvent,
     ModelDescription,
     NotJSON,
+    RerankAnswer,
     completion_event,
     decode_embeddings,
+    decode_rerank,
     error_fields,
+    infill_event,
     models_answer,
     props_answer,
 )
 from . import _errors
 from ._balancer import UpstreamState
+from ._errors import Endpoint
 
 __all__ = ["Sink", "UpstreamClient"]
 
@@ -186,12 +192,14 @@ class UpstreamClient:
         headers: dict[str, str],
         answered: Callable[[], None],
         *,
-        embeddings: bool = False,
+        endpoint: Endpoint = "completions",
     ) -> AsyncIterator[AsyncIterator[bytes]]:
         """One ``POST``: the body of its 200 answer as it arrives; any other answer
         raised as :mod:`._errors` maps it. ``answered()`` is called as soon as the
         upstream has answered (it is up, whatever it answered). On the way out the
-        response is closed (:func:`_body`)."""
+        response is closed (:func:`_body`). An answer read whole (embeddings, rerank)
+        is silent until computed: a read timeout there is a busy upstream."""
+        whole = endpoint in ("embeddings", "rerank")
         request = self._client.build_request("POST", upstream.url + path, json=body, headers=headers)
         try:
             try:
@@ -205,7 +213,7 @@ class UpstreamClient:
                 logger.debug("upstream %s dropped a connection unanswered; sending again", upstream.url)
                 response = await self._client.send(request, stream=True)
         except httpx.ReadTimeout as exc:
-            if embeddings:
+            if whole:
                 raise _errors.silent(upstream.url) from None
             raise _errors.unreachable(upstream.url, exc) from None
         except httpx.TransportError as exc:
@@ -213,10 +221,10 @@ class UpstreamClient:
         async with _body(response) as chunks:
             status = response.status_code
             if status != 200:
-                if embeddings and status == 504:
+                if whole and status == 504:
                     await _sleep_until_our_deadline()
                 message, param, code = error_fields(await _error_body(chunks), status)
-                error = _errors.refusal(upstream.url, status, message, param, code, embeddings=embeddings)
+                error = _errors.refusal(upstream.url, status, message, param, code, endpoint=endpoint)
                 if not isinstance(error, _errors.UpstreamUnavailable):
                     answered()  # it answered: it is up, whatever it thinks of the request
                 raise error
@@ -232,7 +240,18 @@ class UpstreamClient:
         headers = self._headers()
         sink.sent_at = time.perf_counter()
         async with self._exchange(upstream, "/v1/completions", body, headers, answered) as chunks:
-            return await _read(upstream.url, chunks, sink)
+            return await _read(upstream.url, chunks, sink, completion_event)
+
+    async def infill(
+        self, upstream: UpstreamState, body: dict[str, Any], sink: Sink, answered: Callable[[], None]
+    ) -> GenerationEnd:
+        """Stream one fill in the middle from llama-server's ``POST /infill`` (its
+        ``/completion``-shaped events; its final object, ``"stop": true``, ends the
+        stream, with no ``[DONE]``) into ``sink``. The promises of :meth:`stream`."""
+        headers = self._headers()
+        sink.sent_at = time.perf_counter()
+        async with self._exchange(upstream, "/infill", body, headers, answered, endpoint="infill") as chunks:
+            return await _read(upstream.url, chunks, sink, infill_event)
 
     async def embeddings(
         self, upstream: UpstreamState, body: dict[str, Any], answered: Callable[[], None]
@@ -242,17 +261,7 @@ class UpstreamClient:
         goes upstream, a cancel (typically while the upstream computes, before it has
         sent its headers) closes the connection before ``Cancelled`` propagates, and
         the answer is mapped to the same errors."""
-        headers = {**self._headers("application/json"), "Accept-Encoding": "identity"}
-        parts: list[bytes] = []
-        async with self._exchange(
-            upstream, "/v1/embeddings", body, headers, answered, embeddings=True
-        ) as chunks:
-            try:
-                async for chunk in chunks:
-                    parts.append(chunk)
-            except httpx.TransportError as exc:
-                raise _errors.broken_off(upstream.url, "its embeddings answer", exc) from None
-        data = b"".join(parts)
+        data = await self._whole(upstream, "/v1/embeddings", body, answered, "embeddings")
         if len(data) > _INLINE_DECODE_BYTES:
             answer = await trio.to_thread.run_sync(decode_embeddings, data)
         else:
@@ -262,6 +271,38 @@ class UpstreamClient:
         if result is None:
             raise _errors.malformed_embeddings(upstream.url, inputs)
         return result
+
+    async def rerank(
+        self, upstream: UpstreamState, body: dict[str, Any], answered: Callable[[], None]
+    ) -> tuple[RerankAnswer, list[float], int]:
+        """``POST /v1/rerank`` to ``upstream``: ``(answer, scores in the documents'
+        order, prompt tokens)``. Read whole, with the promises of :meth:`embeddings`."""
+        data = await self._whole(upstream, "/v1/rerank", body, answered, "rerank")
+        documents: Sequence[str] = body["documents"]
+        answer = decode_rerank(data)
+        result = answer.scores(len(documents)) if answer is not None else None
+        if answer is None or result is None:
+            raise _errors.malformed_rerank(upstream.url, len(documents))
+        return answer, *result
+
+    async def _whole(
+        self,
+        upstream: UpstreamState,
+        path: str,
+        body: dict[str, Any],
+        answered: Callable[[], None],
+        endpoint: Endpoint,
+    ) -> bytes:
+        """A 200 answer's whole body (embeddings, rerank)."""
+        headers = {**self._headers("application/json"), "Accept-Encoding": "identity"}
+        parts: list[bytes] = []
+        async with self._exchange(upstream, path, body, headers, answered, endpoint=endpoint) as chunks:
+            try:
+                async for chunk in chunks:
+                    parts.append(chunk)
+            except httpx.TransportError as exc:
+                raise _errors.broken_off(upstream.url, f"its {endpoint} answer", exc) from None
+        return b"".join(parts)
 
 
 async def _sleep_until_our_deadline() -> None:
@@ -274,7 +315,11 @@ async def _sleep_until_our_deadline() -> None:
         await trio.sleep_until(deadline)
 
 
-async def _read(url: str, chunks: AsyncIterator[bytes], sink: Sink) -> GenerationEnd:
+async def _read(
+    url: str, chunks: AsyncIterator[bytes], sink: Sink, parse: Callable[[str], CompletionEvent]
+) -> GenerationEnd:
+    """Relay a stream's text into ``sink`` (``parse`` reads one event's data) until
+    ``[DONE]``, an event that says it is the last, or the body's end."""
     decoder = SSEDecoder()
     state = _StreamState()
     try:
@@ -283,7 +328,9 @@ async def _read(url: str, chunks: AsyncIterator[bytes], sink: Sink) -> Generatio
                 if event.data == "[DONE]":
                     state.done = True
                     break
-                await _event(url, event.data, state, sink)
+                await _event(url, parse, event.data, state, sink)
+                if state.done:
+                    break
             if state.done:
                 # read the (empty) rest, so the connection can be reused
                 with trio.move_on_after(_TAIL_TIMEOUT):
@@ -302,9 +349,11 @@ async def _read(url: str, chunks: AsyncIterator[bytes], sink: Sink) -> Generatio
     return await _finish(url, state)
 
 
-async def _event(url: str, data: str, state: _StreamState, sink: Sink) -> None:
+async def _event(
+    url: str, parse: Callable[[str], CompletionEvent], data: str, state: _StreamState, sink: Sink
+) -> None:
     try:
-        event = completion_event(data)
+        event = parse(data)
     except NotJSON:
         raise _errors.not_json(url) from None
     if event.error is not None:
@@ -317,6 +366,8 @@ async def _event(url: str, data: str, state: _StreamState, sink: Sink) -> None:
         await sink.send(text)
     if event.finish_reason is not None:
         state.finish_reason = event.finish_reason
+    if event.last:
+        state.done = True
 
 
 async def _finish(url: str, state: _StreamState) -> GenerationEnd:

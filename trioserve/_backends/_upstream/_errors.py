@@ -6,17 +6,21 @@ An attempt on one upstream ends in one of three ways::
                            stream broken off, shutting down): cooldown, try another
     Retry(error)           this attempt failed in a way another upstream may not (429,
                            other 5xx, a mid-stream error; for embeddings a 501 or a
-                           silent read timeout): try another
+                           silent read timeout; for /infill and rerank an upstream
+                           without that endpoint): try another
     TrioserveError         the client's own fault (a 4xx: InvalidRequestError,
                            ContextLengthError), with the upstream's message: no retry
 
 Whether another upstream is tried at all is :mod:`._attempts`' business (not once a
 byte reached the client); what the client gets when none is left is decided here too
-(:func:`generation_failed`, :func:`embeddings_failed`), and the 503 with
+(:func:`generation_failed`, :func:`infill_failed`, :func:`embeddings_failed`, which
+rerank shares), and the 503 with
 ``Retry-After`` while every upstream cools down (:func:`refuse_if_all_cooling_down`).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from ..._core._exceptions import (
     BackendError,
@@ -31,6 +35,7 @@ from ._balancer import Balancer
 
 __all__ = [
     "UNAVAILABLE_STATUSES",
+    "Endpoint",
     "Retry",
     "UpstreamUnavailable",
     "broken_off",
@@ -39,7 +44,9 @@ __all__ = [
     "ended",
     "failed_mid_stream",
     "generation_failed",
+    "infill_failed",
     "malformed_embeddings",
+    "malformed_rerank",
     "not_json",
     "refusal",
     "refuse_if_all_cooling_down",
@@ -51,6 +58,13 @@ __all__ = [
 
 #: statuses that say "this upstream is not serving": cooldown, retry elsewhere
 UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
+#: statuses that say "this upstream has no such endpoint" (vLLM: 404 for /infill;
+#: llama-server: 501 for a model without FIM tokens, or without --reranking)
+_NO_ENDPOINT_STATUSES = frozenset({404, 405, 501})
+
+#: which upstream endpoint a request went to: ``/v1/completions``,
+#: ``/v1/embeddings``, ``/infill``, ``/v1/rerank``
+type Endpoint = Literal["completions", "embeddings", "infill", "rerank"]
 
 
 class UpstreamUnavailable(Exception):
@@ -95,13 +109,30 @@ def refusal(
     param: str | None,
     code: str | None,
     *,
-    embeddings: bool = False,
+    endpoint: Endpoint = "completions",
 ) -> Exception:
     """A non-200 answer (``message``, ``param``, ``code`` from its body) as the
     exception to raise."""
     if status in UNAVAILABLE_STATUSES:
         return UpstreamUnavailable(f"upstream {url} answered {status}: {message}")
-    if embeddings and status == 501:  # not an embedding model; up, though
+    if endpoint == "infill" and _lacks("infill", status, message):
+        return Retry(
+            InvalidRequestError(
+                f"fill in the middle (/infill, suffix) is not supported by upstream {url}: it answered "
+                f"{status}: {message}",
+                param="input_prefix",
+                code="infill_not_supported",
+            )
+        )
+    if endpoint == "rerank" and _lacks("rerank", status, message):
+        return Retry(
+            InvalidRequestError(
+                f"reranking is not supported by upstream {url}: it answered {status}: {message}",
+                param="model",
+                code="rerank_not_supported",
+            )
+        )
+    if endpoint == "embeddings" and status == 501:  # not an embedding model; up, though
         return Retry(
             NotSupportedError(f"upstream {url} computes no embeddings: {message}", code="no_embeddings")
         )
@@ -113,6 +144,16 @@ def refusal(
     if code == "context_length_exceeded":
         return ContextLengthError(message, param=param)
     return InvalidRequestError(message, param=param, code=code)
+
+
+def _lacks(what: str, status: int, message: str) -> bool:
+    """Whether an answer says the upstream cannot do ``what`` ("infill", "rerank"): no
+    such endpoint, or a 4xx saying so (llama-server: "Infill is not supported by this
+    model", "This server does not support reranking")."""
+    if status in _NO_ENDPOINT_STATUSES:
+        return True
+    text = message.lower()
+    return 400 <= status < 500 and what in text and "not support" in text
 
 
 def unfinished(url: str) -> UpstreamUnavailable:
@@ -159,6 +200,15 @@ def malformed_embeddings(url: str, inputs: int) -> Retry:
     )
 
 
+def malformed_rerank(url: str, documents: int) -> Retry:
+    return Retry(
+        BackendError(
+            f"upstream {url} answered POST /v1/rerank with something other than "
+            f"one score per document ({documents})"
+        )
+    )
+
+
 # ------------------------------------------------- what the client gets in the end
 
 
@@ -189,6 +239,19 @@ def generation_failed(balancer: Balancer, errors: list[TrioserveError]) -> Trios
     return BackendError(f"no upstream is available: {_why_none(balancer)}")
 
 
+def infill_failed(balancer: Balancer, errors: list[TrioserveError]) -> TrioserveError:
+    """The error for a fill-in-the-middle request no upstream served: the 400
+    ``infill_not_supported`` (each upstream's message) when every upstream tried said
+    it cannot; else as :func:`generation_failed`."""
+    if errors and all(getattr(error, "code", None) == "infill_not_supported" for error in errors):
+        last = errors[-1]
+        if len(errors) > 1:
+            last.message = "; ".join(error.message for error in errors)
+            last.args = (last.message,)
+        return last
+    return generation_failed(balancer, errors)
+
+
 def unavailable_for_embeddings(balancer: Balancer, message: str) -> TrioserveError:
     """An upstream not serving, as an embeddings request's error: nothing reached the
     client yet, so a 503 it may send again after the cooldown."""
@@ -196,8 +259,9 @@ def unavailable_for_embeddings(balancer: Balancer, message: str) -> TrioserveErr
 
 
 def embeddings_failed(balancer: Balancer, errors: list[TrioserveError]) -> TrioserveError:
-    """The error for an embeddings request no upstream served: the attempts' own
-    kind of error if they all failed alike (503, 501, 429), else a
+    """The error for an embeddings (or rerank) request no upstream served: the
+    attempts' own kind of error if they all failed alike (503, 501, 429, rerank's
+    400), else a
     :class:`BackendError` naming each."""
     if not errors:
         wait = balancer.all_cooling_down()
