@@ -11,9 +11,9 @@ for the request (retry, cooldown, the client's error).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -334,6 +334,11 @@ def error_fields(data: bytes, status: int) -> tuple[str, str | None, str | None]
 # --------------------------------------------------------------------- embeddings
 
 
+class _HasIndex(Protocol):
+    @property
+    def index(self) -> int: ...
+
+
 class _Embedding(msgspec.Struct):
     index: int
     embedding: list[float]
@@ -352,21 +357,35 @@ class EmbeddingsAnswer(msgspec.Struct):
     def vectors(self, inputs: int) -> tuple[list[list[float]], int] | None:
         """``(vectors in input order, prompt tokens)``; ``None`` unless there is
         exactly one vector per input."""
-        if sorted(item.index for item in self.data) != list(range(inputs)):
+        vectors = _in_order(self.data, inputs)
+        if vectors is None:
             return None
-        vectors = [item.embedding for item in sorted(self.data, key=lambda item: item.index)]
-        return vectors, self.usage.prompt_tokens if self.usage is not None else 0
+        return [item.embedding for item in vectors], self.usage.prompt_tokens if self.usage is not None else 0
 
 
-_embeddings_decoder = msgspec.json.Decoder(EmbeddingsAnswer)
-
-
-def decode_embeddings(data: bytes) -> EmbeddingsAnswer | None:
-    """The answer, or ``None`` if it is not one."""
-    try:
-        return _embeddings_decoder.decode(data)
-    except msgspec.DecodeError:  # (ValidationError included)
+def _in_order[Indexed: _HasIndex](items: list[Indexed], count: int) -> list[Indexed] | None:
+    """An answer's items by their ``index``; ``None`` unless there is exactly one for
+    each of ``0 … count − 1`` (embeddings' vectors, rerank's scores)."""
+    ordered = sorted(items, key=lambda item: item.index)
+    if [item.index for item in ordered] != list(range(count)):
         return None
+    return ordered
+
+
+def _decoding[Answer](decoder: msgspec.json.Decoder[Answer]) -> Callable[[bytes], Answer | None]:
+    """``decoder.decode``, with ``None`` for what is not such an answer."""
+
+    def decode(data: bytes) -> Answer | None:
+        try:
+            return decoder.decode(data)
+        except msgspec.DecodeError:  # (ValidationError included)
+            return None
+
+    return decode
+
+
+#: a ``POST /v1/embeddings`` answer, or ``None`` if it is not one
+decode_embeddings = _decoding(msgspec.json.Decoder(EmbeddingsAnswer))
 
 
 # ------------------------------------------------------------------------- rerank
@@ -404,21 +423,15 @@ class RerankAnswer(msgspec.Struct):
     def scores(self, documents: int) -> tuple[list[float], int] | None:
         """``(scores in the documents' order, prompt tokens)``; ``None`` unless there
         is exactly one score per document."""
-        if sorted(item.index for item in self.results) != list(range(documents)):
+        results = _in_order(self.results, documents)
+        if results is None:
             return None
-        scores = [item.relevance_score for item in sorted(self.results, key=lambda item: item.index)]
+        scores = [item.relevance_score for item in results]
         return scores, self.usage.prompt_tokens if self.usage is not None else 0
 
 
-_rerank_decoder = msgspec.json.Decoder(RerankAnswer)
-
-
-def decode_rerank(data: bytes) -> RerankAnswer | None:
-    """The answer, or ``None`` if it is not one."""
-    try:
-        return _rerank_decoder.decode(data)
-    except msgspec.DecodeError:  # (ValidationError included)
-        return None
+#: a rerank answer, or ``None`` if it is not one
+decode_rerank = _decoding(msgspec.json.Decoder(RerankAnswer))
 
 
 # -------------------------------------------------------------------- the model
