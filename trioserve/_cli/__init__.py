@@ -102,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         admin_keys=_admin_keys(args),
         cors_origins=tuple(args.cors_origin),
         keys_file=args.keys_file,
+        allow_empty_keys_reload=args.allow_empty_keys_reload,
         send_buffer_bytes=args.send_buffer_bytes,
         http=HTTPSettings(
             heartbeat_interval=args.heartbeat_interval or None,
@@ -153,6 +154,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys = server.state.accounts.file.accounts
     if keys:
         logger.info("keys file %s: %d key(s)", settings.keys_file, len(keys))
+    elif settings.keys_file is not None and not server.access.key_count:
+        logger.warning(
+            "keys file %s holds no key: every request but /health and the page gets 401 until a "
+            "reload (SIGHUP) adds one",
+            settings.keys_file,
+        )
     if settings.api_keys or settings.admin_keys:
         logger.info(
             "API keys required on /v1/* and /metrics (%d key(s), %d admin key(s))",

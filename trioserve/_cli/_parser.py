@@ -458,8 +458,15 @@ def _access(serve: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="TOML",
         help="API keys with their priority, fair-share weight and limits (concurrency, tokens and "
-        "requests per minute), and [defaults] for the others; read again on SIGHUP "
-        "(docs/operations.md, 'Keys, priorities and limits')",
+        "requests per minute), and [defaults] for the others; read again on SIGHUP; given, keys "
+        "are always required, even while it holds none (docs/operations.md, 'Keys, priorities "
+        "and limits')",
+    )
+    group.add_argument(
+        "--allow-empty-keys-reload",
+        action="store_true",
+        help="let a SIGHUP reload of --keys-file leave no key where there are keys (every keyed "
+        "request then gets 401); by default such a reload is refused and the keys in force stay",
     )
     group.add_argument(
         "--admin-key",

@@ -1,14 +1,17 @@
 """Access control, as one ASGI layer in front of everything: API keys, admin keys and
 CORS.
 
-With keys configured, ``/v1/…``, ``/metrics``, ``/infill``, ``/tokenize`` and ``/detokenize`` need
-``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and the page stay open.
-What changes a model's lifetime for everyone — ``POST /models/load``, ``POST
-/models/unload`` and a request's ``X-Keep-Alive`` header — needs an *admin* key then
-(403 otherwise: refused, never silently ignored); an admin key is a valid API key too.
-With no key configured (one local user), anyone may. Keys are compared in constant
-time, always over all keys, and never logged. CORS (off by default) answers preflight
-``OPTIONS`` for the configured origins. Details: ``docs/operations.md``, "Access".
+With keys configured — or a keys file given, even one that holds none: access never
+falls open — every path needs ``Authorization: Bearer <key>`` (or ``x-api-key``; 401
+otherwise) except the few open ones: ``/health`` (its details need a key: the route
+says only the status without one) and the page. Default-deny: a route added later is
+keyed unless it is listed open here. What changes a model's lifetime for everyone —
+``POST /models/load``, ``POST /models/unload`` and a request's ``X-Keep-Alive`` header
+— needs an *admin* key then (403 otherwise: refused, never silently ignored); an admin
+key is a valid API key too. With no key configured and no keys file (one local user),
+anyone may. Keys are compared in constant time, always over all keys, and never
+logged. CORS (off by default) answers preflight ``OPTIONS`` for the configured origins.
+The table of every route and its rule: ``docs/operations.md``, "Who may call what".
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from .._core._exceptions import AuthenticationError, PermissionDeniedError
 from ._accounts import KeysFile
 from ._errors import render_for_path
 
-__all__ = ["AccessPolicy", "key_salt", "presented_key", "with_access_control"]
+__all__ = ["ADMIN_PATHS", "OPEN_PATHS", "AccessPolicy", "key_salt", "presented_key", "with_access_control"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -30,24 +33,11 @@ ASGIApp = Callable[
     [Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]
 ]
 
-_OPEN_PATHS = frozenset({"/", "/health", "/index.html", "/favicon.ico"})
-#: outside ``/v1/``, the paths that need a key (llama-server's tokenizer endpoints too)
-_KEYED_PATHS = frozenset(
-    {
-        "/metrics",
-        "/tokenize",
-        "/detokenize",
-        "/infill",
-        "/rerank",
-        "/reranking",
-        "/v2/rerank",
-        "/models",
-        "/models/load",
-        "/models/unload",
-    }
-)
-#: paths that change a model's lifetime for every client: an admin key's
-_ADMIN_PATHS = frozenset({"/models/load", "/models/unload"})
+#: the paths open to anyone, with keys configured too (``/health`` says only its status
+#: without a valid key); every other path needs a key
+OPEN_PATHS = frozenset({"/", "/health"})
+#: paths that change a model's lifetime for every client: an admin key's (not for GET)
+ADMIN_PATHS = frozenset({"/models/load", "/models/unload"})
 
 
 class AccessPolicy:
@@ -64,6 +54,8 @@ class AccessPolicy:
         self._given_admin = [hashlib.sha256(key.encode()).digest() for key in admin_keys if key]
         self._given = [hashlib.sha256(key.encode()).digest() for key in api_keys if key]
         self.cors_origins = frozenset(cors_origins)
+        #: a keys file is in force: keys are required whatever it holds, none included
+        self._closed = keys_file is not None
         self.use(keys_file or KeysFile())
 
     def use(self, keys_file: KeysFile) -> None:
@@ -75,7 +67,28 @@ class AccessPolicy:
 
     @property
     def requires_key(self) -> bool:
-        return bool(self._digests)
+        """Whether requests need a key: some key is configured, or a keys file is in
+        force (one that holds no key lets no request in, never every request)."""
+        return self._closed or bool(self._digests)
+
+    @property
+    def key_count(self) -> int:
+        """How many distinct keys are valid now."""
+        return len(set(self._digests))
+
+    def reload_refusal(self, keys_file: KeysFile, *, allow_empty: bool = False) -> str | None:
+        """Why a reload to ``keys_file`` must not happen (``None``: it may): it would
+        leave no usable key where there are keys now — what an editor leaves for a
+        moment while it saves — unless the operator allows it (then every keyed route
+        answers 401: still never open)."""
+        after = len({*self._given, *self._given_admin, *keys_file.keys})
+        if after or not self._digests or allow_empty:
+            return None
+        return (
+            f"it holds no key, and {self.key_count} key(s) are in force: every request would be "
+            "refused (an empty or [defaults]-only file, as an editor leaves it while saving?); to "
+            "remove every key, run the server with --allow-empty-keys-reload"
+        )
 
     def key_is_valid(self, presented: str) -> bool:
         return _matches(presented, self._digests)
@@ -83,19 +96,31 @@ class AccessPolicy:
     def key_is_admin(self, presented: str) -> bool:
         return _matches(presented, self._admin_digests)
 
+    def rule(self, path: str, method: str) -> str:
+        """The rule for a request to ``path``: ``open``, ``key`` or ``admin`` (an
+        admin's action: the lifetime of a model). Default-deny: a path not listed open
+        needs a key."""
+        path = path.rstrip("/") or "/"
+        if path in OPEN_PATHS:
+            return "open"
+        if path in ADMIN_PATHS and method != "GET":
+            return "admin"
+        return "key"
+
     def check(self, scope: Scope) -> None:
         """Raise :class:`AuthenticationError` (401) unless the request may proceed, and
         :class:`PermissionDeniedError` (403) for an admin's action without an admin key."""
-        if not self._digests or scope["path"] in _OPEN_PATHS:
+        if not self.requires_key:
             return
-        path = scope["path"].rstrip("/")
-        if not (scope["path"].startswith("/v1/") or path in _KEYED_PATHS):
+        rule = self.rule(scope["path"], scope["method"])
+        if rule == "open":
             return
         presented = self._presented_key(scope)
-        if path in _ADMIN_PATHS and scope["method"] != "GET" and not self.key_is_admin(presented):
+        if rule == "admin" and not self.key_is_admin(presented):
+            path = scope["path"].rstrip("/")
             raise PermissionDeniedError(
                 f"{path} changes which models stay loaded for every client: it needs an admin key "
-                "(--admin-key)"
+                "(--admin-key, or admin = true in the keys file)"
             )
         if _header(scope, b"x-keep-alive") is not None and not self.key_is_admin(presented):
             raise PermissionDeniedError(

@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,8 +114,9 @@ def _account(table: Mapping[str, object], where: str, base: Account, digest: byt
     min_priority = _int(table, "min_priority", where)
     priority = base.priority if priority is None else priority
     if "min_priority" not in table:
-        # a key may lower its own priority, never raise it above its default
-        min_priority = priority if digest else base.min_priority
+        # a key may lower its own priority, never raise it above its default; so may
+        # the keys without an entry ([defaults]: --api-key keys)
+        min_priority = priority
     if min_priority is not None and priority < min_priority:
         raise ValueError(f"{where}: priority {priority} is better than its min_priority {min_priority}")
 
@@ -230,11 +231,33 @@ def _duration(seconds: float) -> str:
 
 
 class _Buckets:
-    __slots__ = ("requests", "tokens")
+    __slots__ = ("digest", "requests", "tokens")
 
-    def __init__(self) -> None:
+    def __init__(self, digest: bytes) -> None:
+        #: the entry of the key they count (``b""``: a key without one, ``--api-key``)
+        self.digest = digest
         self.requests: RateBucket | None = None
         self.tokens: RateBucket | None = None
+
+    def follow(self, account: Account, now: float) -> None:
+        """Take ``account``'s limits, keeping the levels (a reload changes a limit, not
+        what the key has used): a new limit starts full, a lower one caps the level, a
+        removed one drops its bucket."""
+        self.digest = account.digest
+        self.requests = _follow(self.requests, account.requests_per_minute, now)
+        self.tokens = _follow(self.tokens, account.tokens_per_minute, now)
+
+
+def _follow(bucket: RateBucket | None, limit: int | None, now: float) -> RateBucket | None:
+    if limit is None:
+        return None
+    if bucket is None:
+        return RateBucket(limit, now)
+    if bucket.limit != limit:
+        bucket.refill(now)
+        bucket.limit = limit
+        bucket.level = min(bucket.level, float(limit))
+    return bucket
 
 
 class Accounts:
@@ -247,23 +270,37 @@ class Accounts:
         self._buckets: dict[str, _Buckets] = {}
         self.reloads = 0
 
+    @property
+    def buckets(self) -> int:
+        """How many keys have rate-limit buckets (one per known key that has used a
+        limited account: bounded by the keys, never by what clients send)."""
+        return len(self._buckets)
+
     def replace(self, keys: KeysFile) -> None:
-        """Use ``keys`` for the requests to come (a request in flight keeps its ticket;
-        the buckets of keys still limited keep their levels)."""
+        """Use ``keys`` for the requests to come (a request in flight keeps its ticket).
+        The buckets of keys still known keep their levels (under their new limits, from
+        their next request on); a removed key's are dropped."""
         self.file = keys
         self._by_digest = {account.digest: account for account in keys.accounts}
-        self._buckets.clear()
+        for owner, buckets in list(self._buckets.items()):
+            if buckets.digest and buckets.digest not in self._by_digest:
+                del self._buckets[owner]
         self.reloads += 1
 
-    def reload(self) -> bool:
-        """Read the keys file again (``SIGHUP``); a file that fails to parse is logged
-        and the accounts in force stay. Whether it was replaced."""
+    def reload(self, check: Callable[[KeysFile], str | None] | None = None) -> bool:
+        """Read the keys file again (``SIGHUP``); a file that fails to parse, or that
+        ``check`` refuses (a reason), is logged and the accounts in force stay. Whether
+        it was replaced."""
         if self.path is None:
             return False
         try:
             keys = parse_keys_file(self.path.read_text())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError) as exc:  # (UnicodeDecodeError is a ValueError)
             logger.error("keys file %s not reloaded, the keys in force stay: %s", self.path, exc)
+            return False
+        refusal = check(keys) if check is not None else None
+        if refusal is not None:
+            logger.error("keys file %s not reloaded, the keys in force stay: %s", self.path, refusal)
             return False
         self.replace(keys)
         logger.info("keys file %s reloaded: %d key(s)", self.path, len(keys.accounts))
@@ -293,11 +330,8 @@ class Accounts:
     def _buckets_of(self, owner: str, account: Account, now: float) -> _Buckets:
         buckets = self._buckets.get(owner)
         if buckets is None:
-            buckets = self._buckets[owner] = _Buckets()
-            if account.requests_per_minute is not None:
-                buckets.requests = RateBucket(account.requests_per_minute, now)
-            if account.tokens_per_minute is not None:
-                buckets.tokens = RateBucket(account.tokens_per_minute, now)
+            buckets = self._buckets[owner] = _Buckets(account.digest)
+        buckets.follow(account, now)
         return buckets
 
     def admit(self, owner: str, account: Account) -> list[tuple[bytes, bytes]]:

@@ -4,6 +4,7 @@ An API key sees and cancels its own requests; an admin key, everyone's."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, cast
 
@@ -22,6 +23,8 @@ from ._request import InFlightRequest, Phase
 from ._state import ServerState
 
 __all__ = ["add_request_routes", "phase_of"]
+
+logger = logging.getLogger("trioserve.server")
 
 #: how long a cancel waits for the request to end (its final event is bounded by
 #: FINAL_EVENT_TIMEOUT; a background response's end is stored after it)
@@ -97,6 +100,15 @@ def add_request_routes(app: QuartTrio, state: ServerState, access: AccessPolicy 
         admin = access is not None and key is not None and access.key_is_admin(key)
         return key_salt(scope, access), admin
 
+    def caller_name() -> str:
+        """The caller's key's name (the keys file's; ``default`` for a key without an
+        entry), as ``GET /v1/requests`` shows it."""
+        from quart import request
+
+        keyed = access is not None and access.requires_key
+        key = presented_key(cast("Scope", request.scope)) if keyed else None
+        return state.accounts.account(key).name
+
     def json(body: dict[str, Any], status: int = 200) -> Response:
         return Response(encode_json(body), status=status, content_type="application/json")
 
@@ -119,16 +131,27 @@ def add_request_routes(app: QuartTrio, state: ServerState, access: AccessPolicy 
             )
             return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
         phases = [phase_of(r) for r in found]
+        first = found[0]
+        # whose request it was: an admin may cancel any key's, and says whose it cancelled
+        whose = first.account.name if first.account is not None else None
+        others = any(r.owner != owner for r in found)
+        if others:
+            logger.info(
+                "request %s of key %r cancelled by id by admin key %r", request_id, whose, caller_name()
+            )
+        else:
+            logger.info("request %s of key %r cancelled by id by its own key", request_id, whose)
         for request in found:
             request.cancel("cancelled")
         with trio.move_on_after(_CANCEL_WAIT):
             for request in found:
                 await request.done.wait()
-        first = found[0]
         return json(
             {
                 "id": request_id,
                 "object": "request",
+                # the owner: its key's name (the keys file's; ``default`` without an entry)
+                "key": whose,
                 # (false: it had ended on its own before the cancel reached it)
                 "cancelled": first.cause == "cancelled",
                 # the phase it was in when the cancel came

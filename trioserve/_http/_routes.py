@@ -166,7 +166,7 @@ async def _json_body[T](decode: Callable[[bytes], T]) -> T:
 
 
 def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) -> QuartTrio:
-    app = QuartTrio("trioserve")
+    app = QuartTrio("trioserve", static_folder=None)  # (the page is a route of its own)
     app.config["MAX_CONTENT_LENGTH"] = state.settings.max_body_bytes
     # trioserve's own timeout (_body_bytes: 408 with an OpenAI body) comes first
     body_timeout = app.config["TRIOSERVE_BODY_TIMEOUT"] = state.settings.body_timeout

@@ -28,7 +28,7 @@ from .._core._engine import Engine
 from .._core._errors import unwrap_group
 from .._core._registry import BackendSource, ModelEntry, ModelRegistry, ModelSpec
 from ._access import AccessPolicy
-from ._accounts import Accounts, parse_keys_file
+from ._accounts import Account, Accounts, KeysFile, parse_keys_file
 from ._generation import FINAL_EVENT_TIMEOUT
 from ._hypercorn_patches import patch_hypercorn_connection_registry, patch_hypercorn_h2_backpressure
 from ._routes import create_app
@@ -97,7 +97,10 @@ class ServerSettings:
         cors_origins: browser origins allowed to call the API (``*``: any; none: CORS off).
         keys_file: a TOML file of API keys with their priorities, fair-share weights
             and limits (docs/operations.md, "Keys, priorities and limits"); read again
-            on ``SIGHUP`` (:meth:`Server.reload_keys`).
+            on ``SIGHUP`` (:meth:`Server.reload_keys`). Given, keys are always required,
+            even while it holds none.
+        allow_empty_keys_reload: let a reload leave no key where there are keys (every
+            keyed request then gets 401); by default such a reload is refused.
         http: limits and defaults of the HTTP surface.
     """
 
@@ -111,6 +114,7 @@ class ServerSettings:
     admin_keys: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
     keys_file: Path | None = None
+    allow_empty_keys_reload: bool = False
     http: HTTPSettings = field(default_factory=HTTPSettings)
 
 
@@ -158,11 +162,15 @@ class Server:
         http = self.settings.http
         keys_file = self.settings.keys_file
         keys = parse_keys_file(keys_file.read_text()) if keys_file is not None else None
+        accounts = Accounts(keys, keys_file)
+        if keys is None and (self.settings.api_keys or self.settings.admin_keys):
+            # keys without a file: each may lower its priority (0), never raise it
+            accounts = Accounts(KeysFile(Account(min_priority=0)))
         self.state = ServerState(
             settings=http,
             stall_timeout=self.settings.stall_timeout,
             tracing=Tracing(http.otlp_endpoint, service=http.service_name),
-            accounts=Accounts(keys, keys_file),
+            accounts=accounts,
         )
         self.state.metrics.bind_registry(self.registry)
         self.registry.on_unloaded.append(lambda _entry, engine: self.state.forget(engine))
@@ -190,11 +198,14 @@ class Server:
         return self.registry.default.engine or self._last_engine
 
     def reload_keys(self) -> bool:
-        """Read the keys file again: its keys, priorities, weights and limits hold for
-        the requests to come (a file that fails to parse is logged; the keys in force
-        stay). Whether it was replaced."""
+        """Read the keys file again (what ``SIGHUP`` does): its keys, priorities,
+        weights and limits hold for the requests to come. A file that fails to parse,
+        or that would leave no key where there are keys (unless
+        ``allow_empty_keys_reload``), is refused: logged, the keys in force stay.
+        Whether it was replaced."""
         accounts = self.state.accounts
-        if not accounts.reload():
+        allow_empty = self.settings.allow_empty_keys_reload
+        if not accounts.reload(lambda keys: self.access.reload_refusal(keys, allow_empty=allow_empty)):
             return False
         self.access.use(accounts.file)
         return True

@@ -52,7 +52,7 @@ def test_a_keys_file_gives_each_key_its_entry_and_the_rest_the_defaults() -> Non
     assert (ops.digest, ops.admin, ops.priority, ops.min_priority) == (_digest("sk-ops"), True, 5, -10)
     assert keys.admin_keys == (_digest("sk-ops"),)
     assert keys.defaults.priority == 5
-    assert keys.defaults.min_priority is None
+    assert keys.defaults.min_priority == 5  # the keys without an entry too
     accounts = Accounts(keys)
     assert accounts.account("sk-editor") is editor
     assert accounts.account("sk-other") is keys.defaults
@@ -138,3 +138,65 @@ def test_a_reload_that_fails_keeps_the_keys_in_force(tmp_path: object) -> None:
     assert accounts.reload()
     assert accounts.account("sk-b").name == "b"
     assert accounts.account("sk-a").name == "default"
+
+
+def test_the_defaults_may_lower_their_priority_never_raise_it() -> None:
+    """``[defaults]`` without ``min_priority``: its own priority, as for a ``[[key]]`` —
+    a key without an entry (``--api-key``) cannot ask for ``priority: -1000`` and pause
+    every listed key's streams (issue 47)."""
+    keys = parse_keys_file("[defaults]\npriority = 5\n", {})
+    assert keys.defaults.min_priority == 5
+    accounts = Accounts(keys)
+    outsider = accounts.account("sk-outside")  # (no entry: the defaults)
+    assert accounts.ticket(outsider, "key:x", 9).priority == 9
+    with pytest.raises(PermissionDeniedError, match="at best 5") as refused:
+        accounts.ticket(outsider, "key:x", -1000)
+    assert refused.value.param == "priority"
+    # an empty file: the defaults' priority is 0, and so is the best one it may ask for
+    assert parse_keys_file("", {}).defaults.min_priority == 0
+    # said explicitly, it holds
+    assert parse_keys_file("[defaults]\npriority = 5\nmin_priority = -3\n", {}).defaults.min_priority == -3
+
+
+async def test_a_reload_keeps_each_known_keys_bucket_and_drops_a_removed_ones(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A reload must not refill a key's buckets (a key at its limit stays there), a
+    lowered limit caps the level, a removed key's buckets go (issue 47)."""
+    keys = parse_keys_file(FILE, {"BATCH_KEY": "sk-batch"})
+    accounts = Accounts(keys)
+    batch = keys.accounts[1]
+    accounts.admit("key:b", batch)
+    accounts.admit("key:b", batch)
+    with pytest.raises(RateLimitError, match="requests per minute"):
+        accounts.admit("key:b", batch)
+    assert accounts.buckets == 1
+    accounts.replace(parse_keys_file(FILE, {"BATCH_KEY": "sk-batch"}))  # the same file again
+    batch = accounts.account("sk-batch")
+    with pytest.raises(RateLimitError, match="requests per minute"):
+        accounts.admit("key:b", batch)  # still at its limit: the reload refilled nothing
+    await trio.sleep(30.0)  # one request's worth refilled (2 per minute)
+    # a higher limit: the level stays (1 of 10), not a full bucket
+    accounts.replace(
+        parse_keys_file(
+            FILE.replace("requests_per_minute = 2", "requests_per_minute = 10"), {"BATCH_KEY": "sk-batch"}
+        )
+    )
+    headers = dict(accounts.admit("key:b", accounts.account("sk-batch")))
+    assert headers[b"x-ratelimit-limit-requests"] == b"10"
+    assert headers[b"x-ratelimit-remaining-requests"] == b"0"
+    # the key removed: its buckets go; the keys still known keep theirs
+    accounts.admit("key:e", accounts.account("sk-editor"))  # (no limits: no bucket)
+    assert accounts.buckets == 1
+    accounts.replace(parse_keys_file(FILE.split('[[key]]\nname = "batch"')[0], {}))
+    assert accounts.buckets == 0
+
+
+async def test_a_key_without_an_entry_keeps_its_bucket_across_reloads(autojump_clock: trio.abc.Clock) -> None:
+    limited = "[defaults]\nrequests_per_minute = 1\n"
+    accounts = Accounts(parse_keys_file(limited, {}))
+    accounts.admit("key:outside", accounts.account("sk-outside"))
+    accounts.replace(parse_keys_file(limited + "[[key]]\nkey = 'sk-new'\n", {}))
+    assert accounts.buckets == 1
+    with pytest.raises(RateLimitError):
+        accounts.admit("key:outside", accounts.account("sk-outside"))
