@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import openai
@@ -12,7 +14,7 @@ import trio
 
 from trioserve import HTTPSettings, ScriptedBackend
 
-from .._helpers import RunningServer, start_server, wait_for
+from .._helpers import RawStream, RunningServer, start_server, wait_for
 
 KEYS = ("sk-first-5b0f3c9e", "sk-second-77d1aa02")
 #: valid for every endpoint (each ignores the others' fields)
@@ -357,3 +359,131 @@ async def test_the_single_model_server_refuses_to_unload_its_model(nursery: trio
         assert (await client.get("/health")).json()["status"] == "ok"
         response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert response.status_code == 200
+
+
+#: the table of docs/operations.md, "Who may call what": one row per route
+_TABLE_ROW = re.compile(r"^\| `(GET|POST|DELETE) (/[^`]*)` \| (open|key|admin) \|")
+#: a route's parameters, as the docs and werkzeug write them, and a value for each
+_PARAMETER = re.compile(r"<(?:[a-z]+:)?([a-z_]+)>|\{([a-z_]+)\}")
+_VALUES = {"model_id": "scripted", "request_id": "nope", "response_id": "resp_nope"}
+
+
+def _access_table() -> dict[tuple[str, str], str]:
+    text = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    section = text.split("### Who may call what", 1)[1].split("\n#", 1)[0]
+    table: dict[tuple[str, str], str] = {}
+    for line in section.splitlines():
+        if match := _TABLE_ROW.match(line):
+            method, path, rule = match.groups()
+            assert (method, path) not in table, f"{method} {path}: two rows"
+            table[method, path] = rule
+    assert len(table) > 20, "the table of docs/operations.md was not found"
+    return table
+
+
+def _app_routes(server: RunningServer) -> set[tuple[str, str]]:
+    """Every route the server answers: the Quart app's (its url_map) and the ones served
+    at the ASGI level, before it (generation, embeddings, rerank)."""
+    from trioserve._http._embeddings import EMBEDDINGS_PATH
+    from trioserve._http._generation import GENERATION_PATHS
+    from trioserve._http._rerank import RERANK_PATHS
+    from trioserve._http._routes import _create_quart_app
+
+    quart = _create_quart_app(server.server.state, server.server.access)
+    routes = {
+        (method, _PARAMETER.sub(lambda m: "{" + (m[1] or m[2]) + "}", rule.rule))
+        for rule in quart.url_map.iter_rules()
+        for method in rule.methods or ()
+        if method not in ("HEAD", "OPTIONS")  # (they follow their route's rule)
+    }
+    return routes | {("POST", path) for path in (*GENERATION_PATHS, EMBEDDINGS_PATH, *RERANK_PATHS)}
+
+
+async def test_every_route_is_in_the_access_table_and_its_rule_holds(nursery: trio.Nursery) -> None:
+    """Issue 47: admin-only and key-only routes in ONE table (docs/operations.md, "Who
+    may call what"). Every route of the app has its row and no row lacks a route; each
+    rule is enforced over a real socket: open (no 401/403 without a key), key (401
+    without a key or with a wrong one, served with any key), admin (401 without a key,
+    403 with a plain key, served with an admin key)."""
+    running = await start_server(
+        nursery, ScriptedBackend([b"ok"]), close_backend=True, api_keys=KEYS, admin_keys=(ADMIN,)
+    )
+    table = _access_table()
+    routes = _app_routes(running)
+    assert routes - table.keys() == set(), "routes missing from the table of docs/operations.md"
+    assert table.keys() - routes == set(), "rows of docs/operations.md without a route"
+    access = running.server.access
+    plain, admin = {"Authorization": f"Bearer {KEYS[0]}"}, {"x-api-key": ADMIN}
+    async with httpx.AsyncClient(base_url=running.url) as client:
+        for (method, route), rule in sorted(table.items()):
+            path = _PARAMETER.sub(lambda m: _VALUES[m[1] or m[2]], route)
+            assert access.rule(path, method) == rule, (method, route)
+
+            async def status(headers: dict[str, str], method: str = method, path: str = path) -> int:
+                body = {} if method == "POST" else None
+                return (await client.request(method, path, json=body, headers=headers)).status_code
+
+            where = f"{method} {route} ({rule})"
+            if rule == "open":
+                assert await status({}) not in (401, 403), where
+                continue
+            assert await status({}) == 401, where
+            assert await status({"Authorization": "Bearer sk-wrong"}) == 401, where
+            assert await status(admin) not in (401, 403), where
+            # a valid key is served (a 400 for an empty body, a 404 for an id not there)
+            with_plain = await status(plain)
+            assert (with_plain == 403) if rule == "admin" else (with_plain not in (401, 403)), where
+        # default-deny: a path that is no route needs a key too
+        assert (await client.get("/v1/nothing-here")).status_code == 401
+        assert (await client.get("/favicon.ico")).status_code == 401
+        assert (await client.get("/favicon.ico", headers=plain)).status_code == 404
+        assert (await client.get("/static/index.html", headers=plain)).status_code == 404  # (no such route)
+
+
+async def test_loads_follow_the_rule_of_the_health_details(keyed: RunningServer) -> None:
+    """Issue 47: ``/loads`` named the models and their load errors to anyone; it needs a
+    key now, as ``/health``'s details do (``/health`` itself stays open, the status alone)."""
+    async with httpx.AsyncClient(base_url=keyed.url) as client:
+        for path in ("/loads", "/v1/loads", "/loads?model=missing"):
+            refused = await client.get(path)
+            assert refused.status_code == 401, path
+            assert refused.headers["www-authenticate"] == "Bearer"
+        assert (await client.get("/health")).json() == {"status": "ok"}
+        served = await client.get("/loads", headers={"Authorization": f"Bearer {KEYS[0]}"})
+        assert served.status_code == 200
+        assert served.json()["loads"][0]["max_running_requests"] == 1
+        health = await client.get("/health", headers={"Authorization": f"Bearer {KEYS[0]}"})
+        assert "models" in health.json()
+
+
+async def test_an_admins_cancel_by_id_names_the_owner(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 47: an admin may cancel any key's request by id; the answer and the log
+    say whose it was (the keys file's name), and which admin cancelled it."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        '[[key]]\nname = "editor"\nkey = "sk-editor"\n\n[[key]]\nname = "ops"\nkey = "sk-ops"\nadmin = true\n'
+    )
+    backend = ScriptedBackend(token_interval=0.001)  # never ends on its own
+    running = await start_server(nursery, backend, close_backend=True, keys_file=keys, shutdown_grace=0.0)
+    caplog.set_level(logging.INFO, logger="trioserve.server")
+    stream = await RawStream.post(
+        running.url,
+        "/v1/completions",
+        {"prompt": "x", "stream": True},
+        {"X-Request-Id": "job-7", "authorization": "Bearer sk-editor"},
+    )
+    try:
+        await stream.read_until(b"data: ", 2)
+        async with httpx.AsyncClient(base_url=running.url, headers={"x-api-key": "sk-ops"}) as admin:
+            answer = await admin.post("/v1/requests/job-7/cancel")
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert (body["id"], body["cancelled"], body["key"]) == ("job-7", True, "editor")
+        await stream.read_to_eof_or(b"data: [DONE]\n\n")
+    finally:
+        await stream.aclose()
+    lines = [r.getMessage() for r in caplog.records if "cancelled by id" in r.getMessage()]
+    assert lines == ["request job-7 of key 'editor' cancelled by id by admin key 'ops'"]
+    running.server.shutdown()
