@@ -420,7 +420,7 @@ async def test_every_route_is_in_the_access_table_and_its_rule_holds(nursery: tr
             assert access.rule(path, method) == rule, (method, route)
 
             async def status(headers: dict[str, str], method: str = method, path: str = path) -> int:
-                body = {} if method == "POST" else None
+                body: dict[str, object] | None = {} if method == "POST" else None
                 return (await client.request(method, path, json=body, headers=headers)).status_code
 
             where = f"{method} {route} ({rule})"
