@@ -4,7 +4,8 @@ key's priority, fair-share weight and limits, and the rate limits' buckets.
 A request's account is its API key (the same hash that salts its prompt cache and owns
 its stored responses); where no key is required, every request is the one account
 ``""``. The file's ``[defaults]`` apply to keys without an entry (``--api-key`` keys,
-or none at all). Pure bookkeeping on the event loop: a few dict lookups per request.
+or none at all). A reload keeps each known key's rate-limit buckets (their levels)
+and drops a removed key's; only known keys have buckets. Pure bookkeeping on the event loop: a few dict lookups per request.
 The format and the rules: docs/operations.md, "Keys, priorities and limits".
 """
 
@@ -59,7 +60,8 @@ class Account:
     admin: bool = False
     #: the priority of its requests that name none
     priority: int = 0
-    #: the best (lowest) priority its requests may ask for (``None``: any)
+    #: the best (lowest) priority its requests may ask for (``None``: any — only where
+    #: no key is configured; an entry's default, ``[defaults]``' too: its ``priority``)
     min_priority: int | None = None
     #: its weight in the fair share of the slots and of the tokens served
     weight: float = 1.0
