@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if settings.api_keys or settings.admin_keys:
         logger.info(
-            "API keys required on /v1/* and /metrics (%d key(s), %d admin key(s))",
+            "API keys required on every route but /health and the page (%d key(s), %d admin key(s))",
             len(settings.api_keys) + len(settings.admin_keys),
             len(settings.admin_keys),
         )

@@ -5,8 +5,9 @@ A request's account is its API key (the same hash that salts its prompt cache an
 its stored responses); where no key is required, every request is the one account
 ``""``. The file's ``[defaults]`` apply to keys without an entry (``--api-key`` keys,
 or none at all). A reload keeps each known key's rate-limit buckets (their levels)
-and drops a removed key's; only known keys have buckets. Pure bookkeeping on the event loop: a few dict lookups per request.
-The format and the rules: docs/operations.md, "Keys, priorities and limits".
+and drops a removed key's; only known keys have buckets. Pure bookkeeping on the
+event loop: a few dict lookups per request. The format and the rules:
+docs/operations.md, "Keys, priorities and limits".
 """
 
 from __future__ import annotations
