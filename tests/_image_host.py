@@ -1,10 +1,11 @@
 """A tiny HTTP/1.1 image host on 127.0.0.1 for the fetch tests (``test_fetch.py``,
 ``test_vision.py``): it serves an image, redirects to loopback, private and link-local
-addresses, sends too much, or never answers."""
+addresses, sends too much (declared, chunked, or as a gzip bomb), or never answers."""
 
 from __future__ import annotations
 
 import contextlib
+import zlib
 
 import trio
 
@@ -17,6 +18,8 @@ class Host:
     def __init__(self) -> None:
         self.port = 0
         self.requests: list[str] = []
+        #: each request's headers (lower-case names), in order
+        self.headers: list[dict[str, str]] = []
         self.closed = trio.Event()  # a connection the client closed while the server waited
         self.slow = trio.Event()  # /slow was asked for
         #: more paths to serve, as images
@@ -34,9 +37,12 @@ class Host:
             if not chunk:
                 return
             data += chunk
-        line = data.split(b"\r\n", 1)[0].decode()
-        path = line.split(" ")[1]
+        head = data.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+        path = head[0].split(" ")[1]
         self.requests.append(path)
+        self.headers.append(
+            {name.strip().lower(): value.strip() for name, _, value in (h.partition(":") for h in head[1:])}
+        )
         other = self.port + 1  # (nothing listens there: a redirect to it must not be followed)
         redirects = {
             "/to-loopback": f"http://127.0.0.1:{other}/img",
@@ -68,6 +74,14 @@ class Host:
             for _ in range(64):
                 await stream.send_all(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             await stream.send_all(b"0\r\n\r\n")
+        elif path == "/gzip-bomb":
+            # 64 MiB of zeros in ~64 KiB, sent gzip-encoded whatever the client asked for
+            packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+            body = b"".join(packer.compress(bytes(1 << 20)) for _ in range(64)) + packer.flush()
+            await stream.send_all(
+                b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Encoding: gzip\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body
+            )
         elif path == "/slow":
             self.slow.set()
             try:

@@ -11,6 +11,8 @@ by a digest of its recipe, like the models in ``_models.py``.
   model's 640 dimensions: :data:`IMAGE_TOKENS` (16) embeddings per image, wrapped by the
   text model's ``<start_of_image>`` / ``<end_of_image>`` tokens. Its embeddings mean
   nothing; they are real libmtmd computations, which is what the tests exercise.
+- :func:`solid_png`: a large PNG of one colour, in a small file (a decompression bomb:
+  1-bit and 30,000 pixels square in ~110 KB), compressed row by row.
 - :func:`png_bytes`: a small RGB PNG (solid or a gradient) made with ``zlib`` alone
   (no Pillow), for image parts of requests.
 """
@@ -34,6 +36,7 @@ __all__ = [
     "gemma3_projector",
     "heavy_gemma3_projector",
     "png_bytes",
+    "solid_png",
     "tiny_gemma3_projector",
     "wide_gemma3_projector",
 ]
@@ -174,4 +177,25 @@ def png_bytes(width: int = 32, height: int = 32, color: tuple[int, int, int] | N
         + chunk(b"IHDR", header)
         + chunk(b"IDAT", zlib.compress(raw))
         + chunk(b"IEND", b"")
+    )
+
+
+def solid_png(width: int, height: int, *, bits: int = 8, color_type: int = 2, byte: int = 0x5A) -> bytes:
+    """A ``width`` × ``height`` PNG whose every byte of pixel data is ``byte`` (``bits``
+    per sample; ``color_type`` 0: grey, 2: RGB), compressed row by row: never held whole."""
+    samples = {0: 1, 2: 3}[color_type]
+    row = b"\x00" + bytes([byte]) * ((width * samples * bits + 7) // 8)  # (filter 0: none)
+    packer = zlib.compressobj(9)
+    rows = 256
+    block = row * rows
+    parts = [packer.compress(block) for _ in range(height // rows)]
+    parts.append(packer.compress(row * (height % rows)))
+    parts.append(packer.flush())
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, bits, color_type, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", b"".join(parts)) + chunk(b"IEND", b"")
     )

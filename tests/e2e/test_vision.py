@@ -12,6 +12,11 @@ the same files: the default Gemma 3 270M with the tiny random-weight gemma3 proj
 - A client that leaves during an image encode stops it (the abort flag, through ggml's
   graph-evaluation callback) and frees its slot.
 - Refusals: a model without a projector, an undecodable image, the image-token budget.
+- Decoding under bounds: a decompression bomb (a 1-bit PNG of 30,000 × 30,000 pixels in
+  150 KB) and every image Pillow cannot read answer 400; a request waits for its share
+  of the decode budget (and leaves the line when its client leaves); one whose images
+  alone exceed it answers 400 naming ``--image-decode-budget``; 16 large images in
+  parallel requests keep the server process's peak RSS under the budget.
 """
 
 from __future__ import annotations
@@ -39,12 +44,12 @@ from trioserve import (
     Usage,
     default_model_path,
 )
-from trioserve._core._media import image_marker
+from trioserve._core._media import ImageBudget, image_marker
 from trioserve._http._fetch import FetchPolicy, parse_allow
 
-from .._helpers import RawStream, RunningServer, llama_server_command, start_server, wait_for
+from .._helpers import RawStream, RunningServer, ServerProcess, llama_server_command, start_server, wait_for
 from .._image_host import Host
-from .._vision_model import IMAGE_TOKENS, png_bytes, tiny_gemma3_projector
+from .._vision_model import IMAGE_TOKENS, png_bytes, solid_png, tiny_gemma3_projector
 
 pytestmark = pytest.mark.model
 
@@ -456,3 +461,104 @@ async def test_an_images_cells_survive_a_restart_in_the_disk_tier(projector: Pat
     finally:
         await fresh.aclose()
     assert text == fresh_text
+
+
+async def test_a_decompression_bomb_and_every_unreadable_image_is_a_400(vision: RunningServer) -> None:
+    """Sizes are read from the header before anything is decoded: a 1-bit PNG of 900 M
+    pixels (Pillow's DecompressionBombError), one of 100 M (its DecompressionBombWarning,
+    an error where warnings are), one of 64 M (over this server's 50 M); a truncated
+    file and a header with nothing after it are not images."""
+    bomb = solid_png(30_000, 30_000, bits=1, color_type=0)
+    assert len(bomb) < 200_000
+    cases = [
+        (bomb, "image_too_large", "larger than this server decodes"),
+        (
+            solid_png(10_000, 10_000, bits=1, color_type=0),
+            "image_too_large",
+            "larger than this server decodes",
+        ),
+        (solid_png(8_000, 8_000, bits=1, color_type=0), "image_too_large", "8000×8000 pixels"),
+        (IMAGES[0][:60], "invalid_image", "messages (image 0)"),
+        (b"GIF89a\x01", "invalid_image", "not an image this server can read"),
+    ]
+    for image, code, says in cases:
+        response = await post(vision.url, "/v1/chat/completions", chat_body(image))
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == (code, "messages"), error
+        assert says in error["message"], error["message"]
+    await chat(vision.url, chat_body(IMAGES[1]))  # (and the server answers on)
+
+
+async def test_a_request_waits_for_its_share_of_the_decode_budget(
+    vision: RunningServer, vision_backend: LlamaBackend
+) -> None:
+    """The budget full (held by the test, as another request's decode would hold it): a
+    request waits in line, queued; its client leaves and it leaves the line; once the
+    budget frees, a request decodes and answers. A request whose images need more than
+    the whole budget is refused at once, naming the flag."""
+    settings = vision_backend.llama_model.settings
+    saved = settings.image_budget
+    budget = settings.image_budget = ImageBudget(1 << 20)  # 1 MiB: a 64 × 64 image needs 76 KiB
+    try:
+        async with budget.hold(budget.capacity):
+            client = await RawStream.post(vision.url, "/v1/chat/completions", chat_body(IMAGES[0]))
+            await wait_for(lambda: budget.waiting == 1, limit=30)
+            assert vision.engine.admission.snapshot().queued == 1  # (its place held)
+            await client.aclose()
+            await wait_for(lambda: budget.waiting == 0, limit=10)
+        assert budget.in_use == 0
+        await vision.wait_idle()
+        await chat(vision.url, chat_body(IMAGES[0]))
+        assert 0 < budget.peak <= budget.capacity
+        big = await post(vision.url, "/v1/chat/completions", chat_body(solid_png(300, 300)))
+        assert big.status_code == 400, big.text
+        error = big.json()["error"]
+        assert error["code"] == "image_too_large"
+        assert "--image-decode-budget" in error["message"]
+    finally:
+        settings.image_budget = saved
+
+
+def _reset_peak(pid: int) -> int:
+    """Reset ``pid``'s peak RSS to its RSS now (``clear_refs`` 5), and return it."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return _memory(pid, "VmHWM")
+
+
+def _memory(pid: int, field: str) -> int:
+    """``field`` (VmRSS, VmHWM) of ``/proc/<pid>/status``, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+async def test_sixteen_large_images_at_once_stay_under_the_decode_budget(projector: Path) -> None:
+    """16 requests at once, each with a 4,000 × 4,000 RGB PNG (48 MB of pixels, 56 KB as
+    a file): the server process's peak RSS (VmHWM, reset once the server is warm) grows
+    by less than ``--image-decode-budget`` (a request's share: 3 bytes a pixel held and
+    16 while it decodes, 304 MB; the budget fits one at a time) and a margin for the
+    requests themselves. Decoded all at once (no budget), they take over 1.5 GB."""
+    budget_mib, margin = 384, 96 << 20
+    image = solid_png(4000, 4000)
+    with ServerProcess(
+        "--threads", "2", "--ctx-size", "1024", "--slots", "2", "--max-queue", "32",
+        "--mmproj", str(projector), "--image-decode-budget", str(budget_mib),
+    ) as server:  # fmt: skip
+        url = server.wait_ready()
+        pid = server.process.pid
+        await chat(url, chat_body(IMAGES[0]))  # (warm: the first image's allocations)
+        base = _reset_peak(pid)
+        statuses: list[int] = []
+
+        async def one() -> None:
+            statuses.append((await post(url, "/v1/chat/completions", chat_body(image))).status_code)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(16):
+                nursery.start_soon(one)
+        grown = _memory(pid, "VmHWM") - base
+        print(f"peak RSS grew by {grown / (1 << 20):.0f} MiB (budget {budget_mib} MiB)")
+        assert statuses == [200] * 16
+        assert grown < (budget_mib << 20) + margin

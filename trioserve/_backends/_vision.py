@@ -24,19 +24,23 @@ import logging
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .._core._exceptions import BackendError, InvalidRequestError
 
-__all__ = ["ImageSpan", "Projector", "VisionPrompt", "find_projector"]
+__all__ = ["ImageSpan", "Projector", "VisionPrompt", "decode_bytes", "find_projector"]
 
 logger = logging.getLogger("trioserve.vision")
 
 #: the largest image (pixels, read from its header before it is decoded)
 MAX_PIXELS = 50_000_000
+#: what decoding holds per pixel: the RGB bitmap libmtmd keeps until the prompt is laid
+#: out, and — for the one image being decoded — the decoder's working buffers (stb_image:
+#: a 16-bit RGBA PNG's inflated rows and image, 8 + 8 bytes a pixel, the worst it reads)
+HELD_PER_PIXEL, DECODING_PER_PIXEL = 3, 16
 #: placeholder ids lie in [n_vocab, _ID_CEILING): llama_token is an int32
 _ID_CEILING = 2**31 - 1
 
@@ -80,6 +84,15 @@ class VisionPrompt:
     @property
     def image_tokens(self) -> int:
         return sum(span.length for span in self.spans)
+
+
+def decode_bytes(pixels: Sequence[int]) -> int:
+    """The memory a request's images take while they are decoded and laid out (its share
+    of the decode budget): every image's bitmap, held together, and the working buffers
+    of the largest (one is decoded at a time)."""
+    if not pixels:
+        return 0
+    return HELD_PER_PIXEL * sum(pixels) + DECODING_PER_PIXEL * max(pixels)
 
 
 def find_projector(model_path: Path) -> Path | None:
@@ -198,17 +211,56 @@ class Projector:
 
     # ------------------------------------------------------------- tokenizing
 
+    def measure(self, data: bytes, what: str) -> int:
+        """An image's pixels, read from its header by Pillow without decoding it; a 400
+        for any image Pillow cannot read (every error Pillow raises, its decompression
+        bomb check's included) or one over :data:`MAX_PIXELS`. Blocking (a worker
+        thread's): a header can sit behind megabytes of metadata."""
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            # (Pillow's own cap, 2 × 89 M pixels — a warning from 89 M, raised where
+            # warnings are errors): over ours in any case
+            raise InvalidRequestError(
+                f"{what} is larger than this server decodes ({exc}); images may have at most "
+                f"{MAX_PIXELS:,} pixels",
+                param="messages",
+                code="image_too_large",
+            ) from None
+        except Exception as exc:  # (an untrusted file: whatever Pillow raises, it is unreadable)
+            raise InvalidRequestError(
+                f"{what} is not an image this server can read (PNG, JPEG, GIF, BMP…): "
+                f"{type(exc).__name__}: {exc}",
+                param="messages",
+                code="invalid_image",
+            ) from None
+        pixels = width * height
+        if pixels > MAX_PIXELS:
+            raise InvalidRequestError(
+                f"{what} is {width}×{height} pixels; images may have at most {MAX_PIXELS:,} pixels",
+                param="messages",
+                code="image_too_large",
+            )
+        return pixels
+
     def tokenize(
         self,
         pieces: Sequence[str | int],
         images: Sequence[bytes],
+        pixels: Mapping[int, int],
         *,
         add_bos: bool,
         param: str = "messages",
         check: Callable[[], None] = lambda: None,
     ) -> VisionPrompt:
         """``pieces`` (text, and image indices into ``images``) as a :class:`VisionPrompt`
-        (blocking: each image is decoded; a worker thread's work)."""
+        (blocking: each image is decoded; a worker thread's work, inside the request's
+        share of the decode budget). ``pixels``: each image's, measured by
+        :meth:`measure`; ``check``: called before each decode (raises to stop: the
+        request was cancelled)."""
         mtmd = self.mtmd
         parts: list[str] = []
         bitmaps: list[Any] = []
@@ -221,7 +273,7 @@ class Projector:
                     continue
                 if piece not in made:
                     check()
-                    made[piece] = self._bitmap(images[piece], f"{param} (image {piece})")
+                    made[piece] = self._bitmap(images[piece], f"{param} (image {piece})", pixels[piece])
                 bitmap, digest = made[piece]
                 bitmaps.append(bitmap)
                 digests.append(digest)
@@ -245,37 +297,33 @@ class Projector:
             )
         return self._lay_out(chunks, digests)
 
-    def _bitmap(self, data: bytes, what: str) -> tuple[Any, bytes]:
-        """One image decoded (its size checked from its header first), and its digest."""
-        from PIL import Image, UnidentifiedImageError
-
-        try:
-            with Image.open(io.BytesIO(data)) as image:
-                width, height = image.size
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
-            raise InvalidRequestError(
-                f"{what} is not an image this server can read (PNG, JPEG, GIF, BMP, WebP…): {exc}",
-                param="messages",
-                code="invalid_image",
-            ) from None
-        if width * height > MAX_PIXELS:
-            raise InvalidRequestError(
-                f"{what} is {width}×{height} pixels; images may have at most {MAX_PIXELS:,} pixels",
-                param="messages",
-                code="image_too_large",
-            )
-        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        bitmap = self.mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buffer, len(data), False)
+    def _bitmap(self, data: bytes, what: str, pixels: int) -> tuple[Any, bytes]:
+        """One image decoded (``pixels``: what its header declared), and its digest: of
+        its decoded pixels, read in place (no copy)."""
+        # (the encoded bytes are read in place too: libmtmd's decoder only reads them)
+        buffer = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+        bitmap = self.mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, cast("Any", buffer), len(data), False)
         if not bitmap:
             raise InvalidRequestError(
                 f"{what} could not be decoded (libmtmd reads PNG, JPEG, BMP, GIF, TGA, PSD…)",
                 param="messages",
                 code="invalid_image",
             )
-        n = self.mtmd.mtmd_bitmap_get_n_bytes(bitmap)
-        pixels = ctypes.string_at(self.mtmd.mtmd_bitmap_get_data(bitmap), n)
-        nx, ny = self.mtmd.mtmd_bitmap_get_nx(bitmap), self.mtmd.mtmd_bitmap_get_ny(bitmap)
-        digest = hashlib.blake2b(pixels, digest_size=32, person=b"trioserve-image")
+        try:
+            nx, ny = self.mtmd.mtmd_bitmap_get_nx(bitmap), self.mtmd.mtmd_bitmap_get_ny(bitmap)
+            if nx * ny > pixels:  # (a file read one way by Pillow, another by the decoder)
+                raise InvalidRequestError(
+                    f"{what} decoded to {nx}×{ny} pixels, more than its header declared",
+                    param="messages",
+                    code="invalid_image",
+                )
+            n = self.mtmd.mtmd_bitmap_get_n_bytes(bitmap)
+            data_pointer = self.mtmd.mtmd_bitmap_get_data(bitmap)
+            view = memoryview(ctypes.cast(data_pointer, ctypes.POINTER(ctypes.c_uint8 * n)).contents)
+            digest = hashlib.blake2b(view, digest_size=32, person=b"trioserve-image")
+        except BaseException:
+            self.mtmd.mtmd_bitmap_free(bitmap)
+            raise
         digest.update(f"|{nx}x{ny}".encode())
         return bitmap, digest.digest()
 

@@ -21,6 +21,7 @@ from .._backends._prompt_cache import HostBudget
 from .._backends._sources import LlamaSource
 from .._backends._vision import find_projector, is_projector_file
 from .._core._exceptions import InvalidRequestError
+from .._core._media import ImageBudget
 from .._core._registry import ModelRegistry, ModelSpec
 from .._http._exchange import parse_keep_alive
 
@@ -240,7 +241,13 @@ def _models(args: argparse.Namespace) -> tuple[list[_Model], dict[str, Any]]:
 
 
 def _settings(
-    args: argparse.Namespace, name: str, path: Path, table: dict[str, Any], projector: Path | None = None
+    args: argparse.Namespace,
+    name: str,
+    path: Path,
+    table: dict[str, Any],
+    projector: Path | None = None,
+    *,
+    image_budget: ImageBudget | None = None,
 ) -> LlamaSettings:
     def get(key: str, default: Any) -> Any:
         return table.get(key, default)
@@ -270,6 +277,7 @@ def _settings(
         rerank_template=get("rerank_template", args.rerank_template),
         mmproj=get("mmproj", projector),
         max_image_tokens=int(get("max_image_tokens", args.max_image_tokens)),
+        image_budget=image_budget or ImageBudget(args.image_decode_budget << 20),
     )
 
 
@@ -324,6 +332,8 @@ def registry(args: argparse.Namespace, *, max_queue: int) -> tuple[str, ModelReg
     # --cache-ram: one host-memory budget for every model's prompt cache (a model's
     # cache_ram caps its share of it): unloaded models' prefixes go first
     host_pool = HostBudget(args.cache_ram * 1024 * 1024)
+    # --image-decode-budget: one for every model's images
+    image_budget = ImageBudget(args.image_decode_budget << 20)
     if args.mmproj:
         raise RuntimeError(
             "--mmproj is for one model; with several, give a model its projector with a preset's "
@@ -341,7 +351,10 @@ def registry(args: argparse.Namespace, *, max_queue: int) -> tuple[str, ModelReg
             ModelSpec(
                 name=model.name,
                 source=LlamaSource(
-                    _settings(args, model.name, model.path, table, model.projector), host_pool=host_pool
+                    _settings(
+                        args, model.name, model.path, table, model.projector, image_budget=image_budget
+                    ),
+                    host_pool=host_pool,
                 ),
                 aliases=aliases,
                 pinned=bool(table.get("pinned", False)),

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from .._core._media import DEFAULT_IMAGE_BUDGET_BYTES
 from .._wire._limits import RequestLimits
 from ._cluster import add_cluster_command
 
@@ -432,6 +433,15 @@ def _media(serve: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="the largest image, decoded from a data URL or fetched (default: 20 MiB; a data URL "
         "also counts toward --max-body-bytes)",
+    )
+    group.add_argument(
+        "--image-decode-budget",
+        type=_positive_int,
+        default=DEFAULT_IMAGE_BUDGET_BYTES >> 20,
+        metavar="MIB",
+        help="memory for decoded images, all requests and models together: a request waits "
+        "for its images' share (3 bytes a pixel each, 16 more a pixel of its largest while it "
+        f"decodes); one that alone needs more gets 400 (default: {DEFAULT_IMAGE_BUDGET_BYTES >> 20})",
     )
     group.add_argument(
         "--media-dir",

@@ -15,9 +15,11 @@ the same rules.
 
 from __future__ import annotations
 
+import io
 import ipaddress
 import math
 import os
+import stat
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Sequence
@@ -52,10 +54,48 @@ class FetchPolicy:
     root: Path | None = None
 
 
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
+_COMPATIBLE = ipaddress.ip_network("::/96")
+
+
+def _embedded(address: ipaddress.IPv6Address) -> tuple[list[ipaddress.IPv4Address], str, bool]:
+    """The IPv4 addresses an IPv6 address carries, the prefix's name, and whether the
+    verdict is theirs alone (a NAT64 or IPv4-mapped address reaches exactly its IPv4;
+    the tunnelling prefixes are judged by their IPv6 rules too)."""
+    low = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    if address.ipv4_mapped is not None:
+        return [address.ipv4_mapped], "IPv4-mapped", True
+    if address in _NAT64:
+        return [low], "NAT64 64:ff9b::/96", True
+    if address in _NAT64_LOCAL:
+        return [low], "local-use NAT64 64:ff9b:1::/48", False
+    if address.sixtofour is not None:
+        return [address.sixtofour], "6to4 2002::/16", False
+    if address.teredo is not None:
+        return list(address.teredo), "Teredo 2001::/32", False
+    if address in _COMPATIBLE and int(address) > 1:
+        return [low], "IPv4-compatible ::/96", False
+    return [], "", False
+
+
 def address_rule(address: IPAddress) -> str | None:
-    """The rule an address breaks, in words (``None``: it is globally routable)."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
+    """The rule an address breaks, in words (``None``: it is globally routable). An IPv6
+    address that embeds an IPv4 one (IPv4-mapped or -compatible, NAT64, 6to4, Teredo) is
+    judged by its IPv4 first: a NAT64 gateway or a tunnel would connect to it."""
+    if isinstance(address, ipaddress.IPv6Address):
+        embedded, prefix, only = _embedded(address)
+        for inner in embedded:
+            rule = _rule(inner)
+            if rule is not None:
+                # (a mapped address is its IPv4, written in IPv6)
+                return rule if prefix == "IPv4-mapped" else f"{rule} (the IPv4 {inner} inside {prefix})"
+        if embedded and only:
+            return None
+    return _rule(address)
+
+
+def _rule(address: IPAddress) -> str | None:
     if address.is_loopback:
         return "loopback"
     if address.is_unspecified:
@@ -178,7 +218,9 @@ async def _fetch(http: httpx.AsyncClient, url: str, policy: FetchPolicy, param: 
         request = http.build_request(
             "GET",
             direct,
-            headers={"Host": parts.netloc.rsplit("@", 1)[-1]},
+            # identity: a compressed body would be inflated by httpx before any cap
+            # could see it (a 64 KiB gzip is 64 MiB once read)
+            headers={"Host": parts.netloc.rsplit("@", 1)[-1], "Accept-Encoding": "identity"},
             extensions={"sni_hostname": host},
         )
         try:
@@ -202,10 +244,19 @@ async def _fetch(http: httpx.AsyncClient, url: str, policy: FetchPolicy, param: 
                 raise InvalidRequestError(
                     f"the image URL answered {response.status_code}", param=param, code="media_fetch_failed"
                 )
+            encoding = response.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                raise InvalidRequestError(
+                    f"the image URL answered with Content-Encoding {encoding!r} though the server "
+                    "asked for none (Accept-Encoding: identity); images are fetched as they are stored",
+                    param=param,
+                    code="media_fetch_failed",
+                )
             declared = response.headers.get("content-length")
             if declared is not None and declared.isdigit() and int(declared) > policy.max_bytes:
                 raise _too_large(param, policy.max_bytes)
-            return await _read_capped(response.aiter_bytes(), policy.max_bytes, param)
+            # the bytes as they arrive (never decoded), counted chunk by chunk
+            return await _read_capped(response.aiter_raw(), policy.max_bytes, param)
         finally:
             await response.aclose()
     raise AssertionError("unreachable")  # pragma: no cover
@@ -253,7 +304,11 @@ async def resolve_images(
 
 async def read_local(url: str, policy: FetchPolicy, *, param: str) -> bytes:
     """A ``file://`` URL's bytes, only under ``policy.root`` (``--media-dir``): the path
-    resolved (symbolic links and ``..`` followed) must stay inside it."""
+    resolved (symbolic links and ``..`` followed) must stay inside it; the file is then
+    opened component by component from the root with ``O_NOFOLLOW`` (a link swapped in
+    after the check is not followed) and ``O_NONBLOCK`` (a FIFO does not block the
+    thread), and read only if it is a regular file. Any path the system cannot take
+    (a NUL byte, a name too long…) is a 400."""
     if policy.root is None:
         raise InvalidRequestError(
             "local files are not read by this server: send the image as a data URL, or start the "
@@ -261,34 +316,92 @@ async def read_local(url: str, policy: FetchPolicy, *, param: str) -> bytes:
             param=param,
             code="media_file_refused",
         )
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        name = urllib.request.url2pathname(parts.path)
+    except ValueError as exc:
+        raise _bad_path(param, str(exc)) from None
     if parts.netloc not in ("", "localhost"):
         raise InvalidRequestError(
             "a file:// URL must name a local path (file:///path)", param=param, code="invalid_image_url"
         )
+    if "\x00" in name:
+        raise _bad_path(param, "it holds a NUL byte (%00)")
     root = policy.root
 
     def read() -> bytes:
-        path = Path(os.path.realpath(urllib.request.url2pathname(parts.path)))
-        base = Path(os.path.realpath(root))
-        if not path.is_relative_to(base):
+        try:
+            path = Path(os.path.realpath(name))
+            base = Path(os.path.realpath(root))
+        except (OSError, ValueError) as exc:
+            raise _bad_path(param, str(exc)) from None
+        if not path.is_relative_to(base) or path == base:
             raise InvalidRequestError(
                 "the file is outside the directory this server reads images from (--media-dir)",
                 param=param,
                 code="media_file_refused",
             )
         try:
-            with path.open("rb") as file:
-                data = file.read(policy.max_bytes + 1)
+            fd = _open_under(str(base), path.relative_to(base).parts)
         except OSError as exc:
             raise InvalidRequestError(
                 f"the image file could not be read: {exc.strerror}", param=param, code="media_fetch_failed"
             ) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise InvalidRequestError(
+                "the image file is not a regular file (a FIFO, device or directory is never read)",
+                param=param,
+                code="media_file_refused",
+            )
+        with os.fdopen(fd, "rb", buffering=0) as file:
+            try:
+                data = _read_up_to(file, policy.max_bytes + 1)
+            except OSError as exc:
+                raise InvalidRequestError(
+                    f"the image file could not be read: {exc.strerror}",
+                    param=param,
+                    code="media_fetch_failed",
+                ) from None
         if len(data) > policy.max_bytes:
             raise _too_large(param, policy.max_bytes)
         return data
 
     return await trio.to_thread.run_sync(read)
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_under(base: str, names: Sequence[str]) -> int:
+    """``base/names…`` opened for reading with no symbolic link followed on the way (each
+    directory opened from the one before, ``O_NOFOLLOW``), non-blocking (a FIFO opens at
+    once, and is then refused)."""
+    directory = os.open(base, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        for name in names[:-1]:
+            inner = os.open(name, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW, dir_fd=directory)
+            os.close(directory)
+            directory = inner
+        return os.open(names[-1], os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | _NOFOLLOW, dir_fd=directory)
+    finally:
+        os.close(directory)
+
+
+def _read_up_to(file: io.RawIOBase, limit: int) -> bytes:
+    body = bytearray()
+    while len(body) < limit:
+        chunk = file.read(min(1 << 20, limit - len(body)))
+        if not chunk:
+            break
+        body += chunk
+    return bytes(body)
+
+
+def _bad_path(param: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"the file:// URL's path cannot name a file: {why}", param=param, code="invalid_image_url"
+    )
 
 
 def parse_allow(entries: Iterable[str]) -> frozenset[str]:

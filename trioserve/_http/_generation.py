@@ -473,7 +473,10 @@ class GenerationHandler:
         if any(g.images for g in generations) and engine.backend.info.vision:
             # image URLs fetched, local files read: inside the request's scope (a client
             # that leaves cancels them), before the prompt is laid out (docs/vision.md);
-            # never for a model that cannot see them (its prepare refuses them)
+            # never for a model that cannot see them (its prepare refuses them). Its
+            # place in the queue is held first: at most slots + --max-queue requests
+            # fetch and decode images at once, and a full server refuses before any.
+            request.reservation = engine.admission.reserve()
             generations = [await self._with_images(g) for g in generations]
         try:
             prompts = [
@@ -491,7 +494,8 @@ class GenerationHandler:
                     # Refuse (429) while a status code can still say so, and hold the
                     # place; then start the stream, so heartbeats can flow while queued
                     # and in prefill.
-                    request.reservation = engine.admission.reserve()
+                    if request.reservation is None:
+                        request.reservation = engine.admission.reserve()
                     await exchange.start(200, SSE_HEADERS)
                     opening = dialect.opening(sum(len(p.tokens) for p in prompts))
                     if opening:

@@ -7,6 +7,7 @@ host it redirects to is checked."""
 from __future__ import annotations
 
 import ipaddress
+import os
 from functools import partial
 from pathlib import Path
 
@@ -15,7 +16,15 @@ import trio
 
 from trioserve._core._exceptions import InvalidRequestError
 from trioserve._core._media import RemoteImage
-from trioserve._http._fetch import FetchPolicy, address_rule, fetch, parse_allow, read_local, resolve_images
+from trioserve._http._fetch import (
+    FetchPolicy,
+    _open_under,
+    address_rule,
+    fetch,
+    parse_allow,
+    read_local,
+    resolve_images,
+)
 
 from ..._image_host import IMAGE, Host
 
@@ -157,9 +166,44 @@ def test_the_address_rules() -> None:
         "::ffff:10.0.0.1": "private",
         "8.8.8.8": None,
         "2606:4700:4700::1111": None,
+        # IPv6 addresses that carry an IPv4 one are judged by it (a NAT64 gateway or a
+        # tunnel would connect there): NAT64, local-use NAT64, 6to4, Teredo, compatible
+        "64:ff9b::7f00:1": "loopback (the IPv4 127.0.0.1 inside NAT64 64:ff9b::/96)",
+        "64:ff9b::a9fe:a9fe": "link-local (the IPv4 169.254.169.254 inside NAT64 64:ff9b::/96)",
+        "64:ff9b:1::a00:1": "private (the IPv4 10.0.0.1 inside local-use NAT64 64:ff9b:1::/48)",
+        "2002:c0a8:101::1": "private (the IPv4 192.168.1.1 inside 6to4 2002::/16)",
+        # Teredo's client address is stored inverted: 80ff:fffe is 127.0.0.1
+        "2001:0:4136:e378:8000:63bf:80ff:fffe": "loopback (the IPv4 127.0.0.1 inside Teredo 2001::/32)",
+        "::a00:1": "private (the IPv4 10.0.0.1 inside IPv4-compatible ::/96)",
+        # a public IPv4 through the well-known NAT64 prefix is public (IPv6-only hosts
+        # with DNS64 reach every IPv4 site this way); the tunnels stay refused
+        "64:ff9b::808:808": None,
+        "2002:808:808::1": "private",
     }
     for text, rule in cases.items():
         assert address_rule(ipaddress.ip_address(text)) == rule, text
+
+
+async def test_an_ipv4_inside_an_ipv6_literal_is_refused_by_its_ipv4_rule(host: Host) -> None:
+    for url, rule in [
+        (f"http://[64:ff9b::7f00:1]:{host.port}/img", "loopback"),
+        ("http://[64:ff9b::a9fe:a9fe]/latest/meta-data/", "link-local"),
+        ("http://[2002:a00:1::1]/x.png", "private"),
+        ("http://[::a00:1]/x.png", "private"),
+    ]:
+        error = await refused(url, FetchPolicy(enabled=True))
+        assert error.code == "media_url_refused"
+        assert f"a {rule} (the IPv4" in error.message, (url, error.message)
+    assert host.requests == []
+
+
+async def test_a_compressed_answer_is_asked_against_and_never_inflated(host: Host) -> None:
+    """The fetch asks for ``Accept-Encoding: identity``; a host that sends gzip all the
+    same (64 MiB of zeros in 64 KiB) is refused by name, nothing inflated."""
+    error = await refused(f"http://127.0.0.1:{host.port}/gzip-bomb", policy(host, max_bytes=1 << 20))
+    assert host.headers[-1]["accept-encoding"] == "identity"
+    assert error.code == "media_fetch_failed"
+    assert "Content-Encoding 'gzip'" in error.message
 
 
 async def test_local_files_only_under_the_media_dir(tmp_path: Path) -> None:
@@ -204,3 +248,64 @@ async def test_resolving_a_requests_images_keeps_their_order(host: Host, tmp_pat
     with pytest.raises(InvalidRequestError) as caught:
         await resolve_images(bad, policy(host, root=tmp_path))
     assert caught.value.param == "messages[1].content[0]"
+
+
+async def local_refusal(url: str, allowed: FetchPolicy) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as caught:
+        await read_local(url, allowed, param="messages[0].content[0].image_url.url")
+    assert caught.value.param == "messages[0].content[0].image_url.url"
+    return caught.value
+
+
+async def test_a_malformed_local_path_is_a_400(tmp_path: Path) -> None:
+    allowed = FetchPolicy(root=tmp_path)
+    (tmp_path / "cat.png").write_bytes(IMAGE)
+    error = await local_refusal(f"{tmp_path.as_uri()}/cat.png%00.txt", allowed)
+    assert error.code == "invalid_image_url"
+    assert "NUL" in error.message
+    error = await local_refusal(f"{tmp_path.as_uri()}/{'a' * 5000}.png", allowed)  # (ENAMETOOLONG)
+    assert error.code == "media_fetch_failed"
+    error = await local_refusal(f"{tmp_path.as_uri()}/missing.png", allowed)
+    assert error.code == "media_fetch_failed"
+
+
+async def test_only_regular_files_are_read_and_a_fifo_does_not_block(tmp_path: Path) -> None:
+    """A FIFO under the media dir (no writer: a blocking open would wait for ever) and a
+    directory are refused at once."""
+    os.mkfifo(tmp_path / "pipe.png")
+    (tmp_path / "folder.png").mkdir()
+    allowed = FetchPolicy(root=tmp_path)
+
+    async def unblock_after(seconds: float) -> None:
+        # (only where the open blocks, as before this fix: a writer lets it return)
+        await trio.sleep(seconds)
+        fd = os.open(tmp_path / "pipe.png", os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(unblock_after, 10)
+        with trio.fail_after(5):
+            error = await local_refusal((tmp_path / "pipe.png").as_uri(), allowed)
+        nursery.cancel_scope.cancel()
+    assert error.code == "media_file_refused"
+    assert "not a regular file" in error.message
+    error = await local_refusal((tmp_path / "folder.png").as_uri(), allowed)
+    assert error.code == "media_file_refused"
+
+
+def test_a_link_swapped_in_after_the_check_is_not_followed(tmp_path: Path) -> None:
+    """The file is opened from the root one component at a time with O_NOFOLLOW: a
+    symbolic link in its place (put there after the path was resolved) fails to open."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "cat.png").write_bytes(IMAGE)
+    (tmp_path / "link.png").symlink_to(tmp_path / "sub" / "cat.png")
+    (tmp_path / "linked").symlink_to(tmp_path / "sub")
+    fd = _open_under(str(tmp_path), ("sub", "cat.png"))
+    try:
+        assert os.read(fd, len(IMAGE) + 1) == IMAGE
+    finally:
+        os.close(fd)
+    for names in (("link.png",), ("linked", "cat.png")):
+        # (ELOOP; a link to a directory opened as one: ENOTDIR)
+        with pytest.raises(OSError, match=r"symbolic links|Not a directory"):
+            _open_under(str(tmp_path), names)

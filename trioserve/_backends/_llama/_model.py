@@ -28,7 +28,7 @@ from .._pieces import classify_piece, make_rule
 from .._platform import RepackDecision
 from .._rerank import reranker_kind
 from .._side_work import run_side_work
-from .._vision import Projector, VisionPrompt
+from .._vision import DECODING_PER_PIXEL, HELD_PER_PIXEL, Projector, VisionPrompt, decode_bytes
 from ._loading import load
 from ._native import LoadAborted, LoadLog, make_log_callback
 from ._sampler import logit_bias, sampler_chain
@@ -455,9 +455,7 @@ class LlamaModel:
             raise InvalidRequestError(
                 "the chat template left this conversation's images out of the prompt", param="messages"
             )
-        laid_out = await trio.to_thread.run_sync(
-            lambda: projector.tokenize(pieces, images, add_bos=request.add_bos)
-        )
+        laid_out = await self._decode_images(projector, request, pieces, images)
         limit = self.settings.max_image_tokens
         if laid_out.image_tokens > limit:
             raise InvalidRequestError(
@@ -475,6 +473,39 @@ class LlamaModel:
                 code="image_too_large",
             )
         return await self._finish_prepare(request, laid_out.tokens, laid_out)
+
+    async def _decode_images(
+        self, projector: Projector, request: GenerationRequest, pieces: list[str | int], images: list[bytes]
+    ) -> VisionPrompt:
+        """The images decoded and laid out with the prompt, under the server's decode
+        budget (docs/vision.md, "Decoding under a budget"): each image's size read from
+        its header first (a worker thread; refused over the pixel limit), the request's
+        share of the budget waited for (cancellable), then the decode in a worker thread
+        that stops between images when the request is cancelled."""
+        used = sorted({piece for piece in pieces if isinstance(piece, int)})
+        sizes = await trio.to_thread.run_sync(
+            lambda: [projector.measure(images[k], f"messages (image {k})") for k in used],
+            abandon_on_cancel=True,
+        )
+        pixels = dict(zip(used, sizes, strict=True))
+        budget = self.settings.image_budget
+        need = decode_bytes(sizes)
+        if need > budget.capacity:
+            raise InvalidRequestError(
+                f"this request's images take {need / (1 << 20):,.0f} MiB to decode ({sum(sizes):,} pixels: "
+                f"{HELD_PER_PIXEL} bytes each, held together until the prompt is laid out, and "
+                f"{DECODING_PER_PIXEL} a pixel of the largest while it decodes); this server decodes at most "
+                f"{budget.capacity / (1 << 20):,.0f} MiB at once (--image-decode-budget): send smaller or "
+                "fewer images",
+                param="messages",
+                code="image_too_large",
+            )
+        async with budget.hold(need):
+            return await trio.to_thread.run_sync(
+                lambda: projector.tokenize(
+                    pieces, images, pixels, add_bos=request.add_bos, check=trio.from_thread.check_cancelled
+                )
+            )
 
     def sampler(
         self,

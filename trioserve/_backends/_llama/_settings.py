@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Literal
 
+from ..._core._media import ImageBudget, default_image_budget
+
 __all__ = ["LlamaSettings"]
 
 
@@ -73,6 +75,9 @@ class LlamaSettings:
         mmproj: the model's vision projector (a GGUF libmtmd loads: ``--mmproj``): the
             model then takes images (docs/vision.md).
         max_image_tokens: the most image tokens one request's prompt may hold.
+        image_budget: the bytes of decoded images held at once (``--image-decode-budget``:
+            one :class:`~trioserve._core._media.ImageBudget` shared by a server's models);
+            default: one per process, of 1 GiB.
     """
 
     def __init__(
@@ -101,6 +106,7 @@ class LlamaSettings:
         rerank_template: str | None = None,
         mmproj: str | Path | None = None,
         max_image_tokens: int = 4096,
+        image_budget: ImageBudget | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
@@ -156,3 +162,4 @@ class LlamaSettings:
         if max_image_tokens < 1:
             raise ValueError(f"max_image_tokens must be at least 1, got {max_image_tokens}")
         self.max_image_tokens = max_image_tokens
+        self.image_budget = image_budget if image_budget is not None else default_image_budget()
