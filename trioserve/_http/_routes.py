@@ -9,7 +9,7 @@ import functools
 import math
 import re
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from importlib import resources
 from typing import Any, cast
 
@@ -90,6 +90,8 @@ def create_app(
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            if scope.get("http_version") != "2":
+                send = _completing(send)
             kind = GENERATION_PATHS.get(scope["path"].rstrip("/") or "/")
             if kind is not None:
                 await generation(scope, receive, send, kind)  # checks headers, logs, counts
@@ -110,6 +112,24 @@ def create_app(
     if access is not None and (access.requires_key or access.cors_origins):
         return with_access_control(app, access)
     return app
+
+
+def _completing(send: Send) -> Send:
+    """``send``, shielded from cancellation (HTTP/1.x). hypercorn ends a response's cycle
+    inside the send of its last body message: it feeds the app ``http.disconnect`` there
+    (on which quart-trio, and the disconnect watchers, cancel the task that is sending),
+    then closes the connection (a body left unread: a 405, a 400 before the body) or
+    restarts its keep-alive timer. A cancel at that point left the connection open with
+    the client's next request unread, and no timer: it hung until the client gave up
+    (found by the schemathesis run, tests/e2e/test_openapi_fuzz.py). hypercorn's HTTP/1.1
+    socket writes are shielded already (the stall timer shuts the socket down instead),
+    so this waits for nothing new; HTTP/2 sends stay cancellable."""
+
+    async def shielded(message: MutableMapping[str, Any]) -> None:
+        with trio.CancelScope(shield=True):
+            await send(message)
+
+    return shielded
 
 
 def _asgi_paths() -> list[str]:
