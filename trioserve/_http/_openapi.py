@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from .._core._exceptions import TrioserveError
 from .._wire import _shapes as shapes
 from .._wire._anthropic import CountTokensRequest, MessagesRequest
 from .._wire._embeddings import EmbeddingsRequest
@@ -27,8 +28,9 @@ from .._wire._openai import ChatCompletionRequest, CompletionRequest
 from .._wire._rerank import RerankRequest
 from .._wire._responses import InputTokensRequest, ResponsesRequest
 from .._wire._tokenize import DetokenizeRequest, TokenizeRequest
+from ._access import AccessPolicy
 
-__all__ = ["OPERATIONS", "Operation", "Param", "openapi_document", "openapi_path"]
+__all__ = ["OPERATIONS", "Operation", "Param", "needs_key", "openapi_document", "openapi_path"]
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -70,7 +72,9 @@ class Operation:
 
 _ID = {"type": "string"}
 _HEADERS = (
-    Param("X-Request-Id", "header", _ID, "the request's id (1-128 of [A-Za-z0-9._:-]); one is made if absent"),
+    Param(
+        "X-Request-Id", "header", _ID, "the request's id (1-128 of [A-Za-z0-9._:-]); one is made if absent"
+    ),
     Param("X-Session-Id", "header", _ID, "a session: a new request of it supersedes the one in flight"),
     Param("X-Request-Timeout", "header", _ID, "seconds the whole request may take (queueing included)"),
     Param("X-Keep-Alive", "header", _ID, "how long the model stays loaded after it (an admin's, with keys)"),
@@ -239,6 +243,22 @@ def openapi_path(rule: str) -> str:
     return _SPACES.sub(r"{\1}", rule)
 
 
+def needs_key(access: AccessPolicy, path: str) -> bool:
+    """Whether the access policy wants an API key at ``path`` (an OpenAPI path: each
+    ``{parameter}`` stands for any value)."""
+    scope: dict[str, Any] = {
+        "type": "http",
+        "method": "POST",
+        "path": re.sub(r"{[^}]*}", "x", path),
+        "headers": [],
+    }
+    try:
+        access.check(scope)
+    except TrioserveError:
+        return True
+    return False
+
+
 def _schema_hook(t: type) -> dict[str, Any]:
     if t is object:
         return {"description": "any JSON value"}
@@ -269,9 +289,7 @@ def openapi_document(routes: Iterable[tuple[str, str]], *, keys: bool, keyed: It
     for method, path in served:
         operation = OPERATIONS[method, path]
         item = paths.setdefault(path, {})
-        item[method.lower()] = _operation(
-            method, path, operation, schema_of, keys=keys and path in keyed
-        )
+        item[method.lower()] = _operation(method, path, operation, schema_of, keys=keys and path in keyed)
     document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {
@@ -313,7 +331,13 @@ def _operation(
         for name in re.findall(r"{([A-Za-z_]+)}", path)
     ]
     parameters += [
-        {"name": p.name, "in": p.where, "required": False, "schema": dict(p.schema), "description": p.description}
+        {
+            "name": p.name,
+            "in": p.where,
+            "required": False,
+            "schema": dict(p.schema),
+            "description": p.description,
+        }
         for p in operation.params
     ]
     body: dict[str, Any] = {

@@ -7,9 +7,8 @@ import dataclasses
 import datetime
 import functools
 import math
-import re
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any, cast
 
@@ -59,8 +58,8 @@ from ._exchange import (
 )
 from ._fetch import resolve_images
 from ._generation import GENERATION_PATHS, GenerationHandler, key_salt, presented_key
-from ._lifecycle import INLINE_PARSE_BYTES, off_the_loop_if
-from ._openapi import openapi_document, openapi_path
+from ._lifecycle import INLINE_PARSE_BYTES, completing, off_the_loop_if
+from ._openapi import needs_key, openapi_document, openapi_path
 from ._requests_routes import add_request_routes
 from ._rerank import RERANK_PATHS, RerankHandler
 from ._state import ServerState
@@ -91,7 +90,7 @@ def create_app(
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             if scope.get("http_version") != "2":
-                send = _completing(send)
+                send = completing(send)
             kind = GENERATION_PATHS.get(scope["path"].rstrip("/") or "/")
             if kind is not None:
                 await generation(scope, receive, send, kind)  # checks headers, logs, counts
@@ -114,24 +113,6 @@ def create_app(
     return app
 
 
-def _completing(send: Send) -> Send:
-    """``send``, shielded from cancellation (HTTP/1.x). hypercorn ends a response's cycle
-    inside the send of its last body message: it feeds the app ``http.disconnect`` there
-    (on which quart-trio, and the disconnect watchers, cancel the task that is sending),
-    then closes the connection (a body left unread: a 405, a 400 before the body) or
-    restarts its keep-alive timer. A cancel at that point left the connection open with
-    the client's next request unread, and no timer: it hung until the client gave up
-    (found by the schemathesis run, tests/e2e/test_openapi_fuzz.py). hypercorn's HTTP/1.1
-    socket writes are shielded already (the stall timer shuts the socket down instead),
-    so this waits for nothing new; HTTP/2 sends stay cancellable."""
-
-    async def shielded(message: MutableMapping[str, Any]) -> None:
-        with trio.CancelScope(shield=True):
-            await send(message)
-
-    return shielded
-
-
 def _asgi_paths() -> list[str]:
     """The paths served at the ASGI level, before quart (``POST`` only)."""
     return [*GENERATION_PATHS, EMBEDDINGS_PATH, *sorted(RERANK_PATHS)]
@@ -145,17 +126,6 @@ def served_routes(app: QuartTrio) -> set[tuple[str, str]]:
         for method in (rule.methods or set()) - _IMPLICIT_METHODS:
             routes.add((method, openapi_path(rule.rule)))
     return routes
-
-
-def _needs_key(access: AccessPolicy, path: str) -> bool:
-    """Whether the access policy wants an API key at ``path`` (an OpenAPI path: each
-    ``{parameter}`` stands for any value)."""
-    scope: Scope = {"type": "http", "method": "POST", "path": re.sub(r"{[^}]*}", "x", path), "headers": []}
-    try:
-        access.check(scope)
-    except TrioserveError:
-        return True
-    return False
 
 
 def _json_response(
@@ -588,7 +558,7 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
 
     routes = served_routes(app)
     keys = access is not None and access.requires_key
-    keyed = [path for _, path in routes if keys and access is not None and _needs_key(access, path)]
+    keyed = [path for _, path in routes if keys and access is not None and needs_key(access, path)]
     document = openapi_document(routes, keys=keys, keyed=keyed)
 
     @app.errorhandler(404)
