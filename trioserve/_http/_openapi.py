@@ -66,6 +66,9 @@ class Operation:
     #: ``True``: its errors are in Anthropic's shape
     anthropic: bool = False
     params: tuple[Param, ...] = ()
+    #: the operations that take an id its answer holds: (method, path, path parameter)
+    #: for its ``id`` (OpenAPI links: schemathesis's stateful phase follows them)
+    links: tuple[tuple[str, str, str], ...] = ()
 
 
 # -- the parameters ---------------------------------------------------------------------
@@ -121,6 +124,15 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/responses"): Operation(
         "Chat (OpenAI Responses)", "responses", ResponsesRequest, shapes.Response,
         stream=True, errors=_RUN, params=_HEADERS,
+        links=tuple(
+            (method, path, "response_id")
+            for method, path in (
+                ("GET", "/v1/responses/{response_id}"),
+                ("GET", "/v1/responses/{response_id}/input_items"),
+                ("POST", "/v1/responses/{response_id}/cancel"),
+                ("DELETE", "/v1/responses/{response_id}"),
+            )
+        ),
     ),
     ("POST", "/infill"): Operation(
         "Fill in the middle (llama-server)", "llama-server", InfillRequest, shapes.InfillResult,
@@ -321,6 +333,14 @@ def _operation(
     if operation.stream:
         ok[SSE] = {"schema": {"type": "string"}}
     responses: dict[str, Any] = {str(operation.status): {"description": "success", "content": ok}}
+    if operation.links:
+        responses[str(operation.status)]["links"] = {
+            _operation_id(method, path): {
+                "operationId": _operation_id(method, path),
+                "parameters": {name: "$response.body#/id"},
+            }
+            for method, path, name in operation.links
+        }
     errors = set(operation.errors)
     if keys:
         errors |= {401, 403}
@@ -341,7 +361,7 @@ def _operation(
         for p in operation.params
     ]
     body: dict[str, Any] = {
-        "operationId": f"{method.lower()}{re.sub(r'[^A-Za-z0-9]+', '_', path).rstrip('_')}",
+        "operationId": _operation_id(method, path),
         "summary": operation.summary,
         "tags": [operation.tag],
         "responses": responses,
@@ -352,6 +372,11 @@ def _operation(
         body["requestBody"] = {"required": True, "content": {JSON: {"schema": schema_of[id(operation.body)]}}}
     body["security"] = [{"bearer": []}, {"apiKey": []}] if keys else []
     return body
+
+
+def _operation_id(method: str, path: str) -> str:
+    """``post_v1_chat_completions``, ``get_v1_responses_response_id``."""
+    return f"{method.lower()}{re.sub(r'[^A-Za-z0-9]+', '_', path).rstrip('_')}"
 
 
 def _version() -> str:
