@@ -35,7 +35,7 @@ ASGIApp = Callable[
 
 #: the paths open to anyone, with keys configured too (``/health`` says only its status
 #: without a valid key); every other path needs a key
-OPEN_PATHS = frozenset({"/", "/health"})
+OPEN_PATHS = frozenset({"/", "/health", "/openapi.json"})
 #: paths that change a model's lifetime for every client: an admin key's (not for GET)
 ADMIN_PATHS = frozenset({"/models/load", "/models/unload"})
 

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from ._exchange import Exchange, Receive, Scope
+from ._exchange import Exchange, Message, Receive, Scope, Send
 from ._hypercorn_patches import shut_down_connection
 from ._request import InFlightRequest
 
@@ -17,6 +17,7 @@ __all__ = [
     "FINAL_EVENT_TIMEOUT",
     "INLINE_PARSE_BYTES",
     "Heartbeat",
+    "completing",
     "end_connection",
     "off_the_loop_if",
     "send_last",
@@ -150,3 +151,21 @@ async def off_the_loop_if[T, *Args](large: bool, work: Callable[[*Args], T], *ar
     if large:
         return await trio.to_thread.run_sync(work, *args)
     return work(*args)
+
+
+def completing(send: Send) -> Send:
+    """``send``, shielded from cancellation (HTTP/1.x). hypercorn ends a response's cycle
+    inside the send of its last body message: it feeds the app ``http.disconnect`` there
+    (on which quart-trio, and the disconnect watchers, cancel the task that is sending),
+    then closes the connection (a body left unread: a 405, a 400 before the body) or
+    restarts its keep-alive timer. A cancel at that point left the connection open with
+    the client's next request unread, and no timer: it hung until the client gave up
+    (found by the schemathesis run, tests/e2e/test_openapi_fuzz.py). hypercorn's HTTP/1.1
+    socket writes are shielded already (the stall timer shuts the socket down instead),
+    so this waits for nothing new; HTTP/2 sends stay cancellable."""
+
+    async def shielded(message: Message) -> None:
+        with trio.CancelScope(shield=True):
+            await send(message)
+
+    return shielded

@@ -58,13 +58,17 @@ from ._exchange import (
 )
 from ._fetch import resolve_images
 from ._generation import GENERATION_PATHS, GenerationHandler, key_salt, presented_key
-from ._lifecycle import INLINE_PARSE_BYTES, off_the_loop_if
+from ._lifecycle import INLINE_PARSE_BYTES, completing, off_the_loop_if
+from ._openapi import needs_key, openapi_document, openapi_path
 from ._requests_routes import add_request_routes
 from ._rerank import RERANK_PATHS, RerankHandler
 from ._state import ServerState
 from ._stored_routes import add_stored_routes
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "served_routes"]
+
+#: the methods every route answers that the document does not list one by one
+_IMPLICIT_METHODS = frozenset({"HEAD", "OPTIONS"})
 
 #: /tokenize and /detokenize answers of more tokens than this are JSON-encoded in a
 #: worker thread
@@ -85,6 +89,8 @@ def create_app(
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            if scope.get("http_version") != "2":
+                send = completing(send)
             kind = GENERATION_PATHS.get(scope["path"].rstrip("/") or "/")
             if kind is not None:
                 await generation(scope, receive, send, kind)  # checks headers, logs, counts
@@ -105,6 +111,21 @@ def create_app(
     if access is not None and (access.requires_key or access.cors_origins):
         return with_access_control(app, access)
     return app
+
+
+def _asgi_paths() -> list[str]:
+    """The paths served at the ASGI level, before quart (``POST`` only)."""
+    return [*GENERATION_PATHS, EMBEDDINGS_PATH, *sorted(RERANK_PATHS)]
+
+
+def served_routes(app: QuartTrio) -> set[tuple[str, str]]:
+    """Every ``(method, OpenAPI path)`` the app serves: the quart app's rules (``HEAD``
+    and ``OPTIONS`` aside) and the paths served before it."""
+    routes = {("POST", path) for path in _asgi_paths()}
+    for rule in app.url_map.iter_rules():
+        for method in (rule.methods or set()) - _IMPLICIT_METHODS:
+            routes.add((method, openapi_path(rule.rule)))
+    return routes
 
 
 def _json_response(
@@ -166,7 +187,8 @@ async def _json_body[T](decode: Callable[[bytes], T]) -> T:
 
 
 def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) -> QuartTrio:
-    app = QuartTrio("trioserve", static_folder=None)  # (the page is a route of its own)
+    # (no static folder: the page is served at /, and every route is in /openapi.json)
+    app = QuartTrio("trioserve", static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = state.settings.max_body_bytes
     # trioserve's own timeout (_body_bytes: 408 with an OpenAI body) comes first
     body_timeout = app.config["TRIOSERVE_BODY_TIMEOUT"] = state.settings.body_timeout
@@ -527,6 +549,17 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
 
     add_stored_routes(app, state, access)
     add_request_routes(app, state, access)
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        """This API's OpenAPI 3.1 document (docs/api.md, "The API's description"),
+        generated when the app is made from the structs its routes decode with."""
+        return Response(document, content_type="application/json")
+
+    routes = served_routes(app)
+    keys = access is not None and access.requires_key
+    keyed = [path for _, path in routes if keys and access is not None and needs_key(access, path)]
+    document = openapi_document(routes, keys=keys, keyed=keyed)
 
     @app.errorhandler(404)
     async def not_found(_error: Exception) -> Response:

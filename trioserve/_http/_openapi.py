@@ -1,0 +1,388 @@
+"""The API describing itself: the OpenAPI 3.1 document served at ``GET /openapi.json``
+(docs/api.md, "The API's description").
+
+It is generated, never written by hand: :data:`OPERATIONS` says, for each route, which
+struct its decoder reads the body with (the same ``msgspec`` structs the server
+decodes requests with), which type its answer has (:mod:`trioserve._wire._shapes`), the
+statuses it answers with and whether it streams; the schemas come from
+``msgspec.json.schema_components``. :func:`openapi_document` walks the routes the app
+serves and looks each one up here: a route with no entry (or an entry with no route)
+is an error when the app is made, so a new route cannot go undescribed."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from .._core._exceptions import TrioserveError
+from .._wire import _shapes as shapes
+from .._wire._anthropic import CountTokensRequest, MessagesRequest
+from .._wire._embeddings import EmbeddingsRequest
+from .._wire._infill import InfillRequest
+from .._wire._models import RouterModelRequest
+from .._wire._openai import ChatCompletionRequest, CompletionRequest
+from .._wire._rerank import RerankRequest
+from .._wire._responses import InputTokensRequest, ResponsesRequest
+from .._wire._tokenize import DetokenizeRequest, TokenizeRequest
+from ._access import AccessPolicy
+
+__all__ = ["OPERATIONS", "Operation", "Param", "needs_key", "openapi_document", "openapi_path"]
+
+JSON = "application/json"
+SSE = "text/event-stream"
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """A query or header parameter (a path's parameters come from its template)."""
+
+    name: str
+    where: str  # "query" | "header"
+    schema: Mapping[str, Any]
+    description: str
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """One route and method, as the document describes it."""
+
+    summary: str
+    tag: str
+    #: the body's struct (the one its decoder reads); ``None``: no body
+    body: object | None = None
+    #: the successful answer's type (``None``: not JSON, see ``media``)
+    answer: object | None = None
+    #: the successful answer's status and media type
+    status: int = 200
+    media: str = JSON
+    #: ``True``: with ``"stream": true`` the answer is server-sent events
+    stream: bool = False
+    #: the error statuses it may answer with (with the error body)
+    errors: tuple[int, ...] = ()
+    #: ``True``: its errors are in Anthropic's shape
+    anthropic: bool = False
+    params: tuple[Param, ...] = ()
+    #: the operations that take an id its answer holds: (method, path, path parameter)
+    #: for its ``id`` (OpenAPI links: schemathesis's stateful phase follows them)
+    links: tuple[tuple[str, str, str], ...] = ()
+
+
+# -- the parameters ---------------------------------------------------------------------
+
+_ID = {"type": "string"}
+_HEADERS = (
+    Param(
+        "X-Request-Id", "header", _ID, "the request's id (1-128 of [A-Za-z0-9._:-]); one is made if absent"
+    ),
+    Param("X-Session-Id", "header", _ID, "a session: a new request of it supersedes the one in flight"),
+    Param("X-Request-Timeout", "header", _ID, "seconds the whole request may take (queueing included)"),
+    Param("X-Keep-Alive", "header", _ID, "how long the model stays loaded after it (an admin's, with keys)"),
+)
+_RETRIEVAL_HEADERS = (_HEADERS[0], _HEADERS[2])
+_INCLUDE = Param("include", "query", {"type": "array", "items": {"type": "string"}}, "fields to include")
+_STORED_QUERY = (
+    Param("stream", "query", {"type": "string"}, "must be false: a stored response is read whole"),
+    Param("starting_after", "query", {"type": "string"}, "not supported (400)"),
+    _INCLUDE,
+)
+_ITEMS_QUERY = (
+    Param("limit", "query", {"type": "integer", "minimum": 1, "maximum": 100}, "items per page (20)"),
+    Param("order", "query", {"enum": ["asc", "desc"]}, "the items' order (desc)"),
+    Param("after", "query", {"type": "string"}, "the item id the page starts after"),
+    _INCLUDE,
+)
+_MODEL_QUERY = (Param("model", "query", {"type": "string"}, "the model (default: the default one)"),)
+
+# -- the statuses -----------------------------------------------------------------------
+
+#: a body read by quart: too large, too slow, not JSON; a model by name; the server
+#: loading or shutting down
+_BODY = (400, 404, 408, 413, 415, 503)
+#: a request that runs on a model: the above, a full queue or a rate limit, an id in
+#: flight, headers too large, a deadline, a backend that cannot (501)
+_RUN = (*_BODY, 409, 429, 431, 501, 504)
+_STORED = (400, 404, 503)
+
+OPERATIONS: dict[tuple[str, str], Operation] = {
+    # generation: one route per dialect
+    ("POST", "/v1/completions"): Operation(
+        "Complete a prompt (OpenAI)", "openai", CompletionRequest, shapes.TextCompletion,
+        stream=True, errors=_RUN, params=_HEADERS,
+    ),
+    ("POST", "/v1/chat/completions"): Operation(
+        "Chat (OpenAI)", "openai", ChatCompletionRequest, shapes.ChatCompletion,
+        stream=True, errors=_RUN, params=_HEADERS,
+    ),
+    ("POST", "/v1/messages"): Operation(
+        "Chat (Anthropic Messages)", "anthropic", MessagesRequest, shapes.AnthropicMessage,
+        stream=True, errors=(*_RUN, 529), anthropic=True, params=_HEADERS,
+    ),
+    ("POST", "/v1/responses"): Operation(
+        "Chat (OpenAI Responses)", "responses", ResponsesRequest, shapes.Response,
+        stream=True, errors=_RUN, params=_HEADERS,
+        links=tuple(
+            (method, path, "response_id")
+            for method, path in (
+                ("GET", "/v1/responses/{response_id}"),
+                ("GET", "/v1/responses/{response_id}/input_items"),
+                ("POST", "/v1/responses/{response_id}/cancel"),
+                ("DELETE", "/v1/responses/{response_id}"),
+            )
+        ),
+    ),
+    ("POST", "/infill"): Operation(
+        "Fill in the middle (llama-server)", "llama-server", InfillRequest, shapes.InfillResult,
+        stream=True, errors=_RUN, params=_HEADERS,
+    ),
+    # retrieval
+    ("POST", "/v1/embeddings"): Operation(
+        "Embed texts (OpenAI)", "retrieval", EmbeddingsRequest, shapes.Embeddings,
+        errors=_RUN, params=_RETRIEVAL_HEADERS,
+    ),
+    **{
+        ("POST", path): Operation(
+            f"Rerank documents ({who})", "retrieval", RerankRequest,
+            shapes.RerankList | list[shapes.TeiRerankResult] if path == "/rerank" else shapes.RerankList,
+            errors=_RUN, params=_RETRIEVAL_HEADERS,
+        )
+        for path, who in (
+            ("/v1/rerank", "Cohere, Jina"),
+            ("/rerank", "llama-server; TEI's shape for a body with texts"),
+            ("/v1/reranking", "llama-server"),
+            ("/reranking", "llama-server"),
+            ("/v2/rerank", "Cohere v2"),
+        )
+    },
+    # token counting and tokenizing
+    ("POST", "/v1/messages/count_tokens"): Operation(
+        "Count a Messages request's tokens (Anthropic)", "anthropic", CountTokensRequest,
+        shapes.CountTokens, errors=_RUN, anthropic=True,
+    ),
+    ("POST", "/v1/responses/input_tokens"): Operation(
+        "Count a Responses request's tokens", "responses", InputTokensRequest, shapes.InputTokens,
+        errors=_RUN,
+    ),
+    ("POST", "/tokenize"): Operation(
+        "Tokenize a text (llama-server)", "llama-server", TokenizeRequest, shapes.Tokenized, errors=_RUN
+    ),
+    ("POST", "/detokenize"): Operation(
+        "Detokenize ids (llama-server)", "llama-server", DetokenizeRequest, shapes.Detokenized, errors=_RUN
+    ),
+    # models
+    ("GET", "/v1/models"): Operation("List the models", "models", answer=shapes.ModelList, errors=(503,)),
+    ("GET", "/v1/models/{model_id}"): Operation(
+        "One model", "models", answer=shapes.Model, errors=(400, 404, 503)
+    ),
+    ("GET", "/models"): Operation(
+        "List the models (llama-server's router)", "models", answer=shapes.RouterModelList, errors=(503,)
+    ),
+    ("POST", "/models/load"): Operation(
+        "Load a model (an admin's, with keys)", "models", RouterModelRequest, shapes.RouterAction,
+        errors=(*_BODY, 409, 429),
+    ),
+    ("POST", "/models/unload"): Operation(
+        "Unload a model (an admin's, with keys)", "models", RouterModelRequest, shapes.RouterAction,
+        errors=(*_BODY, 409),
+    ),
+    # stored responses
+    ("GET", "/v1/responses/{response_id}"): Operation(
+        "Read a stored response", "responses", answer=shapes.Response, errors=_STORED, params=_STORED_QUERY
+    ),
+    ("DELETE", "/v1/responses/{response_id}"): Operation(
+        "Delete a stored response", "responses", answer=shapes.Deleted, errors=_STORED
+    ),
+    ("GET", "/v1/responses/{response_id}/input_items"): Operation(
+        "A stored response's input items", "responses", answer=shapes.InputItems, errors=_STORED,
+        params=_ITEMS_QUERY,
+    ),
+    ("POST", "/v1/responses/{response_id}/cancel"): Operation(
+        "Cancel a background response", "responses", answer=shapes.Response, errors=_STORED
+    ),
+    # requests by id
+    ("GET", "/v1/requests"): Operation(
+        "The caller's requests in flight", "requests", answer=shapes.RequestList
+    ),
+    ("POST", "/v1/requests/{request_id}/cancel"): Operation(
+        "Cancel a request in flight", "requests", answer=shapes.RequestCancelled, errors=(404,)
+    ),
+    ("DELETE", "/v1/requests/{request_id}"): Operation(
+        "Cancel a request in flight", "requests", answer=shapes.RequestCancelled, errors=(404,)
+    ),
+    # operations
+    ("GET", "/health"): Operation("The server's health", "operations", answer=shapes.Health, errors=(503,)),
+    ("GET", "/loads"): Operation(
+        "Load figures for a gateway (sglang's schema)", "operations", answer=shapes.Loads,
+        errors=(400, 404, 503), params=_MODEL_QUERY,
+    ),
+    ("GET", "/v1/loads"): Operation(
+        "Load figures for a gateway (sglang's schema)", "operations", answer=shapes.Loads,
+        errors=(400, 404, 503), params=_MODEL_QUERY,
+    ),
+    ("GET", "/metrics"): Operation(
+        "Prometheus metrics", "operations", media="text/plain; version=1.0.0; charset=utf-8"
+    ),
+    ("GET", "/"): Operation("The chat page", "operations", media="text/html; charset=utf-8"),
+    ("GET", "/openapi.json"): Operation("This document", "operations", answer=dict[str, Any]),
+}  # fmt: skip
+
+#: why each error status is answered (the responses' descriptions)
+_REASONS = {
+    400: "the request is not valid (the message names the field)",
+    401: "no API key, or not a valid one",
+    403: "the key may not do this (an admin's action, or a priority beyond its own)",
+    404: "no such model, route or object (for this key)",
+    408: "the body did not all arrive in time",
+    409: "a request with this id is in flight, or the model is busy loading or unloading",
+    413: "the body is too large",
+    415: "the body is not JSON",
+    429: "the queue is full, or the key's rate limit is spent (Retry-After)",
+    431: "the headers are too large",
+    501: "the backend cannot do this (e.g. no embeddings)",
+    503: "the server is loading or shutting down, or the model failed to load (Retry-After)",
+    504: "the request's deadline passed",
+    529: "the queue is full (Anthropic's status for it)",
+}
+_SPACES = re.compile(r"<(?:[a-z]+:)?([A-Za-z_]+)>")
+
+
+def openapi_path(rule: str) -> str:
+    """A werkzeug rule (``/v1/models/<path:model_id>``) as an OpenAPI path
+    (``/v1/models/{model_id}``)."""
+    return _SPACES.sub(r"{\1}", rule)
+
+
+def needs_key(access: AccessPolicy, path: str) -> bool:
+    """Whether the access policy wants an API key at ``path`` (an OpenAPI path: each
+    ``{parameter}`` stands for any value)."""
+    scope: dict[str, Any] = {
+        "type": "http",
+        "method": "POST",
+        "path": re.sub(r"{[^}]*}", "x", path),
+        "headers": [],
+    }
+    try:
+        access.check(scope)
+    except TrioserveError:
+        return True
+    return False
+
+
+def _schema_hook(t: type) -> dict[str, Any]:
+    if t is object:
+        return {"description": "any JSON value"}
+    raise NotImplementedError
+
+
+def openapi_document(routes: Iterable[tuple[str, str]], *, keys: bool, keyed: Iterable[str] = ()) -> bytes:
+    """The document for the app's ``routes`` (``(method, OpenAPI path)``), as JSON.
+    ``keys``: the server requires API keys (then the paths in ``keyed`` need one: a
+    bearer key, 401 without). Raises :class:`LookupError` for a route with no entry in
+    :data:`OPERATIONS`, or an entry with no route."""
+    served = sorted(set(routes))
+    missing = [route for route in served if route not in OPERATIONS]
+    if missing:
+        raise LookupError(f"routes not described in trioserve/_http/_openapi.py OPERATIONS: {missing}")
+    extra = sorted(set(OPERATIONS) - set(served))
+    if extra:
+        raise LookupError(f"OPERATIONS in trioserve/_http/_openapi.py describe routes not served: {extra}")
+    keyed = frozenset(keyed)
+    types: list[object] = [shapes.OpenAIError, shapes.AnthropicError]
+    for operation in OPERATIONS.values():
+        types += [t for t in (operation.body, operation.answer) if t is not None]
+    refs, components = msgspec.json.schema_components(
+        types, schema_hook=_schema_hook, ref_template="#/components/schemas/{name}"
+    )
+    schema_of = dict(zip(map(id, types), refs, strict=True))
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path in served:
+        operation = OPERATIONS[method, path]
+        item = paths.setdefault(path, {})
+        item[method.lower()] = _operation(method, path, operation, schema_of, keys=keys and path in keyed)
+    document: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "trioserve",
+            "version": _version(),
+            "description": "A streaming LLM inference server on Trio: OpenAI's, Anthropic's and "
+            "llama-server's APIs (docs/api.md). Generated from the structs the server decodes with.",
+        },
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+    if keys:
+        document["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer", "description": "an API key"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key", "description": "an API key"},
+        }
+    return msgspec.json.encode(document)
+
+
+def _operation(
+    method: str, path: str, operation: Operation, schema_of: dict[int, Any], *, keys: bool
+) -> dict[str, Any]:
+    error = schema_of[id(shapes.AnthropicError if operation.anthropic else shapes.OpenAIError)]
+    ok: dict[str, Any] = {}
+    if operation.answer is not None:
+        ok[operation.media] = {"schema": schema_of[id(operation.answer)]}
+    else:
+        ok[operation.media] = {"schema": {"type": "string"}}
+    if operation.stream:
+        ok[SSE] = {"schema": {"type": "string"}}
+    responses: dict[str, Any] = {str(operation.status): {"description": "success", "content": ok}}
+    if operation.links:
+        responses[str(operation.status)]["links"] = {
+            _operation_id(method, path): {
+                "operationId": _operation_id(method, path),
+                "parameters": {name: "$response.body#/id"},
+            }
+            for method, path, name in operation.links
+        }
+    errors = set(operation.errors)
+    if keys:
+        errors |= {401, 403}
+    for status in sorted(errors):
+        responses[str(status)] = {"description": _REASONS[status], "content": {JSON: {"schema": error}}}
+    parameters = [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        for name in re.findall(r"{([A-Za-z_]+)}", path)
+    ]
+    parameters += [
+        {
+            "name": p.name,
+            "in": p.where,
+            "required": False,
+            "schema": dict(p.schema),
+            "description": p.description,
+        }
+        for p in operation.params
+    ]
+    body: dict[str, Any] = {
+        "operationId": _operation_id(method, path),
+        "summary": operation.summary,
+        "tags": [operation.tag],
+        "responses": responses,
+    }
+    if parameters:
+        body["parameters"] = parameters
+    if operation.body is not None:
+        body["requestBody"] = {"required": True, "content": {JSON: {"schema": schema_of[id(operation.body)]}}}
+    body["security"] = [{"bearer": []}, {"apiKey": []}] if keys else []
+    return body
+
+
+def _operation_id(method: str, path: str) -> str:
+    """``post_v1_chat_completions``, ``get_v1_responses_response_id``."""
+    return f"{method.lower()}{re.sub(r'[^A-Za-z0-9]+', '_', path).rstrip('_')}"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trioserve")
+    except PackageNotFoundError:
+        return "0"
