@@ -459,7 +459,7 @@ def _access(serve: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on every route but /health and the page "
+        help="require 'Authorization: Bearer KEY' on every route but /health, /openapi.json and the page "
         "(docs/operations.md, 'Who may call what'; repeatable; also TRIOSERVE_API_KEYS=key1,key2)",
     )
     group.add_argument("--api-key-file", type=Path, help="a file with one API key per line")
