@@ -156,13 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.info("keys file %s: %d key(s)", settings.keys_file, len(keys))
     elif settings.keys_file is not None and not server.access.key_count:
         logger.warning(
-            "keys file %s holds no key: every request but /health, /openapi.json and the page gets 401 until a "
-            "reload (SIGHUP) adds one",
+            "keys file %s holds no key: every request but /health, /openapi.json and the page gets 401 "
+            "until a reload (SIGHUP) adds one",
             settings.keys_file,
         )
     if settings.api_keys or settings.admin_keys:
         logger.info(
-            "API keys required on every route but /health, /openapi.json and the page (%d key(s), %d admin key(s))",
+            "API keys required on every route but /health, /openapi.json and the page "
+            "(%d key(s), %d admin key(s))",
             len(settings.api_keys) + len(settings.admin_keys),
             len(settings.admin_keys),
         )
