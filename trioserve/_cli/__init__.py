@@ -85,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args.log_level, args.log_format)
     models: Callable[[], Awaitable[Backend]] | ModelRegistry
     try:
+        if args.pause_ram < 0:
+            raise RuntimeError(f"--pause-ram must be 0 or more MiB, got {args.pause_ram}")
         if _models.is_registry(args):
             description, models = _models.registry(args, max_queue=args.max_queue)
         else:
@@ -96,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         max_queue=args.max_queue,
+        pause_ram_bytes=args.pause_ram * 1024 * 1024,
         shutdown_grace=args.shutdown_grace,
         stall_timeout=args.stall_timeout or None,
         api_keys=_api_keys(args),

@@ -313,7 +313,21 @@ def _admission(serve: argparse.ArgumentParser) -> None:
         help="generations at once (per model): sequences decoded together (default: 8); with "
         "--upstream, per upstream (default: 8)",
     )
-    group.add_argument("--max-queue", type=int, default=16, help="requests waiting for a slot (default: 16)")
+    group.add_argument(
+        "--max-queue",
+        type=int,
+        default=16,
+        help="requests waiting for a slot, paused ones included (default: 16)",
+    )
+    group.add_argument(
+        "--pause-ram",
+        type=int,
+        default=1024,
+        metavar="MIB",
+        help="host memory for the saved states of requests paused for a better priority, all "
+        "models together; when it is spent a pause is not asked and the better-ranked request "
+        "waits in the queue (default: 1024; 0: never pause; docs/scheduling.md)",
+    )
     group.add_argument(
         "--default-timeout",
         type=_positive_float,
