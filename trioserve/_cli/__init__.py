@@ -87,6 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.pause_ram < 0:
             raise RuntimeError(f"--pause-ram must be 0 or more MiB, got {args.pause_ram}")
+        if not args.responses_max_mb_per_key > 0:
+            raise RuntimeError(
+                f"--responses-max-mb-per-key must be more than 0 MiB, got {args.responses_max_mb_per_key}"
+            )
         if _models.is_registry(args):
             description, models = _models.registry(args, max_queue=args.max_queue)
         else:
@@ -123,6 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             service_name=args.service_name,
             responses_max_age=args.responses_max_age * 86400.0,
             responses_max_bytes=int(args.responses_max_mb * (1 << 20)),
+            responses_max_key_bytes=int(args.responses_max_mb_per_key * (1 << 20)),
             media=FetchPolicy(
                 enabled=args.media_fetch,
                 allow=parse_allow(args.media_fetch_allow),

@@ -522,7 +522,16 @@ def _dialects(serve: argparse.ArgumentParser) -> None:
         type=float,
         default=512.0,
         metavar="MIB",
-        help="the stored responses' size at most, oldest out first (default: 512)",
+        help="the stored responses' size at most, all keys together: a write past it removes the "
+        "writing key's oldest, never another key's (default: 512)",
+    )
+    group.add_argument(
+        "--responses-max-mb-per-key",
+        type=float,
+        default=64.0,
+        metavar="MIB",
+        help="the stored responses one API key may keep, its oldest out first (default: 64; a server "
+        "without keys: --responses-max-mb alone)",
     )
 
 

@@ -152,6 +152,13 @@ class Metrics:
             "Running requests asked to pause for a better-ranked one since each model loaded.",
             registry=registry,
         )
+        self.response_store_failures = Counter(
+            "trioserve_response_store_failures",
+            "Stored responses that could not be written (reason: error, the database or its disk; "
+            "full, no room within the key's quota and the total); their answers were sent.",
+            ["reason"],
+            registry=registry,
+        )
         self.paused_state_bytes = Gauge(
             "trioserve_paused_state_bytes",
             "Bytes of paused requests' saved states (their budget: --pause-ram).",
@@ -193,6 +200,8 @@ class Metrics:
             self.cancel_latency.labels(cause=cause)
         for cause in END_CAUSES:
             self.stream_ends.labels(cause=cause)
+        for reason in ("error", "full"):
+            self.response_store_failures.labels(reason=reason)
 
     def bind_registry(self, models: ModelRegistry) -> None:
         """Gauges read the models' state at scrape time: no cost per request. The

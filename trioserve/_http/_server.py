@@ -287,8 +287,13 @@ class Server:
         http = self.settings.http
         if http.responses_db is None:
             return contextlib.nullcontext()
+        failures = self.state.metrics.response_store_failures
         return open_stored_responses(
-            http.responses_db, max_age=http.responses_max_age, max_bytes=http.responses_max_bytes
+            http.responses_db,
+            max_age=http.responses_max_age,
+            max_bytes=http.responses_max_bytes,
+            max_key_bytes=http.responses_max_key_bytes,
+            on_failure=lambda kind: failures.labels(reason=kind).inc(),
         )
 
     async def _announce(self, binds: list[str]) -> None:
