@@ -63,7 +63,7 @@ from ._exchange import (
     _ClientGone,
     _header,
     _keep_alive,
-    _peek_model,
+    _peek_head,
     _read_body,
     _request_timeout,
     headers_too_large,
@@ -252,11 +252,11 @@ class GenerationHandler:
         # which model: refused (404, 503 shutting down) before any work
         # (a large body's depth check and decode: off the event loop)
         large = len(body) > INLINE_PARSE_BYTES
-        named = await off_the_loop_if(large, _peek_model, body)
-        entry = state.resolve(named)
+        head = await off_the_loop_if(large, _peek_head, body)
+        entry = state.resolve(head.model)
         request.model = entry.name
         request.set_timeout(_request_timeout(scope, state.settings))
-        self._admit(request, entry)
+        self._admit(request, entry, head.priority)
         ask = None
         if state.responses is not None and spec.peek_stored is not None:
             peek = spec.peek_stored
@@ -324,14 +324,15 @@ class GenerationHandler:
             request.note_deadline()  # no-op if another cause came first
             await self.writer.cancelled(request)
 
-    def _admit(self, request: InFlightRequest, entry: ModelEntry) -> None:
-        """Its key's rate limits (429 with ``x-ratelimit-*``) and, where the model is
-        loaded, its queue (429 at capacity): before any expensive work — a stored
-        conversation's read, a model load, the full parse, a background response's
-        record. (Its priority, from the parsed body, is checked after the parse; the
-        queue again there, inside its deadline.)"""
+    def _admit(self, request: InFlightRequest, entry: ModelEntry, priority: int | None) -> None:
+        """Its key's bound on priorities (403), its rate limits (429 with
+        ``x-ratelimit-*``) and, where the model is loaded, its queue (429 at capacity):
+        before any expensive work — a stored conversation's read, a model load, the
+        full parse, a background response's record. (The queue is checked again after
+        the parse, inside the request's deadline.)"""
         accounts = self.state.accounts
         account = request.account = accounts.account(self._key(request.asgi))
+        accounts.ticket(account, request.owner, priority)  # (403 before a rate token is taken)
         request.exchange.extra_headers = accounts.admit(request.owner, account)
         engine = entry.engine
         if engine is not None:
@@ -434,13 +435,13 @@ class GenerationHandler:
         if request.delivered and cause in ("stop", "length"):
             if job.stored:
                 return  # stored before its (unsent) last bytes
-            # its result could not be stored: its failure, a smaller write, where it can
-            # be (else only the log and the counters say so)
+            # its result could not be stored: its failure, a smaller write (no output),
+            # where it can be (else only the log and the counters say so)
             reason = service.degraded or "the response store is full"
-            final = dialect.snapshot(
-                "failed", error=f"its result could not be stored: {reason}", cause="error"
+            error = f"its result could not be stored: {reason}"
+            await service.record(
+                job.turn, job.owner, {**dialect.snapshot("failed", error=error), "output": []}
             )
-            await service.record(job.turn, job.owner, final)
             return
         if cause == "cancelled":
             final = dialect.snapshot("cancelled", cause="cancelled")
