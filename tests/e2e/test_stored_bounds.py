@@ -204,3 +204,37 @@ async def test_a_background_response_whose_result_cannot_be_stored_records_its_f
             assert responses.failures == 1
     finally:
         running.server.shutdown()
+
+
+async def test_a_full_queue_answers_429_before_the_stored_conversation_is_read(nursery: trio.Nursery) -> None:
+    """One slot, no queue, the slot held: a continuation of a response that does not
+    exist is refused for capacity (429) — its chain is never read (a 400 would say it
+    was)."""
+    backend = ScriptedBackend(token_interval=0.01)  # (never ends on its own)
+    running = await start_server(
+        nursery,
+        backend,
+        close_backend=True,
+        shutdown_grace=0.0,
+        max_queue=0,
+        http=HTTPSettings(responses_db="memory"),
+    )
+    engine = running.engine
+    try:
+        async with running.client() as client, trio.open_nursery() as holders:
+
+            async def hold() -> None:
+                await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3000})
+
+            holders.start_soon(hold)
+            await wait_for(lambda: engine.admission.in_use == 1)
+            answer = await client.post(
+                "/v1/responses", json={"input": "Hi", "previous_response_id": "resp_nope"}
+            )
+            assert answer.status_code == 429, answer.text
+            assert answer.json()["error"]["code"] == "overloaded"
+            background = await client.post("/v1/responses", json={"input": "Hi", "background": True})
+            assert background.status_code == 429, background.text
+            holders.cancel_scope.cancel()
+    finally:
+        running.server.shutdown()
