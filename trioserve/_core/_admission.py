@@ -66,16 +66,18 @@ class AdmissionSnapshot:
     paused_bytes: int = 0
     #: the budget for them (``--pause-ram``)
     pause_budget_bytes: int = 0
-    #: pauses not asked since start because the budget was spent (the better-ranked
-    #: request waited in the queue instead)
+    #: requests that waited in the queue instead of pausing a stream because the
+    #: budget was spent (each counted once)
     pauses_refused: int = 0
 
 
 class _Waiter:
-    __slots__ = ("arrival", "count", "granted", "lease", "ticket")
+    __slots__ = ("arrival", "count", "granted", "lease", "refused", "ticket")
 
     def __init__(self, lease: SlotLease) -> None:
         self.lease = lease
+        #: a pause for it was refused by the spent pause budget (counted once)
+        self.refused = False
         self.count = lease.count
         self.ticket = lease.ticket
         self.arrival = lease.arrival
@@ -291,7 +293,11 @@ class Admission:
                 break
             estimate = lease.state_bytes()
             if not self.pause_budget.take(estimate):
-                continue  # the budget is spent: the waiter waits as without pausing
+                # the budget is spent: the waiter waits as without pausing
+                if not waiter.refused:
+                    waiter.refused = True
+                    self.pause_budget.refused += 1
+                continue
             lease.held_bytes = estimate
             lease.pause_asked = True
             self._pausing += lease.count

@@ -49,13 +49,14 @@ class PauseBudget:
             raise ValueError("the pause budget must be 0 or more bytes")
         self.limit = limit
         self.used = 0
+        #: waiters that found it spent and waited instead of pausing someone (each
+        #: counted once however often the queue is ranked again)
         self.refused = 0
 
     def take(self, estimate: int) -> bool:
         """Charge ``estimate`` bytes if they fit (an unknown size, 0, counts as 1: a spent
         budget refuses it); ``False`` and nothing charged if not."""
         if self.used + max(estimate, 1) > self.limit:
-            self.refused += 1
             return False
         self.used += estimate
         return True

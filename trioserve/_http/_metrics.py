@@ -166,7 +166,8 @@ class Metrics:
         )
         self.pauses_refused = Gauge(
             "trioserve_pauses_refused",
-            "Pauses not asked because the --pause-ram budget was spent (a counter read at scrape time).",
+            "Requests that waited instead of pausing a stream because the --pause-ram budget was "
+            "spent (a counter read at scrape time).",
             registry=registry,
         )
         self.slots_total = Gauge("trioserve_slots", "Slots (capacity).", registry=registry)
