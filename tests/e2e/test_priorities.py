@@ -155,6 +155,82 @@ async def test_a_paused_request_cancelled_by_id_leaves_nothing(server: RunningSe
         assert again == fresh
 
 
+async def test_paused_requests_count_toward_max_queue(
+    llama_backend: LlamaBackend, nursery: trio.Nursery
+) -> None:
+    """``--slots 1 --max-queue 1``: streams of priorities 10 then 9 — the first is set
+    aside for the second (its saved state charged to the pause budget) and waits in
+    the queue, so a third of priority 8 is answered 429, not paused too."""
+    running = await start_server(nursery, llama_backend, shutdown_grace=0.0, max_queue=1, http=HTTPSettings())
+    engine = running.engine
+    admission = engine.admission
+    long = {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True, "logit_bias": NO_EOS}
+    streams: list[RawStream] = []
+    try:
+        for priority in (10, 9):
+            stream = await RawStream.post(running.url, "/v1/completions", {**long, "priority": priority})
+            streams.append(stream)
+            await stream.read_until(b"data: ", 2)
+        await wait_for(lambda: admission.paused == 1)
+        assert admission.snapshot().queued == 1
+        assert admission.snapshot().paused_bytes > 0  # the real size of the saved state
+        async with running.client() as client:
+            third = await client.post(
+                "/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "priority": 8}
+            )
+            assert third.status_code == 429, third.text
+            assert "at capacity" in third.json()["error"]["message"]
+            assert admission.paused == 1  # nobody else set aside
+            metrics = (await client.get("/metrics")).text
+            assert "trioserve_paused_state_bytes " in metrics
+    finally:
+        for stream in streams:
+            await stream.aclose()
+        running.server.shutdown()
+    await wait_for(lambda: not engine.streams and admission.in_use == 0 and not admission.queued)
+    assert admission.pause_budget.used == 0
+
+
+async def test_a_spent_pause_budget_makes_the_better_priority_wait(
+    llama_backend: LlamaBackend, nursery: trio.Nursery
+) -> None:
+    """``--pause-ram 0``: a better priority is queued behind the running stream (no
+    pause is asked, nobody is refused) and runs once it ends."""
+    running = await start_server(
+        nursery, llama_backend, shutdown_grace=0.0, pause_ram_bytes=0, http=HTTPSettings()
+    )
+    engine = running.engine
+    admission = engine.admission
+    low = await RawStream.post(
+        running.url,
+        "/v1/completions",
+        {"prompt": "Once upon a time", "max_tokens": 40, "stream": True, "priority": 10},
+    )
+    try:
+        await low.read_until(b"data: ", 2)
+        async with running.client() as client, trio.open_nursery() as inner:
+            answers: list[httpx.Response] = []
+
+            async def urgent() -> None:
+                answers.append(
+                    await client.post(
+                        "/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "priority": 0}
+                    )
+                )
+
+            inner.start_soon(urgent)
+            await wait_for(lambda: admission.queued == 1)
+            assert admission.snapshot().pauses_refused >= 1
+            assert admission.preemptions == 0
+            data = await low.read_to_eof_or(b"0\r\n\r\n")
+            assert b"[DONE]" in data  # the running stream was never set aside
+        assert answers[0].status_code == 200, answers[0].text
+    finally:
+        await low.aclose()
+        running.server.shutdown()
+    assert admission.paused == 0
+
+
 KEYS_FILE = """
 [defaults]
 priority = 3

@@ -85,6 +85,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args.log_level, args.log_format)
     models: Callable[[], Awaitable[Backend]] | ModelRegistry
     try:
+        if args.pause_ram < 0:
+            raise RuntimeError(f"--pause-ram must be 0 or more MiB, got {args.pause_ram}")
+        if not args.responses_max_mb_per_key > 0:
+            raise RuntimeError(
+                f"--responses-max-mb-per-key must be more than 0 MiB, got {args.responses_max_mb_per_key}"
+            )
         if _models.is_registry(args):
             description, models = _models.registry(args, max_queue=args.max_queue)
         else:
@@ -96,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         max_queue=args.max_queue,
+        pause_ram_bytes=args.pause_ram * 1024 * 1024,
         shutdown_grace=args.shutdown_grace,
         stall_timeout=args.stall_timeout or None,
         api_keys=_api_keys(args),
@@ -121,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             service_name=args.service_name,
             responses_max_age=args.responses_max_age * 86400.0,
             responses_max_bytes=int(args.responses_max_mb * (1 << 20)),
+            responses_max_key_bytes=int(args.responses_max_mb_per_key * (1 << 20)),
             media=FetchPolicy(
                 enabled=args.media_fetch,
                 allow=parse_allow(args.media_fetch_allow),

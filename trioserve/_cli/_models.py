@@ -370,6 +370,7 @@ def registry(args: argparse.Namespace, *, max_queue: int) -> tuple[str, ModelReg
         keep_alive=math.inf if server_keep_alive is None else server_keep_alive,
         unload_grace=args.unload_grace,
         max_queue=max_queue,
+        pause_ram=args.pause_ram * 1024 * 1024,
     )
     bound = f", at most {args.models_max} loaded" if args.models_max else ""
     names = ", ".join(spec.name for spec in specs)

@@ -314,7 +314,21 @@ def _admission(serve: argparse.ArgumentParser) -> None:
         help="generations at once (per model): sequences decoded together (default: 8); with "
         "--upstream, per upstream (default: 8)",
     )
-    group.add_argument("--max-queue", type=int, default=16, help="requests waiting for a slot (default: 16)")
+    group.add_argument(
+        "--max-queue",
+        type=int,
+        default=16,
+        help="requests waiting for a slot, paused ones included (default: 16)",
+    )
+    group.add_argument(
+        "--pause-ram",
+        type=int,
+        default=1024,
+        metavar="MIB",
+        help="host memory for the saved states of requests paused for a better priority, all "
+        "models together; when it is spent a pause is not asked and the better-ranked request "
+        "waits in the queue (default: 1024; 0: never pause; docs/scheduling.md)",
+    )
     group.add_argument(
         "--default-timeout",
         type=_positive_float,
@@ -525,7 +539,16 @@ def _dialects(serve: argparse.ArgumentParser) -> None:
         type=float,
         default=512.0,
         metavar="MIB",
-        help="the stored responses' size at most, oldest out first (default: 512)",
+        help="the stored responses' size at most, all keys together: a write past it removes the "
+        "writing key's oldest, never another key's (default: 512)",
+    )
+    group.add_argument(
+        "--responses-max-mb-per-key",
+        type=float,
+        default=64.0,
+        metavar="MIB",
+        help="the stored responses one API key may keep, its oldest out first (default: 64; a server "
+        "without keys: --responses-max-mb alone)",
     )
 
 

@@ -28,34 +28,24 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import trio
 
 from ._exceptions import OverloadedError
+from ._lease import DEFAULT_TICKET, PauseBudget, Reservation, SlotLease, Ticket, unbounded_pause_budget
 
-__all__ = ["Admission", "AdmissionSnapshot", "Reservation", "SlotLease", "Ticket"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Ticket:
-    """Where a request stands in the queue (the HTTP layer makes it from the body's
-    ``priority`` and the API key's entry in the keys file)."""
-
-    #: lower first; any integer (vLLM's ``priority``)
-    priority: int = 0
-    #: whose share it uses (a hash of the API key; ``""``: the one local user)
-    account: str = ""
-    #: the account's weight in the fair share (> 0)
-    weight: float = 1.0
-    #: the most slots the account may hold at once (``None``: no limit)
-    concurrency: int | None = None
-
-
-#: the ticket of a request that names none
-DEFAULT_TICKET = Ticket()
+__all__ = [
+    "DEFAULT_TICKET",
+    "Admission",
+    "AdmissionSnapshot",
+    "PauseBudget",
+    "Reservation",
+    "SlotLease",
+    "Ticket",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,115 +61,23 @@ class AdmissionSnapshot:
     paused: int = 0
     #: preemptions asked for since start
     preemptions: int = 0
-
-
-class Reservation:
-    """A place held between :meth:`Admission.reserve` and :meth:`Admission.slot`.
-    :meth:`release` is idempotent."""
-
-    __slots__ = ("_admission", "released")
-
-    def __init__(self, admission: Admission) -> None:
-        self._admission = admission
-        self.released = False
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._admission.reserved -= 1
-
-
-def _nothing() -> None:
-    pass
-
-
-def _no_usage() -> int:
-    return 0
-
-
-class SlotLease:
-    """Held slots (one, or ``count`` for a request with ``n`` choices). :meth:`release`
-    is idempotent, so the holder can give the slots back as soon as inference ends,
-    while the ``async with`` guarantees it at exit.
-
-    Preemption: a holder that can set its work aside sets :attr:`pausable` and
-    :attr:`on_pause`; when admission asks (``pause_asked``), it sets the work aside and
-    calls :meth:`pause` (or :meth:`decline` if it cannot)."""
-
-    __slots__ = (
-        "_admission",
-        "arrival",
-        "charged",
-        "count",
-        "on_pause",
-        "pausable",
-        "pause_asked",
-        "paused",
-        "pauses",
-        "released",
-        "ticket",
-        "usage",
-    )
-
-    def __init__(self, admission: Admission, count: int = 1, ticket: Ticket = DEFAULT_TICKET) -> None:
-        self._admission = admission
-        self.count = count
-        self.ticket = ticket
-        self.released = False
-        #: the arrival order it was queued in (a paused lease keeps it)
-        self.arrival = 0
-        #: tokens served so far (evaluated + generated), for the fair share; the holder
-        #: sets it; ``charged``: the part already counted
-        self.usage: Callable[[], int] = _no_usage
-        self.charged = 0
-        self.pausable = False
-        self.on_pause: Callable[[], None] = _nothing
-        self.pause_asked = False
-        #: between :meth:`pause` giving the slots back and getting them again
-        self.paused = False
-        self.pauses = 0
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._admission._give_back(self)
-
-    async def pause(self) -> None:
-        """Give the slots back and wait in the queue (this lease's ticket, its original
-        arrival) until they are granted again. The holder has set its work aside.
-
-        Cancellation: cancelled while waiting, the lease stays released (its holder
-        ends); nothing is left in the queue."""
-        admission = self._admission
-        if self.released:
-            raise RuntimeError("a released lease cannot pause")
-        self.pauses += 1
-        self.released = True
-        admission._give_back(self)
-        self.paused = True
-        admission.paused += 1
-        try:
-            await admission._acquire(self)
-        finally:
-            self.paused = False
-            admission.paused -= 1
-        self.released = False
-
-    def decline(self) -> None:
-        """The holder cannot pause (its work ended, or cannot be set aside): admission
-        looks for another way."""
-        if self.pause_asked:
-            self.pause_asked = False
-            self._admission._pausing -= self.count
-        self.pausable = False
-        self._admission._grant()
+    #: bytes of paused requests' saved states (the server's :class:`PauseBudget`,
+    #: shared by every model's admission)
+    paused_bytes: int = 0
+    #: the budget for them (``--pause-ram``)
+    pause_budget_bytes: int = 0
+    #: requests that waited in the queue instead of pausing a stream because the
+    #: budget was spent (each counted once)
+    pauses_refused: int = 0
 
 
 class _Waiter:
-    __slots__ = ("arrival", "count", "granted", "lease", "ticket")
+    __slots__ = ("arrival", "count", "granted", "lease", "refused", "ticket")
 
     def __init__(self, lease: SlotLease) -> None:
         self.lease = lease
+        #: a pause for it was refused by the spent pause budget (counted once)
+        self.refused = False
         self.count = lease.count
         self.ticket = lease.ticket
         self.arrival = lease.arrival
@@ -201,9 +99,18 @@ class Admission:
             updated from measurements) used for ``Retry-After`` and for refusing
             requests whose deadline would pass while they are still queued; 0 means
             unknown, and then nothing is refused on that ground.
+        pause_budget: the bytes paused requests' saved states may hold (shared by the
+            server's admissions; default: no bound).
     """
 
-    def __init__(self, slots: int, max_queue: int, *, expected_service_time: float = 0.0) -> None:
+    def __init__(
+        self,
+        slots: int,
+        max_queue: int,
+        *,
+        expected_service_time: float = 0.0,
+        pause_budget: PauseBudget | None = None,
+    ) -> None:
         if slots < 1:
             raise ValueError("slots must be at least 1")
         if max_queue < 0:
@@ -227,6 +134,7 @@ class Admission:
         self._pausing = 0
         self.paused = 0
         self.preemptions = 0
+        self.pause_budget = pause_budget if pause_budget is not None else unbounded_pause_budget()
 
     @property
     def in_use(self) -> int:
@@ -240,6 +148,9 @@ class Admission:
             max_queue=self.max_queue,
             paused=self.paused,
             preemptions=self.preemptions,
+            paused_bytes=self.pause_budget.used,
+            pause_budget_bytes=self.pause_budget.limit,
+            pauses_refused=self.pause_budget.refused,
         )
 
     # ---------------------------------------------------------- fair share
@@ -297,6 +208,9 @@ class Admission:
         if lease.pause_asked:
             lease.pause_asked = False
             self._pausing -= lease.count
+            if not lease.paused:  # it ended instead of pausing
+                self.pause_budget.give(lease.held_bytes)
+                lease.held_bytes = 0
         self._free += lease.count
         self._grant()
         self._forget_idle()
@@ -377,18 +291,34 @@ class Admission:
         for lease in victims:
             if need <= 0:
                 break
+            estimate = lease.state_bytes()
+            if not self.pause_budget.take(estimate):
+                # the budget is spent: the waiter waits as without pausing
+                if not waiter.refused:
+                    waiter.refused = True
+                    self.pause_budget.refused += 1
+                continue
+            lease.held_bytes = estimate
             lease.pause_asked = True
             self._pausing += lease.count
             self.preemptions += 1
             need -= lease.count
             lease.on_pause()
 
-    async def _acquire(self, lease: SlotLease) -> None:
-        """Wait until ``lease``'s slots are granted (it then holds them)."""
+    def _enqueue(self, lease: SlotLease) -> _Waiter:
         self._activate(lease.ticket.account, self._active())
         waiter = _Waiter(lease)
         self._waiters.append(waiter)
+        return waiter
+
+    async def _acquire(self, lease: SlotLease) -> None:
+        """Wait until ``lease``'s slots are granted (it then holds them)."""
+        waiter = self._enqueue(lease)
         self._grant()
+        await self._wait(waiter)
+
+    async def _wait(self, waiter: _Waiter) -> None:
+        lease = waiter.lease
         at_once = waiter.granted.is_set()
         try:
             if at_once:
@@ -415,8 +345,8 @@ class Admission:
 
     def check(self) -> None:
         """Raise :class:`OverloadedError` if a request arriving now would be refused:
-        ``slots`` running plus ``max_queue`` waiting (and reserved) are taken, or the
-        caller's deadline would pass while it waits."""
+        ``slots`` running plus ``max_queue`` waiting (and reserved; paused requests
+        wait too) are taken, or the caller's deadline would pass while it waits."""
         taken = self.in_use + self.queued + self.reserved
         if taken >= self.slots + self.max_queue:
             raise OverloadedError(

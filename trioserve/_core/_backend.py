@@ -14,11 +14,13 @@ the engine owns everything else. Contract for :meth:`Backend.generate`:
   tokens sets ``piece_per_token`` (then a stream cut by a stop sequence reports the
   tokens up to the stop, not those made past it before the cancel reached it).
 * a backend that can set a running generation aside (:attr:`Backend.pausable`) and
-  finds ``progress.preemption`` set takes part in preemption: it sets the lease's
-  ``on_pause``; asked, it sets the work aside at its next step (its state kept), calls
-  ``await preemption.pause()`` (the slot goes back; it returns once the slot is held
-  again) and resumes where it stopped — or calls ``preemption.decline()``. A cancel
-  while paused is a cancel like any other (docs/scheduling.md).
+  finds ``progress.preemption`` set takes part in preemption: once it can act on an
+  ask, it calls ``preemption.enable_pause(hook, state_bytes=...)`` (the lease is not
+  pausable before: an ask cannot be lost); asked, it sets the work aside at its next
+  step (its state kept), calls ``await preemption.pause(saved_bytes)`` (the slot goes
+  back; it returns once the slot is held again) and resumes where it stopped — or
+  calls ``preemption.decline()``; it calls ``preemption.disable_pause()`` when its work
+  ends. A cancel while paused is a cancel like any other (docs/scheduling.md).
 
 The backends that fit it: ``docs/embedding.md``.
 """

@@ -24,7 +24,7 @@ from typing import Self, cast
 
 import trio
 
-from ._admission import DEFAULT_TICKET, Admission, Reservation, Ticket
+from ._admission import DEFAULT_TICKET, Admission, PauseBudget, Reservation, Ticket
 from ._backend import Backend, ChoiceGroup, GenerationProgress, PreparedPrompt
 from ._channel import PieceChannel
 from ._errors import unwrap_group
@@ -250,16 +250,20 @@ class Engine:
     Args:
         backend: what makes tokens.
         max_queue: how many requests may wait for a slot before new ones are refused
-            with :class:`OverloadedError`.
+            with :class:`OverloadedError` (paused requests wait too).
+        pause_budget: the bytes paused requests' saved states may hold (one budget
+            for a server's models; default: no bound).
     """
 
     @property
     def active_streams(self) -> int:
         return len(self.streams)
 
-    def __init__(self, backend: Backend, *, max_queue: int = 16) -> None:
+    def __init__(
+        self, backend: Backend, *, max_queue: int = 16, pause_budget: PauseBudget | None = None
+    ) -> None:
         self.backend = backend
-        self.admission = Admission(backend.slots, max_queue)
+        self.admission = Admission(backend.slots, max_queue, pause_budget=pause_budget)
         #: streams between admission and teardown (for health checks, metrics, tests)
         self.streams: set[EventStream] = set()
         self._ewma_service_seconds: float | None = None
@@ -398,7 +402,8 @@ class Engine:
                     progresses = [events._progress for events in all_events]
                     lease.usage = lambda: sum(p.served_tokens for p in progresses)
                     if self.backend.pausable and lease.count == 1:
-                        lease.pausable = True
+                        # the backend makes it pausable once its hook is installed
+                        # (SlotLease.enable_pause): an ask before that would be lost
                         progresses[0].preemption = lease
                     self.streams.update(all_events)
                     remaining = [len(choices)]

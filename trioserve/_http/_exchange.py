@@ -235,15 +235,17 @@ def _keep_alive(scope: Scope) -> float | None:
     return None if raw is None else parse_keep_alive(raw)
 
 
-class _ModelField(msgspec.Struct):
+class _HeadFields(msgspec.Struct):
     model: str | None = None
+    priority: int | None = None
 
 
-_peek_decoder = msgspec.json.Decoder(_ModelField)
+_peek_decoder = msgspec.json.Decoder(_HeadFields)
 
 
-def _peek_model(body: bytes) -> str | None:
-    """The ``model`` a JSON body names (``None``: none). A body that is not a JSON
-    object, or whose ``model`` is not a string, is refused here (400), before any model
-    is loaded for it."""
-    return decode(_peek_decoder, body).model
+def _peek_head(body: bytes) -> _HeadFields:
+    """The ``model`` a JSON body names (``None``: none) and its ``priority``: what is
+    checked before any work (the model's existence, the key's bound on priorities). A
+    body that is not a JSON object, or whose ``model`` is not a string or ``priority``
+    not an integer, is refused here (400), before any model is loaded for it."""
+    return decode(_peek_decoder, body)

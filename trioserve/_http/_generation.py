@@ -63,7 +63,7 @@ from ._exchange import (
     _ClientGone,
     _header,
     _keep_alive,
-    _peek_model,
+    _peek_head,
     _read_body,
     _request_timeout,
     headers_too_large,
@@ -252,10 +252,11 @@ class GenerationHandler:
         # which model: refused (404, 503 shutting down) before any work
         # (a large body's depth check and decode: off the event loop)
         large = len(body) > INLINE_PARSE_BYTES
-        named = await off_the_loop_if(large, _peek_model, body)
-        entry = state.resolve(named)
+        head = await off_the_loop_if(large, _peek_head, body)
+        entry = state.resolve(head.model)
         request.model = entry.name
         request.set_timeout(_request_timeout(scope, state.settings))
+        self._admit(request, entry, head.priority)
         ask = None
         if state.responses is not None and spec.peek_stored is not None:
             peek = spec.peek_stored
@@ -323,6 +324,20 @@ class GenerationHandler:
             request.note_deadline()  # no-op if another cause came first
             await self.writer.cancelled(request)
 
+    def _admit(self, request: InFlightRequest, entry: ModelEntry, priority: int | None) -> None:
+        """Its key's bound on priorities (403), its rate limits (429 with
+        ``x-ratelimit-*``) and, where the model is loaded, its queue (429 at capacity):
+        before any expensive work — a stored conversation's read, a model load, the
+        full parse, a background response's record. (The queue is checked again after
+        the parse, inside the request's deadline.)"""
+        accounts = self.state.accounts
+        account = request.account = accounts.account(self._key(request.asgi))
+        accounts.ticket(account, request.owner, priority)  # (403 before a rate token is taken)
+        request.exchange.extra_headers = accounts.admit(request.owner, account)
+        engine = entry.engine
+        if engine is not None:
+            engine.admission.check()
+
     def _key(self, scope: Scope) -> str | None:
         """The API key the request presented, where keys are required (checked by the
         access layer already); ``None`` otherwise."""
@@ -353,11 +368,18 @@ class GenerationHandler:
         exchange = Exchange(_nowhere, response_id, renderer(spec))
         job_request = InFlightRequest(request.asgi, exchange, "responses")
         job_request.owner = owner
+        job_request.account = request.account  # (its limits were taken by this request)
         self.state.tracing.begin(job_request, "/v1/responses")
         job_request.model = entry.name
         job_request.cancel_scope.deadline = request.cancel_scope.deadline
         job = BackgroundJob(turn, owner, queued, job_request)
-        await service.record(turn, owner, queued)
+        if not await service.record(turn, owner, queued):
+            # nothing could be polled: refused before any generation (the log says why)
+            raise ServiceUnavailableError(
+                "the response store cannot keep a background response now (see /health); "
+                "retry later, or send it without background",
+                code="store_unavailable",
+            )
         service.jobs[response_id] = job
         service.nursery.start_soon(self._background, job, spec, body, entry)
         request.end("stop")
@@ -409,9 +431,18 @@ class GenerationHandler:
         service = self.state.responses
         assert service is not None
         cause = request.cause
-        if request.delivered and cause in ("stop", "length"):
-            return  # stored before its (unsent) last bytes
         dialect = job.turn.dialect
+        if request.delivered and cause in ("stop", "length"):
+            if job.stored:
+                return  # stored before its (unsent) last bytes
+            # its result could not be stored: its failure, a smaller write (no output),
+            # where it can be (else only the log and the counters say so)
+            reason = service.degraded or "the response store is full"
+            error = f"its result could not be stored: {reason}"
+            await service.record(
+                job.turn, job.owner, {**dialect.snapshot("failed", error=error), "output": []}
+            )
+            return
         if cause == "cancelled":
             final = dialect.snapshot("cancelled", cause="cancelled")
         elif cause in ("deadline", "shutdown", "unload"):
@@ -438,8 +469,9 @@ class GenerationHandler:
         stream, request.model = parsed.stream, parsed.model
         turn, service = parsed.turn, state.responses
         if turn is not None and service is not None:
-            # stored before its last bytes go out (ResponseWriter._end)
-            request.on_end = functools.partial(service.record, turn, self.owner(request.asgi))
+            # stored before its last bytes go out (ResponseWriter._end); a failed
+            # write is logged and counted, the answer sent all the same
+            request.on_end = functools.partial(service.record_end, turn, self.owner(request.asgi))
             job = service.jobs.get(turn.id)
             if job is not None:
                 job.turn = turn  # (the dialect that writes it: its final state is stored)
@@ -460,11 +492,11 @@ class GenerationHandler:
         first_token = parsed.generation.first_token_timeout
         if first_token is not None:
             request.limit_first_token(first_token)
-        # its place in the queue, and its key's rate limits (429 before any work)
+        # its place in the queue (its key's rate limits were taken before any work)
         accounts = state.accounts
-        account = request.account = accounts.account(self._key(request.asgi))
+        account = request.account
+        assert account is not None  # (GenerationHandler._admit)
         ticket = request.ticket = accounts.ticket(account, request.owner, parsed.priority)
-        exchange.extra_headers = accounts.admit(request.owner, account)
         salt = cache_salt(request.asgi, body, self.access)
         generations = [dataclasses.replace(g, cache_salt=salt) if salt else g for g in parsed.generations]
         request.advance(Phase.QUEUED)

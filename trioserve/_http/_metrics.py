@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from .._core._admission import PauseBudget
     from .._core._engine import Engine
     from .._core._registry import ModelRegistry
 
@@ -151,6 +152,24 @@ class Metrics:
             "Running requests asked to pause for a better-ranked one since each model loaded.",
             registry=registry,
         )
+        self.response_store_failures = Counter(
+            "trioserve_response_store_failures",
+            "Stored responses that could not be written (reason: error, the database or its disk; "
+            "full, no room within the key's quota and the total); their answers were sent.",
+            ["reason"],
+            registry=registry,
+        )
+        self.paused_state_bytes = Gauge(
+            "trioserve_paused_state_bytes",
+            "Bytes of paused requests' saved states (their budget: --pause-ram).",
+            registry=registry,
+        )
+        self.pauses_refused = Gauge(
+            "trioserve_pauses_refused",
+            "Requests that waited instead of pausing a stream because the --pause-ram budget was "
+            "spent (a counter read at scrape time).",
+            registry=registry,
+        )
         self.slots_total = Gauge("trioserve_slots", "Slots (capacity).", registry=registry)
         self.batch_sequences = Gauge(
             "trioserve_batch_sequences",
@@ -182,6 +201,8 @@ class Metrics:
             self.cancel_latency.labels(cause=cause)
         for cause in END_CAUSES:
             self.stream_ends.labels(cause=cause)
+        for reason in ("error", "full"):
+            self.response_store_failures.labels(reason=reason)
 
     def bind_registry(self, models: ModelRegistry) -> None:
         """Gauges read the models' state at scrape time: no cost per request. The
@@ -203,6 +224,14 @@ class Metrics:
         self.paused_requests.set_function(total(lambda e: e.admission.paused))
         self.preemptions.set_function(total(lambda e: e.admission.preemptions))
         self.slots_total.set_function(total(lambda e: e.admission.slots))
+
+        def budgets() -> list[PauseBudget]:
+            # one budget shared by the registry's engines: counted once
+            unique = {id(e.admission.pause_budget): e.admission.pause_budget for e in engines()}
+            return list(unique.values())
+
+        self.paused_state_bytes.set_function(lambda: float(sum(b.used for b in budgets())))
+        self.pauses_refused.set_function(lambda: float(sum(b.refused for b in budgets())))
 
         def stat(name: str) -> Callable[[Engine], float]:
             return lambda e: float((e.backend.stats() or {}).get(name, 0))  # type: ignore[arg-type]

@@ -275,6 +275,9 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 active_streams=engine.active_streams,
                 generations_running=engine.backend.generations.running,
             )
+        if state.responses is not None:
+            # a store that cannot write is degraded, not down: answers are still sent
+            body["responses_store"] = state.responses.health()
         return _health({**body, "status": "ok", "requests_in_flight": len(state.requests), "models": models})
 
     @app.get("/v1/loads")

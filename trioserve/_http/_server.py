@@ -81,7 +81,11 @@ class ServerSettings:
 
     Attributes:
         host, port: the address to bind (port 0 picks a free port).
-        max_queue: requests that may wait for a slot before new ones get 429.
+        max_queue: requests that may wait for a slot before new ones get 429 (paused
+            requests wait too).
+        pause_ram_bytes: bytes the saved states of paused requests may hold (one
+            budget for the models of a server built from a loader); a pause beyond
+            it is not asked: the better-ranked request waits in the queue.
         shutdown_grace: seconds in-flight requests get to finish after a shutdown
             request before they are cancelled.
         stall_timeout: a client that accepts no bytes for this long while the server
@@ -107,6 +111,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     max_queue: int = 16
+    pause_ram_bytes: int = 1 << 30
     shutdown_grace: float = 10.0
     stall_timeout: float | None = 30.0
     send_buffer_bytes: int = 16 * 1024
@@ -153,7 +158,10 @@ class Server:
                 ready_gate=True,
             )
             self.registry = ModelRegistry(
-                [spec], max_queue=self.settings.max_queue, close_backends=close_backend
+                [spec],
+                max_queue=self.settings.max_queue,
+                pause_ram=self.settings.pause_ram_bytes,
+                close_backends=close_backend,
             )
         #: set once the startup models have loaded (or failed to: see ``/health``)
         self.ready = trio.Event()
@@ -290,8 +298,13 @@ class Server:
         http = self.settings.http
         if http.responses_db is None:
             return contextlib.nullcontext()
+        failures = self.state.metrics.response_store_failures
         return open_stored_responses(
-            http.responses_db, max_age=http.responses_max_age, max_bytes=http.responses_max_bytes
+            http.responses_db,
+            max_age=http.responses_max_age,
+            max_bytes=http.responses_max_bytes,
+            max_key_bytes=http.responses_max_key_bytes,
+            on_failure=lambda kind: failures.labels(reason=kind).inc(),
         )
 
     async def _announce(self, binds: list[str]) -> None:

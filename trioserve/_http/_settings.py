@@ -41,7 +41,11 @@ class HTTPSettings:
             (lost at exit) or ``None`` (none are stored: ``store: true``,
             ``previous_response_id`` and ``background`` are refused).
         responses_max_age: seconds a stored response is kept.
-        responses_max_bytes: the stored responses' JSON, at most (oldest out).
+        responses_max_bytes: the stored responses' JSON, at most, all keys together
+            (a write past it removes the writing key's oldest; another key's never).
+        responses_max_key_bytes: the stored responses' JSON one API key may keep (its
+            oldest out first); a server without keys has one owner, bounded by
+            ``responses_max_bytes`` alone.
         otlp_endpoint: an OTLP/HTTP traces URL to export a span per request to (the
             ``otel`` extra); ``None``: no spans (a client's ``traceparent`` still goes
             on to upstreams).
@@ -65,5 +69,6 @@ class HTTPSettings:
     responses_db: str | None = None
     responses_max_age: float = 30 * 86400.0
     responses_max_bytes: int = 512 << 20
+    responses_max_key_bytes: int = 64 << 20
     otlp_endpoint: str | None = None
     service_name: str = "trioserve"

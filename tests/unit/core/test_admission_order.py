@@ -28,13 +28,15 @@ class Holder:
         self.lease: SlotLease | None = None
         self.served = 0
         self.pause_asked = trio.Event()
+        #: what its saved state would take, and takes once paused
+        self.state_bytes = 0
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with self.admission.slot(ticket=self.ticket) as lease:
             self.lease = lease
             lease.usage = lambda: self.served
-            lease.pausable = self.pausable
-            lease.on_pause = self.pause_asked.set
+            if self.pausable:
+                lease.enable_pause(lambda: self.pause_asked.set(), state_bytes=lambda: self.state_bytes)
             self.log.append(f"+{self.name}")
             task_status.started()
             while not self.finish.is_set():
@@ -51,7 +53,7 @@ class Holder:
                 if self.pause_asked.is_set() and not self.finish.is_set():
                     self.pause_asked = trio.Event()
                     self.log.append(f"~{self.name}")
-                    await lease.pause()
+                    await lease.pause(self.state_bytes)
                     self.log.append(f"+{self.name}")
             self.log.append(f"-{self.name}")
 

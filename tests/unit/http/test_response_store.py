@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import trio
 
-from trioserve._http._stored import AsyncResponseStore, ChainError, ResponseStore, StoredResponse
+from trioserve._http._stored import (
+    AsyncResponseStore,
+    ChainError,
+    ResponseStore,
+    StoredResponse,
+    StoreFullError,
+)
 
 
 def _response(
@@ -151,3 +157,100 @@ def test_background_responses_a_killed_process_left_running_end_incomplete() -> 
     assert done is not None
     assert done.status == "completed"
     assert store.settle_unfinished() == 0
+
+
+def test_one_key_never_evicts_another_keys_responses() -> None:
+    """Key A writes far past the total: its own oldest go, every one of B's stays
+    (before issue 47 the oldest of all keys went: B's first)."""
+    store = _store(max_bytes=3000)
+    for i in range(3):
+        store.put(_response(i, owner="key:b", created=1500.0))
+    for i in range(10, 40):
+        store.put(_response(i, owner="key:a", created=1600.0))
+    assert all(store.get(f"resp_{i}", "key:b") is not None for i in range(3))
+    kept = [i for i in range(10, 40) if store.get(f"resp_{i}", "key:a") is not None]
+    assert kept == list(range(40 - len(kept), 40))  # A's oldest went
+    assert store.usage(None)[0] <= 3000
+
+
+def test_a_key_fills_its_quota_and_anothers_responses_all_survive() -> None:
+    store = _store(max_bytes=100_000, max_key_bytes=1000)
+    for i in range(5):
+        store.put(_response(i, owner="key:b", created=1500.0))
+    for i in range(10, 60):
+        store.put(_response(i, owner="key:a", created=1600.0))
+    assert all(store.get(f"resp_{i}", "key:b") is not None for i in range(5))
+    a_bytes, a_rows = store.usage("key:a")
+    assert 0 < a_bytes <= 1000
+    assert store.get("resp_59", "key:a") is not None
+    assert store.get("resp_10", "key:a") is None
+    assert a_rows < 50
+    # a server without keys: its one owner ("") has the total
+    assert store.quota("") == 100_000
+    assert store.quota("key:a") == 1000
+
+
+def test_a_response_that_cannot_fit_is_refused_and_nothing_changes() -> None:
+    store = _store(max_bytes=900, max_key_bytes=800)  # (each response: 194 bytes)
+    big = _response(1, owner="key:a")
+    big.body = {"text": "x" * 900}
+    with pytest.raises(StoreFullError, match="larger than"):
+        store.put(big)
+    for i in range(2, 6):
+        store.put(_response(i, owner="key:b", created=1500.0))
+    before = store.usage(None)
+    # the total is held by B within its quota: A's response is refused, B's stay
+    with pytest.raises(StoreFullError, match="full"):
+        store.put(_response(9, owner="key:a"))
+    assert store.usage(None) == before
+    assert store.get("resp_9", "key:a") is None
+    assert all(store.get(f"resp_{i}", "key:b") is not None for i in range(2, 6))
+
+
+def _scanned(store: ResponseStore) -> tuple[int, int]:
+    """(bytes, rows) of every response, by a scan: what the counters must say."""
+    row = store._db.execute("SELECT COALESCE(SUM(size), 0), COUNT(*) FROM responses").fetchone()
+    return int(row[0]), int(row[1])
+
+
+def test_the_counters_agree_with_a_scan_after_every_kind_of_change(tmp_path: Path) -> None:
+    store = _store(max_age=500.0, max_bytes=5000, max_key_bytes=2000)
+    for i in range(12):
+        store.put(_response(i, owner=f"key:{i % 3}", created=1600.0))
+        assert store.usage(None) == _scanned(store)
+    replaced = _response(3, owner="key:0", created=1600.0)
+    replaced.body = {"status": "completed", "text": "a longer body than before"}
+    store.put(replaced)  # a background response's status moves on: a replace
+    assert store.usage(None) == _scanned(store)
+    store.delete("resp_4", "key:1")
+    store.put(_response(99, owner="key:9", created=1000.0))  # expired at once: the clock is 2000
+    assert store.usage(None) == _scanned(store)
+    for owner in ("key:0", "key:1", "key:2", "key:9"):
+        row = store._db.execute(
+            "SELECT COALESCE(SUM(size), 0), COUNT(*) FROM responses WHERE owner = ?", (owner,)
+        ).fetchone()
+        assert store.usage(owner) == (row[0], row[1])
+    # a database made before the counters existed is counted once, at open
+    path = tmp_path / "old.sqlite3"
+    old = _store(path)
+    for i in range(3):
+        old.put(_response(i))
+    old._db.executescript("DROP TABLE usage; DROP TABLE totals;")
+    old.close()
+    again = _store(path)
+    assert again.usage("key:a") == _scanned(again) == again.usage(None)
+
+
+def test_a_write_reads_counters_and_indexes_never_a_scan_of_the_table() -> None:
+    store = _store(max_bytes=3000, max_key_bytes=1500)
+    for i in range(20):
+        store.put(_response(i, owner=f"key:{i % 2}", created=1600.0))
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)
+    store.put(_response(50, owner="key:0", created=1700.0))  # over the quota: an eviction
+    store._db.set_trace_callback(None)
+    queries = [s for s in statements if s.split()[0].upper() in ("SELECT", "DELETE", "INSERT", "UPDATE")]
+    assert any(q.startswith("DELETE FROM responses WHERE id") for q in queries)  # it evicted
+    for query in queries:
+        plan = " | ".join(row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + query))
+        assert "SCAN responses" not in plan, (query, plan)

@@ -392,7 +392,11 @@ class LlamaBackend(ModelFacade):
                 model.lib.llama_sampler_free(sequence.sampler)
                 raise
             if lease is not None:
-                lease.on_pause = functools.partial(inbox.pause, sequence)
+                kv = scheduler.kv
+                lease.enable_pause(
+                    functools.partial(inbox.pause, sequence),
+                    state_bytes=lambda: int(sequence.pos * kv.kv_bytes_per_token),
+                )
             try:
                 while True:
                     await sequence.removed.wait()
@@ -411,11 +415,13 @@ class LlamaBackend(ModelFacade):
                     if park == "declined":
                         lease.decline()
                         continue
-                    await lease.pause()  # the slot goes back; held again on return
+                    saved = sequence.saved
+                    # the slot goes back; held again on return
+                    await lease.pause(saved_bytes=len(saved) if saved is not None else 0)
                     inbox.resume(sequence)
             finally:
                 if lease is not None:
-                    lease.on_pause = _no_pause
+                    lease.disable_pause()
                 if sequence.result is None and not sequence.removed.is_set():
                     if inbox.withdraw(sequence):
                         # parked: out of the scheduler, so freed here
@@ -443,7 +449,3 @@ class LlamaBackend(ModelFacade):
         sequence.saved = None
         sequence.result = CANCELLED
         sequence.progress.inference_ended = time.perf_counter()
-
-
-def _no_pause() -> None:
-    pass

@@ -149,6 +149,9 @@ class KvCells:
         state.used = lib.llama_state_seq_get_data(self.ctx, state.array, size, seq_id)
         if not state.used:
             raise BackendError(f"llama.cpp could not save the state of sequence {seq_id}")
+        if not self.kv_bytes_per_token and sequence.pos > 0:
+            # (the pause budget's estimate for the next pauses)
+            self.kv_bytes_per_token = state.used / sequence.pos
         self.forget(seq_id)
         return state
 

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
+from .._admission import PauseBudget
 from .._engine import Engine
 from .._exceptions import NotFoundError, ServiceUnavailableError
 from ._entry import ModelEntry, _Load, _Ticket
@@ -34,6 +35,7 @@ class _RegistryBase:
         keep_alive: float = math.inf,
         unload_grace: float = 10.0,
         max_queue: int = 16,
+        pause_ram: int | None = None,
         max_concurrent_loads: int = 1,
         close_backends: bool = True,
     ) -> None:
@@ -63,6 +65,8 @@ class _RegistryBase:
         self.keep_alive = keep_alive
         self.unload_grace = unload_grace
         self.max_queue = max_queue
+        #: one budget for every model's paused requests' saved states
+        self.pause_budget = PauseBudget(pause_ram) if pause_ram is not None else None
         self.max_concurrent_loads = max_concurrent_loads
         self._close_backends = close_backends
         self._queue: deque[_Ticket] = deque()

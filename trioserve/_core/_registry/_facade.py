@@ -42,6 +42,9 @@ class ModelRegistry(_Leasing):
         unload_grace: seconds an explicit unload gives running streams.
         max_queue: requests that may wait for room at once (more get 429), and each
             model's engine's admission queue.
+        pause_ram: bytes the saved states of paused requests (preemption) may hold at
+            once, all models together; a pause beyond it is not asked (``None``: no
+            bound).
         max_concurrent_loads: loads that may run at once (of different models); the
             others wait, in arrival order. With 1 (the default) each load's measured
             memory growth is its own.

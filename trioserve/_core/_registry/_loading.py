@@ -98,7 +98,7 @@ class _Loading(_Draining):
         if not entry.spec.name:
             entry.spec.name = backend.info.id
             self._by_name.setdefault(entry.spec.name, entry)
-        entry.engine = Engine(backend, max_queue=self.max_queue)
+        entry.engine = Engine(backend, max_queue=self.max_queue, pause_budget=self.pause_budget)
         entry.state = "loaded"
         entry.draining = False
         entry.loaded_at = int(time.time())

@@ -1,0 +1,219 @@
+"""A lease of admission's slots, a place held in its queue, and the byte budget of
+paused requests' saved states (the parts :class:`~._admission.Admission` hands out;
+docs/scheduling.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._admission import Admission
+
+__all__ = ["DEFAULT_TICKET", "PauseBudget", "Reservation", "SlotLease", "Ticket", "unbounded_pause_budget"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Ticket:
+    """Where a request stands in the queue (the HTTP layer makes it from the body's
+    ``priority`` and the API key's entry in the keys file)."""
+
+    #: lower first; any integer (vLLM's ``priority``)
+    priority: int = 0
+    #: whose share it uses (a hash of the API key; ``""``: the one local user)
+    account: str = ""
+    #: the account's weight in the fair share (> 0)
+    weight: float = 1.0
+    #: the most slots the account may hold at once (``None``: no limit)
+    concurrency: int | None = None
+
+
+#: the ticket of a request that names none
+DEFAULT_TICKET = Ticket()
+
+
+class PauseBudget:
+    """The bytes that paused requests' saved states may hold at once, shared by every
+    model's :class:`Admission` (``--pause-ram``). A pause that would not fit is not
+    asked: the better-ranked request waits in the queue as it would without pausing.
+
+    Charged at the ask with the lease's estimate (:meth:`SlotLease.enable_pause`'s
+    ``state_bytes``), corrected to the state's real size when the holder pauses, given
+    back when the lease runs again, ends, or declines. Used on the event loop only."""
+
+    __slots__ = ("limit", "refused", "used")
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError("the pause budget must be 0 or more bytes")
+        self.limit = limit
+        self.used = 0
+        #: waiters that found it spent and waited instead of pausing someone (each
+        #: counted once however often the queue is ranked again)
+        self.refused = 0
+
+    def take(self, estimate: int) -> bool:
+        """Charge ``estimate`` bytes if they fit (an unknown size, 0, counts as 1: a spent
+        budget refuses it); ``False`` and nothing charged if not."""
+        if self.used + max(estimate, 1) > self.limit:
+            return False
+        self.used += estimate
+        return True
+
+    def give(self, size: int) -> None:
+        self.used -= size
+
+
+#: no bound on paused states (a library user who builds an Admission alone)
+def unbounded_pause_budget() -> PauseBudget:
+    return PauseBudget(1 << 62)
+
+
+class Reservation:
+    """A place held between :meth:`Admission.reserve` and :meth:`Admission.slot`.
+    :meth:`release` is idempotent."""
+
+    __slots__ = ("_admission", "released")
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._admission.reserved -= 1
+
+
+def _nothing() -> None:
+    pass
+
+
+def _no_usage() -> int:
+    return 0
+
+
+class SlotLease:
+    """Held slots (one, or ``count`` for a request with ``n`` choices). :meth:`release`
+    is idempotent, so the holder can give the slots back as soon as inference ends,
+    while the ``async with`` guarantees it at exit.
+
+    Preemption: a holder that can set its work aside calls :meth:`enable_pause` once
+    it can act on an ask (its hook installed: never before, or the ask is lost); when
+    admission asks (``pause_asked``), it sets the work aside and calls :meth:`pause`
+    (or :meth:`decline` if it cannot)."""
+
+    __slots__ = (
+        "_admission",
+        "arrival",
+        "charged",
+        "count",
+        "held_bytes",
+        "on_pause",
+        "pausable",
+        "pause_asked",
+        "paused",
+        "pauses",
+        "released",
+        "state_bytes",
+        "ticket",
+        "usage",
+    )
+
+    def __init__(self, admission: Admission, count: int = 1, ticket: Ticket = DEFAULT_TICKET) -> None:
+        self._admission = admission
+        self.count = count
+        self.ticket = ticket
+        self.released = False
+        #: the arrival order it was queued in (a paused lease keeps it)
+        self.arrival = 0
+        #: tokens served so far (evaluated + generated), for the fair share; the holder
+        #: sets it; ``charged``: the part already counted
+        self.usage: Callable[[], int] = _no_usage
+        self.charged = 0
+        self.pausable = False
+        self.on_pause: Callable[[], None] = _nothing
+        #: the bytes its saved state would take if paused now (an estimate; 0: unknown)
+        self.state_bytes: Callable[[], int] = _no_usage
+        #: bytes charged to the pause budget: the estimate once asked, the real size
+        #: once paused
+        self.held_bytes = 0
+        self.pause_asked = False
+        #: between :meth:`pause` giving the slots back and getting them again
+        self.paused = False
+        self.pauses = 0
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._admission._give_back(self)
+
+    def enable_pause(
+        self, on_pause: Callable[[], None], *, state_bytes: Callable[[], int] = _no_usage
+    ) -> None:
+        """The holder can now act on an ask to pause (``on_pause``, called on the event
+        loop; it must not block). A waiter that already outranks this lease is served
+        at once (it may have arrived while the holder was starting). ``state_bytes``:
+        an estimate of what a pause would save, for the pause budget."""
+        self.on_pause = on_pause
+        self.state_bytes = state_bytes
+        self.pausable = not self.released
+        if self.pausable:
+            self._admission._grant()
+
+    def disable_pause(self) -> None:
+        """The holder can no longer act on an ask (its work is ending): an ask in
+        flight is declined."""
+        self.pausable = False
+        self.on_pause = _nothing
+        if self.pause_asked and not self.released:
+            self.decline()
+
+    async def pause(self, saved_bytes: int | None = None) -> None:
+        """Give the slots back and wait in the queue (this lease's ticket, its original
+        arrival) until they are granted again. The holder has set its work aside;
+        ``saved_bytes``: the size of what it saved (charged to the pause budget until
+        the lease runs again; default: the estimate charged at the ask).
+
+        A paused lease counts toward the queue's bound (``max_queue``) and keeps its
+        account's fair-share counter while it waits.
+
+        Cancellation: cancelled while waiting, the lease stays released (its holder
+        ends); nothing is left in the queue."""
+        admission = self._admission
+        if self.released:
+            raise RuntimeError("a released lease cannot pause")
+        if saved_bytes is not None:
+            admission.pause_budget.give(self.held_bytes)
+            admission.pause_budget.used += saved_bytes
+            self.held_bytes = saved_bytes
+        self.pauses += 1
+        self.released = True
+        self.paused = True
+        admission.paused += 1
+        admission.queued += 1
+        # into the queue before the slots go back: its account stays active (its
+        # fair-share counter kept), and the grant that follows ranks it with the rest
+        waiter = admission._enqueue(self)
+        admission._give_back(self)
+        try:
+            await admission._wait(waiter)
+        finally:
+            self.paused = False
+            admission.paused -= 1
+            admission.queued -= 1
+            admission.pause_budget.give(self.held_bytes)
+            self.held_bytes = 0
+        self.released = False
+
+    def decline(self) -> None:
+        """The holder cannot pause (its work ended, or cannot be set aside): admission
+        looks for another way."""
+        if self.pause_asked:
+            self.pause_asked = False
+            self._admission._pausing -= self.count
+            self._admission.pause_budget.give(self.held_bytes)
+            self.held_bytes = 0
+        self.pausable = False
+        self._admission._grant()
