@@ -28,16 +28,18 @@ async def test_holders_stay_under_the_budget_and_are_served_in_order() -> None:
         await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(holder, "big", 70)  # waits: 60 + 70 > 100
         await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(holder, "small", 10)  # would fit, but waits behind "big"
+        nursery.start_soon(holder, "small", 35)  # would fit beside "a", but waits behind "big"
         await trio.testing.wait_all_tasks_blocked()
         assert (order, budget.waiting, budget.in_use) == (["a"], 2, 60)
         release["a"].set()
         await trio.testing.wait_all_tasks_blocked()
-        assert order == ["a", "big", "small"]  # both fit once "a" left: 70 + 10
-        assert budget.in_use == 80
+        # the head is served; the one behind it waits (70 + 35 > 100)
+        assert (order, budget.waiting, budget.in_use) == (["a", "big"], 1, 70)
         release["big"].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert (order, budget.waiting, budget.in_use) == (["a", "big", "small"], 0, 35)
         release["small"].set()
-    assert (budget.in_use, budget.waiting, budget.peak) == (0, 0, 80)
+    assert (budget.in_use, budget.waiting, budget.peak) == (0, 0, 70)
 
 
 async def test_a_waiter_cancelled_leaves_the_line() -> None:
