@@ -62,14 +62,18 @@ class SmallDisk:
         if not self.mounted:
             self._ballast = max(0, self.size - self.used() - leave)
             return
-        with open(self.path / _BALLAST, "ab") as f:
-            try:
-                while True:
-                    f.write(b"\0" * (1 << 20))
-                    f.flush()
-            except OSError as e:
-                assert e.errno == errno.ENOSPC, e
-            f.truncate(max(0, f.tell() - leave))  # (tmpfs gives the pages back)
+        fd = os.open(self.path / _BALLAST, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            chunk = b"\0" * (1 << 20)
+            while True:
+                try:
+                    os.write(fd, chunk)  # (a short write, then ENOSPC)
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC, e
+                    break
+            os.ftruncate(fd, max(0, os.fstat(fd).st_size - leave))  # (tmpfs gives the pages back)
+        finally:
+            os.close(fd)
 
     def free(self) -> None:
         """That program's file is removed."""
