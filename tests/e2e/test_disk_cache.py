@@ -289,7 +289,8 @@ def _note(tag: str) -> str:
 
 
 async def _answered(client: httpx.AsyncClient, prompt: str) -> str:
-    response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    response = await client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     return str(response.json()["choices"][0]["text"])
 
@@ -332,7 +333,7 @@ def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Smal
         disk.close()
 
 
-async def test_a_full_disk_keeps_requests_answered_leaves_no_temp_file_and_the_tier_writes_again_once_space_frees(
+async def test_a_full_disk_answers_every_request_leaves_no_temp_file_and_writes_again_once_space_frees(
     model_path: str, small_disk: SmallDisk, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A filesystem of 64 MiB under a budget of 1 GiB. Full of another program's file:

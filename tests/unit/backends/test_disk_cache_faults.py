@@ -205,6 +205,6 @@ def test_a_read_only_directory_is_refused_when_the_store_opens(disk: SmallDisk, 
         _put(store, store.tier(FP), 1)
         store.close()
     disk.read_only()
-    with pytest.raises(OSError) as caught:
+    with pytest.raises(OSError, match="Read-only file system") as caught:
         DiskStore(disk.path, 1 << 30)
     assert caught.value.errno == errno.EROFS

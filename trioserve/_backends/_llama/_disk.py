@@ -55,12 +55,9 @@ def open_disk_tier(model: LlamaModel, *, rule: str, window: int) -> tuple[DiskTi
     build = f"llama-cpp-python {llama_cpp.__version__}; {model.system_info}"
     content = gguf_digest(settings.model_path, store.root, check=model.check_abort)
     print_ = fingerprint(content, cells, build)
+    made_of = {"gguf_sha256": content, "file": str(settings.model_path), "cells": cells, "build": build}
     try:
-        tier = store.tier(
-            print_,
-            window=window,
-            made_of={"gguf_sha256": content, "file": str(settings.model_path), "cells": cells, "build": build},
-        )
+        tier = store.tier(print_, window=window, made_of=made_of)
     except OSError as e:  # (its directory cannot be made: the filesystem turned read-only, full)
         return None, _off(settings.model_id, settings.cache_dir, e)
     if len(tier):
