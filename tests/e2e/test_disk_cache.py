@@ -6,11 +6,13 @@ miss and the text is still right."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import signal
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -30,10 +32,13 @@ from trioserve import (
     Usage,
 )
 from trioserve._backends._disk_cache import DiskStore
+from trioserve._backends._disk_format import read_header
 from trioserve._backends._prompt_cache import HostBudget
 
-from .._helpers import ServerProcess
+from .._helpers import ServerProcess, start_server
+from .._small_disk import SmallDisk
 from ..conftest import THREADS
+from .test_metrics import scrape, value
 
 pytestmark = pytest.mark.model
 
@@ -271,3 +276,127 @@ async def test_a_model_swapped_out_beyond_host_memory_restores_its_conversation_
     reference, _ = await _complete(uncached_backend, first + reply + new)
     assert answer == reference
     assert usage.cached_disk_tokens == usage.cached_tokens > 0
+
+
+# ---------------------------------------------------------------- faults (issue 47)
+
+
+def _note(tag: str) -> str:
+    """A prompt of ~250 tokens (an entry of a few MB), its first tokens ``tag``'s."""
+    return f"[{tag}] Notes on lighthouses.\n" + "".join(
+        f"Lighthouse {i}: the keepers logged the weather and repaired the lens.\n" for i in range(16)
+    )
+
+
+async def _answered(client: httpx.AsyncClient, prompt: str) -> str:
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["text"])
+
+
+async def _disk_health(client: httpx.AsyncClient) -> dict[str, object]:
+    response = await client.get("/health")
+    assert response.status_code == 200, response.text
+    disk: dict[str, object] = response.json()["batch"]["cache"]["disk"]
+    return disk
+
+
+async def _settled(client: httpx.AsyncClient, done: Callable[[dict[str, object]], bool]) -> dict[str, object]:
+    """The disk tier once ``done(its /health)`` and no write is queued or running."""
+    with trio.fail_after(60):
+        while True:
+            disk = await _disk_health(client)
+            if done(disk) and disk["pending_writes"] == 0:
+                return disk
+            await trio.sleep(0.02)
+
+
+def _entry_of(disk: SmallDisk, tokens: tuple[int, ...]) -> Path | None:
+    """The entry on disk holding a prefix of the prompt of ``tokens`` (its idle write)."""
+    for path in disk.entries():
+        with contextlib.suppress(OSError, ValueError):
+            entry, _ = read_header(path, path.parent.name)
+            if len(entry.tokens) >= 64 and tokens[: len(entry.tokens)] == entry.tokens:
+                return path
+    return None
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SmallDisk]:
+    disk = SmallDisk(tmp_path / "small", 64 << 20, monkeypatch)
+    try:
+        yield disk
+    finally:
+        with contextlib.suppress(OSError):  # (the store of a writable directory: closed)
+            DiskStore.shared(disk.path, 1).close()
+        disk.close()
+
+
+async def test_a_full_disk_answers_every_request_leaves_no_temp_file_and_writes_again_once_space_frees(
+    model_path: str, small_disk: SmallDisk, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A filesystem of 64 MiB under a budget of 1 GiB. Full of another program's file:
+    every request is answered, each write fails alone (counted, ``/health`` says
+    "failing" and why, one warning) and leaves nothing behind. Space freed: the next
+    prompt is written. Then the tier's own entries fill it: the oldest go, the write
+    is tried again and succeeds — a full disk does not stay full."""
+    caplog.set_level(logging.INFO, logger="trioserve.cache")
+    backend = await LlamaBackend.aload(_settings(model_path, small_disk.path, cache_disk_bytes=1 << 30))
+    # (tokenized before any request: the test's loop is the server's)
+    tokens = {tag: tuple(backend.tokenize(_note(tag))) for tag in ("freed", "own 0", "own 1")}
+    try:
+        server = await start_server(nursery, backend)
+        async with server.client() as client:
+            small_disk.fill()
+            for i in range(3):
+                assert await _answered(client, _note(f"full {i}"))
+                disk = await _settled(client, lambda d, i=i: int(d["failed_writes"]) > i)  # type: ignore[misc,call-overload]
+                assert small_disk.temp_files() == []
+            assert disk["state"] == "failing"
+            assert "No space left on device" in str(disk["error"])
+            assert (disk["writes"], small_disk.entries()) == (0, [])
+            samples = await scrape(client)
+            assert value(samples, "trioserve_prompt_cache_disk_failing") == 1
+            failed = value(samples, "trioserve_prompt_cache_disk_failed_writes_total")
+            assert failed >= 3
+            assert caplog.text.count("could not write a cached prefix") == 1  # (not one a request)
+            # space frees: the next prompt is on disk
+            small_disk.free()
+            await _answered(client, _note("freed"))
+            disk = await _settled(client, lambda _: _entry_of(small_disk, tokens["freed"]))
+            assert (disk["state"], disk["error"], disk["failed_writes"]) == ("ok", None, failed)
+            assert "the disk cache writes again" in caplog.text
+            oldest = min(small_disk.entries(), key=lambda p: p.stat().st_mtime)
+            # room for one more entry, not two: the second evicts the oldest and is written
+            small_disk.fill(leave=max(p.stat().st_size for p in small_disk.entries()) * 3 // 2)
+            for tag in ("own 0", "own 1"):
+                await _answered(client, _note(tag))
+                disk = await _settled(client, lambda _, tag=tag: _entry_of(small_disk, tokens[tag]))  # type: ignore[misc]
+            assert (disk["state"], disk["failed_writes"]) == ("ok", failed)
+            assert int(disk["evictions"]) >= 1  # type: ignore[call-overload]
+            assert oldest not in small_disk.entries()
+            assert _entry_of(small_disk, tokens["own 0"]) is not None
+            assert small_disk.temp_files() == []
+            assert value(await scrape(client), "trioserve_prompt_cache_disk_failing") == 0
+    finally:
+        await backend.aclose()
+
+
+async def test_a_read_only_cache_dir_serves_the_model_without_the_disk_tier(
+    model_path: str, small_disk: SmallDisk, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    small_disk.read_only()
+    backend = await LlamaBackend.aload(_settings(model_path, small_disk.path))
+    try:
+        assert "the prompt cache's disk tier is OFF" in caplog.text
+        server = await start_server(nursery, backend)
+        async with server.client() as client:
+            assert await _answered(client, _note("read-only"))
+            disk = await _disk_health(client)
+            assert disk["state"] == "off"
+            assert "Read-only file system (EROFS)" in str(disk["error"])
+            assert str(small_disk.path) in str(disk["error"])
+            assert value(await scrape(client), "trioserve_prompt_cache_disk_off") == 1
+    finally:
+        await backend.aclose()

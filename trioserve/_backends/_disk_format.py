@@ -1,6 +1,9 @@
 """The disk tier's file format and identities (docs/prompt-cache.md, "On disk"): an
 entry's bytes, the digest of a salt, the chained digests of a prompt's prefixes at its
-cuts, a GGUF's content digest and a model's cells' fingerprint. Pure Python."""
+cuts, a GGUF's content digest and a model's cells' fingerprint; how a file is created
+(0600, in directories made 0700, whatever the umask: an entry holds a user's prompt) and
+published (``rename`` after ``fsync``; the temporary file removed on any failure). Pure
+Python."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 __all__ = [
     "CRC",
@@ -25,8 +28,11 @@ __all__ = [
     "DiskEntry",
     "alive",
     "chain",
+    "create",
     "fingerprint",
     "gguf_digest",
+    "private_dir",
+    "probe_writable",
     "read_header",
     "salt_tag",
     "write_atomic",
@@ -95,7 +101,7 @@ def gguf_digest(
         text = digest.hexdigest()
         if remembered is not None:
             with contextlib.suppress(OSError):
-                remembered.parent.mkdir(parents=True, exist_ok=True)
+                private_dir(remembered.parent)
                 write_atomic(remembered, text.encode())
         parts.append(text)
     return parts[0] if len(parts) == 1 else hashlib.sha256("".join(parts).encode()).hexdigest()
@@ -109,13 +115,72 @@ def fingerprint(content: str, settings: Mapping[str, object], build: str) -> str
     return hashlib.sha256(made_of.encode()).hexdigest()[:32]
 
 
+def private_dir(path: Path, *, tighten: bool = True) -> None:
+    """Make ``path`` a directory only its owner can enter or list: it and every missing
+    parent created 0700 whatever the umask; an existing one looser than that tightened
+    (``tighten``; the operator's own ``--cache-dir`` is left as it is). ``OSError``: it
+    cannot be made (a read-only or full filesystem, another user's directory)."""
+    missing: list[Path] = []
+    at = path
+    while not os.path.lexists(at) and at.parent != at:
+        missing.append(at)
+        at = at.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # (another process made it first)
+            os.mkdir(directory, 0o700)
+            os.chmod(directory, 0o700)  # (the umask may have taken bits from 0700)
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is not a directory")
+    if tighten and os.stat(path).st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def create(path: Path) -> BinaryIO:
+    """A new file only its owner can read (0600 whatever the umask), open for writing;
+    never through a symbolic link, never an existing file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def probe_writable(directory: Path) -> None:
+    """Create and remove an empty file in ``directory``: ``OSError`` where a write would
+    fail whatever the space (a read-only filesystem, no permission — which ``os.access``
+    does not tell for root)."""
+    probe = directory / f"probe.{os.getpid()}.{threading.get_ident()}"
+    try:
+        create(probe).close()
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+
+
+def _publish(part: Path, final: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write ``part`` (``write``), ``fsync`` it and rename it to ``final``; on any failure
+    (ENOSPC, EIO, a cancel…) ``part`` is removed before the error goes on."""
+    try:
+        with create(part) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+        raise
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    with open(tmp, "wb") as f:
+
+    def write(f: BinaryIO) -> None:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+    _publish(tmp, path, write)
 
 
 @dataclass(slots=True, frozen=True)
@@ -154,8 +219,9 @@ def write_entry(
     tag: str,
     state: Any,
 ) -> tuple[Path, int]:
-    """Write an entry to ``tmp`` (this process's ``n``-th), ``fsync`` it, publish it in
-    ``directory`` by ``rename`` and make the rename durable; its path and size. The
+    """Write an entry to ``tmp`` (this process's ``n``-th; removed if the write fails),
+    ``fsync`` it, publish it in ``directory`` by ``rename`` and make the rename durable;
+    its path and size. The
     layout: magic, the header's length (u32) and the header (JSON: the fingerprint, the
     token count, the cuts, the window start, the salt's tag), the tokens (int32 each),
     the state, the CRC-32 of everything before it (u32). ``state``: bytes, or the host
@@ -170,13 +236,13 @@ def write_entry(
     head = b"".join((HEAD.pack(MAGIC, len(header)), header, packed))
     part = tmp / f"{name}.{os.getpid()}.{n}"
     final = directory / f"{name}.kv"
-    with open(part, "wb") as f:
+
+    def write(f: BinaryIO) -> None:
         f.write(head)
         f.write(blob)
         f.write(CRC.pack(zlib.crc32(blob, zlib.crc32(head))))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, final)
+
+    _publish(part, final, write)
     with contextlib.suppress(OSError):  # the rename itself, durable
         fd = os.open(directory, os.O_RDONLY)
         try:

@@ -153,6 +153,8 @@ class HostCache:
         #: disk"): every state offered here is written there too, and a prompt it holds
         #: more of is restored from it
         self.disk: DiskTier | None = None
+        #: why the disk tier asked for is off (its directory is not writable), or ``None``
+        self.disk_off: str | None = None
         with self.pool.lock:
             self.pool._tiers.append(self)
 

@@ -352,10 +352,24 @@ class _HostCacheCollector(Collector):
             ("trioserve_prompt_cache_idle_tokens", idle["tokens"], "tokens recomputed while idle"),
         ):
             yield CounterMetricFamily(name, f"llama backend: {text}.", value=value)
-        disks = [c["disk"] for c in caches if isinstance(c.get("disk"), dict)]
+        tiers = [c["disk"] for c in caches if isinstance(c.get("disk"), dict)]
+        disks = [d for d in tiers if d.get("state") != "off"]
+        if tiers:
+            yield GaugeMetricFamily(
+                "trioserve_prompt_cache_disk_off",
+                "llama backend: loaded models whose disk tier (--cache-dir) is off: the directory "
+                "is not writable (/health says why); they are served without it.",
+                value=len(tiers) - len(disks),
+            )
         if disks:
             # (the models of a server share one store: its bytes and budget once)
             stores = {d["directory"].rsplit("/", 1)[0]: d for d in disks}
+            yield GaugeMetricFamily(
+                "trioserve_prompt_cache_disk_failing",
+                "llama backend: disk tiers whose last write failed (a full or broken disk; "
+                "/health says why): requests are answered, prefixes are not kept on disk.",
+                value=sum(d.get("state") == "failing" for d in stores.values()),
+            )
             yield GaugeMetricFamily(
                 "trioserve_prompt_cache_disk_bytes",
                 "llama backend: bytes of prompt prefixes in the disk tier's directory (--cache-dir).",
@@ -382,6 +396,11 @@ class _HostCacheCollector(Collector):
                     "trioserve_prompt_cache_disk_dropped_writes",
                     "dropped_writes",
                     "writes dropped (queue full)",
+                ),
+                (
+                    "trioserve_prompt_cache_disk_failed_writes",
+                    "failed_writes",
+                    "writes that failed (a full or read-only disk, an I/O error); nothing left behind",
                 ),
                 ("trioserve_prompt_cache_disk_evictions", "evictions", "disk entries evicted for the budget"),
             ):

@@ -2,10 +2,13 @@
 disk"): its directory in the server's :class:`~.._disk_cache.DiskStore`, named by the
 fingerprint of the cells this model computes — the GGUF's content, the settings that
 change cells, the llama.cpp build and the CPU features it runs with — so an entry is
-offered only to a model that would compute the same cells itself."""
+offered only to a model that would compute the same cells itself. A directory where
+nothing can be written (a read-only filesystem, another user's) is no reason to refuse
+the model: it runs without the disk tier, said in the log and in ``/health``."""
 
 from __future__ import annotations
 
+import errno
 import logging
 from typing import TYPE_CHECKING
 
@@ -21,14 +24,18 @@ __all__ = ["open_disk_tier"]
 logger = logging.getLogger("trioserve.cache")
 
 
-def open_disk_tier(model: LlamaModel, *, rule: str, window: int) -> DiskTier | None:
-    """The model's disk tier, or ``None`` (no ``cache_dir``, or a budget of 0). Hashes
-    the GGUF the first time a file is seen (checking the load's abort between
-    megabytes); later loads read the digest the store remembers."""
+def open_disk_tier(model: LlamaModel, *, rule: str, window: int) -> tuple[DiskTier | None, str | None]:
+    """The model's disk tier, or ``None`` (no ``cache_dir``, or a budget of 0), and why a
+    ``cache_dir`` given is not used (``None``: it is, or none is given). Hashes the GGUF
+    the first time a file is seen (checking the load's abort between megabytes); later
+    loads read the digest the store remembers."""
     settings = model.settings
     if settings.cache_dir is None or not settings.cache_disk_bytes:
-        return None
-    store = DiskStore.shared(settings.cache_dir, settings.cache_disk_bytes)
+        return None, None
+    try:
+        store = DiskStore.shared(settings.cache_dir, settings.cache_disk_bytes)
+    except OSError as e:
+        return None, _off(settings.model_id, settings.cache_dir, e)
     params = model.lib.llama_context_default_params()
     cells: dict[str, object] = {
         # what the cells of a prefix are computed with (docs/prompt-cache.md, "On disk")
@@ -48,11 +55,11 @@ def open_disk_tier(model: LlamaModel, *, rule: str, window: int) -> DiskTier | N
     build = f"llama-cpp-python {llama_cpp.__version__}; {model.system_info}"
     content = gguf_digest(settings.model_path, store.root, check=model.check_abort)
     print_ = fingerprint(content, cells, build)
-    tier = store.tier(
-        print_,
-        window=window,
-        made_of={"gguf_sha256": content, "file": str(settings.model_path), "cells": cells, "build": build},
-    )
+    made_of = {"gguf_sha256": content, "file": str(settings.model_path), "cells": cells, "build": build}
+    try:
+        tier = store.tier(print_, window=window, made_of=made_of)
+    except OSError as e:  # (its directory cannot be made: the filesystem turned read-only, full)
+        return None, _off(settings.model_id, settings.cache_dir, e)
     if len(tier):
         logger.info("%s: %d cached prefix(es) on disk (%s)", settings.model_id, len(tier), tier.directory)
     for other, made in store.made_of(content):
@@ -70,4 +77,17 @@ def open_disk_tier(model: LlamaModel, *, rule: str, window: int) -> DiskTier | N
                 settings.model_id,
                 ", ".join(differ) or "?",
             )
-    return tier
+    return tier, None
+
+
+def _off(model_id: str, directory: object, e: OSError) -> str:
+    code = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else type(e).__name__
+    why = f"{directory} is not writable: {e.strerror or e} ({code})"
+    logger.warning(
+        "%s: the prompt cache's disk tier is OFF (--cache-dir %s: %s); the model is served "
+        "without it — fix the directory and reload the model",
+        model_id,
+        directory,
+        e,
+    )
+    return why

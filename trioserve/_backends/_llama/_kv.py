@@ -40,7 +40,7 @@ class KvCells:
         self.policy = policy
         #: per id, what of its cells was last written to the disk tier while idle
         #: (length, salt, last tokens: a cheap identity of the prefix)
-        self._persisted: dict[int, tuple[int, str, tuple[int, ...]]] = {}
+        self._persisted: dict[int, tuple[str, tuple[int, ...]]] = {}
         self.persisted = 0
         #: measured on the first prefix kept (``llama_state_seq_get_size``), for the gauge
         self.kv_bytes_per_token = 0.0
@@ -81,9 +81,10 @@ class KvCells:
 
     # ------------------------------------------------------- scheduler thread
 
-    def _mark(self, seq_id: int) -> tuple[int, str, tuple[int, ...]]:
-        tokens = self.policy.cached(seq_id)
-        return (len(tokens), self.policy.salt(seq_id), tuple(tokens[-16:]))
+    def _mark(self, seq_id: int) -> tuple[str, tuple[int, ...]]:
+        # every token: two prompts of one length and one ending differ at their start
+        # (a length and the last tokens said "written" for the second, never written)
+        return (self.policy.salt(seq_id), tuple(self.policy.cached(seq_id)))
 
     def persist_pending(self, free: list[int]) -> int | None:
         """A free id whose cached prefix the disk tier may not hold yet: while nothing
@@ -103,7 +104,7 @@ class KvCells:
         disk = self.host.disk
         self._persisted[seq_id] = mark = self._mark(seq_id)
         tokens = list(self.policy.cached(seq_id))
-        salt = mark[1]
+        salt = mark[0]
         cuts = self.policy.host_cuts(tokens)
         if disk is None or not self.policy.savable(seq_id) or disk.covers(tokens, cuts, salt=salt):
             return False

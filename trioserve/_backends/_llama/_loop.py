@@ -77,7 +77,7 @@ class Scheduler:
         if self.cache_enabled:
             #: the disk tier under it (``cache_dir``): states that outlive the process
             try:
-                self.host.disk = open_disk_tier(
+                self.host.disk, self.host.disk_off = open_disk_tier(
                     model, rule="token" if self.fast else model.piece_rule.key, window=self.host.window
                 )
             except BaseException:

@@ -113,8 +113,14 @@ def cache_stats(scheduler: Scheduler) -> CacheStats:
         idle_tokens=idle.tokens,
         idle_aborted=idle.aborted,
         idle_pending=scheduler.policy.pending,
-        disk=host.disk.stats() if host.disk is not None else None,
+        disk=host.disk.stats() if host.disk is not None else _disk_off(scheduler),
     )
+
+
+def _disk_off(scheduler: Scheduler) -> dict[str, object] | None:
+    """A ``--cache-dir`` given and not used (not writable): that it is off, and why."""
+    why = scheduler.host.disk_off
+    return None if why is None else {"state": "off", "error": why}
 
 
 def speculation_stats(scheduler: Scheduler) -> dict[str, object]:
