@@ -204,7 +204,13 @@ async def test_a_spent_pause_budget_makes_the_better_priority_wait(
     low = await RawStream.post(
         running.url,
         "/v1/completions",
-        {"prompt": "Once upon a time", "max_tokens": 40, "stream": True, "priority": 10},
+        {
+            "prompt": "Once upon a time",
+            "max_tokens": 3000,
+            "stream": True,
+            "priority": 10,
+            "logit_bias": NO_EOS,
+        },
     )
     try:
         await low.read_until(b"data: ", 2)
@@ -222,8 +228,12 @@ async def test_a_spent_pause_budget_makes_the_better_priority_wait(
             await wait_for(lambda: admission.queued == 1)
             assert admission.snapshot().pauses_refused >= 1
             assert admission.preemptions == 0
-            data = await low.read_to_eof_or(b"0\r\n\r\n")
-            assert b"[DONE]" in data  # the running stream was never set aside
+            # the running stream was never set aside: it keeps streaming while the better
+            # priority waits; once its client leaves, the waiting request runs
+            seen = low.received.count(b"data: ")
+            assert b"[DONE]" not in await low.read_until(b"data: ", seen + 4)
+            assert (admission.queued, admission.paused) == (1, 0)
+            await low.aclose()
         assert answers[0].status_code == 200, answers[0].text
     finally:
         await low.aclose()

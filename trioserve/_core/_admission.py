@@ -291,14 +291,14 @@ class Admission:
         for lease in victims:
             if need <= 0:
                 break
-            estimate = lease.state_bytes()
-            if not self.pause_budget.take(estimate):
+            charged = self.pause_budget.take(lease.state_bytes())
+            if charged is None:
                 # the budget is spent: the waiter waits as without pausing
                 if not waiter.refused:
                     waiter.refused = True
                     self.pause_budget.refused += 1
                 continue
-            lease.held_bytes = estimate
+            lease.held_bytes = charged
             lease.pause_asked = True
             self._pausing += lease.count
             self.preemptions += 1

@@ -53,13 +53,18 @@ class PauseBudget:
         #: counted once however often the queue is ranked again)
         self.refused = 0
 
-    def take(self, estimate: int) -> bool:
-        """Charge ``estimate`` bytes if they fit (an unknown size, 0, counts as 1: a spent
-        budget refuses it); ``False`` and nothing charged if not."""
+    def take(self, estimate: int) -> int | None:
+        """Charge ``estimate`` bytes if they fit; return what was charged (``None``, and
+        nothing charged, if not). An unknown size (0: the backend has not measured a
+        state yet) holds the rest of a bounded budget until the pause reports its real
+        size, so a burst of asks before the first measurement cannot overrun it; a
+        spent budget refuses it."""
+        if estimate <= 0 and self.limit < _UNBOUNDED:
+            estimate = self.limit - self.used
         if self.used + max(estimate, 1) > self.limit:
-            return False
+            return None
         self.used += estimate
-        return True
+        return estimate
 
     def give(self, size: int) -> None:
         self.used -= size
@@ -67,7 +72,10 @@ class PauseBudget:
 
 #: no bound on paused states (a library user who builds an Admission alone)
 def unbounded_pause_budget() -> PauseBudget:
-    return PauseBudget(1 << 62)
+    return PauseBudget(_UNBOUNDED)
+
+
+_UNBOUNDED = 1 << 62
 
 
 class Reservation:

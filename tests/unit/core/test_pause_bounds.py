@@ -210,3 +210,35 @@ async def test_a_pause_asked_while_the_holder_starts_is_not_lost() -> None:
         assert log == ["+low", "+urgent", "-urgent", "-low"]
         assert admission.in_use == 0
         assert admission.pause_budget.used == 0
+
+
+
+async def test_a_pause_of_unknown_size_holds_the_rest_of_the_budget_until_measured() -> None:
+    """Before the backend has measured a state (its estimate is 0), a pause asked holds
+    the whole rest of the budget: a request with ``n`` = 2 that would need two pauses in
+    one pass gets one, not two of unknown size; the pause's real size then takes the
+    rest's place."""
+    budget = PauseBudget(1000)
+    admission = Admission(2, 8, pause_budget=budget)
+    log: list[str] = []
+    low = [Holder(admission, Ticket(priority=5), f"low{i}", log, pausable=True) for i in range(2)]
+    granted = trio.Event()
+
+    async def urgent() -> None:
+        async with admission.slot(ticket=Ticket(priority=0), count=2):
+            granted.set()
+
+    async with trio.open_nursery() as nursery:
+        for holder in low:
+            await _start(nursery, holder)
+            # (the holders do not act on an ask: it stays in flight, its size unknown)
+            holder.pause_asked = trio.Event()
+        nursery.start_soon(urgent)
+        await trio.testing.wait_all_tasks_blocked()
+        assert admission.preemptions == 1  # one pause asked, holding the rest
+        assert budget.used == 1000
+        assert admission.snapshot().pauses_refused == 1
+        for holder in low:
+            holder.finish.set()
+        await granted.wait()
+    assert budget.used == 0
