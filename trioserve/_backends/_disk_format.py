@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
 import struct
 import threading
 import zlib
@@ -175,7 +176,9 @@ def _publish(part: Path, final: Path, write: Callable[[BinaryIO], None]) -> None
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    # a random part too: a file a crash left under the same pid (a container's server
+    # is often pid 1 every time) must not make every later write fail (O_EXCL)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}")
 
     def write(f: BinaryIO) -> None:
         f.write(data)

@@ -102,6 +102,10 @@ def _rule(address: IPAddress) -> str | None:
         return "unspecified"
     if address.is_link_local:
         return "link-local"
+    if isinstance(address, ipaddress.IPv6Address) and address.is_site_local:
+        # fec0::/10: deprecated (RFC 3879) but still routed inside some sites, and
+        # Python calls it global
+        return "site-local"
     if isinstance(address, ipaddress.IPv4Address) and address in _CGNAT:
         return "shared address space (CGNAT)"
     if address.is_private:

@@ -208,3 +208,16 @@ def test_a_read_only_directory_is_refused_when_the_store_opens(disk: SmallDisk, 
     with pytest.raises(OSError, match="Read-only file system") as caught:
         DiskStore(disk.path, 1 << 30)
     assert caught.value.errno == errno.EROFS
+
+
+def test_a_temp_file_a_crash_left_does_not_block_the_next_write(tmp_path: Path) -> None:
+    """A server restarted under the same pid (a container's pid 1) finds the temp file
+    its crashed predecessor left: the write still succeeds (files are created
+    ``O_EXCL``, so a fixed temp name would fail every later write)."""
+    import threading
+
+    target = tmp_path / "model.json"
+    left = tmp_path / f".model.json.{os.getpid()}.{threading.get_ident()}"
+    left.write_bytes(b"half")
+    write_atomic(target, b"{}")
+    assert target.read_bytes() == b"{}"

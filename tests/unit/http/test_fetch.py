@@ -162,6 +162,7 @@ def test_the_address_rules() -> None:
         "224.0.0.1": "multicast",
         "::1": "loopback",
         "fe80::1": "link-local",
+        "fec0::1": "site-local",
         "fd00::1": "private",
         "::ffff:10.0.0.1": "private",
         "8.8.8.8": None,
