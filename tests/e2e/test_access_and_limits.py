@@ -8,11 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
 import trio
 
 from trioserve import HTTPSettings, ScriptedBackend
+from trioserve._wire import _shapes as shapes
 
 from .._helpers import RawStream, RunningServer, start_server, wait_for
 
@@ -481,9 +483,48 @@ async def test_an_admins_cancel_by_id_names_the_owner(
         assert answer.status_code == 200, answer.text
         body = answer.json()
         assert (body["id"], body["cancelled"], body["key"]) == ("job-7", True, "editor")
+        # the answer is the shape /openapi.json documents for it, field for field
+        documented = msgspec.structs.fields(shapes.RequestCancelled)
+        assert set(body) == {field.encode_name for field in documented}
+        msgspec.convert(body, shapes.RequestCancelled)
         await stream.read_to_eof_or(b"data: [DONE]\n\n")
     finally:
         await stream.aclose()
     lines = [r.getMessage() for r in caplog.records if "cancelled by id" in r.getMessage()]
     assert lines == ["request job-7 of key 'editor' cancelled by id by admin key 'ops'"]
+    running.server.shutdown()
+
+
+async def test_token_counting_takes_the_keys_rate_limits_as_generation_does(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """``count_tokens`` and ``input_tokens`` are requests of the key's like any other
+    (they may load a model, read a stored conversation, fetch images): its rate limits
+    apply before any work, 429 with ``Retry-After`` once spent, and its
+    ``x-ratelimit-*`` headers go on the answers."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[key]]\nname = "limited"\nkey = "sk-limited"\nrequests_per_minute = 2\n')
+    running = await start_server(
+        nursery, ScriptedBackend([b"ok"]), close_backend=True, keys_file=keys, shutdown_grace=0.0
+    )
+    messages = [{"role": "user", "content": "Hi"}]
+    async with httpx.AsyncClient(base_url=running.url, headers={"x-api-key": "sk-limited"}) as client:
+        counted = await client.post("/v1/messages/count_tokens", json={"messages": messages})
+        assert counted.status_code == 200, counted.text
+        assert counted.headers["x-ratelimit-limit-requests"] == "2"
+        assert counted.headers["x-ratelimit-remaining-requests"] == "1"
+        counted = await client.post("/v1/responses/input_tokens", json={"input": "Hi"})
+        assert counted.status_code == 200, counted.text
+        assert counted.headers["x-ratelimit-remaining-requests"] == "0"
+        # spent: each count, and generation, refused before any work
+        refused = await client.post("/v1/messages/count_tokens", json={"messages": messages})
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["type"] == "rate_limit_error"  # (Anthropic's body)
+        assert "retry-after" in refused.headers
+        refused = await client.post("/v1/responses/input_tokens", json={"input": "Hi"})
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert "requests per minute" in refused.json()["error"]["message"]
+        generation = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert generation.status_code == 429, generation.text
     running.server.shutdown()

@@ -8,6 +8,7 @@ and it recovers with the next write that succeeds."""
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import trio
 from trioserve import HTTPSettings, ScriptedBackend, Server, ServerSettings
 from trioserve._core._backend import Backend
 from trioserve._core._registry import BackendSource, ModelRegistry, ModelSpec
+from trioserve._http._response_db import StoredResponse
 from trioserve._http._stored import StoredResponses
 
 from .._helpers import RunningServer, start_server, wait_for
@@ -172,36 +174,105 @@ async def test_a_failed_store_sends_the_answer_intact_and_the_store_recovers(
         assert health["responses_store"] == {"state": "ok", "failures": 3}
 
 
+class _Gated(ScriptedBackend):
+    """Generates once ``gate`` is set: a background response stays queued till then."""
+
+    def __init__(self, script: list[bytes]) -> None:
+        super().__init__(script)
+        self.gate = trio.Event()
+
+    async def generate(self, prompt, channel, progress):  # type: ignore[no-untyped-def]
+        await self.gate.wait()
+        return await super().generate(prompt, channel, progress)
+
+
+@pytest.mark.parametrize("failure_stored", [True, False], ids=["failure-stored", "nothing-stored"])
 async def test_a_background_response_whose_result_cannot_be_stored_records_its_failure(
-    nursery: trio.Nursery,
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch, failure_stored: bool
 ) -> None:
     """Queued (stored), then the database fills before its end: the result's write
-    fails, and the failure — a smaller write — is stored in its place."""
-    gate = trio.Event()
-
-    class Gated(ScriptedBackend):
-        async def generate(self, prompt, channel, progress):  # type: ignore[no-untyped-def]
-            await gate.wait()
-            return await super().generate(prompt, channel, progress)
-
-    backend = Gated([b"word " * 200] * 20)  # a result far larger than the queued object
+    fails, and the failure — a smaller write — is stored in its place. Where that write
+    fails too, the failure is remembered in memory: a poller sees it end (``failed``),
+    never ``queued`` for ever."""
+    backend = _Gated([b"word " * 200] * 20)  # a result far larger than the queued object
     running = await start_server(
         nursery, backend, close_backend=True, shutdown_grace=0.0, http=HTTPSettings(responses_db="memory")
     )
     responses = running.server.state.responses
     assert responses is not None
+    store = responses.store.store
+    if not failure_stored:
+        put = store.put
+
+        def put_but_the_failure(response: StoredResponse) -> None:
+            if response.status == "failed":  # (as SQLite says it: no room for it either)
+                raise sqlite3.OperationalError("database or disk is full")
+            put(response)
+
+        monkeypatch.setattr(store, "put", put_but_the_failure)
     try:
         async with running.client() as client:
             created = await client.post("/v1/responses", json={"input": "Hi", "background": True})
             assert created.status_code == 200, created.text
             response_id = created.json()["id"]
+            job = responses.jobs[response_id]
             await trio.to_thread.run_sync(_fill, responses, True)
-            gate.set()
-            await wait_for(lambda: response_id not in responses.jobs)
-            stored = (await client.get(f"/v1/responses/{response_id}")).json()
+            backend.gate.set()
+            await job.done.wait()
+            assert response_id not in responses.jobs
+            assert responses.failures == (1 if failure_stored else 2)
+            row = await responses.store.run(store.get, response_id, "")
+            assert row is not None
+            assert row.status == ("failed" if failure_stored else "queued")
+            answer = await client.get(f"/v1/responses/{response_id}")
+            assert answer.status_code == 200, answer.text
+            stored = answer.json()
             assert stored["status"] == "failed"
             assert "could not be stored" in stored["error"]["message"]
-            assert responses.failures == 1
+            assert stored["output"] == []
+            assert (stored["id"], stored["background"]) == (response_id, True)
+            # deleted, it is gone, remembered or not
+            assert (await client.delete(f"/v1/responses/{response_id}")).status_code == 200
+            assert (await client.get(f"/v1/responses/{response_id}")).status_code == 404
+            assert response_id not in responses.unstored
+    finally:
+        running.server.shutdown()
+
+
+async def test_a_background_response_charges_its_reply_to_its_keys_tokens_per_minute(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A background reply of 300 tokens, against a key's 200 tokens a minute: its
+    next request is refused (429), as after the same reply in the foreground."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[key]]\nname = "metered"\nkey = "sk-metered"\ntokens_per_minute = 200\n')
+    backend = _Gated([b"w "] * 300)
+    running = await start_server(
+        nursery,
+        backend,
+        close_backend=True,
+        shutdown_grace=0.0,
+        keys_file=keys,
+        http=HTTPSettings(responses_db="memory"),
+    )
+    responses = running.server.state.responses
+    assert responses is not None
+    try:
+        async with running.client(headers={"Authorization": "Bearer sk-metered"}) as client:
+            created = await client.post("/v1/responses", json={"input": "Hi", "background": True})
+            assert created.status_code == 200, created.text
+            response_id = created.json()["id"]
+            job = responses.jobs[response_id]
+            backend.gate.set()
+            await job.done.wait()
+            done = (await client.get(f"/v1/responses/{response_id}")).json()
+            assert done["status"] == "completed"
+            usage = done["usage"]
+            # (its prompt alone leaves room: only its reply takes the key past its limit)
+            assert usage["input_tokens"] < 200 < usage["input_tokens"] + usage["output_tokens"]
+            refused = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert refused.status_code == 429, refused.text
+            assert "tokens per minute" in refused.json()["error"]["message"]
     finally:
         running.server.shutdown()
 

@@ -12,6 +12,8 @@ the same files: the default Gemma 3 270M with the tiny random-weight gemma3 proj
 - A client that leaves during an image encode stops it (the abort flag, through ggml's
   graph-evaluation callback) and frees its slot.
 - Refusals: a model without a projector, an undecodable image, the image-token budget.
+- Token counting holds a queue place while it fetches: a full server refuses a count with
+  an image URL before any fetch.
 - Decoding under bounds: a decompression bomb (a 1-bit PNG of 30,000 × 30,000 pixels in
   150 KB) and every image Pillow cannot read answer 400; a request waits for its share
   of the decode budget (and leaves the line when its client leaves); one whose images
@@ -39,6 +41,7 @@ from trioserve import (
     HTTPSettings,
     LlamaBackend,
     LlamaSettings,
+    OverloadedError,
     SamplingParams,
     TextDelta,
     Usage,
@@ -381,6 +384,64 @@ async def test_an_image_url_is_fetched_and_a_client_that_leaves_cancels_the_fetc
     with trio.fail_after(5):
         await image_host.closed.wait()
     await fetching.wait_idle()
+
+
+async def test_a_full_server_refuses_an_image_count_before_any_fetch(
+    vision_backend: LlamaBackend, image_host: Host, nursery: trio.Nursery
+) -> None:
+    """Token counting (``count_tokens``, ``input_tokens``) fetches and decodes images as
+    generation does, so it holds a queue place first, as generation does: with every
+    place taken (held by the test, as other requests would hold them) a count with an
+    image URL is refused — 429 (Anthropic's 529) — and the image host sees no request.
+    Once places free, the same counts fetch, answer, and give their place back."""
+    image_host.files["/photo.png"] = IMAGES[1]
+    media = FetchPolicy(enabled=True, trust=parse_allow([f"127.0.0.1:{image_host.port}"]))
+    fetching = await start_server(nursery, vision_backend, http=HTTPSettings(media=media))
+    url = f"http://127.0.0.1:{image_host.port}/photo.png"
+    counts = {
+        "/v1/messages/count_tokens": {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is in the picture?"},
+                        {"type": "image", "source": {"type": "url", "url": url}},
+                    ],
+                }
+            ]
+        },
+        "/v1/responses/input_tokens": {
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "What is in the picture?"},
+                        {"type": "input_image", "image_url": url},
+                    ],
+                }
+            ]
+        },
+    }
+    admission = fetching.engine.admission
+    held = [admission.reserve() for _ in range(admission.slots + admission.max_queue)]
+    with pytest.raises(OverloadedError):  # every place is taken
+        admission.check()
+    try:
+        for path, body in counts.items():
+            refused = await post(fetching.url, path, body)
+            assert refused.status_code == (529 if path.startswith("/v1/messages") else 429), refused.text
+            assert "at capacity" in refused.text
+        assert image_host.requests == []  # nothing fetched (nor decoded)
+    finally:
+        for reservation in held:
+            reservation.release()
+    assert admission.reserved == 0
+    for path, body in counts.items():
+        counted = await post(fetching.url, path, body)
+        assert counted.status_code == 200, counted.text
+        assert counted.json()["input_tokens"] > IMAGE_TOKENS
+    assert image_host.requests == ["/photo.png", "/photo.png"]
+    assert admission.reserved == 0  # (each count gave its place back)
 
 
 async def test_refusals(

@@ -178,7 +178,9 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 def with_access_control(app: ASGIApp, policy: AccessPolicy) -> ASGIApp:
-    """Wrap ``app`` so every HTTP request passes ``policy`` first."""
+    """Wrap ``app`` so every HTTP request passes ``policy`` first. (Its own answers —
+    401, 403, a CORS preflight's 204 — go out through the ``send`` it is given:
+    ``create_app`` shields that one on HTTP/1.x, ``_lifecycle.completing``.)"""
 
     async def guarded(
         scope: Scope, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]

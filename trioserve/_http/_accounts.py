@@ -361,12 +361,32 @@ class Accounts:
             requests.level -= 1.0
         return self._headers(buckets)
 
+    def current(self, account: Account) -> Account | None:
+        """``account`` as the keys in force have it (a request holds the one it was
+        admitted with, perhaps from before a reload): its entry looked up again by its
+        digest, the defaults in force for a key without one; ``None``: its key was
+        removed."""
+        if not account.digest:
+            return self.file.defaults
+        return self._by_digest.get(account.digest)
+
     def charge(self, owner: str, account: Account, tokens: int) -> None:
-        """Count ``tokens`` (a prompt evaluated, a reply) against the account's limit."""
-        if account.tokens_per_minute is None or tokens <= 0:
+        """Count ``tokens`` (a prompt evaluated, a reply) against the account's limit:
+        its limit in force now (a reload since the request was admitted changed it:
+        never back to the old one), nothing for a key the reload removed. Only
+        :meth:`admit` makes buckets: a key without any is not counted."""
+        if tokens <= 0:
+            return
+        buckets = self._buckets.get(owner)
+        current = self.current(account)
+        if buckets is None or current is None:
             return
         now = trio.current_time()
-        bucket = self._buckets_of(owner, account, now).tokens
+        if buckets.digest == current.digest:
+            buckets.follow(current, now)
+        # (else a request of the key's admitted since, under its new entry, made them
+        # follow that one: they keep its limits)
+        bucket = buckets.tokens
         if bucket is not None:
             bucket.refill(now)
             bucket.level -= tokens

@@ -417,17 +417,27 @@ class GenerationHandler:
                     await self._settle(job, request)
                 except Exception:
                     logger.exception("background response %s: its end could not be stored", job.turn.id)
+                    error = {"code": "server_error", "message": "its end could not be stored"}
+                    service.remember_end(job.turn.id, job.owner, {"status": "failed", "error": error})
                 finally:
                     service.jobs.pop(job.turn.id, None)
                     try:
-                        self.state.tracing.end(request, log_request(self.state.metrics, request))
+                        usage = log_request(self.state.metrics, request)
+                        account = request.account
+                        if usage is not None and account is not None:
+                            # its reply, against its key's tokens per minute (its
+                            # prompt was charged when prepared), as in the foreground
+                            self.state.accounts.charge(request.owner, account, usage.completion_tokens)
+                        self.state.tracing.end(request, usage)
                     except Exception:
                         logger.exception("background response %s: its log line failed", job.turn.id)
                     request.done.set()
                     job.done.set()
 
     async def _settle(self, job: BackgroundJob, request: InFlightRequest) -> None:
-        """Store a background response's final state, unless its end stored it."""
+        """Store a background response's final state, unless its end stored it. An end
+        that cannot be written at all is remembered in memory (its status, no output):
+        its stored row says ``queued``, and a client polling it must see it end."""
         service = self.state.responses
         assert service is not None
         cause = request.cause
@@ -436,20 +446,18 @@ class GenerationHandler:
             if job.stored:
                 return  # stored before its (unsent) last bytes
             # its result could not be stored: its failure, a smaller write (no output),
-            # where it can be (else only the log and the counters say so)
+            # where it can be (else in memory, and the log and the counters say so)
             reason = service.degraded or "the response store is full"
             error = f"its result could not be stored: {reason}"
-            await service.record(
-                job.turn, job.owner, {**dialect.snapshot("failed", error=error), "output": []}
-            )
-            return
-        if cause == "cancelled":
+            final = {**dialect.snapshot("failed", error=error), "output": []}
+        elif cause == "cancelled":
             final = dialect.snapshot("cancelled", cause="cancelled")
         elif cause in ("deadline", "shutdown", "unload"):
             final = dialect.snapshot("incomplete", cause=cause)
         else:
             final = dialect.snapshot("failed", error=request.error or "inference failed", cause="error")
-        await service.record(job.turn, job.owner, final)
+        if not await service.record(job.turn, job.owner, final):
+            service.remember_end(job.turn.id, job.owner, final)
 
     async def _generate(
         self,

@@ -63,6 +63,9 @@ class Operation:
     stream: bool = False
     #: the error statuses it may answer with (with the error body)
     errors: tuple[int, ...] = ()
+    #: error statuses whose body is another shape: each one's types (several: any of
+    #: them), in place of the error body
+    error_answers: tuple[tuple[int, tuple[object, ...]], ...] = ()
     #: ``True``: its errors are in Anthropic's shape
     anthropic: bool = False
     params: tuple[Param, ...] = ()
@@ -213,15 +216,20 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "Cancel a request in flight", "requests", answer=shapes.RequestCancelled, errors=(404,)
     ),
     # operations
-    ("GET", "/health"): Operation("The server's health", "operations", answer=shapes.Health, errors=(503,)),
-    ("GET", "/loads"): Operation(
-        "Load figures for a gateway (sglang's schema)", "operations", answer=shapes.Loads,
-        errors=(400, 404, 503), params=_MODEL_QUERY,
+    # (503: /health says why in its own shape; /loads says "not serving", or a model
+    # named while the unnamed one loads gets the error body)
+    ("GET", "/health"): Operation(
+        "The server's health", "operations", answer=shapes.Health, errors=(503,),
+        error_answers=((503, (shapes.Health,)),),
     ),
-    ("GET", "/v1/loads"): Operation(
-        "Load figures for a gateway (sglang's schema)", "operations", answer=shapes.Loads,
-        errors=(400, 404, 503), params=_MODEL_QUERY,
-    ),
+    **{
+        ("GET", path): Operation(
+            "Load figures for a gateway (sglang's schema)", "operations", answer=shapes.Loads,
+            errors=(400, 404, 503), params=_MODEL_QUERY,
+            error_answers=((503, (shapes.NotServing, shapes.OpenAIError)),),
+        )
+        for path in ("/loads", "/v1/loads")
+    },
     ("GET", "/metrics"): Operation(
         "Prometheus metrics", "operations", media="text/plain; version=1.0.0; charset=utf-8"
     ),
@@ -293,6 +301,7 @@ def openapi_document(routes: Iterable[tuple[str, str]], *, keys: bool, keyed: It
     types: list[object] = [shapes.OpenAIError, shapes.AnthropicError]
     for operation in OPERATIONS.values():
         types += [t for t in (operation.body, operation.answer) if t is not None]
+        types += [t for _, answers in operation.error_answers for t in answers]
     refs, components = msgspec.json.schema_components(
         types, schema_hook=_schema_hook, ref_template="#/components/schemas/{name}"
     )
@@ -344,8 +353,13 @@ def _operation(
     errors = set(operation.errors)
     if keys:
         errors |= {401, 403}
+    shaped = dict(operation.error_answers)
     for status in sorted(errors):
-        responses[str(status)] = {"description": _REASONS[status], "content": {JSON: {"schema": error}}}
+        schema = error
+        if status in shaped:
+            refs = [schema_of[id(t)] for t in shaped[status]]
+            schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
+        responses[str(status)] = {"description": _REASONS[status], "content": {JSON: {"schema": schema}}}
     parameters = [
         {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
         for name in re.findall(r"{([A-Za-z_]+)}", path)

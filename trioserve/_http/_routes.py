@@ -89,8 +89,6 @@ def create_app(
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            if scope.get("http_version") != "2":
-                send = completing(send)
             kind = GENERATION_PATHS.get(scope["path"].rstrip("/") or "/")
             if kind is not None:
                 await generation(scope, receive, send, kind)  # checks headers, logs, counts
@@ -108,9 +106,18 @@ def create_app(
                 return
         await quart(scope, receive, send)
 
+    served: Callable[[Scope, Receive, Send], Awaitable[None]] = app
     if access is not None and (access.requires_key or access.cors_origins):
-        return with_access_control(app, access)
-    return app
+        served = with_access_control(app, access)
+
+    async def shielded(scope: Scope, receive: Receive, send: Send) -> None:
+        # every HTTP/1.x answer's sends are shielded (completing), the access layer's
+        # own too (a 401, a 403, a CORS preflight's 204): it is outside this
+        if scope["type"] == "http" and scope.get("http_version") != "2":
+            send = completing(send)
+        await served(scope, receive, send)
+
+    return shielded
 
 
 def _asgi_paths() -> list[str]:
@@ -477,18 +484,34 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
         return Response(body, content_type="application/json")
 
     # token counting (docs/dialects.md, "Token counting"): the prompt generation would
-    # render, counted by the model's tokenizer; nothing is evaluated or queued
-    async def count(spec: DialectSpec) -> int:
+    # render, counted by the model's tokenizer; nothing is evaluated, and nothing is
+    # queued but a request with images, which holds a queue place while they are
+    # fetched and decoded
+    def admit_count() -> list[tuple[bytes, bytes]]:
+        """The key's rate limits, as generation takes them (``GenerationHandler._admit``):
+        429 with ``x-ratelimit-*`` before any work (a stored conversation's read, a
+        model load, an image's fetch); a count takes a request, never tokens (nothing
+        is evaluated). Its ``x-ratelimit-*`` headers."""
+        from quart import request
+
+        scope = cast("Scope", request.scope)
+        key = presented_key(scope) if access is not None and access.requires_key else None
+        accounts = state.accounts
+        return accounts.admit(key_salt(scope, access), accounts.account(key))
+
+    async def count(spec: DialectSpec, limits: list[tuple[bytes, bytes]]) -> int:
         """The prompt's tokens, by the named model's template and tokenizer (loading
         the model if it is not: the count is its tokenizer's). A body over 64 KiB is
         decoded and its chat rendered in a worker thread (the tokenizer's own rule puts
         a long prompt in one too), as the generation endpoints do; a cancel waits for
         the thread, inside the lease. A Responses body that continues a stored response
-        is counted with the stored conversation before it."""
+        is counted with the stored conversation before it. ``limits`` gets the key's
+        ``x-ratelimit-*`` headers."""
         from quart import request
 
         registry = state.serving_registry()
         body = await _body_bytes()
+        limits += admit_count()
         large = len(body) > INLINE_PARSE_BYTES
         stored = None
         if state.responses is not None and spec.peek_stored is not None:
@@ -505,12 +528,22 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
             if generation.images:
                 # images count as the tokens they take (docs/vision.md): laid out as for
                 # generation, their URLs fetched under the same rules (a model that
-                # cannot see images refuses them in prepare, before any fetch)
+                # cannot see images refuses them in prepare, before any fetch). As for
+                # generation, a queue place is held first: a full server refuses (429)
+                # before any fetch or decode, and at most slots + --max-queue requests
+                # fetch and decode images at once
                 images = generation.images
-                if engine.backend.info.vision:
-                    images = await resolve_images(images, state.settings.media)
-                asked = dataclasses.replace(generation, images=images, max_tokens=1, clamp_max_tokens=True)
-                return len((await engine.backend.prepare(asked)).tokens)
+                reservation = engine.admission.reserve() if engine.backend.info.vision else None
+                try:
+                    if reservation is not None:
+                        images = await resolve_images(images, state.settings.media)
+                    asked = dataclasses.replace(
+                        generation, images=images, max_tokens=1, clamp_max_tokens=True
+                    )
+                    return len((await engine.backend.prepare(asked)).tokens)
+                finally:
+                    if reservation is not None:
+                        reservation.release()
             return await engine.backend.count_text_tokens(
                 generation.prompt, add_special=generation.add_bos, parse_special=True
             )
@@ -534,21 +567,29 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
 
         return read
 
+    async def counted(spec: DialectSpec, answer: Callable[[int], dict[str, object]]) -> Response:
+        """A token count's answer, or its error in ``spec``'s dialect; the key's
+        ``x-ratelimit-*`` headers on either, once its limits were taken."""
+        limits: list[tuple[bytes, bytes]] = []
+        try:
+            tokens = await count(spec, limits)
+        except TrioserveError as exc:
+            response = _error_response(exc, renderer(spec))
+        else:
+            response = _json_response(answer(tokens))
+        for name, value in limits:
+            response.headers[name.decode()] = value.decode()
+        return response
+
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
-        try:
-            tokens = await count(MESSAGES)
-        except TrioserveError as exc:
-            return _error_response(exc, renderer(MESSAGES))
-        return _json_response({"input_tokens": tokens})
+        return await counted(MESSAGES, lambda tokens: {"input_tokens": tokens})
 
     @app.post("/v1/responses/input_tokens")
     async def input_tokens() -> Response:
-        try:
-            tokens = await count(RESPONSES)
-        except TrioserveError as exc:
-            return _error_response(exc)
-        return _json_response({"object": "response.input_tokens", "input_tokens": tokens})
+        return await counted(
+            RESPONSES, lambda tokens: {"object": "response.input_tokens", "input_tokens": tokens}
+        )
 
     add_stored_routes(app, state, access)
     add_request_routes(app, state, access)

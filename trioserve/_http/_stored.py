@@ -8,12 +8,16 @@ never runs on the event loop. :class:`StoredResponses` is what the server holds:
 store, and the background responses running now (each an
 :class:`~trioserve._http._request.InFlightRequest` no connection holds, in a nursery of
 the server's). A write that fails (a full disk, a full store) never changes an answer:
-:meth:`StoredResponses.record` logs it, counts it and says so in ``/health``."""
+:meth:`StoredResponses.record` logs it, counts it and says so in ``/health``. A
+background response whose end cannot be written at all is remembered in memory (its
+final status, no output; the newest :data:`MAX_UNSTORED_ENDS`): a client polling it sees
+it end, not ``queued`` for ever."""
 
 from __future__ import annotations
 
 import logging
 import sqlite3
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -48,6 +52,25 @@ T = TypeVar("T")
 #: why a write failed: the database or its disk (``error``: the store is degraded), or
 #: no room within the key's quota and the total (``full``)
 StoreFailure = Literal["error", "full"]
+
+#: the background responses whose end could not be stored that are remembered (the
+#: oldest forgotten first; a few hundred bytes each)
+MAX_UNSTORED_ENDS = 1024
+
+#: the fields of a response object kept for an end that could not be stored (the rest,
+#: its instructions and tools, are the stored ``queued`` row's; its output is dropped)
+_END_FIELDS = (
+    "id",
+    "object",
+    "created_at",
+    "status",
+    "background",
+    "error",
+    "incomplete_details",
+    "model",
+    "usage",
+    "trioserve",
+)
 
 
 class AsyncResponseStore:
@@ -100,6 +123,9 @@ class StoredResponses:
         #: degraded (``/health``); ``None``: healthy
         self.degraded: str | None = None
         self.on_failure = on_failure
+        #: background responses whose end could not be stored, by id: (owner, the
+        #: final object's small fields), the newest :data:`MAX_UNSTORED_ENDS`
+        self.unstored: OrderedDict[str, tuple[str, dict[str, Any]]] = OrderedDict()
 
     def health(self) -> dict[str, object]:
         """What ``/health`` says of the store."""
@@ -181,7 +207,24 @@ class StoredResponses:
             self._failed(turn.id, "error", exc)
             return False
         self.degraded = None
+        self.unstored.pop(turn.id, None)  # (the store has it now)
         return True
+
+    def remember_end(self, response_id: str, owner: str, body: dict[str, Any]) -> None:
+        """A background response's end that could not be stored (its row still says
+        ``queued``): kept in memory, without its output, for :meth:`get` to answer
+        with; the oldest such end is forgotten past :data:`MAX_UNSTORED_ENDS`."""
+        fields = {name: body[name] for name in _END_FIELDS if name in body}
+        fields["output"] = []
+        self.unstored[response_id] = (owner, fields)
+        self.unstored.move_to_end(response_id)
+        while len(self.unstored) > MAX_UNSTORED_ENDS:
+            self.unstored.popitem(last=False)
+        logger.error(
+            "background response %s: its end (%s) could not be stored; kept in memory only",
+            response_id,
+            fields.get("status"),
+        )
 
     async def record_end(self, turn: StoredTurn, owner: str) -> None:
         """A response that ended on its own, stored before its last bytes go out (a
@@ -193,7 +236,8 @@ class StoredResponses:
 
     async def get(self, response_id: str, owner: str) -> dict[str, Any] | None:
         """The response object as it stands (a running background response's status
-        is read live), or ``None``."""
+        is read live; one whose end could not be stored, its end as remembered), or
+        ``None``."""
         job = self.jobs.get(response_id)
         if job is not None and job.owner == owner:
             body = dict(job.queued)
@@ -201,8 +245,19 @@ class StoredResponses:
             if request is not None and request.choices:
                 body["status"] = "in_progress"
             return body
-        stored = await self.store.run(self.store.store.get, response_id, owner)
-        return stored.body if stored is not None else None
+        end = self.unstored.get(response_id)
+        if end is None or end[0] != owner:
+            stored = await self.store.run(self.store.store.get, response_id, owner)
+            return stored.body if stored is not None else None
+        try:
+            stored = await self.store.run(self.store.store.get, response_id, owner)
+        except (sqlite3.Error, OSError):
+            return dict(end[1])  # (the store cannot be read: its end, as remembered)
+        if stored is None:
+            # its row was deleted (or expired): so is what was remembered of it
+            self.unstored.pop(response_id, None)
+            return None
+        return {**stored.body, **end[1]}
 
 
 @asynccontextmanager

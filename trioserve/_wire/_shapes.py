@@ -340,6 +340,9 @@ class RequestCancelled(msgspec.Struct, kw_only=True):
 
     id: str
     object: Literal["request"]
+    #: whose request it was: its API key's name (the keys file's; ``default`` for a key
+    #: without an entry), ``None`` for a request no key sent
+    key: str | None
     cancelled: bool
     phase: str
     model: str | None

@@ -212,7 +212,6 @@ async def test_a_pause_asked_while_the_holder_starts_is_not_lost() -> None:
         assert admission.pause_budget.used == 0
 
 
-
 async def test_a_pause_of_unknown_size_holds_the_rest_of_the_budget_until_measured() -> None:
     """Before the backend has measured a state (its estimate is 0), a pause asked holds
     the whole rest of the budget: a request with ``n`` = 2 that would need two pauses in

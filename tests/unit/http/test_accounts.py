@@ -200,3 +200,28 @@ async def test_a_key_without_an_entry_keeps_its_bucket_across_reloads(autojump_c
     assert accounts.buckets == 1
     with pytest.raises(RateLimitError):
         accounts.admit("key:outside", accounts.account("sk-outside"))
+
+
+async def test_a_charge_after_a_reload_counts_under_the_keys_in_force(autojump_clock: trio.abc.Clock) -> None:
+    """A request charges its reply when it ends, holding the account it was admitted
+    with: the charge follows the keys in force (never back to the old limit), charges
+    nothing for a key the reload removed, and never makes a bucket."""
+    accounts = Accounts(parse_keys_file(FILE, {"BATCH_KEY": "sk-batch"}))
+    admitted = accounts.account("sk-batch")  # (tokens_per_minute = 600)
+    accounts.admit("key:b", admitted)
+    lowered = FILE.replace("tokens_per_minute = 600", "tokens_per_minute = 100")
+    accounts.replace(parse_keys_file(lowered, {"BATCH_KEY": "sk-batch"}))
+    accounts.charge("key:b", admitted, 40)  # the request admitted before the reload ends
+    headers = dict(accounts.admit("key:b", accounts.account("sk-batch")))
+    assert headers[b"x-ratelimit-limit-tokens"] == b"100"
+    # charged under the limit in force (100 - 40), not under the old one (capped to 100)
+    assert headers[b"x-ratelimit-remaining-tokens"] == b"60"
+    # the key removed: its buckets go, and a request of it that ends brings none back
+    accounts.replace(parse_keys_file(FILE.split('[[key]]\nname = "batch"')[0], {}))
+    assert accounts.buckets == 0
+    accounts.charge("key:b", admitted, 40)
+    assert accounts.buckets == 0
+    # only admit makes buckets: a charge for a key that has none counts nothing
+    limited = Accounts(parse_keys_file("[defaults]\ntokens_per_minute = 10\n", {}))
+    limited.charge("key:x", limited.account("sk-x"), 5)
+    assert limited.buckets == 0

@@ -3,6 +3,7 @@ chains, pages, bounds, and a file that survives a reopen."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,10 +11,12 @@ import pytest
 import trio
 
 from trioserve._http._stored import (
+    MAX_UNSTORED_ENDS,
     AsyncResponseStore,
     ChainError,
     ResponseStore,
     StoredResponse,
+    StoredResponses,
     StoreFullError,
 )
 
@@ -254,3 +257,32 @@ def test_a_write_reads_counters_and_indexes_never_a_scan_of_the_table() -> None:
     for query in queries:
         plan = " | ".join(row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + query))
         assert "SCAN responses" not in plan, (query, plan)
+
+
+async def test_an_end_that_could_not_be_stored_is_remembered_within_a_bound(nursery: trio.Nursery) -> None:
+    """A background response's end that no write could keep: its (still ``queued``) row
+    answered with the remembered status, its owner's alone; the newest
+    ``MAX_UNSTORED_ENDS`` kept; gone with its row."""
+    store = _store()
+    service = StoredResponses(store, nursery)
+    queued = {"id": "resp_0", "status": "queued", "instructions": "be brief", "output": []}
+    store.put(dataclasses.replace(_response(0), status="queued", body=queued))
+    final = {"id": "resp_0", "status": "failed", "error": {"message": "could not be stored"}, "output": ["x"]}
+    service.remember_end("resp_0", "key:a", {**final, "instructions": "be brief", "tools": ["big"]})
+    body = await service.get("resp_0", "key:a")
+    assert body is not None
+    assert (body["status"], body["output"]) == ("failed", [])
+    assert body["error"] == {"message": "could not be stored"}
+    assert body["instructions"] == "be brief"  # (the row's: not kept in memory)
+    assert "tools" not in service.unstored["resp_0"][1]
+    assert await service.get("resp_0", "key:b") is None  # another key's: as if missing
+    for i in range(1, MAX_UNSTORED_ENDS + 1):
+        service.remember_end(f"resp_{i}", "key:a", {"status": "failed"})
+    assert len(service.unstored) == MAX_UNSTORED_ENDS
+    assert "resp_0" not in service.unstored  # the oldest forgotten
+    assert (await service.get("resp_0", "key:a")) == queued
+    # its row deleted: what was remembered goes with it
+    store.put(dataclasses.replace(_response(5), status="queued", body=queued))
+    assert store.delete("resp_5", "key:a")
+    assert await service.get("resp_5", "key:a") is None
+    assert "resp_5" not in service.unstored
