@@ -282,16 +282,28 @@ async def test_which_models_can_infill_is_said_and_the_others_refuse(
 async def test_a_client_that_leaves_mid_infill_stops_it(
     ours: RunningServer, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The client leaves while its infill prompt is being evaluated inside llama.cpp
+    (a long ``input_extra``: seconds of prefill), the phase a verdict cannot depend on
+    which tokens the model draws (a greedy infill may end after a token on one CPU and
+    run on another)."""
     caplog.set_level("INFO", logger="trioserve.requests")
     engine = ours.engine
+    backend = engine.backend
+    assert isinstance(backend, LlamaBackend)
+    extra = [
+        {"text": f"def shape_{i}(radius):\n    return {i} * math.pi * radius ** 2\n", "filename": f"s{i}.py"}
+        for i in range(60)
+    ]
     stream = await RawStream.post(
         ours.url,
         "/infill",
-        llama_vim(stream=True, n_predict=3000, n_indent=0, response_fields=[]),
+        llama_vim(stream=True, n_predict=1000, n_indent=0, response_fields=[], input_extra=extra),
         {"X-Request-Id": "leaver"},
     )
     try:
-        await stream.read_until(b"data: ", 2)
+        await wait_for(lambda: engine.streams)
+        (leaving,) = list(engine.streams)
+        await wait_for(lambda: backend.in_flight(leaving.progress) == "prefill")
     finally:
         await stream.aclose()
     await wait_for(lambda: not engine.streams and engine.admission.in_use == 0)
