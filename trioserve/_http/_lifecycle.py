@@ -162,9 +162,14 @@ def completing(send: Send) -> Send:
     the client's next request unread, and no timer: it hung until the client gave up
     (found by the schemathesis run, tests/e2e/test_openapi_fuzz.py). hypercorn's HTTP/1.1
     socket writes are shielded already (the stall timer shuts the socket down instead),
-    so this waits for nothing new; HTTP/2 sends stay cancellable."""
+    so this waits for nothing new; HTTP/2 sends stay cancellable. Only the messages that
+    open and end a response are shielded: a streamed body's events (``more_body``) are
+    sent as they are, with no scope per event on the hot path."""
 
     async def shielded(message: Message) -> None:
+        if message.get("more_body", False):
+            await send(message)
+            return
         with trio.CancelScope(shield=True):
             await send(message)
 
