@@ -39,7 +39,8 @@ class KvCells:
         self.host = host
         self.policy = policy
         #: per id, what of its cells was last written to the disk tier while idle
-        #: (length, salt, last tokens: a cheap identity of the prefix)
+        #: (its salt and every token of the prefix: a length and the last tokens called
+        #: two prompts differing at their start the same)
         self._persisted: dict[int, tuple[str, tuple[int, ...]]] = {}
         self.persisted = 0
         #: measured on the first prefix kept (``llama_state_seq_get_size``), for the gauge
