@@ -69,6 +69,9 @@ class AdmissionSnapshot:
     #: requests that waited in the queue instead of pausing a stream because the
     #: budget was spent (each counted once)
     pauses_refused: int = 0
+    #: leases set aside until someone reads them (detached streams: not among
+    #: ``queued``, not counted toward ``max_queue``)
+    parked: int = 0
 
 
 class _Waiter:
@@ -133,6 +136,8 @@ class Admission:
         #: slots of leases asked to pause that have not yet given them back
         self._pausing = 0
         self.paused = 0
+        #: set aside until an event (:meth:`SlotLease.set_aside`): outside the queue
+        self.parked = 0
         self.preemptions = 0
         self.pause_budget = pause_budget if pause_budget is not None else unbounded_pause_budget()
 
@@ -151,6 +156,7 @@ class Admission:
             paused_bytes=self.pause_budget.used,
             pause_budget_bytes=self.pause_budget.limit,
             pauses_refused=self.pause_budget.refused,
+            parked=self.parked,
         )
 
     # ---------------------------------------------------------- fair share
@@ -270,6 +276,15 @@ class Admission:
     def _preempt_for(self, waiter: _Waiter) -> None:
         """Ask outranked pausable leases to pause until ``waiter`` would fit."""
         need = waiter.count - self._free - self._pausing
+        if need <= 0:
+            return
+        # work nobody waits for (a detached stream with a full log) yields first, to
+        # any waiter, whatever the priorities
+        for lease in [held for held in self._leases if held.yielding is not None]:
+            if need <= 0:
+                return
+            if lease.yielding is not None and not lease.pause_asked and lease.yielding():
+                need -= lease.count
         if need <= 0:
             return
         shares = self._shares()

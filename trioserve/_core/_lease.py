@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import trio
+
     from ._admission import Admission
 
 __all__ = ["DEFAULT_TICKET", "PauseBudget", "Reservation", "SlotLease", "Ticket", "unbounded_pause_budget"]
@@ -110,7 +112,13 @@ class SlotLease:
     Preemption: a holder that can set its work aside calls :meth:`enable_pause` once
     it can act on an ask (its hook installed: never before, or the ask is lost); when
     admission asks (``pause_asked``), it sets the work aside and calls :meth:`pause`
-    (or :meth:`decline` if it cannot)."""
+    (or :meth:`decline` if it cannot).
+
+    Setting aside until someone reads (a detached stream whose log is full: docs/
+    resumable-streams.md): :meth:`set_aside` asks the same hook, and the :meth:`pause`
+    that follows waits for its ``until`` event *outside* the queue (``parked``, not
+    counted toward ``max_queue``) before it queues for the slots again. While its holder
+    installs :attr:`yielding`, the lease gives its slots to any waiter at once."""
 
     __slots__ = (
         "_admission",
@@ -126,7 +134,9 @@ class SlotLease:
         "released",
         "state_bytes",
         "ticket",
+        "until",
         "usage",
+        "yielding",
     )
 
     def __init__(self, admission: Admission, count: int = 1, ticket: Ticket = DEFAULT_TICKET) -> None:
@@ -151,6 +161,14 @@ class SlotLease:
         #: between :meth:`pause` giving the slots back and getting them again
         self.paused = False
         self.pauses = 0
+        #: set by :meth:`set_aside`: the event the next :meth:`pause` waits for before
+        #: it queues
+        self.until: trio.Event | None = None
+        #: installed by a holder whose work nobody waits for (a detached stream with a
+        #: full log): admission calls it for any waiter that needs a slot, before
+        #: ranking outranked leases; it returns whether the slots will come back (set
+        #: aside, or the work ended: :meth:`will_end`)
+        self.yielding: Callable[[], bool] | None = None
 
     def release(self) -> None:
         if not self.released:
@@ -178,6 +196,31 @@ class SlotLease:
         if self.pause_asked and not self.released:
             self.decline()
 
+    def set_aside(self, until: trio.Event) -> bool:
+        """Ask the holder to set its work aside (its ``on_pause`` hook) and, once it has
+        paused, to wait for ``until`` before it queues for its slots again. Charged to
+        the pause budget as an ask is; ``False`` (nothing asked) if the lease cannot
+        pause now, is asked already, or the budget cannot take its state."""
+        admission = self._admission
+        if self.released or not self.pausable or self.pause_asked:
+            return False
+        charged = admission.pause_budget.take(self.state_bytes())
+        if charged is None:
+            return False
+        self.held_bytes = charged
+        self.pause_asked = True
+        self.until = until
+        admission._pausing += self.count
+        self.on_pause()
+        return True
+
+    def will_end(self) -> None:
+        """The holder will end its work and release the lease (e.g. evicted for a
+        waiter): its slots are counted as coming back, as a pause's are."""
+        if not self.released and not self.pause_asked:
+            self.pause_asked = True
+            self._admission._pausing += self.count
+
     async def pause(self, saved_bytes: int | None = None) -> None:
         """Give the slots back and wait in the queue (this lease's ticket, its original
         arrival) until they are granted again. The holder has set its work aside;
@@ -199,18 +242,34 @@ class SlotLease:
         self.pauses += 1
         self.released = True
         self.paused = True
-        admission.paused += 1
-        admission.queued += 1
-        # into the queue before the slots go back: its account stays active (its
-        # fair-share counter kept), and the grant that follows ranks it with the rest
-        waiter = admission._enqueue(self)
-        admission._give_back(self)
+        until, self.until = self.until, None
         try:
-            await admission._wait(waiter)
+            if until is not None and not until.is_set():
+                # set aside: the slots go back, and it waits outside the queue
+                admission.parked += 1
+                admission._give_back(self)
+                try:
+                    await until.wait()
+                finally:
+                    admission.parked -= 1
+                admission.paused += 1
+                admission.queued += 1
+                waiter = admission._enqueue(self)
+                admission._grant()
+            else:
+                admission.paused += 1
+                admission.queued += 1
+                # into the queue before the slots go back: its account stays active
+                # (its fair-share counter kept), and the grant that follows ranks it
+                waiter = admission._enqueue(self)
+                admission._give_back(self)
+            try:
+                await admission._wait(waiter)
+            finally:
+                admission.paused -= 1
+                admission.queued -= 1
         finally:
             self.paused = False
-            admission.paused -= 1
-            admission.queued -= 1
             admission.pause_budget.give(self.held_bytes)
             self.held_bytes = 0
         self.released = False
