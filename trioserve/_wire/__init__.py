@@ -16,6 +16,7 @@ from ._models import RouterModelRequest, decode_router_request
 from ._rerank import RerankQuery, decode_rerank_request, rerank_response
 from ._responses_writer import StoredTurn
 from ._spec import DialectSpec, ErrorBody, ParsedRequest, ReadOptions, StoredAsk, StoredContext
+from ._sse import number_events
 from ._tokenize import (
     decode_detokenize_request,
     decode_tokenize_request,
@@ -56,6 +57,7 @@ __all__ = [
     "encode_json",
     "finished_choice",
     "generation_for",
+    "number_events",
     "rerank_response",
     "responses_reply",
     "spec_for_path",

@@ -18,6 +18,7 @@ __all__ = [
     "encode_comment",
     "encode_data",
     "encode_event",
+    "number_events",
 ]
 
 _LINE_BREAK = re.compile(rb"\r\n|\r|\n")
@@ -73,6 +74,56 @@ def _strip_newlines(value: str) -> bytes:
 DONE = encode_data(b"[DONE]")
 #: A heartbeat: a comment line clients ignore.
 HEARTBEAT = encode_comment("ping")
+
+
+_PING_EVENT = b"event: ping\n"
+
+
+def _is_comment(block: bytes) -> bool:
+    return block[0] == 0x3A and all(line.startswith(b":") for line in block.split(b"\n"))  # ":"
+
+
+def number_events(
+    data: bytes, next_id: int, *, retry_ms: int | None = None
+) -> list[tuple[int | None, bytes]]:
+    """Split ``data`` into its blocks and give each event an ``id:`` field.
+
+    ``data`` is whole blocks as trioserve's writers make them: each ends with a blank
+    line (a ``ValueError`` if the last does not) and no data line holds a raw newline
+    (a blank line inside an event would split it in two). Every event block becomes
+    ``(K, b"id: K\\n" + block)``, ``K`` counting from ``next_id``; with ``retry_ms``, the
+    first one also carries ``retry: <ms>`` — a field of that event, never a block of its
+    own (the openai SDK's decoder takes a ``retry:``-only block for an event with empty
+    data and fails on it).
+
+    No id for a keep-alive: Anthropic's ``event: ping`` is ``(None, block)`` as it is;
+    a block of comments (the heartbeat ``: ping``) is ``(None, block)`` before the
+    stream's first id, and loses its blank line after it (``(None, b": ping\\n")``, a
+    comment line the next event's block begins with): the openai and anthropic SDKs'
+    decoders keep the last id across blocks, as the SSE standard says, but then
+    dispatch an event with empty data at a blank line that ends no field, which the
+    openai SDK fails to parse as JSON. Empty blocks (stray blank lines) are dropped. One
+    ``split`` per call: this runs per token.
+    """
+    blocks = data.split(b"\n\n")
+    if blocks.pop():
+        raise ValueError("SSE data must end with a blank line")
+    out: list[tuple[int | None, bytes]] = []
+    for block in blocks:
+        if not block:
+            continue
+        if block.startswith(_PING_EVENT):
+            out.append((None, block + b"\n\n"))
+        elif _is_comment(block):
+            out.append((None, block + (b"\n" if next_id else b"\n\n")))
+        elif retry_ms is not None:
+            out.append((next_id, b"id: %d\nretry: %d\n%b\n\n" % (next_id, retry_ms, block)))
+            retry_ms = None
+            next_id += 1
+        else:
+            out.append((next_id, b"id: %d\n%b\n\n" % (next_id, block)))
+            next_id += 1
+    return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
