@@ -17,6 +17,7 @@ import trio
 from .._backends import Backend
 from .._core._registry import ModelRegistry
 from .._http import HTTPSettings
+from .._http._detach import DetachSettings
 from .._http._fetch import FetchPolicy, parse_allow
 from .._http._server import Server, ServerSettings, serve_until_signalled
 from .._wire._limits import RequestLimits
@@ -111,6 +112,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         keys_file=args.keys_file,
         allow_empty_keys_reload=args.allow_empty_keys_reload,
         send_buffer_bytes=args.send_buffer_bytes,
+        detach=None
+        if args.detach_max == 0
+        else DetachSettings(
+            log_events=args.detach_log_events,
+            log_bytes=args.detach_log_kib * 1024,
+            park_after=max(0.0, args.detach_park_after),
+            timeout=args.detach_timeout,
+            max_streams=args.detach_max,
+            per_key=args.detach_per_key,
+        ),
         http=HTTPSettings(
             heartbeat_interval=args.heartbeat_interval or None,
             max_body_bytes=args.max_body_bytes,

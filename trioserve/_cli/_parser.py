@@ -10,6 +10,7 @@ from pathlib import Path
 from .._core._media import DEFAULT_IMAGE_BUDGET_BYTES
 from .._wire._limits import RequestLimits
 from ._cluster import add_cluster_command
+from ._stream_flags import add_detach_flags
 
 __all__ = ["parser"]
 
@@ -54,6 +55,7 @@ def parser() -> argparse.ArgumentParser:
     _access(serve)
     _media(serve)
     _dialects(serve)
+    add_detach_flags(serve)
     _logging(serve)
     add_cluster_command(commands)
     return root

@@ -45,6 +45,8 @@ EndCause = Literal[
     "unload",
     "cancelled",
     "superseded",
+    "detach_timeout",
+    "evicted",
 ]
 #: How a backend's generation ends on its own (the rest of :data:`EndCause` is decided
 #: around it).

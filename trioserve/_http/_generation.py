@@ -16,6 +16,7 @@ import functools
 import logging
 import math
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 import msgspec
@@ -53,6 +54,7 @@ from .._wire import (
 from ._access import AccessPolicy, key_salt, presented_key
 from ._accounting import ENDPOINTS as ENDPOINT_PATHS
 from ._accounting import log_request
+from ._detach import DetachController, DetachedStream, log_sink
 from ._errors import renderer
 from ._exchange import (
     Exchange,
@@ -69,6 +71,7 @@ from ._exchange import (
     headers_too_large,
 )
 from ._fetch import resolve_images
+from ._following import follow
 from ._lifecycle import (
     FINAL_EVENT_TIMEOUT,
     INLINE_PARSE_BYTES,
@@ -120,6 +123,13 @@ class _CacheSaltField(msgspec.Struct):
 
 
 _salt_decoder = msgspec.json.Decoder(_CacheSaltField)
+
+
+class _StreamField(msgspec.Struct):
+    stream: bool | None = None
+
+
+_stream_decoder = msgspec.json.Decoder(_StreamField)
 
 
 def cache_salt(scope: Scope, body: bytes, access: AccessPolicy | None) -> str:
@@ -195,11 +205,8 @@ class GenerationHandler:
         exchange = Exchange(send, given if given is not None and valid else uuid.uuid4().hex, renderer(spec))
         request = InFlightRequest(scope, exchange, kind)
         request.owner = self.owner(scope)
-        tracing = self.state.tracing
-        tracing.begin(request, ENDPOINT_PATHS[kind])
-        # (the request's child tasks inherit it: its upstream calls carry the trace)
-        traced = TRACEPARENT.set(request.traceparent)
-        try:
+
+        async def serve() -> None:
             limit = self.state.settings.max_header_bytes
             if headers_too_large(scope, limit):
                 raise HeadersTooLargeError(f"the request headers exceed the limit of {limit} bytes")
@@ -212,6 +219,19 @@ class GenerationHandler:
             if scope["method"] != "POST":
                 raise MethodNotAllowedError(f"{scope['path']} accepts POST only, not {scope['method']}")
             await self._serve(request, receive, spec)
+
+        await self._handle(request, serve)
+
+    async def _handle(self, request: InFlightRequest, serve: Callable[[], Awaitable[None]]) -> None:
+        """Run ``serve`` as ``request``'s life: an error answered (or, once its stream
+        began, its final event), the cause recorded, its log line, charge and span."""
+        exchange = request.exchange
+        tracing = self.state.tracing
+        tracing.begin(request, ENDPOINT_PATHS[request.kind])
+        # (the request's child tasks inherit it: its upstream calls carry the trace)
+        traced = TRACEPARENT.set(request.traceparent)
+        try:
+            await serve()
         except _ClientGone:
             request.end("disconnect")
         except TrioserveError as exc:
@@ -256,15 +276,120 @@ class GenerationHandler:
         entry = state.resolve(head.model)
         request.model = entry.name
         request.set_timeout(_request_timeout(scope, state.settings))
+        conversation = self._conversation_id(request, body)
         self._admit(request, entry, head.priority)
         ask = None
         if state.responses is not None and spec.peek_stored is not None:
             peek = spec.peek_stored
             ask = await off_the_loop_if(large, peek, body)
-            if ask.background:
+            if ask.background and conversation is None:
                 await self._start_background(request, spec, body, entry, ask)
                 return
+        if conversation is not None:
+            await self._start_detached(request, receive, spec, body, entry, ask, conversation)
+            return
         await self._run(request, receive, spec, body, entry, ask)
+
+    def _conversation_id(self, request: InFlightRequest, body: bytes) -> str | None:
+        """A detachable stream's id (llama-server's ``X-Conversation-Id``), checked:
+        a valid id, on a streaming request, on a server that keeps them (400s naming
+        the header)."""
+        scope = request.asgi
+        if _header(scope, b"last-event-id") is not None:
+            raise InvalidRequestError(
+                "Last-Event-ID resumes a stream on GET /v1/stream or GET /v1/responses/{id}?stream=true; "
+                "a POST starts a new one",
+                param="Last-Event-ID",
+            )
+        conversation = _header(scope, b"x-conversation-id")
+        if conversation is None:
+            return None
+        if not valid_id(conversation):
+            raise InvalidRequestError(_ID_RULE.format(name="X-Conversation-Id"), param="X-Conversation-Id")
+        if self.state.detached is None:
+            raise InvalidRequestError(
+                "this server keeps no detachable streams (--detach-max 0): send the request without "
+                "X-Conversation-Id",
+                param="X-Conversation-Id",
+            )
+        if not decode(_stream_decoder, body).stream:
+            raise InvalidRequestError(
+                'X-Conversation-Id makes a stream resumable: it needs "stream": true (a whole answer '
+                "cannot be resumed; send it without the header)",
+                param="X-Conversation-Id",
+            )
+        return conversation
+
+    async def _start_detached(
+        self,
+        request: InFlightRequest,
+        receive: Receive,
+        spec: DialectSpec,
+        body: bytes,
+        entry: ModelEntry,
+        ask: StoredAsk | None,
+        conversation: str,
+    ) -> None:
+        """A detachable stream (docs/resumable-streams.md): its job starts in the
+        detached streams' nursery, writing into the stream's log; this request's
+        connection becomes its first reader. Its end (a disconnect, a stall) ends the
+        reading, never the job."""
+        detached = self.state.detached
+        assert detached is not None
+        stream = detached.open(request.owner, conversation)
+        log = stream.log
+        exchange = Exchange(log_sink(log), request.exchange.request_id, request.exchange.render)
+        exchange.extra_headers = [
+            *request.exchange.extra_headers,
+            (b"x-conversation-id", conversation.encode()),
+        ]
+        job = InFlightRequest(request.asgi, exchange, request.kind)
+        job.owner, job.account, job.session = request.owner, request.account, request.session
+        job.model = request.model
+        job.cancel_scope.deadline = request.cancel_scope.deadline
+        stream.job = job
+        cursor = log.attach(0)
+        detached.nursery.start_soon(self._detached_job, stream, spec, body, entry, ask)
+        request.model = entry.name
+        await follow(
+            request,
+            log,
+            cursor,
+            receive,
+            stall_timeout=self.state.stall_timeout,
+            job_id=job.exchange.request_id,
+        )
+
+    async def _detached_job(
+        self, stream: DetachedStream, spec: DialectSpec, body: bytes, entry: ModelEntry, ask: StoredAsk | None
+    ) -> None:
+        """A detachable stream's job, to its end; then its log is kept for readers."""
+        detached = self.state.detached
+        assert detached is not None
+        job = stream.job
+        assert job is not None
+        log = stream.log
+
+        async def serve() -> None:
+            with unwrap_group():
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(DetachController(detached, stream).run)
+                    try:
+                        await self._run(job, _never_disconnects, spec, body, entry, ask, detached=True)
+                    finally:
+                        nursery.cancel_scope.cancel()
+
+        try:
+            await self._handle(job, serve)
+        except Exception:
+            logger.exception("detached stream %s failed", job.exchange.request_id)
+        finally:
+            with trio.CancelScope(shield=True):
+                if not log.head_set.is_set():
+                    log.set_head(500, [])
+                if not log.finished and not stream.dropped:
+                    await log.append(b"", last=True)
+        await detached.keep(stream)
 
     async def _run(
         self,
@@ -274,8 +399,12 @@ class GenerationHandler:
         body: bytes,
         entry: ModelEntry,
         ask: StoredAsk | None,
+        *,
+        detached: bool = False,
     ) -> None:
-        """The request's life in its scope, from the model's lease to its last byte."""
+        """The request's life in its scope, from the model's lease to its last byte
+        (``detached``: a detachable stream's job, whose sends go to its log: a full log
+        is the designed pause, never a stall)."""
         state = self.state
         scope = request.asgi
         keep_alive = _keep_alive(scope)
@@ -290,7 +419,9 @@ class GenerationHandler:
                         # consumer stuck in hypercorn's (shielded) send is freed only by
                         # ending the connection. Stopped when the body is done.
                         stall_scope = trio.CancelScope(shield=True)
-                        stall_timeout = math.inf if state.stall_timeout is None else state.stall_timeout
+                        stall_timeout = (
+                            math.inf if state.stall_timeout is None or detached else state.stall_timeout
+                        )
                         nursery.start_soon(watch_stall, request, stall_timeout, stall_scope)
                         try:
                             # the stored conversation it continues (a thread's read)

@@ -21,7 +21,17 @@ if TYPE_CHECKING:
 
 __all__ = ["CANCEL_CAUSES", "END_CAUSES", "Metrics"]
 
-CANCEL_CAUSES = ("disconnect", "stall", "deadline", "shutdown", "unload", "cancelled", "superseded")
+CANCEL_CAUSES = (
+    "disconnect",
+    "stall",
+    "deadline",
+    "shutdown",
+    "unload",
+    "cancelled",
+    "superseded",
+    "detach_timeout",
+    "evicted",
+)
 END_CAUSES = (
     "stop",
     "length",
@@ -33,6 +43,8 @@ END_CAUSES = (
     "unload",
     "cancelled",
     "superseded",
+    "detach_timeout",
+    "evicted",
     "error",
 )
 

@@ -92,6 +92,12 @@ _STORED_QUERY = (
     Param("starting_after", "query", {"type": "string"}, "not supported (400)"),
     _INCLUDE,
 )
+_CONVERSATION = Param("conv_id", "query", _ID, "the stream's X-Conversation-Id")
+_STREAM_QUERY = (
+    _CONVERSATION,
+    Param("from", "query", {"type": "integer", "minimum": 0}, "the byte offset of its body to read from (0)"),
+    Param("Last-Event-ID", "header", _ID, "read the events after this one (wins over from)"),
+)
 _ITEMS_QUERY = (
     Param("limit", "query", {"type": "integer", "minimum": 1, "maximum": 100}, "items per page (20)"),
     Param("order", "query", {"enum": ["asc", "desc"]}, "the items' order (desc)"),
@@ -214,6 +220,20 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     ("DELETE", "/v1/requests/{request_id}"): Operation(
         "Cancel a request in flight", "requests", answer=shapes.RequestCancelled, errors=(404,)
+    ),
+    # resumable streams (llama-server's routes; docs/resumable-streams.md)
+    ("GET", "/v1/stream"): Operation(
+        "Resume a detachable stream from an offset (llama-server)", "llama-server",
+        media="text/event-stream; charset=utf-8", errors=(400, 404), params=_STREAM_QUERY,
+        error_answers=((400, (shapes.LlamaError,)), (404, (shapes.LlamaError,))),
+    ),
+    ("DELETE", "/v1/stream"): Operation(
+        "Stop a detachable stream (llama-server)", "llama-server", status=204, media="",
+        errors=(400,), params=(_CONVERSATION,), error_answers=((400, (shapes.LlamaError,)),),
+    ),
+    ("POST", "/v1/streams/lookup"): Operation(
+        "Which of these detachable streams are live (llama-server)", "llama-server", shapes.StreamLookup,
+        list[shapes.StreamStatus], errors=(400,), error_answers=((400, (shapes.LlamaError,)),),
     ),
     # operations
     # (503: /health says why in its own shape; /loads says "not serving", or a model
@@ -341,7 +361,10 @@ def _operation(
         ok[operation.media] = {"schema": {"type": "string"}}
     if operation.stream:
         ok[SSE] = {"schema": {"type": "string"}}
-    responses: dict[str, Any] = {str(operation.status): {"description": "success", "content": ok}}
+    success: dict[str, Any] = {"description": "success"}
+    if operation.media:  # (a 204 has no content)
+        success["content"] = ok
+    responses: dict[str, Any] = {str(operation.status): success}
     if operation.links:
         responses[str(operation.status)]["links"] = {
             _operation_id(method, path): {

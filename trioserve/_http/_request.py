@@ -36,7 +36,8 @@ __all__ = ["InFlightRequest", "Kind", "Phase"]
 
 #: the generation endpoints: ``/v1/completions``, ``/v1/chat/completions``,
 #: ``/v1/messages`` (Anthropic), ``/v1/responses`` (OpenAI Responses)
-Kind = Literal["text", "chat", "messages", "responses", "infill", "embeddings", "rerank"]
+#: ``stream``: a reader of a detachable stream (docs/resumable-streams.md)
+Kind = Literal["text", "chat", "messages", "responses", "infill", "embeddings", "rerank", "stream"]
 
 
 class Phase(enum.IntEnum):

@@ -60,10 +60,12 @@ from ._fetch import resolve_images
 from ._generation import GENERATION_PATHS, GenerationHandler, key_salt, presented_key
 from ._lifecycle import INLINE_PARSE_BYTES, completing, off_the_loop_if
 from ._openapi import needs_key, openapi_document, openapi_path
+from ._replay import STREAM_PATH, ReplayHandler
 from ._requests_routes import add_request_routes
 from ._rerank import RERANK_PATHS, RerankHandler
 from ._state import ServerState
 from ._stored_routes import add_stored_routes
+from ._stream_routes import add_stream_routes
 
 __all__ = ["create_app", "served_routes"]
 
@@ -84,6 +86,7 @@ def create_app(
     generation = GenerationHandler(state, access)
     embeddings = EmbeddingsHandler(state, access)
     rerank = RerankHandler(state, access)
+    replay = ReplayHandler(state, access)
 
     header_limit = state.settings.max_header_bytes
 
@@ -99,6 +102,9 @@ def create_app(
                 return
             if path in RERANK_PATHS:
                 await rerank(scope, receive, send)
+                return
+            if path == STREAM_PATH and scope["method"] == "GET":
+                await replay(scope, receive, send)
                 return
             if headers_too_large(scope, header_limit):
                 error = HeadersTooLargeError(f"the request headers exceed the limit of {header_limit} bytes")
@@ -128,7 +134,7 @@ def _asgi_paths() -> list[str]:
 def served_routes(app: QuartTrio) -> set[tuple[str, str]]:
     """Every ``(method, OpenAPI path)`` the app serves: the quart app's rules (``HEAD``
     and ``OPTIONS`` aside) and the paths served before it."""
-    routes = {("POST", path) for path in _asgi_paths()}
+    routes = {("POST", path) for path in _asgi_paths()} | {("GET", STREAM_PATH)}
     for rule in app.url_map.iter_rules():
         for method in (rule.methods or set()) - _IMPLICIT_METHODS:
             routes.add((method, openapi_path(rule.rule)))
@@ -278,6 +284,7 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 slots_in_use=engine.admission.in_use,
                 queued=engine.admission.queued,
                 paused=engine.admission.paused,
+                parked=engine.admission.parked,
                 preemptions=engine.admission.preemptions,
                 active_streams=engine.active_streams,
                 generations_running=engine.backend.generations.running,
@@ -285,6 +292,8 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
         if state.responses is not None:
             # a store that cannot write is degraded, not down: answers are still sent
             body["responses_store"] = state.responses.health()
+        if state.detached is not None:
+            body["detached"] = state.detached.counts()
         return _health({**body, "status": "ok", "requests_in_flight": len(state.requests), "models": models})
 
     @app.get("/v1/loads")
@@ -592,6 +601,7 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
         )
 
     add_stored_routes(app, state, access)
+    add_stream_routes(app, state, access)
     add_request_routes(app, state, access)
 
     @app.get("/openapi.json")

@@ -29,6 +29,7 @@ from .._core._errors import unwrap_group
 from .._core._registry import BackendSource, ModelEntry, ModelRegistry, ModelSpec
 from ._access import AccessPolicy
 from ._accounts import Account, Accounts, KeysFile, parse_keys_file
+from ._detach import DetachedStreams, DetachSettings, open_detached_streams
 from ._generation import FINAL_EVENT_TIMEOUT
 from ._hypercorn_patches import patch_hypercorn_connection_registry, patch_hypercorn_h2_backpressure
 from ._routes import create_app
@@ -106,6 +107,8 @@ class ServerSettings:
         allow_empty_keys_reload: let a reload leave no key where there are keys (every
             keyed request then gets 401); by default such a reload is refused.
         http: limits and defaults of the HTTP surface.
+        detach: the bounds of resumable streams (``None``: none are kept;
+            docs/resumable-streams.md).
     """
 
     host: str = "127.0.0.1"
@@ -121,6 +124,7 @@ class ServerSettings:
     keys_file: Path | None = None
     allow_empty_keys_reload: bool = False
     http: HTTPSettings = field(default_factory=HTTPSettings)
+    detach: DetachSettings | None = field(default_factory=DetachSettings)
 
 
 class Server:
@@ -275,9 +279,11 @@ class Server:
                 # the registry closes (loads aborted, engines closed) after the drain;
                 # one its owner already runs stays theirs
                 running = contextlib.nullcontext() if self.registry.running else self.registry
-                async with running, self._stored_responses() as responses:
-                    # (background responses run in its nursery: the drain below ends them)
+                async with running, self._stored_responses() as responses, self._detached() as detached:
+                    # (background responses run in its nursery, detached streams in
+                    # theirs: the drain below ends them)
                     self.state.responses = responses
+                    self.state.detached = detached
                     self.state.registry = self.registry
                     nursery.start_soon(self._announce, binds)
                     try:
@@ -292,6 +298,12 @@ class Server:
                 if self.state.tracing.enabled:
                     with trio.CancelScope(shield=True):  # (what is left goes out; bounded)
                         await trio.to_thread.run_sync(self.state.tracing.shutdown)
+
+    def _detached(self) -> contextlib.AbstractAsyncContextManager[DetachedStreams | None]:
+        """The detachable streams, unless the settings keep none."""
+        if self.settings.detach is None:
+            return contextlib.nullcontext()
+        return open_detached_streams(self.settings.detach)
 
     def _stored_responses(self) -> contextlib.AbstractAsyncContextManager[StoredResponses | None]:
         """The stored Responses, if the settings keep any (``responses_db``)."""
@@ -338,6 +350,8 @@ class Server:
             state.shutting_down = True
             self._stop_accepting.set()
             logger.info("shutting down: %d request(s) in flight, grace %.1f s", len(state.requests), grace)
+            if state.detached is not None:
+                state.detached.cancel_unread("shutdown")  # (nobody waits for them)
         with trio.move_on_after(grace):
             await state.wait_idle()
         if state.requests:

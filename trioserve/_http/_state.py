@@ -14,6 +14,7 @@ from .._core._registry import Lease, ModelEntry, ModelRegistry
 from .._core._types import EndCause
 from .._wire import ChatFormat, chat_format_for
 from ._accounts import Accounts
+from ._detach import DetachedStreams
 from ._metrics import Metrics
 from ._request import InFlightRequest
 from ._settings import HTTPSettings
@@ -44,6 +45,8 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     #: the stored Responses (``None``: the server stores none: ``--responses-db off``)
     responses: StoredResponses | None = None
+    #: the detachable streams (``None``: none are kept, ``--detach-max 0``)
+    detached: DetachedStreams | None = None
     #: the tracer (no spans unless an OTLP endpoint is configured)
     tracing: Tracing = field(default_factory=Tracing)
     #: the API keys' priorities, shares and limits (the keys file)

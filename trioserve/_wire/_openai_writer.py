@@ -268,6 +268,10 @@ END_MESSAGES: dict[str, str] = {
     "far is complete up to here",
     "superseded": "a newer request of the same session (X-Session-Id) replaced this one; the text so "
     "far is complete up to here",
+    "detach_timeout": "nobody read this resumable stream for the detach timeout (--detach-timeout); the "
+    "text so far is complete up to here",
+    "evicted": "nobody read this resumable stream and another request needed its slot; the text so far "
+    "is complete up to here",
     "error": "inference failed",
 }
 

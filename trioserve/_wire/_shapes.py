@@ -9,7 +9,7 @@ answer it gets against them."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -296,6 +296,34 @@ class Health(msgspec.Struct, kw_only=True):
     models: dict[str, Object] | None = None
     model: str | None = None
     requests_in_flight: int | None = None
+
+
+class StreamLookup(msgspec.Struct, kw_only=True):
+    """``POST /v1/streams/lookup``'s body (llama-server's)."""
+
+    conversation_ids: Annotated[list[str], msgspec.Meta(max_length=256)]
+
+
+class StreamStatus(msgspec.Struct, kw_only=True):
+    """One stream in ``POST /v1/streams/lookup``'s answer."""
+
+    conversation_id: str
+    is_done: bool
+    total_bytes: int
+    started_at: int
+    completed_at: int
+
+
+class LlamaErrorBody(msgspec.Struct, kw_only=True):
+    code: int
+    message: str
+    type: str
+
+
+class LlamaError(msgspec.Struct, kw_only=True):
+    """llama-server's error body (its stream routes)."""
+
+    error: LlamaErrorBody
 
 
 class Loads(msgspec.Struct, kw_only=True):

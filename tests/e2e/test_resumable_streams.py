@@ -1,0 +1,306 @@
+"""Resumable streams (issue 48; docs/resumable-streams.md): a client that opted in
+(``X-Conversation-Id``) drops its connection and reads on from where it was — by byte
+offset (llama-server's ``GET /v1/stream?from=N``) or by event id (``Last-Event-ID``);
+nobody reading pauses the stream (its log full) and parks it (its slot to others);
+``DELETE /v1/stream`` stops it; the detach timeout ends it; without the header a
+disconnect stops the work as always (the cancellation matrix)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import h11
+import httpx
+import pytest
+import trio
+
+from trioserve import HTTPSettings, LlamaBackend
+from trioserve._backends._scripted import ScriptedBackend
+from trioserve._http._detach import DetachedStream, DetachSettings
+from trioserve._wire._sse import SSEDecoder
+
+from .._helpers import RawStream, RunningServer, start_server, wait_for
+
+#: a window of 512 events (a stream of 200 fits), and one of 24 (a stream fills it)
+ROOMY = DetachSettings(log_events=512, log_bytes=256 * 1024, park_after=0.2, timeout=30.0)
+SMALL = DetachSettings(log_events=24, log_bytes=64 * 1024, park_after=0.2, timeout=30.0)
+
+
+def _events(body: bytes) -> list[tuple[str | None, str]]:
+    return [(event.id, event.data) for event in SSEDecoder().feed(body)]
+
+
+def _text(body: bytes) -> str:
+    text = []
+    for _, data in _events(body):
+        if data == "[DONE]":
+            continue
+        chunk = json.loads(data)
+        for choice in chunk.get("choices", []):
+            text.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+    return "".join(text)
+
+
+def _stream_of(running: RunningServer, conversation: str) -> DetachedStream:
+    detached = running.server.state.detached
+    assert detached is not None
+    stream = detached.get("", conversation)
+    assert stream is not None
+    return stream
+
+
+@pytest.fixture
+async def scripted(nursery: trio.Nursery) -> AsyncIterator[RunningServer]:
+    backend = ScriptedBackend(token_interval=0.002)
+    running = await start_server(nursery, backend, detach=ROOMY, shutdown_grace=0.0, http=HTTPSettings())
+    yield running
+    running.server.shutdown()
+
+
+async def _read_some(
+    client: httpx.AsyncClient, body: dict[str, object], conversation: str, events: int
+) -> bytes:
+    """POST a detachable stream on a raw socket, read its body until ``events``
+    events, then close the connection; return the body bytes received."""
+    url = str(client.base_url).rstrip("/")
+    raw = await RawStream.post(url, "/v1/completions", body, {"X-Conversation-Id": conversation})
+    parser = h11.Connection(h11.CLIENT)
+    parser.send(h11.Request(method="POST", target="/", headers=[("Host", "x"), ("Content-Length", "0")]))
+    parser.send(h11.EndOfMessage())
+    received = b""
+    try:
+        while received.count(b"\n\n") < events:
+            chunk = await raw.stream.receive_some(65536)
+            assert chunk, received
+            parser.receive_data(chunk)
+            while (event := parser.next_event()) is not h11.NEED_DATA:
+                if isinstance(event, h11.Response):
+                    assert event.status_code == 200
+                    assert dict(event.headers)[b"x-conversation-id"] == conversation.encode()
+                elif isinstance(event, h11.Data):
+                    received += event.data
+                elif isinstance(event, h11.EndOfMessage):
+                    return received
+    finally:
+        await raw.aclose()
+    return received
+
+
+async def test_a_dropped_stream_resumes_from_a_byte_offset_inside_an_event(scripted: RunningServer) -> None:
+    body = {"prompt": "hi", "max_tokens": 200, "stream": True}
+    async with scripted.client() as client:
+        received = await _read_some(client, body, "conv-a", 10)
+        # resume from the middle of an event: the bytes go on exactly from there
+        offset = len(received) - 7
+        response = await client.get("/v1/stream", params={"conv_id": "conv-a", "from": offset})
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        whole = received[:offset] + response.content
+        # a second reader from the start gets the same bytes (the window holds the
+        # whole stream)
+        again = await client.get("/v1/stream", params={"conv_id": "conv-a", "from": 0})
+    assert again.content == whole
+    events = _events(whole)
+    numbered = [int(event_id) for event_id, _ in events if event_id is not None]
+    assert numbered == list(range(len(numbered)))  # no event duplicated or missing
+    assert [data for _, data in events].count("[DONE]") == 1
+    assert _text(whole) == "".join(f" tok{i}" for i in range(200))
+    stream = _stream_of(scripted, "conv-a")
+    assert stream.job is not None
+    assert stream.job.cause == "length"
+
+
+async def test_last_event_id_resumes_after_that_event_and_wins_over_from(scripted: RunningServer) -> None:
+    body = {"prompt": "hi", "max_tokens": 60, "stream": True}
+    async with scripted.client() as client:
+        received = await _read_some(client, body, "conv-b", 5)
+        numbered = [event_id for event_id, _ in _events(received[: received.rindex(b"\n\n") + 2]) if event_id]
+        last = numbered[-1]
+        assert last is not None
+        response = await client.get(
+            "/v1/stream", params={"conv_id": "conv-b", "from": 0}, headers={"Last-Event-ID": last}
+        )
+        assert response.status_code == 200
+        resumed = _events(response.content)
+        assert resumed[0][0] == str(int(last) + 1)
+        complete = received[: received.rindex(b"\n\n") + 2] + response.content
+        assert _text(complete) == "".join(f" tok{i}" for i in range(60))
+        # past the last event of a finished stream: 204 (an EventSource stops reconnecting)
+        final = resumed[-1][0]
+        assert final is not None
+        done = await client.get("/v1/stream", params={"conv_id": "conv-b"}, headers={"Last-Event-ID": final})
+        assert done.status_code == 204
+
+
+async def test_nobody_reading_pauses_the_stream_when_its_log_is_full(scripted: RunningServer) -> None:
+    backend = scripted.engine.backend
+    body = {"prompt": "hi", "max_tokens": 4000, "stream": True}
+    async with scripted.client() as client:
+        await _read_some(client, body, "conv-c", 2)
+        stream = _stream_of(scripted, "conv-c")
+        await wait_for(lambda: stream.state == "paused")
+        job = stream.job
+        assert job is not None
+        assert job.events is not None
+        made = job.events.progress.completion_tokens
+        assert made < 600  # (a window of 512 events, the channel's few)
+        # a reader takes it on to its end
+        response = await client.get("/v1/stream", params={"conv_id": "conv-c"})
+        assert response.status_code == 200
+    assert job.cause == "length"
+    assert job.events.progress.completion_tokens == 4000
+    assert backend.generations.running == 0
+
+
+async def test_delete_stops_the_stream_and_lookup_lists_the_callers_streams(scripted: RunningServer) -> None:
+    body = {"prompt": "hi", "max_tokens": 4000, "stream": True}
+    async with scripted.client() as client:
+        await _read_some(client, body, "conv-d", 2)
+        found = (
+            await client.post("/v1/streams/lookup", json={"conversation_ids": ["conv-d", "nope"]})
+        ).json()
+        assert [entry["conversation_id"] for entry in found] == ["conv-d"]
+        assert found[0]["is_done"] is False
+        assert found[0]["completed_at"] == 0
+        assert found[0]["total_bytes"] > 0
+        stream = _stream_of(scripted, "conv-d")
+        response = await client.delete("/v1/stream", params={"conv_id": "conv-d"})
+        assert response.status_code == 204
+        assert stream.job is not None
+        assert stream.job.done.is_set()
+        assert stream.job.cause == "cancelled"
+        assert (await client.post("/v1/streams/lookup", json={"conversation_ids": ["conv-d"]})).json() == []
+        gone = await client.get("/v1/stream", params={"conv_id": "conv-d"})
+        assert gone.status_code == 404
+        assert gone.json() == {
+            "error": {"code": 404, "message": "Stream not found or expired", "type": "not_found_error"}
+        }
+        # an unknown id: 204 all the same (llama-server's)
+        assert (await client.delete("/v1/stream", params={"conv_id": "never"})).status_code == 204
+    await scripted.wait_idle()
+
+
+async def test_refusals_name_what_to_fix(scripted: RunningServer) -> None:
+    async with scripted.client() as client:
+        whole = await client.post(
+            "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, headers={"X-Conversation-Id": "x"}
+        )
+        assert whole.status_code == 400
+        assert whole.json()["error"]["param"] == "X-Conversation-Id"
+        bad = await client.post(
+            "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 3, "stream": True},
+            headers={"X-Conversation-Id": "no spaces"},
+        )
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "X-Conversation-Id"
+        resume_header = await client.post(
+            "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 3, "stream": True},
+            headers={"Last-Event-ID": "3"},
+        )
+        assert resume_header.status_code == 400
+        assert resume_header.json()["error"]["param"] == "Last-Event-ID"
+        missing = await client.get("/v1/stream")
+        assert missing.status_code == 400
+        assert missing.json()["error"]["message"] == "Missing conversation id in path"
+        await _read_some(client, {"prompt": "hi", "max_tokens": 10, "stream": True}, "conv-e", 1)
+        for offset in ("-1", "x", "999999999"):
+            wrong = await client.get("/v1/stream", params={"conv_id": "conv-e", "from": offset})
+            assert wrong.status_code == 400, offset
+            assert wrong.json()["error"]["message"] == "Invalid 'from' offset"
+        lookup = await client.post("/v1/streams/lookup", content=b"{not json")
+        assert lookup.status_code == 400
+        # refused by the job before its stream began: the error as it is, nothing kept
+        refused = await client.post(
+            "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 100_000, "stream": True},
+            headers={"X-Conversation-Id": "conv-too-long"},
+        )
+        assert refused.status_code == 400
+        assert "max_tokens is 100000" in refused.json()["error"]["message"]
+        assert (
+            await client.post("/v1/streams/lookup", json={"conversation_ids": ["conv-too-long"]})
+        ).json() == []
+
+
+async def test_without_the_header_a_disconnect_still_stops_the_work(scripted: RunningServer) -> None:
+    backend = scripted.engine.backend
+    raw = await RawStream.post(
+        scripted.url, "/v1/completions", {"prompt": "hi", "max_tokens": 4000, "stream": True}
+    )
+    await raw.read_until(b"\n\n")
+    await raw.aclose()
+    await scripted.wait_idle()
+    assert backend.generations.running == 0
+    detached = scripted.server.state.detached
+    assert detached is not None
+    assert len(detached) == 0
+
+
+async def test_the_detach_timeout_ends_a_stream_nobody_reads(nursery: trio.Nursery) -> None:
+    backend = ScriptedBackend(token_interval=0.002)
+    settings = DetachSettings(log_events=24, log_bytes=64 * 1024, park_after=0.2, timeout=0.5)
+    running = await start_server(nursery, backend, detach=settings, shutdown_grace=0.0, http=HTTPSettings())
+    try:
+        async with running.client() as client:
+            await _read_some(client, {"prompt": "hi", "max_tokens": 4000, "stream": True}, "conv-f", 2)
+            stream = _stream_of(running, "conv-f")
+            job = stream.job
+            assert job is not None
+            with trio.fail_after(10):
+                await job.done.wait()
+            assert job.cause == "detach_timeout"
+            # its log ends with the final event that says why, kept for a reader
+            response = await client.get("/v1/stream", params={"conv_id": "conv-f"})
+            assert response.status_code == 200
+            assert b'"end_cause":"detach_timeout"' in response.content
+            assert response.content.endswith(b"data: [DONE]\n\n")
+        await running.wait_idle()
+    finally:
+        running.server.shutdown()
+
+
+# ------------------------------------------------------------- on the real model
+
+
+@pytest.mark.model
+async def test_a_parked_stream_frees_its_slot_and_resumes_with_the_same_text(
+    llama_backend: LlamaBackend, nursery: trio.Nursery
+) -> None:
+    """One slot. A stream nobody reads fills its log, pauses and is parked (its state
+    saved, its slot free); a second request is served meanwhile; a reader comes back
+    and the stream ends with the text of an uninterrupted run."""
+    running = await start_server(
+        nursery, llama_backend, detach=SMALL, shutdown_grace=0.0, http=HTTPSettings()
+    )
+    body = {
+        "prompt": "The history of the printing press",
+        "max_tokens": 96,
+        "stream": True,
+        "temperature": 0,
+        # (no end of sequence before the log is full: whichever tokens this CPU draws)
+        "logit_bias": {"1": -100, "106": -100},
+    }
+    try:
+        async with running.client() as client:
+            uninterrupted = await client.post("/v1/completions", json=body)
+            await running.wait_idle()
+            received = await _read_some(client, body, "conv-p", 3)
+            stream = _stream_of(running, "conv-p")
+            await wait_for(lambda: stream.state == "parked", limit=60)
+            await wait_for(lambda: running.engine.admission.snapshot().parked == 1, limit=60)
+            assert running.engine.admission.in_use == 0
+            other = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+            assert other.status_code == 200  # served while the first is parked
+            response = await client.get("/v1/stream", params={"conv_id": "conv-p", "from": len(received)})
+            assert response.status_code == 200
+        whole = received + response.content
+        assert _text(whole) == _text(uninterrupted.content)
+        assert stream.parks >= 1
+        assert stream.job is not None
+        assert stream.job.cause == "length"
+        await running.wait_idle()
+    finally:
+        running.server.shutdown()

@@ -1,0 +1,81 @@
+"""``trioserve serve``'s flags for resumable streams (``--detach-*``; the design and
+every bound: docs/resumable-streams.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_detach_flags"]
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
+    return value
+
+
+def add_detach_flags(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group(
+        "resumable streams (X-Conversation-Id; GET /v1/stream; docs/resumable-streams.md)"
+    )
+    group.add_argument(
+        "--detach-max",
+        type=_non_negative_int,
+        default=64,
+        metavar="N",
+        help="detachable streams kept at once, server-wide, running and finished (default: 64; "
+        "0: X-Conversation-Id is refused)",
+    )
+    group.add_argument(
+        "--detach-per-key",
+        type=_positive_int,
+        default=8,
+        metavar="N",
+        help="detachable streams one API key may keep (its oldest finished one dropped first; default: 8)",
+    )
+    group.add_argument(
+        "--detach-log-events",
+        type=_positive_int,
+        default=1536,
+        metavar="N",
+        help="events a stream's log keeps for readers that come back (default: 1536, about 27 s "
+        "of one stream of the default model); full with nobody reading, the stream pauses",
+    )
+    group.add_argument(
+        "--detach-log-kib",
+        type=_positive_int,
+        default=1024,
+        metavar="KIB",
+        help="bytes a stream's log keeps, in KiB (default: 1024)",
+    )
+    group.add_argument(
+        "--detach-park-after",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds a paused stream nobody reads keeps its slot before it is parked (its state "
+        "saved within --pause-ram, its slot freed; default: 2)",
+    )
+    group.add_argument(
+        "--detach-timeout",
+        type=_positive_float,
+        default=300.0,
+        metavar="S",
+        help="seconds without a reader before a stream ends (cause detach_timeout), and that a "
+        "finished stream's log is kept (default: 300, llama-server's)",
+    )

@@ -1,0 +1,332 @@
+"""Detachable streams (issue 48; the design: docs/resumable-streams.md): the registry by
+(owner, conversation id), their bounds, the nursery their jobs run in, and the
+controller of each one's life while nobody reads it.
+
+A detachable stream is a *job* (an :class:`~._request.InFlightRequest` no connection
+holds, run by the generation handler like a background response) writing its response
+into a :class:`~._stream_log.StreamLog` that any number of readers follow. The
+:class:`DetachController` of a stream watches its log: with no reader, the detach
+timer runs (cause ``detach_timeout``); with no reader and a full log (the job paused:
+the log's backpressure) it parks the job after ``park_after`` seconds — its lease set
+aside until a reader is back (:meth:`~trioserve._core._lease.SlotLease.set_aside`) —
+and yields its slot at once to any waiter (parked, or if it cannot park, ended with
+cause ``evicted``). Event-driven: it wakes on the log's changes and its own timers,
+never on a poll.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import trio
+
+from .._core._exceptions import OverloadedError
+from ._stream_log import StreamLog
+
+if TYPE_CHECKING:
+    from .._core._lease import SlotLease
+    from ._exchange import Message, Send
+    from ._request import InFlightRequest
+
+__all__ = [
+    "DetachController",
+    "DetachSettings",
+    "DetachedStream",
+    "DetachedStreams",
+    "log_sink",
+    "open_detached_streams",
+]
+
+logger = logging.getLogger("trioserve.http")
+
+State = Literal["starting", "running", "paused", "parked", "finished"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DetachSettings:
+    """The bounds of detachable streams (``--detach-*``; docs/resumable-streams.md,
+    "Bounds, flags and their answers")."""
+
+    #: a stream's log window: events and bytes (≈ 27 s of one stream of the default
+    #: model on 2 cores)
+    log_events: int = 1536
+    log_bytes: int = 1 << 20
+    #: seconds a full log nobody reads waits before its job is parked
+    park_after: float = 2.0
+    #: seconds without a reader before a running stream ends (cause
+    #: ``detach_timeout``), and that a finished log is kept after its end
+    timeout: float = 300.0
+    #: detachable streams at once, server-wide, and per API key (running and kept)
+    max_streams: int = 64
+    per_key: int = 8
+
+
+class DetachedStream:
+    """One detachable stream: its log, its job and whether someone reads it."""
+
+    __slots__ = ("conversation_id", "dropped", "job", "log", "owner", "parks", "reader_back", "state")
+
+    def __init__(self, owner: str, conversation_id: str, log: StreamLog) -> None:
+        self.owner = owner
+        self.conversation_id = conversation_id
+        self.log = log
+        #: the request that generates it (set when it starts)
+        self.job: InFlightRequest | None = None
+        self.state: State = "starting"
+        #: set while a reader is attached (a parked job waits for it)
+        self.reader_back = trio.Event()
+        self.parks = 0
+        self.dropped = False
+
+    @property
+    def lease(self) -> SlotLease | None:
+        """The job's lease, where its backend can set it aside (else ``None``)."""
+        job = self.job
+        if job is None or job.events is None:
+            return None
+        return job.events.progress.preemption
+
+
+class DetachedStreams:
+    """The detachable streams of a server, by (owner, conversation id)."""
+
+    def __init__(self, settings: DetachSettings, nursery: trio.Nursery) -> None:
+        self.settings = settings
+        self.nursery = nursery
+        self.streams: dict[tuple[str, str], DetachedStream] = {}
+
+    def __len__(self) -> int:
+        return len(self.streams)
+
+    def get(self, owner: str, conversation_id: str) -> DetachedStream | None:
+        return self.streams.get((owner, conversation_id))
+
+    def lookup(self, owner: str, ids: list[str]) -> list[DetachedStream]:
+        """``owner``'s streams whose id is one of ``ids`` or starts with ``<id>::``
+        (llama-server's router names per-model variants so)."""
+        found = []
+        for (who, cid), stream in self.streams.items():
+            if who == owner and any(cid == i or cid.startswith(i + "::") for i in ids):
+                found.append(stream)
+        return found
+
+    def open(self, owner: str, conversation_id: str) -> DetachedStream:
+        """A new stream for (owner, id): a running one of that id is superseded
+        (cancelled, its log dropped). Bounded: per key (its oldest finished log dropped
+        first; all running: 429 naming ``detach_streams``) and server-wide (429)."""
+        settings = self.settings
+        previous = self.streams.get((owner, conversation_id))
+        if previous is not None:
+            if previous.job is not None:
+                previous.job.cancel("superseded")
+            self.drop(previous)
+        mine = [s for s in self.streams.values() if s.owner == owner]
+        if len(mine) >= settings.per_key:
+            self._drop_oldest_finished(mine, "too_many_detached_streams", settings.per_key)
+        if len(self.streams) >= settings.max_streams:
+            self._drop_oldest_finished(mine, "detach_capacity", settings.max_streams)
+        log = StreamLog(max_events=settings.log_events, max_bytes=settings.log_bytes)
+        stream = DetachedStream(owner, conversation_id, log)
+        self.streams[(owner, conversation_id)] = stream
+        return stream
+
+    def _drop_oldest_finished(self, mine: list[DetachedStream], code: str, limit: int) -> None:
+        finished = [s for s in mine if s.state == "finished"]
+        if not finished:
+            what = "this API key's" if code == "too_many_detached_streams" else "the server's"
+            raise OverloadedError(
+                f"{what} detachable streams are at their limit ({limit}, all running): stop one "
+                "(DELETE /v1/stream?conv_id=…) or wait for one to end",
+                code=code,
+                retry_after=1,
+            )
+        self.drop(min(finished, key=lambda s: s.log.completed_at))
+
+    def drop(self, stream: DetachedStream) -> None:
+        """Forget a stream and close its log (its readers end; a job still writing is
+        released, and ends on its own cancel)."""
+        if stream.dropped:
+            return
+        stream.dropped = True
+        self._forget(stream)
+        stream.log.close()
+
+    def _forget(self, stream: DetachedStream) -> None:
+        key = (stream.owner, stream.conversation_id)
+        if self.streams.get(key) is stream:
+            del self.streams[key]
+
+    def cancel_unread(self, cause: Literal["shutdown"]) -> None:
+        """End every running stream nobody reads (shutdown: nobody waits for them)."""
+        for stream in list(self.streams.values()):
+            if stream.job is not None and stream.log.readers == 0 and stream.state != "finished":
+                stream.job.cancel(cause)
+
+    def counts(self) -> dict[str, int]:
+        """For /health and /metrics: streams by state, readers, log bytes."""
+        counts = {"streams": len(self.streams), "readers": 0, "log_bytes": 0}
+        for state in ("running", "paused", "parked", "finished"):
+            counts[state] = 0
+        for stream in self.streams.values():
+            counts["readers"] += stream.log.readers
+            counts["log_bytes"] += stream.log.held_bytes
+            if stream.state in counts:
+                counts[stream.state] += 1
+        return counts
+
+    async def keep(self, stream: DetachedStream) -> None:
+        """After its job ended: keep the log ``timeout`` seconds after its end or after
+        its last reader left, whichever is later, then drop it. A log whose response
+        never started (an error answered to its first reader) is dropped at once."""
+        stream.state = "finished"
+        log = stream.log
+        try:
+            if log.status != 200:
+                # nothing streamed, nothing to resume: gone from the registry at once,
+                # its bytes kept until its first reader has relayed them
+                self._forget(stream)
+                with trio.move_on_after(self.settings.timeout):
+                    while log.readers and not stream.dropped:
+                        await log.wait_changed()
+                return
+            while not stream.dropped:
+                while log.readers and not stream.dropped:
+                    await log.wait_changed()
+                with trio.move_on_after(self.settings.timeout) as idle:
+                    while not log.readers and not stream.dropped:
+                        await log.wait_changed()
+                if idle.cancelled_caught:
+                    return
+        finally:
+            self.drop(stream)
+
+
+class DetachController:
+    """A running stream's life while nobody reads it (the module docstring): the
+    detach timer, the park after a grace, yielding its slot to any waiter."""
+
+    def __init__(self, streams: DetachedStreams, stream: DetachedStream) -> None:
+        self.settings = streams.settings
+        self.stream = stream
+
+    async def run(self) -> None:
+        stream, settings = self.stream, self.settings
+        log = stream.log
+        job = stream.job
+        assert job is not None
+        left_at: float | None = trio.current_time()  # (nobody yet: the POST attaches)
+        full_since: float | None = None
+        try:
+            while not log.finished and not stream.dropped:
+                now = trio.current_time()
+                wake = math.inf
+                lease = stream.lease
+                if log.readers:
+                    if left_at is not None:
+                        left_at = None
+                        stream.reader_back.set()
+                    full_since = None
+                    self._yield(None)
+                    if stream.state == "parked" and (lease is None or not lease.paused):
+                        stream.state = "running"
+                    elif stream.state != "parked":
+                        stream.state = "paused" if log.waiting else "running"
+                else:
+                    if left_at is None:
+                        left_at = now
+                        stream.reader_back = trio.Event()
+                    if now >= left_at + settings.timeout:
+                        logger.info(
+                            "request %s: no reader for %.0f s: ended (detach_timeout)",
+                            job.exchange.request_id,
+                            settings.timeout,
+                        )
+                        job.cancel("detach_timeout")
+                        return
+                    wake = left_at + settings.timeout
+                    if log.waiting and stream.state != "parked":
+                        stream.state = "paused"
+                        if full_since is None:
+                            full_since = now
+                        self._yield(lease)
+                        if now >= full_since + settings.park_after:
+                            self._park(lease)
+                        else:
+                            wake = min(wake, full_since + settings.park_after)
+                    elif not log.waiting and stream.state != "parked":
+                        full_since = None
+                        self._yield(None)
+                        stream.state = "running"
+                with trio.move_on_at(wake):
+                    await log.wait_changed()
+        finally:
+            self._yield(None)
+
+    def _yield(self, lease: SlotLease | None) -> None:
+        """Install (or remove) the hook that gives the job's slot to any waiter."""
+        current = self.stream.lease
+        if current is None:
+            return
+        if lease is None:
+            current.yielding = None
+        elif current.yielding is None:
+            current.yielding = self._give_slot
+
+    def _give_slot(self) -> bool:
+        """A waiter needs the slot of this stream nobody reads: parked, or ended."""
+        lease = self.stream.lease
+        if lease is not None and self._park(lease):
+            return True
+        job = self.stream.job
+        if lease is None or job is None:
+            return False
+        lease.will_end()
+        logger.info(
+            "request %s: nobody reads it and a waiter needs its slot: ended (evicted)",
+            job.exchange.request_id,
+        )
+        job.cancel("evicted")
+        return True
+
+    def _park(self, lease: SlotLease | None) -> bool:
+        stream = self.stream
+        if stream.state == "parked":
+            return True
+        if lease is None or not lease.set_aside(stream.reader_back):
+            return False
+        lease.yielding = None
+        stream.state = "parked"
+        stream.parks += 1
+        return True
+
+
+def log_sink(log: StreamLog) -> Send:
+    """An ASGI ``send`` into ``log``: the job's ``http.response.start`` is its head;
+    its body messages are appended (the last one, ``more_body`` false, never waits)."""
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            log.set_head(message["status"], list(message.get("headers", ())))
+            return
+        await log.append(message.get("body", b""), last=not message.get("more_body", False))
+
+    return send
+
+
+@contextlib.asynccontextmanager
+async def open_detached_streams(settings: DetachSettings) -> AsyncIterator[DetachedStreams]:
+    """The server's detachable streams and the nursery their jobs and kept logs live
+    in; on the way out (after the drain ended every job) the kept logs are dropped."""
+    async with trio.open_nursery() as nursery:
+        streams = DetachedStreams(settings, nursery)
+        try:
+            yield streams
+        finally:
+            for stream in list(streams.streams.values()):
+                streams.drop(stream)
+            nursery.cancel_scope.cancel()
