@@ -385,9 +385,10 @@ def _access_table() -> dict[tuple[str, str], str]:
 
 def _app_routes(server: RunningServer) -> set[tuple[str, str]]:
     """Every route the server answers: the Quart app's (its url_map) and the ones served
-    at the ASGI level, before it (generation, embeddings, rerank)."""
+    at the ASGI level, before it (generation, embeddings, rerank, the stream reader)."""
     from trioserve._http._embeddings import EMBEDDINGS_PATH
     from trioserve._http._generation import GENERATION_PATHS
+    from trioserve._http._replay import STREAM_PATH
     from trioserve._http._rerank import RERANK_PATHS
     from trioserve._http._routes import _create_quart_app
 
@@ -398,7 +399,8 @@ def _app_routes(server: RunningServer) -> set[tuple[str, str]]:
         for method in rule.methods or ()
         if method not in ("HEAD", "OPTIONS")  # (they follow their route's rule)
     }
-    return routes | {("POST", path) for path in (*GENERATION_PATHS, EMBEDDINGS_PATH, *RERANK_PATHS)}
+    asgi = {("POST", path) for path in (*GENERATION_PATHS, EMBEDDINGS_PATH, *RERANK_PATHS)}
+    return routes | asgi | {("GET", STREAM_PATH)}
 
 
 async def test_every_route_is_in_the_access_table_and_its_rule_holds(nursery: trio.Nursery) -> None:
