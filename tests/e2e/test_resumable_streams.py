@@ -304,3 +304,59 @@ async def test_a_parked_stream_frees_its_slot_and_resumes_with_the_same_text(
         await running.wait_idle()
     finally:
         running.server.shutdown()
+
+
+#: a Stop must reach the thread well within this (the cancel-by-id bound: measured a
+#: few ms; generous for a loaded CI machine)
+STOP_BOUND_S = 0.25
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("phase", ["running", "paused", "parked"])
+async def test_stop_while_detached_frees_everything_at_once(
+    llama_backend: LlamaBackend, nursery: trio.Nursery, phase: str
+) -> None:
+    """``DELETE /v1/stream`` in each detached phase: the job ends (cause
+    ``cancelled``), no thread, slot, queue place or parked state is left, and the
+    answer comes once the work has stopped."""
+    settings = {
+        "running": ROOMY,
+        "paused": DetachSettings(log_events=24, log_bytes=64 * 1024, park_after=3600.0, timeout=60.0),
+        "parked": SMALL,
+    }[phase]
+    running = await start_server(
+        nursery, llama_backend, detach=settings, shutdown_grace=0.0, http=HTTPSettings()
+    )
+    body = {
+        "prompt": "A long story about the sea",
+        "max_tokens": 2000,
+        "stream": True,
+        "logit_bias": {"1": -100, "106": -100},
+    }
+    try:
+        async with running.client() as client:
+            await _read_some(client, body, "conv-stop", 2)
+            stream = _stream_of(running, "conv-stop")
+            job = stream.job
+            assert job is not None
+            if phase == "running":
+                await wait_for(lambda: job.events is not None and job.events.progress.completion_tokens > 4)
+                assert stream.state == "running"
+            else:
+                await wait_for(lambda: stream.state == phase, limit=60)
+            started = trio.current_time()
+            response = await client.delete("/v1/stream", params={"conv_id": "conv-stop"})
+            took = trio.current_time() - started
+            assert response.status_code == 204
+            assert job.done.is_set()
+            assert job.cause == "cancelled"
+            assert took < STOP_BOUND_S, f"the Stop took {took * 1000:.0f} ms"
+            assert llama_backend.generations.running == 0
+            snapshot = running.engine.admission.snapshot()
+            assert (snapshot.in_use, snapshot.queued, snapshot.parked, snapshot.paused_bytes) == (0, 0, 0, 0)
+            detached = running.server.state.detached
+            assert detached is not None
+            assert len(detached) == 0
+        await running.wait_idle()
+    finally:
+        running.server.shutdown()
