@@ -360,3 +360,90 @@ async def test_stop_while_detached_frees_everything_at_once(
         await running.wait_idle()
     finally:
         running.server.shutdown()
+
+
+#: the detached phases' cells of the cancellation matrix (docs/cancellation.md): each
+#: cause that stops work × each phase a stream nobody reads can be in, and the end cause
+#: each is recorded with
+DETACHED_CAUSES = {
+    "by_id": "cancelled",
+    "deadline": "deadline",
+    "shutdown": "shutdown",
+    "superseded": "superseded",
+}
+DETACHED_PHASES = ("running", "paused", "parked")
+REFERENCE = {"prompt": "The capital of France is", "max_tokens": 24, "temperature": 0}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("phase", DETACHED_PHASES)
+@pytest.mark.parametrize("cause", sorted(DETACHED_CAUSES))
+async def test_cancel_cell_detached(
+    llama_backend: LlamaBackend, nursery: trio.Nursery, cause: str, phase: str
+) -> None:
+    """A stream nobody reads, in ``phase``, ended by ``cause``: recorded with its end
+    cause, its log's last event says it (but shutdown's, whose log goes with the
+    server), nothing is left (thread, slot, queue place, parked state), and the next
+    request's text equals the one before."""
+    settings = {
+        "running": ROOMY,
+        "paused": DetachSettings(log_events=24, log_bytes=64 * 1024, park_after=3600.0, timeout=60.0),
+        "parked": SMALL,
+    }[phase]
+    running = await start_server(
+        nursery, llama_backend, detach=settings, shutdown_grace=5.0, http=HTTPSettings()
+    )
+    body = {
+        "prompt": "A long story about the sea",
+        "max_tokens": 2000,
+        "stream": True,
+        "logit_bias": {"1": -100, "106": -100},
+    }
+    stopped = False
+    try:
+        async with running.client() as client:
+            before = (await client.post("/v1/completions", json=REFERENCE)).json()["choices"][0]["text"]
+            await _read_some(client, body, "conv-cell", 2)
+            stream = _stream_of(running, "conv-cell")
+            job = stream.job
+            assert job is not None
+            if phase == "running":
+                await wait_for(lambda: job.events is not None and job.events.progress.completion_tokens > 4)
+            else:
+                await wait_for(lambda: stream.state == phase, limit=60)
+            assert stream.state == phase
+            if cause == "by_id":
+                answer = await client.post(f"/v1/requests/{job.exchange.request_id}/cancel")
+                assert answer.status_code == 200
+                assert answer.json()["done"] is True
+            elif cause == "deadline":
+                job.cancel_scope.deadline = trio.current_time()  # (its X-Request-Timeout passing)
+            elif cause == "superseded":
+                await _read_some(client, {**body, "max_tokens": 8}, "conv-cell", 1)
+            else:
+                running.server.shutdown()
+                stopped = True
+            with trio.fail_after(10):
+                await job.done.wait()
+            assert job.cause == DETACHED_CAUSES[cause]
+            if cause in ("by_id", "deadline"):
+                # the log keeps the end, for a reader that comes back
+                log = await client.get("/v1/stream", params={"conv_id": "conv-cell"})
+                assert f'"end_cause":"{job.cause}"'.encode() in log.content
+                assert log.content.endswith(b"data: [DONE]\n\n")
+            if stopped:
+                with trio.fail_after(10):
+                    await running.server.stopped.wait()
+            if cause == "superseded":  # (the new stream of that id runs its 8 tokens)
+                await wait_for(lambda: running.engine.admission.in_use == 0)
+            assert llama_backend.generations.running == 0
+            snapshot = running.engine.admission.snapshot()
+            assert (snapshot.in_use, snapshot.queued, snapshot.parked, snapshot.paused_bytes) == (0, 0, 0, 0)
+        if stopped:
+            return
+        await running.wait_idle()
+        async with running.client() as client:
+            after = (await client.post("/v1/completions", json=REFERENCE)).json()["choices"][0]["text"]
+        assert after == before
+    finally:
+        running.server.shutdown()
