@@ -310,10 +310,15 @@ def log_sink(log: StreamLog) -> Send:
     its body messages are appended (the last one, ``more_body`` false, never waits)."""
 
     async def send(message: Message) -> None:
+        if log.closed:
+            return  # the stream was dropped (stopped, superseded): nobody can read it
         if message["type"] == "http.response.start":
             log.set_head(message["status"], list(message.get("headers", ())))
             return
-        await log.append(message.get("body", b""), last=not message.get("more_body", False))
+        try:
+            await log.append(message.get("body", b""), last=not message.get("more_body", False))
+        except trio.BrokenResourceError:
+            return  # dropped while it waited
 
     return send
 

@@ -384,11 +384,11 @@ class GenerationHandler:
         except Exception:
             logger.exception("detached stream %s failed", job.exchange.request_id)
         finally:
-            with trio.CancelScope(shield=True):
+            if not log.closed:  # (readers wait for the end: it is always written)
                 if not log.head_set.is_set():
                     log.set_head(500, [])
-                if not log.finished and not stream.dropped:
-                    await log.append(b"", last=True)
+                if not log.finished:
+                    log.append_nowait(b"", last=True)
         await detached.keep(stream)
 
     async def _run(
