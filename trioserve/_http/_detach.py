@@ -69,7 +69,17 @@ class DetachSettings:
 class DetachedStream:
     """One detachable stream: its log, its job and whether someone reads it."""
 
-    __slots__ = ("conversation_id", "dropped", "job", "log", "owner", "parks", "reader_back", "state")
+    __slots__ = (
+        "background",
+        "conversation_id",
+        "dropped",
+        "job",
+        "log",
+        "owner",
+        "parks",
+        "reader_back",
+        "state",
+    )
 
     def __init__(self, owner: str, conversation_id: str, log: StreamLog) -> None:
         self.owner = owner
@@ -82,6 +92,9 @@ class DetachedStream:
         self.reader_back = trio.Event()
         self.parks = 0
         self.dropped = False
+        #: a background Responses stream (``background`` + ``stream``), keyed by its
+        #: response id and resumed by sequence number (``GET /v1/responses/{id}``)
+        self.background = False
 
     @property
     def lease(self) -> SlotLease | None:
