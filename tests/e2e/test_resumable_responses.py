@@ -230,6 +230,14 @@ async def test_refusals_name_what_to_fix(scripted: RunningServer) -> None:
         )
         assert header.status_code == 400
         assert header.json()["error"]["param"] == "Last-Event-ID"
+        # (its id is not a conversation id another stream may take over)
+        clash = await client.post(
+            "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 3, "stream": True},
+            headers={"X-Conversation-Id": response_id},
+        )
+        assert clash.status_code == 400
+        assert clash.json()["error"]["param"] == "X-Conversation-Id"
         unstreamed = await client.get(f"/v1/responses/{response_id}", params={"starting_after": 3})
         assert unstreamed.status_code == 400
         assert unstreamed.json()["error"]["param"] == "starting_after"

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Literal
 
 import trio
 
-from .._core._exceptions import OverloadedError
+from .._core._exceptions import InvalidRequestError, OverloadedError
 from ._stream_log import StreamLog
 
 if TYPE_CHECKING:
@@ -134,6 +134,12 @@ class DetachedStreams:
         first; all running: 429 naming ``detach_streams``) and server-wide (429)."""
         settings = self.settings
         previous = self.streams.get((owner, conversation_id))
+        if previous is not None and previous.background:
+            raise InvalidRequestError(
+                f"{conversation_id!r} names a background response's stream (stop it with POST "
+                "/v1/responses/{id}/cancel): choose another X-Conversation-Id",
+                param="X-Conversation-Id",
+            )
         if previous is not None:
             if previous.job is not None:
                 previous.job.cancel("superseded")

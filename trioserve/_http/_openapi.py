@@ -101,7 +101,7 @@ _STORED_QUERY = (
         "with stream: the events whose sequence_number is greater",
     ),
     Param("include_obfuscation", "query", {"type": "string"}, "accepted: nothing is obfuscated"),
-    Param("Last-Event-ID", "header", _ID, "with stream: the events after this one (wins over starting_after)"),
+    Param("Last-Event-ID", "header", _ID, "with stream: the events after this one (wins)"),
     _INCLUDE,
 )
 _CONVERSATION = Param("conv_id", "query", _ID, "the stream's X-Conversation-Id")
