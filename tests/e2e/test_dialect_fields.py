@@ -922,7 +922,12 @@ def r_background(api: Api) -> None:
     assert body["status"] == api.greedy()["status"]
     assert text_of(body) == greedy_text(api)
     assert api.error(background=True, store=False)["param"] == "store"
-    assert api.error(background=True, stream=True)["param"] == "stream"
+    # with stream: its events on the POST (a resumable stream, docs/resumable-streams.md)
+    events = api.events(background=True)
+    assert events[0]["response"]["background"] is True
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert streamed == greedy_text(api)
 
 
 RESPONSES_HONOURED: dict[str, Callable[[Api], None]] = {

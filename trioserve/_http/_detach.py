@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Literal
 
 import trio
 
-from .._core._exceptions import OverloadedError
+from .._core._exceptions import InvalidRequestError, OverloadedError
 from ._stream_log import StreamLog
 
 if TYPE_CHECKING:
@@ -69,7 +69,17 @@ class DetachSettings:
 class DetachedStream:
     """One detachable stream: its log, its job and whether someone reads it."""
 
-    __slots__ = ("conversation_id", "dropped", "job", "log", "owner", "parks", "reader_back", "state")
+    __slots__ = (
+        "background",
+        "conversation_id",
+        "dropped",
+        "job",
+        "log",
+        "owner",
+        "parks",
+        "reader_back",
+        "state",
+    )
 
     def __init__(self, owner: str, conversation_id: str, log: StreamLog) -> None:
         self.owner = owner
@@ -82,6 +92,9 @@ class DetachedStream:
         self.reader_back = trio.Event()
         self.parks = 0
         self.dropped = False
+        #: a background Responses stream (``background`` + ``stream``), keyed by its
+        #: response id and resumed by sequence number (``GET /v1/responses/{id}``)
+        self.background = False
 
     @property
     def lease(self) -> SlotLease | None:
@@ -121,6 +134,12 @@ class DetachedStreams:
         first; all running: 429 naming ``detach_streams``) and server-wide (429)."""
         settings = self.settings
         previous = self.streams.get((owner, conversation_id))
+        if previous is not None and previous.background:
+            raise InvalidRequestError(
+                f"{conversation_id!r} names a background response's stream (stop it with POST "
+                "/v1/responses/{id}/cancel): choose another X-Conversation-Id",
+                param="X-Conversation-Id",
+            )
         if previous is not None:
             if previous.job is not None:
                 previous.job.cancel("superseded")

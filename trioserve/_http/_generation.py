@@ -282,8 +282,14 @@ class GenerationHandler:
         if state.responses is not None and spec.peek_stored is not None:
             peek = spec.peek_stored
             ask = await off_the_loop_if(large, peek, body)
-            if ask.background and conversation is None:
-                await self._start_background(request, spec, body, entry, ask)
+            if ask.background and conversation is not None:
+                raise InvalidRequestError(
+                    "a background response is resumed by its id (GET /v1/responses/{id}?stream=true): "
+                    "send it without X-Conversation-Id",
+                    param="X-Conversation-Id",
+                )
+            if ask.background:
+                await self._start_background(request, receive, spec, body, entry, ask)
                 return
         if conversation is not None:
             await self._start_detached(request, receive, spec, body, entry, ask, conversation)
@@ -337,33 +343,55 @@ class GenerationHandler:
         detached = self.state.detached
         assert detached is not None
         stream = detached.open(request.owner, conversation)
-        log = stream.log
-        exchange = Exchange(log_sink(log), request.exchange.request_id, request.exchange.render)
-        exchange.extra_headers = [
-            *request.exchange.extra_headers,
-            (b"x-conversation-id", conversation.encode()),
-        ]
+        exchange = Exchange(log_sink(stream.log), request.exchange.request_id, request.exchange.render)
+        # (the key's x-ratelimit-* go out on the reader's own exchange, once)
+        exchange.extra_headers = [(b"x-conversation-id", conversation.encode())]
         job = InFlightRequest(request.asgi, exchange, request.kind)
         job.owner, job.account, job.session = request.owner, request.account, request.session
         job.model = request.model
         job.cancel_scope.deadline = request.cancel_scope.deadline
         stream.job = job
-        cursor = log.attach(0)
-        detached.nursery.start_soon(self._detached_job, stream, spec, body, entry, ask)
         request.model = entry.name
+        await self._detach(request, receive, stream, spec, body, entry, ask)
+
+    async def _detach(
+        self,
+        request: InFlightRequest,
+        receive: Receive,
+        stream: DetachedStream,
+        spec: DialectSpec,
+        body: bytes,
+        entry: ModelEntry,
+        ask: StoredAsk | None,
+        background: BackgroundJob | None = None,
+    ) -> None:
+        """Start ``stream``'s job in the detached streams' nursery; ``request``'s
+        connection follows its log, its first reader."""
+        detached = self.state.detached
+        assert detached is not None
+        assert stream.job is not None
+        cursor = stream.log.attach(0)
+        detached.nursery.start_soon(self._detached_job, stream, spec, body, entry, ask, background)
         await follow(
             request,
-            log,
+            stream.log,
             cursor,
             receive,
             stall_timeout=self.state.stall_timeout,
-            job_id=job.exchange.request_id,
+            job_id=stream.job.exchange.request_id,
         )
 
     async def _detached_job(
-        self, stream: DetachedStream, spec: DialectSpec, body: bytes, entry: ModelEntry, ask: StoredAsk | None
+        self,
+        stream: DetachedStream,
+        spec: DialectSpec,
+        body: bytes,
+        entry: ModelEntry,
+        ask: StoredAsk | None,
+        background: BackgroundJob | None,
     ) -> None:
-        """A detachable stream's job, to its end; then its log is kept for readers."""
+        """A detachable stream's job, to its end (a background response's: its end
+        stored); then its log is kept for readers."""
         detached = self.state.detached
         assert detached is not None
         job = stream.job
@@ -384,6 +412,10 @@ class GenerationHandler:
         except Exception:
             logger.exception("detached stream %s failed", job.exchange.request_id)
         finally:
+            with trio.CancelScope(shield=True):
+                if background is not None and self.state.responses is not None:
+                    await self.state.responses.settle(background)
+                    background.done.set()
             if not log.closed:  # (readers wait for the end: it is always written)
                 if not log.head_set.is_set():
                     log.set_head(500, [])
@@ -482,29 +514,52 @@ class GenerationHandler:
         return key_salt(scope, self.access)
 
     async def _start_background(
-        self, request: InFlightRequest, spec: DialectSpec, body: bytes, entry: ModelEntry, ask: StoredAsk
+        self,
+        request: InFlightRequest,
+        receive: Receive,
+        spec: DialectSpec,
+        body: bytes,
+        entry: ModelEntry,
+        ask: StoredAsk,
     ) -> None:
-        """A background response: checked, stored as ``queued`` and started in the
-        server's nursery as a request no connection holds; this request answers with
-        the queued response object at once (docs/dialects.md, "Stored responses")."""
+        """A background response: checked, stored as ``queued`` and started as a
+        request no connection holds. Without ``stream`` (in the store's nursery) this
+        request answers with the queued response object at once (docs/dialects.md,
+        "Stored responses"); with it, its job writes into a detachable stream keyed by
+        the response id, and this request's connection is its first reader
+        (docs/resumable-streams.md)."""
         service = self.state.responses
         assert service is not None
+        detached = self.state.detached if ask.stream else None
+        if ask.stream and detached is None:
+            raise InvalidRequestError(
+                "background with stream needs resumable streams, and this server keeps none "
+                "(--detach-max 0): poll GET /v1/responses/{id}, or send stream without background",
+                param="stream",
+            )
         owner = self.owner(request.asgi)
         response_id = "resp_" + uuid.uuid4().hex
         stored = await service.context(ask.previous_response_id, owner, response_id)
         options = self._options(stored)
         large = len(body) > INLINE_PARSE_BYTES
         turn, queued = await off_the_loop_if(large, responses_reply, body, options)
-        # its own request: its own scope, deadline and log line; nothing to send to
-        exchange = Exchange(_nowhere, response_id, renderer(spec))
+        # (its bounds: a 429 before anything is stored)
+        stream = detached.open(owner, response_id) if detached is not None else None
+        # its own request: its own scope, deadline and log line; nothing to send to,
+        # or its stream's log
+        send = _nowhere if stream is None else log_sink(stream.log)
+        exchange = Exchange(send, response_id, renderer(spec))
         job_request = InFlightRequest(request.asgi, exchange, "responses")
         job_request.owner = owner
         job_request.account = request.account  # (its limits were taken by this request)
-        self.state.tracing.begin(job_request, "/v1/responses")
+        if stream is None:
+            self.state.tracing.begin(job_request, "/v1/responses")
         job_request.model = entry.name
         job_request.cancel_scope.deadline = request.cancel_scope.deadline
         job = BackgroundJob(turn, owner, queued, job_request)
         if not await service.record(turn, owner, queued):
+            if stream is not None and detached is not None:
+                detached.drop(stream)
             # nothing could be polled: refused before any generation (the log says why)
             raise ServiceUnavailableError(
                 "the response store cannot keep a background response now (see /health); "
@@ -512,6 +567,13 @@ class GenerationHandler:
                 code="store_unavailable",
             )
         service.jobs[response_id] = job
+        if stream is not None:
+            stream.background = True
+            stream.job = job_request
+            request.model = entry.name
+            ask = StoredAsk(turn.previous_id, background=True, stream=True)
+            await self._detach(request, receive, stream, spec, body, entry, ask, job)
+            return
         service.nursery.start_soon(self._background, job, spec, body, entry)
         request.end("stop")
         request.delivered = True
@@ -544,51 +606,19 @@ class GenerationHandler:
             request.advance(Phase.DONE)
             with trio.CancelScope(shield=True):
                 # (a store, log or export failure is logged: never the server's nursery's)
+                await service.settle(job)
                 try:
-                    await self._settle(job, request)
+                    usage = log_request(self.state.metrics, request)
+                    account = request.account
+                    if usage is not None and account is not None:
+                        # its reply, against its key's tokens per minute (its prompt
+                        # was charged when prepared), as in the foreground
+                        self.state.accounts.charge(request.owner, account, usage.completion_tokens)
+                    self.state.tracing.end(request, usage)
                 except Exception:
-                    logger.exception("background response %s: its end could not be stored", job.turn.id)
-                    error = {"code": "server_error", "message": "its end could not be stored"}
-                    service.remember_end(job.turn.id, job.owner, {"status": "failed", "error": error})
-                finally:
-                    service.jobs.pop(job.turn.id, None)
-                    try:
-                        usage = log_request(self.state.metrics, request)
-                        account = request.account
-                        if usage is not None and account is not None:
-                            # its reply, against its key's tokens per minute (its
-                            # prompt was charged when prepared), as in the foreground
-                            self.state.accounts.charge(request.owner, account, usage.completion_tokens)
-                        self.state.tracing.end(request, usage)
-                    except Exception:
-                        logger.exception("background response %s: its log line failed", job.turn.id)
-                    request.done.set()
-                    job.done.set()
-
-    async def _settle(self, job: BackgroundJob, request: InFlightRequest) -> None:
-        """Store a background response's final state, unless its end stored it. An end
-        that cannot be written at all is remembered in memory (its status, no output):
-        its stored row says ``queued``, and a client polling it must see it end."""
-        service = self.state.responses
-        assert service is not None
-        cause = request.cause
-        dialect = job.turn.dialect
-        if request.delivered and cause in ("stop", "length"):
-            if job.stored:
-                return  # stored before its (unsent) last bytes
-            # its result could not be stored: its failure, a smaller write (no output),
-            # where it can be (else in memory, and the log and the counters say so)
-            reason = service.degraded or "the response store is full"
-            error = f"its result could not be stored: {reason}"
-            final = {**dialect.snapshot("failed", error=error), "output": []}
-        elif cause == "cancelled":
-            final = dialect.snapshot("cancelled", cause="cancelled")
-        elif cause in ("deadline", "shutdown", "unload"):
-            final = dialect.snapshot("incomplete", cause=cause)
-        else:
-            final = dialect.snapshot("failed", error=request.error or "inference failed", cause="error")
-        if not await service.record(job.turn, job.owner, final):
-            service.remember_end(job.turn.id, job.owner, final)
+                    logger.exception("background response %s: its log line failed", job.turn.id)
+                request.done.set()
+                job.done.set()
 
     async def _generate(
         self,

@@ -88,8 +88,20 @@ _HEADERS = (
 _RETRIEVAL_HEADERS = (_HEADERS[0], _HEADERS[2])
 _INCLUDE = Param("include", "query", {"type": "array", "items": {"type": "string"}}, "fields to include")
 _STORED_QUERY = (
-    Param("stream", "query", {"type": "string"}, "must be false: a stored response is read whole"),
-    Param("starting_after", "query", {"type": "string"}, "not supported (400)"),
+    Param(
+        "stream",
+        "query",
+        {"type": "string"},
+        "true: the events of a background + stream response, live until its end (server-sent events)",
+    ),
+    Param(
+        "starting_after",
+        "query",
+        {"type": "integer", "minimum": 0},
+        "with stream: the events whose sequence_number is greater",
+    ),
+    Param("include_obfuscation", "query", {"type": "string"}, "accepted: nothing is obfuscated"),
+    Param("Last-Event-ID", "header", _ID, "with stream: the events after this one (wins)"),
     _INCLUDE,
 )
 _CONVERSATION = Param("conv_id", "query", _ID, "the stream's X-Conversation-Id")
@@ -199,7 +211,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     # stored responses
     ("GET", "/v1/responses/{response_id}"): Operation(
-        "Read a stored response", "responses", answer=shapes.Response, errors=_STORED, params=_STORED_QUERY
+        "Read a stored response, or resume its stream", "responses", answer=shapes.Response, stream=True,
+        errors=_STORED, params=_STORED_QUERY,
     ),
     ("DELETE", "/v1/responses/{response_id}"): Operation(
         "Delete a stored response", "responses", answer=shapes.Deleted, errors=_STORED

@@ -1,11 +1,15 @@
 """Resuming a detachable stream (issue 48; docs/resumable-streams.md, "The routes"):
 ``GET /v1/stream?conv_id=ID&from=N`` (llama-server's: ``N`` a byte offset of the
-stream's body) and the SSE way, ``Last-Event-ID: K`` (the events after ``K``; it wins
-over ``from``, because an ``EventSource`` reconnects to the URL it first opened).
+stream's body; errors in llama-server's shape and words), ``GET
+/v1/responses/{id}?stream=true&starting_after=N`` (OpenAI's: the events of a background
+response whose ``sequence_number`` is greater than ``N``; OpenAI's error bodies), and
+on both the SSE way, ``Last-Event-ID: K`` (the events after ``K``; it wins over
+``from``/``starting_after``, because an ``EventSource`` reconnects to the URL it first
+opened).
 
 Served at the ASGI level, as the generation endpoints are: a reader needs a nursery
 (its disconnect watcher and stall timer), and a nursery must not span a quart
-generator's ``yield``. Errors in llama-server's shape and words."""
+generator's ``yield``."""
 
 from __future__ import annotations
 
@@ -19,11 +23,13 @@ from ._exchange import Exchange, Receive, Scope, Send, _header
 from ._following import follow
 from ._request import InFlightRequest
 from ._state import ServerState
+from ._stored import check_include, missing_response
 from ._stream_log import BadOffset, OffsetLost
 
-__all__ = ["STREAM_PATH", "ReplayHandler", "render_llama_error"]
+__all__ = ["STREAM_PATH", "ReplayHandler", "ResponsesReplay", "render_llama_error", "response_stream_id"]
 
 STREAM_PATH = "/v1/stream"
+_RESPONSES_PREFIX = "/v1/responses/"
 
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -110,3 +116,102 @@ class ReplayHandler:
             head=(200, headers),
             job_id=job.exchange.request_id if job is not None else "",
         )
+
+
+def _query(scope: Scope) -> dict[str, list[str]]:
+    return urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+
+
+def response_stream_id(scope: Scope) -> str | None:
+    """The response id of a ``GET /v1/responses/{id}?stream=true`` (served here), or
+    ``None`` (the route without ``stream``: the stored object, answered by quart)."""
+    path: str = scope["path"]
+    if scope["method"] != "GET" or not path.startswith(_RESPONSES_PREFIX):
+        return None
+    response_id = path[len(_RESPONSES_PREFIX) :].rstrip("/")
+    if not response_id or "/" in response_id:
+        return None
+    streamed = _query(scope).get("stream", ["false"])[0]
+    return None if streamed.lower() in ("false", "0", "") else response_id
+
+
+def _sequence_number(text: str, name: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise InvalidRequestError(
+            f"{name} must be a whole number ≥ 0 (the sequence_number of the last event received); "
+            f"got {text!r}",
+            param=name,
+        )
+    return int(text)
+
+
+class ResponsesReplay:
+    """``GET /v1/responses/{id}?stream=true``: one reader of a background response's
+    stream (``background`` + ``stream``), after a sequence number. The events come from
+    its in-memory log, kept ``--detach-timeout`` seconds after its end; replaying from
+    the store once the log is gone (or after a restart) is not built: such a response is
+    a 400 naming ``stream``, its object still readable whole."""
+
+    def __init__(self, state: ServerState, access: AccessPolicy | None = None) -> None:
+        self.state = state
+        self.access = access
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, response_id: str) -> None:
+        exchange = Exchange(send, uuid.uuid4().hex)  # (OpenAI's error bodies)
+        reader = InFlightRequest(scope, exchange, "stream")
+        reader.owner = key_salt(scope, self.access)
+        try:
+            self.state.serving_registry()  # (503 while shutting down)
+            service = self.state.responses
+            if service is None:
+                raise NotFoundError(
+                    "this server stores no responses (start it with --responses-db)", param="response_id"
+                )
+            query = _query(scope)
+            check_include(query.get("include[]", []) + query.get("include", []))
+            last_event = _header(scope, b"last-event-id")
+            after: int | None = None
+            if last_event is not None:
+                after = _sequence_number(last_event, "Last-Event-ID")
+            elif "starting_after" in query:
+                after = _sequence_number(query["starting_after"][0], "starting_after")
+            # (include_obfuscation is accepted: there is no obfuscation to add)
+            detached = self.state.detached
+            stream = None if detached is None else detached.get(reader.owner, response_id)
+            if stream is None or not stream.background:
+                if await service.get(response_id, reader.owner) is None:
+                    raise missing_response(response_id)
+                raise InvalidRequestError(
+                    f"the response {response_id!r} has no stream to resume: only a response created "
+                    "with background: true and stream: true can be streamed again, and only while "
+                    "this server keeps its events (--detach-timeout seconds after its end, not across a "
+                    "restart); read it whole without stream",
+                    param="stream",
+                )
+            log = stream.log
+            last = log.next_id - 1
+            if after is not None and after >= last and log.finished and last_event is not None:
+                # past the last event of a finished stream: 204 stops an EventSource's
+                # reconnecting (the SSE standard)
+                await exchange.start(204, [])
+                await exchange.body(b"", more=False)
+                return
+            if after is not None and after > last and not log.finished:
+                name = "Last-Event-ID" if last_event is not None else "starting_after"
+                raise InvalidRequestError(
+                    f"{name} {after} is past the stream's last event so far ({last})", param=name
+                )
+            try:
+                cursor = log.attach(0) if after is None else log.attach_after(after)
+            except (OffsetLost, BadOffset):
+                raise InvalidRequestError(
+                    f"the events after sequence_number {after} are no longer kept (a stream keeps its "
+                    f"last {log.max_events} events once read): resume from a later one, or read the "
+                    "response whole without stream",
+                    param="Last-Event-ID" if last_event is not None else "starting_after",
+                ) from None
+        except TrioserveError as exc:
+            await exchange.error(exc)
+            return
+        # (the job's own head: a response refused before its stream began relays its error)
+        await follow(reader, log, cursor, receive, stall_timeout=self.state.stall_timeout, job_id=response_id)

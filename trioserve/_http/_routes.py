@@ -60,7 +60,7 @@ from ._fetch import resolve_images
 from ._generation import GENERATION_PATHS, GenerationHandler, key_salt, presented_key
 from ._lifecycle import INLINE_PARSE_BYTES, completing, off_the_loop_if
 from ._openapi import needs_key, openapi_document, openapi_path
-from ._replay import STREAM_PATH, ReplayHandler
+from ._replay import STREAM_PATH, ReplayHandler, ResponsesReplay, response_stream_id
 from ._requests_routes import add_request_routes
 from ._rerank import RERANK_PATHS, RerankHandler
 from ._state import ServerState
@@ -87,6 +87,7 @@ def create_app(
     embeddings = EmbeddingsHandler(state, access)
     rerank = RerankHandler(state, access)
     replay = ReplayHandler(state, access)
+    responses_replay = ResponsesReplay(state, access)
 
     header_limit = state.settings.max_header_bytes
 
@@ -105,6 +106,10 @@ def create_app(
                 return
             if path == STREAM_PATH and scope["method"] == "GET":
                 await replay(scope, receive, send)
+                return
+            response_id = response_stream_id(scope)
+            if response_id is not None:
+                await responses_replay(scope, receive, send, response_id)
                 return
             if headers_too_large(scope, header_limit):
                 error = HeadersTooLargeError(f"the request headers exceed the limit of {header_limit} bytes")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
 import trio
 
-from .._core._exceptions import InvalidRequestError
+from .._core._exceptions import InvalidRequestError, NotFoundError
 from .._wire import StoredContext, StoredTurn
 from ._response_db import ChainError, ResponseStore, StoredResponse, StoreFullError
 
@@ -41,6 +41,8 @@ __all__ = [
     "StoreFullError",
     "StoredResponse",
     "StoredResponses",
+    "check_include",
+    "missing_response",
     "open_stored_responses",
 ]
 
@@ -56,6 +58,33 @@ StoreFailure = Literal["error", "full"]
 #: the background responses whose end could not be stored that are remembered (the
 #: oldest forgotten first; a few hundred bytes each)
 MAX_UNSTORED_ENDS = 1024
+
+#: the causes a background response ends ``incomplete`` with (cut short, not failed)
+INCOMPLETE_CAUSES = frozenset({"deadline", "shutdown", "unload", "detach_timeout", "evicted"})
+
+#: ``include`` values a read honours trivially (nothing is encrypted here)
+_INCLUDE_NOTHING = frozenset({"reasoning.encrypted_content"})
+
+
+def missing_response(response_id: str) -> NotFoundError:
+    """The 404 of a response id this caller has no response for."""
+    return NotFoundError(
+        f"no stored response {response_id!r} (it expired, was deleted, was not stored, or was made "
+        "with another API key)",
+        param="response_id",
+    )
+
+
+def check_include(values: list[str]) -> None:
+    """A read's ``include`` (``include[]``): only what there is nothing to add for."""
+    for value in values:
+        if value not in _INCLUDE_NOTHING:
+            raise InvalidRequestError(
+                f"include is not supported: {value!r} cannot be included here "
+                "(reasoning.encrypted_content can: nothing is encrypted)",
+                param="include",
+            )
+
 
 #: the fields of a response object kept for an end that could not be stored (the rest,
 #: its instructions and tools, are the stored ``queued`` row's; its output is dropped)
@@ -233,6 +262,39 @@ class StoredResponses:
         job = self.jobs.get(turn.id)
         if job is not None:
             job.stored = stored
+
+    async def settle(self, job: BackgroundJob) -> None:
+        """Store a background response's final state once its request has ended, unless
+        its end stored it; then it is no longer running. Never raises: an end that
+        cannot be written at all is remembered in memory (its status, no output): its
+        stored row says ``queued``, and a client polling it must see it end."""
+        request = job.request
+        assert request is not None
+        cause = request.cause
+        dialect = job.turn.dialect
+        try:
+            if request.delivered and cause in ("stop", "length"):
+                if job.stored:
+                    return  # stored before its (unsent) last bytes
+                # its result could not be stored: its failure, a smaller write (no
+                # output), where it can be (else in memory; the log and counters say so)
+                reason = self.degraded or "the response store is full"
+                error = f"its result could not be stored: {reason}"
+                final = {**dialect.snapshot("failed", error=error), "output": []}
+            elif cause == "cancelled":
+                final = dialect.snapshot("cancelled", cause="cancelled")
+            elif cause in INCOMPLETE_CAUSES:
+                final = dialect.snapshot("incomplete", cause=cause)
+            else:
+                final = dialect.snapshot("failed", error=request.error or "inference failed", cause="error")
+            if not await self.record(job.turn, job.owner, final):
+                self.remember_end(job.turn.id, job.owner, final)
+        except Exception:
+            logger.exception("background response %s: its end could not be stored", job.turn.id)
+            error_body = {"code": "server_error", "message": "its end could not be stored"}
+            self.remember_end(job.turn.id, job.owner, {"status": "failed", "error": error_body})
+        finally:
+            self.jobs.pop(job.turn.id, None)
 
     async def get(self, response_id: str, owner: str) -> dict[str, Any] | None:
         """The response object as it stands (a running background response's status

@@ -18,12 +18,10 @@ from ._exchange import Scope
 from ._generation import key_salt
 from ._lifecycle import FINAL_EVENT_TIMEOUT
 from ._state import ServerState
-from ._stored import StoredResponses
+from ._stored import StoredResponses, check_include, missing_response
 
 __all__ = ["add_stored_routes"]
 
-#: ``include`` values a read honours trivially (nothing is encrypted here)
-_INCLUDE_NOTHING = frozenset({"reasoning.encrypted_content"})
 #: how long a cancel waits for the background response to stop and be stored
 _CANCEL_WAIT = FINAL_EVENT_TIMEOUT + 5.0
 
@@ -35,24 +33,6 @@ def _json(body: dict[str, Any], status: int = 200) -> Response:
 def _error(exc: TrioserveError) -> Response:
     status, headers, body = render_error(exc)
     return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
-
-
-def _missing(response_id: str) -> NotFoundError:
-    return NotFoundError(
-        f"no stored response {response_id!r} (it expired, was deleted, was not stored, or was made "
-        "with another API key)",
-        param="response_id",
-    )
-
-
-def _check_include(values: list[str]) -> None:
-    for value in values:
-        if value not in _INCLUDE_NOTHING:
-            raise InvalidRequestError(
-                f"include is not supported: {value!r} cannot be included here "
-                "(reasoning.encrypted_content can: nothing is encrypted)",
-                param="include",
-            )
 
 
 def add_stored_routes(app: QuartTrio, state: ServerState, access: AccessPolicy | None) -> None:
@@ -78,20 +58,17 @@ def add_stored_routes(app: QuartTrio, state: ServerState, access: AccessPolicy |
 
         try:
             responses = service()
-            if request.args.get("stream", "false").lower() not in ("false", "0", ""):
-                raise InvalidRequestError(
-                    "stream is not supported when reading a stored response back; read it whole",
-                    param="stream",
-                )
+            # (stream=true is served before quart: _replay.ResponsesReplay)
             if "starting_after" in request.args:
                 raise InvalidRequestError(
-                    "starting_after is not supported (it resumes a stream; read the response whole)",
+                    "starting_after resumes a stream: send it with stream=true (or leave it out to "
+                    "read the response whole)",
                     param="starting_after",
                 )
-            _check_include(request.args.getlist("include[]") + request.args.getlist("include"))
+            check_include(request.args.getlist("include[]") + request.args.getlist("include"))
             body = await responses.get(response_id, owner())
             if body is None:
-                raise _missing(response_id)
+                raise missing_response(response_id)
         except TrioserveError as exc:
             return _error(exc)
         return _json(body)
@@ -106,9 +83,14 @@ def add_stored_routes(app: QuartTrio, state: ServerState, access: AccessPolicy |
                 job.request.cancel("cancelled")  # (a running background response stops first)
                 with trio.move_on_after(_CANCEL_WAIT):
                     await job.done.wait()
+            detached = state.detached
+            if detached is not None:
+                stream = detached.get(who, response_id)
+                if stream is not None and stream.background:
+                    detached.drop(stream)  # (its events go with it)
             deleted = await responses.store.run(responses.store.store.delete, response_id, who)
             if not deleted:
-                raise _missing(response_id)
+                raise missing_response(response_id)
         except TrioserveError as exc:
             return _error(exc)
         return _json({"id": response_id, "object": "response", "deleted": True})
@@ -131,7 +113,7 @@ def add_stored_routes(app: QuartTrio, state: ServerState, access: AccessPolicy |
             order = args.get("order", "desc")
             if order not in ("asc", "desc"):
                 raise InvalidRequestError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
-            _check_include(args.getlist("include[]") + args.getlist("include"))
+            check_include(args.getlist("include[]") + args.getlist("include"))
             page = await responses.store.run(
                 responses.store.store.input_items,
                 response_id,
@@ -141,7 +123,7 @@ def add_stored_routes(app: QuartTrio, state: ServerState, access: AccessPolicy |
                 after=args.get("after"),
             )
             if page is None:
-                raise _missing(response_id)
+                raise missing_response(response_id)
         except TrioserveError as exc:
             return _error(exc)
         items, more = page
@@ -170,7 +152,7 @@ def add_stored_routes(app: QuartTrio, state: ServerState, access: AccessPolicy |
                     await job.done.wait()
             body = await responses.get(response_id, who)
             if body is None:
-                raise _missing(response_id)
+                raise missing_response(response_id)
             if not body.get("background"):
                 raise InvalidRequestError(
                     "only a background response can be cancelled (this one ran in the foreground: "

@@ -66,10 +66,12 @@ class StoredContext:
 @dataclass(frozen=True, slots=True)
 class StoredAsk:
     """What a Responses body asks of the store, read before the body is decoded in
-    full: the response it continues, whether it runs in the background."""
+    full: the response it continues, whether it runs in the background (and, then,
+    whether it streams: a resumable stream, docs/resumable-streams.md)."""
 
     previous_response_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     background: bool | None = None
+    stream: bool | None = None
 
 
 class InputContent(msgspec.Struct, kw_only=True):
@@ -373,12 +375,6 @@ def _check_stored(request: _ResponsesFields, stored: StoredContext | None) -> No
             "background needs store: a background response is read back by its id (send store: true "
             "or leave it out)",
             param="store",
-        )
-    if full.stream:
-        raise InvalidRequestError(
-            "background with stream is not supported: poll GET /v1/responses/{id} (or send stream "
-            "without background)",
-            param="stream",
         )
 
 

@@ -13,6 +13,7 @@ from trioserve._core._exceptions import InvalidRequestError
 from trioserve._wire import RESPONSES, ReadOptions, StoredAsk, StoredContext, responses_reply
 from trioserve._wire._chat import GemmaFormat
 from trioserve._wire._limits import RequestLimits
+from trioserve._wire._responses import peek_stored
 
 GEMMA = GemmaFormat()
 
@@ -110,11 +111,18 @@ def test_without_a_store_the_stored_fields_are_refused_by_name() -> None:
     assert _body(parsed)["store"] is False
 
 
-def test_background_needs_store_and_no_stream() -> None:
-    for extra, named in (({"store": False}, "store"), ({"stream": True}, "stream")):
-        with pytest.raises(InvalidRequestError) as caught:
-            _read({"input": "x", "background": True, **extra})
-        assert caught.value.param == named
+def test_background_needs_store_and_may_stream() -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        _read({"input": "x", "background": True, "store": False})
+    assert caught.value.param == "store"
+    # with stream: a resumable stream (the HTTP layer keys it by the response id)
+    parsed = _read({"input": "x", "background": True, "stream": True})
+    assert parsed.stream
+    assert parsed.turn is not None
+    assert parsed.turn.background
+    assert peek_stored(b'{"input": "x", "background": true, "stream": true}') == StoredAsk(
+        background=True, stream=True
+    )
 
 
 def test_a_background_reply_is_checked_and_queued_at_once() -> None:
