@@ -31,7 +31,8 @@ _STOP_WAIT = FINAL_EVENT_TIMEOUT + 5.0
 
 
 class _Lookup(msgspec.Struct, forbid_unknown_fields=True):
-    conversation_ids: Annotated[list[str], msgspec.Meta(max_length=LOOKUP_MAX_IDS)]
+    #: (llama-server answers ``[]`` to a body without it: so does trioserve)
+    conversation_ids: Annotated[list[str], msgspec.Meta(max_length=LOOKUP_MAX_IDS)] = []
 
 
 _lookup_decoder = msgspec.json.Decoder(_Lookup)
@@ -56,7 +57,9 @@ def add_stream_routes(app: QuartTrio, state: ServerState, access: AccessPolicy |
         try:
             asked = decode(_lookup_decoder, cast("bytes", await request.get_data(as_text=False)))
         except TrioserveError as exc:
-            return error(exc)
+            # (llama-server's words and shape for a body it cannot read: no code)
+            body = encode_json({"error": {"message": f"invalid body: {exc.message}", "type": exc.error_type}})
+            return Response(body, status=exc.status, content_type="application/json")
         detached = state.detached
         found = [] if detached is None else detached.lookup(owner(), asked.conversation_ids)
         body = [

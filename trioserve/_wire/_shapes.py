@@ -301,7 +301,7 @@ class Health(msgspec.Struct, kw_only=True):
 class StreamLookup(msgspec.Struct, kw_only=True):
     """``POST /v1/streams/lookup``'s body (llama-server's)."""
 
-    conversation_ids: Annotated[list[str], msgspec.Meta(max_length=256)]
+    conversation_ids: Annotated[list[str], msgspec.Meta(max_length=256)] = []
 
 
 class StreamStatus(msgspec.Struct, kw_only=True):
@@ -315,9 +315,10 @@ class StreamStatus(msgspec.Struct, kw_only=True):
 
 
 class LlamaErrorBody(msgspec.Struct, kw_only=True):
-    code: int
     message: str
     type: str
+    #: (absent from a lookup's unreadable body, as in llama-server)
+    code: int | None = None
 
 
 class LlamaError(msgspec.Struct, kw_only=True):
