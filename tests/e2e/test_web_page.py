@@ -413,7 +413,28 @@ def test_a_lost_connection_reattaches_with_back_off_and_the_reply_completes(page
     conversation = post.headers["x-conversation-id"]
     resumes = [r for r in sent if r.method == "GET"]
     assert resumes  # (the tries made while offline failed in the browser, and are among them)
-    assert {r.url for r in resumes} == {f"{post.url.split('/v1/')[0]}/v1/stream?conv_id={conversation}&from={offset}"}
+    base = post.url.split("/v1/")[0]
+    assert {r.url for r in resumes} == {f"{base}/v1/stream?conv_id={conversation}&from={offset}"}
+
+
+def test_a_server_that_keeps_no_streams_gets_plain_replies(page: Page) -> None:
+    """``--detach-max 0``: the server refuses ``X-Conversation-Id`` (400 naming it); the
+    page sends the reply again without it, and every later one too."""
+    sent = _stream_requests(page)
+    with ServerProcess("--scripted", "--scripted-interval", "0.001", "--detach-max", "0") as server:
+        page.goto(server.wait_ready() + "/")
+        page.fill("#max-tokens", "5")
+        for number in (1, 2):
+            page.fill("#prompt", "Count.")
+            page.click("#send")
+            turn = page.locator(f"#conversation .turn[data-turn='{number}']")
+            expect(turn).to_have_attribute("data-state", "done")
+            expect(turn.locator(".reply")).to_have_text(_scripted_reply(5))
+        refused = sent[0].response()
+        assert refused is not None
+        assert refused.status == 400
+        assert server.stop() == 0
+    assert ["x-conversation-id" in r.headers for r in sent] == [True, False, False]
 
 
 def test_a_fast_stream_never_blocks_the_main_thread(page: Page) -> None:
