@@ -86,6 +86,7 @@ def test_a_prompt_streams_into_the_page(page: Page, model_server: str) -> None:
 
 @pytest.mark.model
 def test_stop_ends_the_stream_and_the_server_stops_inference(page: Page, model_server: str) -> None:
+    streams = _stream_requests(page)
     page.goto(model_server + "/")
     page.select_option("#mode", "text")
     page.fill("#prompt", "Once upon a time")
@@ -105,10 +106,14 @@ def test_stop_ends_the_stream_and_the_server_stops_inference(page: Page, model_s
             assert time.perf_counter() - stopped < 2.0, health
             time.sleep(0.01)
         metrics = client.get("/metrics").text
-    assert 'trioserve_stream_ends_total{cause="disconnect"} 1.0' in metrics
+    # Stop is the server's DELETE /v1/stream for the reply's id (its cause: cancelled)
+    assert 'trioserve_stream_ends_total{cause="cancelled"} 1.0' in metrics
     page.wait_for_selector("#server[data-state='idle']", timeout=5_000)
     assert (page.text_content("#ended") or "").startswith("stopped")
     assert page.is_enabled("#send")
+    post, delete = streams
+    assert delete.method == "DELETE"
+    assert delete.url == f"{model_server}/v1/stream?conv_id={post.headers['x-conversation-id']}"
 
 
 # ~100–130 words each: the first prompt alone passes one 128-token chunk, so every later turn
@@ -256,9 +261,14 @@ def test_the_page_says_which_tier_the_reused_prompt_came_from(page: Page, tmp_pa
 
 
 def test_a_stopped_reply_stays_in_the_conversation_as_far_as_it_got(page: Page) -> None:
+    """Stop asks the server to stop (``DELETE /v1/stream`` with the reply's id, answered
+    once the work has stopped), then lets go of the connection; the server is idle, the
+    reply stays as far as it got and the next request sends it."""
     sent = _chat_requests(page)
+    streams = _stream_requests(page)
     with ServerProcess("--scripted", "--scripted-interval", "0.01") as server:
-        page.goto(server.wait_ready() + "/")
+        url = server.wait_ready()
+        page.goto(url + "/")
         page.fill("#prompt", "Count.")
         page.fill("#max-tokens", "3000")
         page.click("#send")
@@ -269,17 +279,162 @@ def test_a_stopped_reply_stays_in_the_conversation_as_far_as_it_got(page: Page) 
         expect(turn.locator(".figures")).to_contain_text("stopped: kept as far as it got")
         page.wait_for_selector("#server[data-state='idle']", timeout=5_000)
         shown = turn.locator(".reply").text_content() or ""
+        end_cause = turn.get_attribute("data-end-cause")
+        post, delete = streams
+        conversation = post.headers["x-conversation-id"]
+        assert delete.method == "DELETE"
+        assert delete.url == f"{url}/v1/stream?conv_id={conversation}"
+        stop_answer = delete.response()
+        assert stop_answer is not None
+        assert stop_answer.status == 204
+        health = httpx.get(url + "/health").json()
+        metrics = httpx.get(url + "/metrics").text
         page.fill("#max-tokens", "5")
         page.fill("#prompt", "Go on.")
         page.click("#send")
         expect(page.locator("#conversation .turn[data-turn='2']")).to_have_attribute("data-state", "done")
         assert server.stop() == 0
     assert shown.startswith(" tok0 tok1")
+    assert end_cause == "cancelled"  # the reply ended with its final event (then the abort)
+    assert health["generations_running"] == 0
+    assert health["active_streams"] == 0
+    assert 'trioserve_stream_ends_total{cause="cancelled"} 1.0' in metrics, metrics
     assert sent[-1]["messages"] == [
         {"role": "user", "content": "Count."},
         {"role": "assistant", "content": shown},
         {"role": "user", "content": "Go on."},
     ]
+
+
+def _stream_requests(page: Page) -> list[Request]:
+    """The page's requests to the resumable-stream routes and the generation routes, in order."""
+    sent: list[Request] = []
+
+    def record(request: Request) -> None:
+        if "/v1/stream" in request.url or request.url.endswith("/completions"):
+            sent.append(request)
+
+    page.on("request", record)
+    return sent
+
+
+def _scripted_reply(tokens: int) -> str:
+    return "".join(f" tok{i}" for i in range(tokens))
+
+
+def test_a_reload_mid_reply_reattaches_and_the_reply_goes_on_where_it_was(page: Page) -> None:
+    """The page sends each reply with an ``X-Conversation-Id`` and keeps its stream's id
+    and the bytes it took in sessionStorage: reloaded mid-reply, it finds the stream
+    (``POST /v1/streams/lookup``), reads on from that byte (``GET /v1/stream``) into the
+    same turn, and its text equals an unreloaded run's."""
+    sent = _stream_requests(page)
+    with ServerProcess("--scripted", "--scripted-interval", "0.01") as server:
+        page.goto(server.wait_ready() + "/")
+        page.fill("#max-tokens", "500")
+        # an unreloaded run
+        page.fill("#prompt", "Count.")
+        page.click("#send")
+        turn = page.locator("#conversation .turn[data-turn='1']")
+        expect(turn).to_have_attribute("data-state", "done", timeout=30_000)
+        undisturbed = turn.locator(".reply").text_content() or ""
+        page.click("#new-conversation")
+        # the same, reloaded mid-reply
+        page.fill("#prompt", "Count.")
+        page.click("#send")
+        page.wait_for_function("Number(document.querySelector('#tokens').textContent) >= 30")
+        before = turn.locator(".reply").text_content() or ""
+        page.reload()
+        expect(page.locator("#link")).to_have_attribute("data-state", "reattached")
+        expect(turn).to_have_attribute("data-state", "done", timeout=30_000)
+        assert turn.locator(".user").text_content() == "Count."
+        final = turn.locator(".reply").text_content() or ""
+        link = page.text_content("#link") or ""
+        tokens = page.text_content("#tokens")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "web-page-reattached.png"))
+        assert server.stop() == 0
+    assert undisturbed == _scripted_reply(500)
+    assert final == undisturbed
+    assert 0 < len(before) < len(final)
+    assert final.startswith(before)  # (it went on where it was)
+    assert tokens == "500"
+    # the reloaded reply's requests: its POST, then after the reload lookup and GET from
+    # the byte the page had taken, with the POST's id
+    post, lookup, resume = sent[1:]
+    conversation = post.headers["x-conversation-id"]
+    assert re.fullmatch(r"page-[0-9a-f]{24}", conversation)
+    assert lookup.url.endswith("/v1/streams/lookup")
+    assert lookup.post_data_json == {"conversation_ids": [conversation]}
+    offset = int(re.fullmatch(r"reattached at byte (\d+)", link)[1])  # type: ignore[index]
+    assert offset > 0
+    assert resume.method == "GET"
+    assert resume.url.endswith(f"/v1/stream?conv_id={conversation}&from={offset}")
+
+
+def test_a_lost_connection_reattaches_with_back_off_and_the_reply_completes(page: Page) -> None:
+    """The network gone for 3 s mid-reply: the page says it lost the connection, retries
+    the same ``GET /v1/stream`` with back-off, says it reattached when it did, and the
+    reply completes as an undisturbed one."""
+    sent = _stream_requests(page)
+    with ServerProcess("--scripted", "--scripted-interval", "0.01") as server:
+        page.goto(server.wait_ready() + "/")
+        page.evaluate(
+            """() => {
+                const link = document.querySelector("#link");
+                window.linkStates = [];
+                new MutationObserver(() => {
+                    const state = link.dataset.state ?? "";
+                    if (window.linkStates.at(-1) !== state) window.linkStates.push(state);
+                }).observe(link, { attributes: true });
+            }"""
+        )
+        page.fill("#max-tokens", "1000")  # 10 s: offline for 3 s, back-off up to 4 s
+        page.fill("#prompt", "Count.")
+        page.click("#send")
+        page.wait_for_function("Number(document.querySelector('#tokens').textContent) >= 30")
+        page.context.set_offline(True)
+        expect(page.locator("#link")).to_have_attribute("data-state", "lost")
+        expect(page.locator("#link")).to_have_text("connection lost, reattaching…")
+        lost_at = len(page.text_content("#conversation .reply") or "")
+        page.wait_for_timeout(3_000)  # the network stays away a while (a bounded wait, no phase)
+        page.context.set_offline(False)
+        expect(page.locator("#link")).to_have_attribute("data-state", "reattached", timeout=15_000)
+        turn = page.locator("#conversation .turn[data-turn='1']")
+        expect(turn).to_have_attribute("data-state", "done", timeout=30_000)
+        final = turn.locator(".reply").text_content() or ""
+        states = page.evaluate("window.linkStates")
+        link = page.text_content("#link") or ""
+        assert server.stop() == 0
+    assert final == _scripted_reply(1000)
+    assert 0 < lost_at < len(final)
+    assert states == ["lost", "reattached"]
+    offset = int(re.fullmatch(r"reattached at byte (\d+)", link)[1])  # type: ignore[index]
+    post = sent[0]
+    conversation = post.headers["x-conversation-id"]
+    resumes = [r for r in sent if r.method == "GET"]
+    assert resumes  # (the tries made while offline failed in the browser, and are among them)
+    base = post.url.split("/v1/")[0]
+    assert {r.url for r in resumes} == {f"{base}/v1/stream?conv_id={conversation}&from={offset}"}
+
+
+def test_a_server_that_keeps_no_streams_gets_plain_replies(page: Page) -> None:
+    """``--detach-max 0``: the server refuses ``X-Conversation-Id`` (400 naming it); the
+    page sends the reply again without it, and every later one too."""
+    sent = _stream_requests(page)
+    with ServerProcess("--scripted", "--scripted-interval", "0.001", "--detach-max", "0") as server:
+        page.goto(server.wait_ready() + "/")
+        page.fill("#max-tokens", "5")
+        for number in (1, 2):
+            page.fill("#prompt", "Count.")
+            page.click("#send")
+            turn = page.locator(f"#conversation .turn[data-turn='{number}']")
+            expect(turn).to_have_attribute("data-state", "done")
+            expect(turn.locator(".reply")).to_have_text(_scripted_reply(5))
+        refused = sent[0].response()
+        assert refused is not None
+        assert refused.status == 400
+        assert server.stop() == 0
+    assert ["x-conversation-id" in r.headers for r in sent] == [True, False, False]
 
 
 def test_a_fast_stream_never_blocks_the_main_thread(page: Page) -> None:
