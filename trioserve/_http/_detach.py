@@ -79,6 +79,7 @@ class DetachedStream:
         "parks",
         "reader_back",
         "state",
+        "stopped",
     )
 
     def __init__(self, owner: str, conversation_id: str, log: StreamLog) -> None:
@@ -92,6 +93,9 @@ class DetachedStream:
         self.reader_back = trio.Event()
         self.parks = 0
         self.dropped = False
+        #: stopped (``DELETE``): gone from the registry, its log kept only until its
+        #: readers have their final event
+        self.stopped = False
         #: a background Responses stream (``background`` + ``stream``), keyed by its
         #: response id and resumed by sequence number (``GET /v1/responses/{id}``)
         self.background = False
@@ -175,6 +179,17 @@ class DetachedStreams:
         self._forget(stream)
         stream.log.close()
 
+    async def stop(self, stream: DetachedStream, grace: float) -> None:
+        """Drop a stopped stream (``DELETE``; its job ended): no longer found at once;
+        its log closed once its readers have sent its final event (at most ``grace``
+        seconds)."""
+        stream.stopped = True
+        self._forget(stream)
+        with trio.move_on_after(grace):
+            while stream.log.readers and not stream.dropped:
+                await stream.log.wait_changed()
+        self.drop(stream)
+
     def _forget(self, stream: DetachedStream) -> None:
         key = (stream.owner, stream.conversation_id)
         if self.streams.get(key) is stream:
@@ -205,9 +220,9 @@ class DetachedStreams:
         stream.state = "finished"
         log = stream.log
         try:
-            if log.status != 200:
-                # nothing streamed, nothing to resume: gone from the registry at once,
-                # its bytes kept until its first reader has relayed them
+            if log.status != 200 or stream.stopped:
+                # nothing streamed, nothing to resume (or stopped): gone from the
+                # registry at once, its bytes kept until its readers have relayed them
                 self._forget(stream)
                 with trio.move_on_after(self.settings.timeout):
                     while log.readers and not stream.dropped:

@@ -58,8 +58,8 @@ def add_stream_routes(app: QuartTrio, state: ServerState, access: AccessPolicy |
             asked = decode(_lookup_decoder, cast("bytes", await request.get_data(as_text=False)))
         except TrioserveError as exc:
             # (llama-server's words and shape for a body it cannot read: no code)
-            body = encode_json({"error": {"message": f"invalid body: {exc.message}", "type": exc.error_type}})
-            return Response(body, status=exc.status, content_type="application/json")
+            refusal = {"error": {"message": f"invalid body: {exc.message}", "type": exc.error_type}}
+            return Response(encode_json(refusal), status=exc.status, content_type="application/json")
         detached = state.detached
         found = [] if detached is None else detached.lookup(owner(), asked.conversation_ids)
         body = [
@@ -93,5 +93,6 @@ def add_stream_routes(app: QuartTrio, state: ServerState, access: AccessPolicy |
             job.cancel("cancelled")
             with trio.move_on_after(_STOP_WAIT):
                 await job.done.wait()
-        detached.drop(stream)
+        # (its readers get the final event that says it was stopped, then it is dropped)
+        await detached.stop(stream, FINAL_EVENT_TIMEOUT)
         return Response(b"", status=204)
