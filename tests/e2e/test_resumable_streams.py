@@ -447,3 +447,20 @@ async def test_cancel_cell_detached(
         assert after == before
     finally:
         running.server.shutdown()
+
+
+async def test_health_and_metrics_count_the_detached_streams(scripted: RunningServer) -> None:
+    async with scripted.client() as client:
+        await _read_some(client, {"prompt": "hi", "max_tokens": 4000, "stream": True}, "conv-m", 2)
+        stream = _stream_of(scripted, "conv-m")
+        await wait_for(lambda: stream.state == "paused")
+        health = (await client.get("/health")).json()
+        assert health["detached"]["paused"] == 1
+        assert health["detached"]["readers"] == 0
+        assert health["detached"]["log_bytes"] > 0
+        metrics = (await client.get("/metrics")).text
+        assert 'trioserve_detached_streams{state="paused"} 1.0' in metrics
+        assert "trioserve_detach_log_bytes" in metrics
+        assert (await client.delete("/v1/stream", params={"conv_id": "conv-m"})).status_code == 204
+        metrics = (await client.get("/metrics")).text
+        assert 'trioserve_detached_streams{state="paused"} 0.0' in metrics

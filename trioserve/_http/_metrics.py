@@ -264,8 +264,42 @@ class Metrics:
         self.registry.register(_HostCacheCollector(engines, models))
         self.registry.register(_ModelCollector(models))
 
+    def bind_detached(self, counts: Callable[[], dict[str, int] | None]) -> None:
+        """The resumable streams' gauges, read at scrape time (docs/resumable-streams.md):
+        ``trioserve_detached_streams{state}`` and ``trioserve_detach_log_bytes``."""
+        self.registry.register(_DetachedCollector(counts))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _DetachedCollector(Collector):
+    STATES = ("running", "paused", "parked", "finished")
+
+    def __init__(self, counts: Callable[[], dict[str, int] | None]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self.counts() or {}
+        streams = GaugeMetricFamily(
+            "trioserve_detached_streams",
+            "Resumable streams (X-Conversation-Id, background Responses streams) by state: running, "
+            "paused (a full log nobody reads), parked (its slot freed), finished (its log kept).",
+            labels=["state"],
+        )
+        for state in self.STATES:
+            streams.add_metric([state], float(counts.get(state, 0)))
+        yield streams
+        yield GaugeMetricFamily(
+            "trioserve_detach_log_bytes",
+            "Bytes the resumable streams' logs hold.",
+            value=counts.get("log_bytes", 0),
+        )
+        yield GaugeMetricFamily(
+            "trioserve_detached_readers",
+            "Readers attached to resumable streams.",
+            value=counts.get("readers", 0),
+        )
 
 
 class _HostCacheCollector(Collector):

@@ -185,6 +185,9 @@ class Server:
             accounts=accounts,
         )
         self.state.metrics.bind_registry(self.registry)
+        self.state.metrics.bind_detached(
+            lambda: None if self.state.detached is None else self.state.detached.counts()
+        )
         self.registry.on_unloaded.append(lambda _entry, engine: self.state.forget(engine))
         self._last_engine: Engine | None = None
 
