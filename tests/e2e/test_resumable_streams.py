@@ -464,3 +464,22 @@ async def test_health_and_metrics_count_the_detached_streams(scripted: RunningSe
         assert (await client.delete("/v1/stream", params={"conv_id": "conv-m"})).status_code == 204
         metrics = (await client.get("/metrics")).text
         assert 'trioserve_detached_streams{state="paused"} 0.0' in metrics
+
+
+async def test_a_stream_nobody_reads_that_cannot_park_gives_its_slot_to_a_waiter(
+    scripted: RunningServer,
+) -> None:
+    """The scripted backend cannot set a sequence aside: a paused stream nobody reads
+    is ended (``evicted``) the moment another request needs its one slot; its log
+    keeps what it made, ending with why."""
+    async with scripted.client() as client:
+        await _read_some(client, {"prompt": "hi", "max_tokens": 4000, "stream": True}, "conv-ev", 2)
+        stream = _stream_of(scripted, "conv-ev")
+        await wait_for(lambda: stream.state == "paused")
+        other = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+        assert other.status_code == 200
+        assert stream.job is not None
+        assert stream.job.cause == "evicted"
+        log = await client.get("/v1/stream", params={"conv_id": "conv-ev"})
+        assert b'"end_cause":"evicted"' in log.content
+        assert log.content.endswith(b"data: [DONE]\n\n")

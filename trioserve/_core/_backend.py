@@ -226,6 +226,7 @@ class GenerationProgress:
         "draft_proposed",
         "host_tokens",
         "inference_ended",
+        "lease",
         "piece_per_token",
         "preemption",
         "prefill_seconds",
@@ -259,6 +260,9 @@ class GenerationProgress:
         #: the lease to pause, where the backend is pausable and the request holds one
         #: slot (the engine sets it)
         self.preemption: SlotLease | None = None
+        #: the lease its slots are held by (the engine sets it; any backend): what
+        #: gives them to a waiter when nobody reads the stream (docs/resumable-streams.md)
+        self.lease: SlotLease | None = None
 
     @property
     def served_tokens(self) -> int:

@@ -401,6 +401,8 @@ class Engine:
                     all_events = [events for _, events in choices]
                     progresses = [events._progress for events in all_events]
                     lease.usage = lambda: sum(p.served_tokens for p in progresses)
+                    for progress in progresses:
+                        progress.lease = lease
                     if self.backend.pausable and lease.count == 1:
                         # the backend makes it pausable once its hook is installed
                         # (SlotLease.enable_pause): an ask before that would be lost

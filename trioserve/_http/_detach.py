@@ -102,11 +102,11 @@ class DetachedStream:
 
     @property
     def lease(self) -> SlotLease | None:
-        """The job's lease, where its backend can set it aside (else ``None``)."""
+        """The lease the job's slots are held by (``None`` before it holds one)."""
         job = self.job
         if job is None or job.events is None:
             return None
-        return job.events.progress.preemption
+        return job.events.progress.lease
 
 
 class DetachedStreams:
