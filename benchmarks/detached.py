@@ -85,7 +85,9 @@ def run_case(server: servers.Server, args: Any) -> dict[str, Any]:
         resumed = client.get(server.url + "/v1/stream", params={"conv_id": conversation, "from": 0})
     complete = resumed.status_code == 200 and b"[DONE]" in resumed.content
     idle = wait_cpu_idle(server.pid, time.perf_counter(), 30.0)
+    stop = stop_case(server, args)
     return {
+        **stop,
         "server": server.name,
         "core_seconds_detached": samples[-1][1],
         "quiet_from_s": quiet,
@@ -97,6 +99,27 @@ def run_case(server: servers.Server, args: Any) -> dict[str, Any]:
         "busy_after_resume_s": idle.after_s,
         "samples": samples,
         "states": states,
+    }
+
+
+def stop_case(server: servers.Server, args: Any) -> dict[str, Any]:
+    """A Stop while detached: a second stream, left 2 s after its first event (still
+    decoding), then ``DELETE /v1/stream``: how long until the server's CPU is idle."""
+    conversation = "bench-stop-" + uuid.uuid4().hex[:8]
+    payload = body(args.prompt, args.max_tokens, logit_bias={"1": -100, "106": -100})
+    stream = RawStream(server.port, payload, {"X-Conversation-Id": conversation})
+    stream.read_until(lambda: len(stream.events) >= 2, stream.sent_at + 120)
+    stream.close()
+    time.sleep(2.0)
+    with httpx.Client(timeout=30) as client:
+        sent = time.perf_counter()
+        answer = client.delete(server.url + "/v1/stream", params={"conv_id": conversation})
+        answered = time.perf_counter() - sent
+    idle = wait_cpu_idle(server.pid, sent, 30.0)
+    return {
+        "stop_status": answer.status_code,
+        "stop_answer_ms": answered * 1000,
+        "busy_after_stop_s": idle.after_s,
     }
 
 
@@ -140,6 +163,8 @@ def report(result: dict[str, Any], args: Any) -> None:
         ("parked at s", lambda c: opt(c["parked_at_s"])),
         ("resumed: status, bytes", lambda c: f"{c['resumed_status']}, {c['resumed_bytes']}"),
         ("completed", lambda c: "yes" if c["completed_after_resume"] else "no"),
+        ("DELETE answered ms", lambda c: f"{c['stop_answer_ms']:.0f}"),
+        ("busy after DELETE s", lambda c: opt(c["busy_after_stop_s"])),
     ]
     print(rows_table(result["cases"], columns))
 
