@@ -25,7 +25,7 @@ from typing import Self, cast
 import trio
 
 from ._admission import DEFAULT_TICKET, Admission, PauseBudget, Reservation, Ticket
-from ._backend import Backend, ChoiceGroup, GenerationProgress, PreparedPrompt
+from ._backend import Backend, ChoiceGroup, ControlOutcome, GenerationProgress, PreparedPrompt
 from ._channel import PieceChannel
 from ._errors import unwrap_group
 from ._exceptions import BackendError, ServiceUnavailableError, TrioserveError
@@ -81,8 +81,14 @@ class EventStream:
         progress: GenerationProgress,
         producer_scope: trio.CancelScope,
         timings: StreamTimings,
+        *,
+        ends_reasoning: bool = False,
     ) -> None:
         self._prompt = prompt
+        #: its backend can end a running reasoning (``Backend.ends_reasoning``)
+        self._ends_reasoning = ends_reasoning
+        #: its producer has returned (the generation is over, however it ended)
+        self._produced = False
         self._channel = channel
         self._progress = progress
         self._producer_scope = producer_scope
@@ -149,6 +155,29 @@ class EventStream:
         """Pieces its channel can still take before the producer waits (0: a consumer
         that stopped reading has paused it)."""
         return self._channel.room
+
+    def end_reasoning(self) -> ControlOutcome:
+        """Ask the backend to end this generation's reasoning now: the model's
+        end-of-reasoning marker is written at its next token, as if the model had drawn
+        it, and the model answers (llama-server's ``reasoning_end`` control; docs/api.md,
+        "Ending the reasoning"). Called from Trio, at any time while the stream exists;
+        never waits. An ask before the backend has started the generation (queued, or
+        loading its prompt) is honoured from its first token."""
+        request = self._prompt.request
+        if not request.reasoning_control:
+            return "not_enabled"
+        if request.reasoning is None:
+            return "not_reasoning"
+        if not self._ends_reasoning:
+            return "unsupported"
+        if self._produced:
+            return "finished"
+        progress = self._progress
+        control = progress.control
+        if control is None:
+            progress.reasoning_end_asked = True  # (the backend reads it as it starts)
+            return "forced"
+        return control()
 
     def __aiter__(self) -> Self:
         return self
@@ -395,7 +424,12 @@ class Engine:
                             progress = GenerationProgress(len(prepared.tokens))
                             choice_timings = timings if not choices else replace(timings)
                             events = EventStream(
-                                prompt, channel, progress, trio.CancelScope(), choice_timings
+                                prompt,
+                                channel,
+                                progress,
+                                trio.CancelScope(),
+                                choice_timings,
+                                ends_reasoning=self.backend.ends_reasoning,
                             )
                             choices.append((prompt, events))
                     all_events = [events for _, events in choices]
@@ -459,6 +493,7 @@ class Engine:
                     if events.backend_result is not None:  # a whole generation, not a cut one
                         self._record_service_time(events.timings)
         finally:
+            events._produced = True
             channel.close()  # how the consumer learns the end: no sentinel
 
     def _record_service_time(self, timings: StreamTimings) -> None:
