@@ -1,4 +1,4 @@
-"""Ending a running request's reasoning (docs/api.md, "Ending the reasoning"):
+"""Ending a running request's reasoning (docs/dialects.md, "Ending the reasoning"):
 llama-server's ``POST /v1/chat/completions/control {"id", "action": "reasoning_end"}``
 and trioserve's ``POST /v1/requests/{id}/control``, on a real socket. The scripted
 backend plays a reasoning model (its chat template opens ``<think>``; its script

@@ -1,7 +1,7 @@
 """Ending the reasoning on the llama backend: the end marker's tokens go through the
 real scheduler as forced tokens (``Outputs.emit``) — sampler, channel, pieces — and
-the wire closes the reasoning block, on a real socket (docs/api.md, "Ending the
-reasoning").
+the wire closes the reasoning block, on a real socket (docs/dialects.md, "Ending
+the reasoning").
 
 The model is the default one with a chat template that opens ``<think>``
 (``tests/_models.py``, :func:`reasoning_model`). Which tokens it draws never decides

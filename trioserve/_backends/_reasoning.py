@@ -1,6 +1,6 @@
 """Where a reasoning model's generated text is — before its reasoning, inside it, past
 it — read from the bytes of its pieces as they are made, the way the wire's
-``ChoiceReader`` reads the text (docs/api.md, "Ending the reasoning"). A backend that
+``ChoiceReader`` reads the text (docs/dialects.md, "Ending the reasoning"). A backend that
 ends a reasoning on request (``Backend.ends_reasoning``) keeps one per generation: it
 says whether the end marker may still be written (once, never a second time after the
 model's own), and which markers to write. Pure: no llama.cpp, no Trio; one thread

@@ -81,14 +81,10 @@ class EventStream:
         progress: GenerationProgress,
         producer_scope: trio.CancelScope,
         timings: StreamTimings,
-        *,
-        ends_reasoning: bool = False,
     ) -> None:
         self._prompt = prompt
-        #: its backend can end a running reasoning (``Backend.ends_reasoning``)
-        self._ends_reasoning = ends_reasoning
-        #: its producer has returned (the generation is over, however it ended)
-        self._produced = False
+        #: its backend can end a running reasoning (the engine sets it); its producer returned
+        self._ends_reasoning = self._produced = False
         self._channel = channel
         self._progress = progress
         self._producer_scope = producer_scope
@@ -157,12 +153,10 @@ class EventStream:
         return self._channel.room
 
     def end_reasoning(self) -> ControlOutcome:
-        """Ask the backend to end this generation's reasoning now: the model's
-        end-of-reasoning marker is written at its next token, as if the model had drawn
-        it, and the model answers (llama-server's ``reasoning_end`` control; docs/api.md,
-        "Ending the reasoning"). Called from Trio, at any time while the stream exists;
-        never waits. An ask before the backend has started the generation (queued, or
-        loading its prompt) is honoured from its first token."""
+        """Ask the backend to write the model's end-of-reasoning marker at its next token,
+        as if drawn, so that it answers (llama-server's ``reasoning_end``; docs/dialects.md,
+        "Ending the reasoning"). From Trio, never waits; an ask before the backend has
+        started the generation is honoured from its first token."""
         request = self._prompt.request
         if not request.reasoning_control:
             return "not_enabled"
@@ -424,13 +418,9 @@ class Engine:
                             progress = GenerationProgress(len(prepared.tokens))
                             choice_timings = timings if not choices else replace(timings)
                             events = EventStream(
-                                prompt,
-                                channel,
-                                progress,
-                                trio.CancelScope(),
-                                choice_timings,
-                                ends_reasoning=self.backend.ends_reasoning,
+                                prompt, channel, progress, trio.CancelScope(), choice_timings
                             )
+                            events._ends_reasoning = self.backend.ends_reasoning
                             choices.append((prompt, events))
                     all_events = [events for _, events in choices]
                     progresses = [events._progress for events in all_events]

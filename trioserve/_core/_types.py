@@ -132,7 +132,7 @@ class ReasoningMarkers:
     """A reasoning model's markers around its reasoning (its chat template's: ``<think>``,
     ``</think>``), and whether the prompt opened it: what a backend needs to end the
     reasoning of a running generation on request (``EventStream.end_reasoning``) by
-    writing ``end`` as if the model had (docs/api.md, "Ending the reasoning")."""
+    writing ``end`` as if the model had (docs/dialects.md, "Ending the reasoning")."""
 
     start: str
     end: str

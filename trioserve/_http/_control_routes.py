@@ -1,4 +1,4 @@
-"""Controls on a running request (docs/api.md, "Ending the reasoning"): end its model's
+"""Controls on a running request (docs/dialects.md, "Ending the reasoning"): end its model's
 reasoning now, so that it answers — llama-server's ``POST /v1/chat/completions/control
 {"id", "action": "reasoning_end"}`` (the id its chunks carry, or its ``X-Request-Id``)
 and trioserve's ``POST /v1/requests/{id}/control {"action": "reasoning_end"}``. Both

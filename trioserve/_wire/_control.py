@@ -1,7 +1,7 @@
 """Controls on a running generation (llama-server's ``POST /v1/chat/completions/control``;
 trioserve's ``POST /v1/requests/{id}/control``): the bodies, and the answer in
 llama-server's shape — ``{"success": true}`` or ``{"success": false, "message": …}``,
-with llama-server's messages where it has one (docs/api.md, "Ending the reasoning")."""
+with llama-server's messages where it has one (docs/dialects.md, "Ending the reasoning")."""
 
 from __future__ import annotations
 

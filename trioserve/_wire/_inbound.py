@@ -54,7 +54,7 @@ def _armed(
     """``generation`` with what ending its reasoning on request needs: the model's
     markers where it reasons (``reasoning``; ``inside``: the prompt opened it), and
     whether the request allows it (llama-server's ``reasoning_control``: only ``false``
-    refuses; docs/api.md, "Ending the reasoning")."""
+    refuses; docs/dialects.md, "Ending the reasoning")."""
     markers = None
     if reasoning is not None:
         markers = ReasoningMarkers(start=reasoning[0], end=reasoning[1], opened=inside)

@@ -224,7 +224,7 @@ class Sequence:
         self.park: Literal["parked", "declined"] | None = None
         self.result: GenerationEnd | Literal["cancelled"] | BaseException | None = None
         self.cancelled = False
-        #: ending the reasoning on request (docs/api.md, "Ending the reasoning"): where
+        #: ending the reasoning on request (docs/dialects.md, "Ending the reasoning"): where
         #: the text is (``None``: not armed — the model does not reason here, or the
         #: request said ``reasoning_control: false``), the markers' tokens, the ask (from
         #: Trio: ``Inbox.force``) and the tokens it still forces, one per draw
