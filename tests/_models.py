@@ -5,6 +5,10 @@ here makes a new file. Both servers (trioserve and llama.cpp's llama-server) loa
 - :func:`fim_model`: the default Gemma 3 270M with three (``plain``) or five
   (``repo``) of its unused special tokens named as FIM tokens (``gguf_new_metadata``):
   a real model with real fill-in-the-middle plumbing (the default has none).
+- :func:`reasoning_model`: the default Gemma 3 270M with a chat template that opens a
+  ``<think>`` block after the generation prompt (``gguf_new_metadata --chat-template``):
+  the server reads it as a reasoning model (its weights do not reason; the markers and
+  the scheduler's forced tokens are what the tests exercise).
 - :func:`tiny_reranker`: a cross-encoder as llama.cpp converts BERT rerankers
   (bge-reranker, ms-marco MiniLM): architecture ``bert``, pooling type 4 (rank), the
   classification head (``cls`` dense + tanh, ``cls.output`` to one label), a WordPiece
@@ -26,7 +30,7 @@ import numpy
 
 from trioserve import default_model_path
 
-__all__ = ["FIM_LAYOUTS", "fim_model", "tiny_reranker"]
+__all__ = ["FIM_LAYOUTS", "REASONING_TEMPLATE", "fim_model", "reasoning_model", "tiny_reranker"]
 
 #: the shapes: 2 layers of 64 dimensions, 4 heads, 512 positions
 _N_EMBD, _N_FF, _N_LAYER, _N_HEAD, _N_CTX = 64, 128, 2, 4, 512
@@ -169,6 +173,46 @@ def fim_model(layout: str) -> Path:
             str(source),
             str(partial),
             *tokens,
+            "--force",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    partial.rename(target)
+    return target
+
+
+#: Gemma's turns, and a ``<think>`` block the generation prompt opens (``enable_thinking``
+#: false: an empty one, as reasoning templates do)
+REASONING_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>"
+    "{{ 'model' if m.role == 'assistant' else 'user' }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
+    "<start_of_turn>model\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% else %}<think>{% endif %}"
+)
+
+
+def reasoning_model() -> Path:
+    """The default model with :data:`REASONING_TEMPLATE` as its chat template, cached
+    beside it."""
+    source = default_model_path(progress=False)
+    digest = hashlib.sha256(
+        f"{source.stat().st_size}:{source.name}:{REASONING_TEMPLATE}".encode()
+    ).hexdigest()[:12]
+    target = _cache_dir() / f"{source.stem}-reasoning-{digest}.gguf"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gguf.scripts.gguf_new_metadata",
+            str(source),
+            str(partial),
+            "--chat-template",
+            REASONING_TEMPLATE,
             "--force",
         ],
         check=True,

@@ -218,6 +218,29 @@ def check_speculate(api: Api) -> None:
     assert text_of(api.ok(max_tokens=24, **copy)["choices"][0]) == plain
 
 
+def check_reasoning_control(api: Api) -> None:
+    # llama-server's: false refuses the reasoning_end control for this request (the
+    # default model does not reason: true is answered so); the text is the same either way
+    for value, message in (
+        (False, "reasoning control not enabled"),
+        (True, "this completion is not reasoning"),
+    ):
+        request_id = f"control-{api.endpoint}-{value}"
+        body = api.body(stream=True, max_tokens=500, reasoning_control=value)
+        with api.client.stream(
+            "POST", PATHS[api.endpoint], json=body, headers={"X-Request-Id": request_id}
+        ) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            control = api.client.post(f"/v1/requests/{request_id}/control", json={"action": "reasoning_end"})
+            assert api.client.post(f"/v1/requests/{request_id}/cancel").json()["cancelled"]
+            for _ in lines:
+                pass
+        assert control.json()["success"] is False
+        assert control.json()["message"].startswith(message)
+    assert api.text(max_tokens=3, reasoning_control=False) == api.greedy(3)
+
+
 def check_penalty(name: str) -> Callable[[Api], None]:
     def check(api: Api) -> None:
         # greedy, and the text repeats itself: a penalty changes it
@@ -472,6 +495,7 @@ HONOURED: dict[str, Callable[[Api], None]] = {
     "repeat_last_n": check_repeat_last_n,
     "cache_prompt": check_cache_prompt,
     "speculate": check_speculate,
+    "reasoning_control": check_reasoning_control,
     "priority": check_priority,
     "suffix": check_suffix,
     "json_schema": check_json_schema,
@@ -551,6 +575,7 @@ ENDPOINTS: dict[str, tuple[str, ...]] = {
     "repeat_last_n": BOTH,
     "cache_prompt": BOTH,
     "speculate": BOTH,
+    "reasoning_control": BOTH,
     "priority": BOTH,
     "json_schema": BOTH,
     "grammar": BOTH,

@@ -395,6 +395,31 @@ def a_priority(api: Api) -> None:
     assert "priority" in api.error(priority=10**7)["message"]
 
 
+def reasoning_control(api: Api) -> None:
+    # llama-server's: false refuses the reasoning_end control for this request (the
+    # default model does not reason: true is answered so); the text is the same either way
+    limit = "max_tokens" if api.anthropic else "max_output_tokens"
+    for value, message in (
+        (False, "reasoning control not enabled"),
+        (True, "this completion is not reasoning"),
+    ):
+        request_id = f"control-{api.endpoint}-{value}"
+        body = api.body(stream=True, reasoning_control=value, **{limit: 500})
+        with api.client.stream(
+            "POST", PATHS[api.endpoint], json=body, headers={"X-Request-Id": request_id}
+        ) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            control = api.client.post(f"/v1/requests/{request_id}/control", json={"action": "reasoning_end"})
+            assert api.client.post(f"/v1/requests/{request_id}/cancel").json()["cancelled"]
+            for _ in lines:
+                pass
+        assert control.json()["success"] is False
+        assert control.json()["message"].startswith(message)
+    assert api.text(reasoning_control=False) == text_of(api.greedy())
+    assert "reasoning_control" in api.error(reasoning_control="no")["message"]
+
+
 def greedy_at_temperature_1(name: str, value: float, bad: float) -> Callable[[Api], None]:
     def check(api: Api) -> None:
         # only the most likely token survives the truncation: the draw is the greedy one
@@ -524,6 +549,7 @@ ANTHROPIC_HONOURED: dict[str, Callable[[Api], None]] = {
     "stream": a_stream,
     "temperature": a_temperature,
     "priority": a_priority,
+    "reasoning_control": reasoning_control,
     "top_p": greedy_at_temperature_1("top_p", 1e-6, 0.0),
     "top_k": greedy_at_temperature_1("top_k", 1, -1),
     "tools": a_tools,
@@ -606,6 +632,7 @@ ANTHROPIC_ENDPOINTS: dict[str, tuple[str, ...]] = {
     "top_p": MESSAGES,
     "top_k": MESSAGES,
     "priority": MESSAGES,
+    "reasoning_control": MESSAGES,
     "tools": BOTH_A,
     "tools[].defer_loading": BOTH_A,
     "tools[].input_examples": BOTH_A,
@@ -944,6 +971,7 @@ RESPONSES_HONOURED: dict[str, Callable[[Api], None]] = {
     "max_output_tokens": r_max_output_tokens,
     "temperature": r_temperature,
     "priority": r_priority,
+    "reasoning_control": reasoning_control,
     "top_p": r_top_p,
     "stream": r_stream,
     "metadata": r_metadata,
@@ -1019,6 +1047,7 @@ RESPONSES_ENDPOINTS: dict[str, tuple[str, ...]] = {
     "top_logprobs": RESPONSES,
     "max_tool_calls": RESPONSES,
     "priority": RESPONSES,
+    "reasoning_control": RESPONSES,
     "stream_options": RESPONSES,
     "user": RESPONSES,
     "safety_identifier": RESPONSES,

@@ -5,14 +5,21 @@ thread (:class:`~trioserve._backends._threaded.ThreadedBackend`), "prefills" for
 proportional to the prompt, emits one piece per ``token_interval``, and checks the abort
 flag between tokens and every millisecond inside prefill and decode steps. Its tokenizer
 is UTF-8 bytes: one token per byte (a vocabulary of 256 ids, no special tokens).
+
+It plays a reasoning model when its chat template has reasoning markers and its script
+holds the reasoning (``SCRIPT`` in ``tests/e2e/test_reasoning.py``): asked to end the
+reasoning (``EventStream.end_reasoning``), it writes the end marker as its next piece,
+then goes on with the script after the script's own end marker — the answer.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 
 from .._core._backend import (
+    ControlOutcome,
     GenerationProgress,
     ModelInfo,
     PreparedPrompt,
@@ -21,7 +28,8 @@ from .._core._backend import (
     refuse_unsupported,
 )
 from .._core._channel import Aborted, PieceChannel
-from .._core._types import GenerationEnd, GenerationRequest
+from .._core._types import GenerationEnd, GenerationRequest, ReasoningMarkers
+from ._reasoning import ReasoningTracker
 from ._threaded import Emit, ThreadedBackend
 
 __all__ = ["ScriptedBackend"]
@@ -48,6 +56,8 @@ class ScriptedBackend(ThreadedBackend):
         chat_template: a Jinja chat template for the chat endpoints (default: none, the
             fallback format).
     """
+
+    ends_reasoning = True
 
     def __init__(
         self,
@@ -102,10 +112,27 @@ class ScriptedBackend(ThreadedBackend):
         channel: PieceChannel,
         progress: GenerationProgress,
     ) -> GenerationEnd:
-        return await self.run_in_thread(self._infer, prompt, channel, progress)
+        markers = prompt.request.reasoning
+        if markers is None or not prompt.request.reasoning_control:
+            return await self.run_in_thread(self._infer, prompt, channel, progress)
+        control = _Control(markers)
+        control.asked = progress.reasoning_end_asked
+        progress.control = control.ask
+        try:
+            return await self.run_in_thread(
+                lambda *args: self._infer(*args, control=control), prompt, channel, progress
+            )
+        finally:
+            progress.control = None
 
     def _infer(
-        self, prompt: PreparedPrompt, emit: Emit, aborted: Callable[[], bool], progress: GenerationProgress
+        self,
+        prompt: PreparedPrompt,
+        emit: Emit,
+        aborted: Callable[[], bool],
+        progress: GenerationProgress,
+        *,
+        control: _Control | None = None,
     ) -> GenerationEnd:
         emitted = 0
         progress.piece_per_token = True  # each piece of the script counts as a token
@@ -113,16 +140,67 @@ class ScriptedBackend(ThreadedBackend):
             started = time.perf_counter()
             _busy_wait(len(prompt.tokens) * self.prefill_seconds_per_token, aborted)
             progress.prefill_seconds = time.perf_counter() - started
-            for piece in self.script:
+            script = self.script
+            index = 0
+            while index < len(script):
+                piece = script[index]
+                index += 1
                 if emitted >= prompt.max_new_tokens:
                     return "length"
                 _busy_wait(self.token_interval, aborted)
+                if control is not None:
+                    if control.asked:
+                        control.asked = False
+                        forced = control.tracker.text_to_force().encode()
+                        if forced:  # (none: the script's own marker came first)
+                            piece = forced
+                            index = _after_marker(script, control.markers, index - 1)
+                    control.tracker.feed(piece)
                 progress.completion_tokens += 1
                 emit(piece)
                 emitted += 1
             return "stop"
         finally:
+            if control is not None:
+                control.finished = True
             self.completed_runs.append(emitted)
+
+
+class _Control:
+    """The scripted backend's reasoning control: the ask (set from Trio, taken by the
+    worker thread before its next piece) and the text's place."""
+
+    __slots__ = ("_lock", "asked", "finished", "markers", "tracker")
+
+    def __init__(self, markers: ReasoningMarkers) -> None:
+        self.markers = markers
+        self.tracker = ReasoningTracker(markers.start, markers.end, opened=markers.opened)
+        self.asked = False
+        self.finished = False
+        self._lock = threading.Lock()
+
+    def ask(self) -> ControlOutcome:
+        with self._lock:
+            if self.finished:
+                return "finished"
+            if self.asked:
+                return "forced"
+            if self.tracker.state == "answer":
+                return "already_ended"
+            self.asked = True
+            return "forced"
+
+
+def _after_marker(script: Sequence[bytes], markers: ReasoningMarkers, index: int) -> int:
+    """Where the script goes on after a forced marker in place of piece ``index``: after
+    the piece that completes the script's own end marker (its answer), or at ``index``
+    if the script has none after it."""
+    probe = ReasoningTracker(markers.start, markers.end, opened=True)
+    for position in range(index, len(script)):
+        probe.feed(script[position])
+        if probe.state == "answer":
+            return position + 1
+    return index
 
 
 def _busy_wait(seconds: float, aborted: Callable[[], bool]) -> None:

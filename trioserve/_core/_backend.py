@@ -21,6 +21,13 @@ the engine owns everything else. Contract for :meth:`Backend.generate`:
   back; it returns once the slot is held again) and resumes where it stopped — or
   calls ``preemption.decline()``; it calls ``preemption.disable_pause()`` when its work
   ends. A cancel while paused is a cancel like any other (docs/scheduling.md).
+* a backend that can end a running generation's reasoning (:attr:`Backend.ends_reasoning`)
+  installs ``progress.control`` when it starts a request whose ``reasoning`` is set: a
+  hook the engine calls from Trio (``EventStream.end_reasoning``) that arranges for the
+  model's end-of-reasoning marker to be written at the sequence's next token, as if the
+  model had drawn it, and says what came of the ask (:data:`ControlOutcome`); an ask
+  made before the hook is installed is ``progress.reasoning_end_asked``, honoured from
+  the first token. It removes the hook when its work ends.
 
 The backends that fit it: ``docs/embedding.md``.
 """
@@ -30,8 +37,9 @@ from __future__ import annotations
 import functools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import trio
 
@@ -43,6 +51,7 @@ from ._types import GenerationEnd, GenerationRequest
 __all__ = [
     "Backend",
     "ChoiceGroup",
+    "ControlOutcome",
     "GenerationCounter",
     "GenerationProgress",
     "ModelInfo",
@@ -53,6 +62,16 @@ __all__ = [
     "fit_to_context",
     "refuse_unsupported",
 ]
+
+
+#: What an ask to end a running generation's reasoning came to
+#: (``EventStream.end_reasoning``): ``forced`` — the end marker is written at its next
+#: token (or was being written already); ``not_enabled`` — the request said
+#: ``reasoning_control: false``; ``not_reasoning`` — the model does not reason here (no
+#: markers, reasoning turned off, a constrained answer); ``already_ended`` — its
+#: reasoning ended (the model wrote the marker, or an earlier ask did); ``finished`` —
+#: its generation is over; ``unsupported`` — its backend cannot (the upstream relay).
+ControlOutcome = Literal["forced", "not_enabled", "not_reasoning", "already_ended", "finished", "unsupported"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,6 +134,9 @@ class PreparedPrompt:
     #: the backend's own form of the prompt's images (where they sit, what encodes
     #: them: docs/vision.md), if it has any
     media: object | None = None
+    #: ``request.reasoning``'s markers as the backend's tokens (``(start, end)``),
+    #: tokenized at prepare where the reasoning may be ended on request
+    reasoning_tokens: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 def refuse_unsupported(request: GenerationRequest, backend: str, *, infill: bool = False) -> None:
@@ -221,6 +243,7 @@ class GenerationProgress:
     __slots__ = (
         "cached_tokens",
         "completion_tokens",
+        "control",
         "disk_tokens",
         "draft_accepted",
         "draft_proposed",
@@ -232,9 +255,10 @@ class GenerationProgress:
         "prefill_seconds",
         "prefilled_tokens",
         "prompt_tokens",
+        "reasoning_end_asked",
     )
 
-    def __init__(self, prompt_tokens: int) -> None:
+    def __init__(self, prompt_tokens: int, lease: SlotLease | None = None) -> None:
         self.prompt_tokens = prompt_tokens
         #: prompt tokens reused from the prompt cache (not evaluated)
         self.cached_tokens = 0
@@ -262,7 +286,12 @@ class GenerationProgress:
         self.preemption: SlotLease | None = None
         #: the lease its slots are held by (the engine sets it; any backend): what
         #: gives them to a waiter when nobody reads the stream (docs/resumable-streams.md)
-        self.lease: SlotLease | None = None
+        self.lease = lease
+        #: ending the reasoning on request: the backend's hook while its work runs
+        #: (called from Trio: the module docstring), and an ask made before it was
+        #: installed (the engine sets it; the backend reads it when it installs the hook)
+        self.control: Callable[[], ControlOutcome] | None = None
+        self.reasoning_end_asked = False
 
     @property
     def served_tokens(self) -> int:
@@ -285,6 +314,9 @@ class Backend(ABC):
     #: whether :meth:`generate` can set a running generation aside and resume it
     #: (preemption by pause: the module docstring)
     pausable: bool = False
+    #: whether :meth:`generate` can end a running generation's reasoning on request
+    #: (``progress.control``: the module docstring)
+    ends_reasoning: bool = False
 
     @abstractmethod
     async def prepare(self, request: GenerationRequest) -> PreparedPrompt:

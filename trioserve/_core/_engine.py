@@ -25,7 +25,7 @@ from typing import Self, cast
 import trio
 
 from ._admission import DEFAULT_TICKET, Admission, PauseBudget, Reservation, Ticket
-from ._backend import Backend, ChoiceGroup, GenerationProgress, PreparedPrompt
+from ._backend import Backend, ChoiceGroup, ControlOutcome, GenerationProgress, PreparedPrompt
 from ._channel import PieceChannel
 from ._errors import unwrap_group
 from ._exceptions import BackendError, ServiceUnavailableError, TrioserveError
@@ -83,6 +83,8 @@ class EventStream:
         timings: StreamTimings,
     ) -> None:
         self._prompt = prompt
+        #: its backend can end a running reasoning (the engine sets it); its producer returned
+        self._ends_reasoning = self._produced = False
         self._channel = channel
         self._progress = progress
         self._producer_scope = producer_scope
@@ -149,6 +151,27 @@ class EventStream:
         """Pieces its channel can still take before the producer waits (0: a consumer
         that stopped reading has paused it)."""
         return self._channel.room
+
+    def end_reasoning(self) -> ControlOutcome:
+        """Ask the backend to write the model's end-of-reasoning marker at its next token,
+        as if drawn, so that it answers (llama-server's ``reasoning_end``; docs/dialects.md,
+        "Ending the reasoning"). From Trio, never waits; an ask before the backend has
+        started the generation is honoured from its first token."""
+        request = self._prompt.request
+        if not request.reasoning_control:
+            return "not_enabled"
+        if request.reasoning is None:
+            return "not_reasoning"
+        if not self._ends_reasoning:
+            return "unsupported"
+        if self._produced:
+            return "finished"
+        progress = self._progress
+        control = progress.control
+        if control is None:
+            progress.reasoning_end_asked = True  # (the backend reads it as it starts)
+            return "forced"
+        return control()
 
     def __aiter__(self) -> Self:
         return self
@@ -392,17 +415,16 @@ class Engine:
                                 prepared if group is None else replace(prepared, group=group, choice=index)
                             )
                             channel = PieceChannel(WINDOW)
-                            progress = GenerationProgress(len(prepared.tokens))
+                            progress = GenerationProgress(len(prepared.tokens), lease)
                             choice_timings = timings if not choices else replace(timings)
                             events = EventStream(
                                 prompt, channel, progress, trio.CancelScope(), choice_timings
                             )
+                            events._ends_reasoning = self.backend.ends_reasoning
                             choices.append((prompt, events))
                     all_events = [events for _, events in choices]
                     progresses = [events._progress for events in all_events]
                     lease.usage = lambda: sum(p.served_tokens for p in progresses)
-                    for progress in progresses:
-                        progress.lease = lease
                     if self.backend.pausable and lease.count == 1:
                         # the backend makes it pausable once its hook is installed
                         # (SlotLease.enable_pause): an ask before that would be lost
@@ -461,6 +483,7 @@ class Engine:
                     if events.backend_result is not None:  # a whole generation, not a cut one
                         self._record_service_time(events.timings)
         finally:
+            events._produced = True
             channel.close()  # how the consumer learns the end: no sentinel
 
     def _record_service_time(self, timings: StreamTimings) -> None:

@@ -20,6 +20,7 @@ __all__ = [
     "GenerationRequest",
     "Infill",
     "LineLimits",
+    "ReasoningMarkers",
     "SamplingParams",
     "TextDelta",
     "TokenLogprob",
@@ -129,6 +130,20 @@ class LineLimits:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ReasoningMarkers:
+    """A reasoning model's markers around its reasoning (its chat template's: ``<think>``,
+    ``</think>``), and whether the prompt opened it: what a backend needs to end the
+    reasoning of a running generation on request (``EventStream.end_reasoning``) by
+    writing ``end`` as if the model had (docs/dialects.md, "Ending the reasoning")."""
+
+    start: str
+    end: str
+    #: the prompt ends inside the reasoning (the template opened it); otherwise it opens
+    #: only if the model writes ``start`` first
+    opened: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class GenerationRequest:
     """One generation: a prompt (text, or token ids) and how to continue it."""
 
@@ -170,6 +185,12 @@ class GenerationRequest:
     #: the text stands for ``images[k]``): encoded image files (PNG, JPEG, …), or a
     #: :class:`RemoteImage` the server fetches before preparing (docs/vision.md)
     images: tuple[bytes | RemoteImage, ...] = ()
+    #: the model reasons before it answers (``None``: it does not, or not here — a
+    #: constrained answer never does): its markers, for ending the reasoning on request
+    reasoning: ReasoningMarkers | None = None
+    #: the reasoning may be ended on request (llama-server's ``reasoning_control``;
+    #: ``False``: the control is refused, "reasoning control not enabled")
+    reasoning_control: bool = True
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

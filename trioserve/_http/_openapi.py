@@ -21,6 +21,7 @@ import msgspec
 from .._core._exceptions import TrioserveError
 from .._wire import _shapes as shapes
 from .._wire._anthropic import CountTokensRequest, MessagesRequest
+from .._wire._control import ChatControlRequest, ControlAnswer, RequestControlRequest
 from .._wire._embeddings import EmbeddingsRequest
 from .._wire._infill import InfillRequest
 from .._wire._models import RouterModelRequest
@@ -247,6 +248,13 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/streams/lookup"): Operation(
         "Which of these detachable streams are live (llama-server)", "llama-server", shapes.StreamLookup,
         list[shapes.StreamStatus], errors=(400,), error_answers=((400, (shapes.LlamaError,)),),
+    ),
+    ("POST", "/v1/requests/{request_id}/control"): Operation(
+        "End a running request's reasoning", "requests", RequestControlRequest, ControlAnswer, errors=_BODY
+    ),
+    ("POST", "/v1/chat/completions/control"): Operation(
+        "End a running completion's reasoning (llama-server's)", "requests", ChatControlRequest,
+        ControlAnswer, errors=_BODY,
     ),
     # operations
     # (503: /health says why in its own shape; /loads says "not serving", or a model

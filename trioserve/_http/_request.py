@@ -54,6 +54,7 @@ class InFlightRequest:
     """One generation request: its exchange, its cancel scope and why it ended."""
 
     __slots__ = (
+        "_choices",
         "_full_deadline",
         "account",
         "asgi",
@@ -61,7 +62,6 @@ class InFlightRequest:
         "cancelled",
         "cancelled_at",
         "cause",
-        "choices",
         "connection_cut",
         "created_at",
         "delivered",
@@ -78,6 +78,7 @@ class InFlightRequest:
         "owner",
         "phase",
         "phase_at",
+        "reasoning_end_asked",
         "reservation",
         "session",
         "span",
@@ -136,8 +137,11 @@ class InFlightRequest:
         #: the engine's event stream, once it is open (usage, timings, progress); the
         #: first choice's when ``n`` > 1
         self.events: EventStream | None = None
-        #: every choice's event stream (``n`` > 1: several)
-        self.choices: list[EventStream] = []
+        #: every choice's event stream (``n`` > 1: several): :attr:`choices`
+        self._choices: list[EventStream] = []
+        #: its reasoning was asked to end before its streams opened (queued): asked of
+        #: each as they open (``_control_routes.py``)
+        self.reasoning_end_asked = False
         #: the choices whose finish chunk went out (a cancel ends only the others)
         self.ended_choices: set[int] = set()
         #: the disconnect watcher's scope: stopped before the last send
@@ -155,6 +159,18 @@ class InFlightRequest:
         #: (a stored response is written to the store first: a client that sends the
         #: next turn as soon as it has this one finds it)
         self.on_end: Callable[[], Awaitable[None]] | None = None
+
+    @property
+    def choices(self) -> list[EventStream]:
+        """Every choice's event stream, once they are open."""
+        return self._choices
+
+    @choices.setter
+    def choices(self, streams: list[EventStream]) -> None:
+        self._choices = streams
+        if self.reasoning_end_asked:
+            for events in streams:
+                events.end_reasoning()
 
     def advance(self, phase: Phase) -> None:
         """Move to ``phase``; never back."""

@@ -45,6 +45,7 @@ from .._wire import (
     tokenize_response,
 )
 from ._access import AccessPolicy, with_access_control
+from ._control_routes import add_control_routes
 from ._embeddings import EMBEDDINGS_PATH, EmbeddingsHandler
 from ._errors import ErrorRenderer, render_error, render_for_path, renderer
 from ._exchange import (
@@ -608,6 +609,7 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
     add_stored_routes(app, state, access)
     add_stream_routes(app, state, access)
     add_request_routes(app, state, access)
+    add_control_routes(app, state, access, _json_body)
 
     @app.get("/openapi.json")
     async def openapi() -> Response:

@@ -7,6 +7,7 @@ body goes through (:mod:`._codec`) and the dialect specs the HTTP layer picks pe
 from ._chat import ChatFormat, chat_format_for
 from ._choices import finished_choice
 from ._codec import decode, encode_json
+from ._control import control_answer, decode_chat_control, decode_request_control
 from ._conversation import Conversation, generation_for
 from ._dialect import Dialect
 from ._embeddings import decode_embeddings_request, embeddings_inputs, embeddings_response
@@ -45,9 +46,12 @@ __all__ = [
     "StoredContext",
     "StoredTurn",
     "chat_format_for",
+    "control_answer",
     "decode",
+    "decode_chat_control",
     "decode_detokenize_request",
     "decode_embeddings_request",
+    "decode_request_control",
     "decode_rerank_request",
     "decode_router_request",
     "decode_tokenize_request",

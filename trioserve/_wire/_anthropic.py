@@ -167,6 +167,9 @@ class MessagesRequest(_MessagesFields, kw_only=True):
     service_tier: Literal["auto", "standard_only"] | None = None
     #: trioserve's (vLLM's meaning): the request's priority, lower first
     priority: Priority | None = None
+    #: llama-server's: ``false``: this request's reasoning cannot be ended on request
+    #: (``POST /v1/chat/completions/control``); absent or ``true``: it can
+    reasoning_control: bool | None = None
     # identifiers: accepted, not used
     user_profile_id: str | None = None
     workspace_id: str | None = None

@@ -6,9 +6,10 @@ rendered by the same template, as a chat completion (docs/dialects.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType
 
-from .._core._types import GenerationRequest
+from .._core._types import GenerationRequest, ReasoningMarkers
 from ._anthropic import decode_count_tokens_request, decode_messages_request, messages_conversation
 from ._anthropic_writer import AnthropicDialect, anthropic_error
 from ._chat import ChatFormat, ChatPrompt
@@ -47,6 +48,21 @@ __all__ = [
 ]
 
 
+def _armed(
+    generation: GenerationRequest, reasoning: tuple[str, str] | None, inside: bool, control: bool | None
+) -> GenerationRequest:
+    """``generation`` with what ending its reasoning on request needs: the model's
+    markers where it reasons (``reasoning``; ``inside``: the prompt opened it), and
+    whether the request allows it (llama-server's ``reasoning_control``: only ``false``
+    refuses; docs/dialects.md, "Ending the reasoning")."""
+    markers = None
+    if reasoning is not None:
+        markers = ReasoningMarkers(start=reasoning[0], end=reasoning[1], opened=inside)
+    if markers is None and control is not False:
+        return generation
+    return dataclasses.replace(generation, reasoning=markers, reasoning_control=control is not False)
+
+
 def _read_openai(kind: str, body: bytes, chat_format: ChatFormat, options: ReadOptions) -> ParsedRequest:
     """``/v1/completions`` (``kind="text"``) or ``/v1/chat/completions`` (``"chat"``)."""
     request: CompletionRequest | ChatCompletionRequest
@@ -58,6 +74,8 @@ def _read_openai(kind: str, body: bytes, chat_format: ChatFormat, options: ReadO
     limits = options.limits
     if kind == "text":
         request, generations = decode_completion_prompts(body, limits)
+        if request.reasoning_control is False:  # (a raw prompt: no reasoning markers known)
+            generations = [_armed(g, None, False, False) for g in generations]
     else:
         media = MediaCollector(limits)
         chat = decode_chat_request(body, limits, media)
@@ -81,7 +99,7 @@ def _read_openai(kind: str, body: bytes, chat_format: ChatFormat, options: ReadO
             )
         else:
             reasoning, inside = rendered.reasoning, rendered.opens_reasoning
-        generations = [generation]
+        generations = [_armed(generation, reasoning, inside, chat.reasoning_control)]
         request = chat
         if mode != "none":
             tool_mode = "auto" if mode == "auto" else "forced"
@@ -130,6 +148,7 @@ def _read_messages(body: bytes, chat_format: ChatFormat, options: ReadOptions) -
     )
     model = options.model_name(messages.model)
     generation, rendered = generation_for(conversation, chat_format)
+    generation = _armed(generation, rendered.reasoning, rendered.opens_reasoning, messages.reasoning_control)
     dialect = AnthropicDialect(
         model,
         tool_mode=conversation.tool_mode,
@@ -181,6 +200,7 @@ def _read_responses(body: bytes, chat_format: ChatFormat, options: ReadOptions) 
     conversation = responses_conversation(responses, limits=options.limits, stored=stored)
     model = options.model_name(responses.model)
     generation, rendered = generation_for(conversation, chat_format)
+    generation = _armed(generation, rendered.reasoning, rendered.opens_reasoning, responses.reasoning_control)
     # stored: OpenAI's default, where the server has a store
     storing = stored is not None and responses.store is not False
     dialect = ResponsesDialect(

@@ -114,6 +114,9 @@ class _CommonFields(msgspec.Struct, kw_only=True):
     #: an end-user identifier: accepted and not used (ignored, like prompt_cache_key
     #: and safety_identifier: identifiers every client may send)
     user: str | None = None
+    #: llama-server's: ``false``: this request's reasoning cannot be ended on request
+    #: (``POST /v1/chat/completions/control``); absent or ``true``: it can
+    reasoning_control: bool | None = None
 
 
 class CompletionRequest(_CommonFields, kw_only=True):

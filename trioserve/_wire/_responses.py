@@ -165,6 +165,9 @@ class ResponsesRequest(_ResponsesFields, kw_only=True):
     max_tool_calls: Annotated[int, msgspec.Meta(ge=1)] | None = None
     #: trioserve's (vLLM's meaning): the request's priority, lower first
     priority: Priority | None = None
+    #: llama-server's: ``false``: this request's reasoning cannot be ended on request
+    #: (``POST /v1/chat/completions/control``); absent or ``true``: it can
+    reasoning_control: bool | None = None
     stream_options: Any = None
     # identifiers: accepted, not used
     user: str | None = None

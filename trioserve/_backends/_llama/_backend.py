@@ -78,6 +78,7 @@ class LlamaBackend(ModelFacade):
     loaded = _ModelsLoaded()
     #: a running sequence can be set aside (its state saved) and resumed
     pausable = True
+    ends_reasoning = True
 
     def __init__(self, model: LlamaModel, *, host_cache: HostCache | None = None) -> None:
         """Create the contexts that run ``model`` (the warm-up and the measures of
@@ -391,6 +392,9 @@ class LlamaBackend(ModelFacade):
             except BaseException:
                 model.lib.llama_sampler_free(sequence.sampler)
                 raise
+            if sequence.reasoning is not None:
+                # (an ask made before this: Sequence took progress.reasoning_end_asked)
+                progress.control = functools.partial(inbox.force, sequence)
             if lease is not None:
                 kv = scheduler.kv
                 lease.enable_pause(
@@ -420,6 +424,7 @@ class LlamaBackend(ModelFacade):
                     await lease.pause(saved_bytes=len(saved) if saved is not None else 0)
                     inbox.resume(sequence)
             finally:
+                progress.control = None
                 if lease is not None:
                     lease.disable_pause()
                 if sequence.result is None and not sequence.removed.is_set():

@@ -2,9 +2,9 @@
 Trio side's calls on it: submit a sequence, cancel it, wake the loop, stop it, and ask
 what the call in flight does for a generation.
 
-Written by the Trio side: the queue (``submit``), a sequence's ``cancelled``, the abort
-flag (``cancel``, ``wake``). Everything else is the thread's; the Trio side reads it
-under the lock."""
+Written by the Trio side: the queue (``submit``), a sequence's ``cancelled`` and
+``force_asked`` (``force``), the abort flag (``cancel``, ``wake``). Everything else is
+the thread's; the Trio side reads it under the lock."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
 
-from ..._core._backend import GenerationProgress
+from ..._core._backend import ControlOutcome, GenerationProgress
 from ..._core._exceptions import BackendError
 from ._cells import Cells
 from ._sequence import Sequence
@@ -108,6 +108,24 @@ class Inbox:
                     # rolled back and made again by those that stay
                     self.abort_flag.value = 1
                 self.condition.notify()
+
+    def force(self, sequence: Sequence) -> ControlOutcome:
+        """Ask the loop to end ``sequence``'s reasoning: at its next draw it takes the
+        end marker's tokens instead of drawing (``Outputs.emit``). The thread decides
+        there, from the text so far, what to write: a marker the model wrote itself in
+        the meantime is never followed by a second one."""
+        with self.condition:
+            if sequence.result is not None:
+                return "finished"
+            tracker = sequence.reasoning
+            if tracker is None:
+                return "not_reasoning"
+            if sequence.force_asked or sequence.forced:
+                return "forced"  # (being written already)
+            if tracker.state == "answer":
+                return "already_ended"
+            sequence.force_asked = True
+            return "forced"
 
     def resume(self, sequence: Sequence) -> None:
         """Give a parked ``sequence`` back to the loop: it is admitted before the queue

@@ -26,6 +26,7 @@ from .._grammar import GrammarCompiler
 from .._infill import FimTokens, InfillParts, infill_tokens
 from .._pieces import classify_piece, make_rule
 from .._platform import RepackDecision
+from .._reasoning import marker_tokens
 from .._rerank import reranker_kind
 from .._side_work import run_side_work
 from .._vision import DECODING_PER_PIXEL, HELD_PER_PIXEL, Projector, VisionPrompt, decode_bytes
@@ -412,6 +413,11 @@ class LlamaModel:
             prepared = dataclasses.replace(prepared, media=media)
         if bias is not None:
             prepared = dataclasses.replace(prepared, logit_bias=bias)
+        markers = request.reasoning
+        if markers is not None and request.reasoning_control and request.constraint is None:
+            # (a constrained answer never reasons: the wire turns reasoning off for it)
+            marked = marker_tokens(self.tokenize, self.detokenize, markers.start, markers.end)
+            prepared = dataclasses.replace(prepared, reasoning_tokens=marked)
         if request.constraint is not None:
             # compiling (and, the first time, building the grammar engine's view of the
             # vocabulary) can take a while: off the event loop. A cancel returns at

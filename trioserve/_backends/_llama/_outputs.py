@@ -1,8 +1,8 @@
-"""What the loop does with a call's logits: draw each sequence's token and send its
-piece (:meth:`Outputs.emit`), accept the longest agreed prefix of a speculative
-draft (:meth:`Outputs.verify`), and before the call, guess a lone stream's next
-tokens (:meth:`Outputs.plan_draft`). A sequence that ends here is *reported* (an
-:data:`End`), never handed back: the loop does that."""
+"""What the loop does with a call's logits: draw each sequence's token — or take the
+token a reasoning's end forces — and send its piece (:meth:`Outputs.emit`), accept
+the longest agreed prefix of a speculative draft (:meth:`Outputs.verify`), and before
+the call, guess a lone stream's next tokens (:meth:`Outputs.plan_draft`). A sequence
+that ends here is *reported* (an :data:`End`), never handed back: the loop does that."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import logging
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..._core._exceptions import BackendError
-from ..._core._types import GenerationEnd
-from .._draw import draw, draw_special
+from ..._core._types import GenerationEnd, TokenLogprob
+from .._draw import draw, draw_special, logits_row, logprob_entry
+from .._reasoning import ReasoningTracker
 from .._speculation import SHORTEST_DRAFT, Drafter, SpeculationStats
 from ._capabilities import Capabilities
 from ._sequence import Sequence
@@ -45,33 +46,39 @@ class Outputs:
     def emit(self, sequence: Sequence, index: int) -> tuple[int, End | None]:
         """Draw ``sequence``'s token from output ``index`` of the last call and send its
         piece: ``(token, None)``, or ``(-1, end)`` if the sequence ended there (end of
-        text, its length, a constraint that failed)."""
+        text, its length, a constraint that failed). A token a reasoning's end forces
+        (:meth:`_forced`) is taken instead of a draw and goes the same way."""
         model = self.model
         lib = self.lib
         asked = sequence.asked
         out = sequence.out
         entry = None
-        if asked.special:
-            # a constraint's mask and/or log-probabilities (docs/batching.md)
-            drawn = draw_special(
-                lib,
-                self.ctx,
-                index,
-                model.n_vocab,
-                sequence.sampler,
-                greedy=asked.greedy,
-                mask=asked.mask,
-                logprobs=asked.logprobs,
-                bias=asked.bias,
-                piece=model.piece,
-            )
-            if isinstance(drawn, str):
-                return -1, BackendError(f"constrained decoding failed: {drawn}", should_retry=False)
-            token, entry = drawn
-        else:
-            token = draw(lib, self.ctx, index, model.n_vocab, sequence.sampler, asked.greedy)
-        if lib.llama_vocab_is_eog(model.vocab, token):
-            return -1, "stop"
+        token = -1
+        tracker = sequence.reasoning
+        if tracker is not None and (sequence.force_asked or sequence.forced):
+            token, entry = self._forced(sequence, tracker, index)
+        if token < 0:
+            if asked.special:
+                # a constraint's mask and/or log-probabilities (docs/batching.md)
+                drawn = draw_special(
+                    lib,
+                    self.ctx,
+                    index,
+                    model.n_vocab,
+                    sequence.sampler,
+                    greedy=asked.greedy,
+                    mask=asked.mask,
+                    logprobs=asked.logprobs,
+                    bias=asked.bias,
+                    piece=model.piece,
+                )
+                if isinstance(drawn, str):
+                    return -1, BackendError(f"constrained decoding failed: {drawn}", should_retry=False)
+                token, entry = drawn
+            else:
+                token = draw(lib, self.ctx, index, model.n_vocab, sequence.sampler, asked.greedy)
+            if lib.llama_vocab_is_eog(model.vocab, token):
+                return -1, "stop"
         if asked.mask is not None:
             refused = asked.mask.consume(token)
             if refused is not None:
@@ -80,11 +87,40 @@ class Outputs:
         out.generated_tokens.append(token)
         sequence.progress.completion_tokens += 1
         piece = model.piece(token)
+        if tracker is not None and tracker.state != "answer":
+            tracker.feed(piece)
         sequence.channel.put(piece if entry is None else (piece, entry))  # type: ignore[arg-type]
         if out.generated == asked.max_new:
             return -1, "length"  # after its last piece: order is kept
         out.next_token = token
         return token, None
+
+    def _forced(
+        self, sequence: Sequence, tracker: ReasoningTracker, index: int
+    ) -> tuple[int, TokenLogprob | None]:
+        """The next token a reasoning's end forces (``(-1, None)``: none). An ask
+        (``Inbox.force``) becomes the markers' tokens here, from the text so far
+        (:meth:`ReasoningTracker.to_force`: none if the model wrote its own end marker
+        since). The token goes where a drawn one goes: the sampler chain accepts it
+        (penalties count it), its log-probability is read from output ``index``'s
+        logits (the distribution it was not drawn from), its piece goes out."""
+        forced = sequence.forced
+        if sequence.force_asked:
+            if not forced:
+                start, end = sequence.reasoning_tokens
+                forced.extend(tracker.to_force(start, end))
+            sequence.force_asked = False
+        if not forced:
+            return -1, None
+        token = forced.popleft()
+        if sequence.sampler is not None:
+            self.lib.llama_sampler_accept(sequence.sampler, token)
+        entry = None
+        asked = sequence.asked
+        if asked.logprobs is not None:
+            logits = logits_row(self.lib, self.ctx, index, self.model.n_vocab)
+            entry = logprob_entry(logits, token, asked.logprobs, asked.bias, self.model.piece)
+        return token, entry
 
     def verify(self, sequence: Sequence, index: int, token: int, draft: list[int]) -> End | None:
         """After the call that decoded ``sequence``'s ``token`` at output ``index`` and
@@ -135,8 +171,8 @@ class Outputs:
         verify call may hold: the exact width, the room in its channel, its token limit
         and (auto) the context where a lone step's attention changes path."""
         sequence.spec.draft = []
-        if not sequence.spec.speculate:
-            return
+        if not sequence.spec.speculate or sequence.force_asked or sequence.forced:
+            return  # (a forced token is no guess's: the next call decodes it alone)
         capabilities = self.capabilities
         verify_width = capabilities.verify_width
         channel = sequence.channel

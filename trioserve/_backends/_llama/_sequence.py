@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+from collections import deque
 from typing import Any, Literal
 
 import trio
@@ -20,6 +21,7 @@ from .._disk_cache import DiskEntry
 from .._draw import LogitBias
 from .._grammar import TokenMask
 from .._memory import StateBuffer
+from .._reasoning import ReasoningTracker
 from .._speculation import Drafter
 from .._vision import VisionPrompt
 
@@ -130,8 +132,8 @@ class Sequence:
     :class:`Speculation`, :class:`Output`), made once per sequence, and where it is.
     Fields are written by one side only:
 
-    * Trio side: ``cancelled``, ``pause_asked``; everything while it is parked
-      (``parked_out``);
+    * Trio side: ``cancelled``, ``pause_asked``, ``force_asked`` (set only; the thread
+      clears it); everything while it is parked (``parked_out``);
     * scheduler thread: everything else until it hands the sequence back.
     """
 
@@ -142,6 +144,8 @@ class Sequence:
         "channel",
         "choice",
         "followers",
+        "force_asked",
+        "forced",
         "group",
         "leader",
         "out",
@@ -152,6 +156,8 @@ class Sequence:
         "prefilled",
         "priority",
         "progress",
+        "reasoning",
+        "reasoning_tokens",
         "removed",
         "result",
         "sampler",
@@ -218,6 +224,18 @@ class Sequence:
         self.park: Literal["parked", "declined"] | None = None
         self.result: GenerationEnd | Literal["cancelled"] | BaseException | None = None
         self.cancelled = False
+        #: ending the reasoning on request (docs/dialects.md, "Ending the reasoning"): where
+        #: the text is (``None``: not armed — the model does not reason here, or the
+        #: request said ``reasoning_control: false``), the markers' tokens, the ask (from
+        #: Trio: ``Inbox.force``) and the tokens it still forces, one per draw
+        #: (``Outputs.emit``)
+        markers = request.reasoning
+        self.reasoning: ReasoningTracker | None = None
+        self.reasoning_tokens = prompt.reasoning_tokens or ((), ())
+        if markers is not None and prompt.reasoning_tokens is not None and mask is None:
+            self.reasoning = ReasoningTracker(markers.start, markers.end, opened=markers.opened)
+        self.force_asked = progress.reasoning_end_asked
+        self.forced: deque[int] = deque()
         self.seq_id = -1
         self.prefilled = 0
         self.pos = 0
