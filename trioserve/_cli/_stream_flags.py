@@ -51,9 +51,9 @@ def add_detach_flags(serve: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--detach-log-events",
         type=_positive_int,
-        default=1536,
+        default=1280,
         metavar="N",
-        help="events a stream's log keeps for readers that come back (default: 1536, about 27 s "
+        help="events a stream's log keeps for readers that come back (default: 1280, about 28 s "
         "of one stream of the default model); full with nobody reading, the stream pauses",
     )
     group.add_argument(

@@ -54,7 +54,7 @@ class DetachSettings:
 
     #: a stream's log window: events and bytes (≈ 27 s of one stream of the default
     #: model on 2 cores)
-    log_events: int = 1536
+    log_events: int = 1280
     log_bytes: int = 1 << 20
     #: seconds a full log nobody reads waits before its job is parked
     park_after: float = 2.0
