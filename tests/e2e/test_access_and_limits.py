@@ -124,6 +124,12 @@ async def test_cors_is_off_by_default_and_answers_allowed_origins(nursery: trio.
         assert answer.headers["access-control-allow-origin"] == "https://app.example"
         assert "POST" in answer.headers["access-control-allow-methods"]
         assert "x-request-timeout" in answer.headers["access-control-allow-headers"]
+        # a page on another origin can opt in to resumable streams, resume and stop them
+        # (docs/resumable-streams.md)
+        assert "DELETE" in answer.headers["access-control-allow-methods"]
+        for header in ("x-conversation-id", "last-event-id", "x-session-id"):
+            assert header in answer.headers["access-control-allow-headers"]
+        assert "x-conversation-id" in answer.headers["access-control-expose-headers"]
         response = await client.post(opened.url + "/v1/completions", json={"prompt": "x"}, headers=origin)
         assert response.status_code == 200
         assert response.headers["access-control-allow-origin"] == "https://app.example"

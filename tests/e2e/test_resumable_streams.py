@@ -483,3 +483,30 @@ async def test_a_stream_nobody_reads_that_cannot_park_gives_its_slot_to_a_waiter
         log = await client.get("/v1/stream", params={"conv_id": "conv-ev"})
         assert b'"end_cause":"evicted"' in log.content
         assert log.content.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_newer_request_of_the_same_id_ends_the_old_stream_and_its_readers_hear_why(
+    scripted: RunningServer,
+) -> None:
+    body = {"prompt": "hi", "max_tokens": 4000, "stream": True}
+    async with scripted.client() as client:
+        await _read_some(client, body, "conv-sup", 2)
+        old = _stream_of(scripted, "conv-sup")
+        await wait_for(lambda: old.log.readers == 0)  # (the POST's reader noticed the close)
+        answers: list[httpx.Response] = []
+        async with trio.open_nursery() as nursery:
+
+            async def follow_old() -> None:
+                answers.append(await client.get("/v1/stream", params={"conv_id": "conv-sup"}))
+
+            nursery.start_soon(follow_old)
+            await wait_for(lambda: old.log.readers == 1)
+            await _read_some(client, {**body, "max_tokens": 5}, "conv-sup", 1)
+        assert old.job is not None
+        assert old.job.cause == "superseded"
+        (answer,) = answers
+        assert answer.status_code == 200
+        assert b'"end_cause":"superseded"' in answer.content
+        assert answer.content.endswith(b"data: [DONE]\n\n")
+        # the id names the new stream
+        assert _stream_of(scripted, "conv-sup") is not old

@@ -125,6 +125,7 @@ class SlotLease:
         "arrival",
         "charged",
         "count",
+        "ending",
         "held_bytes",
         "on_pause",
         "pausable",
@@ -161,6 +162,9 @@ class SlotLease:
         #: between :meth:`pause` giving the slots back and getting them again
         self.paused = False
         self.pauses = 0
+        #: :meth:`will_end` was called: its slots are counted as coming back until it
+        #: is released (a decline on its way out must not uncount them)
+        self.ending = False
         #: set by :meth:`set_aside`: the event the next :meth:`pause` waits for before
         #: it queues
         self.until: trio.Event | None = None
@@ -193,7 +197,7 @@ class SlotLease:
         flight is declined."""
         self.pausable = False
         self.on_pause = _nothing
-        if self.pause_asked and not self.released:
+        if self.pause_asked and not self.released and not self.ending:
             self.decline()
 
     def set_aside(self, until: trio.Event) -> bool:
@@ -219,6 +223,7 @@ class SlotLease:
         waiter): its slots are counted as coming back, as a pause's are."""
         if not self.released and not self.pause_asked:
             self.pause_asked = True
+            self.ending = True
             self._admission._pausing += self.count
 
     async def pause(self, saved_bytes: int | None = None) -> None:
@@ -277,6 +282,9 @@ class SlotLease:
     def decline(self) -> None:
         """The holder cannot pause (its work ended, or cannot be set aside): admission
         looks for another way."""
+        self.until = None
+        if self.ending:
+            return  # (its slots come back with its release: _give_back settles them)
         if self.pause_asked:
             self.pause_asked = False
             self._admission._pausing -= self.count

@@ -193,7 +193,7 @@ def with_access_control(app: ASGIApp, policy: AccessPolicy) -> ASGIApp:
         if origin is not None:
             cors_headers = [
                 (b"access-control-allow-origin", origin.encode()),
-                (b"access-control-expose-headers", b"x-request-id, retry-after"),
+                (b"access-control-expose-headers", b"x-request-id, retry-after, x-conversation-id"),
                 (b"vary", b"origin"),
             ]
             if scope["method"] == "OPTIONS" and _header(scope, b"access-control-request-method"):
@@ -203,11 +203,12 @@ def with_access_control(app: ASGIApp, policy: AccessPolicy) -> ASGIApp:
                     b"",
                     [
                         *cors_headers,
-                        (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                        (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
                         (
                             b"access-control-allow-headers",
                             b"authorization, content-type, x-request-timeout, x-request-id, x-api-key, "
-                            b"anthropic-version, anthropic-beta",
+                            b"anthropic-version, anthropic-beta, x-session-id, x-conversation-id, "
+                            b"last-event-id",
                         ),
                         (b"access-control-max-age", b"600"),
                     ],

@@ -145,9 +145,15 @@ class DetachedStreams:
                 param="X-Conversation-Id",
             )
         if previous is not None:
-            if previous.job is not None:
-                previous.job.cancel("superseded")
-            self.drop(previous)
+            job = previous.job
+            if job is not None and not job.done.is_set() and previous.state != "finished":
+                # its readers get its final event (superseded), then its log goes
+                # (DetachedStreams.keep: a stopped stream is dropped once read)
+                previous.stopped = True
+                self._forget(previous)
+                job.cancel("superseded")
+            else:
+                self.drop(previous)
         mine = [s for s in self.streams.values() if s.owner == owner]
         if len(mine) >= settings.per_key:
             self._drop_oldest_finished(mine, "too_many_detached_streams", settings.per_key)
@@ -260,15 +266,17 @@ class DetachController:
                 now = trio.current_time()
                 wake = math.inf
                 lease = stream.lease
+                if stream.state == "parked" and not _set_aside(lease):
+                    # granted again (a reader came and went), or the park was declined:
+                    # it holds its slot, and the rules below apply to it again
+                    stream.state = "running"
                 if log.readers:
                     if left_at is not None:
                         left_at = None
                         stream.reader_back.set()
                     full_since = None
                     self._yield(None)
-                    if stream.state == "parked" and (lease is None or not lease.paused):
-                        stream.state = "running"
-                    elif stream.state != "parked":
+                    if stream.state != "parked":
                         stream.state = "paused" if log.waiting else "running"
                 else:
                     if left_at is None:
@@ -355,6 +363,11 @@ def log_sink(log: StreamLog) -> Send:
             return  # dropped while it waited
 
     return send
+
+
+def _set_aside(lease: SlotLease | None) -> bool:
+    """Whether the lease is parked or about to be (asked, not yet given back)."""
+    return lease is not None and (lease.paused or lease.pause_asked)
 
 
 @contextlib.asynccontextmanager

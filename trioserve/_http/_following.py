@@ -15,6 +15,7 @@ import math
 
 import trio
 
+from .._core._exceptions import NotFoundError, RequestCancelledError
 from ._exchange import Receive
 from ._lifecycle import FINAL_EVENT_TIMEOUT, send_last, watch_disconnect, watch_stall
 from ._request import InFlightRequest
@@ -50,11 +51,28 @@ async def follow(
                 timeout = math.inf if stall_timeout is None else stall_timeout
                 nursery.start_soon(watch_stall, reader, timeout, stall_scope)
                 try:
+                    await log.head_set.wait()
+                    if log.status is None:
+                        # dropped before its job answered (stopped, or replaced by a
+                        # newer request of the same id): nothing was ever streamed
+                        await exchange.error(
+                            RequestCancelledError(
+                                "the stream was stopped (DELETE) or replaced by a newer request with "
+                                "the same id before its response began",
+                                code="superseded",
+                            )
+                        )
+                        reader.end("error")
+                        return
                     if head is None:
-                        await log.head_set.wait()
-                        assert log.status is not None
                         headers = [(k, v) for k, v in log.headers if k.lower() != b"x-request-id"]
                         head = (log.status, headers)
+                    elif log.status != 200:
+                        # a resume of a stream whose job was refused before it began:
+                        # there is nothing to resume (it is being forgotten)
+                        await exchange.error(NotFoundError("Stream not found or expired", param="conv_id"))
+                        reader.end("error")
+                        return
                     await exchange.start(*head)
                     while True:
                         data = await log.read(cursor)
@@ -71,7 +89,7 @@ async def follow(
                     reader.end("stop")
                 finally:
                     stall_scope.cancel()
-                nursery.cancel_scope.cancel()
+                    nursery.cancel_scope.cancel()  # (the watchers: this reader is done)
     finally:
         log.detach(cursor)
         logger.info(

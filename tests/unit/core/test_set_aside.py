@@ -159,3 +159,47 @@ async def test_a_yielding_lease_that_cannot_park_ends_and_its_slot_is_counted_on
         for holder in waiters:
             holder.finish.set()
     assert admission.snapshot().in_use == 0
+
+
+async def test_an_ending_lease_is_counted_once_though_its_holder_declines_on_the_way_out() -> None:
+    """A stream evicted for a waiter (``will_end``) whose holder then gives up its pause
+    hook (the llama backend's ``disable_pause`` before the slot goes back): its slot is
+    still counted as coming, so no second stream is evicted for the same waiter."""
+    admission = Admission(2, 4)
+    log: list[str] = []
+    first = Holder(admission, Ticket(), "first", log, pausable=False)
+    second = Holder(admission, Ticket(), "second", log, pausable=False)
+    asked: list[str] = []
+    async with trio.open_nursery() as nursery:
+        await _start(nursery, first)
+        await _start(nursery, second)
+        lease_a, lease_b = first.lease, second.lease
+        assert lease_a is not None
+        assert lease_b is not None
+
+        def evict_first() -> bool:
+            asked.append("first")
+            lease_a.will_end()
+            return True
+
+        lease_a.yielding = evict_first
+        waiter = Holder(admission, Ticket(), "waiter", log, pausable=False)
+        await _start(nursery, waiter)
+        assert asked == ["first"]
+        lease_a.disable_pause()  # (on its way out, before its slot is released)
+
+        def evict_second() -> bool:
+            asked.append("second")
+            lease_b.will_end()
+            return True
+
+        lease_b.yielding = evict_second
+        admission._grant()
+        assert asked == ["first"]  # the waiter's slot is still the first's, on its way
+        first.finish.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert log[-2:] == ["-first", "+waiter"]
+        lease_b.yielding = None
+        second.finish.set()
+        waiter.finish.set()
+    assert admission.snapshot().in_use == 0
