@@ -510,3 +510,41 @@ async def test_a_newer_request_of_the_same_id_ends_the_old_stream_and_its_reader
         assert answer.content.endswith(b"data: [DONE]\n\n")
         # the id names the new stream
         assert _stream_of(scripted, "conv-sup") is not old
+
+
+@pytest.mark.model
+async def test_a_parked_stream_whose_reader_leaves_before_its_slot_comes_parks_again(
+    llama_backend: LlamaBackend, nursery: trio.Nursery
+) -> None:
+    """Parked; a reader comes back while another request holds the one slot (the
+    stream queues for it) and leaves before the slot comes: granted with nobody
+    reading, the stream fills its log again and is parked again — never left holding
+    its slot until the detach timeout."""
+    running = await start_server(
+        nursery, llama_backend, detach=SMALL, shutdown_grace=0.0, http=HTTPSettings()
+    )
+    body = {"prompt": "A long story about the sea", "max_tokens": 2000, "stream": True}
+    body["logit_bias"] = {"1": -100, "106": -100}
+    try:
+        async with running.client() as client:
+            await _read_some(client, body, "conv-again", 2)
+            stream = _stream_of(running, "conv-again")
+            await wait_for(lambda: stream.state == "parked", limit=60)
+            admission = running.engine.admission
+            occupier = await RawStream.post(running.url, "/v1/completions", {**body, "max_tokens": 400})
+            await wait_for(lambda: admission.in_use == 1, limit=30)
+            # a reader comes (the stream queues behind the occupier) and leaves
+            raw = trio.socket.socket()
+            await raw.connect(("127.0.0.1", int(running.url.rsplit(":", 1)[1])))
+            await raw.send(b"GET /v1/stream?conv_id=conv-again&from=0 HTTP/1.1\r\nHost: x\r\n\r\n")
+            await wait_for(lambda: admission.snapshot().queued == 1, limit=30)
+            raw.close()
+            await wait_for(lambda: stream.log.readers == 0, limit=30)
+            await occupier.aclose()  # (the occupier leaves: the slot goes to the stream)
+            await wait_for(lambda: stream.parks == 2, limit=60)
+            assert stream.state == "parked"
+            await wait_for(lambda: admission.in_use == 0, limit=30)
+            assert (await client.delete("/v1/stream", params={"conv_id": "conv-again"})).status_code == 204
+        await running.wait_idle()
+    finally:
+        running.server.shutdown()

@@ -264,8 +264,8 @@ END_MESSAGES: dict[str, str] = {
     "deadline": "the request's deadline passed; the text so far is complete up to here",
     "shutdown": "the server is shutting down; retry on another instance or later",
     "unload": "the model was unloaded (POST /models/unload); the text so far is complete up to here",
-    "cancelled": "the request was cancelled by its id (POST /v1/requests/{id}/cancel); the text so "
-    "far is complete up to here",
+    "cancelled": "the request was cancelled by its id (POST /v1/requests/{id}/cancel, or DELETE "
+    "/v1/stream for a resumable stream); the text so far is complete up to here",
     "superseded": "a newer request of the same session (X-Session-Id) replaced this one; the text so "
     "far is complete up to here",
     "detach_timeout": "nobody read this resumable stream for the detach timeout (--detach-timeout); the "
