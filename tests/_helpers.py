@@ -171,6 +171,35 @@ class RawStream:
         await self.stream.aclose()
 
 
+async def read_events_and_close(raw: RawStream, events: int) -> tuple[Any, bytes]:
+    """Read the response on ``raw`` (its body de-chunked, by h11) until ``events`` SSE
+    events have come or the body ended, then close the connection: a client that
+    drops a stream. Returns the response's head (an ``h11.Response``) and the body
+    bytes received."""
+    import h11
+
+    parser = h11.Connection(h11.CLIENT)
+    parser.send(h11.Request(method="POST", target="/", headers=[("Host", "x"), ("Content-Length", "0")]))
+    parser.send(h11.EndOfMessage())
+    head: Any = None
+    received = b""
+    try:
+        while received.count(b"\n\n") < events:
+            chunk = await raw.stream.receive_some(65536)
+            assert chunk, (head, received)
+            parser.receive_data(chunk)
+            while (event := parser.next_event()) is not h11.NEED_DATA:
+                if isinstance(event, h11.Response):
+                    head = event
+                elif isinstance(event, h11.Data):
+                    received += event.data
+                elif isinstance(event, h11.EndOfMessage):
+                    return head, received
+    finally:
+        await raw.aclose()
+    return head, received
+
+
 class ServerProcess:
     """``trioserve serve`` in a subprocess, the way a user runs it: the benchmarks'
     launcher (:class:`benchmarks.harness.servers.Server`) on a free port of 127.0.0.1,

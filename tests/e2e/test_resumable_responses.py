@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import h11
 import openai
 import pytest
 import trio
@@ -22,7 +21,7 @@ from trioserve._backends._scripted import ScriptedBackend
 from trioserve._http._detach import DetachedStream, DetachSettings
 from trioserve._wire._sse import SSEDecoder
 
-from .._helpers import RawStream, RunningServer, start_server, wait_for
+from .._helpers import RawStream, RunningServer, read_events_and_close, start_server, wait_for
 
 #: a window of 512 events: a stream of 400 tokens fits while nobody reads
 ROOMY = DetachSettings(log_events=512, log_bytes=256 * 1024, park_after=0.2, timeout=30.0)
@@ -85,24 +84,8 @@ async def _post_some(running: RunningServer, body: dict[str, object], events: in
     """POST a background stream on a raw socket, read its body until ``events`` events,
     then close the connection; return the body bytes received (whole events)."""
     raw = await RawStream.post(running.url, "/v1/responses", {**body, "background": True, "stream": True})
-    parser = h11.Connection(h11.CLIENT)
-    parser.send(h11.Request(method="POST", target="/", headers=[("Host", "x"), ("Content-Length", "0")]))
-    parser.send(h11.EndOfMessage())
-    received = b""
-    try:
-        while received.count(b"\n\n") < events:
-            chunk = await raw.stream.receive_some(65536)
-            assert chunk, received
-            parser.receive_data(chunk)
-            while (event := parser.next_event()) is not h11.NEED_DATA:
-                if isinstance(event, h11.Response):
-                    assert event.status_code == 200
-                elif isinstance(event, h11.Data):
-                    received += event.data
-                elif isinstance(event, h11.EndOfMessage):
-                    break
-    finally:
-        await raw.aclose()
+    head, received = await read_events_and_close(raw, events)
+    assert head.status_code == 200
     return received[: received.rindex(b"\n\n") + 2]
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
-import h11
 import httpx
 import pytest
 import trio
@@ -20,7 +19,7 @@ from trioserve._backends._scripted import ScriptedBackend
 from trioserve._http._detach import DetachedStream, DetachSettings
 from trioserve._wire._sse import SSEDecoder
 
-from .._helpers import RawStream, RunningServer, start_server, wait_for
+from .._helpers import RawStream, RunningServer, read_events_and_close, start_server, wait_for
 
 #: a window of 512 events (a stream of 200 fits), and one of 24 (a stream fills it)
 ROOMY = DetachSettings(log_events=512, log_bytes=256 * 1024, park_after=0.2, timeout=30.0)
@@ -65,25 +64,9 @@ async def _read_some(
     events, then close the connection; return the body bytes received."""
     url = str(client.base_url).rstrip("/")
     raw = await RawStream.post(url, "/v1/completions", body, {"X-Conversation-Id": conversation})
-    parser = h11.Connection(h11.CLIENT)
-    parser.send(h11.Request(method="POST", target="/", headers=[("Host", "x"), ("Content-Length", "0")]))
-    parser.send(h11.EndOfMessage())
-    received = b""
-    try:
-        while received.count(b"\n\n") < events:
-            chunk = await raw.stream.receive_some(65536)
-            assert chunk, received
-            parser.receive_data(chunk)
-            while (event := parser.next_event()) is not h11.NEED_DATA:
-                if isinstance(event, h11.Response):
-                    assert event.status_code == 200
-                    assert dict(event.headers)[b"x-conversation-id"] == conversation.encode()
-                elif isinstance(event, h11.Data):
-                    received += event.data
-                elif isinstance(event, h11.EndOfMessage):
-                    return received
-    finally:
-        await raw.aclose()
+    head, received = await read_events_and_close(raw, events)
+    assert head.status_code == 200
+    assert dict(head.headers)[b"x-conversation-id"] == conversation.encode()
     return received
 
 
@@ -306,6 +289,21 @@ async def test_a_parked_stream_frees_its_slot_and_resumes_with_the_same_text(
         running.server.shutdown()
 
 
+#: the window of each detached phase's server: a window a stream does not fill soon
+#: (running), a small one it fills and is never parked from (paused), and parked at once
+PHASE_SETTINGS = {
+    "running": ROOMY,
+    "paused": DetachSettings(log_events=24, log_bytes=64 * 1024, park_after=3600.0, timeout=60.0),
+    "parked": SMALL,
+}
+#: a long stream whose end of sequence is banned: it runs whichever tokens are drawn
+LONG_BODY = {
+    "prompt": "A long story about the sea",
+    "max_tokens": 2000,
+    "stream": True,
+    "logit_bias": {"1": -100, "106": -100},
+}
+
 #: a Stop must reach the thread well within this (the cancel-by-id bound: measured a
 #: few ms; generous for a loaded CI machine)
 STOP_BOUND_S = 0.25
@@ -319,20 +317,11 @@ async def test_stop_while_detached_frees_everything_at_once(
     """``DELETE /v1/stream`` in each detached phase: the job ends (cause
     ``cancelled``), no thread, slot, queue place or parked state is left, and the
     answer comes once the work has stopped."""
-    settings = {
-        "running": ROOMY,
-        "paused": DetachSettings(log_events=24, log_bytes=64 * 1024, park_after=3600.0, timeout=60.0),
-        "parked": SMALL,
-    }[phase]
+    settings = PHASE_SETTINGS[phase]
     running = await start_server(
         nursery, llama_backend, detach=settings, shutdown_grace=0.0, http=HTTPSettings()
     )
-    body = {
-        "prompt": "A long story about the sea",
-        "max_tokens": 2000,
-        "stream": True,
-        "logit_bias": {"1": -100, "106": -100},
-    }
+    body = dict(LONG_BODY)
     try:
         async with running.client() as client:
             await _read_some(client, body, "conv-stop", 2)
@@ -385,20 +374,11 @@ async def test_cancel_cell_detached(
     cause, its log's last event says it (but shutdown's, whose log goes with the
     server), nothing is left (thread, slot, queue place, parked state), and the next
     request's text equals the one before."""
-    settings = {
-        "running": ROOMY,
-        "paused": DetachSettings(log_events=24, log_bytes=64 * 1024, park_after=3600.0, timeout=60.0),
-        "parked": SMALL,
-    }[phase]
+    settings = PHASE_SETTINGS[phase]
     running = await start_server(
         nursery, llama_backend, detach=settings, shutdown_grace=5.0, http=HTTPSettings()
     )
-    body = {
-        "prompt": "A long story about the sea",
-        "max_tokens": 2000,
-        "stream": True,
-        "logit_bias": {"1": -100, "106": -100},
-    }
+    body = dict(LONG_BODY)
     stopped = False
     try:
         async with running.client() as client:
@@ -523,8 +503,7 @@ async def test_a_parked_stream_whose_reader_leaves_before_its_slot_comes_parks_a
     running = await start_server(
         nursery, llama_backend, detach=SMALL, shutdown_grace=0.0, http=HTTPSettings()
     )
-    body = {"prompt": "A long story about the sea", "max_tokens": 2000, "stream": True}
-    body["logit_bias"] = {"1": -100, "106": -100}
+    body = dict(LONG_BODY)
     try:
         async with running.client() as client:
             await _read_some(client, body, "conv-again", 2)
