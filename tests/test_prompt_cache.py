@@ -314,3 +314,43 @@ def test_a_servers_models_put_their_host_tiers_under_one_budget(tmp_path: Path) 
     alone = LlamaSource(LlamaSettings(tmp_path / "a.gguf", cache_ram_bytes=50))
     assert alone.host_pool is not pool
     assert alone.host_pool.budget == 50
+
+
+def test_a_prompt_kept_whole_with_its_row_is_a_full_hit_only_for_itself() -> None:
+    # an 8-token prompt ending on a cut, its row kept: the same prompt (same salt) is a
+    # full hit on its id; a longer or shorter prompt, another salt, a choice of n > 1,
+    # the cache off for the request: not
+    policy = _policy(2, HostCache(budget=0, rule="r"))
+    prompt = list(range(8))
+    assert policy.keeps_row(True, 8, [4, 8])
+    assert not policy.keeps_row(True, 9, [4, 8])  # (its last piece is not kept)
+    assert not policy.keeps_row(False, 8, [4, 8])
+    policy.take(1, "key:a")
+    policy.release(1, prompt, [5, 6], 8, finished=True, logits=True)
+    policy.take(0, "key:a")
+    policy.release(0, [7] * 8, [], 8, finished=True)  # (id 0: the most recently used)
+    assert policy.logits_at(1) == 8
+    plan = policy.place(prompt, [4, 8], True, [0, 1], "key:a")
+    assert (plan.seq_id, plan.reused, plan.whole, plan.save) == (1, 8, True, None)
+    assert not policy.place(prompt, [4, 8], True, [0, 1], "key:b").whole
+    assert not policy.place(prompt, [4, 8], True, [0, 1], "key:a", whole=False).whole
+    assert not policy.place(prompt, [4, 8], False, [0, 1], "key:a").whole
+    assert not policy.place(prompt[:7], [4], True, [0, 1], "key:a").whole
+    longer = policy.place([*prompt, 1, 2, 3, 4], [4, 8, 12], True, [0, 1], "key:a")
+    assert (longer.seq_id, longer.reused, longer.whole) == (1, 8, False)
+    policy.take(1, "key:a")  # a new sequence on the id: its row is no longer the prompt's
+    assert policy.logits_at(1) == 0
+    # kept without its row, or fewer cells than the prompt: no full hit
+    policy.release(1, prompt, [], 8, finished=True)
+    assert not policy.place(prompt, [4, 8], True, [0, 1], "key:a").whole
+    policy.take(1, "key:a")
+    policy.release(1, prompt, [], 4, finished=True, logits=True)
+    assert policy.logits_at(1) == 0
+
+
+def test_fast_mode_keeps_no_row() -> None:
+    policy = _policy(1, HostCache(budget=0, rule="r"), fast=True)
+    assert not policy.keeps_row(True, 8, [4, 8])
+    policy.take(0)
+    policy.release(0, list(range(8)), [], 8, finished=True, logits=True)
+    assert policy.logits_at(0) == 0

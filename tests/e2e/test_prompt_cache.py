@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from trioserve import (
+    Constraint,
     Engine,
     GenerationRequest,
     LlamaBackend,
@@ -695,3 +696,71 @@ async def test_health_without_a_key_says_only_the_status(
         assert set(full) >= {"models", "batch", "platform", "slots"}
         assert "sequences" in full["batch"]["cache"]
     server.server.shutdown()
+
+
+async def _stream_all(engine: Engine, request: GenerationRequest) -> tuple[str, list[Any], Usage]:
+    """The text, the log-probabilities (each delta's) and the usage of ``request``."""
+    prepared = await engine.prepare(request)
+    parts: list[str] = []
+    logprobs: list[Any] = []
+    async with engine.stream(prepared) as events:
+        async for event in events:
+            if type(event) is TextDelta:
+                parts.append(event.text)
+                logprobs.extend(event.logprobs or ())
+        return "".join(parts), logprobs, events.usage
+
+
+async def test_the_same_chat_prompt_again_is_a_full_hit_drawn_from_the_kept_row_with_the_same_text(
+    llama_backend: LlamaBackend, uncached_backend: LlamaBackend
+) -> None:
+    """A prompt that ends on a cut (a chat prompt ends on its model header) keeps every
+    cell and its last logits: the same prompt again evaluates nothing — its first token
+    is drawn from the kept row — and every draw equals the fresh evaluation's: greedy, a
+    seeded sampler chain (llama.cpp's chain applied to the kept row as
+    ``llama_sampler_sample`` applies it to the context's), a constraint's mask (applied
+    to a copy: the kept row stays as computed) with log-probabilities."""
+    prompt = llama_backend.tokenize(
+        f"[{uuid.uuid4().hex}] "
+        + _gemma_turn("user", "Describe the harbour at dawn, the boats and the gulls. " * 12)
+        + "<start_of_turn>model\n"
+    )
+    assert len(prompt) in llama_backend.piece_rule.cuts(prompt)  # it ends on a cut
+    no_end = {1: -100.0, 106: -100.0}  # the end tokens banned: every run is 24 tokens long
+    asks = [
+        GenerationRequest(
+            prompt=prompt, max_tokens=24, sampling=SamplingParams(temperature=0.0, logit_bias=no_end)
+        ),
+        GenerationRequest(
+            prompt=prompt,
+            max_tokens=24,
+            sampling=SamplingParams(temperature=0.9, top_k=40, seed=1234, logit_bias=no_end),
+        ),
+        GenerationRequest(
+            prompt=prompt,
+            max_tokens=24,
+            sampling=GREEDY,
+            constraint=Constraint(
+                kind="json_schema",
+                source=json.dumps({"type": "object", "properties": {"harbour": {"type": "string"}}}),
+            ),
+            logprobs=3,
+        ),
+    ]
+    async with _engine(uncached_backend) as off:
+        fresh = [await _stream_all(off, ask) for ask in asks]
+    async with _engine(llama_backend) as engine:
+        first = await _stream_all(engine, asks[0])  # a new prompt: its last piece evaluated
+        hits_before = llama_backend.cache_stats()["whole_hits"]
+        again = [await _stream_all(engine, ask) for ask in asks]
+        # and the plain greedy once more, after a mask was applied to a copy of the row
+        last = await _stream_all(engine, asks[0])
+    assert first[2].cached_tokens < len(prompt)
+    assert first[0] == fresh[0][0]
+    assert llama_backend.cache_stats()["whole_hits"] == hits_before + 4  # type: ignore[operator]
+    for (text, logprobs, _), (text_again, logprobs_again, usage_again) in zip(fresh, again, strict=True):
+        assert usage_again.cached_tokens == len(prompt)  # nothing was evaluated
+        assert text_again == text
+        assert logprobs_again == logprobs
+    assert fresh[2][1]  # (log-probabilities were reported)
+    assert last[0] == fresh[0][0]

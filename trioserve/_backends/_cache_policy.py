@@ -73,6 +73,9 @@ class Placement:
     restore: StateBuffer | bytes | DiskEntry | None = None
     checkpoint: int = 0
     save_salt: str = ""
+    #: the whole prompt is cached with its last token's logits (``reused`` is its
+    #: length): its first token is drawn from the kept row, no call (a full hit)
+    whole: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +114,8 @@ class CacheStats:
     ram_shared_models: int = 1
     save_seconds: float
     restore_seconds: float
+    #: full hits: prompts all cached with their last logits, first token with no call
+    whole_hits: int = 0
     idle_recompute: bool
     idle_chunks: int
     idle_tokens: int
@@ -151,6 +156,7 @@ class CacheStats:
                 "save_seconds": round(self.save_seconds, 6),
                 "restore_seconds": round(self.restore_seconds, 6),
             },
+            "whole_hits": self.whole_hits,
             "disk": self.disk,
             "idle_recompute": {
                 "enabled": self.idle_recompute,
@@ -208,12 +214,27 @@ class CachePolicy:
         #: the cached prompt are evaluated while nothing else runs — in the canonical
         #: pieces, so the next turn reuses its reply exactly
         self._history: dict[int, tuple[list[int], list[int]]] = {}
+        #: per id: the length of the prompt whose last token's logits the id keeps
+        #: beside its cells (0: none) — the prompt ended on a cut, so its cells are all
+        #: kept, and the same prompt again draws its first token from that row with no
+        #: call at all (a full hit, docs/prompt-cache.md)
+        self._logits_at = [0] * slots
 
     # ------------------------------------------------------------ reading
 
     def cached(self, seq_id: int) -> list[int]:
         """The prompt tokens whose cells ``seq_id`` keeps."""
         return self._cached[seq_id]
+
+    def keeps_row(self, cache_prompt: bool, length: int, cuts: Sequence[int]) -> bool:
+        """Whether a prompt of ``length`` tokens (``cuts``: its cuts) just evaluated should
+        keep its last logits for a full hit: exact mode, its cells all kept — it ends on
+        a cut."""
+        return self.enabled and cache_prompt and not self.fast and bool(cuts) and cuts[-1] == length
+
+    def logits_at(self, seq_id: int) -> int:
+        """The prompt length whose last logits ``seq_id`` keeps (0: none)."""
+        return self._logits_at[seq_id]
 
     def salt(self, seq_id: int) -> str:
         """The salt of the cells ``seq_id`` keeps (its last request's)."""
@@ -285,13 +306,17 @@ class CachePolicy:
         cache_prompt: bool,
         free_ids: list[int],
         salt: str = "",
+        *,
+        whole: bool = True,
     ) -> Placement:
         """The free id whose cached prompt shares the longest prefix of whole pieces with
         ``prompt`` (``cuts``: its cuts; ties, and no prefix: the least recently used id),
         and how much of it is reused — or, when the host tier holds more of it, the
-        least recently used id with that state to restore. Only cells and states of the
-        prompt's ``salt`` count: another salt's share nothing with it. Changes nothing but
-        the host tier's recency; :meth:`take` commits."""
+        least recently used id with that state to restore. An id holding all of
+        ``prompt`` with its last logits comes first (a full hit: ``Placement.whole``;
+        ``whole`` False: not looked for). Only cells and states of the prompt's ``salt``
+        count: another salt's share nothing with it. Changes nothing but the host
+        tier's recency; :meth:`take` commits."""
         limit = 0
         if self.enabled and cache_prompt:
             # at least the last piece (fast: token) is evaluated: its logits are needed
@@ -316,11 +341,20 @@ class CachePolicy:
         # (a longer prefix needs fewer window cells: if an id's cells cannot give back what
         # it shares, they give back nothing)
         shared = {i: n if self.serves(i, n) else 0 for i, n in shared.items()}
-        best = max(free_ids, key=lambda i: (shared[i], -self._used_at[i]))
-        reused = shared[best]
+        hit = (
+            self._whole_hit(prompt, free_ids, salt)
+            if whole and self.enabled and cache_prompt and not self.fast
+            else None
+        )
+        best = max(free_ids, key=lambda i: (shared[i], -self._used_at[i])) if hit is None else hit
+        reused = shared[best] if hit is None else len(prompt)
         restore = None
         host = self.host
-        found = host.best(prompt, self.host_cuts(prompt), limit, salt=salt) if limit and host.keeps else None
+        found = (
+            host.best(prompt, self.host_cuts(prompt), limit, salt=salt)
+            if limit and host.keeps and hit is None
+            else None
+        )
         if found is not None and found[0] > reused:
             # host memory holds more of it: restore into the least recently used id
             best = min(free_ids, key=lambda i: self._used_at[i])
@@ -331,7 +365,21 @@ class CachePolicy:
             save = cached[best]  # (some of) its cells are about to be overwritten
             # (a restore replaces every cell: the checkpoint may go below ``reused``)
             checkpoint = self.checkpoint(best, 0 if restore is not None else reused)
-        return Placement(best, reused, save, restore, checkpoint, salts[best])
+        return Placement(best, reused, save, restore, checkpoint, salts[best], hit is not None)
+
+    def _whole_hit(self, prompt: list[int], free_ids: list[int], salt: str) -> int | None:
+        """A free id whose cells hold all of ``prompt`` and its last token's logits (the
+        most recently used of them), if any."""
+        n = len(prompt)
+        found = [
+            i
+            for i in free_ids
+            if self._logits_at[i] == n
+            and self._salt[i] == salt
+            and self.serves(i, n)
+            and self._cached[i][:n] == prompt
+        ]
+        return max(found, key=lambda i: self._used_at[i]) if found else None
 
     def place_follower(self, free_ids: list[int]) -> Placement:
         """A later choice of an ``n`` > 1 request: the least recently used free id (it
@@ -347,6 +395,7 @@ class CachePolicy:
         self._cached[seq_id] = []
         self._floor[seq_id] = 0
         self._prompt_end[seq_id] = 0
+        self._logits_at[seq_id] = 0
         self._history.pop(seq_id, None)
 
     # ------------------------------------------------------------ release
@@ -367,6 +416,7 @@ class CachePolicy:
         self._cached[seq_id] = []
         self._floor[seq_id] = 0
         self._prompt_end[seq_id] = 0
+        self._logits_at[seq_id] = 0
         self._history.pop(seq_id, None)
 
     def release(
@@ -378,18 +428,22 @@ class CachePolicy:
         *,
         finished: bool,
         floor: int = 0,
+        logits: bool = False,
     ) -> None:
         """A sequence left ``seq_id`` with its first ``kept`` cells (``prompt`` then
         ``generated``), its sliding-window cells from position ``floor`` on;
         ``finished``: it ended on its own (stop or length), so its conversation is
         remembered for the idle recompute (when its cells give back what they keep: the
-        pieces after them attend to those). The id becomes the most recently used."""
+        pieces after them attend to those); ``logits``: the id keeps its prompt's last
+        logits (a full hit's row, when every prompt cell is kept). The id becomes the
+        most recently used."""
         if kept > len(prompt):
             self._cached[seq_id] = (prompt + generated)[:kept]
         else:
             self._cached[seq_id] = prompt[:kept]
         self._floor[seq_id] = floor if kept else 0
         self._prompt_end[seq_id] = min(kept, len(prompt))
+        self._logits_at[seq_id] = len(prompt) if logits and kept >= len(prompt) and not self.fast else 0
         if self.idle_recompute and kept and finished and self.serves(seq_id, kept):
             history = prompt + generated + self.rule.continuation(prompt)
             cuts = self.rule.cuts(history)

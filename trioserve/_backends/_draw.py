@@ -13,6 +13,7 @@ token of the vocabulary (262,144), and the scheduler thread decodes every sequen
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,12 +22,14 @@ import numpy
 from .._core._types import TokenLogprob
 from ._grammar import TokenMask
 
-__all__ = ["LogitBias", "draw", "draw_special", "logits_row", "logprob_entry"]
+__all__ = ["LogitBias", "draw", "draw_special", "logits_row", "logprob_entry", "sample_row"]
 
 _as_array = numpy.ctypeslib.as_array
 
 #: llama.cpp's ``llama_logit_bias``: a token id and its bias
 _ENTRY = numpy.dtype([("token", "<i4"), ("bias", "<f4")])
+#: llama.cpp's ``llama_token_data``: a token id, its logit and probability
+_TOKEN_DATA = numpy.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 
 
 class LogitBias:
@@ -80,11 +83,35 @@ def logits_row(lib: Any, ctx: Any, index: int, n_vocab: int) -> numpy.ndarray:
     return _as_array(lib.llama_get_logits_ith(ctx, index), (n_vocab,))
 
 
-def draw(lib: Any, ctx: Any, index: int, n_vocab: int, sampler: Any, greedy: bool) -> int:
-    """The token of output ``index``, no mask and no log-probabilities. Plain greedy
-    (temperature 0, no logit bias): the argmax of the logits — the token llama.cpp's
-    greedy sampler picks (the first maximum), without building its 262,144-entry
-    candidate array; otherwise ``sampler`` (the request's chain)."""
+def sample_row(lib: Any, sampler: Any, logits: numpy.ndarray) -> int:
+    """``sampler``'s draw from ``logits`` (a row kept from an earlier call: a full cache
+    hit's, ``docs/prompt-cache.md``), then accepted: what ``llama_sampler_sample`` does
+    with a row of the context's buffer — the candidates in token order with their
+    logits, the chain applied, its choice accepted."""
+    candidates = numpy.empty(len(logits), dtype=_TOKEN_DATA)
+    candidates["id"] = numpy.arange(len(logits), dtype=numpy.int32)
+    candidates["logit"] = logits
+    candidates["p"] = 0.0
+    data = candidates.ctypes.data_as(ctypes.POINTER(lib.llama_token_data))
+    array = lib.llama_token_data_array(data, len(logits), -1, False)
+    lib.llama_sampler_apply(sampler, ctypes.byref(array))
+    if not 0 <= array.selected < array.size:  # pragma: no cover - a chain always selects
+        raise RuntimeError("the sampler chain selected no token")
+    token = int(array.data[array.selected].id)
+    lib.llama_sampler_accept(sampler, token)
+    return token
+
+
+def draw(
+    lib: Any, ctx: Any, index: int, n_vocab: int, sampler: Any, greedy: bool, row: numpy.ndarray | None = None
+) -> int:
+    """The token of output ``index`` (or of ``row``, logits kept from an earlier call),
+    no mask and no log-probabilities. Plain greedy (temperature 0, no logit bias): the
+    argmax of the logits — the token llama.cpp's greedy sampler picks (the first
+    maximum), without building its 262,144-entry candidate array; otherwise
+    ``sampler`` (the request's chain)."""
+    if row is not None:
+        return int(row.argmax()) if greedy else sample_row(lib, sampler, row)
     if greedy:
         return int(_as_array(lib.llama_get_logits_ith(ctx, index), (n_vocab,)).argmax())
     return int(lib.llama_sampler_sample(sampler, ctx, index))
@@ -102,16 +129,23 @@ def draw_special(
     logprobs: int | None,
     bias: LogitBias | None,
     piece: Any,
+    row: numpy.ndarray | None = None,
 ) -> tuple[int, TokenLogprob | None] | str:
-    """Draw the token of output ``index`` with a constraint's ``mask`` and/or
+    """Draw the token of output ``index`` (or of ``row``, logits kept from an earlier
+    call: a copy, which the mask changes) with a constraint's ``mask`` and/or
     log-probabilities (``logprobs``: the alternatives to report): ``(token, entry)``, or
     the constraint's error when the mask cannot be applied (the sequence must end)."""
-    logits = logits_row(lib, ctx, index, n_vocab)
+    logits = logits_row(lib, ctx, index, n_vocab) if row is None else row
     if mask is not None:
         error = mask.apply(logits)  # in place: the draw below sees it
         if error is not None:
             return error
-    token = int(logits.argmax()) if greedy else lib.llama_sampler_sample(sampler, ctx, index)
+    if greedy:
+        token = int(logits.argmax())
+    elif row is not None:
+        token = sample_row(lib, sampler, logits)
+    else:
+        token = lib.llama_sampler_sample(sampler, ctx, index)
     entry = None
     if logprobs is not None:
         entry = logprob_entry(logits, token, logprobs, bias, piece)

@@ -32,7 +32,14 @@ class Admission:
         prompt = sequence.asked.prompt
         sequence.cache.cuts = cuts = self.rule.cuts(prompt)
         cells = self.inbox.cells
-        plan = self.policy.place(prompt, cuts, sequence.asked.cache_prompt, cells.free, sequence.asked.salt)
+        plan = self.policy.place(
+            prompt,
+            cuts,
+            sequence.asked.cache_prompt,
+            cells.free,
+            sequence.asked.salt,
+            whole=sequence.group is None,  # (a choice of n > 1 shares a prefill call)
+        )
         with self.inbox.condition:
             cells.take(plan.seq_id)
             # (the id's cells now belong to this sequence)
@@ -41,6 +48,7 @@ class Admission:
         sequence.cache.save, sequence.cache.restore = plan.save, plan.restore
         sequence.cache.save_salt = plan.save_salt
         sequence.cache.checkpoint = plan.checkpoint
+        sequence.cache.whole = sequence.cache.row_kept = plan.whole
         sequence.prefilled = sequence.pos = plan.reused
         sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = plan.reused
 

@@ -11,6 +11,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy
+
 from ..._core._exceptions import BackendError
 from .._cache_policy import CachePolicy
 from .._disk_cache import DiskEntry
@@ -49,6 +51,30 @@ class KvCells:
         self.save_seconds = 0.0
         #: preemption: time spent saving paused sequences' states
         self.park_seconds = 0.0
+        #: per id, the last logits of the prompt its cells hold (``CachePolicy.logits_at``
+        #: says for which length): a full hit draws its first token from it
+        self._rows: dict[int, numpy.ndarray] = {}
+        #: full hits: prompts whose first token came from a kept row, with no call
+        self.whole_hits = 0
+
+    def keep_row(self, sequence: Sequence, logits: numpy.ndarray) -> None:
+        """``sequence``'s prompt is evaluated and ends on a cut (its cells are all kept):
+        keep a copy of its last logits for its id (before the draw: a mask changes the
+        row in place)."""
+        row = self._rows.get(sequence.seq_id)
+        if row is None or row.shape != logits.shape:
+            row = self._rows[sequence.seq_id] = numpy.empty_like(logits)
+        numpy.copyto(row, logits)
+        sequence.cache.row_kept = True
+
+    def whole_row(self, sequence: Sequence) -> numpy.ndarray | None:
+        """A copy of the kept row a full hit draws from (``None``: its cells did not
+        come through — a save before them failed — so it evaluates its last piece)."""
+        row = self._rows.get(sequence.seq_id)
+        if row is None or sequence.prefilled != len(sequence.asked.prompt):
+            return None
+        self.whole_hits += 1
+        return row.copy()
 
     @property
     def lib(self) -> Any:
@@ -337,4 +363,5 @@ class KvCells:
             keep,
             finished=finished,
             floor=self.window_start(seq_id, keep),
+            logits=sequence.cache.row_kept,
         )

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..._core._exceptions import BackendError
 from .._cache_policy import CachePolicy
+from .._draw import logits_row
 from .._memory import trim_heap
 from ._admission import Admission
 from ._capabilities import measure
@@ -242,8 +243,28 @@ class Scheduler:
             self.prepare_fault()
         if sequence.saved is not None:
             self.kv.unpark(sequence)  # a paused sequence resumes
-        else:
-            self.kv.prepare(sequence)
+            return
+        self.kv.prepare(sequence)
+        if sequence.cache.whole:
+            self._whole_hit(sequence)
+
+    def _whole_hit(self, sequence: Sequence) -> None:
+        """A full hit: every prompt cell is there, and the logits its last piece gave;
+        the first token is drawn from them now, no call (what a fresh evaluation's
+        last piece would give: the same piece, the same row — docs/prompt-cache.md)."""
+        row = self.kv.whole_row(sequence)
+        if row is None:
+            # (its cells did not all come through: it evaluates its last piece)
+            sequence.cache.whole = sequence.cache.row_kept = False
+            return
+        sequence.out.first_chunk_at = time.perf_counter()
+        sequence.progress.prefill_seconds = 0.0
+        if sequence.asked.max_new <= 0:
+            self._remove(sequence, "length")  # a prompt to evaluate only: it is cached
+            return
+        _, end = self.outputs.emit(sequence, 0, row)
+        if end is not None:
+            self._remove(sequence, end)
 
     def _park(self, sequence: Sequence) -> None:
         """Preemption: set ``sequence`` aside between steps — its cells' state saved
@@ -433,6 +454,11 @@ class Scheduler:
         drafts = filled.drafts
         emit = self.outputs.emit
         for sequence, index in outputs:
+            if not sequence.out.generated and self.policy.keeps_row(
+                sequence.asked.cache_prompt, len(sequence.asked.prompt), sequence.cache.cuts
+            ):
+                row = logits_row(self._model.lib, self.executor.ctx, index, self._model.n_vocab)
+                self.kv.keep_row(sequence, row)
             if sequence.asked.max_new <= 0:
                 self._remove(sequence, "length")  # a prompt to evaluate only: it is cached
                 continue

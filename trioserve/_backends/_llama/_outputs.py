@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy
+
 from ..._core._exceptions import BackendError
 from ..._core._types import GenerationEnd, TokenLogprob
 from .._draw import draw, draw_special, logits_row, logprob_entry
@@ -43,10 +45,13 @@ class Outputs:
         """The model's bindings, read at each call (tests swap them to inject faults)."""
         return self.model.lib
 
-    def emit(self, sequence: Sequence, index: int) -> tuple[int, End | None]:
-        """Draw ``sequence``'s token from output ``index`` of the last call and send its
-        piece: ``(token, None)``, or ``(-1, end)`` if the sequence ended there (end of
-        text, its length, a constraint that failed). A token a reasoning's end forces
+    def emit(
+        self, sequence: Sequence, index: int, row: numpy.ndarray | None = None
+    ) -> tuple[int, End | None]:
+        """Draw ``sequence``'s token from output ``index`` of the last call (or from
+        ``row``: a full cache hit's kept logits, a copy) and send its piece:
+        ``(token, None)``, or ``(-1, end)`` if the sequence ended there (end of text, its
+        length, a constraint that failed). A token a reasoning's end forces
         (:meth:`_forced`) is taken instead of a draw and goes the same way."""
         model = self.model
         lib = self.lib
@@ -56,7 +61,7 @@ class Outputs:
         token = -1
         tracker = sequence.reasoning
         if tracker is not None and (sequence.force_asked or sequence.forced):
-            token, entry = self._forced(sequence, tracker, index)
+            token, entry = self._forced(sequence, tracker, index, row)
         if token < 0:
             if asked.special:
                 # a constraint's mask and/or log-probabilities (docs/batching.md)
@@ -71,12 +76,13 @@ class Outputs:
                     logprobs=asked.logprobs,
                     bias=asked.bias,
                     piece=model.piece,
+                    row=row,
                 )
                 if isinstance(drawn, str):
                     return -1, BackendError(f"constrained decoding failed: {drawn}", should_retry=False)
                 token, entry = drawn
             else:
-                token = draw(lib, self.ctx, index, model.n_vocab, sequence.sampler, asked.greedy)
+                token = draw(lib, self.ctx, index, model.n_vocab, sequence.sampler, asked.greedy, row)
             if lib.llama_vocab_is_eog(model.vocab, token):
                 return -1, "stop"
         if asked.mask is not None:
@@ -96,7 +102,7 @@ class Outputs:
         return token, None
 
     def _forced(
-        self, sequence: Sequence, tracker: ReasoningTracker, index: int
+        self, sequence: Sequence, tracker: ReasoningTracker, index: int, row: numpy.ndarray | None
     ) -> tuple[int, TokenLogprob | None]:
         """The next token a reasoning's end forces (``(-1, None)``: none). An ask
         (``Inbox.force``) becomes the markers' tokens here, from the text so far
@@ -118,7 +124,7 @@ class Outputs:
         entry = None
         asked = sequence.asked
         if asked.logprobs is not None:
-            logits = logits_row(self.lib, self.ctx, index, self.model.n_vocab)
+            logits = logits_row(self.lib, self.ctx, index, self.model.n_vocab) if row is None else row
             entry = logprob_entry(logits, token, asked.logprobs, asked.bias, self.model.piece)
         return token, entry
 

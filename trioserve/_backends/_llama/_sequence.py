@@ -97,6 +97,12 @@ class CacheWork:
     save_salt: str = ""
     checkpoint: int = 0
     restore: StateBuffer | bytes | DiskEntry | None = None
+    #: admission found the whole prompt cached with its last logits (a full hit: the
+    #: first token is drawn from the kept row, no call)
+    whole: bool = False
+    #: its id keeps the prompt's last logits (copied when its prompt ended on a cut,
+    #: or kept by a full hit), for the next request of the same prompt
+    row_kept: bool = False
 
 
 @dataclasses.dataclass(slots=True, eq=False)

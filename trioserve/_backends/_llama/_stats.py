@@ -108,6 +108,7 @@ def cache_stats(scheduler: Scheduler) -> CacheStats:
         ram_shared_models=host.pool.tiers,
         save_seconds=kv.save_seconds,
         restore_seconds=kv.restore_seconds,
+        whole_hits=kv.whole_hits,
         idle_recompute=scheduler.policy.idle_recompute,
         idle_chunks=idle.chunks,
         idle_tokens=idle.tokens,
