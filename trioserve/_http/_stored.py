@@ -163,7 +163,8 @@ class StoredResponses:
             body["error"] = self.degraded
         return body
 
-    def _failed(self, response_id: str, kind: StoreFailure, exc: BaseException) -> None:
+    def failed(self, response_id: str, kind: StoreFailure, exc: BaseException) -> None:
+        """A write for ``response_id`` failed: logged, counted (``error``: degraded)."""
         self.failures += 1
         if kind == "error":
             self.degraded = f"{type(exc).__name__}: {exc}"
@@ -206,9 +207,12 @@ class StoredResponses:
             history += response.output_items
         return StoredContext(history=tuple(history), response_id=response_id, previous_id=previous_id)
 
-    async def record(self, turn: StoredTurn, owner: str, body: dict[str, Any] | None = None) -> bool:
+    async def record(
+        self, turn: StoredTurn, owner: str, body: dict[str, Any] | None = None, *, streamed: bool = False
+    ) -> bool:
         """Store ``turn`` with ``body`` (by default the last response object its dialect
-        wrote); whether it was stored. A failed write (the database or its disk: the
+        wrote; ``streamed``: its events will be kept, :mod:`._event_store`); whether it
+        was stored. A failed write (the database or its disk: the
         store is degraded until a write succeeds; or no room: :class:`StoreFullError`)
         is logged and counted, never raised: a finished answer is sent all the same."""
         if body is None:
@@ -228,12 +232,12 @@ class StoredResponses:
             instructions=turn.instructions,
         )
         try:
-            await self.store.run(self.store.store.put, response)
+            await self.store.run(self.store.store.put, response, streamed=streamed)
         except StoreFullError as exc:
-            self._failed(turn.id, "full", exc)
+            self.failed(turn.id, "full", exc)
             return False
         except (sqlite3.Error, OSError) as exc:
-            self._failed(turn.id, "error", exc)
+            self.failed(turn.id, "error", exc)
             return False
         self.degraded = None
         self.unstored.pop(turn.id, None)  # (the store has it now)
