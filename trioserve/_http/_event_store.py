@@ -21,7 +21,6 @@ stopped (the key's quota).
 from __future__ import annotations
 
 import json
-import logging
 import sqlite3
 from dataclasses import dataclass
 
@@ -34,7 +33,6 @@ from ._stream_log import StreamLog
 
 __all__ = ["BATCH_EVENTS", "BATCH_SECONDS", "EventRecorder", "StoredReplay", "replay_log", "stored_replay"]
 
-logger = logging.getLogger("trioserve.responses")
 
 #: a batch is written once it holds this many events…
 BATCH_EVENTS = 64
@@ -122,13 +120,8 @@ class EventRecorder:
 
     def _stop(self, reason: str, exc: Exception) -> None:
         self.stopped = reason
-        logger.warning(
-            "response %s: its events from sequence_number %d on are not stored (%s); its stream goes on",
-            self.response_id,
-            self.next_seq,
-            exc,
-        )
-        self.service.failed(self.response_id, "full" if reason == "quota" else "error", exc)
+        what = f"its events from sequence_number {self.next_seq} on; its stream goes on"
+        self.service.failed(self.response_id, "full" if reason == "quota" else "error", exc, what)
 
     async def _note(self) -> None:
         """Note in the store why the events stop (a replay's error says it)."""

@@ -380,10 +380,12 @@ class ResponseStore:
             {"end_cause": "shutdown", "message": "the server stopped before this response was complete"}
         )
         with self._lock, self._db:
+            # (its size follows its body: the counters stay true)
             settled = self._db.execute(
                 "UPDATE responses SET status = 'incomplete', body = json_set(body, '$.status', "
-                "'incomplete', '$.trioserve', json(?)) WHERE status IN ('queued', 'in_progress') "
-                "RETURNING id, body",
+                "'incomplete', '$.trioserve', json(?1)), size = size - LENGTH(body) + LENGTH(json_set("
+                "body, '$.status', 'incomplete', '$.trioserve', json(?1))) "
+                "WHERE status IN ('queued', 'in_progress') RETURNING id, body",
                 (cause,),
             ).fetchall()
             for response_id, body in settled:

@@ -163,16 +163,17 @@ class StoredResponses:
             body["error"] = self.degraded
         return body
 
-    def failed(self, response_id: str, kind: StoreFailure, exc: BaseException) -> None:
-        """A write for ``response_id`` failed: logged, counted (``error``: degraded)."""
+    def failed(
+        self, response_id: str, kind: StoreFailure, exc: BaseException, what: str = "its answer is sent"
+    ) -> None:
+        """A write for ``response_id`` failed: logged (``what`` goes on all the same),
+        counted (``error``: the store is degraded)."""
         self.failures += 1
         if kind == "error":
             self.degraded = f"{type(exc).__name__}: {exc}"
-            logger.error(
-                "response %s could not be stored (its answer is sent): %s", response_id, self.degraded
-            )
+            logger.error("response %s could not be stored (%s): %s", response_id, what, self.degraded)
         else:
-            logger.warning("response %s not stored (its answer is sent): %s", response_id, exc)
+            logger.warning("response %s not stored (%s): %s", response_id, what, exc)
         if self.on_failure is not None:
             self.on_failure(kind)
 
