@@ -303,10 +303,11 @@ class StoredResponses:
 
     async def get(self, response_id: str, owner: str) -> dict[str, Any] | None:
         """The response object as it stands (a running background response's status
-        is read live; one whose end could not be stored, its end as remembered), or
-        ``None``."""
+        is read live until its end is stored — a client that read a stream's last event
+        reads its end, though its job is still writing its last events; one whose end
+        could not be stored, its end as remembered), or ``None``."""
         job = self.jobs.get(response_id)
-        if job is not None and job.owner == owner:
+        if job is not None and job.owner == owner and not job.stored:
             body = dict(job.queued)
             request = job.request
             if request is not None and request.choices:

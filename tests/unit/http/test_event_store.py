@@ -15,7 +15,13 @@ import trio
 import trio.testing
 
 from trioserve._http._event_store import EventRecorder, stored_replay
-from trioserve._http._stored import ResponseStore, StoredResponse, StoredResponses, StoreFullError
+from trioserve._http._stored import (
+    BackgroundJob,
+    ResponseStore,
+    StoredResponse,
+    StoredResponses,
+    StoreFullError,
+)
 from trioserve._wire import number_events
 from trioserve._wire._sse import SSEDecoder
 
@@ -316,3 +322,21 @@ def test_an_events_write_reads_indexes_never_a_scan() -> None:
         plan = " | ".join(row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + query))
         assert "SCAN responses" not in plan, (query, plan)
         assert "SCAN response_events" not in plan, (query, plan)
+
+
+async def test_a_background_response_reads_as_stored_once_its_end_is_stored(service: StoredResponses) -> None:
+    """While its job still writes its last events (after its end was stored and its
+    last event sent), the response reads as its stored end, not ``in_progress``."""
+    store = service.store.store
+    queued = _response(1)
+    store.put(queued, streamed=True)
+    job = BackgroundJob(turn=None, owner="key:a", queued=dict(queued.body))  # type: ignore[arg-type]
+    service.jobs["resp_1"] = job
+    read = await service.get("resp_1", "key:a")
+    assert read is not None
+    assert read["status"] == "queued"  # (live)
+    store.put(_response(1, status="completed"))
+    job.stored = True  # (StoredResponses.record_end: before its last bytes go out)
+    read = await service.get("resp_1", "key:a")
+    assert read is not None
+    assert read["status"] == "completed"
