@@ -127,7 +127,8 @@ def test_a_background_stream_resumes_after_a_restart(tmp_path: Path, signum: sig
     if signum == signal.SIGKILL:
         assert final.sequence_number == kept + 1  # (the restart's end, after the last kept)
     assert stored.status == "incomplete"
-    assert stored.to_dict()["trioserve"]["end_cause"] == "shutdown"
+    extension: Any = stored.to_dict()["trioserve"]  # (trioserve's own field)
+    assert extension["end_cause"] == "shutdown"
     if signum == signal.SIGKILL:
         (end,) = beyond
         assert (end.type, end.sequence_number) == ("response.incomplete", kept + 6)
