@@ -21,6 +21,7 @@ stopped (the key's quota).
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from ._stream_log import StreamLog
 
 __all__ = ["BATCH_EVENTS", "BATCH_SECONDS", "EventRecorder", "StoredReplay", "replay_log", "stored_replay"]
 
+logger = logging.getLogger("trioserve.responses")
 
 #: a batch is written once it holds this many events…
 BATCH_EVENTS = 64
@@ -90,10 +92,14 @@ class EventRecorder:
             await self.flush()
 
     async def close(self) -> None:
-        """The stream ended (its task is done): write what is left (call it shielded)."""
-        await self.flush()
-        if self.stopped in STOPPED and not self._noted:
-            await self._note()
+        """The stream ended (its task is done): write what is left (call it shielded).
+        Never raises: its response's end is stored next, whatever happened here."""
+        try:
+            await self.flush()
+            if self.stopped in STOPPED and not self._noted:
+                await self._note()
+        except Exception:
+            logger.exception("response %s: its last events could not be stored", self.response_id)
 
     async def flush(self) -> None:
         """Write the pending events as one batch (in the store's thread)."""
