@@ -204,10 +204,10 @@ async def test_a_background_response_whose_result_cannot_be_stored_records_its_f
     if not failure_stored:
         put = store.put
 
-        def put_but_the_failure(response: StoredResponse) -> None:
+        def put_but_the_failure(response: StoredResponse, *, streamed: bool = False) -> None:
             if response.status == "failed":  # (as SQLite says it: no room for it either)
                 raise sqlite3.OperationalError("database or disk is full")
-            put(response)
+            put(response, streamed=streamed)
 
         monkeypatch.setattr(store, "put", put_but_the_failure)
     try:

@@ -56,6 +56,7 @@ from ._accounting import ENDPOINTS as ENDPOINT_PATHS
 from ._accounting import log_request
 from ._detach import DetachController, DetachedStream, log_sink
 from ._errors import renderer
+from ._event_store import EventRecorder
 from ._exchange import (
     Exchange,
     Receive,
@@ -397,11 +398,19 @@ class GenerationHandler:
         job = stream.job
         assert job is not None
         log = stream.log
+        service = self.state.responses
+        recorder = None
+        if background is not None and service is not None:
+            # (its events kept in the store as they come, in batches: _event_store)
+            recorder = EventRecorder(service, background.turn.id, background.owner)
+            log.on_event = recorder.add
 
         async def serve() -> None:
             with unwrap_group():
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(DetachController(detached, stream).run)
+                    if recorder is not None:
+                        nursery.start_soon(recorder.run)
                     try:
                         await self._run(job, _never_disconnects, spec, body, entry, ask, detached=True)
                     finally:
@@ -413,8 +422,11 @@ class GenerationHandler:
             logger.exception("detached stream %s failed", job.exchange.request_id)
         finally:
             with trio.CancelScope(shield=True):
-                if background is not None and self.state.responses is not None:
-                    await self.state.responses.settle(background)
+                if recorder is not None:
+                    log.on_event = None
+                    await recorder.close()  # (its last events, before its end is stored)
+                if background is not None and service is not None:
+                    await service.settle(background)
                     background.done.set()
             if not log.closed:  # (readers wait for the end: it is always written)
                 if not log.head_set.is_set():
@@ -557,7 +569,7 @@ class GenerationHandler:
         job_request.model = entry.name
         job_request.cancel_scope.deadline = request.cancel_scope.deadline
         job = BackgroundJob(turn, owner, queued, job_request)
-        if not await service.record(turn, owner, queued):
+        if not await service.record(turn, owner, queued, streamed=stream is not None):
             if stream is not None and detached is not None:
                 detached.drop(stream)
             # nothing could be polled: refused before any generation (the log says why)

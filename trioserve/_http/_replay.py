@@ -19,12 +19,13 @@ import uuid
 from .._core._exceptions import InvalidRequestError, NotFoundError, TrioserveError
 from .._wire import encode_json
 from ._access import AccessPolicy, key_salt
+from ._event_store import replay_log, stored_replay
 from ._exchange import Exchange, Receive, Scope, Send, _header
 from ._following import follow
 from ._request import InFlightRequest
 from ._state import ServerState
 from ._stored import check_include, missing_response
-from ._stream_log import BadOffset, OffsetLost
+from ._stream_log import BadOffset, Cursor, OffsetLost, StreamLog
 
 __all__ = ["STREAM_PATH", "ReplayHandler", "ResponsesReplay", "render_llama_error", "response_stream_id"]
 
@@ -148,9 +149,9 @@ def _sequence_number(text: str, name: str) -> int:
 class ResponsesReplay:
     """``GET /v1/responses/{id}?stream=true``: one reader of a background response's
     stream (``background`` + ``stream``), after a sequence number. The events come from
-    its in-memory log, kept ``--detach-timeout`` seconds after its end; replaying from
-    the store once the log is gone (or after a restart) is not built: such a response is
-    a 400 naming ``stream``, its object still readable whole."""
+    its in-memory log while it runs and ``--detach-timeout`` seconds after its end; once
+    the log is gone (dropped, or the server restarted), from the store
+    (:func:`~._event_store.stored_replay`)."""
 
     def __init__(self, state: ServerState, access: AccessPolicy | None = None) -> None:
         self.state = state
@@ -179,39 +180,68 @@ class ResponsesReplay:
             detached = self.state.detached
             stream = None if detached is None else detached.get(reader.owner, response_id)
             if stream is None or not stream.background:
+                # no live log (it was dropped after its end, or the server restarted):
+                # its events as the store keeps them
                 if await service.get(response_id, reader.owner) is None:
                     raise missing_response(response_id)
-                raise InvalidRequestError(
-                    f"the response {response_id!r} has no stream to resume: only a response created "
-                    "with background: true and stream: true can be streamed again, and only while "
-                    "this server keeps its events (--detach-timeout seconds after its end, not across a "
-                    "restart); read it whole without stream",
-                    param="stream",
-                )
-            log = stream.log
-            last = log.next_id - 1
-            if after is not None and after >= last and log.finished and last_event is not None:
-                # past the last event of a finished stream: 204 stops an EventSource's
-                # reconnecting (the SSE standard)
-                await exchange.start(204, [])
-                await exchange.body(b"", more=False)
-                return
-            if after is not None and after > last and not log.finished:
-                name = "Last-Event-ID" if last_event is not None else "starting_after"
-                raise InvalidRequestError(
-                    f"{name} {after} is past the stream's last event so far ({last})", param=name
-                )
-            try:
-                cursor = log.attach(0) if after is None else log.attach_after(after)
-            except (OffsetLost, BadOffset):
-                raise InvalidRequestError(
-                    f"the events after sequence_number {after} are no longer kept (a stream keeps its "
-                    f"last {log.max_events} events once read): resume from a later one, or read the "
-                    "response whole without stream",
-                    param="Last-Event-ID" if last_event is not None else "starting_after",
-                ) from None
+                by_header = last_event is not None
+                replay = await stored_replay(service, response_id, reader.owner, after, by_header=by_header)
+                if replay is None:
+                    raise InvalidRequestError(
+                        f"the response {response_id!r} has no stream to resume: only a response created "
+                        "with background: true and stream: true can be streamed again; read it whole "
+                        "without stream",
+                        param="stream",
+                    )
+                if replay.past_end and by_header:
+                    await exchange.start(204, [])
+                    await exchange.body(b"", more=False)
+                    return
+                log = replay_log(replay.body)
+                cursor: Cursor | None = log.attach(0)
+                head: tuple[int, list[tuple[bytes, bytes]]] | None = (200, list(_SSE_HEADERS))
+            else:
+                head = None  # (the job's own: a response refused before its stream began relays its error)
+                log, cursor = await self._live(exchange, stream.log, after, last_event)
+                if cursor is None:
+                    return
         except TrioserveError as exc:
             await exchange.error(exc)
             return
-        # (the job's own head: a response refused before its stream began relays its error)
-        await follow(reader, log, cursor, receive, stall_timeout=self.state.stall_timeout, job_id=response_id)
+        assert cursor is not None
+        await follow(
+            reader,
+            log,
+            cursor,
+            receive,
+            stall_timeout=self.state.stall_timeout,
+            head=head,
+            job_id=response_id,
+        )
+
+    @staticmethod
+    async def _live(
+        exchange: Exchange, log: StreamLog, after: int | None, last_event: str | None
+    ) -> tuple[StreamLog, Cursor | None]:
+        """A cursor on the live log after ``after`` (``None``: a 204 went out)."""
+        last = log.next_id - 1
+        if after is not None and after >= last and log.finished and last_event is not None:
+            # past the last event of a finished stream: 204 stops an EventSource's
+            # reconnecting (the SSE standard)
+            await exchange.start(204, [])
+            await exchange.body(b"", more=False)
+            return log, None
+        if after is not None and after > last and not log.finished:
+            name = "Last-Event-ID" if last_event is not None else "starting_after"
+            raise InvalidRequestError(
+                f"{name} {after} is past the stream's last event so far ({last})", param=name
+            )
+        try:
+            return log, log.attach(0) if after is None else log.attach_after(after)
+        except (OffsetLost, BadOffset):
+            raise InvalidRequestError(
+                f"the events after sequence_number {after} are no longer kept (a stream keeps its "
+                f"last {log.max_events} events once read): resume from a later one, or read the "
+                "response whole without stream",
+                param="Last-Event-ID" if last_event is not None else "starting_after",
+            ) from None

@@ -7,11 +7,18 @@ kept by triggers in the transaction of each write (``usage``, ``totals``); evict
 reads a key's oldest rows through an ``(owner, created)`` index. One key never evicts
 another key's responses: a write over the key's quota, or over the total, removes that
 key's oldest; a response that still does not fit is refused (:class:`StoreFullError`).
+
+A ``background`` + ``stream`` response's events (docs/resumable-streams.md, "Across a
+restart") are kept beside it in ``response_events``, a row per batch of consecutive
+events (``first_seq`` to ``last_seq``, their SSE blocks as readers received them): their
+bytes are counted in the response's ``size`` (so in its key's quota, the total and its
+eviction), and they go with it (a trigger).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import threading
 import time
@@ -20,7 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ChainError", "ResponseStore", "StoreFullError", "StoredResponse"]
+from .._wire import encode_json
+
+__all__ = [
+    "ChainError",
+    "EventBatch",
+    "ResponseStore",
+    "StoreFullError",
+    "StoredEvents",
+    "StoredResponse",
+    "event_type",
+    "terminal_event",
+]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -65,6 +83,18 @@ CREATE TRIGGER IF NOT EXISTS responses_recounted AFTER UPDATE OF owner, size ON 
         ON CONFLICT (owner) DO UPDATE SET bytes = bytes + NEW.size, rows = rows + 1;
     UPDATE totals SET bytes = bytes - OLD.size + NEW.size;
 END;
+CREATE TABLE IF NOT EXISTS response_events (
+    response_id TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    first_seq INTEGER NOT NULL,
+    last_seq INTEGER NOT NULL,
+    data BLOB NOT NULL,
+    note TEXT,
+    PRIMARY KEY (response_id, first_seq)
+);
+CREATE TRIGGER IF NOT EXISTS responses_events_go AFTER DELETE ON responses BEGIN
+    DELETE FROM response_events WHERE response_id = OLD.id;
+END;
 """
 
 #: a database made before the counters: counted once, at open
@@ -78,7 +108,8 @@ _UPSERT = (
     "owner = excluded.owner, created = excluded.created, model = excluded.model, "
     "previous_id = excluded.previous_id, status = excluded.status, instructions = excluded.instructions, "
     "input_items = excluded.input_items, output_items = excluded.output_items, body = excluded.body, "
-    "size = excluded.size"
+    "size = excluded.size + (SELECT COALESCE(SUM(LENGTH(data)), 0) FROM response_events "
+    "WHERE response_id = excluded.id)"
 )
 
 
@@ -97,6 +128,55 @@ class StoredResponse:
     previous_id: str | None = None
     instructions: str | None = None
     created: float = field(default_factory=time.time)
+
+
+#: ``response_events.note``: the first row of a response that streams (no events, its
+#: range empty), a final event a restart appended, and why its events stopped being kept
+STREAM, RESTART = "stream", "restart"
+STOPPED = frozenset({"quota", "error"})
+
+#: the events that end a Responses stream
+TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+_EVENT_LINE = re.compile(rb"^event: ([^\n]*)$", re.MULTILINE)
+
+
+def event_type(block: bytes) -> str | None:
+    """The ``event:`` of one SSE block."""
+    found = _EVENT_LINE.search(block)
+    return found.group(1).decode() if found is not None else None
+
+
+def terminal_event(kind: str, response: dict[str, Any], sequence: int) -> bytes:
+    """A ``response.*`` event block (``id:`` = its ``sequence_number``) carrying
+    ``response``, as the live stream writes one."""
+    payload = encode_json({"type": kind, "response": response, "sequence_number": sequence})
+    return b"id: %d\nevent: %s\ndata: %s\n\n" % (sequence, kind.encode(), payload)
+
+
+@dataclass(slots=True)
+class EventBatch:
+    """A row of ``response_events``: events ``first`` to ``last`` (their SSE blocks, in
+    ``data``), or a note with no events."""
+
+    first: int
+    last: int
+    data: bytes
+    note: str | None
+
+    def blocks(self) -> list[bytes]:
+        """Its events' blocks, one per sequence number (each ends with a blank line, and
+        no data line holds a raw newline: ``_wire.number_events``)."""
+        return [block + b"\n\n" for block in self.data.split(b"\n\n")[:-1]]
+
+
+@dataclass(slots=True)
+class StoredEvents:
+    """A stored response and the rows of its events a replay after a sequence number
+    needs: those past it, the last events row, and the notes."""
+
+    response: StoredResponse
+    batches: list[EventBatch]
 
 
 class ChainError(LookupError):
@@ -182,10 +262,11 @@ class ResponseStore:
             row = self._db.execute("SELECT bytes, rows FROM usage WHERE owner = ?", (owner,)).fetchone()
         return (int(row[0]), int(row[1])) if row is not None else (0, 0)
 
-    def put(self, response: StoredResponse) -> None:
+    def put(self, response: StoredResponse, *, streamed: bool = False) -> None:
         """Store (or replace: a background response's status moves on) ``response``;
         the expired go, then its key's oldest until its quota and the total are kept.
-        :class:`StoreFullError` (nothing changed) if it cannot fit that way."""
+        :class:`StoreFullError` (nothing changed) if it cannot fit that way. ``streamed``:
+        its events will be kept (:meth:`append_events`); its size keeps theirs."""
         values = (
             response.id,
             response.owner,
@@ -206,8 +287,62 @@ class ResponseStore:
             )
         with self._lock, self._db:
             self._db.execute(_UPSERT, (*values, size))
+            if streamed:
+                self._db.execute(
+                    "INSERT OR IGNORE INTO response_events VALUES (?, ?, -1, -1, x'', ?)",
+                    (response.id, owner, STREAM),
+                )
             self._db.execute("DELETE FROM responses WHERE created < ?", (self._clock() - self.max_age,))
             self._evict(owner, response.id)
+
+    def append_events(self, response_id: str, owner: str, first: int, last: int, data: bytes) -> bool:
+        """Keep events ``first`` to ``last`` of a streamed response (their blocks, in
+        ``data``), counted in its size: its key's oldest others go while the key is over
+        its quota or the total over its bound. :class:`StoreFullError` (nothing changed)
+        if they cannot fit; ``False`` (nothing written) if the response is gone."""
+        with self._lock, self._db:
+            row = self._db.execute(
+                "SELECT size FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
+            ).fetchone()
+            if row is None:
+                return False
+            if row[0] + len(data) > self.quota(owner):
+                raise StoreFullError(
+                    f"the response and its events would be larger than the {self.quota(owner)} bytes "
+                    "one key may store"
+                )
+            self._db.execute(
+                "INSERT INTO response_events VALUES (?, ?, ?, ?, ?, NULL)",
+                (response_id, owner, first, last, data),
+            )
+            self._db.execute("UPDATE responses SET size = size + ? WHERE id = ?", (len(data), response_id))
+            self._evict(owner, response_id)
+        return True
+
+    def stop_events(self, response_id: str, owner: str, next_seq: int, reason: str) -> None:
+        """Note that a streamed response's events from ``next_seq`` on are not kept, and
+        why (``quota``, ``error``): a replay ends there with an error that says so."""
+        with self._lock, self._db:
+            self._db.execute(
+                "INSERT OR IGNORE INTO response_events SELECT id, owner, ?, ?, x'', ? FROM responses "
+                "WHERE id = ? AND owner = ?",
+                (next_seq, next_seq - 1, reason, response_id, owner),
+            )
+
+    def events(self, response_id: str, owner: str, after: int = -1) -> StoredEvents | None:
+        """A stored response and the rows a replay of its events after sequence number
+        ``after`` needs (ordered; none: it does not stream), or ``None``."""
+        response = self.get(response_id, owner)
+        if response is None:
+            return None
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT first_seq, last_seq, data, note FROM response_events WHERE response_id = ? "
+                "AND owner = ? AND (last_seq > ? OR note IS NOT NULL OR first_seq = (SELECT MAX(first_seq) "
+                "FROM response_events WHERE response_id = ? AND data != x'')) ORDER BY first_seq",
+                (response_id, owner, after, response_id),
+            ).fetchall()
+        return StoredEvents(response, [EventBatch(r[0], r[1], bytes(r[2]), r[3]) for r in rows])
 
     def _evict(self, owner: str, keep: str) -> None:
         """The writing key's oldest responses (never ``keep``, never another key's) until
@@ -239,16 +374,45 @@ class ResponseStore:
     def settle_unfinished(self) -> int:
         """Background responses a killed process left ``queued`` or ``in_progress``:
         stored ``incomplete`` with cause ``shutdown`` (a client polling them must see
-        an end); how many."""
+        an end), a streamed one's events ended by a ``response.incomplete`` event (a
+        client resuming it must too); how many."""
         cause = json.dumps(
             {"end_cause": "shutdown", "message": "the server stopped before this response was complete"}
         )
         with self._lock, self._db:
-            return self._db.execute(
+            # (its size follows its body: the counters stay true)
+            settled = self._db.execute(
                 "UPDATE responses SET status = 'incomplete', body = json_set(body, '$.status', "
-                "'incomplete', '$.trioserve', json(?)) WHERE status IN ('queued', 'in_progress')",
+                "'incomplete', '$.trioserve', json(?1)), size = size - LENGTH(body) + LENGTH(json_set("
+                "body, '$.status', 'incomplete', '$.trioserve', json(?1))) "
+                "WHERE status IN ('queued', 'in_progress') RETURNING id, body",
                 (cause,),
-            ).rowcount
+            ).fetchall()
+            for response_id, body in settled:
+                self._end_events(response_id, json.loads(body))
+        return len(settled)
+
+    def _end_events(self, response_id: str, body: dict[str, Any]) -> None:
+        """A streamed response the restart cut: its events end with a final
+        ``response.incomplete`` (the settled object, the next sequence number), unless
+        they ended already or stopped being kept."""
+        last = self._db.execute(
+            "SELECT owner, last_seq, data, note FROM response_events WHERE response_id = ? "
+            "ORDER BY first_seq DESC LIMIT 1",
+            (response_id,),
+        ).fetchone()
+        if last is None or last[3] in STOPPED:
+            return  # (not a stream, or its events stopped: a replay says why)
+        blocks = EventBatch(0, 0, bytes(last[2]), None).blocks()
+        if blocks and event_type(blocks[-1]) in TERMINAL:
+            return  # (its end was kept before the process died)
+        sequence = last[1] + 1
+        data = terminal_event("response.incomplete", body, sequence)
+        self._db.execute(
+            "INSERT INTO response_events VALUES (?, ?, ?, ?, ?, ?)",
+            (response_id, last[0], sequence, sequence, data, RESTART),
+        )
+        self._db.execute("UPDATE responses SET size = size + ? WHERE id = ?", (len(data), response_id))
 
     def get(self, response_id: str, owner: str) -> StoredResponse | None:
         """The response, if it exists and belongs to ``owner`` (else ``None``: another

@@ -163,15 +163,17 @@ class StoredResponses:
             body["error"] = self.degraded
         return body
 
-    def _failed(self, response_id: str, kind: StoreFailure, exc: BaseException) -> None:
+    def failed(
+        self, response_id: str, kind: StoreFailure, exc: BaseException, what: str = "its answer is sent"
+    ) -> None:
+        """A write for ``response_id`` failed: logged (``what`` goes on all the same),
+        counted (``error``: the store is degraded)."""
         self.failures += 1
         if kind == "error":
             self.degraded = f"{type(exc).__name__}: {exc}"
-            logger.error(
-                "response %s could not be stored (its answer is sent): %s", response_id, self.degraded
-            )
+            logger.error("response %s could not be stored (%s): %s", response_id, what, self.degraded)
         else:
-            logger.warning("response %s not stored (its answer is sent): %s", response_id, exc)
+            logger.warning("response %s not stored (%s): %s", response_id, what, exc)
         if self.on_failure is not None:
             self.on_failure(kind)
 
@@ -206,9 +208,12 @@ class StoredResponses:
             history += response.output_items
         return StoredContext(history=tuple(history), response_id=response_id, previous_id=previous_id)
 
-    async def record(self, turn: StoredTurn, owner: str, body: dict[str, Any] | None = None) -> bool:
+    async def record(
+        self, turn: StoredTurn, owner: str, body: dict[str, Any] | None = None, *, streamed: bool = False
+    ) -> bool:
         """Store ``turn`` with ``body`` (by default the last response object its dialect
-        wrote); whether it was stored. A failed write (the database or its disk: the
+        wrote; ``streamed``: its events will be kept, :mod:`._event_store`); whether it
+        was stored. A failed write (the database or its disk: the
         store is degraded until a write succeeds; or no room: :class:`StoreFullError`)
         is logged and counted, never raised: a finished answer is sent all the same."""
         if body is None:
@@ -228,12 +233,12 @@ class StoredResponses:
             instructions=turn.instructions,
         )
         try:
-            await self.store.run(self.store.store.put, response)
+            await self.store.run(self.store.store.put, response, streamed=streamed)
         except StoreFullError as exc:
-            self._failed(turn.id, "full", exc)
+            self.failed(turn.id, "full", exc)
             return False
         except (sqlite3.Error, OSError) as exc:
-            self._failed(turn.id, "error", exc)
+            self.failed(turn.id, "error", exc)
             return False
         self.degraded = None
         self.unstored.pop(turn.id, None)  # (the store has it now)
@@ -298,10 +303,11 @@ class StoredResponses:
 
     async def get(self, response_id: str, owner: str) -> dict[str, Any] | None:
         """The response object as it stands (a running background response's status
-        is read live; one whose end could not be stored, its end as remembered), or
-        ``None``."""
+        is read live until its end is stored — a client that read a stream's last event
+        reads its end, though its job is still writing its last events; one whose end
+        could not be stored, its end as remembered), or ``None``."""
         job = self.jobs.get(response_id)
-        if job is not None and job.owner == owner:
+        if job is not None and job.owner == owner and not job.stored:
             body = dict(job.queued)
             request = job.request
             if request is not None and request.choices:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 import trio
 
@@ -95,6 +96,9 @@ class StreamLog:
         self.readers = 0
         #: the producer is blocked in :meth:`append`: the window is full and cannot slide
         self.waiting = False
+        #: called with each event as it is numbered (its id, its block): a stored
+        #: response's events are kept so (``_event_store.EventRecorder.add``)
+        self.on_event: Callable[[int, bytes], None] | None = None
         self._entries: deque[tuple[int | None, int, bytes]] = deque()  # (id, offset, bytes)
         self._events = 0  # numbered entries held
         self._first_id = 0  # the oldest id held: the number of events dropped
@@ -156,7 +160,7 @@ class StreamLog:
         if self.finished:
             raise RuntimeError("the stream's log has ended")
         retry = self.retry_ms if self.next_id == 0 else None
-        entries, offset = self._entries, self.total_bytes
+        entries, offset, on_event = self._entries, self.total_bytes, self.on_event
         blocks = (
             number_events(data, self.next_id, retry_ms=retry) if self._sse else [(None, data)] * bool(data)
         )
@@ -166,6 +170,8 @@ class StreamLog:
             if event_id is not None:
                 self._events += 1
                 self.next_id = event_id + 1
+                if on_event is not None:
+                    on_event(event_id, block)
         self.held_bytes += offset - self.total_bytes
         self.total_bytes = offset
         if last:
