@@ -79,6 +79,12 @@ def parse_args() -> Any:
     p = cli.parser(__doc__, ((TS, LS), (TS, LS)), threads=2, ctx_size=32768, max_tokens=16)
     cli.option(p, "--lengths", "4096,8192,16384,28672", "prompt lengths in tokens (the cold prompt's)")
     cli.option(p, "--idle-cap", 60.0, "seconds to wait for every server's CPU to be idle")
+    cli.option(
+        p,
+        "--trioserve-flags",
+        "",
+        "more flags for trioserve and its cache-off reference (e.g. '--no-swa-full --cache-type-k q8_0')",
+    )
     p.add_argument(
         "--no-exactness", action="store_true", help="skip the trioserve --no-prompt-cache references"
     )
@@ -224,9 +230,10 @@ def measure(
 def start(name: str, model: Path, logs: Path, args: Any) -> servers.Server:
     template = logs / "gemma.jinja"
     template.write_text(GEMMA_TEMPLATE)
+    ours = args.trioserve_flags.split()
     extra = {
-        TS: ["--slots", "1"],
-        NO_CACHE: ["--slots", "1", "--no-prompt-cache"],
+        TS: ["--slots", "1", *ours],
+        NO_CACHE: ["--slots", "1", "--no-prompt-cache", *ours],
         LS: ["-np", "1", "-c", str(args.ctx_size), "--jinja", "--chat-template-file", str(template)],
     }[name]
     return servers.Server.start(name, model, logs, threads=args.threads, ctx_size=args.ctx_size, extra=extra)
@@ -234,7 +241,8 @@ def start(name: str, model: Path, logs: Path, args: Any) -> servers.Server:
 
 def run(args: Any) -> dict[str, Any]:
     model, args.warnings = cli.resolve_model(args), []
-    cfg = cli.environment(model, **cli.pick(args, "contestants threads ctx_size max_tokens lengths"))
+    picked = cli.pick(args, "contestants threads ctx_size max_tokens lengths trioserve_flags")
+    cfg = cli.environment(model, **picked)
     cfg["logit_bias"], cfg["commands"] = BAN["logit_bias"], {}
     requests: list[dict[str, Any]] = []
     prompts: dict[int, str] = {}  # (each length's first user message, once: the JSON keeps turns after it)
