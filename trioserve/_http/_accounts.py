@@ -47,6 +47,9 @@ _FIELDS = frozenset(
         "concurrency",
         "tokens_per_minute",
         "requests_per_minute",
+        "detach_streams",
+        "detach_timeout",
+        "detach_log_kib",
     }
 )
 
@@ -70,6 +73,14 @@ class Account:
     concurrency: int | None = None
     tokens_per_minute: int | None = None
     requests_per_minute: int | None = None
+    #: its resumable streams (``X-Conversation-Id``; docs/resumable-streams.md), each
+    #: ``None`` for the server's flag: how many it keeps at once (``--detach-per-key``;
+    #: 0: none, the header is refused), how long one goes without a reader and a
+    #: finished one's log is kept (``--detach-timeout``, seconds: never longer), and
+    #: its log's window (``--detach-log-kib``: never larger)
+    detach_streams: int | None = None
+    detach_timeout: float | None = None
+    detach_log_kib: int | None = None
 
 
 @dataclass(frozen=True)
@@ -123,9 +134,17 @@ def _account(table: Mapping[str, object], where: str, base: Account, digest: byt
     if min_priority is not None and priority < min_priority:
         raise ValueError(f"{where}: priority {priority} is better than its min_priority {min_priority}")
 
-    def limit(field: str) -> int | None:
-        value = _int(table, field, where, low=1)
+    def limit(field: str, low: int = 1) -> int | None:
+        value = _int(table, field, where, low=low)
         return getattr(base, field) if field not in table else value
+
+    detach_timeout = table.get("detach_timeout", base.detach_timeout)
+    if detach_timeout is not None and (
+        isinstance(detach_timeout, bool)
+        or not isinstance(detach_timeout, int | float)
+        or not 0 < detach_timeout < math.inf
+    ):
+        raise ValueError(f"{where}: detach_timeout must be seconds, more than 0, got {detach_timeout!r}")
 
     return Account(
         name=name,
@@ -137,6 +156,9 @@ def _account(table: Mapping[str, object], where: str, base: Account, digest: byt
         concurrency=limit("concurrency"),
         tokens_per_minute=limit("tokens_per_minute"),
         requests_per_minute=limit("requests_per_minute"),
+        detach_streams=limit("detach_streams", low=0),
+        detach_timeout=None if detach_timeout is None else float(detach_timeout),
+        detach_log_kib=limit("detach_log_kib"),
     )
 
 

@@ -10,8 +10,14 @@ timer runs (cause ``detach_timeout``); with no reader and a full log (the job pa
 the log's backpressure) it parks the job after ``park_after`` seconds — its lease set
 aside until a reader is back (:meth:`~trioserve._core._lease.SlotLease.set_aside`) —
 and yields its slot at once to any waiter (parked, or if it cannot park, ended with
-cause ``evicted``). Event-driven: it wakes on the log's changes and its own timers,
-never on a poll.
+cause ``evicted``); while a reader waits on a silent log (the job parked and queued for
+a slot again, a long prefill after a resume, a slow model) it writes the dialect's
+keep-alive into the log every ``--heartbeat-interval``. Event-driven: it wakes on the
+log's changes and its own timers, never on a poll.
+
+A key's entry in the keys file bounds its own streams (``detach_streams``,
+``detach_timeout``, ``detach_log_kib``; :func:`keys_refusal` holds a file to the
+server's flags); a stream keeps the bounds it was opened with.
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ from typing import TYPE_CHECKING, Literal
 
 import trio
 
-from .._core._exceptions import InvalidRequestError, OverloadedError
+from .._core._exceptions import InvalidRequestError, OverloadedError, PermissionDeniedError
+from ._request import Phase
 from ._stream_log import StreamLog
 
 if TYPE_CHECKING:
     from .._core._lease import SlotLease
+    from ._accounts import Account, KeysFile
     from ._exchange import Message, Send
     from ._request import InFlightRequest
 
@@ -38,6 +46,7 @@ __all__ = [
     "DetachSettings",
     "DetachedStream",
     "DetachedStreams",
+    "keys_refusal",
     "log_sink",
     "open_detached_streams",
 ]
@@ -65,6 +74,39 @@ class DetachSettings:
     max_streams: int = 64
     per_key: int = 8
 
+    def of(self, account: Account | None) -> tuple[int, float, int]:
+        """``account``'s bounds: its streams at once, its detach timeout (seconds) and
+        its log's bytes — its keys-file fields where it has them, else the flags'."""
+        if account is None:
+            return self.per_key, self.timeout, self.log_bytes
+        streams, seconds, kib = account.detach_streams, account.detach_timeout, account.detach_log_kib
+        return (
+            self.per_key if streams is None else streams,
+            self.timeout if seconds is None else min(self.timeout, seconds),
+            self.log_bytes if kib is None else min(self.log_bytes, kib * 1024),
+        )
+
+
+def keys_refusal(keys: KeysFile, settings: DetachSettings | None) -> str | None:
+    """Why ``keys`` cannot be used with these flags (``None``: it can): a key's
+    ``detach_timeout`` or ``detach_log_kib`` over the server's — a key's may only be
+    shorter or smaller (the flags bound what one stream may hold, for every key)."""
+    if settings is None:
+        return None  # (--detach-max 0: nothing is detached, the fields mean nothing)
+    for account, where in ((keys.defaults, "[defaults]"), *((a, f"[[key]] {a.name}") for a in keys.accounts)):
+        if account.detach_timeout is not None and account.detach_timeout > settings.timeout:
+            return (
+                f"{where}: detach_timeout {account.detach_timeout:g} is over the server's --detach-timeout "
+                f"{settings.timeout:g}: a key's may only be shorter (raise the flag, or lower the field)"
+            )
+        kib = account.detach_log_kib
+        if kib is not None and kib * 1024 > settings.log_bytes:
+            return (
+                f"{where}: detach_log_kib {kib} is over the server's --detach-log-kib "
+                f"{settings.log_bytes // 1024}: a key's window may only be smaller"
+            )
+    return None
+
 
 class DetachedStream:
     """One detachable stream: its log, its job and whether someone reads it."""
@@ -80,9 +122,10 @@ class DetachedStream:
         "reader_back",
         "state",
         "stopped",
+        "timeout",
     )
 
-    def __init__(self, owner: str, conversation_id: str, log: StreamLog) -> None:
+    def __init__(self, owner: str, conversation_id: str, log: StreamLog, timeout: float = 300.0) -> None:
         self.owner = owner
         self.conversation_id = conversation_id
         self.log = log
@@ -99,6 +142,9 @@ class DetachedStream:
         #: a background Responses stream (``background`` + ``stream``), keyed by its
         #: response id and resumed by sequence number (``GET /v1/responses/{id}``)
         self.background = False
+        #: seconds without a reader before it ends (cause ``detach_timeout``), and that
+        #: its log is kept after its end: its key's ``detach_timeout``, else the flag's
+        self.timeout = timeout
 
     @property
     def lease(self) -> SlotLease | None:
@@ -112,9 +158,14 @@ class DetachedStream:
 class DetachedStreams:
     """The detachable streams of a server, by (owner, conversation id)."""
 
-    def __init__(self, settings: DetachSettings, nursery: trio.Nursery) -> None:
+    def __init__(
+        self, settings: DetachSettings, nursery: trio.Nursery, heartbeat_interval: float | None = None
+    ) -> None:
         self.settings = settings
         self.nursery = nursery
+        #: a reader waiting on a silent log gets a keep-alive this often (the server's
+        #: ``--heartbeat-interval``; ``None``: never)
+        self.heartbeat_interval = heartbeat_interval
         self.streams: dict[tuple[str, str], DetachedStream] = {}
 
     def __len__(self) -> int:
@@ -132,11 +183,34 @@ class DetachedStreams:
                 found.append(stream)
         return found
 
-    def open(self, owner: str, conversation_id: str) -> DetachedStream:
-        """A new stream for (owner, id): a running one of that id is superseded
-        (cancelled, its log dropped). Bounded: per key (its oldest finished log dropped
-        first; all running: 429 naming ``detach_streams``) and server-wide (429)."""
+    def of_job(self, job: InFlightRequest) -> DetachedStream | None:
+        """The stream ``job`` writes (``GET /v1/requests``; at most ``--detach-max``)."""
+        for stream in self.streams.values():
+            if stream.job is job:
+                return stream
+        return None
+
+    def open(
+        self,
+        owner: str,
+        conversation_id: str,
+        account: Account | None = None,
+        *,
+        param: str = "X-Conversation-Id",
+    ) -> DetachedStream:
+        """A new stream for (owner, id) under ``account``'s bounds: a running one of
+        that id is superseded (cancelled, its log dropped). Bounded: per key (its
+        ``detach_streams`` or ``--detach-per-key``: its oldest finished log dropped
+        first; all running: 429 naming it; 0: 403 naming it and ``param``) and
+        server-wide (429)."""
         settings = self.settings
+        per_key, timeout, log_bytes = settings.of(account)
+        if per_key == 0:
+            raise PermissionDeniedError(
+                "this API key may keep no resumable stream (detach_streams = 0 in the keys file): "
+                f"send the request without {param}",
+                param=param,
+            )
         previous = self.streams.get((owner, conversation_id))
         if previous is not None and previous.background:
             raise InvalidRequestError(
@@ -155,16 +229,18 @@ class DetachedStreams:
             else:
                 self.drop(previous)
         mine = [s for s in self.streams.values() if s.owner == owner]
-        if len(mine) >= settings.per_key:
-            self._drop_oldest_finished(mine, "too_many_detached_streams", settings.per_key)
+        if len(mine) >= per_key:
+            keyed = account is not None and account.detach_streams is not None
+            named = "detach_streams in the keys file" if keyed else "--detach-per-key"
+            self._drop_oldest_finished(mine, "too_many_detached_streams", f"{per_key}: {named}")
         if len(self.streams) >= settings.max_streams:
-            self._drop_oldest_finished(mine, "detach_capacity", settings.max_streams)
-        log = StreamLog(max_events=settings.log_events, max_bytes=settings.log_bytes)
-        stream = DetachedStream(owner, conversation_id, log)
+            self._drop_oldest_finished(mine, "detach_capacity", f"{settings.max_streams}: --detach-max")
+        log = StreamLog(max_events=settings.log_events, max_bytes=log_bytes)
+        stream = DetachedStream(owner, conversation_id, log, timeout)
         self.streams[(owner, conversation_id)] = stream
         return stream
 
-    def _drop_oldest_finished(self, mine: list[DetachedStream], code: str, limit: int) -> None:
+    def _drop_oldest_finished(self, mine: list[DetachedStream], code: str, limit: str) -> None:
         finished = [s for s in mine if s.state == "finished"]
         if not finished:
             what = "this API key's" if code == "too_many_detached_streams" else "the server's"
@@ -230,14 +306,14 @@ class DetachedStreams:
                 # nothing streamed, nothing to resume (or stopped): gone from the
                 # registry at once, its bytes kept until its readers have relayed them
                 self._forget(stream)
-                with trio.move_on_after(self.settings.timeout):
+                with trio.move_on_after(stream.timeout):
                     while log.readers and not stream.dropped:
                         await log.wait_changed()
                 return
             while not stream.dropped:
                 while log.readers and not stream.dropped:
                     await log.wait_changed()
-                with trio.move_on_after(self.settings.timeout) as idle:
+                with trio.move_on_after(stream.timeout) as idle:
                     while not log.readers and not stream.dropped:
                         await log.wait_changed()
                 if idle.cancelled_caught:
@@ -252,6 +328,7 @@ class DetachController:
 
     def __init__(self, streams: DetachedStreams, stream: DetachedStream) -> None:
         self.settings = streams.settings
+        self.heartbeat_interval = streams.heartbeat_interval
         self.stream = stream
 
     async def run(self) -> None:
@@ -278,19 +355,20 @@ class DetachController:
                     self._yield(None)
                     if stream.state != "parked":
                         stream.state = "paused" if log.waiting else "running"
+                    wake = self._keep_alive(now)
                 else:
                     if left_at is None:
                         left_at = now
                         stream.reader_back = trio.Event()
-                    if now >= left_at + settings.timeout:
+                    if now >= left_at + stream.timeout:
                         logger.info(
-                            "request %s: no reader for %.0f s: ended (detach_timeout)",
+                            "request %s: no reader for %g s: ended (detach_timeout)",
                             job.exchange.request_id,
-                            settings.timeout,
+                            stream.timeout,
                         )
                         job.cancel("detach_timeout")
                         return
-                    wake = left_at + settings.timeout
+                    wake = left_at + stream.timeout
                     if log.waiting and stream.state != "parked":
                         stream.state = "paused"
                         if full_since is None:
@@ -308,6 +386,32 @@ class DetachController:
                     await log.wait_changed()
         finally:
             self._yield(None)
+
+    def _keep_alive(self, now: float) -> float:
+        """A reader is attached: if the log has been silent ``heartbeat_interval``
+        seconds, append the dialect's keep-alive (a comment, or Anthropic's ``ping``:
+        no event id, no sequence number). It goes *into* the log, so every reader gets
+        the same bytes at the same offsets (a llama-server client counts the bytes it
+        received for ``from=``). Before the first token the job's own heartbeat writes
+        them; a log that is full (a slow reader has bytes to read) or ended gets none.
+        When to look again."""
+        interval = self.heartbeat_interval
+        log, job = self.stream.log, self.stream.job
+        if (
+            not interval
+            or job is None
+            or job.dialect is None
+            or not Phase.STREAMING <= job.phase < Phase.FINISHING
+            or log.waiting
+            or log.finished
+            or log.closed
+        ):
+            return math.inf
+        due = log.appended_at + interval
+        if now < due:
+            return due
+        log.append_nowait(job.dialect.heartbeat)
+        return now + interval
 
     def _yield(self, lease: SlotLease | None) -> None:
         """Install (or remove) the hook that gives the job's slot to any waiter."""
@@ -371,11 +475,13 @@ def _set_aside(lease: SlotLease | None) -> bool:
 
 
 @contextlib.asynccontextmanager
-async def open_detached_streams(settings: DetachSettings) -> AsyncIterator[DetachedStreams]:
+async def open_detached_streams(
+    settings: DetachSettings, heartbeat_interval: float | None = None
+) -> AsyncIterator[DetachedStreams]:
     """The server's detachable streams and the nursery their jobs and kept logs live
     in; on the way out (after the drain ended every job) the kept logs are dropped."""
     async with trio.open_nursery() as nursery:
-        streams = DetachedStreams(settings, nursery)
+        streams = DetachedStreams(settings, nursery, heartbeat_interval)
         try:
             yield streams
         finally:

@@ -343,7 +343,7 @@ class GenerationHandler:
         reading, never the job."""
         detached = self.state.detached
         assert detached is not None
-        stream = detached.open(request.owner, conversation)
+        stream = detached.open(request.owner, conversation, request.account)
         exchange = Exchange(log_sink(stream.log), request.exchange.request_id, request.exchange.render)
         # (the key's x-ratelimit-* go out on the reader's own exchange, once)
         exchange.extra_headers = [(b"x-conversation-id", conversation.encode())]
@@ -556,7 +556,8 @@ class GenerationHandler:
         large = len(body) > INLINE_PARSE_BYTES
         turn, queued = await off_the_loop_if(large, responses_reply, body, options)
         # (its bounds: a 429 before anything is stored)
-        stream = detached.open(owner, response_id) if detached is not None else None
+        account = request.account
+        stream = None if detached is None else detached.open(owner, response_id, account, param="stream")
         # its own request: its own scope, deadline and log line; nothing to send to,
         # or its stream's log
         send = _nowhere if stream is None else log_sink(stream.log)

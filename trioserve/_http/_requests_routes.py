@@ -15,6 +15,7 @@ from quart_trio import QuartTrio
 from .._core._exceptions import NotFoundError, TrioserveError
 from .._wire import encode_json
 from ._access import AccessPolicy
+from ._detach import DetachedStream, DetachedStreams
 from ._errors import render_error
 from ._exchange import Scope
 from ._generation import key_salt, presented_key
@@ -69,15 +70,23 @@ def paused_by(request: InFlightRequest) -> str | None:
     return None
 
 
-def _describe(request: InFlightRequest) -> dict[str, Any]:
+def _describe(request: InFlightRequest, detached: DetachedStreams | None) -> dict[str, Any]:
     events = request.events
+    phase, paused = phase_of(request), paused_by(request)
+    stream = None if detached is None else detached.of_job(request)
+    if stream is not None:
+        phase, paused = _detached_phase(stream, phase, paused)
     return {
         "id": request.exchange.request_id,
         "object": "request",
         "model": request.model,
         "endpoint": request.kind,
-        "phase": phase_of(request),
-        "paused": paused_by(request),
+        "phase": phase,
+        "paused": paused,
+        # a resumable stream's job (docs/resumable-streams.md): its id (X-Conversation-Id,
+        # or a background response's id) and the readers attached to it now
+        "conversation_id": None if stream is None else stream.conversation_id,
+        "readers": None if stream is None else stream.log.readers,
         "priority": request.ticket.priority if request.ticket is not None else None,
         "key": request.account.name if request.account is not None else None,
         "session": request.session,
@@ -86,6 +95,20 @@ def _describe(request: InFlightRequest) -> dict[str, Any]:
         "prompt_tokens": events.progress.prompt_tokens if events is not None else None,
         "completion_tokens": events.progress.completion_tokens if events is not None else 0,
     }
+
+
+def _detached_phase(stream: DetachedStream, phase: str, paused: str | None) -> tuple[str, str | None]:
+    """A resumable stream's job: ``detached`` while nobody reads it (until it
+    finishes), ``paused`` saying ``log_full`` (its log waits for a reader) or
+    ``parked`` (its slot and cells given up; with a reader attached, it waits for a slot
+    again)."""
+    if stream.state == "parked":
+        paused = "parked"
+    elif stream.state == "paused" and not stream.log.readers:
+        paused = "log_full"
+    if not stream.log.readers and phase not in ("finishing", "done"):
+        return "detached", paused
+    return ("paused" if paused == "parked" else phase), paused
 
 
 def add_request_routes(app: QuartTrio, state: ServerState, access: AccessPolicy | None) -> None:
@@ -117,7 +140,7 @@ def add_request_routes(app: QuartTrio, state: ServerState, access: AccessPolicy 
         owner, admin = caller()
         mine = [r for r in state.requests if admin or r.owner == owner]
         mine.sort(key=lambda r: r.started)
-        return json({"object": "list", "data": [_describe(r) for r in mine]})
+        return json({"object": "list", "data": [_describe(r, state.detached) for r in mine]})
 
     async def cancel(request_id: str) -> Response:
         owner, admin = caller()

@@ -29,7 +29,7 @@ from .._core._errors import unwrap_group
 from .._core._registry import BackendSource, ModelEntry, ModelRegistry, ModelSpec
 from ._access import AccessPolicy
 from ._accounts import Account, Accounts, KeysFile, parse_keys_file
-from ._detach import DetachedStreams, DetachSettings, open_detached_streams
+from ._detach import DetachedStreams, DetachSettings, keys_refusal, open_detached_streams
 from ._generation import FINAL_EVENT_TIMEOUT
 from ._hypercorn_patches import patch_hypercorn_connection_registry, patch_hypercorn_h2_backpressure
 from ._routes import create_app
@@ -174,6 +174,9 @@ class Server:
         http = self.settings.http
         keys_file = self.settings.keys_file
         keys = parse_keys_file(keys_file.read_text()) if keys_file is not None else None
+        refusal = None if keys is None else keys_refusal(keys, self.settings.detach)
+        if refusal is not None:
+            raise ValueError(refusal)
         accounts = Accounts(keys, keys_file)
         if keys is None and (self.settings.api_keys or self.settings.admin_keys):
             # keys without a file: each may lower its priority (0), never raise it
@@ -216,11 +219,17 @@ class Server:
         """Read the keys file again (what ``SIGHUP`` does): its keys, priorities,
         weights and limits hold for the requests to come. A file that fails to parse,
         or that would leave no key where there are keys (unless
-        ``allow_empty_keys_reload``), is refused: logged, the keys in force stay.
+        ``allow_empty_keys_reload``), or whose resumable streams' bounds are over the
+        flags' (:func:`~._detach.keys_refusal`), is refused: logged, the keys in force stay.
         Whether it was replaced."""
         accounts = self.state.accounts
         allow_empty = self.settings.allow_empty_keys_reload
-        if not accounts.reload(lambda keys: self.access.reload_refusal(keys, allow_empty=allow_empty)):
+        detach = self.settings.detach
+
+        def refusal(keys: KeysFile) -> str | None:
+            return self.access.reload_refusal(keys, allow_empty=allow_empty) or keys_refusal(keys, detach)
+
+        if not accounts.reload(refusal):
             return False
         self.access.use(accounts.file)
         return True
@@ -306,7 +315,7 @@ class Server:
         """The detachable streams, unless the settings keep none."""
         if self.settings.detach is None:
             return contextlib.nullcontext()
-        return open_detached_streams(self.settings.detach)
+        return open_detached_streams(self.settings.detach, self.settings.http.heartbeat_interval)
 
     def _stored_responses(self) -> contextlib.AbstractAsyncContextManager[StoredResponses | None]:
         """The stored Responses, if the settings keep any (``responses_db``)."""

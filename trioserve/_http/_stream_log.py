@@ -92,6 +92,8 @@ class StreamLog:
         self.started_at = time.time()
         #: when the last bytes were appended; 0.0 while running
         self.completed_at = 0.0
+        #: ``trio.current_time()`` of the last append (keep-alives are due after it)
+        self.appended_at = 0.0
         #: attached cursors, internal ones not counted
         self.readers = 0
         #: the producer is blocked in :meth:`append`: the window is full and cannot slide
@@ -174,6 +176,7 @@ class StreamLog:
                     on_event(event_id, block)
         self.held_bytes += offset - self.total_bytes
         self.total_bytes = offset
+        self.appended_at = trio.current_time()
         if last:
             self.finished = True
             self.completed_at = time.time()
