@@ -72,6 +72,13 @@ def test_a_keys_file_gives_each_key_its_entry_and_the_rest_the_defaults() -> Non
         ("[[key]]\nkey = 'a'\npriority = 'high'\n", "priority must be an integer"),
         ("[[key]]\nkey = 'a'\npriority = 0\nmin_priority = 3\n", "better than its min_priority"),
         ("[[key]]\nkey = 'a'\nrate = 3\n", "unknown field(s) rate"),
+        ("[[key]]\nkey = 'a'\ndetach_streams = -1\n", "detach_streams must be at least 0, got -1"),
+        ("[[key]]\nkey = 'a'\ndetach_streams = 1.5\n", "detach_streams must be an integer"),
+        ("[[key]]\nkey = 'a'\ndetach_timeout = 0\n", "detach_timeout must be seconds, more than 0"),
+        ("[defaults]\ndetach_timeout = 'long'\n", "[defaults]: detach_timeout must be seconds"),
+        ("[[key]]\nkey = 'a'\ndetach_timeout = true\n", "detach_timeout must be seconds"),
+        ("[[key]]\nkey = 'a'\ndetach_timeout = inf\n", "detach_timeout must be seconds"),
+        ("[[key]]\nkey = 'a'\ndetach_log_kib = 0\n", "detach_log_kib must be at least 1"),
         ("[defaults]\nkey = 'a'\n", "belongs to a [[key]] entry"),
         ("[limits]\n", "unknown table(s) limits"),
         ("key = 3", "key must be an array of tables"),
@@ -81,6 +88,22 @@ def test_a_keys_file_gives_each_key_its_entry_and_the_rest_the_defaults() -> Non
 def test_every_mistake_in_a_keys_file_is_named(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         parse_keys_file(text, {})
+
+
+def test_a_keys_resumable_stream_bounds_come_from_its_entry_else_the_defaults() -> None:
+    keys = parse_keys_file(
+        "[defaults]\ndetach_streams = 2\n\n"
+        "[[key]]\nkey = 'a'\ndetach_streams = 0\ndetach_timeout = 30\ndetach_log_kib = 64\n\n"
+        "[[key]]\nkey = 'b'\ndetach_timeout = 2.5\n\n"
+        "[[key]]\nkey = 'c'\n",
+        {},
+    )
+    a, b, c = keys.accounts
+    assert (a.detach_streams, a.detach_timeout, a.detach_log_kib) == (0, 30.0, 64)
+    assert (b.detach_streams, b.detach_timeout, b.detach_log_kib) == (2, 2.5, None)  # (the defaults')
+    assert (c.detach_streams, c.detach_timeout, c.detach_log_kib) == (2, None, None)
+    assert keys.defaults.detach_streams == 2
+    assert parse_keys_file("", {}).defaults.detach_streams is None  # (the flag's)
 
 
 def test_a_request_asks_for_its_priority_within_what_its_key_allows() -> None:
