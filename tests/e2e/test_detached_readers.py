@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import trio
 
-from trioserve import HTTPSettings
+from trioserve import HTTPSettings, LlamaBackend
 from trioserve._backends._scripted import ScriptedBackend
 from trioserve._core._backend import GenerationProgress, PreparedPrompt
 from trioserve._core._channel import Aborted
@@ -28,6 +28,8 @@ from trioserve._http._request import Phase
 from .._helpers import RawStream, RunningServer, read_events_and_close, start_server, wait_for
 
 SETTINGS = DetachSettings(log_events=512, log_bytes=256 * 1024, park_after=0.2, timeout=30.0)
+#: a window a stream fills at once: nobody reads it, it is parked
+SMALL = DetachSettings(log_events=24, log_bytes=64 * 1024, park_after=0.2, timeout=30.0)
 #: the keep-alive interval of these servers (the server's --heartbeat-interval)
 INTERVAL = 0.05
 ROUTES = {
@@ -205,3 +207,73 @@ async def test_get_requests_shows_a_detached_stream_and_its_readers(
         entries = (await client.get("/v1/requests")).json()["data"]
         assert [(e["conversation_id"], e["readers"]) for e in entries] == [("listed", 0), (None, None)]
         await plain.aclose()
+
+
+async def _entry(client: object, conversation: str) -> dict[str, object]:
+    import httpx
+
+    assert isinstance(client, httpx.AsyncClient)
+    entries = (await client.get("/v1/requests")).json()["data"]
+    (entry,) = [e for e in entries if e["conversation_id"] == conversation]
+    return dict(entry)
+
+
+@pytest.mark.model
+async def test_a_reader_of_a_parked_stream_waiting_for_its_slot_gets_keep_alives(
+    llama_backend: LlamaBackend, nursery: trio.Nursery
+) -> None:
+    """One slot. A stream nobody reads is parked; another request takes the slot; a
+    reader comes back (``from=`` the end): the stream queues for its slot, saying
+    nothing (once the tokens its channel held are out), and the reader gets
+    keep-alives meanwhile (GET /v1/requests: ``paused``,
+    ``parked``, one reader); the slot comes back, and the stream goes on to its end."""
+    running = await start_server(
+        nursery,
+        llama_backend,
+        detach=SMALL,
+        shutdown_grace=0.0,
+        http=HTTPSettings(heartbeat_interval=INTERVAL),
+    )
+    body = {
+        "prompt": "A long story about the sea",
+        "max_tokens": 64,
+        "stream": True,
+        "logit_bias": {"1": -100, "106": -100},  # (no end before the log is full)
+    }
+    try:
+        async with running.client() as client:
+            raw = await RawStream.post(running.url, "/v1/completions", body, {"X-Conversation-Id": "parked"})
+            await read_events_and_close(raw, 2)
+            stream = _stream_of(running, "parked")
+            await wait_for(lambda: stream.state == "parked", limit=60)
+            assert (await _entry(client, "parked"))["phase"] == "detached"
+            assert (await _entry(client, "parked"))["paused"] == "parked"
+            admission = running.engine.admission
+            occupier = await RawStream.post(running.url, "/v1/completions", {**body, "max_tokens": 400})
+            await wait_for(lambda: admission.in_use == 1, limit=30)
+            end = stream.log.total_bytes  # (parked: nothing is written)
+            reader = await _raw_get(running, f"/v1/stream?conv_id=parked&from={end}")
+            await wait_for(lambda: admission.snapshot().queued == 1, limit=30)
+            entry = await _entry(client, "parked")
+            assert (entry["phase"], entry["paused"], entry["readers"]) == ("paused", "parked", 1)
+            # (the tokens its channel held go out first; then it says nothing until
+            # its slot comes back: keep-alives only)
+            with trio.fail_after(30):
+                while reader.received[reader.received.rfind(b"data:") :].count(b": ping\n") < 3:
+                    chunk = await reader.stream.receive_some(65536)
+                    assert chunk
+                    reader.received += chunk
+            assert admission.snapshot().queued == 1  # (still waiting for its slot)
+            await occupier.aclose()  # (the slot goes back to the stream)
+            with trio.fail_after(60):
+                received = await reader.read_until(b"data: [DONE]")
+            await reader.aclose()
+        ids = [int(i) for i in re.findall(rb"^id: (\d+)$", received, re.MULTILINE)]
+        assert ids == list(range(ids[0], ids[0] + len(ids)))
+        job = stream.job
+        assert job is not None
+        assert job.cause == "length"
+        assert stream.parks >= 1
+        await running.wait_idle()
+    finally:
+        running.server.shutdown()
