@@ -93,7 +93,8 @@ def keys_refusal(keys: KeysFile, settings: DetachSettings | None) -> str | None:
     shorter or smaller (the flags bound what one stream may hold, for every key)."""
     if settings is None:
         return None  # (--detach-max 0: nothing is detached, the fields mean nothing)
-    for account, where in ((keys.defaults, "[defaults]"), *((a, f"[[key]] {a.name}") for a in keys.accounts)):
+    entries = [(f"[[key]] #{n} ({a.name})", a) for n, a in enumerate(keys.accounts, 1)]
+    for where, account in [("[defaults]", keys.defaults), *entries]:
         if account.detach_timeout is not None and account.detach_timeout > settings.timeout:
             return (
                 f"{where}: detach_timeout {account.detach_timeout:g} is over the server's --detach-timeout "

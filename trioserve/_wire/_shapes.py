@@ -348,6 +348,9 @@ class RequestInFlight(msgspec.Struct, kw_only=True):
     endpoint: str
     phase: str
     paused: str | None
+    #: a resumable stream's job: its id and the readers attached now (else null)
+    conversation_id: str | None
+    readers: int | None
     priority: int | None
     key: str | None
     session: str | None
