@@ -230,18 +230,20 @@ class DetachedStreams:
             else:
                 self.drop(previous)
         mine = [s for s in self.streams.values() if s.owner == owner]
-        if len(mine) >= per_key:
+        # (a loop: a reload may have lowered the key's bound under what it keeps)
+        while len(mine) >= per_key:
             keyed = account is not None and account.detach_streams is not None
             named = "detach_streams in the keys file" if keyed else "--detach-per-key"
-            self._drop_oldest_finished(mine, "too_many_detached_streams", f"{per_key}: {named}")
-        if len(self.streams) >= settings.max_streams:
-            self._drop_oldest_finished(mine, "detach_capacity", f"{settings.max_streams}: --detach-max")
+            mine.remove(self._drop_oldest_finished(mine, "too_many_detached_streams", f"{per_key}: {named}"))
+        while len(self.streams) >= settings.max_streams:
+            server_wide = f"{settings.max_streams}: --detach-max"
+            mine.remove(self._drop_oldest_finished(mine, "detach_capacity", server_wide))
         log = StreamLog(max_events=settings.log_events, max_bytes=log_bytes)
         stream = DetachedStream(owner, conversation_id, log, timeout)
         self.streams[(owner, conversation_id)] = stream
         return stream
 
-    def _drop_oldest_finished(self, mine: list[DetachedStream], code: str, limit: str) -> None:
+    def _drop_oldest_finished(self, mine: list[DetachedStream], code: str, limit: str) -> DetachedStream:
         finished = [s for s in mine if s.state == "finished"]
         if not finished:
             what = "this API key's" if code == "too_many_detached_streams" else "the server's"
@@ -251,7 +253,9 @@ class DetachedStreams:
                 code=code,
                 retry_after=1,
             )
-        self.drop(min(finished, key=lambda s: s.log.completed_at))
+        oldest = min(finished, key=lambda s: s.log.completed_at)
+        self.drop(oldest)
+        return oldest
 
     def drop(self, stream: DetachedStream) -> None:
         """Forget a stream and close its log (its readers end; a job still writing is

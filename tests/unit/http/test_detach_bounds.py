@@ -72,3 +72,22 @@ async def test_the_registry_answers_a_keys_bounds_by_name(nursery: trio.Nursery)
         streams.open("h", "c1")
     assert server.value.code == "detach_capacity"
     assert "(3: --detach-max, all running)" in server.value.message
+
+
+async def test_a_lowered_bound_drops_enough_finished_logs_and_never_a_running_stream(
+    nursery: trio.Nursery,
+) -> None:
+    """A reload lowered the key's ``detach_streams`` under what it keeps: its next
+    stream drops as many of its finished logs as it takes (oldest first), and is
+    refused while the rest are running."""
+    streams = DetachedStreams(FLAGS, nursery)
+    kept = [streams.open("k", f"c{i}", Account(detach_streams=3)) for i in range(3)]
+    for i, stream in enumerate(kept[:2]):
+        stream.state = "finished"
+        stream.log.completed_at = float(i)
+    streams.open("k", "c3", Account(detach_streams=2))
+    assert [s.conversation_id for s in streams.streams.values()] == ["c2", "c3"]
+    assert all(s.dropped for s in kept[:2])
+    with pytest.raises(OverloadedError):
+        streams.open("k", "c4", Account(detach_streams=1))
+    assert not kept[2].dropped
