@@ -121,7 +121,8 @@ async def test_the_kv_memory_at_load_is_llama_cpp_s_own_figure(
     assert said > 0
     assert abs(memory.bytes / (1 << 20) - said) < 0.011  # (llama.cpp prints two decimals)
     assert stats["kv_cache"] == memory.as_dict()
-    line = f"KV cache: {memory.bytes / (1 << 20):.1f} MiB for 3 slot(s) × 1024 tokens, K type {type_k}, V type {type_v}"
+    mib = memory.bytes / (1 << 20)
+    line = f"KV cache: {mib:.1f} MiB for 3 slot(s) × 1024 tokens, K type {type_k}, V type {type_v}"
     assert line in caplog.text
 
 
@@ -185,10 +186,12 @@ def test_an_unknown_cache_type_is_refused_listing_the_accepted_ones(model_path: 
 def test_a_source_s_host_tier_is_not_reused_by_a_load_of_other_cache_types(model_path: str) -> None:
     source = LlamaSource(_settings(model_path))
     host = source.host_cache()
-    assert host is not None and source.host_cache() is host
+    assert host is not None
+    assert source.host_cache() is host
     source.settings = _settings(model_path, cache_type_k="q8_0", cache_type_v="q8_0")
     other = source.host_cache()
-    assert other is not None and other is not host
+    assert other is not None
+    assert other is not host
     assert other.kv_types == "q8_0/q8_0"
 
 
