@@ -5,7 +5,10 @@ Four servers, one after another, each with ``--slots`` sequences of ``--ctx-size
 tokens on the default GGUF: trioserve with f16 and with q8_0 K and V, llama-server
 (matched: ``-np SLOTS -c SLOTS×CTX --no-kv-unified --no-cache-prompt``) with the same
 two. For each: the KV cache as the server says it (trioserve: ``/health``
-``batch.kv_cache``; llama-server: its ``llama_kv_cache: size = … MiB`` log lines), the
+``batch.kv_cache``; llama-server logs no size at its default verbosity: llama.cpp's own
+``llama_kv_cache: size = … MiB`` lines for a context made with llama-server's settings —
+``swa_full`` off, the sliding-window layers' cache one window per sequence — through the
+same llama.cpp's Python bindings), the
 process's RSS once ready and after the prompts; then ``--prompts`` greedy completions
 of ``--max-tokens`` tokens (the end tokens 1 and 106 banned, so every text has its full
 length), one at a time. The report counts equal texts: q8_0 against f16 (each server),
@@ -67,6 +70,31 @@ def _llama_cpp_kv_mib(log: str) -> float:
     return sum(float(m) for m in re.findall(r"llama_kv_cache: size =\s+([\d.]+) MiB", log))
 
 
+def _llama_server_kv_mib(kind: str, slots: int, ctx_size: int) -> float:
+    """The KV cache llama.cpp allocates for llama-server's context (its log lines)."""
+    import llama_cpp
+
+    from trioserve._backends._llama._settings import KV_CACHE_TYPES
+
+    lines: list[str] = []
+    callback = llama_cpp.llama_log_callback(
+        lambda _level, text, _data: lines.append(text.decode(errors="replace"))
+    )
+    llama_cpp.llama_log_set(callback, None)
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(
+        str(default_model_path(progress=False)).encode(), llama_cpp.llama_model_default_params()
+    )
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx, params.n_seq_max, params.kv_unified = ctx_size * slots, slots, False
+    params.swa_full, params.n_batch, params.n_ubatch = False, 2048, 512  # (llama-server's defaults)
+    params.type_k = params.type_v = KV_CACHE_TYPES[kind]
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+    return _llama_cpp_kv_mib("".join(lines))
+
+
 def run_one(name: str, kind: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     model = default_model_path(progress=False)
     port = free_port()
@@ -83,7 +111,9 @@ def run_one(name: str, kind: str, args: argparse.Namespace, log_dir: Path) -> di
             kv = server.health()["batch"]["kv_cache"]
             kv_mib = kv["bytes"] / (1 << 20)
         else:
-            kv_mib = _llama_cpp_kv_mib(server.log_text())
+            kv_mib = _llama_cpp_kv_mib(server.log_text()) or _llama_server_kv_mib(
+                kind, args.slots, args.ctx_size
+            )
         texts = []
         with httpx.Client(base_url=server.url, timeout=300) as client:
             for prompt in PROMPTS[: args.prompts]:
@@ -151,7 +181,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--no-llama-server", action="store_true", help="trioserve only")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--report", type=Path, default=None, help="print the report of a --json file, run nothing"
+    )
     args = parser.parse_args()
+    if args.report is not None:
+        saved = json.loads(args.report.read_text())
+        print(report(saved["results"], argparse.Namespace(**saved["args"])))
+        return
     log_dir = Path(tempfile.mkdtemp(prefix="kv-memory-"))
     results = [
         run_one(name, kind, args, log_dir)
