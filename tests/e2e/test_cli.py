@@ -111,6 +111,36 @@ def test_flags_that_cannot_work_exit_2_with_the_reason(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--cache-type-k", "-ctv"])
+def test_an_unknown_cache_type_exits_2_listing_the_accepted_ones(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trioserve._cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--port", "0", flag, "q9"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'q9'" in err
+    assert "'f32', 'f16', 'bf16', 'q8_0', 'q4_0', 'q4_1', 'iq4_nl', 'q5_0', 'q5_1'" in err
+
+
+def test_a_preset_s_cache_types_reach_its_model_s_settings(tmp_path: object, model_path: str) -> None:
+    from pathlib import Path
+
+    from trioserve._cli import _models, _parser
+
+    path = Path(str(tmp_path)) / "p.toml"
+    path.write_text("[defaults]\ncache_type_k = 'q8_0'\n\n[models.y]\ncache_type_v = 'q4_0'\n")
+    args = _parser().parse_args(
+        ["serve", "--model", f"x={model_path}", "--model", f"y={model_path}", "--models-preset", str(path)]
+    )
+    _, registry = _models.registry(args, max_queue=8)
+    settings = {entry.name: entry.spec.source.settings for entry in registry.entries}  # type: ignore[attr-defined]
+    assert (settings["x"].cache_type_k, settings["x"].cache_type_v) == ("q8_0", "f16")
+    assert (settings["y"].cache_type_k, settings["y"].cache_type_v) == ("q8_0", "q4_0")
+
+
 def test_default_flags_serve_many_sequences_and_report_the_batch_in_health() -> None:
     with ServerProcess("--slots", "4", "--threads", "2", "--ctx-size", "1024") as server:
         url = server.wait_ready()
@@ -218,6 +248,11 @@ def test_a_models_dir_with_a_preset_serves_each_model_with_its_settings(
         ("[models.x]\nrerank_template = 'no query here'\n", "must hold {query} exactly once"),
         ("[defaults]\nmmproj = 'p.gguf'\n", "[defaults] cannot have a mmproj"),
         ("[models.x]\nmax_image_tokens = 'many'\n", "max_image_tokens must be int"),
+        (
+            "[models.x]\ncache_type_k = 'q9'\n",
+            "cache_type_k must be one of f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1, got 'q9'",
+        ),
+        ("[defaults]\ncache_type_v = 8\n", "cache_type_v must be str, got 8"),
     ],
 )
 def test_a_preset_that_cannot_work_exits_2_naming_what_is_wrong(

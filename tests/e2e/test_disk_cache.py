@@ -195,6 +195,33 @@ async def test_a_damaged_or_foreign_entry_is_a_logged_miss_and_the_text_is_right
         assert _entries(cache_dir, "v1/bad/*")
 
 
+async def test_a_disk_cache_written_with_f16_is_not_used_by_a_q8_0_backend_whose_own_entries_restore_exactly(
+    model_path: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, store_dirs: list[Path]
+) -> None:
+    """The KV cache types are part of the disk tier's fingerprint (docs/prompt-cache.md,
+    "On disk"): f16 cells are never restored into a q8_0 cache; q8_0's own are, after a
+    restart, and the text equals the q8_0 text computed with nothing cached."""
+    store_dirs.append(tmp_path)
+    first = await _first_turn_on_disk(model_path, tmp_path, uuid.uuid4().hex)  # (f16)
+    _, new = _conversation("")
+    q8 = {"cache_type_k": "q8_0", "cache_type_v": "q8_0"}
+    caplog.set_level(logging.INFO, logger="trioserve.cache")
+    backend = await LlamaBackend.aload(_settings(model_path, tmp_path, **q8))
+    try:
+        fresh, usage = await _complete(backend, first + new)
+    finally:
+        await backend.aclose()  # (its cells are written at unload, under q8_0's fingerprint)
+    assert usage.cached_tokens == usage.cached_disk_tokens == 0
+    assert "made with other settings (type_k, type_v)" in caplog.text
+    backend = await LlamaBackend.aload(_settings(model_path, tmp_path, **q8))
+    try:
+        again, usage = await _complete(backend, first + new)
+    finally:
+        await backend.aclose()
+    assert usage.cached_disk_tokens == usage.cached_tokens > 0
+    assert again == fresh
+
+
 def _complete_http(url: str, prompt: str) -> tuple[str, dict[str, object]]:
     response = httpx.post(
         url + "/v1/completions",

@@ -71,6 +71,7 @@ async def test_a_model_by_id_is_its_entry_in_the_list(server: RunningServer) -> 
                 "created",
                 "owned_by",
                 "context_length",
+                "max_model_len",
                 "status",
                 "capabilities",
                 "input_modalities",
@@ -84,6 +85,7 @@ async def test_a_model_by_id_is_its_entry_in_the_list(server: RunningServer) -> 
                 "vision": False,
             }
             assert model["input_modalities"] == ["text"]
+            assert model["context_length"] == model["max_model_len"] > 0
             assert model["status"]["state"] == "loaded"
             assert {**model, "created": 0} == {**entry, "created": 0}
             assert isinstance(model["created"], int)

@@ -119,6 +119,8 @@ class HostCache:
     prompt, however many entries there are. ``rule`` names the cut (:attr:`PieceRule.key`,
     or ``"token"`` in fast mode: every position): every call passes cuts made by that rule.
 
+    ``kv_types``: the K/V cache types of the cells its states hold (``"f16/f16"``).
+
     ``salt``: an entry serves only prompts of the same salt (``GenerationRequest.cache_salt``).
 
     ``window``: the model's sliding attention window (``llama_model_n_swa``; 0: none).
@@ -132,12 +134,23 @@ class HostCache:
     that start (``floor``), and an entry that cannot serve even its own tokens is not
     kept — it would be indexed under prefixes it cannot give back."""
 
-    def __init__(self, budget: int, *, rule: str, window: int = 0, pool: HostBudget | None = None) -> None:
+    def __init__(
+        self,
+        budget: int,
+        *,
+        rule: str,
+        window: int = 0,
+        pool: HostBudget | None = None,
+        kv_types: str = "f16/f16",
+    ) -> None:
         self._own_pool = pool is None
         self.pool = HostBudget(budget) if pool is None else pool
         #: this model's cap (the pool's budget bounds it too)
         self.cap = budget
         self.rule = rule
+        #: the KV cache types its states hold (``LlamaSettings.kv_types``): a state is
+        #: restored only into cells of the same types
+        self.kv_types = kv_types
         self.window = window
         #: its model is loaded: an unloaded model's entries are evicted first
         self.active = True

@@ -44,6 +44,11 @@ class LlamaSource:
         """What the model reads, known before it loads: text, and images with a projector."""
         return ("text", "image") if self.settings.mmproj is not None else ("text",)
 
+    @property
+    def context_length(self) -> int:
+        """The context per sequence (``--ctx-size``), known before the model loads."""
+        return self.settings.n_ctx
+
     def footprint(self) -> int:
         """The file's size: the weights, before the KV cells are known (the registry uses
         the measured growth once the model has loaded)."""
@@ -73,12 +78,16 @@ class LlamaSource:
             return None
         stamp = self._file_stamp()
         rule = host_rule(settings.piece_rule, settings.prefill_chunk, fast=settings.cache_mode == "fast")
-        if self._host is None or stamp != self._stamp or self._host.rule != rule:
+        made = (rule, settings.kv_types)
+        changed = self._host is not None and (self._host.rule, self._host.kv_types) != made
+        if self._host is None or stamp != self._stamp or changed:
             if self._host is not None:
                 if len(self._host):
                     logger.info("%s changed since it was loaded: its cached prefixes go", self.description)
                 self._host.close()  # (its bytes leave the shared budget)
-            self._host = HostCache(settings.cache_ram_bytes, rule=rule, pool=self.host_pool)
+            self._host = HostCache(
+                settings.cache_ram_bytes, rule=rule, pool=self.host_pool, kv_types=settings.kv_types
+            )
             self._stamp = stamp
         return self._host
 

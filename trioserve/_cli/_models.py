@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .._backends import Backend, LlamaBackend, LlamaSettings, ScriptedBackend, UpstreamBackend
+from .._backends._llama._settings import KV_CACHE_TYPES
 from .._backends._prompt_cache import HostBudget
 from .._backends._sources import LlamaSource
 from .._backends._vision import find_projector, is_projector_file
@@ -37,6 +38,8 @@ PRESET_KEYS = {
     "keep_alive": "--keep-alive",
     "load_on_startup": None,
     "ctx_size": "--ctx-size",
+    "cache_type_k": "--cache-type-k",
+    "cache_type_v": "--cache-type-v",
     "slots": "--slots",
     "threads": "--threads",
     "batch_size": "--batch-size",
@@ -64,6 +67,8 @@ PRESET_TYPES: dict[str, tuple[type, ...]] = {
     "keep_alive": (str, int, float),
     "load_on_startup": (bool,),
     "ctx_size": (int,),
+    "cache_type_k": (str,),
+    "cache_type_v": (str,),
     "slots": (int,),
     "threads": (int,),
     "batch_size": (int,),
@@ -81,7 +86,9 @@ PRESET_TYPES: dict[str, tuple[type, ...]] = {
     "mmproj": (str,),
     "max_image_tokens": (int,),
 }
-_CHOICES = {
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "cache_type_k": tuple(KV_CACHE_TYPES),
+    "cache_type_v": tuple(KV_CACHE_TYPES),
     "cache_mode": ("exact", "fast"),
     "piece_rule": ("text", "aligned"),
     "repack": ("auto", "on", "off"),
@@ -258,6 +265,8 @@ def _settings(
     return LlamaSettings(
         path,
         n_ctx=int(get("ctx_size", args.ctx_size)),
+        cache_type_k=get("cache_type_k", args.cache_type_k),
+        cache_type_v=get("cache_type_v", args.cache_type_v),
         n_threads=get("threads", args.threads),
         n_batch=int(get("batch_size", args.batch_size)),
         slots=int(get("slots", args.slots or 8)),

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from .._backends._llama._settings import KV_CACHE_TYPES
 from .._core._media import DEFAULT_IMAGE_BUDGET_BYTES
 from .._wire._limits import RequestLimits
 from ._cluster import add_cluster_command
@@ -83,6 +84,18 @@ def _model(serve: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--ctx-size", type=int, default=4096, help="context length per sequence (default: 4096)"
     )
+    for kv in ("k", "v"):
+        group.add_argument(
+            f"--cache-type-{kv}",
+            f"-ct{kv}",
+            choices=tuple(KV_CACHE_TYPES),
+            default="f16",
+            metavar="TYPE",
+            help=f"the KV cache's data type for {kv.upper()}, as llama-server's: "
+            f"{', '.join(KV_CACHE_TYPES)}; q8_0 halves the cache's memory"
+            + (" (a quantized V turns flash attention on)" if kv == "v" else "")
+            + " (default: f16; docs/models.md, 'KV cache types')",
+        )
     group.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     group.add_argument("--batch-size", type=int, default=512, help="llama.cpp's batch size (default: 512)")
     group.add_argument(

@@ -199,6 +199,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/v1/models/{model_id}"): Operation(
         "One model", "models", answer=shapes.Model, errors=(400, 404, 503)
     ),
+    ("GET", "/props"): Operation(
+        "The model's properties (llama-server's shape: its context, slots, chat template)",
+        "models", answer=shapes.Props, errors=(404, 503), params=_MODEL_QUERY,
+    ),
     ("GET", "/models"): Operation(
         "List the models (llama-server's router)", "models", answer=shapes.RouterModelList, errors=(503,)
     ),

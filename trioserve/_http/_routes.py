@@ -61,6 +61,7 @@ from ._fetch import resolve_images
 from ._generation import GENERATION_PATHS, GenerationHandler, key_salt, presented_key
 from ._lifecycle import INLINE_PARSE_BYTES, completing, off_the_loop_if
 from ._openapi import needs_key, openapi_document, openapi_path
+from ._props import add_props_route, context_length
 from ._replay import STREAM_PATH, ReplayHandler, ResponsesReplay, response_stream_id
 from ._requests_routes import add_request_routes
 from ._rerank import RERANK_PATHS, RerankHandler
@@ -177,7 +178,10 @@ def _model_object(name: str, created: int, context_length: int | None) -> dict[s
         "object": "model",
         "created": created,
         "owned_by": "trioserve",
+        # the context per sequence, by trioserve's (and Ollama's) name and vLLM's
+        # (docs/api.md, "The context length")
         "context_length": context_length,
+        "max_model_len": context_length,
     }
 
 
@@ -362,8 +366,7 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
 
     def model_object(entry: ModelEntry, name: str) -> dict[str, object]:
         engine = entry.engine
-        context = engine.backend.info.context_length if engine is not None else None
-        body = _model_object(name, entry.loaded_at, context)
+        body = _model_object(name, entry.loaded_at, context_length(entry))
         body["status"] = entry.describe()
         # what it can do, once loaded (None: not known until it is)
         info = engine.backend.info if engine is not None else None
@@ -610,6 +613,7 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
     add_stream_routes(app, state, access)
     add_request_routes(app, state, access)
     add_control_routes(app, state, access, _json_body)
+    add_props_route(app, state)
 
     @app.get("/openapi.json")
     async def openapi() -> Response:

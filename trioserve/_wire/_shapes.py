@@ -29,6 +29,7 @@ __all__ = [
     "Model",
     "ModelList",
     "OpenAIError",
+    "Props",
     "RequestCancelled",
     "RequestList",
     "RerankList",
@@ -252,7 +253,9 @@ class Model(msgspec.Struct, kw_only=True):
     object: Literal["model"]
     created: int
     owned_by: str
+    #: the context per sequence (tokens); ``max_model_len``: the same, vLLM's name
     context_length: int | None = None
+    max_model_len: int | None = None
     status: Object | None = None
     capabilities: Object | None = None
     input_modalities: list[str] | None = None
@@ -285,6 +288,22 @@ class RouterAction(msgspec.Struct, kw_only=True):
     success: bool
     model: str
     status: Object
+
+
+class Props(msgspec.Struct, kw_only=True):
+    """``GET /props`` (llama-server's shape): ``default_generation_settings.n_ctx`` is
+    the context per sequence."""
+
+    default_generation_settings: Object
+    total_slots: int | None = None
+    model_alias: str
+    model_path: str | None = None
+    modalities: Object
+    chat_template: str
+    bos_token: str
+    eos_token: str
+    build_info: str
+    is_sleeping: bool
 
 
 class Health(msgspec.Struct, kw_only=True):

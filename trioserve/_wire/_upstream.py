@@ -467,7 +467,8 @@ def props_answer(description: ModelDescription, props: object) -> None:
     BOS/EOS text and the real context size."""
     if not isinstance(props, dict):
         return
-    if isinstance(props.get("default_generation_settings"), dict):  # llama-server
+    trioserve = str(props.get("build_info", "")).startswith("trioserve")  # (its /props: _http/_props.py)
+    if isinstance(props.get("default_generation_settings"), dict) and not trioserve:  # llama-server
         # a prompt-progress event (empty text) after every batch: its HTTP thread
         # checks for a closed connection only when a result arrives, else once a
         # second, so without them a client that leaves mid-prompt keeps it

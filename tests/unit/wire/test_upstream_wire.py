@@ -131,6 +131,21 @@ def test_a_model_description_from_models_and_props() -> None:
     assert description.request_fields == {"return_progress": True}
 
 
+def test_a_trioserve_upstream_s_props_give_its_context_and_no_llama_server_fields() -> None:
+    """trioserve answers /props in llama-server's shape too (its build_info says whose):
+    its context and template are read, llama-server's return_progress is not sent."""
+    description = models_answer({"data": [{"id": "m", "context_length": None, "max_model_len": None}]})
+    assert not isinstance(description, str)
+    props = {
+        "default_generation_settings": {"n_ctx": 4096},
+        "build_info": "trioserve 0.1",
+        "eos_token": "<eos>",
+    }
+    props_answer(description, props)
+    assert (description.context_length, description.eos_token) == (4096, "<eos>")
+    assert description.request_fields is None
+
+
 # ------------------------------------------------------------------- /infill
 
 

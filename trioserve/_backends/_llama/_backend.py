@@ -44,6 +44,7 @@ from .._embeddings import Embedder, EmbeddingContext
 from .._prompt_cache import HostBudget, HostCache
 from .._rerank import Reranker
 from ._facade import ModelFacade
+from ._kv_memory import KvMemory
 from ._loading import aload
 from ._loop import Scheduler
 from ._model import LlamaModel
@@ -253,6 +254,7 @@ class LlamaBackend(ModelFacade):
         """For ``/health``: the batch's shape and counters, and the prompt cache."""
         return {
             "cache": self.cache_stats(),
+            "kv_cache": self.kv_memory.as_dict() if self.kv_memory is not None else None,
             "sequences": self.generations.running,
             "max_call_width": self.max_call_width,
             "shared_context_limit": self._scheduler.capabilities.shared_context_limit,
@@ -262,6 +264,12 @@ class LlamaBackend(ModelFacade):
             "speculation": self.speculation_stats(),
             "vision": self.vision_stats(),
         }
+
+    @property
+    def kv_memory(self) -> KvMemory | None:
+        """The generation context's KV cache: its bytes, K and V types, slots and cells
+        per slot (``None``: a model whose cache has another layout)."""
+        return self._scheduler.context.kv_memory
 
     def kv_usage(self) -> tuple[int, int]:
         """``(cells the running sequences hold, cells of every slot)``: the KV pressure a

@@ -5,22 +5,29 @@ low-level API and a C callback: ``docs/architecture.md``, "The per-token path"."
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import TYPE_CHECKING, Any
 
 from ..._core._exceptions import BackendError
-from ._native import make_abort_callback
+from ._kv_memory import KvMemory, kv_memory
+from ._native import capture_errors, make_abort_callback
+from ._settings import KV_CACHE_TYPES
 
 if TYPE_CHECKING:
     from ._model import LlamaModel
 
 __all__ = ["Context"]
 
+logger = logging.getLogger("trioserve.llama")
+
 
 class Context:
     """One llama context with its batch and abort flag. Used by one thread at a time.
 
     Room for ``sequences`` sequences of ``settings.n_ctx`` tokens each, in a non-unified
-    KV cache (each sequence owns its cells; attention never reads another sequence's)."""
+    KV cache (each sequence owns its cells; attention never reads another sequence's),
+    of the types ``settings.cache_type_k/_v`` (flash attention stays llama.cpp's
+    ``auto``, which it turns on for a quantized V)."""
 
     def __init__(self, model: LlamaModel, *, sequences: int = 1) -> None:
         lib = model.lib
@@ -37,12 +44,18 @@ class Context:
         params.swa_full = True
         if sequences > 1:
             params.kv_unified = False
-        ctx = lib.llama_init_from_model(model.model, params)
+        params.type_k = KV_CACHE_TYPES[settings.cache_type_k]
+        params.type_v = KV_CACHE_TYPES[settings.cache_type_v]
+        with capture_errors() as said:
+            ctx = lib.llama_init_from_model(model.model, params)
         if not ctx:
-            raise BackendError(
-                f"llama.cpp could not create a context for {sequences} sequence(s) of {settings.n_ctx} tokens"
-            )
+            types = (settings.cache_type_k, settings.cache_type_v)
+            raise BackendError(_refused(*types, sequences, settings.n_ctx, said))
         self.ctx = ctx
+        #: the KV cache's bytes (``None``: a cache of another layout: _kv_memory.py)
+        self.kv_memory: KvMemory | None = kv_memory(model, ctx, slots=sequences)
+        if self.kv_memory is not None:
+            logger.info("%s: %s", settings.model_id, self.kv_memory.describe())
         self.memory = lib.llama_get_memory(ctx)
         self.n_batch = settings.n_batch
         self.batch = lib.llama_batch_init(settings.n_batch, 0, 1)
@@ -65,3 +78,19 @@ class Context:
         if self.embd_batch is not None:
             lib.llama_batch_free(self.embd_batch)
         lib.llama_free(self.ctx)
+
+
+def _refused(type_k: str, type_v: str, sequences: int, n_ctx: int, said: list[str]) -> str:
+    """Why a context could not be made: llama.cpp's own words, and the flags to change
+    where the cache types are not the defaults (a quantized type needs a head size its
+    block divides; a quantized V needs flash attention)."""
+    cause = "; ".join(line.strip() for line in said if line.strip())
+    text = f"llama.cpp could not create a context for {sequences} sequence(s) of {n_ctx} tokens"
+    if (type_k, type_v) != ("f16", "f16"):
+        text += f" with K cache type {type_k} and V cache type {type_v}"
+    if cause:
+        text += f": {cause}"
+    flags = [f"--cache-type-{kv} {t}" for kv, t in (("k", type_k), ("v", type_v)) if t != "f16"]
+    if flags:
+        text += f" ({' and '.join(flags)}: try f16, or another type llama.cpp accepts for this model)"
+    return text

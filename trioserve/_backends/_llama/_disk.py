@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import llama_cpp
 
 from .._disk_cache import DiskStore, DiskTier, fingerprint, gguf_digest
+from ._settings import KV_CACHE_TYPES
 
 if TYPE_CHECKING:
     from ._model import LlamaModel
@@ -44,8 +45,9 @@ def open_disk_tier(model: LlamaModel, *, rule: str, window: int) -> tuple[DiskTi
         "prefill_chunk": settings.prefill_chunk,
         "cut": rule,
         "cache_mode": settings.cache_mode,
-        "type_k": int(params.type_k),
-        "type_v": int(params.type_v),
+        # the cache's types, as the context is made (``Context``: settings.cache_type_k/_v)
+        "type_k": KV_CACHE_TYPES[settings.cache_type_k],
+        "type_v": KV_CACHE_TYPES[settings.cache_type_v],
         "flash_attn_type": int(params.flash_attn_type),
         "swa_full": True,
         "kv_unified": settings.slots == 1,

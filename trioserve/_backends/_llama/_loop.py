@@ -74,6 +74,7 @@ class Scheduler:
             budget=settings.cache_ram_bytes,
             enabled=self.cache_enabled,
             window=max(0, int(lib.llama_model_n_swa(model.model))),
+            kv_types=settings.kv_types,
         )
         if self.cache_enabled:
             #: the disk tier under it (``cache_dir``): states that outlive the process

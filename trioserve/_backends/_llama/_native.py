@@ -4,15 +4,24 @@ running in this thread kept to say why a GGUF cannot be used."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from ..._core._exceptions import BackendError
 
-__all__ = ["LoadAborted", "LoadLog", "load_errors", "make_abort_callback", "make_log_callback"]
+__all__ = [
+    "LoadAborted",
+    "LoadLog",
+    "capture_errors",
+    "load_errors",
+    "make_abort_callback",
+    "make_log_callback",
+]
 
 logger = logging.getLogger("trioserve.llama")
 
@@ -72,3 +81,19 @@ load_errors = threading.local()
 class LoadLog:
     callback: Any = None
     loading = 0
+
+
+@contextlib.contextmanager
+def capture_errors() -> Iterator[list[str]]:
+    """llama.cpp's error lines in this thread while the block runs (a context being
+    made, at load: its error line says why it cannot be), as during a model's load
+    (whose :func:`~._loading.load` installed the forwarder)."""
+    before = getattr(load_errors, "lines", None)
+    lines: list[str] = []
+    load_errors.lines = lines
+    LoadLog.loading += 1
+    try:
+        yield lines
+    finally:
+        LoadLog.loading -= 1
+        load_errors.lines = before

@@ -8,7 +8,21 @@ from typing import Literal
 
 from ..._core._media import ImageBudget, default_image_budget
 
-__all__ = ["LlamaSettings"]
+__all__ = ["KV_CACHE_TYPES", "LlamaSettings"]
+
+#: the KV cache types llama-server's ``--cache-type-k/-v`` accept (common/arg.cpp's
+#: ``kv_cache_types``), and their ``ggml_type`` ids (ggml.h)
+KV_CACHE_TYPES: dict[str, int] = {
+    "f32": 0,
+    "f16": 1,
+    "bf16": 30,
+    "q8_0": 8,
+    "q4_0": 2,
+    "q4_1": 3,
+    "iq4_nl": 20,
+    "q5_0": 6,
+    "q5_1": 7,
+}
 
 
 class LlamaSettings:
@@ -17,6 +31,12 @@ class LlamaSettings:
     Args:
         model_path: path to a GGUF file.
         n_ctx: context length per sequence (tokens).
+        cache_type_k: the KV cache's data type for K (``--cache-type-k``: one of
+            :data:`KV_CACHE_TYPES`, llama-server's names; default ``f16``): ``q8_0``
+            halves the cache's memory. Generation contexts only (docs/models.md, "KV
+            cache types").
+        cache_type_v: the same for V (``--cache-type-v``); a quantized V needs flash
+            attention, which llama.cpp then turns on.
         n_threads: threads of the one context; default: all cores (every step decodes
             every running sequence).
         n_batch: llama.cpp's batch size (at least ``prefill_chunk``).
@@ -85,6 +105,8 @@ class LlamaSettings:
         model_path: str | Path,
         *,
         n_ctx: int = 4096,
+        cache_type_k: str = "f16",
+        cache_type_v: str = "f16",
         n_threads: int | None = None,
         n_batch: int = 512,
         slots: int = 8,
@@ -120,6 +142,11 @@ class LlamaSettings:
         self.repack = repack
         self.warm_up = warm_up
         self.n_ctx = n_ctx
+        for flag, value in (("cache_type_k", cache_type_k), ("cache_type_v", cache_type_v)):
+            if value not in KV_CACHE_TYPES:
+                raise ValueError(f"{flag} must be one of {', '.join(KV_CACHE_TYPES)}, got {value!r}")
+        self.cache_type_k = cache_type_k
+        self.cache_type_v = cache_type_v
         # llama.cpp's threads spin while they wait for each other: more threads than
         # cores makes every decode slower, so one context gets exactly the cores.
         self.n_threads = n_threads or os.cpu_count() or 1
@@ -163,3 +190,9 @@ class LlamaSettings:
             raise ValueError(f"max_image_tokens must be at least 1, got {max_image_tokens}")
         self.max_image_tokens = max_image_tokens
         self.image_budget = image_budget if image_budget is not None else default_image_budget()
+
+    @property
+    def kv_types(self) -> str:
+        """``"K/V"``: the KV cache's types (``"f16/f16"``), which a cached state's cells
+        are made of (a host tier of other types is not reused: ``_tiers.host_tier``)."""
+        return f"{self.cache_type_k}/{self.cache_type_v}"

@@ -63,17 +63,26 @@ class StateTier(Protocol):
         ...
 
 
-def host_tier(given: HostCache | None, *, rule: str, budget: int, enabled: bool, window: int) -> HostCache:
+def host_tier(
+    given: HostCache | None,
+    *,
+    rule: str,
+    budget: int,
+    enabled: bool,
+    window: int,
+    kv_types: str = "f16/f16",
+) -> HostCache:
     """The host tier a new context uses: ``given`` (a registry entry's, which outlives
     an unload: what the model cached before, under the server's one budget) when it is
-    indexed by the same ``rule`` and the cache is on; else a new one."""
-    if given is not None and given.rule == rule and enabled:
+    indexed by the same ``rule``, holds cells of the same ``kv_types`` and the cache is
+    on; else a new one."""
+    if given is not None and given.rule == rule and given.kv_types == kv_types and enabled:
         given.budget = budget
         given.active = True  # (an unloaded model's entries are the first to go)
         given.shrink()
         host = given
     else:
-        host = HostCache(budget if enabled else 0, rule=rule)
+        host = HostCache(budget if enabled else 0, rule=rule, kv_types=kv_types)
     #: the sliding attention window: a saved state keeps only its last cells
     host.window = window
     return host

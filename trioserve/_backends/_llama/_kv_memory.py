@@ -1,0 +1,126 @@
+"""The KV cache's memory (docs/models.md, "KV cache types"): computed once a context
+exists, from the model's shape and the cache's types, as llama.cpp sizes it — every
+layer keeps, for each of the context's cells, a K row of ``key_length × head_count_kv``
+values and a V row of ``value_length × head_count_kv`` values, each row
+``ggml_row_size(type, n)`` bytes. (``llama_state_seq_get_size`` is not it: that is a
+sequence's used cells, serialized. llama.cpp's own breakdown,
+``llama_get_memory_breakdown``, is C++ only.) Sliding-window layers are counted at full
+size: trioserve's contexts keep every cell (``swa_full``).
+
+Models whose cache has another layout — a recurrent or hybrid state, multi-head latent
+attention — get no figure (``None``) rather than a wrong one."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import re
+from typing import TYPE_CHECKING, Any
+
+from ._settings import KV_CACHE_TYPES
+
+if TYPE_CHECKING:
+    from ._model import LlamaModel
+
+__all__ = ["KvMemory", "kv_memory"]
+
+_MIB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class KvMemory:
+    """The bytes of one context's KV cache, K and V, and what they hold."""
+
+    k_bytes: int
+    v_bytes: int
+    #: sequences (slots), and cells per sequence
+    slots: int
+    ctx_per_slot: int
+    type_k: str
+    type_v: str
+
+    @property
+    def bytes(self) -> int:
+        return self.k_bytes + self.v_bytes
+
+    def describe(self) -> str:
+        """The load's log line."""
+        return (
+            f"KV cache: {self.bytes / _MIB:.1f} MiB for {self.slots} slot(s) × {self.ctx_per_slot} "
+            f"tokens, K type {self.type_k}, V type {self.type_v}"
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        """``/health``'s ``kv_cache`` object."""
+        return {
+            "bytes": self.bytes,
+            "mib": round(self.bytes / _MIB, 2),
+            "k_bytes": self.k_bytes,
+            "v_bytes": self.v_bytes,
+            "type_k": self.type_k,
+            "type_v": self.type_v,
+            "slots": self.slots,
+            "ctx_per_slot": self.ctx_per_slot,
+        }
+
+
+@functools.cache
+def _row_size() -> Any:
+    """ggml's ``ggml_row_size(type, n)``: the bytes of ``n`` values of ``type``
+    (``ggml_type_size`` per block of ``ggml_blck_size`` values)."""
+    from llama_cpp._ggml import libggml
+
+    row_size = libggml.ggml_row_size
+    row_size.restype = ctypes.c_size_t
+    row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+    return row_size
+
+
+def _per_layer(text: str | None, layers: int) -> list[int] | None:
+    """A GGUF value that is one integer or one per layer (``head_count_kv`` of a model
+    whose layers differ), as ``llama_model_meta_val_str`` writes it."""
+    if text is None:
+        return None
+    values = [int(v) for v in re.findall(r"-?\d+", text)]
+    if len(values) == 1:
+        return values * layers
+    return values if len(values) == layers else None
+
+
+def kv_memory(model: LlamaModel, ctx: Any, *, slots: int) -> KvMemory | None:
+    """The KV cache of ``ctx`` (a generation context of ``slots`` sequences), or
+    ``None`` for a model whose cache is not plain attention K/V."""
+    lib, settings = model.lib, model.settings
+    if lib.llama_model_is_recurrent(model.model) or lib.llama_model_is_hybrid(model.model):
+        return None
+    arch = model.architecture
+    if model.meta(f"{arch}.attention.kv_lora_rank") is not None:  # (MLA: a latent cache)
+        return None
+    layers = int(lib.llama_model_n_layer(model.model))
+    head_count = _per_layer(model.meta(f"{arch}.attention.head_count"), layers)
+    heads_kv = _per_layer(model.meta(f"{arch}.attention.head_count_kv"), layers) or head_count
+    if heads_kv is None:
+        return None
+    n_embd = int(lib.llama_model_n_embd(model.model))
+    default_head = n_embd // max(1, head_count[0]) if head_count else 0
+    key = _per_layer(model.meta(f"{arch}.attention.key_length"), 1)
+    value = _per_layer(model.meta(f"{arch}.attention.value_length"), 1)
+    key_length = key[0] if key else default_head
+    value_length = value[0] if value else key_length
+    # layers that reuse an earlier layer's cache (Gemma 3n) keep none of their own
+    shared = _per_layer(model.meta(f"{arch}.attention.shared_kv_layers"), 1)
+    own = layers - (shared[0] if shared else 0)
+    cells = int(lib.llama_n_ctx(ctx))
+    type_k, type_v = KV_CACHE_TYPES[settings.cache_type_k], KV_CACHE_TYPES[settings.cache_type_v]
+    row_size = _row_size()
+    k_bytes = sum(row_size(type_k, key_length * heads_kv[il]) for il in range(own)) * cells
+    v_bytes = sum(row_size(type_v, value_length * heads_kv[il]) for il in range(own)) * cells
+    return KvMemory(
+        k_bytes=int(k_bytes),
+        v_bytes=int(v_bytes),
+        slots=slots,
+        ctx_per_slot=cells // slots,
+        type_k=settings.cache_type_k,
+        type_v=settings.cache_type_v,
+    )
