@@ -288,7 +288,13 @@ def test_the_server_default_truncation_auto_and_a_request_that_disables_it() -> 
     ) as server:
         url = server.wait_ready()
         with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as sdk:
-            response = sdk.responses.create(model="scripted", input=items, max_output_tokens=5, store=False)  # type: ignore[arg-type]
+            raw = sdk.responses.with_raw_response.create(
+                model="scripted",
+                input=items,  # type: ignore[arg-type]
+                max_output_tokens=5,
+                store=False,
+            )
+            response = raw.parse()
             assert response.truncation == "auto"
             assert (response.model_extra or {})["trioserve"]["truncation"]["dropped_turns"] >= 1
             assert response.usage is not None
@@ -299,3 +305,6 @@ def test_the_server_default_truncation_auto_and_a_request_that_disables_it() -> 
                 )  # type: ignore[arg-type]
             assert caught.value.code == "context_length_exceeded"
         assert server.stop() == 0
+    logged = [line for line in server.log if "trioserve.truncation" in line]
+    assert len(logged) == 1
+    assert f"request {raw.headers['x-request-id']}: truncation auto dropped" in logged[0]

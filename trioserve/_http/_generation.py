@@ -701,7 +701,12 @@ class GenerationHandler:
             if len(generations) == 1:
                 # (a conversation too long for the context: its overflow policy)
                 prompt, dropped = await prepare_fitting(
-                    engine.backend, prepare, generations[0], parsed.truncation, settings.max_prompt_tokens
+                    engine.backend,
+                    prepare,
+                    generations[0],
+                    parsed.truncation,
+                    settings.max_prompt_tokens,
+                    exchange.request_id,
                 )
                 prompts = [prompt]
                 if dropped is not None:

@@ -32,6 +32,7 @@ async def prepare_fitting(
     generation: GenerationRequest,
     truncation: Truncation | None,
     max_prompt_tokens: int | None,
+    request_id: str = "-",
 ) -> tuple[PreparedPrompt, Dropped | None]:
     """``prepare(generation)`` (the backend's prepare and the server's limits); where it
     does not fit the context and ``truncation`` is ``auto``, the generation with the
@@ -53,8 +54,9 @@ async def prepare_fitting(
     prepared = await prepare(fitted)
     truncation.note(dropped)
     logger.info(
-        "truncation auto: dropped %d turn(s) (%d message(s)) to fit the context: the prompt has %d tokens "
-        "(%d fit)",
+        "request %s: truncation auto dropped %d turn(s) (%d message(s)) to fit the context: the prompt "
+        "has %d tokens (%d fit)",
+        request_id,
         dropped.turns,
         dropped.messages,
         tokens,
