@@ -430,7 +430,7 @@ def test_responses_input_items_become_a_chat() -> None:
         ({"background": True}, "background"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
-        ({"truncation": "auto"}, "truncation"),
+        ({"truncation": "sometimes"}, "truncation"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"top_logprobs": 3}, "top_logprobs"),
         (

@@ -218,6 +218,21 @@ def check_speculate(api: Api) -> None:
     assert text_of(api.ok(max_tokens=24, **copy)["choices"][0]) == plain
 
 
+def check_truncation(api: Api) -> None:
+    # trioserve's (the Responses API's field; docs/dialects.md, "Truncation"; the cut
+    # itself: tests/e2e/test_truncation.py): a first turn longer than the context
+    long = [user("ocean " * 4096), {"role": "assistant", "content": "Noted."}, user()]
+    for fields in ({}, {"truncation": "disabled"}, {"truncation": None}):
+        error = api.error(400, messages=long, **fields)
+        assert error["code"] == "context_length_exceeded"
+        assert 'truncation: "auto"' in error["message"]
+    body = api.ok(messages=long, truncation="auto")
+    assert body["trioserve"]["truncation"] == {"dropped_turns": 1, "dropped_messages": 2}
+    # what was evaluated is the last question alone: the default request's prompt
+    assert text_of(body["choices"][0]) == api.greedy()
+    assert api.error(400, truncation="sometimes")["param"] == "truncation"
+
+
 def check_reasoning_control(api: Api) -> None:
     # llama-server's: false refuses the reasoning_end control for this request (the
     # default model does not reason: true is answered so); the text is the same either way
@@ -496,6 +511,7 @@ HONOURED: dict[str, Callable[[Api], None]] = {
     "cache_prompt": check_cache_prompt,
     "speculate": check_speculate,
     "reasoning_control": check_reasoning_control,
+    "truncation": check_truncation,
     "priority": check_priority,
     "suffix": check_suffix,
     "json_schema": check_json_schema,
@@ -576,6 +592,7 @@ ENDPOINTS: dict[str, tuple[str, ...]] = {
     "cache_prompt": BOTH,
     "speculate": BOTH,
     "reasoning_control": BOTH,
+    "truncation": CHAT,
     "priority": BOTH,
     "json_schema": BOTH,
     "grammar": BOTH,

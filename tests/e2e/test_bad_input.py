@@ -212,6 +212,29 @@ BAD_INPUTS: list[tuple[str, str, str, dict[str, Any], int, str | None, str]] = [
         "the prompt has 5000 tokens but the context holds 4096",
     ),
     (
+        "a conversation longer than the context",
+        "POST",
+        CHAT,
+        {"json": {"messages": [user("x" * 5000), {"role": "assistant", "content": "y"}, user()]}},
+        400,
+        "context_length_exceeded",
+        'or send truncation: "auto" to drop the oldest turns until it fits',
+    ),
+    (
+        "a last user turn longer than the context, with truncation auto",
+        "POST",
+        CHAT,
+        {
+            "json": {
+                "messages": [user("hi"), {"role": "assistant", "content": "y"}, user("x" * 5000)],
+                "truncation": "auto",
+            }
+        },
+        400,
+        "context_length_exceeded",
+        "even with truncation auto: with all 1 earlier turn(s) dropped",
+    ),
+    (
         "n above the server's slots",
         "POST",
         COMP,

@@ -388,6 +388,28 @@ def a_temperature(api: Api) -> None:
     assert "temperature" in api.error(temperature=-0.1)["message"]
 
 
+def truncation(api: Api) -> None:
+    # trioserve's on Messages, OpenAI's on Responses (docs/dialects.md, "Truncation"; the
+    # cut itself: tests/e2e/test_truncation.py): a first turn longer than the context
+    key = "messages" if api.anthropic else "input"
+    long = [user("ocean " * api.context), assistant("Noted."), user(MESSAGE)]
+    if not api.generates:
+        # a count is of the conversation as sent: truncation fits a generation's prompt
+        counted = api.prompt_tokens(**{key: long}, truncation="auto")
+        assert counted == api.prompt_tokens(**{key: long}) > api.context
+        return
+    for fields in ({}, {"truncation": "disabled"}, {"truncation": None}):
+        assert "the context holds" in api.error(**{key: long}, **fields)["message"]
+    body = api.ok(**{key: long}, truncation="auto")
+    assert body["trioserve"]["truncation"] == {"dropped_turns": 1, "dropped_messages": 2}
+    # what was evaluated is the last question alone: the default request's prompt
+    assert text_of(body) == greedy_text(api)
+    if not api.anthropic:
+        assert body["truncation"] == "auto"
+        assert api.ok()["truncation"] == "disabled"  # (the server's default, echoed)
+    assert "truncation" in api.error(truncation="sometimes")["message"]
+
+
 def a_priority(api: Api) -> None:
     # the order it gives under load: tests/e2e/test_priorities.py; here its range, and
     # that it changes no text
@@ -550,6 +572,7 @@ ANTHROPIC_HONOURED: dict[str, Callable[[Api], None]] = {
     "temperature": a_temperature,
     "priority": a_priority,
     "reasoning_control": reasoning_control,
+    "truncation": truncation,
     "top_p": greedy_at_temperature_1("top_p", 1e-6, 0.0),
     "top_k": greedy_at_temperature_1("top_k", 1, -1),
     "tools": a_tools,
@@ -633,6 +656,7 @@ ANTHROPIC_ENDPOINTS: dict[str, tuple[str, ...]] = {
     "top_k": MESSAGES,
     "priority": MESSAGES,
     "reasoning_control": MESSAGES,
+    "truncation": MESSAGES,
     "tools": BOTH_A,
     "tools[].defer_loading": BOTH_A,
     "tools[].input_examples": BOTH_A,
@@ -972,6 +996,7 @@ RESPONSES_HONOURED: dict[str, Callable[[Api], None]] = {
     "temperature": r_temperature,
     "priority": r_priority,
     "reasoning_control": reasoning_control,
+    "truncation": truncation,
     "top_p": r_top_p,
     "stream": r_stream,
     "metadata": r_metadata,
@@ -992,7 +1017,6 @@ RESPONSES_REFUSED: dict[str, tuple[dict[str, object], tuple[dict[str, object], .
         {"reasoning": {"effort": "low"}},
         ({"reasoning": None}, {"reasoning": {}}, {"reasoning": {"effort": "none"}}),
     ),
-    "truncation": ({"truncation": "auto"}, ({"truncation": None}, {"truncation": "disabled"})),
     "text.verbosity": (
         {"text": {"verbosity": "low"}},
         ({"text": {"verbosity": None}}, {"text": {"verbosity": "medium"}}),

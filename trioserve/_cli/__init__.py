@@ -130,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_embedding_tokens=args.max_embedding_tokens or None,
             max_prompt_tokens=args.max_prompt_tokens,
             max_tokens_limit=args.max_tokens_limit,
+            truncation=args.truncation,
             default_timeout=args.default_timeout,
             max_timeout=args.max_timeout,
             model_aliases=tuple(args.model_alias),

@@ -373,6 +373,15 @@ def _admission(serve: argparse.ArgumentParser) -> None:
         help="largest max_tokens accepted (default: the context)",
     )
     group.add_argument(
+        "--truncation",
+        choices=("disabled", "auto"),
+        default="disabled",
+        help="a conversation longer than the context, when its request does not say (truncation): "
+        "disabled, a 400 context_length_exceeded with the counts; auto, its oldest whole turns "
+        "dropped until it fits, never the system prompt, tools or last user turn, and the count "
+        "said (default: disabled; docs/dialects.md, Truncation)",
+    )
+    group.add_argument(
         "--max-header-bytes", type=int, default=16 * 1024, help="request head limit (default: 16 KiB)"
     )
     group.add_argument(

@@ -82,6 +82,7 @@ from ._lifecycle import (
     watch_disconnect,
     watch_stall,
 )
+from ._overflow import prepare_fitting
 from ._request import InFlightRequest, Kind, Phase
 from ._settings import HTTPSettings
 from ._state import ServerState
@@ -692,11 +693,27 @@ class GenerationHandler:
             # fetch and decode images at once, and a full server refuses before any.
             request.reservation = engine.admission.reserve()
             generations = [await self._with_images(g) for g in generations]
+        settings = state.settings
+
+        async def prepare(generation: GenerationRequest) -> PreparedPrompt:
+            return _check_limits(await engine.prepare(generation), settings, parsed.dialect)
+
         try:
-            prompts = [
-                _check_limits(await engine.prepare(generation), state.settings, parsed.dialect)
-                for generation in generations
-            ]
+            if len(generations) == 1:
+                # (a conversation too long for the context: its overflow policy)
+                prompt, dropped = await prepare_fitting(
+                    engine.backend,
+                    prepare,
+                    generations[0],
+                    parsed.truncation,
+                    settings.max_prompt_tokens,
+                    exchange.request_id,
+                )
+                prompts = [prompt]
+                if dropped is not None:
+                    exchange.extra_headers.append((b"x-truncated-turns", str(dropped.turns).encode()))
+            else:
+                prompts = [await prepare(generation) for generation in generations]
         except InvalidRequestError as exc:
             spec.rename(exc)  # (the engine's names, as the dialect calls them)
             raise
@@ -746,6 +763,7 @@ class GenerationHandler:
             model_name=self._model,
             keep_billing_header=settings.keep_billing_header,
             stored=stored,
+            truncation=settings.truncation,
         )
 
     def _parse(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .._wire import RequestLimits
+from .._wire import RequestLimits, TruncationMode
 from ._fetch import FetchPolicy
 
 __all__ = ["HTTPSettings"]
@@ -50,6 +50,10 @@ class HTTPSettings:
             ``otel`` extra); ``None``: no spans (a client's ``traceparent`` still goes
             on to upstreams).
         service_name: the ``service.name`` of the spans.
+        truncation: what a conversation too long for the context gets when its request
+            does not say (``truncation``): ``"disabled"``, a 400
+            ``context_length_exceeded``; ``"auto"``, its oldest whole turns dropped until
+            it fits (docs/dialects.md, "Truncation").
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
@@ -72,3 +76,4 @@ class HTTPSettings:
     responses_max_key_bytes: int = 64 << 20
     otlp_endpoint: str | None = None
     service_name: str = "trioserve"
+    truncation: TruncationMode = "disabled"

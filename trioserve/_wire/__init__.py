@@ -24,6 +24,7 @@ from ._tokenize import (
     detokenize_response,
     tokenize_response,
 )
+from ._truncation import Dropped, Truncation, TruncationMode
 
 __all__ = [
     "CHAT",
@@ -36,6 +37,7 @@ __all__ = [
     "Conversation",
     "Dialect",
     "DialectSpec",
+    "Dropped",
     "ErrorBody",
     "ParsedRequest",
     "ReadOptions",
@@ -45,6 +47,8 @@ __all__ = [
     "StoredAsk",
     "StoredContext",
     "StoredTurn",
+    "Truncation",
+    "TruncationMode",
     "chat_format_for",
     "control_answer",
     "decode",

@@ -170,6 +170,9 @@ class MessagesRequest(_MessagesFields, kw_only=True):
     #: llama-server's: ``false``: this request's reasoning cannot be ended on request
     #: (``POST /v1/chat/completions/control``); absent or ``true``: it can
     reasoning_control: bool | None = None
+    #: trioserve's (the Responses API's field): ``auto`` drops whole oldest turns until
+    #: the prompt fits the context; absent: the server's ``--truncation``
+    truncation: Literal["auto", "disabled"] | None = None
     # identifiers: accepted, not used
     user_profile_id: str | None = None
     workspace_id: str | None = None

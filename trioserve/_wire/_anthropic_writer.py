@@ -13,6 +13,7 @@ from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, Th
 from ._codec import encode_json
 from ._conversation import new_id
 from ._openai_writer import END_MESSAGES, ChoiceResult
+from ._truncation import Dropped
 
 __all__ = ["AnthropicDialect", "anthropic_error"]
 
@@ -79,6 +80,8 @@ class AnthropicDialect:
         self.id = new_id("msg_")
         #: the request's id (``X-Request-Id``), in trioserve's field of the message
         self.request_id: str | None = None
+        #: what ``truncation: "auto"`` dropped (docs/dialects.md, "Truncation")
+        self._dropped: Dropped | None = None
         self._reader = ChoiceReader(
             tool_mode, tool_names, reasoning=reasoning, inside=inside, parallel_calls=parallel_calls
         )
@@ -123,6 +126,10 @@ class AnthropicDialect:
         self._open = None
         return out + _STOP_BLOCK % self._index
 
+    def note_truncation(self, dropped: Dropped) -> None:
+        """``truncation: "auto"`` dropped turns: the message says so."""
+        self._dropped = dropped
+
     def plain_delta(self, text: str) -> bytes:
         return self._text_prefix + encode_json(text) + self._text_suffix
 
@@ -143,8 +150,13 @@ class AnthropicDialect:
                 "cache_read_input_tokens": 0,
             },
         }
+        extension: dict[str, object] = {}
         if self.request_id is not None:
-            message["trioserve"] = {"request_id": self.request_id}
+            extension["request_id"] = self.request_id
+        if self._dropped is not None:
+            extension["truncation"] = self._dropped.extension()
+        if extension:
+            message["trioserve"] = extension
         out = _event(b"message_start", {"type": "message_start", "message": message})
         if self._reader.mode == "none" and not self._reasoning:
             out += self._start({"type": "text", "text": ""})
@@ -237,6 +249,8 @@ class AnthropicDialect:
         extension: dict[str, object] = {}
         if self.request_id is not None:
             extension["request_id"] = self.request_id
+        if self._dropped is not None:
+            extension["truncation"] = self._dropped.extension()
         if self._cause not in ("stop", "length"):
             extension["end_cause"] = self._cause
             extension["message"] = self._message or END_MESSAGES.get(self._cause, "")

@@ -20,6 +20,7 @@ from .._core._types import EndCause, TokenLogprob, Usage
 from ._choices import ChoiceStream, ToolMode
 from ._openai_writer import ChoiceResult, ChunkEncoder, error_event, non_stream_response
 from ._sse import HEARTBEAT
+from ._truncation import Dropped
 
 __all__ = ["ChoiceWriter", "Dialect", "OpenAIDialect"]
 
@@ -137,9 +138,19 @@ class OpenAIDialect:
     def stream_error(self, error: TrioserveError) -> bytes:
         return error_event(error.to_dict())
 
+    def note_truncation(self, dropped: Dropped) -> None:
+        """``truncation: "auto"`` dropped turns: the finish chunks and the body say so."""
+        for encoder in self.encoders:
+            encoder.truncation = dropped.extension()
+
     def body(self, choices: Sequence[ChoiceResult], usage: Usage) -> bytes:
         return non_stream_response(
-            self.kind, model=self.model, usage=usage, choices=choices, request_id=self.request_id
+            self.kind,
+            model=self.model,
+            usage=usage,
+            choices=choices,
+            request_id=self.request_id,
+            truncation=self.encoders[0].truncation,
         )
 
     def limit_max_tokens(self, limit: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
+from .._core._media import RemoteImage
 from .._core._types import GenerationRequest, ReasoningMarkers
 from ._anthropic import decode_count_tokens_request, decode_messages_request, messages_conversation
 from ._anthropic_writer import AnthropicDialect, anthropic_error
@@ -17,7 +18,9 @@ from ._choices import ToolMode
 from ._conversation import Conversation, generation_for
 from ._dialect import OpenAIDialect
 from ._infill import InfillDialect, decode_infill_request
+from ._limits import RequestLimits
 from ._media import MediaCollector
+from ._messages import ChatMessage
 from ._openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,6 +37,7 @@ from ._responses import (
 )
 from ._responses_writer import ResponsesDialect, StoredTurn
 from ._spec import DialectSpec, ParsedRequest, ReadOptions, openai_error_body
+from ._truncation import Truncation, TruncationMode
 
 __all__ = [
     "CHAT",
@@ -63,6 +67,17 @@ def _armed(
     return dataclasses.replace(generation, reasoning=markers, reasoning_control=control is not False)
 
 
+def _chat_for(
+    chat: ChatCompletionRequest,
+    rendered: ChatPrompt,
+    limits: RequestLimits,
+    images: tuple[bytes | RemoteImage, ...],
+) -> GenerationRequest:
+    """A chat completion's generation, for its messages rendered to ``rendered``."""
+    stops, bos = rendered.stops, not rendered.has_bos
+    return chat_generation(chat, rendered.text, stops, add_bos=bos, limits=limits, images=images)
+
+
 def _read_openai(kind: str, body: bytes, chat_format: ChatFormat, options: ReadOptions) -> ParsedRequest:
     """``/v1/completions`` (``kind="text"``) or ``/v1/chat/completions`` (``"chat"``)."""
     request: CompletionRequest | ChatCompletionRequest
@@ -72,6 +87,7 @@ def _read_openai(kind: str, body: bytes, chat_format: ChatFormat, options: ReadO
     reasoning: tuple[str, str] | None = None
     inside = False
     limits = options.limits
+    truncation: Truncation | None = None
     if kind == "text":
         request, generations = decode_completion_prompts(body, limits)
         if request.reasoning_control is False:  # (a raw prompt: no reasoning markers known)
@@ -81,47 +97,54 @@ def _read_openai(kind: str, body: bytes, chat_format: ChatFormat, options: ReadO
         chat = decode_chat_request(body, limits, media)
         mode = chat.tool_mode()
         tools = chat.tools if mode != "none" else None
-        rendered = chat_format.render(chat.messages, tools=tools)
         images = media.images
-        generation = chat_generation(
-            chat, rendered.text, rendered.stops, add_bos=not rendered.has_bos, limits=limits, images=images
-        )
-        if generation.constraint is not None and rendered.reasoning is not None:
+
+        def build(messages: list[ChatMessage]) -> tuple[GenerationRequest, ChatPrompt, bool]:
+            """The generation for ``messages``, its rendered prompt, and whether the
+            model may reason in it."""
+            rendered = chat_format.render(messages, tools=tools)
+            generation = _chat_for(chat, rendered, limits, images)
+            if generation.constraint is None or rendered.reasoning is None:
+                return generation, rendered, True
             # the constraint holds from the first token: the answer is never reasoning
-            rendered = chat_format.render(chat.messages, tools=tools, thinking=False)
-            generation = chat_generation(
-                chat,
-                rendered.text,
-                rendered.stops,
-                add_bos=not rendered.has_bos,
-                limits=limits,
-                images=images,
-            )
-        else:
+            rendered = chat_format.render(messages, tools=tools, thinking=False)
+            return _chat_for(chat, rendered, limits, images), rendered, False
+
+        generation, rendered, reasons = build(chat.messages)
+        if reasons:
             reasoning, inside = rendered.reasoning, rendered.opens_reasoning
         generations = [_armed(generation, reasoning, inside, chat.reasoning_control)]
         request = chat
+        armed = (reasoning, inside, chat.reasoning_control)
+        truncation = Truncation(
+            chat.truncation or options.truncation,
+            chat.messages,
+            lambda messages: _armed(build(messages)[0], *armed),
+            note=lambda dropped: dialect.note_truncation(dropped),
+        )
         if mode != "none":
             tool_mode = "auto" if mode == "auto" else "forced"
             names = tuple(tool.function.name for tool in chat.tools or ())
             parallel_calls = chat.parallel_tool_calls is not False
     model = options.model_name(request.model)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    dialect = OpenAIDialect(
+        "text" if kind == "text" else "chat",
+        model,
+        include_usage=include_usage,
+        choices=request.n * len(generations),
+        tool_mode=tool_mode,
+        tool_names=names,
+        reasoning=reasoning,
+        inside=inside,
+        parallel_calls=parallel_calls,
+    )
     return ParsedRequest(
         stream=request.stream,
         generations=tuple(generations),
         model=model,
-        dialect=OpenAIDialect(
-            "text" if kind == "text" else "chat",
-            model,
-            include_usage=include_usage,
-            choices=request.n * len(generations),
-            tool_mode=tool_mode,
-            tool_names=names,
-            reasoning=reasoning,
-            inside=inside,
-            parallel_calls=parallel_calls,
-        ),
+        dialect=dialect,
+        truncation=truncation,
         n=request.n,
         priority=request.priority,
         tool_mode=tool_mode,
@@ -160,8 +183,44 @@ def _read_messages(body: bytes, chat_format: ChatFormat, options: ReadOptions) -
         omit_thinking=conversation.omit_thinking,
         parallel_calls=conversation.parallel_calls,
     )
+    mode = messages.truncation or options.truncation
+    truncation = _truncation(mode, conversation, chat_format, messages.reasoning_control, dialect)
     return _one_generation(
-        messages.stream, generation, model, dialect, conversation, rendered, priority=messages.priority
+        messages.stream,
+        generation,
+        model,
+        dialect,
+        conversation,
+        rendered,
+        priority=messages.priority,
+        truncation=truncation,
+    )
+
+
+def _truncation(
+    mode: TruncationMode,
+    conversation: Conversation,
+    chat_format: ChatFormat,
+    control: bool | None,
+    dialect: AnthropicDialect | ResponsesDialect,
+    param: str = "messages",
+    max_tokens_param: str = "max_tokens",
+) -> Truncation:
+    """How a conversation dialect's generation is built again from fewer messages
+    (``truncation: "auto"``; docs/dialects.md, "Truncation")."""
+
+    def build(messages: list[ChatMessage]) -> GenerationRequest:
+        shorter = dataclasses.replace(conversation, messages=messages)
+        generation, rendered = generation_for(shorter, chat_format)
+        return _armed(generation, rendered.reasoning, rendered.opens_reasoning, control)
+
+    return Truncation(
+        mode,
+        conversation.messages,
+        build,
+        note=dialect.note_truncation,
+        param=param,
+        max_tokens_param=max_tokens_param,
     )
 
 
@@ -175,12 +234,14 @@ def _one_generation(
     turn: StoredTurn | None = None,
     *,
     priority: int | None = None,
+    truncation: Truncation | None = None,
 ) -> ParsedRequest:
     """What a conversation dialect (Messages, Responses) asks for: one generation, and
     the tool and reasoning facts its conversation and rendered prompt give."""
     return ParsedRequest(
         turn=turn,
         priority=priority,
+        truncation=truncation,
         stream=stream,
         generations=(generation,),
         model=model,
@@ -214,6 +275,16 @@ def _read_responses(body: bytes, chat_format: ChatFormat, options: ReadOptions) 
         stored=storing,
         response_id=stored.response_id if stored is not None else None,
     )
+    mode = dialect.truncation = responses.truncation or options.truncation
+    truncation = _truncation(
+        mode,
+        conversation,
+        chat_format,
+        responses.reasoning_control,
+        dialect,
+        param="input",
+        max_tokens_param="max_output_tokens",
+    )
     turn = None
     if storing:
         turn = StoredTurn(
@@ -233,6 +304,7 @@ def _read_responses(body: bytes, chat_format: ChatFormat, options: ReadOptions) 
         rendered,
         turn,
         priority=responses.priority,
+        truncation=truncation,
     )
 
 
@@ -247,6 +319,7 @@ def responses_reply(body: bytes, options: ReadOptions) -> tuple[StoredTurn, dict
     responses_conversation(responses, limits=options.limits, stored=stored)
     model = options.model_name(responses.model)
     dialect = ResponsesDialect(model, responses, stored=True, response_id=stored.response_id)
+    dialect.truncation = responses.truncation or options.truncation
     turn = StoredTurn(
         dialect,
         turn_input_items(responses),

@@ -143,6 +143,9 @@ class ChatCompletionRequest(_CommonFields, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: bool | None = None
+    #: trioserve's (the Responses API's field): ``auto`` drops whole oldest turns until
+    #: the prompt fits the context; absent: the server's ``--truncation``
+    truncation: Literal["auto", "disabled"] | None = None
     # known, not honoured: refused when set to anything but "not asked for" (_REFUSED)
     functions: Any = None
     function_call: Any = None

@@ -119,6 +119,8 @@ class ChunkEncoder:
         self.id: str = first.id if first else ("cmpl-" if kind == "text" else "chatcmpl-") + uuid.uuid4().hex
         #: the request's id (``X-Request-Id``), in trioserve's field of the finish chunk
         self.request_id: str | None = None
+        #: what ``truncation: "auto"`` dropped, in the same field (``dropped_turns``…)
+        self.truncation: dict[str, int] | None = None
         self.created: int = first.created if first else int(time.time())
         self.model = model
         self._object = "text_completion" if kind == "text" else "chat.completion.chunk"
@@ -226,6 +228,8 @@ class ChunkEncoder:
         extension: dict[str, object] = {}
         if self.request_id is not None:
             extension["request_id"] = self.request_id
+        if self.truncation is not None:
+            extension["truncation"] = self.truncation
         if cause not in ("stop", "length"):
             # trioserve's own field: why the stream ended, in words a user can act on.
             extension["end_cause"] = cause
@@ -299,9 +303,10 @@ def non_stream_response(
     usage: Usage,
     choices: Sequence[ChoiceResult] | None = None,
     request_id: str | None = None,
+    truncation: dict[str, int] | None = None,
 ) -> bytes:
     """The body of a ``stream: false`` response (``choices``, or one from ``text``);
-    ``request_id`` goes in trioserve's field."""
+    ``request_id`` and what ``truncation: "auto"`` dropped go in trioserve's field."""
     created = int(time.time())
     results = list(choices) if choices is not None else [ChoiceResult(text=text, cause=cause)]
     out: list[dict[str, object]] = []
@@ -345,6 +350,11 @@ def non_stream_response(
         "choices": out,
         "usage": _usage_dict(usage),
     }
+    extension: dict[str, object] = {}
     if request_id is not None:
-        body["trioserve"] = {"request_id": request_id}
+        extension["request_id"] = request_id
+    if truncation is not None:
+        extension["truncation"] = truncation
+    if extension:
+        body["trioserve"] = extension
     return encode_json(body)

@@ -390,12 +390,6 @@ def _check(request: _ResponsesFields, stored: StoredContext | None = None) -> No
             "(send reasoning: {effort: none} to ask a reasoning model not to reason)",
             param="reasoning",
         )
-    if request.truncation == "auto":
-        raise InvalidRequestError(
-            "truncation is not supported: 'auto' would drop input; a prompt too long for the context "
-            "is a 400 (shorten input)",
-            param="truncation",
-        )
     text = request.text
     if text is not None and text.verbosity not in (None, "medium"):
         raise InvalidRequestError(

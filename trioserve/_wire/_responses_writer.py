@@ -16,6 +16,7 @@ from ._codec import encode_json
 from ._conversation import new_id
 from ._openai_writer import END_MESSAGES, ChoiceResult
 from ._responses import ResponsesRequest, ToolChoiceFunction
+from ._truncation import Dropped
 
 __all__ = ["ResponsesDialect", "StoredTurn"]
 
@@ -119,6 +120,10 @@ class ResponsesDialect:
         self.id = response_id or new_id("resp_")
         #: the request's id (``X-Request-Id``), in trioserve's field of the response
         self.request_id: str | None = None
+        #: its overflow policy, as it was resolved (the server's ``--truncation`` where
+        #: the request did not say), and what it dropped (docs/dialects.md, "Truncation")
+        self.truncation: str = request.truncation or "disabled"
+        self._dropped: Dropped | None = None
         self.created_at = int(time.time())
         self._request = request
         #: the response is kept in the server's store (its body says ``"store": true``)
@@ -138,6 +143,10 @@ class ResponsesDialect:
         self._message: str | None = None
         self.writers = [self]
         self._delta_prefix = b""
+
+    def note_truncation(self, dropped: Dropped) -> None:
+        """``truncation: "auto"`` dropped turns: every response object says so."""
+        self._dropped = dropped
 
     # -- the response object
 
@@ -180,12 +189,14 @@ class ResponsesDialect:
             "tool_choice": _tool_choice(request),
             "tools": _tools(request),
             "top_p": 1.0 if request.top_p is None else request.top_p,
-            "truncation": "disabled",
+            "truncation": self.truncation,
             "usage": _usage(usage) if usage is not None else None,
         }
         extension: dict[str, object] = {}
         if self.request_id is not None:
             extension["request_id"] = self.request_id
+        if self._dropped is not None:
+            extension["truncation"] = self._dropped.extension()
         if status not in ("in_progress", "queued") and self._cause not in ("stop", "length"):
             extension["end_cause"] = self._cause
             extension["message"] = self._message or END_MESSAGES.get(self._cause, "")

@@ -19,6 +19,7 @@ from ._conversation import Conversation
 from ._dialect import Dialect
 from ._limits import RequestLimits
 from ._responses import StoredAsk, StoredContext
+from ._truncation import Truncation, TruncationMode
 
 if TYPE_CHECKING:
     from ._responses_writer import StoredTurn
@@ -57,6 +58,9 @@ class ReadOptions:
     #: the response store's answer for this request; ``None``: the server stores no
     #: responses (``store``, ``previous_response_id`` and ``background`` are refused)
     stored: StoredContext | None = None
+    #: what a conversation that does not fit the context gets when its request does
+    #: not say (``--truncation``; docs/dialects.md, "Truncation")
+    truncation: TruncationMode = "disabled"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +86,9 @@ class ParsedRequest:
     turn: StoredTurn | None = None
     #: the body's ``priority`` (``None``: the API key's default)
     priority: int | None = None
+    #: a conversation's overflow policy, and how to build it from fewer turns
+    #: (``None``: a request that is not a conversation)
+    truncation: Truncation | None = None
 
     @property
     def generation(self) -> GenerationRequest:
