@@ -96,6 +96,15 @@ def _model(serve: argparse.ArgumentParser) -> None:
             + (" (a quantized V turns flash attention on)" if kv == "v" else "")
             + " (default: f16; docs/models.md, 'KV cache types')",
         )
+    group.add_argument(
+        "--swa-full",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a sliding-window model's window layers keep every cell, so any cached prefix is "
+        "reusable; --no-swa-full (llama-server's default) keeps about the window: a fraction of "
+        "the KV memory, faster long prompts, and reuse only where the window cells reach "
+        "(default: on; docs/prompt-cache.md, 'Window layers')",
+    )
     group.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     group.add_argument("--batch-size", type=int, default=512, help="llama.cpp's batch size (default: 512)")
     group.add_argument(

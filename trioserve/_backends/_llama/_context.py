@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..._core._exceptions import BackendError
 from ._kv_memory import KvMemory, kv_memory
-from ._native import capture_errors, make_abort_callback
+from ._native import capture_errors, kv_size_lines, make_abort_callback
 from ._settings import KV_CACHE_TYPES
 
 if TYPE_CHECKING:
@@ -39,21 +39,24 @@ class Context:
         params.n_threads = settings.n_threads
         params.n_threads_batch = settings.n_threads
         params.n_seq_max = sequences
-        # sliding-window layers keep every cell too (llama.cpp's default): a cached
-        # prefix's cells must all be there when a later request reuses it
-        params.swa_full = True
+        # sliding-window layers keep every cell too (the default, ``swa_full``): any
+        # cached prefix's cells are there when a later request reuses it; without it
+        # (``--no-swa-full``, llama-server's default) they keep about the window and a
+        # batch, and reuse is only where they reach (docs/prompt-cache.md)
+        params.swa_full = settings.swa_full
         if sequences > 1:
             params.kv_unified = False
         params.type_k = KV_CACHE_TYPES[settings.cache_type_k]
         params.type_v = KV_CACHE_TYPES[settings.cache_type_v]
         with capture_errors() as said:
             ctx = lib.llama_init_from_model(model.model, params)
+            sizes = kv_size_lines()
         if not ctx:
             types = (settings.cache_type_k, settings.cache_type_v)
             raise BackendError(_refused(*types, sequences, settings.n_ctx, said))
         self.ctx = ctx
         #: the KV cache's bytes (``None``: a cache of another layout: _kv_memory.py)
-        self.kv_memory: KvMemory | None = kv_memory(model, ctx, slots=sequences)
+        self.kv_memory: KvMemory | None = kv_memory(model, ctx, slots=sequences, said=sizes)
         if self.kv_memory is not None:
             logger.info("%s: %s", settings.model_id, self.kv_memory.describe())
         self.memory = lib.llama_get_memory(ctx)

@@ -39,6 +39,9 @@ class KvMemory:
     ctx_per_slot: int
     type_k: str
     type_v: str
+    #: a sliding-window model's window layers keep about the window only (llama.cpp's
+    #: figures, to 0.01 MiB)
+    window: bool = False
 
     @property
     def bytes(self) -> int:
@@ -49,6 +52,7 @@ class KvMemory:
         return (
             f"KV cache: {self.bytes / _MIB:.1f} MiB for {self.slots} slot(s) × {self.ctx_per_slot} "
             f"tokens, K type {self.type_k}, V type {self.type_v}"
+            + (", window layers to their window (--no-swa-full)" if self.window else "")
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -62,6 +66,7 @@ class KvMemory:
             "type_v": self.type_v,
             "slots": self.slots,
             "ctx_per_slot": self.ctx_per_slot,
+            "swa_full": not self.window,
         }
 
 
@@ -88,10 +93,30 @@ def _per_layer(text: str | None, layers: int) -> list[int] | None:
     return values if len(values) == layers else None
 
 
-def kv_memory(model: LlamaModel, ctx: Any, *, slots: int) -> KvMemory | None:
+_SAID = re.compile(r"K \([^)]*\):\s*([\d.]+) MiB, V \([^)]*\):\s*([\d.]+) MiB")
+
+
+def kv_memory(model: LlamaModel, ctx: Any, *, slots: int, said: list[str] | None = None) -> KvMemory | None:
     """The KV cache of ``ctx`` (a generation context of ``slots`` sequences), or
-    ``None`` for a model whose cache is not plain attention K/V."""
+    ``None`` for a model whose cache is not plain attention K/V. A sliding-window
+    model's cells kept to the window (``--no-swa-full``) hold fewer cells in some
+    layers than the API tells which: there, llama.cpp's own figures (``said``, its
+    ``llama_kv_cache: size = …`` lines, one per cache)."""
     lib, settings = model.lib, model.settings
+    if not settings.swa_full and int(lib.llama_model_n_swa(model.model)) > 0:
+        found = [_SAID.search(line) for line in said or ()]
+        if not found or not all(found):
+            return None
+        mib = [(float(m.group(1)), float(m.group(2))) for m in found if m is not None]
+        return KvMemory(
+            k_bytes=int(sum(k for k, _ in mib) * _MIB),
+            v_bytes=int(sum(v for _, v in mib) * _MIB),
+            slots=slots,
+            ctx_per_slot=int(lib.llama_n_ctx(ctx)) // slots,
+            type_k=settings.cache_type_k,
+            type_v=settings.cache_type_v,
+            window=True,
+        )
     if lib.llama_model_is_recurrent(model.model) or lib.llama_model_is_hybrid(model.model):
         return None
     arch = model.architecture

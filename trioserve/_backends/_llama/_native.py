@@ -60,6 +60,12 @@ def _forward_log(level: int, text: bytes, _data: object) -> None:
         errors = getattr(load_errors, "lines", None)
         if errors is not None and len(errors) < 8:
             errors.append(line)  # this thread's load: its error names the cause
+    elif LoadLog.loading and text.startswith(b"llama_kv_cache: size ="):
+        # (a context being made: the KV cache's size as llama.cpp counts it, per cache)
+        sizes = getattr(load_errors, "kv_sizes", None)
+        if sizes is not None and len(sizes) < 8:
+            sizes.append(text.decode("utf-8", errors="replace").rstrip())
+        _llama_cpp_logger.debug("%s", text.decode("utf-8", errors="replace").rstrip())
     elif _llama_cpp_logger.isEnabledFor(logging.DEBUG):
         _llama_cpp_logger.debug("%s", text.decode("utf-8", errors="replace").rstrip())
 
@@ -88,12 +94,20 @@ def capture_errors() -> Iterator[list[str]]:
     """llama.cpp's error lines in this thread while the block runs (a context being
     made, at load: its error line says why it cannot be), as during a model's load
     (whose :func:`~._loading.load` installed the forwarder)."""
-    before = getattr(load_errors, "lines", None)
+    before = getattr(load_errors, "lines", None), getattr(load_errors, "kv_sizes", None)
     lines: list[str] = []
     load_errors.lines = lines
+    load_errors.kv_sizes = []
     LoadLog.loading += 1
     try:
         yield lines
     finally:
         LoadLog.loading -= 1
-        load_errors.lines = before
+        load_errors.lines, load_errors.kv_sizes = before
+
+
+def kv_size_lines() -> list[str]:
+    """llama.cpp's ``llama_kv_cache: size = …`` lines of the context made in this
+    thread's :func:`capture_errors` block (read inside it): one per cache (two for a
+    sliding-window model's cells kept to the window)."""
+    return list(getattr(load_errors, "kv_sizes", None) or [])

@@ -37,6 +37,12 @@ class LlamaSettings:
             cache types").
         cache_type_v: the same for V (``--cache-type-v``); a quantized V needs flash
             attention, which llama.cpp then turns on.
+        swa_full: a sliding-window model's window layers keep every cell (the
+            default): any cached prefix is reusable. ``False`` (``--no-swa-full``,
+            llama-server's default): they keep about the window and a batch — a 32k
+            context's KV memory is a fraction, long prompts run faster, and a cached
+            prefix is reusable only where those cells still reach (docs/prompt-cache.md,
+            "Window layers").
         n_threads: threads of the one context; default: all cores (every step decodes
             every running sequence).
         n_batch: llama.cpp's batch size (at least ``prefill_chunk``).
@@ -106,6 +112,7 @@ class LlamaSettings:
         *,
         n_ctx: int = 4096,
         cache_type_k: str = "f16",
+        swa_full: bool = True,
         cache_type_v: str = "f16",
         n_threads: int | None = None,
         n_batch: int = 512,
@@ -146,6 +153,7 @@ class LlamaSettings:
             if value not in KV_CACHE_TYPES:
                 raise ValueError(f"{flag} must be one of {', '.join(KV_CACHE_TYPES)}, got {value!r}")
         self.cache_type_k = cache_type_k
+        self.swa_full = swa_full
         self.cache_type_v = cache_type_v
         # llama.cpp's threads spin while they wait for each other: more threads than
         # cores makes every decode slower, so one context gets exactly the cores.
@@ -195,4 +203,4 @@ class LlamaSettings:
     def kv_types(self) -> str:
         """``"K/V"``: the KV cache's types (``"f16/f16"``), which a cached state's cells
         are made of (a host tier of other types is not reused: ``_tiers.host_tier``)."""
-        return f"{self.cache_type_k}/{self.cache_type_v}"
+        return f"{self.cache_type_k}/{self.cache_type_v}" + ("" if self.swa_full else "/window")

@@ -1,0 +1,154 @@
+"""A sliding-window model's window layers kept to their window (``--no-swa-full``,
+llama-server's default; docs/prompt-cache.md, "Window layers"), with the real model
+(Gemma 3: 15 of its 18 layers see the last 512 positions): the KV memory is llama.cpp's
+own figure and a fraction of the full one; a conversation's next turn still reuses
+its prompt and answers the cache-off text; a prefix whose window cells are gone is not
+reused (evaluated again, the text unchanged) — the trade this mode makes."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from trioserve import Engine, GenerationRequest, LlamaBackend, LlamaSettings, SamplingParams, TextDelta, Usage
+
+from ..conftest import THREADS
+
+pytestmark = pytest.mark.model
+
+#: the end tokens (``<eos>``, ``<end_of_turn>``) banned: every text has its full length
+NO_END = SamplingParams(temperature=0.0, logit_bias={1: -100.0, 106: -100.0})
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _settings(model_path: str, **changes: object) -> LlamaSettings:
+    options: dict[str, object] = {"n_ctx": 4096, "n_threads": THREADS, "slots": 1, "swa_full": False}
+    options.update(changes)
+    return LlamaSettings(model_path, **options)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def window(model_path: str) -> Iterator[LlamaBackend]:
+    backend = LlamaBackend.load(_settings(model_path, idle_recompute=False))
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def window_uncached(model_path: str) -> Iterator[LlamaBackend]:
+    backend = LlamaBackend.load(_settings(model_path, prompt_cache=False))
+    yield backend
+    backend.close()
+
+
+@contextlib.asynccontextmanager
+async def _engine(backend: LlamaBackend) -> AsyncIterator[Engine]:
+    engine = Engine(backend)
+    try:
+        yield engine
+    finally:
+        await engine.aclose(close_backend=False)
+
+
+async def _run(
+    engine: Engine, prompt: list[int], max_tokens: int, sampling: SamplingParams
+) -> tuple[str, Usage]:
+    request = GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling)
+    prepared = await engine.prepare(request)
+    parts: list[str] = []
+    async with engine.stream(prepared) as events:
+        async for event in events:
+            if type(event) is TextDelta:
+                parts.append(event.text)
+        return "".join(parts), events.usage
+
+
+def _turn(role: str, text: str) -> str:
+    return f"<start_of_turn>{role}\n{text}<end_of_turn>\n"
+
+
+def test_the_window_layers_hold_a_fraction_of_the_kv_memory(model_path: str) -> None:
+    full = LlamaBackend.load(_settings(model_path, slots=2, n_ctx=8192, swa_full=True, warm_up=False))
+    try:
+        whole = full.kv_memory
+    finally:
+        full.close()
+    kept = LlamaBackend.load(_settings(model_path, slots=2, n_ctx=8192, warm_up=False))
+    try:
+        windowed = kept.kv_memory
+    finally:
+        kept.close()
+    assert whole is not None
+    assert windowed is not None
+    # 3 full-attention layers of 18 keep 2 × 8,192 cells; the 15 window layers about
+    # the window and a batch each (llama.cpp's own figure)
+    assert windowed.bytes < whole.bytes / 3
+    assert windowed.as_dict()["swa_full"] is False
+    assert whole.as_dict()["swa_full"] is True
+    assert "--no-swa-full" in windowed.describe()
+
+
+async def test_a_next_turn_past_the_window_reuses_its_prompt_and_answers_the_cache_off_text(
+    window: LlamaBackend, window_uncached: LlamaBackend
+) -> None:
+    """A ~1,500-token prompt (past the window and a batch: its first cells' window rows
+    are gone), a 200-token reply decoded a token at a time, then the next turn: it
+    reuses the previous prompt (its window cells still reach), and its text is the
+    cache-off text."""
+    first = window.tokenize(
+        f"[{uuid.uuid4().hex}] "
+        + _turn("user", "Tell me about the harbour, its stones, its people and the long years. " * 100)
+        + "<start_of_turn>model\n"
+    )
+    assert len(first) > 1500
+    async with _engine(window) as engine:
+        reply, usage = await _run(engine, first, 200, NO_END)
+        assert usage.completion_tokens == 200
+        follow_up = (
+            first
+            + window.tokenize(reply, add_bos=False)
+            + window.tokenize(
+                "<end_of_turn>\n" + _turn("user", "And what about its future?") + "<start_of_turn>model\n",
+                add_bos=False,
+            )
+        )
+        answer, usage = await _run(engine, follow_up, 24, GREEDY)
+    async with _engine(window_uncached) as off:
+        reference, _ = await _run(off, follow_up, 24, GREEDY)
+    assert usage.cached_tokens == len(first)  # the previous prompt, whole
+    assert answer == reference
+
+
+async def test_a_prefix_whose_window_cells_are_gone_is_evaluated_again_with_the_same_text(
+    window: LlamaBackend, window_uncached: LlamaBackend
+) -> None:
+    """Two prompts sharing a ~600-token head; the first runs on ~1,800 tokens past it.
+    The window layers' cells of the head's last 512 positions are gone (what
+    ``--swa-full`` keeps), so the second prompt cannot reuse the head from the cells:
+    it evaluates it again, and answers the cache-off text."""
+    head = window.tokenize(
+        f"[{uuid.uuid4().hex}] "
+        + _turn("user", "The rules of the game are these: move, wait, and count. " * 40)
+        + "<start_of_turn>user\n"
+    )
+    tail = window.tokenize(
+        "Now a long story about the sea and the ships that sail it. " * 140
+        + "<end_of_turn>\n<start_of_turn>model\n",
+        add_bos=False,
+    )
+    other = window.tokenize("Who wins?<end_of_turn>\n<start_of_turn>model\n", add_bos=False)
+    rule = window.piece_rule
+    # (the head ends on a cut of both prompts: a turn's header)
+    assert len(head) in rule.cuts(head + tail)
+    assert len(head) in rule.cuts(head + other)
+    async with _engine(window) as engine:
+        await _run(engine, head + tail, 4, NO_END)
+        assert len(tail) > 1500
+        answer, usage = await _run(engine, head + other, 24, GREEDY)
+    async with _engine(window_uncached) as off:
+        reference, _ = await _run(off, head + other, 24, GREEDY)
+    assert usage.cached_tokens < len(head) - 512  # the head's window cells were not there
+    assert answer == reference
