@@ -304,3 +304,45 @@ def test_the_keys_file_sets_priorities_and_limits_and_is_reloaded_on_sighup(tmp_
             time.sleep(0.02)
         newcomer.completions.create(model=model, prompt="Hi", max_tokens=1)
         assert server.stop() == 0
+
+
+async def test_a_stream_paused_after_its_prompt_keeps_no_row_on_the_id_it_resumes_under(
+    invariant_server: RunningServer,
+) -> None:
+    """Full hits (docs/prompt-cache.md) draw from the row an id kept for its prompt. A
+    stream paused after its prompt resumes under another id, which holds another
+    prompt's row: it must not claim it. Eight chat prompts (each ends on a cut) at
+    priority 5, one set aside for a priority-0 request; then each prompt again: every
+    text equals its text alone (batch-invariant), the paused one's too."""
+    server = invariant_server
+    admission = server.engine.admission
+    backend = server.engine.backend
+    assert isinstance(backend, LlamaBackend)
+    tokens = 48
+    chats = [f"<start_of_turn>user\n{p}<end_of_turn>\n<start_of_turn>model\n" for p in PROMPTS]
+    async with server.client() as client:
+        backend.clear_cache()
+        alone: dict[str, str] = {}
+        for chat in chats:  # (one at a time: each its own evaluation)
+            alone[chat] = await _complete(client, chat, tokens)
+        backend.clear_cache()
+        preemptions = admission.preemptions
+
+        async def low(chat: str) -> None:
+            await _complete(client, chat, tokens, priority=5)
+
+        async with trio.open_nursery() as nursery:
+            for chat in chats:
+                nursery.start_soon(low, chat)
+            streams = server.engine.streams
+            await wait_for(
+                lambda: len(streams) == len(chats) and all(s.progress.completion_tokens for s in streams),
+                limit=60,
+            )
+            await _complete(client, "Hello, my name is", 8, priority=0)
+            assert admission.preemptions == preemptions + 1
+        hits = backend.cache_stats()["whole_hits"]
+        again = {chat: await _complete(client, chat, tokens) for chat in chats}
+    assert again == alone
+    # every prompt but the paused one was a full hit
+    assert backend.cache_stats()["whole_hits"] == hits + len(chats) - 1  # type: ignore[operator]

@@ -232,6 +232,12 @@ class CachePolicy:
         a cut."""
         return self.enabled and cache_prompt and not self.fast and bool(cuts) and cuts[-1] == length
 
+    @staticmethod
+    def last_cut_before(cuts: list[int], length: int) -> int:
+        """The last of ``cuts`` before ``length`` (0: none): where a prompt of ``length``
+        tokens must start evaluating to compute its last piece."""
+        return _last_cut(cuts, length - 1)
+
     def logits_at(self, seq_id: int) -> int:
         """The prompt length whose last logits ``seq_id`` keeps (0: none)."""
         return self._logits_at[seq_id]

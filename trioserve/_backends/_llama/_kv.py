@@ -181,6 +181,9 @@ class KvCells:
             # (the pause budget's estimate for the next pauses)
             self.kv_bytes_per_token = state.used / sequence.pos
         self.forget(seq_id)
+        # (its row, if kept, stays with this id: it resumes under another, which holds
+        # another row — it keeps none for a full hit)
+        sequence.cache.row_kept = False
         return state
 
     def unpark(self, sequence: Sequence) -> None:

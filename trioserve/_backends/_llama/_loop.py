@@ -254,9 +254,12 @@ class Scheduler:
         the first token is drawn from them now, no call (what a fresh evaluation's
         last piece would give: the same piece, the same row — docs/prompt-cache.md)."""
         row = self.kv.whole_row(sequence)
-        if row is None:
-            # (its cells did not all come through: it evaluates its last piece)
+        if row is None:  # pragma: no cover - (a row is kept wherever a full hit is planned)
+            # its cells or its row did not come through: it evaluates its last piece
             sequence.cache.whole = sequence.cache.row_kept = False
+            if sequence.decoding:
+                cut = self.policy.last_cut_before(sequence.cache.cuts, len(sequence.asked.prompt))
+                self.kv.reuse(sequence, cut if self.kv.trim(sequence.seq_id, cut) == cut else 0)
             return
         sequence.out.first_chunk_at = time.perf_counter()
         sequence.progress.prefill_seconds = 0.0
