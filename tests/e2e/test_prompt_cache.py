@@ -764,3 +764,55 @@ async def test_the_same_chat_prompt_again_is_a_full_hit_drawn_from_the_kept_row_
         assert logprobs_again == logprobs
     assert fresh[2][1]  # (log-probabilities were reported)
     assert last[0] == fresh[0][0]
+
+
+async def test_choices_of_a_constrained_request_keep_their_rows_unmasked(
+    model_path: str, uncached_backend: LlamaBackend
+) -> None:
+    """``n`` = 2 with a JSON schema: the choices share the leader's output row, and the
+    leader's draw masks that row in place. Each id keeps the row as computed (kept
+    before any draw), so the same prompt unconstrained, a full hit on either id,
+    answers the cache-off text."""
+    prompt = (
+        f"[{uuid.uuid4().hex}] "
+        + _gemma_turn("user", "List the colours of the harbour's boats. " * 10)
+        + "<start_of_turn>model\n"
+    )
+    async with _engine(uncached_backend) as fresh:
+        reference, _ = await _complete(fresh, prompt, max_tokens=16)
+    settings = LlamaSettings(model_path, n_ctx=2048, n_threads=THREADS, slots=2, idle_recompute=False)
+    backend = await LlamaBackend.aload(settings)
+    async with Engine(backend) as engine:
+        tokens = list((await engine.prepare(GenerationRequest(prompt=prompt))).tokens)
+        assert len(tokens) in backend.piece_rule.cuts(tokens)  # it ends on a cut
+        schema = json.dumps({"type": "object", "properties": {"colour": {"type": "string"}}})
+        constrained = GenerationRequest(
+            prompt=prompt,
+            max_tokens=4,
+            sampling=GREEDY,
+            constraint=Constraint(kind="json_schema", source=schema),
+        )
+
+        async def drain(events: Any) -> None:
+            async for _ in events:
+                pass
+
+        async with (
+            engine.stream_choices(await engine.prepare(constrained), 2) as streams,
+            trio.open_nursery() as nursery,
+        ):
+            for events in streams:
+                nursery.start_soon(drain, events)
+        assert backend.cache_stats()["sequences"] == [len(tokens), len(tokens)]
+        hits = backend.cache_stats()["whole_hits"]
+        # both ids at once: each a full hit from its own row
+        texts: list[str] = []
+
+        async def one() -> None:
+            texts.append((await _complete(engine, prompt, max_tokens=16))[0])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one)
+            nursery.start_soon(one)
+        assert backend.cache_stats()["whole_hits"] == hits + 2  # type: ignore[operator]
+    assert texts == [reference, reference]

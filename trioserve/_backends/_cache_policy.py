@@ -473,9 +473,12 @@ class CachePolicy:
             return None
         return Recompute(seq_id, history, cuts, start, end)
 
-    def recomputed(self, job: Recompute) -> None:
-        """``job``'s piece is in its id's cells."""
+    def recomputed(self, job: Recompute, floor: int | None = None) -> None:
+        """``job``'s piece is in its id's cells, whose window cells now start at
+        ``floor`` (``None``: unchanged — the window layers keep every cell)."""
         self._cached[job.seq_id] = job.history[: job.end]
+        if floor is not None:
+            self._floor[job.seq_id] = floor
         if job.end >= job.cuts[-1]:
             del self._history[job.seq_id]
 

@@ -49,7 +49,7 @@ def open_disk_tier(model: LlamaModel, *, rule: str, window: int) -> tuple[DiskTi
         "type_k": KV_CACHE_TYPES[settings.cache_type_k],
         "type_v": KV_CACHE_TYPES[settings.cache_type_v],
         "flash_attn_type": int(params.flash_attn_type),
-        "swa_full": settings.swa_full,
+        "swa_full": settings.swa_full or not window,  # (no window layers: the same cells)
         "kv_unified": settings.slots == 1,
         "batch_invariant": settings.batch_invariant,
         "repacked": bool(model.repack.extra_buffers) if model.repack is not None else None,

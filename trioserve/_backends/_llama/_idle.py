@@ -89,4 +89,6 @@ class IdleRecompute:
             return
         self.chunks += 1
         self.tokens += end - start
-        self.policy.recomputed(job)
+        # (window layers kept to their window: the piece moved the first window cell on)
+        floor = None if self.kv.swa_full else self.kv.window_start(seq_id, end)
+        self.policy.recomputed(job, floor)

@@ -148,9 +148,15 @@ class KvCells:
         self.persisted += queued
         return queued
 
+    @property
+    def swa_full(self) -> bool:
+        """The window layers keep every cell (``LlamaSettings.swa_full``)."""
+        return self._model.settings.swa_full
+
     def forget(self, seq_id: int) -> None:
-        """Drop what a free id caches: its cells and its bookkeeping."""
+        """Drop what a free id caches: its cells, its kept row and its bookkeeping."""
         self.policy.forget(seq_id)
+        self._rows.pop(seq_id, None)
         if not self.lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1):  # pragma: no cover
             logger.error("llama.cpp could not clear the cells of sequence %d", seq_id)
 
@@ -267,6 +273,17 @@ class KvCells:
         kept = self.trim(seq_id, sequence.prefilled)
         if kept != sequence.prefilled:
             self.reuse(sequence, kept)
+        elif (
+            not self.swa_full
+            and kept
+            and self.host.window
+            and self.lib.llama_memory_seq_pos_min(self.memory, seq_id) > self.window_floor(kept)
+        ):
+            # window layers kept to their window: the cells the rest attends to are gone
+            # (planned against: CachePolicy.serves) — evaluate it all, never a short window
+            logger.warning("a cached prefix lacks sliding-window cells; evaluating the prompt")
+            sequence.cache.whole = sequence.cache.row_kept = False
+            self.reuse(sequence, 0)
 
     def save_state(self, seq_id: int, tokens: list[int], salt: str) -> bool:
         """Keep the state of ``seq_id``'s cells (which hold ``tokens``, computed for

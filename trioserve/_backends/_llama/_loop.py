@@ -457,12 +457,15 @@ class Scheduler:
             self.kv.trim(filled.padded.seq_id, filled.padded.pos)
         drafts = filled.drafts
         emit = self.outputs.emit
+        # every row kept before any draw: a mask writes into the buffer it draws from, and
+        # a choice of n > 1 shares its leader's row (share_prompt)
         for sequence, index in outputs:
             if not sequence.out.generated and self.policy.keeps_row(
                 sequence.asked.cache_prompt, len(sequence.asked.prompt), sequence.cache.cuts
             ):
                 row = logits_row(self._model.lib, self.executor.ctx, index, self._model.n_vocab)
                 self.kv.keep_row(sequence, row)
+        for sequence, index in outputs:
             if sequence.asked.max_new <= 0:
                 self._remove(sequence, "length")  # a prompt to evaluate only: it is cached
                 continue
