@@ -440,12 +440,14 @@ class Scheduler:
             return
         outputs = filled.outputs
         now = time.perf_counter()
+        prompts_done = False  # (a prompt's last piece ran: its row may be kept)
         for sequence, count in call:
             if count:
                 sequence.prefilled += count
                 sequence.pos = sequence.prefilled
                 sequence.progress.prefilled_tokens = sequence.prefilled
                 if sequence.decoding:
+                    prompts_done = True
                     sequence.progress.prefill_seconds = now - sequence.out.first_chunk_at
                     if sequence.followers:
                         outputs += self.kv.share_prompt(sequence, outputs)
@@ -459,7 +461,7 @@ class Scheduler:
         emit = self.outputs.emit
         # every row kept before any draw: a mask writes into the buffer it draws from, and
         # a choice of n > 1 shares its leader's row (share_prompt)
-        for sequence, index in outputs:
+        for sequence, index in outputs if prompts_done else ():
             if not sequence.out.generated and self.policy.keeps_row(
                 sequence.asked.cache_prompt, len(sequence.asked.prompt), sequence.cache.cuts
             ):
