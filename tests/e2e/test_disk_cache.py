@@ -392,7 +392,11 @@ async def test_a_full_disk_answers_every_request_leaves_no_temp_file_and_writes_
             small_disk.free()
             await _answered(client, _note("freed"))
             disk = await _settled(client, lambda _: _entry_of(small_disk, tokens["freed"]))
-            assert (disk["state"], disk["error"], disk["failed_writes"]) == ("ok", None, failed)
+            assert (disk["state"], disk["error"]) == ("ok", None)
+            # (an idle write of a free id's prefix may still have failed between the scrape
+            # and the freeing: from here on, with room, none fails)
+            assert int(disk["failed_writes"]) >= failed  # type: ignore[call-overload]
+            failed = int(disk["failed_writes"])  # type: ignore[call-overload]
             assert "the disk cache writes again" in caplog.text
             oldest = min(small_disk.entries(), key=lambda p: p.stat().st_mtime)
             # room for one more entry, not two: the second evicts the oldest and is written
