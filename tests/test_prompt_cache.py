@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trioserve._backends._cache_policy import CachePolicy
+from trioserve._backends._cache_policy import CachePolicy, short_tail
 from trioserve._backends._llama import LlamaSettings
 from trioserve._backends._pieces import PieceRule
 from trioserve._backends._prompt_cache import HostBudget, HostCache, shared_prefix
@@ -354,3 +354,22 @@ def test_fast_mode_keeps_no_row() -> None:
     policy.take(0)
     policy.release(0, list(range(8)), [], 8, finished=True, logits=True)
     assert policy.logits_at(0) == 0
+
+
+def test_a_short_tail_is_overwritten_unsaved_and_a_longer_one_saved_first() -> None:
+    # (short_tail: kept // 256 tokens, at most 32) an id holding a 2,048-token prompt and
+    # its reply: the same prompt again overwrites an 8-token reply without a save, a
+    # 9-token one after saving the id's longer state; a short prefix's tail is always saved
+    assert [short_tail(n) for n in (0, 255, 256, 2048, 8192, 16_384, 100_000)] == [0, 0, 1, 8, 32, 32, 32]
+    prompt = list(range(2048))
+    for reply, saved in ((8, False), (9, True)):
+        policy = _policy(1, HostCache(budget=1 << 30, rule="r"))
+        policy.take(0)
+        policy.release(0, prompt, list(range(5000, 5000 + reply)), 2048 + reply, finished=True)
+        plan = policy.place([*prompt, 7], list(range(4, 2049, 4)), True, [0])
+        assert plan.reused == 2048
+        assert (plan.save is not None) == saved
+    policy = _policy(1, HostCache(budget=1 << 30, rule="r"))
+    policy.take(0)
+    policy.release(0, prompt[:100], [5000], 101, finished=True)
+    assert policy.place([*prompt[:100], 7], list(range(4, 101, 4)), True, [0]).save == [*prompt[:100], 5000]

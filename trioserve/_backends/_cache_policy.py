@@ -25,7 +25,23 @@ from ._memory import StateBuffer
 from ._pieces import PieceRule, image_runs
 from ._prompt_cache import HostCache, shared_prefix
 
-__all__ = ["CachePolicy", "CacheStats", "Placement", "next_cut"]
+__all__ = ["CachePolicy", "CacheStats", "Placement", "next_cut", "short_tail"]
+
+#: the longest tail of an id's cells a request may overwrite without the id's longer
+#: state being saved to host memory first (:func:`short_tail`)
+SHORT_TAIL = 32
+
+
+def short_tail(kept: int) -> int:
+    """How many tokens past the ``kept`` cells a request may overwrite unsaved. Saving
+    the state and restoring it later copies every cell twice (~3 µs a cell on this CPU);
+    evaluating the tail again costs ~1 ms a token plus attention over ``kept`` (~0.6 µs
+    a cell): below ~``kept`` / 170 tokens, and below ~10 at any depth, evaluating again is
+    cheaper even when the old tail does come back — which after a regenerate (the same
+    prompt asked again: only the last reply is lost) it rarely does. So: up to
+    ``kept`` / 256 tokens, at most :data:`SHORT_TAIL` (docs/prompt-cache.md, "A short tail
+    is not saved")."""
+    return min(SHORT_TAIL, kept // 256)
 
 
 def _last_cut(cuts: list[int], limit: int) -> int:
@@ -367,7 +383,7 @@ class CachePolicy:
             reused, restore = found
         save = None
         checkpoint = 0
-        if self.savable(best) and (restore is not None or len(cached[best]) > reused):
+        if self.savable(best) and (restore is not None or len(cached[best]) - reused > short_tail(reused)):
             save = cached[best]  # (some of) its cells are about to be overwritten
             # (a restore replaces every cell: the checkpoint may go below ``reused``)
             checkpoint = self.checkpoint(best, 0 if restore is not None else reused)
