@@ -41,7 +41,26 @@ def kind(name: str) -> str:
 
 
 def trioserve_command(port: int, *options: str) -> list[str]:
-    return [sys.executable, "-m", "trioserve", "serve", "--host", "127.0.0.1", "--port", str(port), *options]
+    """``trioserve serve`` on ``port``; its context is 4,096 tokens per sequence unless
+    ``options`` say (the default, ``auto``, would size it to this machine's memory: a
+    run's figures would depend on it)."""
+    pinned = (
+        ()
+        if any(o == "--ctx-size" or o.startswith("--ctx-size=") for o in options)
+        else ("--ctx-size", "4096")
+    )
+    return [
+        sys.executable,
+        "-m",
+        "trioserve",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *pinned,
+        *options,
+    ]
 
 
 def llama_server_binary() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import time
@@ -29,6 +30,24 @@ def test_startup_logs_and_ctrl_c_exits_zero() -> None:
     assert url.startswith("http://127.0.0.1:")
     assert exit_code == 0
     assert "stopped" in "".join(server.log)
+
+
+def test_the_default_context_is_sized_to_the_training_length_and_the_memory_and_said_at_start() -> None:
+    # (one slot: 32,768 cells of the default model's cache are 0.56 GiB — the figure the
+    # line states is the one /v1/models serves, whatever this machine's memory)
+    with ServerProcess("--threads", "2", "--slots", "1", "--ctx-size", "auto") as server:
+        url = server.wait_ready()
+        served = httpx.get(url + "/v1/models").json()["data"][0]["context_length"]
+        server.stop()
+    line = r"context (\d+) tokens per sequence, ([^(]*)\(([^\n]*)\(--ctx-size auto\)"
+    said = re.search(line, "".join(server.log))
+    assert said is not None, "".join(server.log)
+    n_ctx = int(said.group(1))
+    assert served == n_ctx
+    assert 4096 <= n_ctx <= 32768
+    if said.group(2).startswith("the model's training length"):
+        assert n_ctx == 32768
+        assert "1 × 32768 cells of KV cache take 0.56 GiB" in said.group(3)
 
 
 def test_sigterm_with_a_stream_in_flight_ends_it_with_a_final_event() -> None:
@@ -241,7 +260,7 @@ def test_a_models_dir_with_a_preset_serves_each_model_with_its_settings(
         ("[models.nowhere]\nslots = 1\n", "[models.nowhere] names no model found"),
         ("[defaults]\nkeep_alive = 'soon'\n", "keep_alive must be seconds or a duration"),
         ('[models.x]\npinned = "false"\n', "pinned must be bool, got 'false'"),
-        ("[models.x]\nctx_size = true\n", "ctx_size must be int, got True"),
+        ("[models.x]\nctx_size = true\n", 'ctx_size must be a number of tokens or "auto", got True'),
         ("[models.x]\nrepack = 'yes'\n", "repack must be one of auto, on, off"),
         ("[defaults]\npath = 'a.gguf'\n", "[defaults] cannot have a path"),
         ("[models.x]\nrerank = 'maybe'\n", "rerank must be one of yes-no, off"),
@@ -253,6 +272,7 @@ def test_a_models_dir_with_a_preset_serves_each_model_with_its_settings(
             "cache_type_k must be one of f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1, got 'q9'",
         ),
         ("[defaults]\ncache_type_v = 8\n", "cache_type_v must be str, got 8"),
+        ('[defaults]\nctx_size = "big"\n', "ctx_size must be a number of tokens or \"auto\", got 'big'"),
     ],
 )
 def test_a_preset_that_cannot_work_exits_2_naming_what_is_wrong(

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .._backends import Backend, LlamaBackend, LlamaSettings, ScriptedBackend, UpstreamBackend
+from .._backends._llama._auto_context import AUTO, auto_context
 from .._backends._llama._settings import KV_CACHE_TYPES
 from .._backends._prompt_cache import HostBudget
 from .._backends._sources import LlamaSource
@@ -67,7 +68,7 @@ PRESET_TYPES: dict[str, tuple[type, ...]] = {
     "pinned": (bool,),
     "keep_alive": (str, int, float),
     "load_on_startup": (bool,),
-    "ctx_size": (int,),
+    "ctx_size": (int, str),
     "cache_type_k": (str,),
     "cache_type_v": (str,),
     "swa_full": (bool,),
@@ -102,6 +103,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 
 def _check_value(origin: str, key: str, value: object) -> None:
     kinds = PRESET_TYPES[key]
+    if key == "ctx_size" and not (value == AUTO or (type(value) is int and value > 0)):
+        raise RuntimeError(f'{origin}: ctx_size must be a number of tokens or "auto", got {value!r}')
     wrong = not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)
     if wrong:
         names = " or ".join(k.__name__ for k in kinds)
@@ -110,7 +113,7 @@ def _check_value(origin: str, key: str, value: object) -> None:
         raise RuntimeError(f"{origin}: aliases must be a list of names, got {value!r}")
     if key in _CHOICES and value not in _CHOICES[key]:
         raise RuntimeError(f"{origin}: {key} must be one of {', '.join(_CHOICES[key])}, got {value!r}")
-    if kinds == (int,) and value < 0:  # type: ignore[operator]
+    if int in kinds and isinstance(value, int) and value < 0:
         raise RuntimeError(f"{origin}: {key} must be 0 or more, got {value!r}")
     if key == "rerank_template":
         from .._backends._rerank_layout import YesNoTemplate
@@ -264,15 +267,22 @@ def _settings(
     repack = get("repack", args.repack)
     if not args.cache_disk >= 0:
         raise RuntimeError(f"--cache-disk must be 0 or more GiB, got {args.cache_disk}")
+    slots = int(get("slots", args.slots or 8))
     return LlamaSettings(
         path,
-        n_ctx=int(get("ctx_size", args.ctx_size)),
+        n_ctx=_context(
+            name,
+            path,
+            get("ctx_size", args.ctx_size),
+            slots,
+            (get("cache_type_k", args.cache_type_k), get("cache_type_v", args.cache_type_v)),
+        ),
         cache_type_k=get("cache_type_k", args.cache_type_k),
         cache_type_v=get("cache_type_v", args.cache_type_v),
         swa_full=bool(get("swa_full", args.swa_full)),
         n_threads=get("threads", args.threads),
         n_batch=int(get("batch_size", args.batch_size)),
-        slots=int(get("slots", args.slots or 8)),
+        slots=slots,
         prefill_chunk=int(get("prefill_chunk", args.prefill_chunk)),
         piece_rule=get("piece_rule", args.piece_rule),
         prompt_cache=bool(get("prompt_cache", not args.no_prompt_cache)),
@@ -291,6 +301,15 @@ def _settings(
         max_image_tokens=int(get("max_image_tokens", args.max_image_tokens)),
         image_budget=image_budget or ImageBudget(args.image_decode_budget << 20),
     )
+
+
+def _context(name: str, path: Path, value: int | str, slots: int, types: tuple[str, str]) -> int:
+    """A model's context per sequence: the number given, or ``auto``'s (said in the log)."""
+    if value != AUTO:
+        return int(value)
+    picked = auto_context(path, slots=slots, cache_type_k=types[0], cache_type_v=types[1])
+    logger.info("model %s: context %s (--ctx-size auto)", name, picked.reason)
+    return picked.n_ctx
 
 
 def cache_dir(value: str | None) -> Path | None:
@@ -427,7 +446,9 @@ def loader(args: argparse.Namespace) -> tuple[str, Callable[[], Awaitable[Backen
         raise RuntimeError(f"--slots must be at least 1, got {args.slots}")
     if args.scripted:
         backend = ScriptedBackend(
-            token_interval=args.scripted_interval, slots=args.slots, context_length=args.ctx_size
+            token_interval=args.scripted_interval,
+            slots=args.slots,
+            context_length=4096 if args.ctx_size == AUTO else args.ctx_size,
         )
 
         async def scripted() -> Backend:

@@ -30,6 +30,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _ctx_size(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or auto, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 token, got {value}")
+    return value
+
+
 def _json_object(text: str) -> dict[str, object]:
     try:
         value = json.loads(text)
@@ -82,7 +94,12 @@ def _model(serve: argparse.ArgumentParser) -> None:
         "Code sends: --model-alias claude-sonnet-4-5)",
     )
     group.add_argument(
-        "--ctx-size", type=int, default=4096, help="context length per sequence (default: 4096)"
+        "--ctx-size",
+        type=_ctx_size,
+        default="auto",
+        help="context length per sequence, or auto: the model's training length when its KV cache "
+        "for every slot fits a quarter of the memory available at start, else the most that fits "
+        "(at least 4096); the choice is said at start (default: auto)",
     )
     for kv in ("k", "v"):
         group.add_argument(

@@ -16,6 +16,7 @@ import ctypes
 import dataclasses
 import functools
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._settings import KV_CACHE_TYPES
@@ -23,7 +24,7 @@ from ._settings import KV_CACHE_TYPES
 if TYPE_CHECKING:
     from ._model import LlamaModel
 
-__all__ = ["KvMemory", "kv_memory"]
+__all__ = ["KvMemory", "cell_bytes", "kv_memory"]
 
 _MIB = 1 << 20
 
@@ -117,30 +118,20 @@ def kv_memory(model: LlamaModel, ctx: Any, *, slots: int, said: list[str] | None
             type_v=settings.cache_type_v,
             window=True,
         )
-    if lib.llama_model_is_recurrent(model.model) or lib.llama_model_is_hybrid(model.model):
+    per_cell = cell_bytes(
+        lib,
+        model.model,
+        model.meta,
+        model.architecture,
+        settings.cache_type_k,
+        settings.cache_type_v,
+        layers=int(lib.llama_model_n_layer(model.model)),
+        n_embd=int(lib.llama_model_n_embd(model.model)),
+    )
+    if per_cell is None:
         return None
-    arch = model.architecture
-    if model.meta(f"{arch}.attention.kv_lora_rank") is not None:  # (MLA: a latent cache)
-        return None
-    layers = int(lib.llama_model_n_layer(model.model))
-    head_count = _per_layer(model.meta(f"{arch}.attention.head_count"), layers)
-    heads_kv = _per_layer(model.meta(f"{arch}.attention.head_count_kv"), layers) or head_count
-    if heads_kv is None:
-        return None
-    n_embd = int(lib.llama_model_n_embd(model.model))
-    default_head = n_embd // max(1, head_count[0]) if head_count else 0
-    key = _per_layer(model.meta(f"{arch}.attention.key_length"), 1)
-    value = _per_layer(model.meta(f"{arch}.attention.value_length"), 1)
-    key_length = key[0] if key else default_head
-    value_length = value[0] if value else key_length
-    # layers that reuse an earlier layer's cache (Gemma 3n) keep none of their own
-    shared = _per_layer(model.meta(f"{arch}.attention.shared_kv_layers"), 1)
-    own = layers - (shared[0] if shared else 0)
     cells = int(lib.llama_n_ctx(ctx))
-    type_k, type_v = KV_CACHE_TYPES[settings.cache_type_k], KV_CACHE_TYPES[settings.cache_type_v]
-    row_size = _row_size()
-    k_bytes = sum(row_size(type_k, key_length * heads_kv[il]) for il in range(own)) * cells
-    v_bytes = sum(row_size(type_v, value_length * heads_kv[il]) for il in range(own)) * cells
+    k_bytes, v_bytes = per_cell[0] * cells, per_cell[1] * cells
     return KvMemory(
         k_bytes=int(k_bytes),
         v_bytes=int(v_bytes),
@@ -149,3 +140,41 @@ def kv_memory(model: LlamaModel, ctx: Any, *, slots: int, said: list[str] | None
         type_k=settings.cache_type_k,
         type_v=settings.cache_type_v,
     )
+
+
+def cell_bytes(
+    lib: Any,
+    model: Any,
+    meta: Callable[[str], str | None],
+    arch: str,
+    cache_type_k: str,
+    cache_type_v: str,
+    *,
+    layers: int,
+    n_embd: int,
+) -> tuple[int, int] | None:
+    """The bytes one cell of context takes in every layer's cache, K and V, for a
+    loaded ``model`` of ``layers`` layers and ``n_embd`` dimensions (its weights, or only
+    its vocabulary: the shape is in its metadata); ``None`` for a cache that is not
+    plain attention K/V."""
+    if lib.llama_model_is_recurrent(model) or lib.llama_model_is_hybrid(model):
+        return None
+    if meta(f"{arch}.attention.kv_lora_rank") is not None:  # (MLA: a latent cache)
+        return None
+    head_count = _per_layer(meta(f"{arch}.attention.head_count"), layers)
+    heads_kv = _per_layer(meta(f"{arch}.attention.head_count_kv"), layers) or head_count
+    if heads_kv is None:
+        return None
+    default_head = n_embd // max(1, head_count[0]) if head_count else 0
+    key = _per_layer(meta(f"{arch}.attention.key_length"), 1)
+    value = _per_layer(meta(f"{arch}.attention.value_length"), 1)
+    key_length = key[0] if key else default_head
+    value_length = value[0] if value else key_length
+    # layers that reuse an earlier layer's cache (Gemma 3n) keep none of their own
+    shared = _per_layer(meta(f"{arch}.attention.shared_kv_layers"), 1)
+    own = layers - (shared[0] if shared else 0)
+    type_k, type_v = KV_CACHE_TYPES[cache_type_k], KV_CACHE_TYPES[cache_type_v]
+    row_size = _row_size()
+    k = sum(row_size(type_k, key_length * heads_kv[il]) for il in range(own))
+    v = sum(row_size(type_v, value_length * heads_kv[il]) for il in range(own))
+    return int(k), int(v)

@@ -31,7 +31,7 @@ from .._rerank import reranker_kind
 from .._side_work import run_side_work
 from .._vision import DECODING_PER_PIXEL, HELD_PER_PIXEL, Projector, VisionPrompt, decode_bytes
 from ._loading import load
-from ._native import LoadAborted, LoadLog, make_log_callback
+from ._native import LoadAborted, LoadLog, make_log_callback, meta_value
 from ._sampler import logit_bias, sampler_chain
 from ._settings import LlamaSettings
 
@@ -265,15 +265,7 @@ class LlamaModel:
         }
 
     def _meta(self, key: str) -> str | None:
-        size = 1 << 16
-        buffer = ctypes.create_string_buffer(size)
-        n = self.lib.llama_model_meta_val_str(self.model, key.encode(), buffer, size)
-        if n < 0:
-            return None
-        if n >= size:  # a huge chat template: ask again with room for it
-            buffer = ctypes.create_string_buffer(n + 1)
-            self.lib.llama_model_meta_val_str(self.model, key.encode(), buffer, n + 1)
-        return buffer.value.decode("utf-8", errors="replace")
+        return meta_value(self.lib, self.model, key)
 
     def _token_text(self, token: int) -> str:
         if token < 0:

@@ -21,6 +21,7 @@ __all__ = [
     "load_errors",
     "make_abort_callback",
     "make_log_callback",
+    "meta_value",
 ]
 
 logger = logging.getLogger("trioserve.llama")
@@ -111,3 +112,16 @@ def kv_size_lines() -> list[str]:
     thread's :func:`capture_errors` block (read inside it): one per cache (two for a
     sliding-window model's cells kept to the window)."""
     return list(getattr(load_errors, "kv_sizes", None) or [])
+
+
+def meta_value(lib: Any, model: Any, key: str) -> str | None:
+    """A GGUF metadata value of a loaded ``model`` as text (``None``: no such key)."""
+    size = 1 << 16
+    buffer = ctypes.create_string_buffer(size)
+    n = lib.llama_model_meta_val_str(model, key.encode(), buffer, size)
+    if n < 0:
+        return None
+    if n >= size:  # a huge chat template: ask again with room for it
+        buffer = ctypes.create_string_buffer(n + 1)
+        lib.llama_model_meta_val_str(model, key.encode(), buffer, n + 1)
+    return buffer.value.decode("utf-8", errors="replace")
