@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from .._exceptions import ServiceUnavailableError
+from .._exceptions import NotFoundError, ServiceUnavailableError
 from ._entry import Lease, ModelEntry, _Ticket
 from ._room import _Room
 
@@ -80,6 +80,10 @@ class _Leasing(_Room):
                     )
                 if ticket.granted:
                     break
+                if entry.removed:  # (deleted while this request waited for it)
+                    raise NotFoundError(
+                        f"the model {entry.name!r} was deleted", param="model", code="model_not_found"
+                    )
                 if entry.state == "loaded" and not entry.draining:
                     entry.leases += 1
                     ticket.granted = True
