@@ -45,6 +45,7 @@ from ._exchange import (
     body_timeout_error,
     parse_keep_alive,
 )
+from ._lifecycle import off_the_loop_if
 from ._ollama_facts import resolve_ollama
 from ._ollama_routes import blob_path
 from ._request import InFlightRequest
@@ -56,6 +57,8 @@ EMBED_PATHS = frozenset({"/api/embed", "/api/embeddings"})
 BLOBS_PREFIX = "/api/blobs/"
 #: the ``POST`` routes served here, as the OpenAPI document names them
 OLLAMA_ASGI_PATHS = (*sorted(EMBED_PATHS), BLOBS_PREFIX + "{digest}")
+#: vectors of more numbers than this are cut to ``dimensions`` in a worker thread
+_INLINE_FLOATS = 64 * 1024
 #: an upload's bytes are written (and hashed) in a worker thread this many at a time
 _FLUSH = 8 << 20
 logger = logging.getLogger("trioserve.models")
@@ -120,9 +123,20 @@ class OllamaEmbedHandler(RetrievalHandler):
         if request.truncate is not False:
             inputs = await self._truncated(backend, parsed.inputs)
         dimensions = request.dimensions if isinstance(request, EmbedRequest) else None
-        return await backend.embed_inputs(
-            inputs, dimensions=dimensions, max_tokens=self.state.settings.max_embedding_tokens
+        size = backend.embedding_size
+        if dimensions is not None and size is not None and not 1 <= dimensions <= size:
+            raise InvalidRequestError(
+                f"dimensions must be between 1 and {size} (this model's embedding length), got {dimensions}",
+                param="dimensions",
+            )
+        vectors, tokens = await backend.embed_inputs(
+            inputs, max_tokens=self.state.settings.max_embedding_tokens
         )
+        if dimensions is not None and dimensions != size:
+            # Ollama's dimensions: each vector cut to its first ones, then normalized again
+            large = dimensions * len(vectors) > _INLINE_FLOATS
+            vectors = await off_the_loop_if(large, _shortened, vectors, dimensions)
+        return vectors, tokens
 
     @staticmethod
     async def _truncated(backend: Backend, texts: list[str]) -> Sequence[str | Sequence[int]]:
@@ -205,6 +219,15 @@ class OllamaAsgi:
         await _receive_blob(receive, path, digest, limit, self.state.settings.body_timeout)
         logger.info("blob %s: stored (%s)", digest, path)
         await exchange.json(201, b"{}")
+
+
+def _shortened(vectors: list[list[float]], dimensions: int) -> list[list[float]]:
+    out = []
+    for vector in vectors:
+        cut = vector[:dimensions]
+        norm = math.sqrt(math.fsum(x * x for x in cut))
+        out.append([x / norm for x in cut] if norm > 0 else cut)
+    return out
 
 
 def _write(file: IO[bytes], hasher: Any, data: bytes) -> None:
