@@ -36,6 +36,7 @@ __all__ = ["OPERATIONS", "Operation", "Param", "needs_key", "openapi_document", 
 
 JSON = "application/json"
 SSE = "text/event-stream"
+NDJSON = "application/x-ndjson"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,8 @@ class Operation:
     media: str = JSON
     #: ``True``: with ``"stream": true`` the answer is server-sent events
     stream: bool = False
+    #: ``True``: unless ``"stream": false`` the answer is NDJSON lines (Ollama's)
+    ndjson: bool = False
     #: the error statuses it may answer with (with the error body)
     errors: tuple[int, ...] = ()
     #: error statuses whose body is another shape: each one's types (several: any of
@@ -307,14 +310,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     ("POST", "/api/create"): Operation(
         "Add a model from a GGUF on the server or an uploaded blob (Ollama; an admin's, with keys)",
-        "ollama", ollama.CreateRequest, ollama.OllamaStatus, media="application/x-ndjson",
-        errors=(*_BODY, 501), ollama=True,
+        "ollama", ollama.CreateRequest, ollama.OllamaStatus, ndjson=True, errors=(*_BODY, 501), ollama=True,
     ),
     **{
         ("POST", path): Operation(
             f"{what} (Ollama: no registry is reachable: 501 says how to add a model)", "ollama",
-            ollama.PullRequest, ollama.OllamaStatus, media="application/x-ndjson",
-            errors=(*_BODY, 501), ollama=True,
+            ollama.PullRequest, ollama.OllamaStatus, ndjson=True, errors=(*_BODY, 501), ollama=True,
         )
         for path, what in (("/api/pull", "Pull a model"), ("/api/push", "Push a model"))
     },
@@ -438,6 +439,8 @@ def _operation(
         ok[operation.media] = {"schema": {"type": "string"}}
     if operation.stream:
         ok[SSE] = {"schema": {"type": "string"}}
+    if operation.ndjson:
+        ok[NDJSON] = {"schema": {"type": "string"}}
     success: dict[str, Any] = {"description": "success"}
     if operation.media:  # (a 204 has no content)
         success["content"] = ok
