@@ -110,7 +110,7 @@ class _Leasing(_Room):
                     raise ServiceUnavailableError(f"the model failed to load: {entry.error}")
                 # unloaded or failed (a later request retries): take room, in order
                 await self._claim_room(ticket)
-                if entry.state in ("unloaded", "failed"):
+                if entry.state in ("unloaded", "failed") and not entry.removed:
                     self._start_load(entry)
         except BaseException:
             if ticket.granted:
