@@ -392,3 +392,32 @@ async def test_delete_removes_a_file_only_with_the_flag_and_only_in_a_models_dir
     assert not (models / "spare.gguf").exists()
     assert (models / "gemma.gguf").is_file()
     server.shutdown()
+
+
+async def test_keys_hold_on_the_ollama_routes_and_keep_alive_is_an_admins(
+    nursery: trio.Nursery, llama_backend: Any
+) -> None:
+    """With keys: 401 in Ollama's shape without one; a plain key embeds but may not set
+    ``keep_alive`` (it changes the model's lifetime for everyone: 403, as
+    ``X-Keep-Alive``) nor copy a model; an admin key may. The single-model server's
+    model is shown from its loaded backend's file."""
+    from .._helpers import start_server
+
+    running = await start_server(nursery, llama_backend, api_keys=("sk-plain",), admin_keys=("sk-admin",))
+    plain, admin = {"Authorization": "Bearer sk-plain"}, {"Authorization": "Bearer sk-admin"}
+    body = {"model": running.engine.backend.info.id, "input": "hello", "keep_alive": "5m"}
+    async with httpx.AsyncClient(base_url=running.url, timeout=120) as http:
+        refused = await http.get("/api/tags")
+        assert refused.status_code == 401
+        assert set(refused.json()) == {"error"}
+        assert (await http.post("/api/embed", json=body, headers=plain)).status_code == 403
+        assert "keep_alive" in (await http.post("/api/embed", json=body, headers=plain)).json()["error"]
+        del body["keep_alive"]
+        assert (await http.post("/api/embed", json=body, headers=plain)).status_code == 200
+        copy = {"source": body["model"], "destination": "mine"}
+        assert (await http.post("/api/copy", json=copy, headers=plain)).status_code == 403
+        assert (await http.post("/api/copy", json=copy, headers=admin)).status_code == 200
+        shown = (await http.post("/api/show", json={"model": "mine"}, headers=plain)).json()
+        assert shown["details"]["family"] == "gemma3"
+        assert "embedding" in shown["capabilities"]
+    running.server.shutdown()
