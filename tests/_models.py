@@ -9,6 +9,7 @@ here makes a new file. Both servers (trioserve and llama.cpp's llama-server) loa
   ``<think>`` block after the generation prompt (``gguf_new_metadata --chat-template``):
   the server reads it as a reasoning model (its weights do not reason; the markers and
   the scheduler's forced tokens are what the tests exercise).
+- :func:`tools_model`: the default with a chat template that renders ``tools``.
 - :func:`tiny_reranker`: a cross-encoder as llama.cpp converts BERT rerankers
   (bge-reranker, ms-marco MiniLM): architecture ``bert``, pooling type 4 (rank), the
   classification head (``cls`` dense + tanh, ``cls.output`` to one label), a WordPiece
@@ -30,7 +31,15 @@ import numpy
 
 from trioserve import default_model_path
 
-__all__ = ["FIM_LAYOUTS", "REASONING_TEMPLATE", "fim_model", "reasoning_model", "tiny_reranker"]
+__all__ = [
+    "FIM_LAYOUTS",
+    "REASONING_TEMPLATE",
+    "TOOLS_TEMPLATE",
+    "fim_model",
+    "reasoning_model",
+    "tiny_reranker",
+    "tools_model",
+]
 
 #: the shapes: 2 layers of 64 dimensions, 4 heads, 512 positions
 _N_EMBD, _N_FF, _N_LAYER, _N_HEAD, _N_CTX = 64, 128, 2, 4, 512
@@ -195,11 +204,29 @@ REASONING_TEMPLATE = (
 def reasoning_model() -> Path:
     """The default model with :data:`REASONING_TEMPLATE` as its chat template, cached
     beside it."""
+    return _with_template(REASONING_TEMPLATE, "reasoning")
+
+
+#: Gemma's turns, with the tools it is given listed in the first one (a template that
+#: renders ``tools``, as tool-trained models' templates do)
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<start_of_turn>user\nTools: {{ tools | tojson }}<end_of_turn>\n{% endif %}"
+    "{% for m in messages %}<start_of_turn>"
+    "{{ 'model' if m.role == 'assistant' else 'user' }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
+    "<start_of_turn>model\n"
+)
+
+
+def tools_model() -> Path:
+    """The default model with :data:`TOOLS_TEMPLATE` as its chat template, cached beside
+    it: a model whose template renders tools (Ollama's ``tools`` capability)."""
+    return _with_template(TOOLS_TEMPLATE, "tools")
+
+
+def _with_template(template: str, label: str) -> Path:
     source = default_model_path(progress=False)
-    digest = hashlib.sha256(
-        f"{source.stat().st_size}:{source.name}:{REASONING_TEMPLATE}".encode()
-    ).hexdigest()[:12]
-    target = _cache_dir() / f"{source.stem}-reasoning-{digest}.gguf"
+    digest = hashlib.sha256(f"{source.stat().st_size}:{source.name}:{template}".encode()).hexdigest()[:12]
+    target = _cache_dir() / f"{source.stem}-{label}-{digest}.gguf"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -212,7 +239,7 @@ def reasoning_model() -> Path:
             str(source),
             str(partial),
             "--chat-template",
-            REASONING_TEMPLATE,
+            template,
             "--force",
         ],
         check=True,

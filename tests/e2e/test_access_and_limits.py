@@ -373,7 +373,7 @@ async def test_the_single_model_server_refuses_to_unload_its_model(nursery: trio
 _TABLE_ROW = re.compile(r"^\| `(GET|POST|DELETE) (/[^`]*)` \| (open|key|admin) \|")
 #: a route's parameters, as the docs and werkzeug write them, and a value for each
 _PARAMETER = re.compile(r"<(?:[a-z]+:)?([a-z_]+)>|\{([a-z_]+)\}")
-_VALUES = {"model_id": "scripted", "request_id": "nope", "response_id": "resp_nope"}
+_VALUES = {"model_id": "scripted", "request_id": "nope", "response_id": "resp_nope", "digest": "nope"}
 
 
 def _access_table() -> dict[tuple[str, str], str]:
@@ -391,9 +391,11 @@ def _access_table() -> dict[tuple[str, str], str]:
 
 def _app_routes(server: RunningServer) -> set[tuple[str, str]]:
     """Every route the server answers: the Quart app's (its url_map) and the ones served
-    at the ASGI level, before it (generation, embeddings, rerank, the stream reader)."""
+    at the ASGI level, before it (generation, embeddings, rerank, Ollama's embed and
+    blobs, the stream reader)."""
     from trioserve._http._embeddings import EMBEDDINGS_PATH
     from trioserve._http._generation import GENERATION_PATHS
+    from trioserve._http._ollama_asgi import OLLAMA_ASGI_PATHS
     from trioserve._http._replay import STREAM_PATH
     from trioserve._http._rerank import RERANK_PATHS
     from trioserve._http._routes import _create_quart_app
@@ -405,7 +407,9 @@ def _app_routes(server: RunningServer) -> set[tuple[str, str]]:
         for method in rule.methods or ()
         if method not in ("HEAD", "OPTIONS")  # (they follow their route's rule)
     }
-    asgi = {("POST", path) for path in (*GENERATION_PATHS, EMBEDDINGS_PATH, *RERANK_PATHS)}
+    asgi = {
+        ("POST", path) for path in (*GENERATION_PATHS, EMBEDDINGS_PATH, *RERANK_PATHS, *OLLAMA_ASGI_PATHS)
+    }
     return routes | asgi | {("GET", STREAM_PATH)}
 
 

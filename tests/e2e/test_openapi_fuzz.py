@@ -29,17 +29,27 @@ CHECKS = ",".join(
         "response_headers_conformance",
     ]
 )
-#: the scripted backend computes no embeddings: its documented 501 is the answer there
-CONFIG = """
+#: the scripted backend computes no embeddings: its documented 501 is the answer there;
+#: it adds no models (/api/create), keeps no blobs (--blobs-dir off) and reaches no
+#: registry (/api/pull, /api/push): 501 each, documented
+CONFIG = "".join(
+    f"""
 [[operations]]
-include-path = "/v1/embeddings"
+include-path = "{path}"
 checks.not_a_server_error.expected-statuses = ["2xx", "3xx", "4xx", "501"]
 """
+    for path in (
+        "/v1/embeddings", "/api/embed", "/api/embeddings", "/api/create", "/api/pull", "/api/push",
+        "/api/blobs/{digest}",
+    )
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    with ServerProcess("--scripted", "--scripted-interval", "0", "--ctx-size", "512") as server:
+    with ServerProcess(
+        "--scripted", "--scripted-interval", "0", "--ctx-size", "512", "--blobs-dir", "off"
+    ) as server:
         yield server.wait_ready()
         assert server.stop() == 0
 

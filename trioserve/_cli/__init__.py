@@ -20,6 +20,7 @@ from .._http import HTTPSettings
 from .._http._detach import DetachSettings
 from .._http._fetch import FetchPolicy, parse_allow
 from .._http._server import Server, ServerSettings, serve_until_signalled
+from .._http._settings import ModelFileSettings
 from .._wire._limits import RequestLimits
 from . import _models
 from ._cluster import run_cluster
@@ -86,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args.log_level, args.log_format)
     models: Callable[[], Awaitable[Backend]] | ModelRegistry
     try:
+        if args.max_blob_bytes < 1:
+            raise RuntimeError(f"--max-blob-bytes must be at least 1, got {args.max_blob_bytes}")
         if args.pause_ram < 0:
             raise RuntimeError(f"--pause-ram must be 0 or more MiB, got {args.pause_ram}")
         if not args.responses_max_mb_per_key > 0:
@@ -135,6 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_timeout=args.max_timeout,
             model_aliases=tuple(args.model_alias),
             keep_billing_header=args.keep_billing_header,
+            model_files=ModelFileSettings(
+                blobs_dir=_models.blobs_dir(args.blobs_dir),
+                max_blob_bytes=args.max_blob_bytes,
+                delete_files=args.delete_model_files,
+                model_dirs=tuple(args.models_dir),
+            ),
             responses_db=_models.responses_db(args.responses_db),
             otlp_endpoint=args.otlp_endpoint or None,
             service_name=args.service_name,
@@ -163,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
     )
     try:
-        server = Server(models, settings)
+        maker = None if args.scripted or args.upstream else _models.model_maker(args)
+        server = Server(models, settings, model_maker=maker)
     except RuntimeError as exc:  # e.g. --otlp-endpoint without the otel extra
         logger.error("%s", exc)
         return 2

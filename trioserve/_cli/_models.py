@@ -11,7 +11,7 @@ import math
 import os
 import sys
 import tomllib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from .._core._media import ImageBudget
 from .._core._registry import ModelRegistry, ModelSpec
 from .._http._exchange import parse_keep_alive
 
-__all__ = ["discover", "is_registry", "loader", "read_preset", "registry"]
+__all__ = ["blobs_dir", "discover", "is_registry", "loader", "model_maker", "read_preset", "registry"]
 
 logger = logging.getLogger("trioserve")
 
@@ -320,6 +320,35 @@ def cache_dir(value: str | None) -> Path | None:
         base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         return Path(base) / "trioserve" / "prompt-cache"
     return Path(value).expanduser()
+
+
+def blobs_dir(value: str) -> Path | None:
+    """``--blobs-dir``: a directory, ``auto`` (the per-user data directory) or ``off``."""
+    if value in ("", "off", "none"):
+        return None
+    if value == "auto":
+        base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+        return Path(base) / "trioserve" / "blobs"
+    return Path(value).expanduser()
+
+
+def model_maker(args: argparse.Namespace) -> Callable[[str, Path, Mapping[str, int]], LlamaSource]:
+    """How a model added while the server runs (Ollama's ``/api/create``) loads: the
+    server's flags, and the preset its request gave (``ctx_size``, ``batch_size``,
+    ``threads``: checked as a preset file's values are)."""
+    host_pool = HostBudget(args.cache_ram * 1024 * 1024)
+    image_budget = ImageBudget(args.image_decode_budget << 20)
+
+    def make(name: str, path: Path, preset: Mapping[str, int]) -> LlamaSource:
+        for key, value in preset.items():
+            try:
+                _check_value(f"the model {name!r}", key, value)
+            except RuntimeError as exc:
+                raise InvalidRequestError(str(exc), param="parameters") from None
+        settings = _settings(args, name, path, dict(preset), image_budget=image_budget)
+        return LlamaSource(settings, host_pool=host_pool)
+
+    return make
 
 
 def responses_db(value: str) -> str | None:

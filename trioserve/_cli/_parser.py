@@ -238,6 +238,27 @@ def _models(serve: argparse.ArgumentParser) -> None:
         help="seconds POST /models/unload gives running streams before it ends them with cause "
         "'unload' (default: 10)",
     )
+    group.add_argument(
+        "--blobs-dir",
+        default="auto",
+        metavar="DIR",
+        help="where Ollama's POST /api/blobs/:digest stores uploads for /api/create (auto: "
+        "$XDG_DATA_HOME/trioserve/blobs; off: uploads refused)",
+    )
+    group.add_argument(
+        "--max-blob-bytes",
+        type=int,
+        default=64 << 30,
+        metavar="N",
+        help="the largest blob an upload may be (413 beyond) (default: 64 GiB)",
+    )
+    group.add_argument(
+        "--delete-model-files",
+        action="store_true",
+        help="Ollama's DELETE /api/delete of a model's last name also deletes its file, if it lies "
+        "in a --models-dir or --blobs-dir (default: files are never deleted; the model is "
+        "forgotten until the server restarts)",
+    )
 
 
 def _prompt_cache(serve: argparse.ArgumentParser) -> None:

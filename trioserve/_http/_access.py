@@ -10,7 +10,10 @@ keyed unless it is listed open here. What changes a model's lifetime for everyon
 — needs an *admin* key then (403 otherwise: refused, never silently ignored); an admin
 key is a valid API key too. With no key configured and no keys file (one local user),
 anyone may. Keys are compared in constant time, always over all keys, and never
-logged. CORS (off by default) answers preflight ``OPTIONS`` for the configured origins.
+logged. Ollama's ``/api/create``, ``/api/copy``, ``/api/delete`` and
+``/api/blobs/:digest`` (what changes the models served) are an admin's too, and so is
+``keep_alive`` in an Ollama body (its route checks it). CORS (off by default) answers
+preflight ``OPTIONS`` for the configured origins.
 The table of every route and its rule: ``docs/operations.md``, "Who may call what".
 """
 
@@ -36,8 +39,11 @@ ASGIApp = Callable[
 #: the paths open to anyone, with keys configured too (``/health`` says only its status
 #: without a valid key); every other path needs a key
 OPEN_PATHS = frozenset({"/", "/health", "/openapi.json"})
-#: paths that change a model's lifetime for every client: an admin key's (not for GET)
-ADMIN_PATHS = frozenset({"/models/load", "/models/unload"})
+#: paths that change a model's lifetime for every client, or the models served (Ollama's
+#: create, copy, delete and blob uploads): an admin key's (not for GET)
+ADMIN_PATHS = frozenset({"/models/load", "/models/unload", "/api/create", "/api/copy", "/api/delete"})
+#: paths under which every route is an admin's (not for GET): Ollama's blobs
+ADMIN_PREFIXES = ("/api/blobs/",)
 
 
 class AccessPolicy:
@@ -103,7 +109,7 @@ class AccessPolicy:
         path = path.rstrip("/") or "/"
         if path in OPEN_PATHS:
             return "open"
-        if path in ADMIN_PATHS and method != "GET":
+        if (path in ADMIN_PATHS or path.startswith(ADMIN_PREFIXES)) and method != "GET":
             return "admin"
         return "key"
 
@@ -119,8 +125,8 @@ class AccessPolicy:
         if rule == "admin" and not self.key_is_admin(presented):
             path = scope["path"].rstrip("/")
             raise PermissionDeniedError(
-                f"{path} changes which models stay loaded for every client: it needs an admin key "
-                "(--admin-key, or admin = true in the keys file)"
+                f"{path} changes which models are served or stay loaded for every client: it needs an "
+                "admin key (--admin-key, or admin = true in the keys file)"
             )
         if _header(scope, b"x-keep-alive") is not None and not self.key_is_admin(presented):
             raise PermissionDeniedError(

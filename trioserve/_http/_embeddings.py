@@ -25,8 +25,10 @@ from .._core._exceptions import (
     ServiceUnavailableError,
     TrioserveError,
 )
+from .._core._registry import ModelEntry
 from .._wire import decode_embeddings_request, embeddings_inputs, embeddings_response
 from ._access import AccessPolicy, key_salt
+from ._errors import ErrorRenderer, render_error
 from ._exchange import (
     Exchange,
     Receive,
@@ -71,7 +73,7 @@ class RetrievalHandler:
         self.access = access
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        exchange = Exchange(send, _header(scope, b"x-request-id") or uuid.uuid4().hex)
+        exchange = Exchange(send, _header(scope, b"x-request-id") or uuid.uuid4().hex, self.renderer())
         request = InFlightRequest(scope, exchange, self.kind)
         request.owner = key_salt(scope, self.access)
         inputs_count = tokens_count = 0
@@ -103,6 +105,18 @@ class RetrievalHandler:
     def model_of(self, parsed: Any) -> str | None:
         model: str | None = parsed.model
         return model
+
+    def resolve(self, parsed: Any) -> ModelEntry:
+        """The model the request names (404 naming the models there are)."""
+        return self.state.resolve(self.model_of(parsed))
+
+    def keep_alive(self, scope: Scope, parsed: Any) -> float | None:
+        """How long the model stays loaded after this request (``X-Keep-Alive``)."""
+        return _keep_alive(scope)
+
+    def renderer(self) -> ErrorRenderer:
+        """How the route's errors are written (OpenAI's body)."""
+        return render_error
 
     def count(self, parsed: Any) -> int:
         """Inputs (or documents) in the request, for the log line."""
@@ -146,11 +160,11 @@ class RetrievalHandler:
             parsed = await trio.to_thread.run_sync(self.parse, body, scope["path"])
         else:
             parsed = self.parse(body, scope["path"])
-        entry = state.resolve(self.model_of(parsed))
+        entry = self.resolve(parsed)
         request.model = entry.name
         inputs = self.count(parsed)
         ticket = request.ticket = self.ticket(request, parsed)
-        keep_alive = _keep_alive(scope)
+        keep_alive = self.keep_alive(scope, parsed)
         request.set_timeout(_request_timeout(scope, state.settings))
         result: Any = None
         count = 0

@@ -9,8 +9,16 @@ from collections.abc import Callable
 
 from .._core._exceptions import TrioserveError
 from .._wire import OPENAI, SPECS, DialectSpec, ErrorBody, encode_json, spec_for_path
+from .._wire._ollama_models import ollama_error_body
 
-__all__ = ["JSON_HEADERS", "ErrorRenderer", "render_error", "render_for_path", "renderer"]
+__all__ = [
+    "JSON_HEADERS",
+    "ErrorRenderer",
+    "render_error",
+    "render_for_path",
+    "render_ollama",
+    "renderer",
+]
 
 #: ``(status, headers, body)`` for an error
 ErrorRenderer = Callable[[TrioserveError], tuple[int, list[tuple[bytes, bytes]], bytes]]
@@ -46,7 +54,9 @@ def renderer(spec: DialectSpec) -> ErrorRenderer:
 
 def render_for_path(exc: TrioserveError, path: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """``exc`` rendered in the dialect of the route at ``path`` (the routes outside the
-    generation handler, and the ones that match no route)."""
+    generation handler, and the ones that match no route): Ollama's under ``/api/``."""
+    if path.startswith("/api/"):
+        return render_ollama(exc)
     return renderer(spec_for_path(path))(exc)
 
 
@@ -55,3 +65,5 @@ _RENDERERS: dict[str, ErrorRenderer] = {
 }
 #: OpenAI's rendering: every route but the Anthropic ones
 render_error = renderer(OPENAI)
+#: Ollama's (``{"error": "…"}``): every route under ``/api/``
+render_ollama: ErrorRenderer = functools.partial(_render, ollama_error_body)

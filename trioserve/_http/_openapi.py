@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from .._core._exceptions import TrioserveError
+from .._wire import _ollama_models as ollama
 from .._wire import _shapes as shapes
 from .._wire._anthropic import CountTokensRequest, MessagesRequest
 from .._wire._control import ChatControlRequest, ControlAnswer, RequestControlRequest
@@ -35,6 +36,7 @@ __all__ = ["OPERATIONS", "Operation", "Param", "needs_key", "openapi_document", 
 
 JSON = "application/json"
 SSE = "text/event-stream"
+NDJSON = "application/x-ndjson"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,8 @@ class Operation:
     media: str = JSON
     #: ``True``: with ``"stream": true`` the answer is server-sent events
     stream: bool = False
+    #: ``True``: unless ``"stream": false`` the answer is NDJSON lines (Ollama's)
+    ndjson: bool = False
     #: the error statuses it may answer with (with the error body)
     errors: tuple[int, ...] = ()
     #: error statuses whose body is another shape: each one's types (several: any of
@@ -69,6 +73,8 @@ class Operation:
     error_answers: tuple[tuple[int, tuple[object, ...]], ...] = ()
     #: ``True``: its errors are in Anthropic's shape
     anthropic: bool = False
+    #: ``True``: its errors are in Ollama's shape (``{"error": "…"}``)
+    ollama: bool = False
     params: tuple[Param, ...] = ()
     #: the operations that take an id its answer holds: (method, path, path parameter)
     #: for its ``id`` (OpenAPI links: schemathesis's stateful phase follows them)
@@ -280,6 +286,51 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     ("GET", "/"): Operation("The chat page", "operations", media="text/html; charset=utf-8"),
     ("GET", "/openapi.json"): Operation("This document", "operations", answer=dict[str, Any]),
+    # Ollama's model routes (docs/models.md, "Ollama's model routes")
+    ("GET", "/api/version"): Operation(
+        "The Ollama API version served (Ollama)", "ollama", answer=ollama.OllamaVersion, ollama=True
+    ),
+    ("GET", "/api/tags"): Operation(
+        "List the models (Ollama)", "ollama", answer=ollama.OllamaTags, errors=(503,), ollama=True
+    ),
+    ("POST", "/api/show"): Operation(
+        "One model's details, metadata, template and capabilities (Ollama)", "ollama",
+        ollama.ShowRequest, ollama.OllamaShow, errors=_BODY, ollama=True,
+    ),
+    ("GET", "/api/ps"): Operation(
+        "The loaded models (Ollama)", "ollama", answer=ollama.OllamaPs, errors=(503,), ollama=True
+    ),
+    ("POST", "/api/copy"): Operation(
+        "Another name for a model (Ollama; an admin's, with keys)", "ollama", ollama.CopyRequest,
+        ollama.OllamaStatus, errors=_BODY, ollama=True,
+    ),
+    ("DELETE", "/api/delete"): Operation(
+        "Take a model's name away (Ollama; an admin's, with keys)", "ollama", ollama.DeleteRequest,
+        ollama.OllamaStatus, errors=_BODY, ollama=True,
+    ),
+    ("POST", "/api/create"): Operation(
+        "Add a model from a GGUF on the server or an uploaded blob (Ollama; an admin's, with keys)",
+        "ollama", ollama.CreateRequest, ollama.OllamaStatus, ndjson=True, errors=(*_BODY, 501), ollama=True,
+    ),
+    **{
+        ("POST", path): Operation(
+            f"{what} (Ollama: no registry is reachable: 501 says how to add a model)", "ollama",
+            ollama.PullRequest, ollama.OllamaStatus, ndjson=True, errors=(*_BODY, 501), ollama=True,
+        )
+        for path, what in (("/api/pull", "Pull a model"), ("/api/push", "Push a model"))
+    },
+    ("POST", "/api/blobs/{digest}"): Operation(
+        "Upload a blob for /api/create (Ollama; an admin's, with keys; HEAD: whether it is here)",
+        "ollama", answer=dict[str, Any], status=201, errors=(400, 405, 408, 413, 501), ollama=True,
+    ),
+    ("POST", "/api/embed"): Operation(
+        "Embed texts (Ollama)", "ollama", ollama.EmbedRequest, ollama.OllamaEmbed, errors=_RUN,
+        params=_RETRIEVAL_HEADERS, ollama=True,
+    ),
+    ("POST", "/api/embeddings"): Operation(
+        "Embed a text (Ollama's legacy route)", "ollama", ollama.EmbeddingsRequest, ollama.OllamaEmbedding,
+        errors=_RUN, params=_RETRIEVAL_HEADERS, ollama=True,
+    ),
 }  # fmt: skip
 
 #: why each error status is answered (the responses' descriptions)
@@ -288,13 +339,14 @@ _REASONS = {
     401: "no API key, or not a valid one",
     403: "the key may not do this (an admin's action, or a priority beyond its own)",
     404: "no such model, route or object (for this key)",
+    405: "the route does not take this method",
     408: "the body did not all arrive in time",
     409: "a request with this id is in flight, or the model is busy loading or unloading",
     413: "the body is too large",
     415: "the body is not JSON",
     429: "the queue is full, or the key's rate limit is spent (Retry-After)",
     431: "the headers are too large",
-    501: "the backend cannot do this (e.g. no embeddings)",
+    501: "the backend cannot do this (e.g. no embeddings; Ollama's pull: no registry is reachable)",
     503: "the server is loading or shutting down, or the model failed to load (Retry-After)",
     504: "the request's deadline passed",
     529: "the queue is full (Anthropic's status for it)",
@@ -343,7 +395,7 @@ def openapi_document(routes: Iterable[tuple[str, str]], *, keys: bool, keyed: It
     if extra:
         raise LookupError(f"OPERATIONS in trioserve/_http/_openapi.py describe routes not served: {extra}")
     keyed = frozenset(keyed)
-    types: list[object] = [shapes.OpenAIError, shapes.AnthropicError]
+    types: list[object] = [shapes.OpenAIError, shapes.AnthropicError, ollama.OllamaError]
     for operation in OPERATIONS.values():
         types += [t for t in (operation.body, operation.answer) if t is not None]
         types += [t for _, answers in operation.error_answers for t in answers]
@@ -378,7 +430,8 @@ def openapi_document(routes: Iterable[tuple[str, str]], *, keys: bool, keyed: It
 def _operation(
     method: str, path: str, operation: Operation, schema_of: dict[int, Any], *, keys: bool
 ) -> dict[str, Any]:
-    error = schema_of[id(shapes.AnthropicError if operation.anthropic else shapes.OpenAIError)]
+    shape = shapes.AnthropicError if operation.anthropic else shapes.OpenAIError
+    error = schema_of[id(ollama.OllamaError if operation.ollama else shape)]
     ok: dict[str, Any] = {}
     if operation.answer is not None:
         ok[operation.media] = {"schema": schema_of[id(operation.answer)]}
@@ -386,6 +439,8 @@ def _operation(
         ok[operation.media] = {"schema": {"type": "string"}}
     if operation.stream:
         ok[SSE] = {"schema": {"type": "string"}}
+    if operation.ndjson:
+        ok[NDJSON] = {"schema": {"type": "string"}}
     success: dict[str, Any] = {"description": "success"}
     if operation.media:  # (a 204 has no content)
         success["content"] = ok

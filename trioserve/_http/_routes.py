@@ -60,6 +60,8 @@ from ._exchange import (
 from ._fetch import resolve_images
 from ._generation import GENERATION_PATHS, GenerationHandler, key_salt, presented_key
 from ._lifecycle import INLINE_PARSE_BYTES, completing, off_the_loop_if
+from ._ollama_asgi import OLLAMA_ASGI_PATHS, OllamaAsgi
+from ._ollama_routes import add_ollama_routes
 from ._openapi import needs_key, openapi_document, openapi_path
 from ._props import add_props_route, context_length
 from ._replay import STREAM_PATH, ReplayHandler, ResponsesReplay, response_stream_id
@@ -90,6 +92,7 @@ def create_app(
     rerank = RerankHandler(state, access)
     replay = ReplayHandler(state, access)
     responses_replay = ResponsesReplay(state, access)
+    ollama = OllamaAsgi(state, access)
 
     header_limit = state.settings.max_header_bytes
 
@@ -105,6 +108,9 @@ def create_app(
                 return
             if path in RERANK_PATHS:
                 await rerank(scope, receive, send)
+                return
+            if ollama.handles(path):
+                await ollama(scope, receive, send)
                 return
             if path == STREAM_PATH and scope["method"] == "GET":
                 await replay(scope, receive, send)
@@ -135,7 +141,7 @@ def create_app(
 
 def _asgi_paths() -> list[str]:
     """The paths served at the ASGI level, before quart (``POST`` only)."""
-    return [*GENERATION_PATHS, EMBEDDINGS_PATH, *sorted(RERANK_PATHS)]
+    return [*GENERATION_PATHS, EMBEDDINGS_PATH, *sorted(RERANK_PATHS), *OLLAMA_ASGI_PATHS]
 
 
 def served_routes(app: QuartTrio) -> set[tuple[str, str]]:
@@ -614,6 +620,7 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
     add_request_routes(app, state, access)
     add_control_routes(app, state, access, _json_body)
     add_props_route(app, state)
+    add_ollama_routes(app, state, access, _json_body)
 
     @app.get("/openapi.json")
     async def openapi() -> Response:

@@ -34,7 +34,7 @@ from ._generation import FINAL_EVENT_TIMEOUT
 from ._hypercorn_patches import patch_hypercorn_connection_registry, patch_hypercorn_h2_backpressure
 from ._routes import create_app
 from ._settings import HTTPSettings
-from ._state import ServerState
+from ._state import ModelMaker, ServerState
 from ._stored import StoredResponses, open_stored_responses
 from ._tracing import Tracing
 
@@ -137,6 +137,8 @@ class Server:
         settings: address, queue and shutdown settings.
         close_backend: (with a loader) close the backend when the server stops (turn off
             to share one loaded backend between servers, as the tests do).
+        model_maker: how a model added while it serves (Ollama's ``/api/create``) is
+            loaded (``None``: ``/api/create`` answers 501).
     """
 
     def __init__(
@@ -145,6 +147,7 @@ class Server:
         settings: ServerSettings | None = None,
         *,
         close_backend: bool = True,
+        model_maker: ModelMaker | None = None,
     ) -> None:
         self.settings = settings or ServerSettings()
         stall = self.settings.stall_timeout
@@ -186,6 +189,7 @@ class Server:
             stall_timeout=self.settings.stall_timeout,
             tracing=Tracing(http.otlp_endpoint, service=http.service_name),
             accounts=accounts,
+            model_maker=model_maker,
         )
         self.state.metrics.bind_registry(self.registry)
         self.state.metrics.bind_detached(

@@ -4,11 +4,12 @@ imports nothing of ``_http``), so the exchange can read them without the server 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .._wire import RequestLimits, TruncationMode
 from ._fetch import FetchPolicy
 
-__all__ = ["HTTPSettings"]
+__all__ = ["HTTPSettings", "ModelFileSettings"]
 
 
 @dataclass(kw_only=True)
@@ -77,3 +78,25 @@ class HTTPSettings:
     otlp_endpoint: str | None = None
     service_name: str = "trioserve"
     truncation: TruncationMode = "disabled"
+    #: where Ollama's uploaded blobs go, and what may be deleted (docs/models.md)
+    model_files: ModelFileSettings = field(default_factory=lambda: ModelFileSettings())
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFileSettings:
+    """Ollama's model files (docs/models.md, "Ollama's model routes").
+
+    Attributes:
+        blobs_dir: where ``POST /api/blobs/:digest`` writes uploads (``None``: uploads
+            are refused, 501).
+        max_blob_bytes: the largest upload (413 beyond, naming ``--max-blob-bytes``).
+        delete_files: ``DELETE /api/delete`` of a model's last name deletes its file
+            too, if it lies in ``model_dirs`` or ``blobs_dir`` (``--delete-model-files``);
+            otherwise no file is ever deleted.
+        model_dirs: the ``--models-dir`` directories.
+    """
+
+    blobs_dir: Path | None = None
+    max_blob_bytes: int = 64 << 30
+    delete_files: bool = False
+    model_dirs: tuple[Path, ...] = ()

@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import trio
 
 from .._core._admission import Admission
 from .._core._engine import Engine
 from .._core._exceptions import ConflictError, ServiceUnavailableError
-from .._core._registry import Lease, ModelEntry, ModelRegistry
+from .._core._registry import Lease, ModelEntry, ModelRegistry, ModelSource
 from .._core._types import EndCause
 from .._wire import ChatFormat, chat_format_for
 from ._accounts import Accounts
@@ -21,7 +23,12 @@ from ._settings import HTTPSettings
 from ._stored import StoredResponses
 from ._tracing import Tracing
 
-__all__ = ["ServerState"]
+__all__ = ["ModelMaker", "ServerState"]
+
+#: how a model added while the server runs (Ollama's ``/api/create``) is loaded: its
+#: name, its GGUF, its preset (load settings: ``ctx_size``…) → its source. Given by the
+#: composition root (``trioserve serve``: a llama source with the server's flags)
+ModelMaker = Callable[[str, Path, Mapping[str, int]], ModelSource]
 
 
 @dataclass(kw_only=True)
@@ -51,6 +58,8 @@ class ServerState:
     tracing: Tracing = field(default_factory=Tracing)
     #: the API keys' priorities, shares and limits (the keys file)
     accounts: Accounts = field(default_factory=Accounts)
+    #: how ``/api/create`` loads a new model (``None``: this server adds none: 501)
+    model_maker: ModelMaker | None = None
     _idle: trio.Event = field(default_factory=trio.Event)
     _formats: dict[int, tuple[Engine, ChatFormat]] = field(
         default_factory=dict[int, tuple[Engine, ChatFormat]]

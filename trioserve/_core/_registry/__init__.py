@@ -31,6 +31,8 @@ The package, one job per module (siblings import this face, not its modules):
 - ``_loading``: shared, cancellable loads in bounded, arrival-ordered slots;
 - ``_room``: the claims for room (``max_loaded``, the memory budget) and the victims;
 - ``_leasing``: :meth:`ModelRegistry.lease` and :meth:`ModelRegistry.acquire`;
+- ``_catalog``: names added and taken away while it serves (Ollama's create, copy,
+  delete);
 - ``_facade``: :class:`ModelRegistry`, its lifecycle and its snapshot.
 """
 

@@ -66,7 +66,9 @@ class _Draining(_RegistryBase):
 
     # --------------------------------------------------------------- unloads
 
-    async def unload(self, name: str, *, grace: float | None = None, force: bool = False) -> ModelEntry:
+    async def unload(
+        self, name: str | ModelEntry, *, grace: float | None = None, force: bool = False
+    ) -> ModelEntry:
         """Unload ``name`` (``POST /models/unload``): no new leases; running streams get
         ``grace`` seconds (default: ``unload_grace``), then each is ended (its lease's
         ``on_unload``: cause ``unload``); then the model is freed. Requests that arrive
@@ -77,7 +79,7 @@ class _Draining(_RegistryBase):
                 single-model server's model among them — and ``force`` is not set.
 
         Cancellation: the unload is the server's own; it goes on (shielded) once begun."""
-        entry = self.resolve(name)
+        entry = name if isinstance(name, ModelEntry) else self.resolve(name)
         if grace is not None and not grace >= 0:
             raise ValueError(f"grace must be 0 or more seconds, got {grace}")
         if entry.spec.pinned and not force:

@@ -76,6 +76,9 @@ class ModelEntry:
     #: until no claim wants its room any more (then it stays)
     draining: bool = False
     loads: int = 0
+    #: its last name was taken away (``remove_name``): requests that found it before
+    #: get 404, and it is forgotten once unloaded
+    removed: bool = False
     _load: _Load | None = None
     _holders: set[Lease] = field(default_factory=set["Lease"])
     #: when its idle timer unloads it (``trio.current_time()``; ``None``: no timer)

@@ -1,7 +1,7 @@
 """The face of the registry: :class:`ModelRegistry`, its lifecycle (``async with``)
 and its snapshot. The work is done by the parts it is built from, one module each and
-each a layer above the next (the import-linter contract ``registry-layers``): leasing
-(``_leasing``) on room (``_room``) on loading (``_loading``) on draining
+each a layer above the next (the import-linter contract ``registry-layers``): the
+names (``_catalog``) on leasing (``_leasing``) on room (``_room``) on loading (``_loading``) on draining
 (``_draining``) on the shared state and the change event (``_base``)."""
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import trio
 
 from .._backend import Backend
 from .._engine import Engine
-from ._leasing import _Leasing
+from ._catalog import _Catalog
 from ._snapshot import ModelSnapshot, RegistrySnapshot
 from ._spec import BackendSource, ModelSpec
 
 logger = logging.getLogger("trioserve.models")
 
 
-class ModelRegistry(_Leasing):
+class ModelRegistry(_Catalog):
     """The models a server knows, loaded on demand within a budget.
 
     Use it as an async context manager (it owns the nursery its loads and idle timers

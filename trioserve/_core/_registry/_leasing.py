@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from .._exceptions import ServiceUnavailableError
+from .._exceptions import NotFoundError, ServiceUnavailableError
 from ._entry import Lease, ModelEntry, _Ticket
 from ._room import _Room
 
@@ -80,6 +80,10 @@ class _Leasing(_Room):
                     )
                 if ticket.granted:
                     break
+                if entry.removed:  # (deleted while this request waited for it)
+                    raise NotFoundError(
+                        f"the model {entry.name!r} was deleted", param="model", code="model_not_found"
+                    )
                 if entry.state == "loaded" and not entry.draining:
                     entry.leases += 1
                     ticket.granted = True
@@ -106,7 +110,7 @@ class _Leasing(_Room):
                     raise ServiceUnavailableError(f"the model failed to load: {entry.error}")
                 # unloaded or failed (a later request retries): take room, in order
                 await self._claim_room(ticket)
-                if entry.state in ("unloaded", "failed"):
+                if entry.state in ("unloaded", "failed") and not entry.removed:
                     self._start_load(entry)
         except BaseException:
             if ticket.granted:

@@ -46,7 +46,7 @@ class _Room(_Loading):
         """Wait, in arrival order, until ``ticket``'s model fits; evict idle models (least
         recently used first) to make room; mark busy ones to drain if none is idle.
         Returns when the model fits, or when its state is no longer unloaded or failed
-        (another request started its load): the caller looks again."""
+        (another request started its load), or it was deleted: the caller looks again."""
         entry = ticket.entry
         if not self._could_ever_fit(entry):
             raise ServiceUnavailableError(
@@ -67,8 +67,8 @@ class _Room(_Loading):
                     raise ServiceUnavailableError(
                         "the server is shutting down; retry on another instance", code="shutting_down"
                     )
-                if entry.state not in ("unloaded", "failed"):
-                    return  # another request started its load meanwhile
+                if entry.state not in ("unloaded", "failed") or entry.removed:
+                    return  # another request started its load meanwhile; or it was deleted
                 if self._queue[0] is ticket:
                     if self._fits(entry):
                         return
