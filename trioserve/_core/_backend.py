@@ -137,6 +137,9 @@ class PreparedPrompt:
     #: ``request.reasoning``'s markers as the backend's tokens (``(start, end)``),
     #: tokenized at prepare where the reasoning may be ended on request
     reasoning_tokens: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    #: ``request.lora`` resolved: the adapter set, ``((name, scale), …)`` sorted by
+    #: name, no zero scale (docs/lora.md); empty: the base model
+    adapters: tuple[tuple[str, float], ...] = ()
 
 
 def refuse_unsupported(request: GenerationRequest, backend: str, *, infill: bool = False) -> None:
@@ -152,6 +155,8 @@ def refuse_unsupported(request: GenerationRequest, backend: str, *, infill: bool
         )
     if request.logprobs is not None:
         raise InvalidRequestError(f"logprobs are not supported by the {backend} backend", param="logprobs")
+    if request.lora:
+        raise InvalidRequestError(f"LoRA adapters are not supported by the {backend} backend", param="lora")
     if request.images:
         raise InvalidRequestError(
             f"images are not supported by the {backend} backend",

@@ -191,6 +191,10 @@ class GenerationRequest:
     #: the reasoning may be ended on request (llama-server's ``reasoning_control``;
     #: ``False``: the control is refused, "reasoning control not enabled")
     reasoning_control: bool = True
+    #: LoRA adapters to run it with (docs/lora.md): each by name or by llama-server's
+    #: ``id`` (its index in ``GET /lora-adapters``), with a scale (``None``: the
+    #: adapter's own); none: the base model
+    lora: tuple[tuple[str | int, float | None], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

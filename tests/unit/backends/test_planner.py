@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from trioserve._backends._llama import Candidate, Limits, StepPlan, next_cut, plan_step
@@ -127,3 +129,17 @@ def test_a_stream_alone_past_the_limit_may_still_draft() -> None:
 )
 def test_next_cut(cuts: list[int], after: int, default: int, expected: int) -> None:
     assert next_cut(cuts, after, default) == expected
+
+
+def test_each_adapter_set_decodes_in_calls_of_its_own_every_step() -> None:
+    # (docs/lora.md) llama.cpp applies one adapter set to a whole call: the base model's
+    # sequences first, then each set's, each in seq-id order and split by the width;
+    # no set waits for another to finish
+    def adapted(key: int, adapters: int) -> Candidate:
+        return dataclasses.replace(_decoder(key), adapters=adapters)
+
+    plan = plan_step([adapted(0, 2), adapted(1, 0), adapted(2, 1), adapted(3, 2), adapted(4, 0)], WIDE)
+    assert plan.calls == [[(1, 0), (4, 0)], [(2, 0)], [(0, 0), (3, 0)]]
+    narrow = Limits(max_call_width=2, shared_context_limit=None, speculate=False)
+    plan = plan_step([adapted(k, 1) for k in range(3)] + [adapted(3, 0)], narrow)
+    assert plan.calls == [[(3, 0)], [(0, 0), (1, 0)], [(2, 0)]]

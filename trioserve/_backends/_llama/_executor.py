@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ._adapters import AdapterSet
 from ._sequence import Sequence
 
 if TYPE_CHECKING:
@@ -88,6 +89,8 @@ class Executor:
         self.padded_steps = 0
         #: the call written last is an image call: its images and spans
         self._images: tuple[VisionPrompt, list[ImageSpan]] | None = None
+        #: the adapter set of the call written last (docs/lora.md)
+        self._adapters: AdapterSet = ()
         if model.projector is not None:
             model.projector.watch(context.abort_flag)  # (an encode stops on a cancel)
 
@@ -104,6 +107,7 @@ class Executor:
         """Write ``call``'s rows into the batch (a decoding sequence's drafted guesses
         are taken from it: they ride in this call)."""
         self._images = None
+        self._adapters = call[0][0].asked.adapters  # (one set a call: the planner's)
         if len(call) == 1 and call[0][1] and call[0][0].asked.media is not None:
             images = self._fill_images(*call[0])
             if images is not None:
@@ -200,9 +204,12 @@ class Executor:
         self._images = filled.images
         return filled
 
-    def fill_chunk(self, seq_id: int, history: list[int], start: int, end: int) -> None:
-        """Write the tokens ``history[start:end]`` of ``seq_id`` (no logits): the idle
-        recompute's call."""
+    def fill_chunk(
+        self, seq_id: int, history: list[int], start: int, end: int, adapters: AdapterSet = ()
+    ) -> None:
+        """Write the tokens ``history[start:end]`` of ``seq_id`` (no logits), to run
+        with ``adapters``: the idle recompute's call."""
+        self._adapters = adapters
         batch = self.batch
         chunk = end - start
         for i in range(chunk):
@@ -216,6 +223,9 @@ class Executor:
         """Run the call written last. The cores are shared with embeddings: a cancel
         while waiting for them aborts the call at once (the abort flag)."""
         with self.turns.turn():
+            adapters = self._model.adapters
+            if len(adapters):
+                adapters.apply(self.ctx, self._adapters)
             if self._images is not None:
                 return self._decode_images(*self._images)
             return Outcome(self.lib.llama_decode(self.ctx, self.batch))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from .._cache_policy import CachePolicy
+from ._adapters import adapters_of_salt
 from ._executor import Executor
 from ._inbox import Inbox
 from ._kv import KvCells
@@ -63,7 +64,8 @@ class IdleRecompute:
             # (an image past the cached cells: not recomputed — its encode is a request's)
             self.policy.drop_history(seq_id)
             return
-        self.executor.fill_chunk(seq_id, history, start, end)
+        # (its conversation's adapter set, from its salt: docs/lora.md)
+        self.executor.fill_chunk(seq_id, history, start, end, adapters_of_salt(self.policy.salt(seq_id)))
         tokens = history[:end]
         inbox = self.inbox
         with inbox.condition:

@@ -103,7 +103,8 @@ def load[M: "LlamaModel"](
             llama_cpp.llama_model_free(model)
             raise
         try:
-            # its projector, in the same load (docs/vision.md)
+            # its adapters and its projector, in the same load (docs/lora.md, docs/vision.md)
+            loaded.load_adapters()
             loaded.load_projector()
             return loaded
         except BaseException:

@@ -20,6 +20,7 @@ from ..._core._exceptions import BackendError
 from .._cache_policy import CachePolicy
 from .._draw import logits_row
 from .._memory import trim_heap
+from ._adapters import AdapterSet
 from ._admission import Admission
 from ._capabilities import measure
 from ._context import Context
@@ -384,7 +385,11 @@ class Scheduler:
         if self._handoff or not active:
             return  # the request it made room for is admitted first (_run)
         # 2. plan the calls of this step (the planner: data in, a plan out)
-        plan = plan_step([_candidate(key, s) for key, s in enumerate(active)], self.limits)
+        sets: dict[AdapterSet, int] = {(): 0}  # (this step's adapter sets, numbered)
+        candidates = [
+            _candidate(key, s, sets.setdefault(s.asked.adapters, len(sets))) for key, s in enumerate(active)
+        ]
+        plan = plan_step(candidates, self.limits)
         running = list(active)
         if plan.draft is not None:
             self.outputs.plan_draft_safely(running[plan.draft])
@@ -478,8 +483,9 @@ class Scheduler:
                 self._remove(sequence, end)
 
 
-def _candidate(key: int, sequence: Sequence) -> Candidate:
+def _candidate(key: int, sequence: Sequence, adapters: int) -> Candidate:
     return Candidate(
+        adapters=adapters,
         key=key,
         seq_id=sequence.seq_id,
         pos=sequence.pos,

@@ -30,6 +30,7 @@ from .._reasoning import marker_tokens
 from .._rerank import reranker_kind
 from .._side_work import run_side_work
 from .._vision import DECODING_PER_PIXEL, HELD_PER_PIXEL, Projector, VisionPrompt, decode_bytes
+from ._adapters import AdapterSet, LoraAdapters
 from ._loading import load
 from ._native import LoadAborted, LoadLog, make_log_callback, meta_value
 from ._sampler import logit_bias, sampler_chain
@@ -127,8 +128,17 @@ class LlamaModel:
         )
         #: its vision projector (``settings.mmproj``: :meth:`load_projector`), or None
         self.projector: Projector | None = None
+        #: its LoRA adapters (``settings.lora``: :meth:`load_adapters`; docs/lora.md)
+        self.adapters = LoraAdapters(lib, model)
         with LlamaModel._count_lock:
             LlamaModel.loaded += 1
+
+    def load_adapters(self) -> None:
+        """Load ``settings.lora`` (a load's phase after the weights: blocking)."""
+        for name, path, scale in self.settings.lora:
+            self.check_abort()
+            adapter = self.adapters.load(name, path, scale)
+            logger.info("LoRA adapter %s: %s (scale %g, alpha %g)", name, path, scale, adapter.alpha)
 
     def load_projector(self) -> None:
         """Load ``settings.mmproj`` (the load's last phase: blocking, aborted with it)."""
@@ -396,11 +406,29 @@ class LlamaModel:
                 )
         return await self._finish_prepare(request, tokens)
 
+    def adapter_set(self, request: GenerationRequest) -> AdapterSet:
+        """``request.lora`` as an adapter set of this model's adapters (400 naming
+        what is wrong)."""
+        if not request.lora:
+            return ()
+        adapters = self.adapters
+        if not len(adapters):
+            raise InvalidRequestError(
+                f"the model {self.settings.model_id!r} has no LoRA adapters (serve it with "
+                "--lora NAME=PATH, or a preset's lora table); send no lora",
+                param="lora",
+            )
+        named = [(adapters.by_id(w) if isinstance(w, int) else w, scale) for w, scale in request.lora]
+        return adapters.select(named)
+
     async def _finish_prepare(
         self, request: GenerationRequest, tokens: list[int], media: VisionPrompt | None = None
     ) -> PreparedPrompt:
         bias = await logit_bias(request.sampling, self.n_vocab)
         prepared = fit_to_context(request, tokens, self.settings.n_ctx)
+        chosen = self.adapter_set(request)
+        if chosen:
+            prepared = dataclasses.replace(prepared, adapters=chosen)
         if media is not None:
             prepared = dataclasses.replace(prepared, media=media)
         if bias is not None:

@@ -35,6 +35,9 @@ class Candidate:
     cuts: tuple[int, ...] | list[int] = ()
     #: its request's priority (lower first: docs/scheduling.md)
     priority: int = 0
+    #: its LoRA adapter set, as a number (0: the base model): sequences of different
+    #: sets never share a call (docs/lora.md)
+    adapters: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,7 +131,13 @@ def plan_step(candidates: list[Candidate], limits: Limits) -> StepPlan:
     if limits.speculate and len(decoders) + len(alone) == 1:
         # a stream that decodes alone: guess its next tokens, verified in its call
         draft = decoders[0].key if decoders else alone[0].key
-    calls = [[(c.key, 0) for c in group] for group in split(decoders, limits.max_call_width)]
+    # one call (or more, by the width) per adapter set: llama.cpp applies one set to a
+    # whole call; the base model's first, then the sets in the order they are numbered
+    calls = [
+        [(c.key, 0) for c in group]
+        for adapters in sorted({c.adapters for c in decoders})
+        for group in split([c for c in decoders if c.adapters == adapters], limits.max_call_width)
+    ]
     calls += [[(c.key, 0)] for c in alone]
     if prefillers:
         # one piece of the canonical cut, whatever the load: the calls a fresh

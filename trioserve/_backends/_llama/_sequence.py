@@ -24,6 +24,7 @@ from .._memory import StateBuffer
 from .._reasoning import ReasoningTracker
 from .._speculation import Drafter
 from .._vision import VisionPrompt
+from ._adapters import AdapterSet, adapter_salt
 
 __all__ = [
     "CANCELLED",
@@ -62,9 +63,12 @@ class Asked:
 
     prompt: list[int]
     max_new: int
+    #: its LoRA adapter set (docs/lora.md): its calls run with it, beside no other set
+    adapters: AdapterSet
     #: whether its prompt's cells may be kept and reused (``GenerationRequest.cache_prompt``)
     cache_prompt: bool
-    #: only cells of the same salt are reused (``GenerationRequest.cache_salt``)
+    #: only cells of the same salt are reused (``GenerationRequest.cache_salt``, and
+    #: the adapter set: :func:`~._adapters.adapter_salt`)
     salt: str
     #: plain greedy (temperature 0, no logit bias): the scheduler takes the argmax of
     #: the logits itself — the token llama.cpp's greedy sampler picks (the first
@@ -192,8 +196,9 @@ class Sequence:
         self.asked = Asked(
             prompt=tokens if isinstance(tokens, list) else list(tokens),
             max_new=prompt.max_new_tokens,
+            adapters=prompt.adapters,
             cache_prompt=request.cache_prompt,
-            salt=request.cache_salt,
+            salt=adapter_salt(request.cache_salt, prompt.adapters),
             greedy=request.sampling.plain_greedy,
             bias=bias,
             mask=mask,

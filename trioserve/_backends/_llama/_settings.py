@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 from ..._core._media import ImageBudget, default_image_budget
 
-__all__ = ["KV_CACHE_TYPES", "LlamaSettings"]
+__all__ = ["KV_CACHE_TYPES", "LlamaSettings", "check_adapter_name"]
+
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 #: the KV cache types llama-server's ``--cache-type-k/-v`` accept (common/arg.cpp's
 #: ``kv_cache_types``), and their ``ggml_type`` ids (ggml.h)
@@ -101,6 +105,9 @@ class LlamaSettings:
         mmproj: the model's vision projector (a GGUF libmtmd loads: ``--mmproj``): the
             model then takes images (docs/vision.md).
         max_image_tokens: the most image tokens one request's prompt may hold.
+        lora: LoRA adapters loaded after the weights, ``(name, path, scale)`` each
+            (``--lora NAME=PATH[:SCALE]``: docs/lora.md); ``scale``: a request's when it
+            names the adapter without one.
         image_budget: the bytes of decoded images held at once (``--image-decode-budget``:
             one :class:`~trioserve._core._media.ImageBudget` shared by a server's models);
             default: one per process, of 1 GiB.
@@ -136,6 +143,7 @@ class LlamaSettings:
         mmproj: str | Path | None = None,
         max_image_tokens: int = 4096,
         image_budget: ImageBudget | None = None,
+        lora: Sequence[tuple[str, str | Path, float]] = (),
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
@@ -198,9 +206,23 @@ class LlamaSettings:
             raise ValueError(f"max_image_tokens must be at least 1, got {max_image_tokens}")
         self.max_image_tokens = max_image_tokens
         self.image_budget = image_budget if image_budget is not None else default_image_budget()
+        names = [check_adapter_name(name) for name, _, _ in lora]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two LoRA adapters share a name: {sorted(names)}")
+        self.lora = tuple((name, Path(path).expanduser(), float(scale)) for name, path, scale in lora)
 
     @property
     def kv_types(self) -> str:
         """``"K/V"``: the KV cache's types (``"f16/f16"``), which a cached state's cells
         are made of (a host tier of other types is not reused: ``_tiers.host_tier``)."""
         return f"{self.cache_type_k}/{self.cache_type_v}" + ("" if self.swa_full else "/window")
+
+
+def check_adapter_name(name: str) -> str:
+    """``name``, if it can name an adapter (letters, digits, ``.``, ``_``, ``-``; no
+    ``:``, which separates a base model from its adapter in ``model``)."""
+    if not _ADAPTER_NAME.fullmatch(name):
+        raise ValueError(
+            f"an adapter's name is letters, digits, '.', '_' and '-' (at most 128), got {name!r}"
+        )
+    return name
