@@ -57,6 +57,7 @@ PRESET_KEYS = {
     "rerank": "--rerank",
     "rerank_template": "--rerank-template",
     "mmproj": "--mmproj",
+    "lora": "--lora",
     "max_image_tokens": "--max-image-tokens",
 }
 
@@ -87,6 +88,7 @@ PRESET_TYPES: dict[str, tuple[type, ...]] = {
     "rerank": (str,),
     "rerank_template": (str,),
     "mmproj": (str,),
+    "lora": (dict,),
     "max_image_tokens": (int,),
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -103,6 +105,14 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 
 def _check_value(origin: str, key: str, value: object) -> None:
     kinds = PRESET_TYPES[key]
+    if key == "lora" and isinstance(value, dict):
+        for name, adapter in value.items():
+            table = adapter if isinstance(adapter, dict) else {"path": adapter}
+            given, scale = table.get("path"), table.get("scale", 1.0)
+            extra = set(table) - {"path", "scale"}
+            if not isinstance(given, str) or extra or type(scale) not in (int, float):
+                shape = '"PATH" or {path = "PATH", scale = NUMBER}'
+                raise RuntimeError(f"{origin}: lora.{name} must be {shape}, got {adapter!r}")
     if key == "ctx_size" and not (value == AUTO or (type(value) is int and value > 0)):
         raise RuntimeError(f'{origin}: ctx_size must be a number of tokens or "auto", got {value!r}')
     wrong = not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)
@@ -298,6 +308,7 @@ def _settings(
         rerank=None if (rerank := get("rerank", args.rerank)) in (None, "off") else rerank,
         rerank_template=get("rerank_template", args.rerank_template),
         mmproj=get("mmproj", projector),
+        lora=_lora_table(get("lora", None), args.lora),
         max_image_tokens=int(get("max_image_tokens", args.max_image_tokens)),
         image_budget=image_budget or ImageBudget(args.image_decode_budget << 20),
     )
@@ -310,6 +321,20 @@ def _context(name: str, path: Path, value: int | str, slots: int, types: tuple[s
     picked = auto_context(path, slots=slots, cache_type_k=types[0], cache_type_v=types[1])
     logger.info("model %s: context %s (--ctx-size auto)", name, picked.reason)
     return picked.n_ctx
+
+
+def _lora_table(table: object, flags: list[tuple[str, str, float]]) -> list[tuple[str, str, float]]:
+    """A model's adapters: a preset's ``lora`` table (``NAME = "PATH"`` or
+    ``NAME = {path = "PATH", scale = S}``), else ``--lora``."""
+    if table is None:
+        return list(flags)
+    adapters = []
+    for name, value in table.items():  # type: ignore[attr-defined]
+        if isinstance(value, str):
+            adapters.append((name, value, 1.0))
+        else:
+            adapters.append((name, str(value["path"]), float(value.get("scale", 1.0))))
+    return adapters
 
 
 def cache_dir(value: str | None) -> Path | None:
@@ -399,6 +424,11 @@ def registry(args: argparse.Namespace, *, max_queue: int) -> tuple[str, ModelReg
             "--mmproj is for one model; with several, give a model its projector with a preset's "
             "mmproj key, or put it beside the model in --models-dir (mmproj-NAME.gguf)"
         )
+    if args.lora:
+        raise RuntimeError(
+            "--lora is for one model; with several, give a model its adapters with a preset's lora "
+            'table ([models.NAME.lora] ADAPTER = "PATH")'
+        )
     specs = []
     for index, model in enumerate(models):
         assert model.path is not None
@@ -407,15 +437,12 @@ def registry(args: argparse.Namespace, *, max_queue: int) -> tuple[str, ModelReg
         aliases = tuple(table.get("aliases", ()))
         if index == 0:
             aliases += tuple(args.model_alias)  # --model-alias: the default model's
+        settings = _settings(args, model.name, model.path, table, model.projector, image_budget=image_budget)
         specs.append(
             ModelSpec(
                 name=model.name,
-                source=LlamaSource(
-                    _settings(
-                        args, model.name, model.path, table, model.projector, image_budget=image_budget
-                    ),
-                    host_pool=host_pool,
-                ),
+                source=LlamaSource(settings, host_pool=host_pool),
+                adapters=tuple(name for name, _, _ in settings.lora),
                 aliases=aliases,
                 pinned=bool(table.get("pinned", False)),
                 keep_alive=keep_alive,

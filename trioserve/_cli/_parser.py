@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -40,6 +41,18 @@ def _ctx_size(text: str) -> int | str:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 token, got {value}")
     return value
+
+
+def _lora(text: str) -> tuple[str, str, float]:
+    name, equals, rest = text.partition("=")
+    if not equals or not name or not rest:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH[:SCALE], got {text!r}")
+    path, scale = rest, 1.0
+    head, colon, tail = rest.rpartition(":")
+    if colon and head:
+        with contextlib.suppress(ValueError):  # (else a path with a colon in it)
+            path, scale = head, float(tail)
+    return name, path, scale
 
 
 def _json_object(text: str) -> dict[str, object]:
@@ -163,6 +176,16 @@ def _model(serve: argparse.ArgumentParser) -> None:
         metavar="TEXT",
         help="the yes-no reranker's prompt, with {instruction}, {query} and {document} "
         "(default: a generic one; Qwen3-Reranker's own in docs/rerank.md)",
+    )
+    group.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        type=_lora,
+        metavar="NAME=PATH[:SCALE]",
+        help="a LoRA adapter of the model (repeatable): requests choose it by model: NAME or "
+        "BASE:NAME, or llama-server's lora: [{id, scale}]; SCALE (default 1.0) is its scale when a "
+        "request names it without one (docs/lora.md); with several models, a preset's lora table",
     )
     group.add_argument(
         "--mmproj",

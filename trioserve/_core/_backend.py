@@ -94,6 +94,9 @@ class ModelInfo:
     generates: bool = True
     #: it takes images (a vision projector is loaded with it: docs/vision.md)
     vision: bool = False
+    #: its LoRA adapters, ``(name, default scale, file)`` in their ``id`` order
+    #: (docs/lora.md)
+    adapters: tuple[tuple[str, float, str], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

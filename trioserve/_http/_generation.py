@@ -275,7 +275,7 @@ class GenerationHandler:
         # (a large body's depth check and decode: off the event loop)
         large = len(body) > INLINE_PARSE_BYTES
         head = await off_the_loop_if(large, _peek_head, body)
-        entry = state.resolve(head.model)
+        entry, _ = state.resolve_adapter(head.model)  # (a LoRA adapter's name: its base's)
         request.model = entry.name
         request.set_timeout(_request_timeout(scope, state.settings))
         conversation = self._conversation_id(request, body)
@@ -682,6 +682,9 @@ class GenerationHandler:
         ticket = request.ticket = accounts.ticket(account, request.owner, parsed.priority)
         salt = cache_salt(request.asgi, body, self.access)
         generations = [dataclasses.replace(g, cache_salt=salt) if salt else g for g in parsed.generations]
+        adapter = state.resolve_adapter(parsed.model)[1] if parsed.model else None
+        if adapter is not None:  # (``model`` names a LoRA adapter: docs/lora.md)
+            generations = [dataclasses.replace(g, lora=((adapter, None), *g.lora)) for g in generations]
         request.advance(Phase.QUEUED)
         # a server at capacity refuses before tokenizing or compiling a constraint
         engine.admission.check()
@@ -775,5 +778,7 @@ class GenerationHandler:
         return read(body, chat_format, self._options(stored))
 
     def _model(self, requested: str | None) -> str:
-        """The name the response carries: the model's own (an alias resolves to it)."""
-        return self.state.resolve(requested).name
+        """The name the response carries: the model's own (an alias resolves to it), or
+        the LoRA adapter's as it was asked for (vLLM's answer)."""
+        entry, adapter = self.state.resolve_adapter(requested)
+        return entry.name if adapter is None else str(requested)

@@ -209,6 +209,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "The model's properties (llama-server's shape: its context, slots, chat template)",
         "models", answer=shapes.Props, errors=(404, 503), params=_MODEL_QUERY,
     ),
+    ("GET", "/lora-adapters"): Operation(
+        "The model's LoRA adapters (llama-server's shape: id, path, scale; and the name)",
+        "models", answer=list[shapes.LoraAdapter], errors=(404, 503), params=_MODEL_QUERY,
+    ),
     ("GET", "/models"): Operation(
         "List the models (llama-server's router)", "models", answer=shapes.RouterModelList, errors=(503,)
     ),

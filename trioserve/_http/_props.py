@@ -16,7 +16,7 @@ from .._wire import encode_json
 from ._errors import render_error
 from ._state import ServerState
 
-__all__ = ["add_props_route", "context_length"]
+__all__ = ["add_props_route", "context_length", "lora_adapters"]
 
 #: ``build_info``'s prefix: an upstream relay reads it to tell trioserve from llama-server
 BUILD_PREFIX = "trioserve"
@@ -65,7 +65,36 @@ def props(entry: ModelEntry, name: str) -> dict[str, object]:
     }
 
 
+def lora_adapters(entry: ModelEntry) -> list[dict[str, object]]:
+    """``GET /lora-adapters`` for ``entry``: llama-server's list (``id``, ``path``,
+    ``scale``) with each adapter's ``name`` (docs/lora.md); a model not loaded: what it
+    will load."""
+    settings = getattr(entry.spec.source, "settings", None)
+    engine = entry.engine
+    listed = (
+        engine.backend.info.adapters
+        if engine is not None
+        else tuple((name, scale, str(path)) for name, path, scale in getattr(settings, "lora", ()))
+    )
+    return [{"id": i, "name": n, "path": path, "scale": scale} for i, (n, scale, path) in enumerate(listed)]
+
+
 def add_props_route(app: QuartTrio, state: ServerState) -> None:
+    def entry_of(name: str | None) -> ModelEntry:
+        return state.resolve(name) if name else state.serving_registry().default
+
+    @app.get("/lora-adapters")
+    async def get_lora_adapters() -> Response:
+        """The model's LoRA adapters in llama-server's shape (``?model=``: which one)."""
+        from quart import request
+
+        try:
+            entry = entry_of(request.args.get("model"))
+        except TrioserveError as exc:
+            status, headers, body = render_error(exc)
+            return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
+        return Response(encode_json(lora_adapters(entry)), content_type="application/json")
+
     @app.get("/props")
     async def get_props() -> Response:
         """The model's properties in llama-server's shape (``?model=``: which one;

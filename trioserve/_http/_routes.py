@@ -396,6 +396,13 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
             body["input_modalities"] = list(known) if known is not None else None
         return body
 
+    def adapter_object(entry: ModelEntry, adapter: str) -> dict[str, object]:
+        """A LoRA adapter as vLLM lists one: its base in ``parent`` (docs/lora.md)."""
+        body = model_object(entry, adapter)
+        body["parent"] = entry.name
+        body["root"] = entry.name
+        return body
+
     @app.get("/v1/models")
     async def models() -> Response:
         """Every known model, loaded or not, with its state (docs/models.md)."""
@@ -410,7 +417,8 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 "object": "list",
                 "data": [
                     model_object(entry, name) for entry in registry.entries for name in entry.names if name
-                ],
+                ]
+                + [adapter_object(entry, a) for entry in registry.entries for a in entry.adapter_names()],
             }
         )
 

@@ -142,6 +142,10 @@ class ServerState:
         server's startup model loads or after it failed to)."""
         return self.serving_registry().resolve(name)
 
+    def resolve_adapter(self, name: str | None) -> tuple[ModelEntry, str | None]:
+        """The model a request names, and the LoRA adapter (docs/lora.md)."""
+        return self.serving_registry().resolve_adapter(name)
+
     async def lease(self, entry: ModelEntry, request: InFlightRequest, keep_alive: float | None) -> Lease:
         """Hold ``entry``'s model loaded for ``request`` (waiting for its load inside the
         request's scope); an unload whose grace runs out ends the request with cause

@@ -111,7 +111,7 @@ _REFUSED: tuple[Refusal, ...] = (
     ("grammar", (None, ""), "constrained code completion is not supported; use /v1/completions with grammar"),
     ("json_schema", (None,), "constrained code completion is not supported; use /v1/completions"),
     ("logit_bias", (None, [], {}), "send logit_bias to /v1/completions"),
-    ("lora", (None, []), "this server applies no LoRA adapters"),
+    ("lora", (None, []), "send lora to /v1/completions (with suffix): /infill runs the base model"),
     ("n_keep", (0, -1, None), "the context is never shifted here: a prompt that does not fit is refused"),
     ("n_discard", (0, None), "the context is never shifted here"),
     ("mirostat", (0, None), "mirostat sampling is not supported"),

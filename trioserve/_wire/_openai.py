@@ -81,6 +81,13 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
 
 
+class LoraUse(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """llama-server's ``lora`` entry: an adapter by its id (``GET /lora-adapters``)."""
+
+    id: Annotated[int, msgspec.Meta(ge=0)]
+    scale: Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)] = 1.0
+
+
 class _CommonFields(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: MaxTokens | None = None
@@ -117,6 +124,14 @@ class _CommonFields(msgspec.Struct, kw_only=True):
     #: llama-server's: ``false``: this request's reasoning cannot be ended on request
     #: (``POST /v1/chat/completions/control``); absent or ``true``: it can
     reasoning_control: bool | None = None
+    #: llama-server's: LoRA adapters by id, with their scales (docs/lora.md); none:
+    #: the base model (or the adapter ``model`` names)
+    lora: Annotated[list[LoraUse], msgspec.Meta(max_length=16)] | None = None
+
+
+def lora_uses(request: _CommonFields) -> tuple[tuple[str | int, float | None], ...]:
+    """The request's ``lora`` as :attr:`GenerationRequest.lora`."""
+    return tuple((use.id, use.scale) for use in request.lora or ())
 
 
 class CompletionRequest(_CommonFields, kw_only=True):
@@ -397,6 +412,7 @@ def decode_completion_prompts(
             logprobs=request.logprobs,
             infill=infill,
             add_bos=infill is None,
+            lora=lora_uses(request),
         )
         for prompt in prompts
     ]
@@ -516,4 +532,5 @@ def chat_generation(
         constraint=constraint,
         logprobs=logprobs,
         images=images,
+        lora=lora_uses(request),
     )

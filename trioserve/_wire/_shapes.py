@@ -26,6 +26,7 @@ __all__ = [
     "InputItems",
     "InputTokens",
     "Loads",
+    "LoraAdapter",
     "Model",
     "ModelList",
     "OpenAIError",
@@ -259,6 +260,9 @@ class Model(msgspec.Struct, kw_only=True):
     status: Object | None = None
     capabilities: Object | None = None
     input_modalities: list[str] | None = None
+    #: a LoRA adapter's base model (vLLM's fields: docs/lora.md)
+    parent: str | None = None
+    root: str | None = None
 
 
 class ModelList(msgspec.Struct, kw_only=True):
@@ -304,6 +308,15 @@ class Props(msgspec.Struct, kw_only=True):
     eos_token: str
     build_info: str
     is_sleeping: bool
+
+
+class LoraAdapter(msgspec.Struct, kw_only=True):
+    """One entry of ``GET /lora-adapters`` (llama-server's shape, with the name)."""
+
+    id: int
+    name: str
+    path: str | None = None
+    scale: float
 
 
 class Health(msgspec.Struct, kw_only=True):

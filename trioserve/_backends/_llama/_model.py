@@ -139,6 +139,9 @@ class LlamaModel:
             self.check_abort()
             adapter = self.adapters.load(name, path, scale)
             logger.info("LoRA adapter %s: %s (scale %g, alpha %g)", name, path, scale, adapter.alpha)
+        if len(self.adapters):
+            listed = tuple((a.name, a.scale, str(a.path)) for a in self.adapters.listed)
+            self._info = dataclasses.replace(self._info, adapters=listed)
 
     def load_projector(self) -> None:
         """Load ``settings.mmproj`` (the load's last phase: blocking, aborted with it)."""

@@ -111,6 +111,29 @@ class _RegistryBase:
             )
         return entry
 
+    def resolve_adapter(self, name: str | None) -> tuple[ModelEntry, str | None]:
+        """The entry ``name`` means and the LoRA adapter it names, if any (docs/lora.md):
+        a model's name (no adapter); ``BASE:ADAPTER``; an adapter's own name, when one
+        model has it. Anything else: :meth:`resolve`'s answer."""
+        if name is None or name in self._by_name:
+            return self.resolve(name), None
+        base, colon, adapter = name.rpartition(":")
+        if colon and base in self._by_name:
+            entry = self._by_name[base]
+            if adapter in entry.adapter_names():
+                return entry, adapter
+        having = [entry for entry in self.entries if name in entry.adapter_names()]
+        if len(having) == 1:
+            return having[0], name
+        if len(having) > 1:
+            raise NotFoundError(
+                f"the LoRA adapter {name!r} belongs to several models: name one, as "
+                + " or ".join(repr(f"{entry.name}:{name}") for entry in having),
+                param="model",
+                code="model_not_found",
+            )
+        return self.resolve(name), None
+
     def loaded(self) -> list[ModelEntry]:
         return [entry for entry in self.entries if entry.state == "loaded"]
 

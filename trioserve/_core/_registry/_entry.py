@@ -95,6 +95,15 @@ class ModelEntry:
     def names(self) -> tuple[str, ...]:
         return (self.spec.name, *self.spec.aliases)
 
+    def adapter_names(self) -> tuple[str, ...]:
+        """Its LoRA adapters' names: the spec's, or the loaded backend's own."""
+        if self.spec.adapters:
+            return self.spec.adapters
+        engine = self.engine
+        if engine is None:
+            return ()
+        return tuple(adapter[0] for adapter in engine.backend.info.adapters)
+
     def footprint(self) -> int:
         """Bytes it counts against the memory budget: the larger of what its load was
         measured to add (RSS) and its source's estimate (the weights' files)."""

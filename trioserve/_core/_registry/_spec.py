@@ -62,6 +62,7 @@ class ModelSpec:
         keep_alive: seconds it stays loaded after its last request (``None``: the
             registry's default; ``math.inf``: forever; 0: unloaded right after).
         preload: loaded when the registry starts (requests for it wait for that load).
+        adapters: its LoRA adapters' names (``model`` may name one).
         ready_gate: (with ``preload``) requests that come during that first load are
             refused with 503 ``loading`` instead of waiting, and a failed first load is
             final: the single-model server's readiness signal, as llama-server's.
@@ -74,3 +75,6 @@ class ModelSpec:
     keep_alive: float | None = None
     preload: bool = False
     ready_gate: bool = False
+    #: the names of its LoRA adapters, known before it loads (a request's ``model`` may
+    #: name one: docs/lora.md); a loaded model's own list counts too
+    adapters: tuple[str, ...] = ()
