@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 
 from .._core._exceptions import TrioserveError
-from .._wire import OPENAI, SPECS, DialectSpec, ErrorBody, encode_json, spec_for_path
+from .._wire import OLLAMA, OPENAI, SPECS, DialectSpec, ErrorBody, encode_json, spec_for_path
 
 __all__ = ["JSON_HEADERS", "ErrorRenderer", "render_error", "render_for_path", "renderer"]
 
@@ -51,7 +51,7 @@ def render_for_path(exc: TrioserveError, path: str) -> tuple[int, list[tuple[byt
 
 
 _RENDERERS: dict[str, ErrorRenderer] = {
-    spec.kind: functools.partial(_render, spec.error_body) for spec in (OPENAI, *SPECS.values())
+    spec.kind: functools.partial(_render, spec.error_body) for spec in (OPENAI, OLLAMA, *SPECS.values())
 }
 #: OpenAI's rendering: every route but the Anthropic ones
 render_error = renderer(OPENAI)
