@@ -159,7 +159,7 @@ def peek_keep_alive(body: bytes) -> float | None:
 def sampling_of(options: OllamaOptions | None) -> SamplingParams:
     if options is None:
         return DEFAULTS
-    check_refused(options, _REFUSED_OPTIONS)
+    check_refused(options, _REFUSED_OPTIONS, prefix="options.")
     given = {
         name: value
         for name in (

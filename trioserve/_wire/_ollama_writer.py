@@ -164,6 +164,8 @@ class OllamaDialect:
             if "thinking" in fields:
                 line["thinking"] = fields.pop("thinking")
         line.update(fields)
+        if "done" not in line:
+            line["done"] = False
         return encode_json(line) + b"\n"
 
     def _call_object(self, call_id: str, name: str, arguments: str) -> dict[str, object] | None:
