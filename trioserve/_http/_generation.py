@@ -502,7 +502,9 @@ class GenerationHandler:
                                 request.advance(Phase.LOADING)
                             lease = await state.lease(entry, request, keep_alive)
                             try:
-                                await self._generate(request, lease.engine, body, spec, stored, keep_alive)
+                                # (a pinned model stays whatever the request asks)
+                                ttl = None if entry.spec.pinned else keep_alive
+                                await self._generate(request, lease.engine, body, spec, stored, ttl)
                             finally:
                                 lease.release()
                             nursery.cancel_scope.cancel()  # the watcher: this request is done
