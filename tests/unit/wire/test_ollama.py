@@ -203,7 +203,8 @@ def test_generate_raw_suffix_and_templated() -> None:
     raw = read(prompt="Once upon", raw=True)
     assert (raw.prompt, raw.add_bos, raw.infill) == ("Once upon", True, None)
     fim = read(prompt="def f(", suffix="\n    return x\n")
-    assert fim.infill.prefix == "def f(" and fim.infill.suffix == "\n    return x\n"
+    assert fim.infill.prefix == "def f("
+    assert fim.infill.suffix == "\n    return x\n"
     assert (fim.prompt, fim.add_bos) == ("", False)
     templated = read(prompt="Hi", system="Be brief.")
     chat = CHAT_SPEC.read(  # type: ignore[misc]
@@ -281,7 +282,8 @@ def test_the_lines_and_the_final_object() -> None:
         prompt_tokens=12, completion_tokens=5, cached_tokens=4, prefill_seconds=0.1, decode_seconds=0.2
     )
     (final,) = _lines(dialect.finish("length") + dialect.end(usage))
-    assert final["done"] is True and final["done_reason"] == "length"
+    assert final["done"] is True
+    assert final["done_reason"] == "length"
     assert final["total_duration"] >= 500_000_000
     assert final["load_duration"] == 250_000_000
     assert (final["prompt_eval_count"], final["prompt_eval_duration"]) == (12, 100_000_000)
@@ -290,7 +292,8 @@ def test_the_lines_and_the_final_object() -> None:
     # cut short by trioserve: a length a client accepts, and the cause
     cut = OllamaDialect("generate", "gemma")
     (final,) = _lines(cut.finish("deadline") + cut.end(usage))
-    assert final["done_reason"] == "length" and final["response"] == ""
+    assert final["done_reason"] == "length"
+    assert final["response"] == ""
     assert final["trioserve"]["end_cause"] == "deadline"
     assert _lines(cut.stream_error(InvalidRequestError("it broke"))) == [{"error": "it broke"}]
 
@@ -318,7 +321,8 @@ def test_a_whole_answer() -> None:
     body = json.loads(dialect.body([result], Usage(prompt_tokens=3, completion_tokens=2)))
     assert body["message"]["thinking"] == "hm"
     assert body["message"]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
-    assert body["done"] is True and body["done_reason"] == "stop"
+    assert body["done"] is True
+    assert body["done_reason"] == "stop"
 
 
 # -- the field table of docs/api.md ---------------------------------------------------------
