@@ -456,6 +456,8 @@ async def _cancel_cell(
     occupiers = await _occupy_the_slots(server) if phase == "queued" else []
     threads_started = llama_backend.generations.started
     victim = Victim(cause, phase, extra, dialect)
+    if dialect == "ollama":  # (Ollama requires it)
+        victim.body["model"] = server.engine.backend.info.id
     await victim.send(server.url)
     try:
         # --- bring the victim into its phase
