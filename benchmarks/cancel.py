@@ -22,9 +22,18 @@ decode is a ``content_block_delta``; the deadline's stream ends with ``message_d
 (``stop_reason`` ``max_tokens`` + ``trioserve.end_cause``) and ``message_stop``, timed
 as send → ``message_stop``.
 
+``--endpoint ollama``: the same causes as Ollama's streamed ``POST /api/chat`` (``{"model",
+"messages": [{"role": "user", "content": the same text}], "options": {"temperature": 0,
+"num_predict", "repeat_penalty": 1}}``, NDJSON lines; the chat template around it), on
+trioserve and front-llama-server (trioserve relays it as a completion): llama-server and
+llama-cpp-python serve no ``/api/chat``. An event read in decode is a ``"done":false`` line
+with text (a heartbeat line has none); the deadline's stream ends with a ``"done":true``
+line (``done_reason`` ``length`` + ``trioserve.end_cause``), timed as send → that line.
+
     python benchmarks/cancel.py --markdown --json artifacts/cancel.json
     python benchmarks/cancel.py --contestants llama-server,front-llama-server --llama-server-args="-b 16"
     python benchmarks/cancel.py --endpoint messages --contestants trioserve,llama-server --causes prefill
+    python benchmarks/cancel.py --endpoint ollama --contestants trioserve --causes prefill,decode
 """
 
 from __future__ import annotations
@@ -45,7 +54,16 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import cli, servers
-from benchmarks.harness.clients import COMPLETIONS, MESSAGES, PROGRESS, RawStream, body, messages_body
+from benchmarks.harness.clients import (
+    COMPLETIONS,
+    MESSAGES,
+    OLLAMA_CHAT,
+    PROGRESS,
+    RawStream,
+    body,
+    messages_body,
+    ollama_chat_body,
+)
 from benchmarks.harness.proc import cpu_seconds, wait_cpu_idle
 from benchmarks.harness.stats import dict_table, dist, fmt, median, rows_table
 
@@ -66,7 +84,7 @@ OWN_CAUSES = (DEADLINE, BY_ID_DECODE, BY_ID_PREFILL)
 NO_WORK_MS = 50.0  # a prefill run with less CPU than this before and after the close did no prefill
 TIMINGS = re.compile(rb'"(prompt_n|prompt_per_second)": ?([\d.]+)')
 INPUT_TOKENS = re.compile(rb'"input_tokens": ?(\d+)')  # Anthropic message_start's usage
-ENDPOINTS = {"completions": COMPLETIONS, "messages": MESSAGES}
+ENDPOINTS = {"completions": COMPLETIONS, "messages": MESSAGES, "ollama": OLLAMA_CHAT}
 LOG_LINE = re.compile(r"trioserve\.requests: request (\S+) \S+ (.*)")
 
 
@@ -91,7 +109,8 @@ def parse_args() -> Any:
     cli.option(p, "--close", "rst", "how the client leaves: rst (SO_LINGER 0) or fin")
     cli.option(p, "--idle-cap", 15.0, "seconds to wait for idle per run")
     help_ = "completions: streamed POST /v1/completions; messages: streamed Anthropic POST /v1/messages"
-    help_ += " (trioserve, llama-server, front-llama-server; default: completions)"
+    help_ += " (trioserve, llama-server, front-llama-server); ollama: Ollama's streamed POST /api/chat"
+    help_ += " (trioserve, front-llama-server); default: completions"
     p.add_argument("--endpoint", choices=ENDPOINTS, default="completions", help=help_)
     help_ = f"comma-separated subset of {','.join(CAUSES)} (deadline, id-*: trioserve only; default: all)"
     p.add_argument("--causes", type=causes, default=list(CAUSES), help=help_)
@@ -102,6 +121,11 @@ def parse_args() -> Any:
         if args.contestants != p.get_default("contestants"):
             p.error("--endpoint messages: llama-cpp-python serves no /v1/messages")
         args.contestants.remove(servers.LLAMA_CPP_PYTHON)  # (the default set)
+    if args.endpoint == "ollama":
+        others = {servers.LLAMA_CPP_PYTHON, LS} & set(args.contestants)
+        if others and args.contestants != p.get_default("contestants"):
+            p.error(f"--endpoint ollama: {', '.join(sorted(others))} serve(s) no /api/chat")
+        args.contestants = [c for c in args.contestants if c not in others]
     return args
 
 
@@ -162,6 +186,8 @@ def request(server: servers.Server, args: Any, tag: str | None, max_tokens: int)
     extra = args.request_extra if server.name == LS else {}
     if args.endpoint == "messages":
         return messages_body(text, max_tokens, args.model_name, **extra)
+    if args.endpoint == "ollama":
+        return ollama_chat_body(text, max_tokens, args.model_name, **extra)
     return body(text, max_tokens, **extra)
 
 
@@ -257,7 +283,8 @@ def warm_up(server: servers.Server, args: Any) -> dict[str, Any]:
             raise RuntimeError(f"{server.name}: warm-up: no {END[args.endpoint]} in 120 s ({stream.status})")
         stream.close()
     line, first = log_fields(server, rid), next(t for t, e in stream.events if PROGRESS not in e)
-    first = stream.token_times()[0] if stream.anthropic and stream.token_times() else first
+    tokened = (stream.anthropic or stream.ollama) and stream.token_times()
+    first = stream.token_times()[0] if tokened else first
     timings = {k.decode(): json.loads(v) for e in stream.events for k, v in TIMINGS.findall(e[1])}
     inputs = [int(n) for _, e in stream.events for n in INPUT_TOKENS.findall(e)][:1]
     prompt_tokens = line.get("prompt_tokens") or timings.get("prompt_n") or (inputs or [None])[0]
@@ -326,7 +353,8 @@ METRICS = {
     "cancel_latency_ms": "cancel_latency_ms (log)",
     "cancel_answered_ms": "cancel call → its answer",
 }
-END = {"completions": "[DONE]", "messages": "message_stop"}  # what ends a stream, per --endpoint
+#: what ends a stream, per --endpoint
+END = {"completions": "[DONE]", "messages": "message_stop", "ollama": '"done":true line'}
 
 
 def summary(samples: list[dict[str, Any]], cfg: dict[str, Any], step: dict[str, float]) -> list[Any]:

@@ -33,6 +33,9 @@ BODIES = {
     "/v1/messages": b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}',
     "/v1/responses": b'{"input": "hi", "max_output_tokens": 3}',
     "/infill": b'{"input_prefix": "def f(", "input_suffix": "):\\n", "n_predict": 3}',
+    "/api/chat": b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": false, '
+    b'"options": {"num_predict": 3}}',
+    "/api/generate": b'{"model": "m", "prompt": "hi", "stream": false, "options": {"num_predict": 3}}',
 }
 
 

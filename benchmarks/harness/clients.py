@@ -1,6 +1,7 @@
 """Clients: :class:`RawStream` (a plain socket: the lightest client, the one that decides
-how a connection ends, and the slow reader; OpenAI SSE, or Anthropic Messages events with
-``path="/v1/messages"``) and :func:`timed_stream` (httpx, timed)."""
+how a connection ends, and the slow reader; OpenAI SSE, Anthropic Messages events with
+``path="/v1/messages"``, or Ollama's NDJSON lines with ``path="/api/chat"``) and
+:func:`timed_stream` (httpx, timed)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,14 @@ STATUS, FINISH = re.compile(rb"HTTP/1\.[01] (\d{3})"), re.compile(rb'"finish_rea
 OPEN = re.compile(rb'"finish_reason": ?null')
 END_CAUSE = re.compile(rb'"end_cause": ?"(\w+)"')  # an event that carries a token
 PROGRESS = b'"prompt_progress"'  # llama-server's event per prompt batch (return_progress): no token
-COMPLETIONS, MESSAGES = "/v1/completions", "/v1/messages"
+COMPLETIONS, MESSAGES, OLLAMA_CHAT = "/v1/completions", "/v1/messages", "/api/chat"
 #: Anthropic Messages events (``path`` MESSAGES): a token's, the last one, the stop reason
 DELTA, MESSAGE_STOP = b"event: content_block_delta", b"event: message_stop"
 STOP_REASON = re.compile(rb'"stop_reason": ?"(\w+)"')  # message_delta's (message_start's is null)
+#: Ollama's NDJSON lines (``path`` OLLAMA_CHAT): a line in progress, the last one, its reason
+#: (a heartbeat is a line in progress with empty content: no token)
+LINE_OPEN, LINE_DONE, EMPTY = b'"done":false', b'"done":true', b'"content":""'
+DONE_REASON = re.compile(rb'"done_reason": ?"(\w+)"')
 
 
 def body(prompt: str, max_tokens: int, **more: Any) -> dict[str, Any]:
@@ -38,6 +43,13 @@ def messages_body(prompt: str, max_tokens: int, model: str, **more: Any) -> dict
     """A streamed, greedy Anthropic Messages request: ``prompt`` as the one user message."""
     fields = {"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": prompt}]}
     return {**fields, "stream": True, "temperature": 0, **more}
+
+
+def ollama_chat_body(prompt: str, max_tokens: int, model: str, **more: Any) -> dict[str, Any]:
+    """A streamed (Ollama's default), greedy Ollama ``/api/chat`` request: ``prompt`` as the
+    one user message."""
+    options = {"temperature": 0, "num_predict": max_tokens, "repeat_penalty": 1.0}
+    return {"model": model, "messages": [{"role": "user", "content": prompt}], "options": options, **more}
 
 
 def request_bytes(
@@ -57,7 +69,9 @@ class RawStream:
     ``data:``), so the client's CPU per token stays small and the caller decides exactly
     when and how the connection ends. ``rcvbuf``: ``SO_RCVBUF``, set before connecting.
     ``path`` :data:`MESSAGES`: Anthropic events: a token is a ``content_block_delta``, the
-    end ``message_stop``, the finish reason ``message_delta``'s ``stop_reason``."""
+    end ``message_stop``, the finish reason ``message_delta``'s ``stop_reason``. ``path``
+    :data:`OLLAMA_CHAT`: NDJSON lines, split on newlines: a token is a ``"done":false``
+    line with content, the end the ``"done":true`` line, the reason its ``done_reason``."""
 
     def __init__(
         self,
@@ -70,6 +84,7 @@ class RawStream:
         path: str = COMPLETIONS,
     ) -> None:
         self.path, self.anthropic = path, path.split("?")[0] == MESSAGES
+        self.ollama = path.split("?")[0] == OLLAMA_CHAT
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             if rcvbuf is not None:
@@ -87,13 +102,16 @@ class RawStream:
         self.events: list[tuple[float, bytes]] = []  # (arrival, event)
         self.done_at: float | None = None  # when ``data: [DONE]`` (Anthropic: ``message_stop``) arrived
         self._done_marker = MESSAGE_STOP if self.anthropic else b"data: [DONE]"
+        self._separator = b"\n\n"
+        if self.ollama:
+            self._done_marker, self._separator = LINE_DONE, b"\n"
 
     def feed(self, data: bytes, now: float) -> list[bytes]:
         """Take bytes read from the socket; return the events they completed."""
         if len(self.head) < 16:
             self.head += data[:16]
         self.received += len(data)
-        *complete, self._pending = (self._pending + data).split(b"\n\n")
+        *complete, self._pending = (self._pending + data).split(self._separator)
         for event in complete:
             self.events.append((now, event))
             if self.done_at is None and self._done_marker in event:
@@ -147,6 +165,8 @@ class RawStream:
         ``content_block_delta``)."""
         if self.anthropic:
             return [t for t, event in self.events if DELTA in event]
+        if self.ollama:
+            return [t for t, event in self.events if LINE_OPEN in event and EMPTY not in event]
         return [t for t, event in self.events if OPEN.search(event) and PROGRESS not in event]
 
     def data_events(self) -> int:
@@ -154,11 +174,13 @@ class RawStream:
         ``content_block_delta`` events only, not ``message_start``, ``ping``…)."""
         if self.anthropic:
             return sum(DELTA in e for _, e in self.events)
+        if self.ollama:
+            return sum(LINE_OPEN in e and EMPTY not in e for _, e in self.events)
         return sum(b"data: " in e and b"[DONE]" not in e and PROGRESS not in e for _, e in self.events)
 
     def finish_reason(self) -> str | None:
         """The last ``finish_reason`` (Anthropic: ``stop_reason``, e.g. ``max_tokens``)."""
-        pattern = STOP_REASON if self.anthropic else FINISH
+        pattern = STOP_REASON if self.anthropic else DONE_REASON if self.ollama else FINISH
         found = [m for _, event in self.events for m in pattern.findall(event)]
         return found[-1].decode() if found else None
 

@@ -12,8 +12,8 @@ For every cell the test asserts:
 
 Every cell runs against the llama backend with one sequence and with two (the queued
 phase occupies both; "inference thread" is "sequence in the batch"), and on each API
-dialect: ``/v1/completions`` (the plain matrix), Anthropic's ``/v1/messages`` and OpenAI's
-``/v1/responses`` (``test_cancel_cell_dialects``).
+dialect: ``/v1/completions`` (the plain matrix), Anthropic's ``/v1/messages``, OpenAI's
+``/v1/responses`` and Ollama's ``/api/chat`` (``test_cancel_cell_dialects``).
 
 Causes: TCP close, half-close, HTTP/2 stream reset, close during a non-streaming
 request, deadline (``X-Request-Timeout``), server shutdown, and deadline and shutdown
@@ -120,7 +120,12 @@ async def server(llama_backend: LlamaBackend, nursery: trio.Nursery) -> AsyncIte
 
 
 #: the API dialects: endpoint, and the body of a prompt (docs/dialects.md)
-DIALECT_PATHS = {"completions": "/v1/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
+DIALECT_PATHS = {
+    "completions": "/v1/completions",
+    "messages": "/v1/messages",
+    "responses": "/v1/responses",
+    "ollama": "/api/chat",
+}
 
 
 def _dialect_body(dialect: str, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -128,6 +133,8 @@ def _dialect_body(dialect: str, prompt: str, max_tokens: int) -> dict[str, Any]:
         return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
     if dialect == "responses":
         return {"input": prompt, "max_output_tokens": max_tokens}
+    if dialect == "ollama":
+        return {"messages": [{"role": "user", "content": prompt}], "options": {"num_predict": max_tokens}}
     return {"prompt": prompt, "max_tokens": max_tokens}
 
 
@@ -153,6 +160,8 @@ class Victim:
             "stream": self.streaming,
             **(extra or {}),
         }
+        if dialect == "ollama":  # (its sampling is in options)
+            self.body["options"]["temperature"] = self.body.pop("temperature")
         self.headers = {"X-Request-Id": self.request_id}
         if self.cause == "deadline":
             self.headers["X-Request-Timeout"] = {
@@ -176,13 +185,15 @@ class Victim:
             )
 
     async def read_events(self, count: int) -> None:
-        """Read ``count`` text events (after the events a dialect opens its stream with)."""
+        """Read ``count`` text events (after the events a dialect opens its stream with;
+        Ollama's are NDJSON lines)."""
         count += {"messages": 2, "responses": 4}.get(self.dialect, 0)
+        marker = b'"done":false}\n' if self.dialect == "ollama" else b"data: "
         if self.h2 is not None:
-            await self.h2.read_until(b"data: ", count, acknowledge=self.phase != "blocked")
+            await self.h2.read_until(marker, count, acknowledge=self.phase != "blocked")
         else:
             assert self.raw is not None
-            await self.raw.read_until(b"data: ", count)
+            await self.raw.read_until(marker, count)
 
     async def apply_disconnect(self) -> None:
         if self.cause == "h2_reset":
@@ -407,7 +418,10 @@ async def test_cancel_cell_verify(
 #: the dialects' cells: every cause but the two transport variants (half-close and an
 #: HTTP/2 reset end the request through the same watcher as a close), every phase
 DIALECT_CELLS = [
-    (d, c, p) for d in ("messages", "responses") for c, p in CELLS if c not in ("half_close", "h2_reset")
+    (d, c, p)
+    for d in ("messages", "responses", "ollama")
+    for c, p in CELLS
+    if c not in ("half_close", "h2_reset")
 ]
 
 
@@ -423,7 +437,8 @@ async def test_cancel_cell_dialects(
     reference_text: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Anthropic Messages and OpenAI Responses (docs/dialects.md) in every cell."""
+    """Anthropic Messages, OpenAI Responses and Ollama's /api/chat (docs/dialects.md) in
+    every cell."""
     await _cancel_cell(cause, phase, server, llama_backend, reference_text, caplog, dialect=dialect)
 
 
@@ -441,6 +456,8 @@ async def _cancel_cell(
     occupiers = await _occupy_the_slots(server) if phase == "queued" else []
     threads_started = llama_backend.generations.started
     victim = Victim(cause, phase, extra, dialect)
+    if dialect == "ollama":  # (Ollama requires it)
+        victim.body["model"] = server.engine.backend.info.id
     await victim.send(server.url)
     try:
         # --- bring the victim into its phase
@@ -566,6 +583,16 @@ def _check_final_event(victim: Victim, data: bytes) -> None:
         assert isinstance(final, dict)
         assert final["type"] == "message_delta"
         assert final["delta"]["stop_reason"] == "max_tokens"
+        assert final["trioserve"]["end_cause"] == cause
+        return
+    if victim.dialect == "ollama":
+        # NDJSON: a last line done, with a done_reason clients accept and the cause
+        lines = [
+            json.loads(line) for line in data.split(b"\r\n\r\n", 1)[-1].splitlines() if line.startswith(b"{")
+        ]
+        final = lines[-1]
+        assert final["done"] is True, data[-300:]
+        assert final["done_reason"] == "length"
         assert final["trioserve"]["end_cause"] == cause
         return
     if victim.dialect == "responses":

@@ -21,6 +21,8 @@ ENDPOINTS: dict[Kind, str] = {
     "messages": "/v1/messages",
     "infill": "/infill",
     "responses": "/v1/responses",
+    "ollama_chat": "/api/chat",
+    "ollama_generate": "/api/generate",
 }
 
 

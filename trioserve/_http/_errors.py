@@ -8,8 +8,7 @@ import math
 from collections.abc import Callable
 
 from .._core._exceptions import TrioserveError
-from .._wire import OPENAI, SPECS, DialectSpec, ErrorBody, encode_json, spec_for_path
-from .._wire._ollama_models import ollama_error_body
+from .._wire import OLLAMA, OPENAI, SPECS, DialectSpec, ErrorBody, encode_json, spec_for_path
 
 __all__ = [
     "JSON_HEADERS",
@@ -61,9 +60,9 @@ def render_for_path(exc: TrioserveError, path: str) -> tuple[int, list[tuple[byt
 
 
 _RENDERERS: dict[str, ErrorRenderer] = {
-    spec.kind: functools.partial(_render, spec.error_body) for spec in (OPENAI, *SPECS.values())
+    spec.kind: functools.partial(_render, spec.error_body) for spec in (OPENAI, OLLAMA, *SPECS.values())
 }
 #: OpenAI's rendering: every route but the Anthropic ones
 render_error = renderer(OPENAI)
 #: Ollama's (``{"error": "…"}``): every route under ``/api/``
-render_ollama: ErrorRenderer = functools.partial(_render, ollama_error_body)
+render_ollama: ErrorRenderer = _RENDERERS[OLLAMA.kind]

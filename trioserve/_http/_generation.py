@@ -31,6 +31,7 @@ from .._core._exceptions import (
     InvalidRequestError,
     MethodNotAllowedError,
     OverloadedError,
+    PermissionDeniedError,
     ServiceUnavailableError,
     TrioserveError,
 )
@@ -107,6 +108,8 @@ GENERATION_PATHS: dict[str, Kind] = {
     "/v1/messages": "messages",
     "/v1/responses": "responses",
     "/infill": "infill",
+    "/api/chat": "ollama_chat",
+    "/api/generate": "ollama_generate",
 }
 
 #: each generation route's dialect, picked once per request at the route
@@ -117,6 +120,12 @@ SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
+
+
+def stream_headers(spec: DialectSpec) -> list[tuple[bytes, bytes]]:
+    """A streamed answer's headers: its dialect's media type (SSE; Ollama's NDJSON),
+    never cached, never buffered by a proxy."""
+    return [(b"content-type", spec.media_type.encode()), *SSE_HEADERS[1:]]
 
 
 class _CacheSaltField(msgspec.Struct):
@@ -275,10 +284,14 @@ class GenerationHandler:
         # (a large body's depth check and decode: off the event loop)
         large = len(body) > INLINE_PARSE_BYTES
         head = await off_the_loop_if(large, _peek_head, body)
-        entry, _ = state.resolve_adapter(head.model)  # (a LoRA adapter's name: its base's)
+        resolve_model = spec.resolve_model
+        if resolve_model is None:
+            entry, _ = state.resolve_adapter(head.model)  # (a LoRA adapter's name: its base's)
+        else:  # (the dialect's names: Ollama's name:latest)
+            entry = resolve_model(head.model, state.resolve)
         request.model = entry.name
         request.set_timeout(_request_timeout(scope, state.settings))
-        conversation = self._conversation_id(request, body)
+        conversation = self._conversation_id(request, body, spec)
         self._admit(request, entry, head.priority)
         ask = None
         if state.responses is not None and spec.peek_stored is not None:
@@ -298,7 +311,7 @@ class GenerationHandler:
             return
         await self._run(request, receive, spec, body, entry, ask)
 
-    def _conversation_id(self, request: InFlightRequest, body: bytes) -> str | None:
+    def _conversation_id(self, request: InFlightRequest, body: bytes, spec: DialectSpec) -> str | None:
         """A detachable stream's id (llama-server's ``X-Conversation-Id``), checked:
         a valid id, on a streaming request, on a server that keeps them (400s naming
         the header)."""
@@ -314,6 +327,12 @@ class GenerationHandler:
             return None
         if not valid_id(conversation):
             raise InvalidRequestError(_ID_RULE.format(name="X-Conversation-Id"), param="X-Conversation-Id")
+        if not spec.resumable:
+            raise InvalidRequestError(
+                f"X-Conversation-Id makes a server-sent-events stream resumable; {request.asgi['path']} "
+                "streams NDJSON, which cannot be resumed: send the request without it",
+                param="X-Conversation-Id",
+            )
         if self.state.detached is None:
             raise InvalidRequestError(
                 "this server keeps no detachable streams (--detach-max 0): send the request without "
@@ -452,7 +471,7 @@ class GenerationHandler:
         is the designed pause, never a stall)."""
         state = self.state
         scope = request.asgi
-        keep_alive = _keep_alive(scope)
+        keep_alive = self._keep_alive(scope, spec, body)
 
         with request.cancel_scope:
             state.add_request(request)
@@ -483,7 +502,9 @@ class GenerationHandler:
                                 request.advance(Phase.LOADING)
                             lease = await state.lease(entry, request, keep_alive)
                             try:
-                                await self._generate(request, lease.engine, body, spec, stored)
+                                # (a pinned model stays whatever the request asks)
+                                ttl = None if entry.spec.pinned else keep_alive
+                                await self._generate(request, lease.engine, body, spec, stored, ttl)
                             finally:
                                 lease.release()
                             nursery.cancel_scope.cancel()  # the watcher: this request is done
@@ -499,6 +520,23 @@ class GenerationHandler:
         if request.cancel_scope.cancelled_caught or request.cause is not None:
             request.note_deadline()  # no-op if another cause came first
             await self.writer.cancelled(request)
+
+    def _keep_alive(self, scope: Scope, spec: DialectSpec, body: bytes) -> float | None:
+        """The model's TTL after this request: the body's (Ollama's ``keep_alive``), else
+        ``X-Keep-Alive``'s. Like the header (checked by the access layer), a body's
+        needs an admin key where keys are required (403 naming it)."""
+        peek = spec.peek_keep_alive
+        given = None if peek is None else peek(body)
+        if given is None:
+            return _keep_alive(scope)
+        access = self.access
+        if access is not None and access.requires_key and not access.key_is_admin(presented_key(scope) or ""):
+            raise PermissionDeniedError(
+                "keep_alive sets how long the model stays loaded for every client: it needs an admin "
+                "key (--admin-key); send the request without it",
+                param="keep_alive",
+            )
+        return given
 
     def _admit(self, request: InFlightRequest, entry: ModelEntry, priority: int | None) -> None:
         """Its key's bound on priorities (403), its rate limits (429 with
@@ -641,6 +679,7 @@ class GenerationHandler:
         body: bytes,
         spec: DialectSpec,
         stored: StoredContext | None = None,
+        keep_alive: float | None = None,
     ) -> None:
         """Parse, prepare and run the request on its model's engine."""
         state = self.state
@@ -648,7 +687,14 @@ class GenerationHandler:
         chat_format = state.chat_format(engine)
         # decoding a large body, rendering a long chat: off the event loop
         large = len(body) > INLINE_PARSE_BYTES
-        parsed = await off_the_loop_if(large, self._parse, spec, body, chat_format, stored)
+        options = dataclasses.replace(
+            self._options(stored),
+            arrived=request.started,
+            load_seconds=request.load_wait or 0.0,
+            context_length=engine.backend.info.context_length,
+            keep_alive=keep_alive,
+        )
+        parsed = await off_the_loop_if(large, self._parse, spec, body, chat_format, options)
         stream, request.model = parsed.stream, parsed.model
         turn, service = parsed.turn, state.responses
         if turn is not None and service is not None:
@@ -672,6 +718,9 @@ class GenerationHandler:
             )
         dialect = request.dialect = parsed.dialect
         dialect.request_id = exchange.request_id
+        if parsed.loads_only:  # (Ollama's empty prompt: the model is loaded, nothing runs)
+            await self.writer.loaded(request, parsed)
+            return
         first_token = parsed.generation.first_token_timeout
         if first_token is not None:
             request.limit_first_token(first_token)
@@ -682,7 +731,7 @@ class GenerationHandler:
         ticket = request.ticket = accounts.ticket(account, request.owner, parsed.priority)
         salt = cache_salt(request.asgi, body, self.access)
         generations = [dataclasses.replace(g, cache_salt=salt) if salt else g for g in parsed.generations]
-        adapter = state.resolve_adapter(parsed.model)[1] if parsed.model else None
+        adapter = state.resolve_adapter(parsed.model)[1] if parsed.model and spec.resolve_model is None else None
         if adapter is not None:  # (``model`` names a LoRA adapter: docs/lora.md)
             generations = [dataclasses.replace(g, lora=((adapter, None), *g.lora)) for g in generations]
         request.advance(Phase.QUEUED)
@@ -730,13 +779,14 @@ class GenerationHandler:
                     # and in prefill.
                     if request.reservation is None:
                         request.reservation = engine.admission.reserve()
-                    await exchange.start(200, SSE_HEADERS)
+                    await exchange.start(200, stream_headers(spec))
                     opening = dialect.opening(sum(len(p.tokens) for p in prompts))
                     if opening:
                         await exchange.body(opening)
                     interval = state.settings.heartbeat_interval
                     if interval:
-                        heartbeat = Heartbeat(exchange, interval, dialect.heartbeat)
+                        # (read at each beat: a dialect may stamp it, Ollama's line its time)
+                        heartbeat = Heartbeat(exchange, interval, lambda: dialect.heartbeat)
                         nursery.start_soon(heartbeat.run)
                 async with engine.stream_choices(
                     prompts if len(prompts) > 1 else prompts[0],
@@ -770,12 +820,12 @@ class GenerationHandler:
         )
 
     def _parse(
-        self, spec: DialectSpec, body: bytes, chat_format: ChatFormat, stored: StoredContext | None
+        self, spec: DialectSpec, body: bytes, chat_format: ChatFormat, options: ReadOptions
     ) -> ParsedRequest:
         """The request, decoded by its route's dialect."""
         read = spec.read
         assert read is not None  # (every generation route has a decoder)
-        return read(body, chat_format, self._options(stored))
+        return read(body, chat_format, options)
 
     def _model(self, requested: str | None) -> str:
         """The name the response carries: the model's own (an alias resolves to it), or

@@ -122,9 +122,10 @@ class Heartbeat:
     and waits until it has returned, so two sends never overlap. A timer, not a poll:
     the task sleeps until the next moment a heartbeat is due."""
 
-    def __init__(self, exchange: Exchange, interval: float, beat: bytes) -> None:
+    def __init__(self, exchange: Exchange, interval: float, beat: Callable[[], bytes]) -> None:
         self.exchange = exchange
         self.interval = interval
+        #: the bytes of one beat, made at each beat (a dialect may stamp them)
         self.beat = beat
         self.scope = trio.CancelScope()
         self.done = trio.Event()
@@ -135,7 +136,7 @@ class Heartbeat:
             with self.scope:
                 while True:
                     await trio.sleep(max(0.0, exchange.last_sent + self.interval - time.perf_counter()))
-                    await exchange.body(self.beat, keep_unsent=False)
+                    await exchange.body(self.beat(), keep_unsent=False)
         finally:
             self.done.set()
 

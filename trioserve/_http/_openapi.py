@@ -26,6 +26,7 @@ from .._wire._control import ChatControlRequest, ControlAnswer, RequestControlRe
 from .._wire._embeddings import EmbeddingsRequest
 from .._wire._infill import InfillRequest
 from .._wire._models import RouterModelRequest
+from .._wire._ollama import OllamaChatRequest, OllamaGenerateRequest
 from .._wire._openai import ChatCompletionRequest, CompletionRequest
 from .._wire._rerank import RerankRequest
 from .._wire._responses import InputTokensRequest, ResponsesRequest
@@ -62,10 +63,11 @@ class Operation:
     #: the successful answer's status and media type
     status: int = 200
     media: str = JSON
-    #: ``True``: with ``"stream": true`` the answer is server-sent events
+    #: ``True``: with ``"stream": true`` the answer is a stream, of ``stream_media``
     stream: bool = False
     #: ``True``: unless ``"stream": false`` the answer is NDJSON lines (Ollama's)
     ndjson: bool = False
+    stream_media: str = SSE
     #: the error statuses it may answer with (with the error body)
     errors: tuple[int, ...] = ()
     #: error statuses whose body is another shape: each one's types (several: any of
@@ -161,6 +163,15 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                 ("DELETE", "/v1/responses/{response_id}"),
             )
         ),
+    ),
+    ("POST", "/api/chat"): Operation(
+        "Chat (Ollama; NDJSON streamed by default)", "ollama", OllamaChatRequest, shapes.OllamaChatResponse,
+        stream=True, stream_media=NDJSON, errors=_RUN, ollama=True, params=_HEADERS,
+    ),
+    ("POST", "/api/generate"): Operation(
+        "Generate (Ollama; NDJSON streamed by default)", "ollama", OllamaGenerateRequest,
+        shapes.OllamaGenerateResponse, stream=True, stream_media=NDJSON, errors=_RUN, ollama=True,
+        params=_HEADERS,
     ),
     ("POST", "/infill"): Operation(
         "Fill in the middle (llama-server)", "llama-server", InfillRequest, shapes.InfillResult,
@@ -351,7 +362,8 @@ _REASONS = {
     429: "the queue is full, or the key's rate limit is spent (Retry-After)",
     431: "the headers are too large",
     501: "the backend cannot do this (e.g. no embeddings; Ollama's pull: no registry is reachable)",
-    503: "the server is loading or shutting down, or the model failed to load (Retry-After)",
+    503: "the server is loading or shutting down, or the model failed to load (Retry-After); on "
+    "Ollama's routes, also a full queue (Ollama's status for it)",
     504: "the request's deadline passed",
     529: "the queue is full (Anthropic's status for it)",
 }
@@ -399,7 +411,7 @@ def openapi_document(routes: Iterable[tuple[str, str]], *, keys: bool, keyed: It
     if extra:
         raise LookupError(f"OPERATIONS in trioserve/_http/_openapi.py describe routes not served: {extra}")
     keyed = frozenset(keyed)
-    types: list[object] = [shapes.OpenAIError, shapes.AnthropicError, ollama.OllamaError]
+    types: list[object] = [shapes.OpenAIError, shapes.AnthropicError, shapes.OllamaError]
     for operation in OPERATIONS.values():
         types += [t for t in (operation.body, operation.answer) if t is not None]
         types += [t for _, answers in operation.error_answers for t in answers]
@@ -417,7 +429,7 @@ def openapi_document(routes: Iterable[tuple[str, str]], *, keys: bool, keyed: It
         "info": {
             "title": "trioserve",
             "version": _version(),
-            "description": "A streaming LLM inference server on Trio: OpenAI's, Anthropic's and "
+            "description": "A streaming LLM inference server on Trio: OpenAI's, Anthropic's, Ollama's and "
             "llama-server's APIs (docs/api.md). Generated from the structs the server decodes with.",
         },
         "paths": paths,
@@ -435,14 +447,14 @@ def _operation(
     method: str, path: str, operation: Operation, schema_of: dict[int, Any], *, keys: bool
 ) -> dict[str, Any]:
     shape = shapes.AnthropicError if operation.anthropic else shapes.OpenAIError
-    error = schema_of[id(ollama.OllamaError if operation.ollama else shape)]
+    error = schema_of[id(shapes.OllamaError if operation.ollama else shape)]
     ok: dict[str, Any] = {}
     if operation.answer is not None:
         ok[operation.media] = {"schema": schema_of[id(operation.answer)]}
     else:
         ok[operation.media] = {"schema": {"type": "string"}}
     if operation.stream:
-        ok[SSE] = {"schema": {"type": "string"}}
+        ok[operation.stream_media] = {"schema": {"type": "string"}}
     if operation.ndjson:
         ok[NDJSON] = {"schema": {"type": "string"}}
     success: dict[str, Any] = {"description": "success"}

@@ -37,7 +37,19 @@ __all__ = ["InFlightRequest", "Kind", "Phase"]
 #: the generation endpoints: ``/v1/completions``, ``/v1/chat/completions``,
 #: ``/v1/messages`` (Anthropic), ``/v1/responses`` (OpenAI Responses)
 #: ``stream``: a reader of a detachable stream (docs/resumable-streams.md)
-Kind = Literal["text", "chat", "messages", "responses", "infill", "embeddings", "rerank", "stream"]
+#: ``ollama_chat``, ``ollama_generate``: Ollama's ``/api/chat`` and ``/api/generate``
+Kind = Literal[
+    "text",
+    "chat",
+    "messages",
+    "responses",
+    "infill",
+    "ollama_chat",
+    "ollama_generate",
+    "embeddings",
+    "rerank",
+    "stream",
+]
 
 
 class Phase(enum.IntEnum):

@@ -184,6 +184,14 @@ class ResponseWriter:
         response = parsed.dialect.body(results, usage_of(choices))
         await self._end(request, response, last, json=True)
 
+    async def loaded(self, request: InFlightRequest, parsed: ParsedRequest) -> None:
+        """A request that only loaded its model (Ollama's empty prompt): its dialect's
+        body of no choice, as one JSON body (Ollama's, streamed or not)."""
+        request.advance(Phase.STREAMING)
+        usage = Usage(prompt_tokens=0, completion_tokens=0)
+        body = parsed.dialect.body((), usage)
+        await self._end(request, body, Finished(reason="stop", usage=usage), json=True)
+
     async def _end(
         self, request: InFlightRequest, data: bytes, event: Finished, *, json: bool = False
     ) -> None:

@@ -11,7 +11,17 @@ from ._control import control_answer, decode_chat_control, decode_request_contro
 from ._conversation import Conversation, generation_for
 from ._dialect import Dialect
 from ._embeddings import decode_embeddings_request, embeddings_inputs, embeddings_response
-from ._inbound import CHAT, COMPLETIONS, MESSAGES, OPENAI, RESPONSES, SPECS, responses_reply, spec_for_path
+from ._inbound import (
+    CHAT,
+    COMPLETIONS,
+    MESSAGES,
+    OLLAMA,
+    OPENAI,
+    RESPONSES,
+    SPECS,
+    responses_reply,
+    spec_for_path,
+)
 from ._limits import RequestLimits
 from ._models import RouterModelRequest, decode_router_request
 from ._rerank import RerankQuery, decode_rerank_request, rerank_response
@@ -30,6 +40,7 @@ __all__ = [
     "CHAT",
     "COMPLETIONS",
     "MESSAGES",
+    "OLLAMA",
     "OPENAI",
     "RESPONSES",
     "SPECS",

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 from .._core._exceptions import InvalidRequestError
 from .._core._media import RemoteImage
-from .._core._types import Constraint, GenerationRequest, SamplingParams
+from .._core._types import Constraint, GenerationRequest, ReasoningMarkers, SamplingParams
 from ._chat import ChatFormat, ChatPrompt
 from ._choices import ToolMode
 from ._messages import ChatMessage
 from ._tools import Tool, call_constraint
 
-__all__ = ["Conversation", "fold_system_messages", "generation_for", "new_id"]
+__all__ = ["Conversation", "armed", "fold_system_messages", "generation_for", "new_id"]
 
 
 def new_id(prefix: str) -> str:
@@ -170,3 +170,18 @@ def generation_for(
         images=conversation.images,
     )
     return generation, rendered
+
+
+def armed(
+    generation: GenerationRequest, reasoning: tuple[str, str] | None, inside: bool, control: bool | None
+) -> GenerationRequest:
+    """``generation`` with what ending its reasoning on request needs: the model's
+    markers where it reasons (``reasoning``; ``inside``: the prompt opened it), and
+    whether the request allows it (llama-server's ``reasoning_control``: only ``false``
+    refuses; docs/dialects.md, "Ending the reasoning")."""
+    markers = None
+    if reasoning is not None:
+        markers = ReasoningMarkers(start=reasoning[0], end=reasoning[1], opened=inside)
+    if markers is None and control is not False:
+        return generation
+    return dataclasses.replace(generation, reasoning=markers, reasoning_control=control is not False)

@@ -10,17 +10,19 @@ import dataclasses
 from types import MappingProxyType
 
 from .._core._media import RemoteImage
-from .._core._types import GenerationRequest, ReasoningMarkers
+from .._core._types import GenerationRequest
 from ._anthropic import decode_count_tokens_request, decode_messages_request, messages_conversation
 from ._anthropic_writer import AnthropicDialect, anthropic_error
 from ._chat import ChatFormat, ChatPrompt
 from ._choices import ToolMode
 from ._conversation import Conversation, generation_for
+from ._conversation import armed as _armed
 from ._dialect import OpenAIDialect
 from ._infill import InfillDialect, decode_infill_request
 from ._limits import RequestLimits
 from ._media import MediaCollector
 from ._messages import ChatMessage
+from ._ollama_inbound import OLLAMA, OLLAMA_CHAT, OLLAMA_GENERATE
 from ._openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,27 +46,15 @@ __all__ = [
     "COMPLETIONS",
     "INFILL",
     "MESSAGES",
+    "OLLAMA",
+    "OLLAMA_CHAT",
+    "OLLAMA_GENERATE",
     "OPENAI",
     "RESPONSES",
     "SPECS",
     "responses_reply",
     "spec_for_path",
 ]
-
-
-def _armed(
-    generation: GenerationRequest, reasoning: tuple[str, str] | None, inside: bool, control: bool | None
-) -> GenerationRequest:
-    """``generation`` with what ending its reasoning on request needs: the model's
-    markers where it reasons (``reasoning``; ``inside``: the prompt opened it), and
-    whether the request allows it (llama-server's ``reasoning_control``: only ``false``
-    refuses; docs/dialects.md, "Ending the reasoning")."""
-    markers = None
-    if reasoning is not None:
-        markers = ReasoningMarkers(start=reasoning[0], end=reasoning[1], opened=inside)
-    if markers is None and control is not False:
-        return generation
-    return dataclasses.replace(generation, reasoning=markers, reasoning_control=control is not False)
 
 
 def _chat_for(
@@ -390,10 +380,15 @@ SPECS: dict[str, DialectSpec] = {
     "/v1/messages": MESSAGES,
     "/v1/responses": RESPONSES,
     "/infill": INFILL,
+    "/api/chat": OLLAMA_CHAT,
+    "/api/generate": OLLAMA_GENERATE,
 }
 
 
 def spec_for_path(path: str) -> DialectSpec:
     """The dialect that answers ``path``'s errors: Anthropic's for ``/v1/messages`` and
-    below (``count_tokens``, a 404 under it), OpenAI's everywhere else."""
+    below (``count_tokens``, a 404 under it), Ollama's under ``/api/``, OpenAI's
+    everywhere else."""
+    if path.startswith("/api/"):
+        return OLLAMA
     return MESSAGES if path.startswith("/v1/messages") else OPENAI

@@ -68,6 +68,12 @@ class MediaCollector:
         _check_media_type(media_type, f"{param}.media_type", "source.media_type")
         return self._append(self._decode(data, f"{param}.data"))
 
+    def add_bare_base64(self, data: str, *, param: str) -> Marker:
+        """An image given as bare base64, its type read from its bytes (Ollama's
+        ``images``)."""
+        self._check_count(param)
+        return self._append(self._decode(data, param))
+
     def _append(self, image: bytes | RemoteImage) -> Marker:
         self._images.append(image)
         return Marker(image_marker(len(self._images) - 1))

@@ -12,10 +12,11 @@ __all__ = ["Refusal", "check_refused"]
 Refusal = tuple[str, tuple[object, ...], str]
 
 
-def check_refused(request: object, table: tuple[Refusal, ...]) -> None:
+def check_refused(request: object, table: tuple[Refusal, ...], prefix: str = "") -> None:
     """Refuse the first field of ``table`` that ``request`` sets to anything but one of
-    its "not asked for" values (of the same type: ``0`` is not ``False``)."""
+    its "not asked for" values (of the same type: ``0`` is not ``False``); ``prefix``:
+    where ``request`` sits in the body (``"options."``)."""
     for name, defaults, why in table:
         value = getattr(request, name, None)
         if not any(value == default and type(value) is type(default) for default in defaults):
-            raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
+            raise InvalidRequestError(f"{prefix}{name} is not supported: {why}", param=prefix + name)

@@ -29,6 +29,9 @@ __all__ = [
     "LoraAdapter",
     "Model",
     "ModelList",
+    "OllamaChatResponse",
+    "OllamaError",
+    "OllamaGenerateResponse",
     "OpenAIError",
     "Props",
     "RequestCancelled",
@@ -69,6 +72,40 @@ class AnthropicError(msgspec.Struct, kw_only=True):
 
     type: Literal["error"]
     error: AnthropicErrorDetail
+
+
+class OllamaError(msgspec.Struct, kw_only=True):
+    """Ollama's error body (its routes under ``/api/``)."""
+
+    error: str
+
+
+class _OllamaDone(msgspec.Struct, kw_only=True):
+    model: str
+    created_at: str
+    done: bool
+    done_reason: str | None = None
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+    logprobs: list[Object] | None = None
+    trioserve: Object | None = None
+
+
+class OllamaChatResponse(_OllamaDone, kw_only=True):
+    """``POST /api/chat`` (not streamed; streamed, each NDJSON line is one)."""
+
+    message: Object
+
+
+class OllamaGenerateResponse(_OllamaDone, kw_only=True):
+    """``POST /api/generate`` (not streamed; streamed, each NDJSON line is one)."""
+
+    response: str
+    thinking: str | None = None
 
 
 class Usage(msgspec.Struct, kw_only=True):

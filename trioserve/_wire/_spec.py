@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._core._exceptions import InvalidRequestError, TrioserveError
 from .._core._types import GenerationRequest
@@ -28,6 +28,7 @@ __all__ = [
     "CountReader",
     "DialectSpec",
     "ErrorBody",
+    "ModelResolver",
     "ParsedRequest",
     "ReadOptions",
     "RequestReader",
@@ -61,6 +62,14 @@ class ReadOptions:
     #: what a conversation that does not fit the context gets when its request does
     #: not say (``--truncation``; docs/dialects.md, "Truncation")
     truncation: TruncationMode = "disabled"
+    #: ``time.perf_counter()`` when the request arrived, and the seconds it waited for
+    #: its model's load: for a dialect that reports durations (Ollama's)
+    arrived: float | None = None
+    load_seconds: float = 0.0
+    #: the model's context per sequence (``None``: not known)
+    context_length: int | None = None
+    #: the model's TTL after this request (a body's ``keep_alive``, ``X-Keep-Alive``)
+    keep_alive: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +100,12 @@ class ParsedRequest:
     truncation: Truncation | None = None
 
     @property
+    def loads_only(self) -> bool:
+        """Nothing to generate: the request only loads its model (Ollama's empty prompt);
+        its answer is the dialect's ``body`` of no choice."""
+        return not self.generations
+
+    @property
     def generation(self) -> GenerationRequest:
         return self.generations[0]
 
@@ -108,6 +123,13 @@ class ParsedRequest:
             and self.generation.logprobs is None
             and self.reasoning is None
         )
+
+
+class ModelResolver(Protocol):
+    """How a dialect's requested model name resolves: ``resolve`` (the server's lookup,
+    which raises for an unknown name) applied to the name it means."""
+
+    def __call__(self, requested: str | None, resolve: Any, /) -> Any: ...
 
 
 #: decodes a request body into what to run (``ChatFormat``: the model's chat template)
@@ -135,6 +157,16 @@ class DialectSpec:
     #: what a body asks of the response store (Responses); ``None``: its responses
     #: are never stored
     peek_stored: Callable[[bytes], StoredAsk] | None = None
+    #: the media type of its streamed answer (Ollama's: NDJSON)
+    media_type: str = "text/event-stream; charset=utf-8"
+    #: its streams may be made resumable (``X-Conversation-Id``: server-sent events
+    #: with ids, read again through ``GET /v1/stream``); ``False``: the header is refused
+    resumable: bool = True
+    #: how a requested model name resolves (Ollama's ``name:latest``); ``None``: as it is
+    resolve_model: ModelResolver | None = None
+    #: the body's keep-alive in seconds, read before the model is leased (Ollama's
+    #: ``keep_alive``: the lease's TTL); ``None``: the dialect has none
+    peek_keep_alive: Callable[[bytes], float | None] | None = None
 
     def rename(self, exc: InvalidRequestError) -> None:
         """Name ``exc``'s field as this dialect names it."""
