@@ -731,7 +731,8 @@ class GenerationHandler:
         ticket = request.ticket = accounts.ticket(account, request.owner, parsed.priority)
         salt = cache_salt(request.asgi, body, self.access)
         generations = [dataclasses.replace(g, cache_salt=salt) if salt else g for g in parsed.generations]
-        adapter = state.resolve_adapter(parsed.model)[1] if parsed.model and spec.resolve_model is None else None
+        named = parsed.model if spec.resolve_model is None else None  # (Ollama's names: no adapters)
+        adapter = state.resolve_adapter(named)[1] if named else None
         if adapter is not None:  # (``model`` names a LoRA adapter: docs/lora.md)
             generations = [dataclasses.replace(g, lora=((adapter, None), *g.lora)) for g in generations]
         request.advance(Phase.QUEUED)
