@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+import trio
 
 from trioserve import Engine, GenerationRequest, LlamaBackend, LlamaSettings, SamplingParams, TextDelta
 from trioserve._backends._llama._adapters import adapter_salt, adapters_of_salt
@@ -132,3 +133,58 @@ def test_an_adapter_of_another_model_or_no_adapter_fails_the_load_with_llama_cpp
         LlamaBackend.load(_settings(model_path, (("x", Path(model_path), 1.0),), warm_up=False))
     with pytest.raises(ValueError, match="an adapter's name"):
         _settings(model_path, (("base:x", Path(model_path), 1.0),))
+
+
+async def test_two_adapters_and_the_base_decoding_together_each_give_their_text_alone(
+    model_path: str,
+) -> None:
+    # batch-invariant: a call's width changes no numerics, so each stream's text in a
+    # step shared with the other sets (each set in calls of its own) is its text alone
+    lora = tuple((name, tiny_lora(seed), 1.0) for name, seed in ADAPTERS)
+    backend = await LlamaBackend.aload(_settings(model_path, lora, slots=6, batch_invariant=True))
+    asks: list[tuple[str, Lora]] = [
+        (f"Note {i}: the {word} of the river town.\n", set_)
+        for i, (word, set_) in enumerate(
+            [
+                ("bells", (("a", None),)),
+                ("ships", (("b", None),)),
+                ("roads", ()),
+                ("songs", (("a", None),)),
+                ("walls", (("b", None),)),
+                ("mills", ()),
+            ]
+        )
+    ]
+    try:
+        async with _engine(backend) as engine:
+
+            async def run(prompt: str, set_: Lora, times: list[float] | None = None) -> str:
+                request = GenerationRequest(
+                    prompt=prompt, max_tokens=24, sampling=GREEDY, lora=set_, cache_prompt=False
+                )
+                parts: list[str] = []
+                async with engine.stream(await engine.prepare(request)) as events:
+                    async for event in events:
+                        if type(event) is TextDelta:
+                            if not parts and times is not None:
+                                times.append(trio.current_time())
+                            parts.append(event.text)
+                if times is not None:
+                    times.append(-trio.current_time())
+                return "".join(parts)
+
+            alone = [await run(prompt, set_) for prompt, set_ in asks]
+            together: list[str] = [""] * len(asks)
+            times: list[float] = []
+
+            async def one(i: int) -> None:
+                together[i] = await run(*asks[i], times)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(asks)):
+                    nursery.start_soon(one, i)
+        firsts, ends = [t for t in times if t > 0], [-t for t in times if t < 0]
+        assert max(firsts) < min(ends)  # (every stream decoded while every other did)
+        assert together == alone
+    finally:
+        await backend.aclose()
