@@ -256,6 +256,16 @@ def check_reasoning_control(api: Api) -> None:
     assert api.text(max_tokens=3, reasoning_control=False) == api.greedy(3)
 
 
+def check_lora(api: Api) -> None:
+    # llama-server's: this model has no adapters (tests/e2e/test_lora_http.py serves
+    # some): an adapter asked for is a 400 naming the field; none asked for, the base model
+    response = api.post(max_tokens=1, lora=[{"id": 0, "scale": 1.0}])
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "lora"
+    assert "has no LoRA adapters" in response.json()["error"]["message"]
+    assert api.text(max_tokens=3, lora=[]) == api.greedy(3)
+
+
 def check_penalty(name: str) -> Callable[[Api], None]:
     def check(api: Api) -> None:
         # greedy, and the text repeats itself: a penalty changes it
@@ -511,6 +521,7 @@ HONOURED: dict[str, Callable[[Api], None]] = {
     "cache_prompt": check_cache_prompt,
     "speculate": check_speculate,
     "reasoning_control": check_reasoning_control,
+    "lora": check_lora,
     "truncation": check_truncation,
     "priority": check_priority,
     "suffix": check_suffix,
@@ -592,6 +603,7 @@ ENDPOINTS: dict[str, tuple[str, ...]] = {
     "cache_prompt": BOTH,
     "speculate": BOTH,
     "reasoning_control": BOTH,
+    "lora": BOTH,
     "truncation": CHAT,
     "priority": BOTH,
     "json_schema": BOTH,
