@@ -207,7 +207,10 @@ class Sequence:
             media=prompt.media if isinstance(prompt.media, VisionPrompt) else None,
         )
         self.cache = CacheWork()
-        self.spec = Speculation(speculate=request.speculate)
+        # (no guesses with LoRA adapters: a verify call's rows are exact only where the
+        # widths measured at load say so, and those were measured on the base weights;
+        # the adapters' own matmuls take other kernels by width — docs/lora.md)
+        self.spec = Speculation(speculate=request.speculate and not prompt.adapters)
         self.out = Output()
         self.progress = progress
         progress.piece_per_token = True  # _emit: one piece per token drawn
