@@ -124,9 +124,11 @@ def plan_step(candidates: list[Candidate], limits: Limits) -> StepPlan:
     if limit is not None:
         # past the limit, a decode beside others differs from a lone one (flash
         # attention's split-KV path is taken only alone): decode it alone
-        alone = [c for c in decoders if c.pos + 1 > limit]
+        # and a LoRA adapter's sequence decodes alone too: the widths were measured
+        # on the base weights; the adapters' own matmuls take other kernels by width
+        alone = [c for c in decoders if c.pos + 1 > limit or c.adapters]
         if alone:
-            decoders = [c for c in decoders if c.pos + 1 <= limit]
+            decoders = [c for c in decoders if c.pos + 1 <= limit and not c.adapters]
     draft = None
     if limits.speculate and len(decoders) + len(alone) == 1:
         # a stream that decodes alone: guess its next tokens, verified in its call
