@@ -54,7 +54,8 @@ def ultravox_projector(*, n_embd: int = _N_EMBD, n_ff: int = _N_FF, n_layer: int
     """A random-weight ultravox mmproj GGUF of this shape (made on first use, cached)."""
     import gguf
 
-    recipe = f"ultravox-mmproj:{n_embd}:{n_ff}:{n_layer}:{_N_HEAD}:{_N_MEL}:{_STACK}:{_HIDDEN}:{_N_EMBD_TEXT}:seed=43:v1"
+    shape = f"{n_embd}:{n_ff}:{n_layer}:{_N_HEAD}:{_N_MEL}:{_STACK}:{_HIDDEN}:{_N_EMBD_TEXT}"
+    recipe = f"ultravox-mmproj:{shape}:seed=43:v1"
     digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
     target = _cache_dir() / f"tiny-ultravox-mmproj-{digest}.gguf"
     if target.is_file():

@@ -59,6 +59,7 @@ PRESET_KEYS = {
     "mmproj": "--mmproj",
     "lora": "--lora",
     "max_image_tokens": "--max-image-tokens",
+    "max_audio_seconds": "--max-audio-seconds",
 }
 
 
@@ -90,6 +91,7 @@ PRESET_TYPES: dict[str, tuple[type, ...]] = {
     "mmproj": (str,),
     "lora": (dict,),
     "max_image_tokens": (int,),
+    "max_audio_seconds": (int,),
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "cache_type_k": tuple(KV_CACHE_TYPES),
@@ -310,6 +312,7 @@ def _settings(
         mmproj=get("mmproj", projector),
         lora=_lora_table(get("lora", None), args.lora),
         max_image_tokens=int(get("max_image_tokens", args.max_image_tokens)),
+        max_audio_seconds=int(get("max_audio_seconds", args.max_audio_seconds)),
         image_budget=image_budget or ImageBudget(args.image_decode_budget << 20),
     )
 

@@ -203,6 +203,13 @@ def _model(serve: argparse.ArgumentParser) -> None:
         help="the most image tokens one request's prompt may hold (default: 4096)",
     )
     group.add_argument(
+        "--max-audio-seconds",
+        type=_positive_int,
+        default=600,
+        metavar="SECONDS",
+        help="the longest audio clip a request may hold (docs/audio.md; default: 600)",
+    )
+    group.add_argument(
         "--scripted",
         action="store_true",
         help="serve the scripted test backend instead of a model (for benchmarking the stack)",
@@ -480,6 +487,7 @@ _REQUEST_LIMITS = (
     ("--max-content-parts", "content parts (blocks) of all of a request's messages"),
     ("--max-batch-choices", "/v1/completions: prompts x n per request"),
     ("--max-images", "images per request (docs/vision.md)"),
+    ("--max-audio-parts", "audio parts (input_audio) per request (docs/audio.md)"),
 )
 
 
@@ -541,6 +549,14 @@ def _media(serve: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="the largest image, decoded from a data URL or fetched (default: 20 MiB; a data URL "
         "also counts toward --max-body-bytes)",
+    )
+    group.add_argument(
+        "--max-audio-bytes",
+        type=_positive_int,
+        default=25 << 20,
+        metavar="BYTES",
+        help="the largest audio clip, base64-decoded or uploaded (docs/audio.md; default: 25 MiB, "
+        "OpenAI's; a clip sent inline also counts toward --max-body-bytes)",
     )
     group.add_argument(
         "--image-decode-budget",

@@ -94,6 +94,8 @@ class ModelInfo:
     generates: bool = True
     #: it takes images (a vision projector is loaded with it: docs/vision.md)
     vision: bool = False
+    #: it takes audio (an audio projector is loaded with it: docs/audio.md)
+    audio: bool = False
     #: its LoRA adapters, ``(name, default scale, file)`` in their ``id`` order
     #: (docs/lora.md)
     adapters: tuple[tuple[str, float, str], ...] = ()

@@ -738,7 +738,8 @@ class GenerationHandler:
         request.advance(Phase.QUEUED)
         # a server at capacity refuses before tokenizing or compiling a constraint
         engine.admission.check()
-        if any(g.images for g in generations) and engine.backend.info.vision:
+        info = engine.backend.info
+        if any(g.images for g in generations) and (info.vision or info.audio):
             # image URLs fetched, local files read: inside the request's scope (a client
             # that leaves cancels them), before the prompt is laid out (docs/vision.md);
             # never for a model that cannot see them (its prepare refuses them). Its

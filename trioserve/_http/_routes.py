@@ -384,13 +384,14 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 "embeddings": _embeds(engine.backend),
                 "rerank": info.rerank,
                 "vision": info.vision,
+                "audio": info.audio,
             }
             if engine is not None and info is not None
             else None
         )
         # what it reads, loaded or not (docs/vision.md)
         if info is not None:
-            body["input_modalities"] = ["text", "image"] if info.vision else ["text"]
+            body["input_modalities"] = ["text"] + ["image"] * info.vision + ["audio"] * info.audio
         else:
             known = getattr(entry.spec.source, "input_modalities", None)
             body["input_modalities"] = list(known) if known is not None else None
@@ -565,7 +566,8 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 # before any fetch or decode, and at most slots + --max-queue requests
                 # fetch and decode images at once
                 images = generation.images
-                reservation = engine.admission.reserve() if engine.backend.info.vision else None
+                media = engine.backend.info.vision or engine.backend.info.audio
+                reservation = engine.admission.reserve() if media else None
                 try:
                     if reservation is not None:
                         images = await resolve_images(images, state.settings.media)

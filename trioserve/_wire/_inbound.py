@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
-from .._core._media import RemoteImage
+from .._core._media import Media
 from .._core._types import GenerationRequest
 from ._anthropic import decode_count_tokens_request, decode_messages_request, messages_conversation
 from ._anthropic_writer import AnthropicDialect, anthropic_error
@@ -61,7 +61,7 @@ def _chat_for(
     chat: ChatCompletionRequest,
     rendered: ChatPrompt,
     limits: RequestLimits,
-    images: tuple[bytes | RemoteImage, ...],
+    images: tuple[Media, ...],
 ) -> GenerationRequest:
     """A chat completion's generation, for its messages rendered to ``rendered``."""
     stops, bos = rendered.stops, not rendered.has_bos

@@ -250,10 +250,12 @@ class Executor:
             if not projector.encode(media.chunks, span, base + (span.start - first) * row, aborted):
                 return Outcome(DECODE_ABORTED)
         lib = self.lib
-        if projector.non_causal:
+        # (an audio chunk's attention is causal: docs/audio.md)
+        non_causal = projector.non_causal and not spans[0].audio
+        if non_causal:
             lib.llama_set_causal_attn(self.ctx, False)
         try:
             return Outcome(lib.llama_decode(self.ctx, batch))
         finally:
-            if projector.non_causal:
+            if non_causal:
                 lib.llama_set_causal_attn(self.ctx, True)

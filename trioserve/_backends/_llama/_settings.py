@@ -102,9 +102,10 @@ class LlamaSettings:
             (docs/rerank.md); a cross-encoder GGUF reranks without it.
         rerank_template: that reranker's prompt (``{instruction}``, ``{query}``,
             ``{document}``); default: ``_backends/_rerank.py``'s ``DEFAULT_TEMPLATE``.
-        mmproj: the model's vision projector (a GGUF libmtmd loads: ``--mmproj``): the
-            model then takes images (docs/vision.md).
+        mmproj: the model's projector (a GGUF libmtmd loads: ``--mmproj``): the model
+            then takes images (docs/vision.md) or audio (docs/audio.md), as it encodes.
         max_image_tokens: the most image tokens one request's prompt may hold.
+        max_audio_seconds: the longest audio clip a request may hold (docs/audio.md).
         lora: LoRA adapters loaded after the weights, ``(name, path, scale)`` each
             (``--lora NAME=PATH[:SCALE]``: docs/lora.md); ``scale``: a request's when it
             names the adapter without one.
@@ -142,6 +143,7 @@ class LlamaSettings:
         rerank_template: str | None = None,
         mmproj: str | Path | None = None,
         max_image_tokens: int = 4096,
+        max_audio_seconds: int = 600,
         image_budget: ImageBudget | None = None,
         lora: Sequence[tuple[str, str | Path, float]] = (),
     ) -> None:
@@ -205,6 +207,9 @@ class LlamaSettings:
         if max_image_tokens < 1:
             raise ValueError(f"max_image_tokens must be at least 1, got {max_image_tokens}")
         self.max_image_tokens = max_image_tokens
+        if max_audio_seconds < 1:
+            raise ValueError(f"max_audio_seconds must be at least 1, got {max_audio_seconds}")
+        self.max_audio_seconds = max_audio_seconds
         self.image_budget = image_budget if image_budget is not None else default_image_budget()
         names = [check_adapter_name(name) for name, _, _ in lora]
         if len(set(names)) != len(names):
