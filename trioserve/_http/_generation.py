@@ -114,6 +114,7 @@ GENERATION_PATHS: dict[str, Kind] = {
 
 #: each generation route's dialect, picked once per request at the route
 _SPECS: dict[Kind, DialectSpec] = {kind: SPECS[path] for path, kind in GENERATION_PATHS.items()}
+_SPECS["transcription"] = SPECS["/v1/audio/transcriptions"]  # (reached through its form's reader)
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -279,7 +280,9 @@ class GenerationHandler:
         state = self.state
         scope = request.asgi
         _check_content_type(scope)
-        body = await _read_body(scope, receive, state.settings.max_body_bytes, state.settings.body_timeout)
+        # (a transcription's form, read and bounded already: its own limit)
+        limit = scope.get("trioserve.body_limit", state.settings.max_body_bytes)
+        body = await _read_body(scope, receive, limit, state.settings.body_timeout)
         # which model: refused (404, 503 shutting down) before any work
         # (a large body's depth check and decode: off the event loop)
         large = len(body) > INLINE_PARSE_BYTES

@@ -178,6 +178,16 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         stream=True, errors=_RUN, params=_HEADERS,
     ),
     # retrieval
+    # audio (docs/audio.md): a multipart form (file, model, prompt, language, temperature,
+    # response_format, stream), not JSON
+    ("POST", "/v1/audio/transcriptions"): Operation(
+        "Transcribe audio (OpenAI; multipart/form-data)", "openai", None, shapes.Transcription,
+        stream=True, errors=_RUN, params=_HEADERS,
+    ),
+    ("POST", "/v1/audio/speech"): Operation(
+        "Speech: refused (400 speech_not_supported: no text-to-speech model is served)", "openai",
+        errors=(400,),
+    ),
     ("POST", "/v1/embeddings"): Operation(
         "Embed texts (OpenAI)", "retrieval", EmbeddingsRequest, shapes.Embeddings,
         errors=_RUN, params=_RETRIEVAL_HEADERS,

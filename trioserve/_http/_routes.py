@@ -70,6 +70,7 @@ from ._rerank import RERANK_PATHS, RerankHandler
 from ._state import ServerState
 from ._stored_routes import add_stored_routes
 from ._stream_routes import add_stream_routes
+from ._transcriptions import SPEECH_PATH, TRANSCRIPTIONS_PATH, TranscriptionsHandler, refuse_speech
 
 __all__ = ["create_app", "served_routes"]
 
@@ -96,8 +97,17 @@ def create_app(
 
     header_limit = state.settings.max_header_bytes
 
+    transcriptions = TranscriptionsHandler(state, generation)
+
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            audio = scope["path"].rstrip("/")
+            if audio == TRANSCRIPTIONS_PATH:
+                await transcriptions(scope, receive, send)
+                return
+            if audio == SPEECH_PATH:
+                await refuse_speech(scope, send)
+                return
             kind = GENERATION_PATHS.get(scope["path"].rstrip("/") or "/")
             if kind is not None:
                 await generation(scope, receive, send, kind)  # checks headers, logs, counts
@@ -141,7 +151,14 @@ def create_app(
 
 def _asgi_paths() -> list[str]:
     """The paths served at the ASGI level, before quart (``POST`` only)."""
-    return [*GENERATION_PATHS, EMBEDDINGS_PATH, *sorted(RERANK_PATHS), *OLLAMA_ASGI_PATHS]
+    return [
+        *GENERATION_PATHS,
+        EMBEDDINGS_PATH,
+        *sorted(RERANK_PATHS),
+        *OLLAMA_ASGI_PATHS,
+        TRANSCRIPTIONS_PATH,
+        SPEECH_PATH,
+    ]
 
 
 def served_routes(app: QuartTrio) -> set[tuple[str, str]]:
