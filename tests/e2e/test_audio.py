@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import trio
 
@@ -318,3 +319,104 @@ async def test_refusals(audio: RunningServer, llama_server: RunningServer) -> No
     error = response.json()["error"]
     assert error["code"] == "audio_not_supported", error
     assert "--mmproj" in error["message"], error
+
+
+# -- POST /v1/audio/transcriptions -------------------------------------------------------
+
+
+def model_of(running: RunningServer) -> str:
+    return running.engine.backend.info.id
+
+
+def _client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("audio_format", ["wav", "mp3"])
+async def test_a_transcription_through_the_openai_sdk_equals_llama_servers(
+    audio_format: str, peer: str, audio: RunningServer
+) -> None:
+    """The SDK's ``audio.transcriptions.create``, whole and streamed, beside
+    llama-server's ``/v1/audio/transcriptions`` on the same file: the same text and
+    input tokens (llama-server's ASR prompt, built the same way)."""
+    clip = (f"clip.{audio_format}", CLIPS[audio_format])
+    extra = {"max_tokens": 12, "temperature": 0}
+    async with _client(audio.url) as client, _client(peer) as peer_client:
+        ours = await client.audio.transcriptions.create(model=model_of(audio), file=clip, extra_body=extra)
+        theirs = await peer_client.audio.transcriptions.create(model="any", file=clip, extra_body=extra)
+        assert ours.text == theirs.text
+        assert ours.usage is not None
+        assert theirs.usage is not None
+        assert ours.usage.input_tokens == theirs.usage.input_tokens  # type: ignore[union-attr]
+        deltas, done = [], None
+        stream = await client.audio.transcriptions.create(
+            model=model_of(audio), file=clip, stream=True, extra_body=extra
+        )
+        async for event in stream:
+            if event.type == "transcript.text.delta":
+                deltas.append(event.delta)
+            else:
+                done = event
+    assert done is not None
+    assert done.text == "".join(deltas) == ours.text
+    # response_format text: the transcript alone, text/plain
+    async with httpx.AsyncClient(base_url=audio.url, timeout=120) as client:
+        response = await client.post(
+            "/v1/audio/transcriptions",
+            files={"file": clip},
+            data={
+                "model": model_of(audio),
+                "response_format": "text",
+                "max_tokens": "12",
+                "temperature": "0",
+            },
+        )
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain")
+    assert response.text == ours.text
+
+
+async def test_transcription_refusals(audio: RunningServer, llama_server: RunningServer) -> None:
+    clip = ("clip.wav", CLIPS["wav"])
+    cases: list[tuple[dict[str, Any], dict[str, Any], int, str]] = [
+        ({"file": clip}, {"response_format": "srt"}, 400, "response_format"),
+        ({"file": clip}, {"response_format": "verbose_json"}, 400, "response_format"),
+        ({"file": clip}, {"stream": "maybe"}, 400, "stream"),
+        ({"file": clip}, {"timestamp_granularities[]": "word"}, 400, "timestamp_granularities[]"),
+        ({"file": clip}, {"voice": "alloy"}, 400, "voice"),
+        ({"file": ("notes.txt", b"hello, this is text")}, {}, 400, "file"),
+        ({"other": clip}, {}, 400, "file"),
+        ({"file": ("big.wav", sine_wav(20.0))}, {}, 400, "file"),  # (--max-audio-bytes 600,000)
+    ]
+    async with httpx.AsyncClient(base_url=audio.url, timeout=120) as client:
+        for files, data, status, param in cases:
+            response = await client.post(
+                "/v1/audio/transcriptions", files=files, data={"model": model_of(audio), **data}
+            )
+            assert response.status_code == status, (param, response.text)
+            assert response.json()["error"]["param"] == param, response.text
+        # a body declared larger than the clip limit and the form's allowance: 413 before
+        # a byte of it is sent
+        host, port = audio.url.removeprefix("http://").split(":")
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            await stream.send_all(
+                b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 1000000000\r\n\r\n"
+            )
+            answer = b""
+            with trio.fail_after(10):
+                while b"--max-audio-bytes" not in answer:
+                    answer += await stream.receive_some()
+        assert answer.startswith(b"HTTP/1.1 413"), answer
+        # JSON is not a form
+        response = await client.post("/v1/audio/transcriptions", json={"file": "x"})
+        assert response.status_code == 400, response.text
+        # speech: refused by name
+        response = await client.post("/v1/audio/speech", json={"model": "x", "input": "hi", "voice": "alloy"})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["code"] == "speech_not_supported"
+    async with httpx.AsyncClient(base_url=llama_server.url, timeout=120) as client:
+        response = await client.post("/v1/audio/transcriptions", files={"file": clip}, data={})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "audio_not_supported"

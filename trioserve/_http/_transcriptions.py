@@ -87,18 +87,22 @@ class _Form:
         _, options = parse_options_header(self._headers.get(b"content-disposition", b""))
         name = options.get(b"name")
         if name is None:
-            raise InvalidRequestError("a form part has no name (Content-Disposition: form-data; name=…)")
+            raise InvalidRequestError(
+                "a form part has no name (Content-Disposition: form-data; name=…)", param="file"
+            )
         self._name = name.decode("utf-8", "replace")
         self._is_file = b"filename" in options or self._name == "file"
         if self._is_file:
             if self._name != "file":
-                raise InvalidRequestError(f"the form's file goes in the field 'file', not {self._name!r}")
+                raise InvalidRequestError(
+                    f"the form's file goes in the field 'file', not {self._name!r}", param="file"
+                )
             if self.file is not None:
                 raise InvalidRequestError("the form holds more than one file; send one", param="file")
             self.filename = options.get(b"filename", b"").decode("utf-8", "replace")
             self.content_type = self._headers.get(b"content-type", b"").decode("latin-1")
         elif len(self.fields) >= MAX_FIELDS:
-            raise InvalidRequestError(f"the form holds more than {MAX_FIELDS} fields")
+            raise InvalidRequestError(f"the form holds more than {MAX_FIELDS} fields", param=self._name)
         self._part = bytearray()
 
     def _data(self, data: bytes, start: int, end: int) -> None:
@@ -156,7 +160,7 @@ async def read_form(scope: Scope, receive: Receive, state: ServerState) -> Trans
     try:
         parser = MultipartParser(boundary, form.callbacks(), max_size=bound)  # type: ignore[arg-type]
     except ValueError as exc:
-        raise InvalidRequestError(f"the form's boundary is not usable: {exc}") from None
+        raise InvalidRequestError(f"the form's boundary is not usable: {exc}", param="file") from None
     received = 0
     timeout = settings.body_timeout or float("inf")
     with trio.move_on_after(timeout) as waited:
@@ -174,7 +178,7 @@ async def read_form(scope: Scope, receive: Receive, state: ServerState) -> Trans
             try:
                 parser.write(chunk)
             except FormParserError as exc:
-                raise InvalidRequestError(f"the multipart body is malformed: {exc}") from None
+                raise InvalidRequestError(f"the multipart body is malformed: {exc}", param="file") from None
             if not message.get("more_body", False):
                 break
     if waited.cancelled_caught:
@@ -182,7 +186,7 @@ async def read_form(scope: Scope, receive: Receive, state: ServerState) -> Trans
     try:
         parser.finalize()
     except FormParserError as exc:
-        raise InvalidRequestError(f"the multipart body is malformed: {exc}") from None
+        raise InvalidRequestError(f"the multipart body is malformed: {exc}", param="file") from None
     if form.file is None:
         raise InvalidRequestError("the form has no file: send the audio in the field 'file'", param="file")
     return TranscriptionForm(bytes(form.file), form.filename, form.content_type, tuple(form.fields))
