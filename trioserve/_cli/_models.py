@@ -58,6 +58,7 @@ PRESET_KEYS = {
     "rerank_template": "--rerank-template",
     "mmproj": "--mmproj",
     "lora": "--lora",
+    "lora_max": "--lora-max",
     "max_image_tokens": "--max-image-tokens",
 }
 
@@ -89,6 +90,7 @@ PRESET_TYPES: dict[str, tuple[type, ...]] = {
     "rerank_template": (str,),
     "mmproj": (str,),
     "lora": (dict,),
+    "lora_max": (int,),
     "max_image_tokens": (int,),
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -309,6 +311,7 @@ def _settings(
         rerank_template=get("rerank_template", args.rerank_template),
         mmproj=get("mmproj", projector),
         lora=_lora_table(get("lora", None), args.lora),
+        lora_max=int(get("lora_max", args.lora_max)),
         max_image_tokens=int(get("max_image_tokens", args.max_image_tokens)),
         image_budget=image_budget or ImageBudget(args.image_decode_budget << 20),
     )

@@ -188,6 +188,14 @@ def _model(serve: argparse.ArgumentParser) -> None:
         "request names it without one (docs/lora.md); with several models, a preset's lora table",
     )
     group.add_argument(
+        "--lora-max",
+        type=int,
+        default=16,
+        metavar="N",
+        help="the most LoRA adapters a model may hold, loaded at start or at run time "
+        "(POST /v1/load_lora_adapter; default: 16)",
+    )
+    group.add_argument(
         "--mmproj",
         default=None,
         metavar="FILE",

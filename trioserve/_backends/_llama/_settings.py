@@ -108,6 +108,8 @@ class LlamaSettings:
         lora: LoRA adapters loaded after the weights, ``(name, path, scale)`` each
             (``--lora NAME=PATH[:SCALE]``: docs/lora.md); ``scale``: a request's when it
             names the adapter without one.
+        lora_max: the most adapters the model may list at once (``--lora-max``): a
+            run-time load past it is refused (docs/lora.md).
         image_budget: the bytes of decoded images held at once (``--image-decode-budget``:
             one :class:`~trioserve._core._media.ImageBudget` shared by a server's models);
             default: one per process, of 1 GiB.
@@ -144,6 +146,7 @@ class LlamaSettings:
         max_image_tokens: int = 4096,
         image_budget: ImageBudget | None = None,
         lora: Sequence[tuple[str, str | Path, float]] = (),
+        lora_max: int = 16,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
@@ -210,6 +213,9 @@ class LlamaSettings:
         if len(set(names)) != len(names):
             raise ValueError(f"two LoRA adapters share a name: {sorted(names)}")
         self.lora = tuple((name, Path(path).expanduser(), float(scale)) for name, path, scale in lora)
+        if lora_max < len(self.lora) or lora_max < 0:
+            raise ValueError(f"lora_max ({lora_max}) must be at least the adapters given ({len(self.lora)})")
+        self.lora_max = lora_max
 
     @property
     def kv_types(self) -> str:
