@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 
+import outcome
 import trio
 
 from ..._core._exceptions import BackendError, InvalidRequestError, NotFoundError
@@ -39,7 +40,8 @@ class AdapterLoads:
     def __init__(self, model: LlamaModel, turn: Turn) -> None:
         self._model = model
         self._turn = turn
-        self._line = trio.Lock()
+        #: one load at a time per model: a load waits here (cancellable: nothing loaded)
+        self.line = trio.Lock()
         #: loads waiting in line (tests wait on it to reach that phase)
         self.waiting = 0
         #: ``llama_adapter_lora_init`` calls made at run time
@@ -63,7 +65,7 @@ class AdapterLoads:
             )
         self.waiting += 1
         try:
-            await self._line.acquire()
+            await self.line.acquire()
         finally:
             self.waiting -= 1
         try:
@@ -93,7 +95,7 @@ class AdapterLoads:
             adapters.add(adapter)
             self._model.refresh_adapters()
         finally:
-            self._line.release()
+            self.line.release()
         logger.info("LoRA adapter %s loaded at run time: %s (scale %g, %d bytes)", name, file, scale, size)
         return adapter
 
@@ -151,7 +153,7 @@ class AdapterLoads:
 
 async def _abortable[T](work: Callable[[], T], stop: threading.Event) -> T:
     """``work()`` in a worker thread; a cancel sets ``stop`` (``work`` looks at it) and
-    the cancel is raised once the thread has returned."""
+    the cancel is raised once the thread has returned. ``work``'s error: raised as it is."""
     done = False
 
     async def stop_on_cancel() -> None:
@@ -163,11 +165,10 @@ async def _abortable[T](work: Callable[[], T], stop: threading.Event) -> T:
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stop_on_cancel)
-        try:
-            result = await trio.to_thread.run_sync(work)
-        except LoadCancelled:
-            await trio.lowlevel.checkpoint()  # (the cancel that set the flag)
-            raise BackendError("the load was cancelled") from None
+        ended = await outcome.acapture(trio.to_thread.run_sync, work)
         done = True
         nursery.cancel_scope.cancel()
-    return result
+    if isinstance(ended, outcome.Error) and isinstance(ended.error, LoadCancelled):
+        await trio.lowlevel.checkpoint()  # (the cancel that set the flag)
+        raise BackendError("the load was cancelled")
+    return ended.unwrap()
