@@ -129,11 +129,21 @@ def _model(serve: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--swa-full",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="a sliding-window model's window layers keep every cell, so any cached prefix is "
-        "reusable; --no-swa-full (llama-server's default) keeps about the window: a fraction of "
-        "the KV memory, faster long prompts, and reuse only where the window cells reach "
-        "(default: on; docs/prompt-cache.md, 'Window layers')",
+        "reusable from the cells alone, at every cell's memory and attention cost; the default "
+        "(--no-swa-full, llama-server's) keeps about the window: a fraction of the KV memory, "
+        "faster long prompts, reuse where the window cells reach or from a checkpoint of them "
+        "(--ctx-checkpoints) (docs/prompt-cache.md, 'Window layers')",
+    )
+    group.add_argument(
+        "--ctx-checkpoints",
+        type=int,
+        default=8,
+        metavar="N",
+        help="with --no-swa-full, the checkpoints of the window cells each sequence keeps "
+        "(llama-server's flag): a shared head is reused after a long conversation ran past "
+        "it (default: 8; 0: none; docs/prompt-cache.md, 'Window checkpoints')",
     )
     group.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     group.add_argument("--batch-size", type=int, default=512, help="llama.cpp's batch size (default: 512)")

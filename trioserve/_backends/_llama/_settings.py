@@ -41,12 +41,17 @@ class LlamaSettings:
             cache types").
         cache_type_v: the same for V (``--cache-type-v``); a quantized V needs flash
             attention, which llama.cpp then turns on.
-        swa_full: a sliding-window model's window layers keep every cell (the
-            default): any cached prefix is reusable. ``False`` (``--no-swa-full``,
-            llama-server's default): they keep about the window and a batch — a 32k
-            context's KV memory is a fraction, long prompts run faster, and a cached
-            prefix is reusable only where those cells still reach (docs/prompt-cache.md,
-            "Window layers").
+        swa_full: a sliding-window model's window layers keep every cell
+            (``--swa-full``): any cached prefix is reusable from the cells alone, at the
+            cost of every cell's memory and of attention over all of them. ``False``
+            (the default, llama-server's): they keep about the window and a batch — a
+            32k context's KV memory is a fraction and long prompts run faster; a cached
+            prefix is reusable where those cells still reach, or from a checkpoint of
+            them (``ctx_checkpoints``; docs/prompt-cache.md, "Window layers").
+        ctx_checkpoints: with the window layers kept to their window, the checkpoints of
+            their cells each sequence id keeps (``--ctx-checkpoints``, llama-server's
+            name; 0: none): a prefix whose window cells are gone is given back from the
+            nearest one below it (docs/prompt-cache.md, "Window checkpoints").
         n_threads: threads of the one context; default: all cores (every step decodes
             every running sequence).
         n_batch: llama.cpp's batch size (at least ``prefill_chunk``).
@@ -121,7 +126,8 @@ class LlamaSettings:
         *,
         n_ctx: int = 4096,
         cache_type_k: str = "f16",
-        swa_full: bool = True,
+        swa_full: bool = False,
+        ctx_checkpoints: int = 8,
         cache_type_v: str = "f16",
         n_threads: int | None = None,
         n_batch: int = 512,
@@ -165,6 +171,9 @@ class LlamaSettings:
                 raise ValueError(f"{flag} must be one of {', '.join(KV_CACHE_TYPES)}, got {value!r}")
         self.cache_type_k = cache_type_k
         self.swa_full = swa_full
+        if ctx_checkpoints < 0:
+            raise ValueError(f"ctx_checkpoints must be at least 0, got {ctx_checkpoints}")
+        self.ctx_checkpoints = ctx_checkpoints
         self.cache_type_v = cache_type_v
         # llama.cpp's threads spin while they wait for each other: more threads than
         # cores makes every decode slower, so one context gets exactly the cores.
