@@ -129,12 +129,12 @@ def _model(serve: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--swa-full",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help="a sliding-window model's window layers keep every cell, so any cached prefix is "
-        "reusable from the cells alone, at every cell's memory and attention cost; the default "
-        "(--no-swa-full, llama-server's) keeps about the window: a fraction of the KV memory, "
-        "faster long prompts, reuse where the window cells reach or from a checkpoint of them "
-        "(--ctx-checkpoints) (docs/prompt-cache.md, 'Window layers')",
+        "reusable exactly, at every cell's memory and attention cost (default: on); "
+        "--no-swa-full (llama-server's default) keeps about the window: a fraction of the KV "
+        "memory, faster long prompts, reuse where the window cells reach or from a checkpoint "
+        "of them (--ctx-checkpoints), not bit-exact (docs/prompt-cache.md, 'Window layers')",
     )
     group.add_argument(
         "--ctx-checkpoints",

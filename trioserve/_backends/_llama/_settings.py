@@ -41,13 +41,15 @@ class LlamaSettings:
             cache types").
         cache_type_v: the same for V (``--cache-type-v``); a quantized V needs flash
             attention, which llama.cpp then turns on.
-        swa_full: a sliding-window model's window layers keep every cell
-            (``--swa-full``): any cached prefix is reusable from the cells alone, at the
-            cost of every cell's memory and of attention over all of them. ``False``
-            (the default, llama-server's): they keep about the window and a batch — a
-            32k context's KV memory is a fraction and long prompts run faster; a cached
-            prefix is reusable where those cells still reach, or from a checkpoint of
-            them (``ctx_checkpoints``; docs/prompt-cache.md, "Window layers").
+        swa_full: a sliding-window model's window layers keep every cell (the
+            default): any cached prefix is reusable from the cells alone, computed in
+            the cells a fresh evaluation uses, at the cost of every cell's memory and
+            of attention over all of them. ``False`` (``--no-swa-full``, llama-server's
+            default): they keep about the window and a batch — a 32k context's KV
+            memory is a fraction and long prompts run faster; a cached prefix is
+            reusable where those cells still reach, or from a checkpoint of them
+            (``ctx_checkpoints``), in other cells than a fresh evaluation's — not
+            bit-exact (docs/prompt-cache.md, "Window layers").
         ctx_checkpoints: with the window layers kept to their window, the checkpoints of
             their cells each sequence id keeps (``--ctx-checkpoints``, llama-server's
             name; 0: none): a prefix whose window cells are gone is given back from the
@@ -126,7 +128,7 @@ class LlamaSettings:
         *,
         n_ctx: int = 4096,
         cache_type_k: str = "f16",
-        swa_full: bool = False,
+        swa_full: bool = True,
         ctx_checkpoints: int = 8,
         cache_type_v: str = "f16",
         n_threads: int | None = None,
