@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trioserve._backends._cache_policy import CachePolicy, short_tail
+from trioserve._backends._cache_policy import CachePolicy, WindowMark, WindowMarks, short_tail
 from trioserve._backends._llama import LlamaSettings
 from trioserve._backends._pieces import PieceRule
 from trioserve._backends._prompt_cache import HostBudget, HostCache, shared_prefix
@@ -373,3 +373,59 @@ def test_a_short_tail_is_overwritten_unsaved_and_a_longer_one_saved_first() -> N
     policy.take(0)
     policy.release(0, prompt[:100], [5000], 101, finished=True)
     assert policy.place([*prompt[:100], 7], list(range(4, 101, 4)), True, [0]).save == [*prompt[:100], 5000]
+
+
+# ------------------------------------------------- window checkpoints (issue 49)
+
+
+def test_window_marks_are_taken_at_turns_the_prompt_end_and_every_step_and_thinned_evenly() -> None:
+    marks = WindowMarks(1, keep=4, step=100)
+    assert not marks.wants(0, 40, 500, turn=False)  # (neither a turn, the end, nor a step past 0)
+    assert marks.wants(0, 40, 500, turn=True)
+    assert marks.wants(0, 100, 500, turn=False)
+    assert marks.wants(0, 500, 500, turn=False)
+    for end in (40, 140, 160, 260, 500):
+        marks.add(0, WindowMark(end, end - 8, b"", 10))
+    # five over a keep of four: the one whose loss leaves the shortest gap went (140:
+    # 40 → 160), never the first nor the newest
+    assert [m.end for m in marks.of(0)] == [40, 160, 260, 500]
+    assert not marks.wants(0, 400, 600, turn=True)  # (not past the newest)
+    assert (marks.count, marks.bytes) == (4, 40)
+    # the longest mark at most the shared length whose window cells reach below its end
+    assert marks.serving(0, 300, window=4) is marks.of(0)[2]
+    assert marks.serving(0, 300, window=16) is None  # (cells from 8 below: a window of 16 needs 15)
+    marks.cut(0, 200)
+    assert [m.end for m in marks.of(0)] == [40, 160]
+    assert not WindowMarks(1, keep=0, step=100).wants(0, 500, 500, turn=True)
+
+
+def test_a_prefix_whose_window_cells_are_gone_is_placed_on_a_window_checkpoint() -> None:
+    # a window of 4, pieces of 4: id 0 keeps 40 tokens whose window cells start at 30; a
+    # prompt sharing 20 of them is served by the mark at 16 (its window cells from 13),
+    # not by the cells; the id keeps its marks up to what it reuses when taken
+    host = HostCache(budget=10_000, rule="r", window=4)
+    policy = CachePolicy(
+        1,
+        rule=PieceRule(None, max_piece=4),
+        host=host,
+        enabled=True,
+        fast=False,
+        idle_recompute=False,
+        marks=WindowMarks(1, keep=8, step=8),
+    )
+    tokens = list(range(40))
+    policy.take(0)
+    policy.release(0, tokens, [], 40, finished=False, floor=30)
+    for end in (8, 16, 24):
+        policy.marks.add(0, WindowMark(end, end - 3, b"s", 1))
+    prompt = [*tokens[:20], 99, 98, 97, 96, 95]
+    plan = policy.place(prompt, [4, 8, 12, 16, 20, 24], True, [0])
+    assert (plan.reused, plan.window) == (16, policy.marks.of(0)[1])
+    policy.take(0, marks=plan.reused)
+    assert [m.end for m in policy.marks.of(0)] == [8, 16]
+    # the cells alone give back a prefix whose window cells are there: no mark
+    policy.release(0, tokens, [], 40, finished=False, floor=30)
+    plan = policy.place([*tokens, 5], [*range(4, 41, 4)], True, [0])
+    assert (plan.reused, plan.window) == (40, None)
+    policy.forget(0)
+    assert policy.marks.of(0) == []

@@ -129,8 +129,10 @@ async def test_the_kv_memory_at_load_is_llama_cpp_s_own_figure(
 async def test_q8_0_takes_34_64ths_of_f16_s_memory(model_path: str) -> None:
     sizes = {}
     for kind in ("f16", "q8_0"):
+        # (every layer's cells: the computed figure, exact to the byte — kept to the
+        # window, the figure is llama.cpp's, printed in MiB to two decimals)
         backend = await LlamaBackend.aload(
-            _settings(model_path, slots=2, n_ctx=4096, cache_type_k=kind, cache_type_v=kind)
+            _settings(model_path, slots=2, n_ctx=4096, cache_type_k=kind, cache_type_v=kind, swa_full=True)
         )
         try:
             assert backend.kv_memory is not None

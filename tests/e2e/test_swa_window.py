@@ -66,6 +66,14 @@ async def _run(
         return "".join(parts), events.usage
 
 
+def _restores(backend: LlamaBackend) -> int:
+    window = backend.cache_stats()["window_checkpoints"]
+    assert isinstance(window, dict)
+    restores = window["restores"]
+    assert isinstance(restores, int)
+    return restores
+
+
 def _turn(role: str, text: str) -> str:
     return f"<start_of_turn>{role}\n{text}<end_of_turn>\n"
 
@@ -122,13 +130,24 @@ async def test_a_next_turn_past_the_window_reuses_its_prompt_and_answers_the_cac
     assert answer == reference
 
 
-async def test_a_prefix_whose_window_cells_are_gone_is_evaluated_again_with_the_same_text(
-    window: LlamaBackend, window_uncached: LlamaBackend
+@pytest.fixture(scope="module")
+def unmarked(model_path: str) -> Iterator[LlamaBackend]:
+    backend = LlamaBackend.load(_settings(model_path, idle_recompute=False, ctx_checkpoints=0))
+    yield backend
+    backend.close()
+
+
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["checkpoints", "no-checkpoints"])
+async def test_a_shared_head_past_the_window_comes_back_from_a_checkpoint_with_the_same_text(
+    window: LlamaBackend, unmarked: LlamaBackend, window_uncached: LlamaBackend, checkpoints: bool
 ) -> None:
     """Two prompts sharing a ~600-token head; the first runs on ~1,800 tokens past it.
-    The window layers' cells of the head's last 512 positions are gone (what
-    ``--swa-full`` keeps), so the second prompt cannot reuse the head from the cells:
-    it evaluates it again, and answers the cache-off text."""
+    The window layers' cells of the head's last 512 positions are gone from the cells
+    (what ``--swa-full`` keeps). With checkpoints (``--ctx-checkpoints``, the default),
+    the one taken where the head's turn starts gives them back: the second prompt
+    reuses the whole head. Without, it evaluates the head again. Both answer the
+    cache-off text."""
+    backend = window if checkpoints else unmarked
     head = window.tokenize(
         f"[{uuid.uuid4().hex}] "
         + _turn("user", "The rules of the game are these: move, wait, and count. " * 40)
@@ -144,11 +163,17 @@ async def test_a_prefix_whose_window_cells_are_gone_is_evaluated_again_with_the_
     # (the head ends on a cut of both prompts: a turn's header)
     assert len(head) in rule.cuts(head + tail)
     assert len(head) in rule.cuts(head + other)
-    async with _engine(window) as engine:
+    async with _engine(backend) as engine:
+        restores = _restores(backend) if checkpoints else 0
         await _run(engine, head + tail, 4, NO_END)
         assert len(tail) > 1500
         answer, usage = await _run(engine, head + other, 24, GREEDY)
     async with _engine(window_uncached) as off:
         reference, _ = await _run(off, head + other, 24, GREEDY)
-    assert usage.cached_tokens < len(head) - 512  # the head's window cells were not there
+    if checkpoints:
+        assert usage.cached_tokens == len(head)  # the whole head, its window cells restored
+        assert _restores(backend) == restores + 1
+    else:
+        assert usage.cached_tokens < len(head) - 512  # the head's window cells were not there
+        assert backend.cache_stats()["window_checkpoints"] is None
     assert answer == reference

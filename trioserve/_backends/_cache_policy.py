@@ -24,8 +24,9 @@ from ._disk_cache import DiskEntry
 from ._memory import StateBuffer
 from ._pieces import PieceRule, image_runs
 from ._prompt_cache import HostCache, shared_prefix
+from ._window_marks import WindowMark, WindowMarks
 
-__all__ = ["CachePolicy", "CacheStats", "Placement", "next_cut", "short_tail"]
+__all__ = ["CachePolicy", "CacheStats", "Placement", "WindowMark", "WindowMarks", "next_cut", "short_tail"]
 
 #: the longest tail of an id's cells a request may overwrite without the id's longer
 #: state being saved to host memory first (:func:`short_tail`)
@@ -92,6 +93,9 @@ class Placement:
     #: the whole prompt is cached with its last token's logits (``reused`` is its
     #: length): its first token is drawn from the kept row, no call (a full hit)
     whole: bool = False
+    #: the id's cells give back ``reused`` tokens only with this checkpoint of their
+    #: window cells restored (``--no-swa-full``: :mod:`._window_marks`)
+    window: WindowMark | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +143,8 @@ class CacheStats:
     idle_pending: int
     #: the disk tier (``DiskTier.stats``), ``None`` without one
     disk: dict[str, object] | None = None
+    #: the window cells' checkpoints (``WindowMarks.stats``), ``None`` without them
+    window: dict[str, object] | None = None
 
     @property
     def tokens(self) -> int:
@@ -174,6 +180,7 @@ class CacheStats:
             },
             "whole_hits": self.whole_hits,
             "disk": self.disk,
+            "window_checkpoints": self.window,
             "idle_recompute": {
                 "enabled": self.idle_recompute,
                 "chunks": self.idle_chunks,
@@ -201,8 +208,12 @@ class CachePolicy:
         enabled: bool,
         fast: bool,
         idle_recompute: bool,
+        marks: WindowMarks | None = None,
     ) -> None:
         self.rule = rule
+        #: checkpoints of the ids' window cells (none unless the window layers are kept
+        #: to their window)
+        self.marks = marks if marks is not None else WindowMarks(slots, keep=0, step=0)
         self.host = host
         self.enabled = enabled
         self.fast = fast
@@ -361,8 +372,15 @@ class CachePolicy:
                 i: shared_prefix(cached[i], prompt, cuts, limit) if salts[i] == salt else 0 for i in free_ids
             }
         # (a longer prefix needs fewer window cells: if an id's cells cannot give back what
-        # it shares, they give back nothing)
-        shared = {i: n if self.serves(i, n) else 0 for i, n in shared.items()}
+        # it shares, they give back nothing — but a checkpoint of its window cells at a
+        # shorter cut may)
+        marked: dict[int, WindowMark] = {}
+        for i, n in shared.items():
+            if n and not self.serves(i, n):
+                mark = self.marks.serving(i, n, self.host.window) if self.marks.keep else None
+                shared[i] = 0 if mark is None else mark.end
+                if mark is not None:
+                    marked[i] = mark
         hit = (
             self._whole_hit(prompt, free_ids, salt)
             if whole and self.enabled and cache_prompt and not self.fast
@@ -387,7 +405,8 @@ class CachePolicy:
             save = cached[best]  # (some of) its cells are about to be overwritten
             # (a restore replaces every cell: the checkpoint may go below ``reused``)
             checkpoint = self.checkpoint(best, 0 if restore is not None else reused)
-        return Placement(best, reused, save, restore, checkpoint, salts[best], hit is not None)
+        window = marked.get(best) if restore is None and hit is None else None
+        return Placement(best, reused, save, restore, checkpoint, salts[best], hit is not None, window)
 
     def _whole_hit(self, prompt: list[int], free_ids: list[int], salt: str) -> int | None:
         """A free id whose cells hold all of ``prompt`` and its last token's logits (the
@@ -410,9 +429,11 @@ class CachePolicy:
         save = self._cached[best] if self.savable(best) else None
         return Placement(best, save=save, save_salt=self._salt[best])
 
-    def take(self, seq_id: int, salt: str = "") -> None:
-        """``seq_id``'s cells now belong to a running sequence of ``salt``. (Under the
-        scheduler's lock: ``/health`` reads what the ids keep.)"""
+    def take(self, seq_id: int, salt: str = "", *, marks: int = 0) -> None:
+        """``seq_id``'s cells now belong to a running sequence of ``salt``, which keeps
+        the id's window checkpoints up to ``marks`` tokens (the prefix it reuses). (Under
+        the scheduler's lock: ``/health`` reads what the ids keep.)"""
+        self.marks.cut(seq_id, marks)
         self._salt[seq_id] = salt
         self._cached[seq_id] = []
         self._floor[seq_id] = 0
@@ -435,6 +456,7 @@ class CachePolicy:
 
     def forget(self, seq_id: int) -> None:
         """``seq_id`` keeps nothing (its cells are being cleared)."""
+        self.marks.set(seq_id, [])
         self._cached[seq_id] = []
         self._floor[seq_id] = 0
         self._prompt_end[seq_id] = 0

@@ -175,6 +175,15 @@ class PieceRule:
                 n -= 1
         return n
 
+    def after_header(self, tokens: Sequence[int], end: int) -> bool:
+        """Whether ``tokens[:end]`` ends with a turn header's line (a new turn starts at
+        ``end``)."""
+        if self._table is None or end <= 0:
+            return False
+        start = max(0, end - self.window - 1)
+        cls = self.classes(tokens[start:end])
+        return bool(cls[-1] & NL) and self._header_start(cls, len(cls) - 1, 0) >= 0
+
     def _text_cuts(self, tokens: Sequence[int]) -> list[int]:
         n = len(tokens)
         limit = self.max_piece

@@ -131,9 +131,19 @@ def _model(serve: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="a sliding-window model's window layers keep every cell, so any cached prefix is "
-        "reusable; --no-swa-full (llama-server's default) keeps about the window: a fraction of "
-        "the KV memory, faster long prompts, and reuse only where the window cells reach "
-        "(default: on; docs/prompt-cache.md, 'Window layers')",
+        "reusable exactly, at every cell's memory and attention cost (default: on); "
+        "--no-swa-full (llama-server's default) keeps about the window: a fraction of the KV "
+        "memory, faster long prompts, reuse where the window cells reach or from a checkpoint "
+        "of them (--ctx-checkpoints), not bit-exact (docs/prompt-cache.md, 'Window layers')",
+    )
+    group.add_argument(
+        "--ctx-checkpoints",
+        type=int,
+        default=8,
+        metavar="N",
+        help="with --no-swa-full, the checkpoints of the window cells each sequence keeps "
+        "(llama-server's flag): a shared head is reused after a long conversation ran past "
+        "it (default: 8; 0: none; docs/prompt-cache.md, 'Window checkpoints')",
     )
     group.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     group.add_argument("--batch-size", type=int, default=512, help="llama.cpp's batch size (default: 512)")
@@ -186,6 +196,14 @@ def _model(serve: argparse.ArgumentParser) -> None:
         help="a LoRA adapter of the model (repeatable): requests choose it by model: NAME or "
         "BASE:NAME, or llama-server's lora: [{id, scale}]; SCALE (default 1.0) is its scale when a "
         "request names it without one (docs/lora.md); with several models, a preset's lora table",
+    )
+    group.add_argument(
+        "--lora-max",
+        type=int,
+        default=16,
+        metavar="N",
+        help="the most LoRA adapters a model may hold, loaded at start or at run time "
+        "(POST /v1/load_lora_adapter; default: 16)",
     )
     group.add_argument(
         "--mmproj",

@@ -60,6 +60,7 @@ from ._exchange import (
 from ._fetch import resolve_images
 from ._generation import GENERATION_PATHS, GenerationHandler, key_salt, presented_key
 from ._lifecycle import INLINE_PARSE_BYTES, completing, off_the_loop_if
+from ._lora_routes import add_lora_routes
 from ._ollama_asgi import OLLAMA_ASGI_PATHS, OllamaAsgi
 from ._ollama_routes import add_ollama_routes
 from ._openapi import needs_key, openapi_document, openapi_path
@@ -647,6 +648,7 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
     add_request_routes(app, state, access)
     add_control_routes(app, state, access, _json_body)
     add_props_route(app, state)
+    add_lora_routes(app, state, _json_body)
     add_ollama_routes(app, state, access, _json_body)
 
     @app.get("/openapi.json")

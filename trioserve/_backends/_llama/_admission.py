@@ -43,8 +43,11 @@ class Admission:
         with self.inbox.condition:
             cells.take(plan.seq_id)
             # (the id's cells now belong to this sequence)
-            self.policy.take(plan.seq_id, sequence.asked.salt)
+            # (its window checkpoints up to the reused prefix stay; a restore replaces all)
+            marks = plan.reused if plan.restore is None else 0
+            self.policy.take(plan.seq_id, sequence.asked.salt, marks=marks)
             sequence.seq_id = plan.seq_id
+        sequence.cache.window = plan.window
         sequence.cache.save, sequence.cache.restore = plan.save, plan.restore
         sequence.cache.save_salt = plan.save_salt
         sequence.cache.checkpoint = plan.checkpoint

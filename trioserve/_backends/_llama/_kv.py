@@ -6,6 +6,7 @@ decision; this carries it out (and only the scheduler thread calls it)."""
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import time
@@ -17,6 +18,7 @@ from ..._core._exceptions import BackendError
 from .._cache_policy import CachePolicy
 from .._disk_cache import DiskEntry
 from .._memory import StateBuffer
+from .._window_marks import WindowMark
 from ._sequence import Sequence
 from ._tiers import StateTier
 
@@ -26,6 +28,10 @@ if TYPE_CHECKING:
 __all__ = ["KvCells"]
 
 logger = logging.getLogger("trioserve.llama")
+
+#: ``llama_state_seq_*_ext``'s flag for the window layers' cells only
+#: (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``, formerly ``SWA_ONLY``)
+_WINDOW_ONLY = 1
 
 
 class KvCells:
@@ -51,6 +57,8 @@ class KvCells:
         self.save_seconds = 0.0
         #: preemption: time spent saving paused sequences' states
         self.park_seconds = 0.0
+        #: time spent keeping checkpoints of window cells
+        self.mark_seconds = 0.0
         #: per id, the last logits of the prompt its cells hold (``CachePolicy.logits_at``
         #: says for which length): a full hit draws its first token from it
         self._rows: dict[int, numpy.ndarray] = {}
@@ -269,6 +277,9 @@ class KvCells:
                 self.host.restores += 1
                 sequence.progress.host_tokens = sequence.prefilled
             self.restore_seconds += time.perf_counter() - started
+        elif sequence.cache.window is not None:
+            mark, sequence.cache.window = sequence.cache.window, None
+            self._restore_mark(sequence, mark)
         # the cells past the reused prefix go (the rest of the cached prompt)
         kept = self.trim(seq_id, sequence.prefilled)
         if kept != sequence.prefilled:
@@ -284,6 +295,52 @@ class KvCells:
             logger.warning("a cached prefix lacks sliding-window cells; evaluating the prompt")
             sequence.cache.whole = sequence.cache.row_kept = False
             self.reuse(sequence, 0)
+
+    def mark(self, sequence: Sequence) -> None:
+        """A prompt piece of ``sequence`` just ended on a cut: keep a checkpoint of its
+        window cells there when the policy wants one (``--no-swa-full``:
+        :mod:`.._window_marks`). One ``llama_state_seq_get_data_ext`` of the window layers
+        (≈ window + batch cells)."""
+        marks = self.policy.marks
+        end = sequence.prefilled
+        cuts = sequence.cache.cuts
+        if not cuts or end > cuts[-1]:
+            return  # (past the last cut: no later prompt's pieces end there)
+        if cuts[bisect.bisect_left(cuts, end) :][:1] != [end]:
+            return
+        turn = self.policy.rule.after_header(sequence.asked.prompt, end)
+        if not marks.wants(sequence.seq_id, end, cuts[-1], turn=turn):
+            return
+        lib = self.lib
+        seq_id = sequence.seq_id
+        started = time.perf_counter()
+        try:
+            size = lib.llama_state_seq_get_size_ext(self.ctx, seq_id, _WINDOW_ONLY)
+            state = StateBuffer(size)
+            state.used = lib.llama_state_seq_get_data_ext(self.ctx, state.array, size, seq_id, _WINDOW_ONLY)
+        except Exception:  # an optimisation: without it, a shared head is evaluated again
+            logger.exception("could not keep a checkpoint of the window cells; none is kept")
+            return
+        floor = int(lib.llama_memory_seq_pos_min(self.memory, seq_id))
+        if state.used and floor >= 0:
+            marks.add(seq_id, WindowMark(end, floor, state, state.used))
+        self.mark_seconds += time.perf_counter() - started
+
+    def _restore_mark(self, sequence: Sequence, mark: WindowMark) -> None:
+        """Give ``sequence``'s id back its first ``mark.end`` cells: the cells past it go
+        and the window layers' cells are set from the checkpoint."""
+        seq_id = sequence.seq_id
+        state = mark.state
+        assert isinstance(state, StateBuffer)
+        if self.trim(seq_id, mark.end) != mark.end:  # pragma: no cover - (checked at load)
+            self.reuse(sequence, 0)
+            return
+        if not self.lib.llama_state_seq_set_data_ext(self.ctx, state.array, len(state), seq_id, _WINDOW_ONLY):
+            # pragma: no cover - llama.cpp refused the state: evaluate it all
+            logger.warning("could not restore a checkpoint of the window cells; evaluating the prompt")
+            self.reuse(sequence, 0)
+            return
+        self.policy.marks.restores += 1
 
     def save_state(self, seq_id: int, tokens: list[int], salt: str) -> bool:
         """Keep the state of ``seq_id``'s cells (which hold ``tokens``, computed for
@@ -372,6 +429,7 @@ class KvCells:
             prefilled=sequence.prefilled,
             cuts=sequence.cache.cuts,
         )
+        marks = policy.marks.of(seq_id)
         policy.forget(seq_id)  # (until the cells below are known to be kept)
         keep = self.trim(seq_id, keep)
         if keep and not self.kv_bytes_per_token:
@@ -385,3 +443,4 @@ class KvCells:
             floor=self.window_start(seq_id, keep),
             logits=sequence.cache.row_kept,
         )
+        policy.marks.set(seq_id, [mark for mark in marks if mark.end <= keep])

@@ -4,8 +4,8 @@ layer keeps, for each of the context's cells, a K row of ``key_length × head_co
 values and a V row of ``value_length × head_count_kv`` values, each row
 ``ggml_row_size(type, n)`` bytes. (``llama_state_seq_get_size`` is not it: that is a
 sequence's used cells, serialized. llama.cpp's own breakdown,
-``llama_get_memory_breakdown``, is C++ only.) Sliding-window layers are counted at full
-size: trioserve's contexts keep every cell (``swa_full``).
+``llama_get_memory_breakdown``, is C++ only.) Sliding-window layers kept to their window
+(the default) hold fewer cells: :func:`kv_memory` reads llama.cpp's figure for them.
 
 Models whose cache has another layout — a recurrent or hybrid state, multi-head latent
 attention — get no figure (``None``) rather than a wrong one."""

@@ -20,6 +20,7 @@ from ..._core._exceptions import BackendError
 from .._cache_policy import CachePolicy
 from .._draw import logits_row
 from .._memory import trim_heap
+from .._window_marks import WindowMarks
 from ._adapters import AdapterSet
 from ._admission import Admission
 from ._capabilities import measure
@@ -97,6 +98,14 @@ class Scheduler:
             enabled=self.cache_enabled,
             fast=self.fast,
             idle_recompute=self.cache_enabled and settings.idle_recompute and not self.fast,
+            marks=WindowMarks(
+                settings.slots,
+                # (checkpoints of the window cells: only where they are not all kept)
+                keep=settings.ctx_checkpoints
+                if self.cache_enabled and self.host.window and not settings.swa_full
+                else 0,
+                step=max(1024, 2 * self.host.window),
+            ),
         )
         self.inbox = Inbox(
             slots=settings.slots, abort_flag=context.abort_flag, partial_removal=caps.partial_removal
@@ -446,11 +455,14 @@ class Scheduler:
         outputs = filled.outputs
         now = time.perf_counter()
         prompts_done = False  # (a prompt's last piece ran: its row may be kept)
+        marking = self.policy.marks.keep > 0
         for sequence, count in call:
             if count:
                 sequence.prefilled += count
                 sequence.pos = sequence.prefilled
                 sequence.progress.prefilled_tokens = sequence.prefilled
+                if marking and sequence.asked.cache_prompt:
+                    self.kv.mark(sequence)
                 if sequence.decoding:
                     prompts_done = True
                     sequence.progress.prefill_seconds = now - sequence.out.first_chunk_at

@@ -147,9 +147,13 @@ class LlamaModel:
             self.check_abort()
             adapter = self.adapters.load(name, path, scale)
             logger.info("LoRA adapter %s: %s (scale %g, alpha %g)", name, path, scale, adapter.alpha)
-        if len(self.adapters):
-            listed = tuple((a.name, a.scale, str(a.path)) for a in self.adapters.listed)
-            self._info = dataclasses.replace(self._info, adapters=listed)
+        self.refresh_adapters()
+
+    def refresh_adapters(self) -> None:
+        """``info.adapters``: the adapters listed now (after a load, an unload, a scale
+        set at run time: ``_lora_loads``)."""
+        listed = tuple((a.name, a.scale, str(a.path)) for a in self.adapters.listed)
+        self._info = dataclasses.replace(self._info, adapters=listed)
 
     def load_projector(self) -> None:
         """Load ``settings.mmproj`` (the load's last phase: blocking, aborted with it)."""
@@ -427,7 +431,7 @@ class LlamaModel:
         if not len(adapters):
             raise InvalidRequestError(
                 f"the model {self.settings.model_id!r} has no LoRA adapters (serve it with "
-                "--lora NAME=PATH, or a preset's lora table); send no lora",
+                "--lora NAME=PATH, or a preset's lora table, or POST /v1/load_lora_adapter); send no lora",
                 param="lora",
             )
         named = [(adapters.by_id(w) if isinstance(w, int) else w, scale) for w, scale in request.lora]

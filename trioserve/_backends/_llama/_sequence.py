@@ -24,6 +24,7 @@ from .._memory import StateBuffer
 from .._reasoning import ReasoningTracker
 from .._speculation import Drafter
 from .._vision import VisionPrompt
+from .._window_marks import WindowMark
 from ._adapters import AdapterSet, adapter_salt
 
 __all__ = [
@@ -107,6 +108,9 @@ class CacheWork:
     #: its id keeps the prompt's last logits (copied when its prompt ended on a cut,
     #: or kept by a full hit), for the next request of the same prompt
     row_kept: bool = False
+    #: the checkpoint of the id's window cells to restore before the first call
+    #: (``Placement.window``: the cells alone no longer give back the reused prefix)
+    window: WindowMark | None = None
 
 
 @dataclasses.dataclass(slots=True, eq=False)

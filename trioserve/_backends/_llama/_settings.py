@@ -42,11 +42,18 @@ class LlamaSettings:
         cache_type_v: the same for V (``--cache-type-v``); a quantized V needs flash
             attention, which llama.cpp then turns on.
         swa_full: a sliding-window model's window layers keep every cell (the
-            default): any cached prefix is reusable. ``False`` (``--no-swa-full``,
-            llama-server's default): they keep about the window and a batch — a 32k
-            context's KV memory is a fraction, long prompts run faster, and a cached
-            prefix is reusable only where those cells still reach (docs/prompt-cache.md,
-            "Window layers").
+            default): any cached prefix is reusable from the cells alone, computed in
+            the cells a fresh evaluation uses, at the cost of every cell's memory and
+            of attention over all of them. ``False`` (``--no-swa-full``, llama-server's
+            default): they keep about the window and a batch — a 32k context's KV
+            memory is a fraction and long prompts run faster; a cached prefix is
+            reusable where those cells still reach, or from a checkpoint of them
+            (``ctx_checkpoints``), in other cells than a fresh evaluation's — not
+            bit-exact (docs/prompt-cache.md, "Window layers").
+        ctx_checkpoints: with the window layers kept to their window, the checkpoints of
+            their cells each sequence id keeps (``--ctx-checkpoints``, llama-server's
+            name; 0: none): a prefix whose window cells are gone is given back from the
+            nearest one below it (docs/prompt-cache.md, "Window checkpoints").
         n_threads: threads of the one context; default: all cores (every step decodes
             every running sequence).
         n_batch: llama.cpp's batch size (at least ``prefill_chunk``).
@@ -109,6 +116,8 @@ class LlamaSettings:
         lora: LoRA adapters loaded after the weights, ``(name, path, scale)`` each
             (``--lora NAME=PATH[:SCALE]``: docs/lora.md); ``scale``: a request's when it
             names the adapter without one.
+        lora_max: the most adapters the model may list at once (``--lora-max``): a
+            run-time load past it is refused (docs/lora.md).
         image_budget: the bytes of decoded images held at once (``--image-decode-budget``:
             one :class:`~trioserve._core._media.ImageBudget` shared by a server's models);
             default: one per process, of 1 GiB.
@@ -121,6 +130,7 @@ class LlamaSettings:
         n_ctx: int = 4096,
         cache_type_k: str = "f16",
         swa_full: bool = True,
+        ctx_checkpoints: int = 8,
         cache_type_v: str = "f16",
         n_threads: int | None = None,
         n_batch: int = 512,
@@ -146,6 +156,7 @@ class LlamaSettings:
         max_audio_seconds: int = 600,
         image_budget: ImageBudget | None = None,
         lora: Sequence[tuple[str, str | Path, float]] = (),
+        lora_max: int = 16,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
@@ -164,6 +175,9 @@ class LlamaSettings:
                 raise ValueError(f"{flag} must be one of {', '.join(KV_CACHE_TYPES)}, got {value!r}")
         self.cache_type_k = cache_type_k
         self.swa_full = swa_full
+        if ctx_checkpoints < 0:
+            raise ValueError(f"ctx_checkpoints must be at least 0, got {ctx_checkpoints}")
+        self.ctx_checkpoints = ctx_checkpoints
         self.cache_type_v = cache_type_v
         # llama.cpp's threads spin while they wait for each other: more threads than
         # cores makes every decode slower, so one context gets exactly the cores.
@@ -215,6 +229,9 @@ class LlamaSettings:
         if len(set(names)) != len(names):
             raise ValueError(f"two LoRA adapters share a name: {sorted(names)}")
         self.lora = tuple((name, Path(path).expanduser(), float(scale)) for name, path, scale in lora)
+        if lora_max < len(self.lora) or lora_max < 0:
+            raise ValueError(f"lora_max ({lora_max}) must be at least the adapters given ({len(self.lora)})")
+        self.lora_max = lora_max
 
     @property
     def kv_types(self) -> str:

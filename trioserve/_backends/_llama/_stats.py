@@ -115,6 +115,7 @@ def cache_stats(scheduler: Scheduler) -> CacheStats:
         idle_aborted=idle.aborted,
         idle_pending=scheduler.policy.pending,
         disk=host.disk.stats() if host.disk is not None else _disk_off(scheduler),
+        window=scheduler.policy.marks.stats(kv.mark_seconds) if scheduler.policy.marks.keep else None,
     )
 
 
