@@ -304,7 +304,10 @@ class EmbeddingContext:
             # flash attention off: its KV blocks split an input's cells differently
             # at another offset in the call, so no cheap layout is exact with it
             params.flash_attn_type = 0
-        ctx = lib.llama_init_from_model(model.model, params)
+        # (under the cores' turn: a context copies the model's LoRA adapter list, which
+        # a run-time adapter load changes under the same turn — docs/lora.md)
+        with self.turns.turn():
+            ctx = lib.llama_init_from_model(model.model, params)
         if not ctx:
             raise BackendError(f"llama.cpp could not create an embedding context of {self.n_batch} tokens")
         return ctx

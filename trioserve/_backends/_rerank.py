@@ -73,7 +73,8 @@ class YesNoContext:
         params.n_threads = model.settings.n_threads
         params.n_threads_batch = model.settings.n_threads
         params.kv_unified = True  # sequence 1 shares sequence 0's cells
-        ctx = lib.llama_init_from_model(model.model, params)
+        with turns.turn():  # (a LoRA load changes the model's adapter list under it)
+            ctx = lib.llama_init_from_model(model.model, params)
         if not ctx:
             raise BackendError(f"llama.cpp could not create a reranking context of {self.n_batch} tokens")
         self.ctx = ctx
