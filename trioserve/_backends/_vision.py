@@ -31,6 +31,7 @@ from typing import Any, cast
 
 from .._core._exceptions import BackendError, InvalidRequestError
 from .._core._media import AudioClip
+from ._aborting import LoadAborted
 from ._audio import check_seconds
 
 __all__ = ["ImageSpan", "Projector", "VisionPrompt", "check_media_support", "decode_bytes", "find_projector"]
@@ -197,8 +198,6 @@ class Projector:
         self.ctx = mtmd_cpp.mtmd_init_from_file(str(path).encode(), model, params)
         if not self.ctx:
             if abort is not None and abort.is_set():
-                from ._llama._native import LoadAborted
-
                 raise LoadAborted(f"the load of {path} was aborted")
             raise BackendError(f"libmtmd could not load the projector {path} for this model")
         #: what it encodes: images, audio (docs/audio.md), or both
