@@ -161,7 +161,10 @@ class _Body(msgspec.Struct):
 
 def read_transcription_body(body: bytes) -> tuple[str, bytes]:
     """The ``transcription`` dialect's body: its response format, and the chat body."""
-    outer = msgspec.json.decode(body, type=_Body)
+    try:
+        outer = msgspec.json.decode(body, type=_Body)
+    except msgspec.DecodeError as e:  # (made by the form's handler: a bug, said as a 400)
+        raise InvalidRequestError(f"the transcription's request could not be read: {e}") from None
     return outer.transcription_format, bytes(outer.chat)
 
 
