@@ -31,7 +31,15 @@ import numpy
 
 from ._models import _cache_dir
 
-__all__ = ["CHUNK_TOKENS", "sine_mp3", "sine_wav", "tiny_ultravox_projector", "ultravox_projector"]
+__all__ = [
+    "CHUNK_TOKENS",
+    "HEAVY",
+    "heavy_ultravox_projector",
+    "sine_mp3",
+    "sine_wav",
+    "tiny_ultravox_projector",
+    "ultravox_projector",
+]
 
 #: the Whisper encoder: 64 dimensions, 128 feed-forward (≠ 64: see _vision_model.py),
 #: 2 layers, 4 heads; 80 mel bins; Ultravox stacks 4 positions (with 8, the real models' factor,
@@ -48,6 +56,17 @@ CHUNK_TOKENS = _N_POS // _STACK
 def tiny_ultravox_projector() -> Path:
     """The path of the tiny ultravox mmproj GGUF (made on first use)."""
     return ultravox_projector()
+
+
+#: a heavier encoder (8 layers of 512, 2,048 feed-forward; 108 MB): a 30-second chunk's
+#: encode takes seconds on 2 cores (~4 s measured on this shared machine), long enough
+#: for a client to leave mid-encode (benchmarks/cancel_audio.py)
+HEAVY = {"n_embd": 512, "n_ff": 2048, "n_layer": 8}
+
+
+def heavy_ultravox_projector() -> Path:
+    """The path of the :data:`HEAVY` ultravox mmproj GGUF (made on first use)."""
+    return ultravox_projector(**HEAVY)
 
 
 def ultravox_projector(*, n_embd: int = _N_EMBD, n_ff: int = _N_FF, n_layer: int = _N_LAYER) -> Path:
