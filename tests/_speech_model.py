@@ -34,7 +34,7 @@ import numpy
 
 from ._models import _cache_dir
 
-__all__ = ["SAMPLE_RATE", "SAMPLES_PER_FRAME", "tiny_pockettts"]
+__all__ = ["SAMPLES_PER_FRAME", "SAMPLE_RATE", "tiny_pockettts"]
 
 #: libmtmd's PocketTTS rate (``mtmd_gen_audio_get_info``)
 SAMPLE_RATE = 24000
@@ -63,19 +63,26 @@ def _vocabulary() -> list[tuple[str, int]]:
     return tokens
 
 
-def tiny_pockettts() -> tuple[Path, Path]:
-    """The paths of the tiny backbone GGUF and its mmproj (made on first use, cached)."""
+def tiny_pockettts(*, talkative: bool = False) -> tuple[Path, Path]:
+    """The paths of the tiny backbone GGUF and its mmproj (made on first use, cached).
+
+    The end-of-speech head's bias decides how long a sentence sounds: by default it fires
+    on every frame, so each chunk of text (≤ 50 tokens) ends after the helper's tail
+    (``frames_after_eos``: 5 frames for ≤ 6 tokens, else 3); ``talkative`` never fires,
+    so each chunk runs to the helper's budget, ``ceil((tokens / 3 + 2) × 12.5)`` frames.
+    """
     recipe = (
         f"pockettts:{_D}:{_N_LAYER}:{_N_HEAD}:{_N_FF}:{_N_CTX}:{_LATENT}:{_FLOW}:{_FREQS}:"
         f"{_MIMI}:{_MIMI_HEAD}:{_MIMI_FF}:{_MIMI_LAYER}:{_SEANET}:{_RATIOS}:seed=53:v1"
     )
     digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
     backbone = _cache_dir() / f"tiny-pockettts-{digest}.gguf"
-    mmproj = _cache_dir() / f"tiny-pockettts-mmproj-{digest}.gguf"
+    kind = "talkative" if talkative else "terse"
+    mmproj = _cache_dir() / f"tiny-pockettts-mmproj-{kind}-{digest}.gguf"
     if not backbone.is_file():
         _write(backbone, _backbone)
     if not mmproj.is_file():
-        _write(mmproj, _mmproj)
+        _write(mmproj, lambda path: _mmproj(path, eos_bias=-100.0 if talkative else 100.0))
     return backbone, mmproj
 
 
@@ -165,7 +172,7 @@ def _conv(writer, weight: _Weights, name: str, out: int, inp: int, k: int, *, bi
         writer.add_tensor(f"{name}.bias", weight(out))
 
 
-def _mmproj(path: str) -> None:
+def _mmproj(path: str, *, eos_bias: float) -> None:
     import gguf
 
     weight = _Weights(59)
@@ -207,7 +214,8 @@ def _mmproj(path: str) -> None:
     writer.add_tensor("a.gen.flow.cond_embd.weight", weight(_FLOW, _D, scale=0.2))
     writer.add_tensor("a.gen.flow.cond_embd.bias", weight(_FLOW))
     for t in range(2):
-        writer.add_tensor(f"a.gen.flow.time.{t}.freqs", numpy.exp(-numpy.arange(_FREQS, dtype=numpy.float32) / 4))
+        freqs = numpy.exp(-numpy.arange(_FREQS, dtype=numpy.float32) / 4)
+        writer.add_tensor(f"a.gen.flow.time.{t}.freqs", freqs)
         writer.add_tensor(f"a.gen.flow.time.{t}.up.weight", weight(_FLOW, 2 * _FREQS, scale=0.2))
         writer.add_tensor(f"a.gen.flow.time.{t}.up.bias", weight(_FLOW))
         writer.add_tensor(f"a.gen.flow.time.{t}.down.weight", weight(_FLOW, _FLOW, scale=0.2))
@@ -226,9 +234,9 @@ def _mmproj(path: str) -> None:
     writer.add_tensor("a.gen.flow.final.proj.weight", weight(_LATENT, _FLOW, scale=0.2))
     writer.add_tensor("a.gen.flow.final.proj.bias", weight(_LATENT))
     writer.add_tensor("a.gen.out_eos.weight", weight(1, _D, scale=0.2))
-    # (a bias well under the threshold, -4: a random head would otherwise end speech at
-    # a random frame; the helper's frame budget, (tokens / 3 + 2) × 12.5, ends it)
-    writer.add_tensor("a.gen.out_eos.bias", numpy.full(1, -100.0, dtype=numpy.float32))
+    # (a bias far from the threshold, -4, either way: a random head would end speech at a
+    # random frame; see tiny_pockettts)
+    writer.add_tensor("a.gen.out_eos.bias", numpy.full(1, eos_bias, dtype=numpy.float32))
     writer.add_tensor("a.gen.input_linear.weight", weight(_D, _LATENT, scale=0.5))
     writer.add_tensor("a.gen.emb_mean", weight(_LATENT))
     writer.add_tensor("a.gen.emb_std", _ones(_LATENT))
@@ -240,7 +248,8 @@ def _mmproj(path: str) -> None:
     _conv(writer, weight, "a.gen.wav.seanet.conv_in", width, _MIMI, 7)
     for i, stride in enumerate(reversed(_RATIOS)):
         # transposed: kernel [K, OC, IC] (numpy reversed: IC, OC, K)
-        writer.add_tensor(f"a.gen.wav.seanet.blk.{i}.scale_conv.weight", weight(width, width // 2, 2 * stride, scale=0.2))
+        kernel = weight(width, width // 2, 2 * stride, scale=0.2)
+        writer.add_tensor(f"a.gen.wav.seanet.blk.{i}.scale_conv.weight", kernel)
         writer.add_tensor(f"a.gen.wav.seanet.blk.{i}.scale_conv.bias", weight(width // 2))
         width //= 2
         _conv(writer, weight, f"a.gen.wav.seanet.blk.{i}.res_conv1", width // 2, width, 3)
