@@ -27,7 +27,7 @@ THREADS = 2
 
 
 def main(text: str = "Hello there, how are you?") -> None:
-    backbone, mmproj = tiny_pockettts()
+    backbone, mmproj = tiny_pockettts(talkative=True)  # (the head never ends speech: the budget does)
     llama_cpp.llama_backend_init()
     mparams = llama_cpp.llama_model_default_params()
     model = llama_cpp.llama_model_load_from_file(str(backbone).encode(), mparams)

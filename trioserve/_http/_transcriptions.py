@@ -249,8 +249,8 @@ class TranscriptionsHandler:
 async def refuse_speech(scope: Scope, send: Send) -> None:
     """``/v1/audio/speech``: 400 ``speech_not_supported``."""
     error = InvalidRequestError(
-        "this server generates no speech: no text-to-speech model is served (libmtmd's PocketTTS "
-        'and Qwen3-TTS helpers are not wired to a route yet: docs/audio.md, "Speech")',
+        "this server generates no speech: it loads no text-to-speech model yet (libmtmd's PocketTTS "
+        'engine is built, its route and loading flags are not: docs/audio.md, "Speech")',
         param="model",
         code="speech_not_supported",
     )
