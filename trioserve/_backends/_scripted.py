@@ -3,7 +3,9 @@
 It behaves like the llama.cpp backend where the engine can tell: it runs in a worker
 thread (:class:`~trioserve._backends._threaded.ThreadedBackend`), "prefills" for a time
 proportional to the prompt, emits one piece per ``token_interval``, and checks the abort
-flag between tokens and every millisecond inside prefill and decode steps. Its tokenizer
+flag between tokens and every millisecond inside prefill; a decode step waits on the
+abort flag (:class:`~trioserve._backends._threaded.AbortFlag`: one wake per step, an
+abort wakes it at once), so a paced stream costs the stack's work, not a poll loop's. Its tokenizer
 is UTF-8 bytes: one token per byte (a vocabulary of 256 ids, no special tokens).
 
 It plays a reasoning model when its chat template has reasoning markers and its script
@@ -30,7 +32,7 @@ from .._core._backend import (
 from .._core._channel import Aborted, PieceChannel
 from .._core._types import GenerationEnd, GenerationRequest, ReasoningMarkers
 from ._reasoning import ReasoningTracker
-from ._threaded import Emit, ThreadedBackend
+from ._threaded import AbortFlag, Emit, ThreadedBackend
 
 __all__ = ["ScriptedBackend"]
 
@@ -147,7 +149,11 @@ class ScriptedBackend(ThreadedBackend):
                 index += 1
                 if emitted >= prompt.max_new_tokens:
                     return "length"
-                _busy_wait(self.token_interval, aborted)
+                if isinstance(aborted, AbortFlag) and self.token_interval > 0:
+                    if aborted() or aborted.wait(self.token_interval):
+                        raise Aborted
+                else:
+                    _busy_wait(self.token_interval, aborted)
                 if control is not None:
                     if control.asked:
                         control.asked = False
