@@ -21,7 +21,6 @@ import math
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -59,14 +58,21 @@ class Stream:
         self.status = b""
 
 
-async def read_stream(port: int, tokens: int, stream: Stream, timeout: float) -> None:
+async def read_stream(port: int, tokens: int, stream: Stream, bound: float) -> None:
     payload = json.dumps(
-        {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": True}
+        {
+            "model": "scripted",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": tokens,
+            "stream": True,
+        }
     ).encode()
-    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+    )
     head += f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
     now = trio.current_time
-    with trio.move_on_after(timeout):
+    with trio.move_on_after(bound):
         sock = await trio.open_tcp_stream("127.0.0.1", port)
         async with sock:
             await sock.send_all(head.encode() + payload)
@@ -89,12 +95,12 @@ async def read_stream(port: int, tokens: int, stream: Stream, timeout: float) ->
                 tail = window[-16:]
 
 
-async def one_run(port: int, streams: int, tokens: int, timeout: float) -> tuple[list[Stream], float, float]:
+async def one_run(port: int, streams: int, tokens: int, bound: float) -> tuple[list[Stream], float, float]:
     out = [Stream() for _ in range(streams)]
     started = trio.current_time()
     async with trio.open_nursery() as nursery:
         for stream in out:
-            nursery.start_soon(read_stream, port, tokens, stream, timeout)
+            nursery.start_soon(read_stream, port, tokens, stream, bound)
     return out, started, trio.current_time()
 
 
@@ -154,22 +160,33 @@ def run(args: Any) -> dict[str, Any]:
                     cli.log(
                         f"{name} {mode} {streams}: {row['cpu_per_event_us']:.0f} µs/event, "
                         f"{row['events_per_s']:.0f} events/s, {row['server_cores']:.2f} cores, "
-                        f"gap p99 {row['gap_p99_ms']:.0f} ms, last first {row['last_first_event_ms']:.0f} ms, "
+                        f"gap p99 {row['gap_p99_ms']:.0f} ms, "
+                        f"last first {row['last_first_event_ms']:.0f} ms, "
                         f"{row['complete']}/{streams}"
                     )
                 server.check_alive()
                 server.stop()
                 running.remove(server)
-    problems = [f"{r['contestant']} {r['mode']} {r['streams']}: {r['complete']} complete" for r in rows if r["complete"] < r["streams"]]
+    problems = [
+        f"{r['contestant']} {r['mode']} {r['streams']}: {r['complete']} complete"
+        for r in rows
+        if r["complete"] < r["streams"]
+    ]
     note = "server CPU has clock-tick resolution (10 ms); the client shares the machine with the server"
     return {"config": cfg, "rows": rows, "problems": problems, "notes": [note]}
 
 
 def report(result: dict[str, Any], args: Any) -> None:
     cfg = result["config"]
-    print(cli.header(cfg, f"fan-out, paced {cfg['interval']:g} s × {cfg['events']} events, full speed {cfg['full_tokens']} tokens"))
+    print(
+        cli.header(
+            cfg,
+            f"fan-out, paced {cfg['interval']:g} s × {cfg['events']} events, "
+            f"full speed {cfg['full_tokens']} tokens",
+        )
+    )
     head = ["mode", "streams", "contestant", "CPU/event µs", "CPU/token µs", "events/s", "cores"]
-    rows = [head + ["gap p50 ms", "gap p99 ms", "last stream's first event ms", "complete"]]
+    rows = [[*head, "gap p50 ms", "gap p99 ms", "last stream's first event ms", "complete"]]
     for r in result["rows"]:
         rows.append(
             [

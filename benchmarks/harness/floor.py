@@ -52,7 +52,13 @@ def app_for(interval: float) -> Any:
         suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
         role = b"data: " + head + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-        await send({"type": "http.response.body", "body": role + b'"logprobs":null,"finish_reason":null}]}\n\n', "more_body": True})
+        await send(
+            {
+                "type": "http.response.body",
+                "body": role + b'"logprobs":null,"finish_reason":null}]}\n\n',
+                "more_body": True,
+            }
+        )
         next_at = trio.current_time()
         for i in range(tokens):
             if interval:
@@ -60,7 +66,11 @@ def app_for(interval: float) -> Any:
                 await trio.sleep_until(next_at)
             data = prefix + _encode(f" tok{i}") + suffix
             await send({"type": "http.response.body", "body": data, "more_body": True})
-        finish = b"data: " + head + b',"choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"length"}]}\n\n'
+        finish = (
+            b"data: "
+            + head
+            + b',"choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"length"}]}\n\n'
+        )
         await send({"type": "http.response.body", "body": finish + b"data: [DONE]\n\n", "more_body": False})
 
     return app

@@ -127,6 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         http=HTTPSettings(
             heartbeat_interval=args.heartbeat_interval or None,
+            stream_interval=args.stream_interval_ms / 1000.0,
             max_body_bytes=args.max_body_bytes,
             max_header_bytes=args.max_header_bytes,
             body_timeout=args.body_timeout or None,
