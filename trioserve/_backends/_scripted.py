@@ -20,6 +20,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import trio
+
 from .._core._backend import (
     ControlOutcome,
     GenerationProgress,
@@ -94,7 +96,10 @@ class ScriptedBackend(ThreadedBackend):
     async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
         refuse_unsupported(request, "scripted")
         if isinstance(request.prompt, str):
-            tokens: Sequence[int] = list(request.prompt.encode())
+            data = request.prompt.encode()
+            if len(data) >= self._info.context_length:
+                return fit_to_context(request, data, self._info.context_length)  # (refused)
+            tokens: Sequence[int] = await _byte_tokens(data)
         else:
             tokens = list(request.prompt)
         return fit_to_context(request, tokens, self._info.context_length)
@@ -102,7 +107,12 @@ class ScriptedBackend(ThreadedBackend):
     async def tokenize_text(
         self, text: str, *, add_special: bool = False, parse_special: bool = True
     ) -> list[int]:
-        return list(text.encode())  # no special tokens: both flags change nothing
+        return await _byte_tokens(text.encode())  # no special tokens: both flags change nothing
+
+    async def count_text_tokens(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> int:
+        return len(text.encode())  # (a copy at memory speed: no list of ints)
 
     async def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
         check_token_ids(tokens, 256)
@@ -207,6 +217,27 @@ def _after_marker(script: Sequence[bytes], markers: ReasoningMarkers, index: int
         if probe.state == "answer":
             return position + 1
     return index
+
+
+#: a text longer than this is made tokens in a worker thread (as the llama backend's
+#: tokenizer does), in slices: each slice's ``list`` is one C call that holds the GIL,
+#: so the event loop gets it back between slices
+_INLINE_TOKEN_BYTES = 64 * 1024
+
+
+async def _byte_tokens(data: bytes) -> list[int]:
+    """``data``'s byte values, the scripted tokenizer's tokens (off the loop when long)."""
+    if len(data) <= _INLINE_TOKEN_BYTES:
+        return list(data)
+    return await trio.to_thread.run_sync(_sliced_tokens, data)
+
+
+def _sliced_tokens(data: bytes) -> list[int]:
+    out: list[int] = []
+    view = memoryview(data)
+    for start in range(0, len(data), _INLINE_TOKEN_BYTES):
+        out += view[start : start + _INLINE_TOKEN_BYTES]
+    return out
 
 
 def _busy_wait(seconds: float, aborted: Callable[[], bool]) -> None:
