@@ -5,6 +5,7 @@ event go out as one event; the first delta and the end are never held (docs/api.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import pytest
@@ -22,7 +23,7 @@ TEXT = "".join(piece.decode() for piece in SCRIPT)
 
 async def content_events(
     url: str, body: dict[str, object], headers: dict[str, str] | None = None
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """The chat chunks of one stream, in order (``[DONE]`` left out)."""
     decoder, chunks = SSEDecoder(), []
     async with (
@@ -35,7 +36,7 @@ async def content_events(
     return chunks
 
 
-def texts(chunks: list[dict]) -> list[str]:
+def texts(chunks: list[dict[str, Any]]) -> list[str]:
     return [c["choices"][0]["delta"]["content"] for c in chunks if c["choices"][0]["delta"].get("content")]
 
 
@@ -87,7 +88,7 @@ async def test_a_deadline_sends_the_held_text_before_the_final_event() -> None:
 def test_the_flag_takes_milliseconds_and_names_itself_when_refused(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from trioserve._cli import _parser
+    from trioserve._cli._parser import parser as _parser
 
     assert _parser().parse_args(["serve", "--scripted"]).stream_interval_ms == 0
     assert _parser().parse_args(["serve", "--stream-interval-ms", "50"]).stream_interval_ms == 50
