@@ -17,14 +17,19 @@ __all__ = ["tiny_lora"]
 _TARGETS = ("attn_q", "attn_v")
 
 
-def tiny_lora(seed: int, *, rank: int = 8, alpha: float = 16.0, amplitude: float = 0.04) -> Path:
+def tiny_lora(
+    seed: int, *, rank: int = 8, alpha: float = 16.0, amplitude: float = 0.04, wider: int = 0
+) -> Path:
     """The path of a LoRA adapter of the default model with random A and B matrices
     (``seed``), for every layer's query and value projections: its greedy text differs
-    from the base model's."""
+    from the base model's. ``wider``: its A matrices take that many more inputs than the
+    model's (an adapter of another base: llama.cpp refuses its shapes)."""
     import gguf
 
     source = default_model_path(progress=False)
     recipe = f"{source.stat().st_size}:{source.name}:lora:{seed}:{rank}:{alpha}:{amplitude}:{_TARGETS}:v1"
+    if wider:
+        recipe += f":wider{wider}"
     digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
     target = source.parent / "test-models" / f"{source.stem}-lora-{seed}-{digest}.gguf"
     if target.is_file():
@@ -44,6 +49,7 @@ def tiny_lora(seed: int, *, rank: int = 8, alpha: float = 16.0, amplitude: float
         if not tensor.name.endswith(".weight") or stem.rsplit(".", 1)[-1] not in _TARGETS:
             continue
         n_in, n_out = (int(d) for d in tensor.shape)  # (ggml's order: ne[0] is the input)
+        n_in += wider
         a = (rng.standard_normal((rank, n_in)) * amplitude).astype(numpy.float32)
         b = (rng.standard_normal((n_out, rank)) * amplitude).astype(numpy.float32)
         writer.add_tensor(f"{tensor.name}.lora_a", a)

@@ -432,7 +432,7 @@ def finish_reason(data: bytes) -> str | None:
 #: queue (docs/scheduling.md, "The order of checks"): at capacity they are a 429
 #: ``overloaded`` — a true answer, and the one that keeps a flood of malformed requests
 #: from costing a parse each. (Tests of each 400 on an idle server:
-#: tests/test_openai_validation.py.) ``invalid-utf8`` is one of them: the peek decodes only
+#: tests/unit/wire/test_openai_validation.py.) ``invalid-utf8`` is one of them: the peek decodes only
 #: ``model`` and ``priority``, and msgspec skips the other fields' strings unread.
 PAST_ADMISSION = frozenset(
     {

@@ -399,6 +399,7 @@ def _app_routes(server: RunningServer) -> set[tuple[str, str]]:
     from trioserve._http._replay import STREAM_PATH
     from trioserve._http._rerank import RERANK_PATHS
     from trioserve._http._routes import _create_quart_app
+    from trioserve._http._transcriptions import SPEECH_PATH, TRANSCRIPTIONS_PATH
 
     quart = _create_quart_app(server.server.state, server.server.access)
     routes = {
@@ -408,7 +409,15 @@ def _app_routes(server: RunningServer) -> set[tuple[str, str]]:
         if method not in ("HEAD", "OPTIONS")  # (they follow their route's rule)
     }
     asgi = {
-        ("POST", path) for path in (*GENERATION_PATHS, EMBEDDINGS_PATH, *RERANK_PATHS, *OLLAMA_ASGI_PATHS)
+        ("POST", path)
+        for path in (
+            *GENERATION_PATHS,
+            EMBEDDINGS_PATH,
+            *RERANK_PATHS,
+            *OLLAMA_ASGI_PATHS,
+            TRANSCRIPTIONS_PATH,
+            SPEECH_PATH,
+        )
     }
     return routes | asgi | {("GET", STREAM_PATH)}
 

@@ -25,7 +25,7 @@ MSGS = "/v1/messages"
 TOK, DETOK = "/tokenize", "/detokenize"
 #: arrays nested 50,000 deep: every JSON reader that recurses would fail on it (left
 #: open: closed, it would be over the rows' body limit; a reader recurses as deep either
-#: way before it finds the end; tests/test_dialects.py sends closed ones)
+#: way before it finds the end; tests/unit/wire/test_dialects.py sends closed ones)
 DEEP = b"[" * 50_000
 HI = [{"role": "user", "content": "hi"}]
 

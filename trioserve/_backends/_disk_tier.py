@@ -12,12 +12,54 @@ import threading
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ._disk_format import CRC, HEAD, MAGIC, PIECE, DiskEntry, chain, read_header, salt_tag
 
-if TYPE_CHECKING:
-    from ._disk_cache import DiskStore
+
+class DiskStore(Protocol):
+    """What a tier reads and asks of the :class:`~._disk_cache.DiskStore` it belongs to
+    (its budget and counters, the write queue, quarantine): a protocol, so that the
+    tier names no class of the module that makes it."""
+
+    @property
+    def budget(self) -> int: ...
+
+    @property
+    def held_bytes(self) -> int: ...
+
+    @property
+    def writes(self) -> int: ...
+
+    @property
+    def write_bytes(self) -> int: ...
+
+    @property
+    def dropped_writes(self) -> int: ...
+
+    @property
+    def failed_writes(self) -> int: ...
+
+    @property
+    def pending_writes(self) -> int: ...
+
+    @property
+    def evictions(self) -> int: ...
+
+    @property
+    def bad_entries(self) -> int: ...
+
+    @property
+    def failing(self) -> str | None: ...
+
+    def flush(self, timeout: float | None = None) -> bool: ...
+
+    def quarantine(self, path: Path, why: str) -> None: ...
+
+    def submit(
+        self, tier: DiskTier, tokens: tuple[int, ...], cuts: list[int], start: int, tag: str, state: Any
+    ) -> bool: ...
+
 
 __all__ = ["DiskTier"]
 

@@ -40,16 +40,15 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy
 import trio
 
 from .._core._channel import Aborted
 from .._core._exceptions import BackendError, InvalidRequestError
-
-if TYPE_CHECKING:
-    from ._llama._model import LlamaModel  # (not the face: it imports this module)
+from ._aborting import make_abort_callback
+from ._model_view import ModelView
 
 logger = logging.getLogger("trioserve.embeddings")
 
@@ -162,13 +161,12 @@ class EmbeddingContext:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: ModelView,
         *,
         pooling: Pooling | None = None,
         turns: CpuTurns | None = None,
         abort_flag: ctypes.c_ubyte | None = None,
     ) -> None:
-        from ._llama._native import make_abort_callback  # (not the face: it imports this module)
 
         #: the cores' turns, shared with the model's generation scheduler
         self.turns = turns if turns is not None else CpuTurns()
@@ -246,7 +244,7 @@ class EmbeddingContext:
             f", each on {self.tile}-row tiles, calls of {self.floor} rows or more" if self.tile else "",
         )
 
-    def _exact_layout(self, model: LlamaModel) -> tuple[int, int, int]:
+    def _exact_layout(self, model: ModelView) -> tuple[int, int, int]:
         """``(width, tile, floor)``: the widest call (≤ :data:`MAX_SEQUENCES` inputs)
         whose every vector equals its lone evaluation's bit for bit, with the first of
         :data:`LAYOUTS` that reaches it; ``(1, 0, 0)`` — one input per call, unpadded —
@@ -287,7 +285,7 @@ class EmbeddingContext:
         rows = -(-len(item) // tile) * tile
         return rows if rows <= self.n_batch else len(item)
 
-    def _create(self, model: LlamaModel, pooling: int, sequences: int = 1) -> Any:
+    def _create(self, model: ModelView, pooling: int, sequences: int = 1) -> Any:
         lib = self.lib
         settings = model.settings
         params = lib.llama_context_default_params()
@@ -304,7 +302,10 @@ class EmbeddingContext:
             # flash attention off: its KV blocks split an input's cells differently
             # at another offset in the call, so no cheap layout is exact with it
             params.flash_attn_type = 0
-        ctx = lib.llama_init_from_model(model.model, params)
+        # (under the cores' turn: a context copies the model's LoRA adapter list, which
+        # a run-time adapter load changes under the same turn — docs/lora.md)
+        with self.turns.turn():
+            ctx = lib.llama_init_from_model(model.model, params)
         if not ctx:
             raise BackendError(f"llama.cpp could not create an embedding context of {self.n_batch} tokens")
         return ctx
@@ -421,17 +422,17 @@ class Embedder[C]:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: ModelView,
         pooling: Pooling | None = None,
         *,
         turns: CpuTurns | None = None,
-        make: Callable[[LlamaModel, CpuTurns, ctypes.c_ubyte], C] | None = None,
+        make: Callable[[ModelView, CpuTurns, ctypes.c_ubyte], C] | None = None,
     ) -> None:
         self._model = model
         self._pooling: Pooling | None = pooling
         if make is None:
 
-            def make(model: LlamaModel, turns: CpuTurns, flag: ctypes.c_ubyte) -> C:
+            def make(model: ModelView, turns: CpuTurns, flag: ctypes.c_ubyte) -> C:
                 return EmbeddingContext(  # type: ignore[return-value]
                     model, pooling=pooling, turns=turns, abort_flag=flag
                 )

@@ -13,14 +13,16 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import trio
 
 from .._core._backend import Ranking
 from .._core._channel import Aborted
 from .._core._exceptions import BackendError, InvalidRequestError
+from ._aborting import make_abort_callback
 from ._embeddings import CpuTurns, Embedder, EmbeddingContext
+from ._model_view import ModelView
 from ._rerank_layout import (
     DEFAULT_INSTRUCTION,
     DEFAULT_TEMPLATE,
@@ -32,15 +34,12 @@ from ._rerank_layout import (
     yes_probability,
 )
 
-if TYPE_CHECKING:
-    from ._llama._model import LlamaModel
-
 logger = logging.getLogger("trioserve.rerank")
 
 __all__ = ["Reranker", "YesNoContext", "reranker_kind"]
 
 
-def reranker_kind(model: LlamaModel) -> RerankKind | None:
+def reranker_kind(model: ModelView) -> RerankKind | None:
     """What reranking the model can do: a GGUF with rank pooling is a cross-encoder;
     a generative model its settings name ``yes-no``; otherwise none."""
     pooling = model.meta(f"{model.architecture}.pooling_type")
@@ -57,8 +56,7 @@ class YesNoContext:
     copied), its last row's logits read for "yes" and "no". One document per call: a
     score never depends on the other documents (docs/rerank.md, "Exactness")."""
 
-    def __init__(self, model: LlamaModel, turns: CpuTurns, abort_flag: ctypes.c_ubyte | None = None) -> None:
-        from ._llama._native import make_abort_callback
+    def __init__(self, model: ModelView, turns: CpuTurns, abort_flag: ctypes.c_ubyte | None = None) -> None:
 
         lib = model.lib
         self.lib = lib
@@ -73,7 +71,8 @@ class YesNoContext:
         params.n_threads = model.settings.n_threads
         params.n_threads_batch = model.settings.n_threads
         params.kv_unified = True  # sequence 1 shares sequence 0's cells
-        ctx = lib.llama_init_from_model(model.model, params)
+        with turns.turn():  # (a LoRA load changes the model's adapter list under it)
+            ctx = lib.llama_init_from_model(model.model, params)
         if not ctx:
             raise BackendError(f"llama.cpp could not create a reranking context of {self.n_batch} tokens")
         self.ctx = ctx
@@ -156,7 +155,7 @@ class Reranker:
     """A model's reranking (``kind`` ``None``: it cannot rerank): the limits, the
     layout, and the context run through an :class:`Embedder`."""
 
-    def __init__(self, model: LlamaModel, turns: CpuTurns) -> None:
+    def __init__(self, model: ModelView, turns: CpuTurns) -> None:
         self._model = model
         self.kind: RerankKind | None = reranker_kind(model)
         self.score: Literal["logit", "probability"] = "probability"

@@ -30,8 +30,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from .._core._exceptions import BackendError, InvalidRequestError
+from .._core._media import AudioClip
+from ._aborting import LoadAborted
+from ._audio import check_seconds
 
-__all__ = ["ImageSpan", "Projector", "VisionPrompt", "decode_bytes", "find_projector"]
+__all__ = ["ImageSpan", "Projector", "VisionPrompt", "check_media_support", "decode_bytes", "find_projector"]
 
 logger = logging.getLogger("trioserve.vision")
 
@@ -53,6 +56,8 @@ class ImageSpan:
     length: int
     #: the chunk's index in :attr:`VisionPrompt.chunks`
     chunk: int
+    #: an audio chunk (docs/audio.md: 30 seconds of a clip), not an image
+    audio: bool = False
 
     @property
     def end(self) -> int:
@@ -83,7 +88,7 @@ class VisionPrompt:
 
     @property
     def image_tokens(self) -> int:
-        return sum(span.length for span in self.spans)
+        return sum(span.length for span in self.spans if not span.audio)
 
 
 def decode_bytes(pixels: Sequence[int]) -> int:
@@ -93,6 +98,28 @@ def decode_bytes(pixels: Sequence[int]) -> int:
     if not pixels:
         return 0
     return HELD_PER_PIXEL * sum(pixels) + DECODING_PER_PIXEL * max(pixels)
+
+
+def check_media_support(projector: Projector | None, model_id: str, media: Sequence[object]) -> None:
+    """A 400 for media the model cannot read: images without a vision projector
+    (``images_not_supported``), audio without an audio one (``audio_not_supported``)."""
+    audio = any(isinstance(m, AudioClip) for m in media)
+    images = any(not isinstance(m, AudioClip) for m in media)
+    if audio and (projector is None or not projector.audio):
+        raise InvalidRequestError(
+            f"the model {model_id!r} does not take audio: it has no audio projector (serve it with "
+            "--mmproj FILE of an audio model — Ultravox, Voxtral, Qwen2-Audio… — or a preset's mmproj "
+            "key); send text only",
+            param="messages",
+            code="audio_not_supported",
+        )
+    if images and (projector is None or not projector.vision):
+        raise InvalidRequestError(
+            f"the model {model_id!r} does not take images: it has no vision projector "
+            "(serve it with --mmproj FILE, or a preset's mmproj key); send text only",
+            param="messages",
+            code="images_not_supported",
+        )
 
 
 def find_projector(model_path: Path) -> Path | None:
@@ -171,23 +198,28 @@ class Projector:
         self.ctx = mtmd_cpp.mtmd_init_from_file(str(path).encode(), model, params)
         if not self.ctx:
             if abort is not None and abort.is_set():
-                from ._llama._native import LoadAborted
-
                 raise LoadAborted(f"the load of {path} was aborted")
             raise BackendError(f"libmtmd could not load the projector {path} for this model")
+        #: what it encodes: images, audio (docs/audio.md), or both
+        self.vision = bool(mtmd_cpp.mtmd_support_vision(self.ctx))
+        self.audio = bool(mtmd_cpp.mtmd_support_audio(self.ctx))
+        #: the sample rate libmtmd resamples clips to (Hz; 0: no audio)
+        self.sample_rate = max(0, int(mtmd_cpp.mtmd_get_audio_sample_rate(self.ctx))) if self.audio else 0
         try:
-            if not mtmd_cpp.mtmd_support_vision(self.ctx):
-                raise BackendError(f"{path} is not a vision projector (libmtmd: no image input)")
+            if not (self.vision or self.audio):
+                raise BackendError(f"{path} is neither a vision nor an audio projector (libmtmd: no input)")
             if mtmd_cpp.mtmd_decode_use_mrope(self.ctx):
                 raise BackendError(
-                    f"{path} places image tokens with M-RoPE (Qwen2-VL and kin), which trioserve does not "
-                    "support yet (docs/vision.md)"
+                    f"{path} places media tokens with M-RoPE (Qwen2-VL, Qwen2.5-Omni and kin), which "
+                    "trioserve does not support yet (docs/vision.md)"
                 )
         except BaseException:
             self.free()
             raise
         #: gemma3 and kin attend inside an image both ways: its cells in one call
-        self.non_causal = bool(mtmd_cpp.mtmd_decode_use_non_causal(self.ctx, None))
+        #: (an audio chunk never: its attention is causal — libmtmd's own answer for
+        #: every audio projector; the executor asks only for images)
+        self.non_causal = self.vision and bool(mtmd_cpp.mtmd_decode_use_non_causal(self.ctx, None))
         #: images encoded, and encodes the abort flag stopped
         self.encodes = 0
         self.aborted_encodes = 0
@@ -249,34 +281,42 @@ class Projector:
     def tokenize(
         self,
         pieces: Sequence[str | int],
-        images: Sequence[bytes],
+        images: Sequence[bytes | AudioClip],
         pixels: Mapping[int, int],
         *,
         add_bos: bool,
         param: str = "messages",
         check: Callable[[], None] = lambda: None,
+        max_audio_seconds: int = 0,
     ) -> VisionPrompt:
-        """``pieces`` (text, and image indices into ``images``) as a :class:`VisionPrompt`
-        (blocking: each image is decoded; a worker thread's work, inside the request's
-        share of the decode budget). ``pixels``: each image's, measured by
+        """``pieces`` (text, and media indices into ``images``) as a :class:`VisionPrompt`
+        (blocking: each image or clip is decoded; a worker thread's work, inside the
+        request's share of the decode budget). ``pixels``: each image's, measured by
         :meth:`measure`; ``check``: called before each decode (raises to stop: the
-        request was cancelled)."""
+        request was cancelled); ``max_audio_seconds``: a clip's decoded length's limit."""
         mtmd = self.mtmd
         parts: list[str] = []
         bitmaps: list[Any] = []
         digests: list[bytes] = []
+        clips: dict[bytes, bytes] = {}
         made: dict[int, tuple[Any, bytes]] = {}
         try:
             for piece in pieces:
                 if isinstance(piece, str):
                     parts.append(piece)
                     continue
+                medium = images[piece]
                 if piece not in made:
                     check()
-                    made[piece] = self._bitmap(images[piece], f"{param} (image {piece})", pixels[piece])
+                    if isinstance(medium, AudioClip):
+                        made[piece] = self._audio_bitmap(medium, piece, max_audio_seconds)
+                        clips[f"trioserve-audio-{piece}".encode()] = made[piece][1]
+                    else:
+                        made[piece] = self._bitmap(medium, f"{param} (image {piece})", pixels[piece])
                 bitmap, digest = made[piece]
                 bitmaps.append(bitmap)
-                digests.append(digest)
+                if not isinstance(medium, AudioClip):
+                    digests.append(digest)
                 parts.append(self.marker)
             text = "".join(parts).encode()
             handle = mtmd.mtmd_input_chunks_init()
@@ -291,11 +331,51 @@ class Projector:
                 mtmd.mtmd_bitmap_free(bitmap)
         if rc != 0:
             raise InvalidRequestError(
-                f"libmtmd could not lay out this prompt's {len(bitmaps)} image(s) (mtmd_tokenize: {rc})",
+                f"libmtmd could not lay out this prompt's {len(bitmaps)} image(s) or clip(s) "
+                f"(mtmd_tokenize: {rc})",
                 param=param,
                 code="invalid_image",
             )
-        return self._lay_out(chunks, digests)
+        return self._lay_out(chunks, digests, clips)
+
+    def _audio_bitmap(self, clip: AudioClip, piece: int, max_seconds: int) -> tuple[Any, bytes]:
+        """One clip decoded by libmtmd's helper (miniaudio: resampled to the projector's
+        rate, mono f32), its decoded length checked, and its digest: of its samples,
+        read in place. Its id names the piece, so its chunks can be told from the next
+        clip's (``_lay_out``)."""
+        mtmd = self.mtmd
+        if not self.audio:
+            raise InvalidRequestError(
+                f"{self.path.name} encodes images only; this model takes no audio (serve it with an "
+                "audio projector: --mmproj FILE)",
+                param=clip.param,
+                code="audio_not_supported",
+            )
+        buffer = ctypes.cast(ctypes.c_char_p(clip.data), ctypes.POINTER(ctypes.c_uint8))
+        bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, cast("Any", buffer), len(clip.data), False)
+        if not bitmap:
+            raise InvalidRequestError(
+                f"the audio clip could not be decoded as {clip.format} (libmtmd: miniaudio)",
+                param=clip.param,
+                code="invalid_audio",
+            )
+        try:
+            if not mtmd.mtmd_bitmap_is_audio(bitmap):  # (its signature was checked: never)
+                raise InvalidRequestError("the audio clip was read as an image", param=clip.param)
+            n = mtmd.mtmd_bitmap_get_n_bytes(bitmap)
+            seconds = n / 4 / max(1, self.sample_rate)
+            if max_seconds:
+                check_seconds(seconds, max_seconds, clip.param)
+            view = memoryview(
+                ctypes.cast(mtmd.mtmd_bitmap_get_data(bitmap), ctypes.POINTER(ctypes.c_uint8 * n)).contents
+            )
+            digest = hashlib.blake2b(view, digest_size=32, person=b"trioserve-audio")
+            digest.update(f"|{self.sample_rate}".encode())
+            mtmd.mtmd_bitmap_set_id(bitmap, f"trioserve-audio-{piece}".encode())
+        except BaseException:
+            mtmd.mtmd_bitmap_free(bitmap)
+            raise
+        return bitmap, digest.digest()
 
     def _bitmap(self, data: bytes, what: str, pixels: int) -> tuple[Any, bytes]:
         """One image decoded (``pixels``: what its header declared), and its digest: of
@@ -327,12 +407,14 @@ class Projector:
         digest.update(f"|{nx}x{ny}".encode())
         return bitmap, digest.digest()
 
-    def _lay_out(self, chunks: _Chunks, digests: list[bytes]) -> VisionPrompt:
+    def _lay_out(self, chunks: _Chunks, digests: list[bytes], clips: Mapping[bytes, bytes]) -> VisionPrompt:
         mtmd = self.mtmd
         tokens: list[int] = []
         spans: list[ImageSpan] = []
         n = mtmd.mtmd_input_chunks_size(chunks.handle)
         images = iter(digests)
+        #: the clip the last chunk was of, and that chunk's index in it
+        clip, part = b"", 0
         for index in range(n):
             chunk = chunks.get(index)
             kind = mtmd.mtmd_input_chunk_get_type(chunk)
@@ -340,10 +422,24 @@ class Projector:
                 count = ctypes.c_size_t()
                 ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
                 tokens.extend(ids[i] for i in range(count.value))
+                clip = b""
+                continue
+            length = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
+            if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
+                # a clip is one chunk per 30 seconds begun: each chunk's ids from the
+                # clip's samples and the chunk's index in it
+                named = mtmd.mtmd_input_chunk_get_id(chunk) or b""
+                part = part + 1 if named == clip else 0
+                clip = named
+                digest = hashlib.blake2b(part.to_bytes(4, "little"), key=clips[named][:64]).digest()
+                spans.append(ImageSpan(len(tokens), length, index, audio=True))
+                tokens.extend(self.placeholders(digest, length))
                 continue
             if kind != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-                raise InvalidRequestError("this server takes images only (no audio)", param="messages")
-            length = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
+                raise InvalidRequestError(
+                    f"libmtmd laid out a chunk of unknown type {kind}", param="messages"
+                )
+            clip = b""
             spans.append(ImageSpan(len(tokens), length, index))
             tokens.extend(self.placeholders(next(images), length))
         return VisionPrompt(tokens, tuple(spans), chunks)

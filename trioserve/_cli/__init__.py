@@ -170,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_batch_choices=args.max_batch_choices,
                 max_images=args.max_images,
                 max_image_bytes=args.max_image_bytes,
+                max_audio_parts=args.max_audio_parts,
+                max_audio_bytes=args.max_audio_bytes,
             ),
         ),
     )

@@ -59,7 +59,9 @@ PRESET_KEYS = {
     "rerank_template": "--rerank-template",
     "mmproj": "--mmproj",
     "lora": "--lora",
+    "lora_max": "--lora-max",
     "max_image_tokens": "--max-image-tokens",
+    "max_audio_seconds": "--max-audio-seconds",
 }
 
 
@@ -91,7 +93,9 @@ PRESET_TYPES: dict[str, tuple[type, ...]] = {
     "rerank_template": (str,),
     "mmproj": (str,),
     "lora": (dict,),
+    "lora_max": (int,),
     "max_image_tokens": (int,),
+    "max_audio_seconds": (int,),
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "cache_type_k": tuple(KV_CACHE_TYPES),
@@ -312,7 +316,9 @@ def _settings(
         rerank_template=get("rerank_template", args.rerank_template),
         mmproj=get("mmproj", projector),
         lora=_lora_table(get("lora", None), args.lora),
+        lora_max=int(get("lora_max", args.lora_max)),
         max_image_tokens=int(get("max_image_tokens", args.max_image_tokens)),
+        max_audio_seconds=int(get("max_audio_seconds", args.max_audio_seconds)),
         image_budget=image_budget or ImageBudget(args.image_decode_budget << 20),
     )
 

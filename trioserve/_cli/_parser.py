@@ -129,12 +129,12 @@ def _model(serve: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--swa-full",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help="a sliding-window model's window layers keep every cell, so any cached prefix is "
-        "reusable from the cells alone, at every cell's memory and attention cost; the default "
-        "(--no-swa-full, llama-server's) keeps about the window: a fraction of the KV memory, "
-        "faster long prompts, reuse where the window cells reach or from a checkpoint of them "
-        "(--ctx-checkpoints) (docs/prompt-cache.md, 'Window layers')",
+        "reusable exactly, at every cell's memory and attention cost (default: on); "
+        "--no-swa-full (llama-server's default) keeps about the window: a fraction of the KV "
+        "memory, faster long prompts, reuse where the window cells reach or from a checkpoint "
+        "of them (--ctx-checkpoints), not bit-exact (docs/prompt-cache.md, 'Window layers')",
     )
     group.add_argument(
         "--ctx-checkpoints",
@@ -198,6 +198,14 @@ def _model(serve: argparse.ArgumentParser) -> None:
         "request names it without one (docs/lora.md); with several models, a preset's lora table",
     )
     group.add_argument(
+        "--lora-max",
+        type=int,
+        default=16,
+        metavar="N",
+        help="the most LoRA adapters a model may hold, loaded at start or at run time "
+        "(POST /v1/load_lora_adapter; default: 16)",
+    )
+    group.add_argument(
         "--mmproj",
         default=None,
         metavar="FILE",
@@ -211,6 +219,13 @@ def _model(serve: argparse.ArgumentParser) -> None:
         default=4096,
         metavar="N",
         help="the most image tokens one request's prompt may hold (default: 4096)",
+    )
+    group.add_argument(
+        "--max-audio-seconds",
+        type=_positive_int,
+        default=600,
+        metavar="SECONDS",
+        help="the longest audio clip a request may hold (docs/audio.md; default: 600)",
     )
     group.add_argument(
         "--scripted",
@@ -490,6 +505,7 @@ _REQUEST_LIMITS = (
     ("--max-content-parts", "content parts (blocks) of all of a request's messages"),
     ("--max-batch-choices", "/v1/completions: prompts x n per request"),
     ("--max-images", "images per request (docs/vision.md)"),
+    ("--max-audio-parts", "audio parts (input_audio) per request (docs/audio.md)"),
 )
 
 
@@ -552,6 +568,14 @@ def _media(serve: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="the largest image, decoded from a data URL or fetched (default: 20 MiB; a data URL "
         "also counts toward --max-body-bytes)",
+    )
+    group.add_argument(
+        "--max-audio-bytes",
+        type=_positive_int,
+        default=25 << 20,
+        metavar="BYTES",
+        help="the largest audio clip, base64-decoded or uploaded (docs/audio.md; default: 25 MiB, "
+        "OpenAI's; a clip sent inline also counts toward --max-body-bytes)",
     )
     group.add_argument(
         "--image-decode-budget",

@@ -94,6 +94,8 @@ class ModelInfo:
     generates: bool = True
     #: it takes images (a vision projector is loaded with it: docs/vision.md)
     vision: bool = False
+    #: it takes audio (an audio projector is loaded with it: docs/audio.md)
+    audio: bool = False
     #: its LoRA adapters, ``(name, default scale, file)`` in their ``id`` order
     #: (docs/lora.md)
     adapters: tuple[tuple[str, float, str], ...] = ()
@@ -364,6 +366,37 @@ class Backend(ABC):
         """What the backend runs on, for ``/health`` (the llama backend: llama.cpp's
         system info and whether weights were repacked, and why). Default: none."""
         return None
+
+    # LoRA adapters at run time (``POST /v1/load_lora_adapter`` and its kin:
+    # docs/lora.md): optional. The defaults answer 501.
+
+    async def load_adapter(
+        self, name: str, path: str, *, scale: float = 1.0, check_room: Callable[[int], None] | None = None
+    ) -> None:
+        """Load the LoRA adapter file at ``path`` (on the server) as ``name``;
+        ``check_room(bytes)`` raises if its file does not fit the model's memory.
+        Cancellation: before the file is read, nothing is loaded; after, it is freed."""
+        raise NotSupportedError(
+            f"this server's backend ({type(self).__name__}) loads no LoRA adapters", code="no_lora"
+        )
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload ``name``: requests can no longer name it; streams using it finish."""
+        raise NotSupportedError(
+            f"this server's backend ({type(self).__name__}) loads no LoRA adapters", code="no_lora"
+        )
+
+    def set_adapter_scales(self, scales: Sequence[tuple[int, float]]) -> None:
+        """Set adapters' default scales by id (llama-server's ``POST /lora-adapters``)."""
+        raise NotSupportedError(
+            f"this server's backend ({type(self).__name__}) has no LoRA adapters", code="no_lora"
+        )
+
+    @property
+    def adapter_bytes(self) -> int:
+        """Bytes of the adapter files loaded at run time (the model's memory budget
+        counts them)."""
+        return 0
 
     # Tokenizing (``POST /tokenize``, ``POST /detokenize``): optional. A backend without
     # a tokenizer keeps these defaults, which answer 501 (:class:`NotSupportedError`).

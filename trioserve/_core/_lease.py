@@ -6,14 +6,35 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import trio
 
-    from ._admission import Admission
-
 __all__ = ["DEFAULT_TICKET", "PauseBudget", "Reservation", "SlotLease", "Ticket", "unbounded_pause_budget"]
+
+
+class Admitting(Protocol):
+    """What a lease or a reservation changes in the :class:`~._admission.Admission`
+    that handed it out (its counters, its queue, its grants): a protocol, so that the
+    lease names no class of the module that imports it."""
+
+    queued: int
+    reserved: int
+    paused: int
+    parked: int
+    _pausing: int
+
+    @property
+    def pause_budget(self) -> PauseBudget: ...
+
+    def _give_back(self, lease: SlotLease) -> None: ...
+
+    def _grant(self) -> None: ...
+
+    def _enqueue(self, lease: SlotLease) -> Any: ...  # (its waiter)
+
+    async def _wait(self, waiter: Any) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,7 +107,7 @@ class Reservation:
 
     __slots__ = ("_admission", "released")
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admitting) -> None:
         self._admission = admission
         self.released = False
 
@@ -140,7 +161,7 @@ class SlotLease:
         "yielding",
     )
 
-    def __init__(self, admission: Admission, count: int = 1, ticket: Ticket = DEFAULT_TICKET) -> None:
+    def __init__(self, admission: Admitting, count: int = 1, ticket: Ticket = DEFAULT_TICKET) -> None:
         self._admission = admission
         self.count = count
         self.ticket = ticket

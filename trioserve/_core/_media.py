@@ -23,8 +23,11 @@ from dataclasses import dataclass
 import trio
 
 __all__ = [
+    "AUDIO_FORMATS",
     "DEFAULT_IMAGE_BUDGET_BYTES",
+    "AudioClip",
     "ImageBudget",
+    "Media",
     "RemoteImage",
     "default_image_budget",
     "image_marker",
@@ -44,6 +47,24 @@ class RemoteImage:
 
     url: str
     param: str
+
+
+#: the audio formats a clip may be in (libmtmd's helper decodes them: miniaudio)
+AUDIO_FORMATS = ("wav", "mp3", "flac")
+
+
+@dataclass(frozen=True, slots=True)
+class AudioClip:
+    """An audio clip in a prompt (docs/audio.md): an encoded file of ``format`` (one of
+    :data:`AUDIO_FORMATS`, its signature checked), named by the field it came in."""
+
+    data: bytes
+    format: str
+    param: str = "messages"
+
+
+#: one of a request's media: an encoded image, an image URL to fetch, an audio clip
+type Media = bytes | RemoteImage | AudioClip
 
 
 def image_marker(index: int) -> str:

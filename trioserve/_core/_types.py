@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ._media import RemoteImage
+from ._media import Media
 
 __all__ = [
     "SAMPLER_NAMES",
@@ -183,8 +183,9 @@ class GenerationRequest:
     first_token_timeout: float | None = None
     #: the images the prompt's markers name (``_core/_media.py``: ``image_marker(k)`` in
     #: the text stands for ``images[k]``): encoded image files (PNG, JPEG, …), or a
-    #: :class:`RemoteImage` the server fetches before preparing (docs/vision.md)
-    images: tuple[bytes | RemoteImage, ...] = ()
+    #: :class:`RemoteImage` the server fetches before preparing (docs/vision.md), or an
+    #: :class:`AudioClip` (docs/audio.md)
+    images: tuple[Media, ...] = ()
     #: the model reasons before it answers (``None``: it does not, or not here — a
     #: constrained answer never does): its markers, for ending the reasoning on request
     reasoning: ReasoningMarkers | None = None

@@ -40,8 +40,20 @@ ASGIApp = Callable[
 #: without a valid key); every other path needs a key
 OPEN_PATHS = frozenset({"/", "/health", "/openapi.json"})
 #: paths that change a model's lifetime for every client, or the models served (Ollama's
-#: create, copy, delete and blob uploads): an admin key's (not for GET)
-ADMIN_PATHS = frozenset({"/models/load", "/models/unload", "/api/create", "/api/copy", "/api/delete"})
+#: create, copy, delete and blob uploads; LoRA adapters loaded, unloaded, rescaled at run
+#: time from a path on the server): an admin key's (not for GET)
+ADMIN_PATHS = frozenset(
+    {
+        "/models/load",
+        "/models/unload",
+        "/api/create",
+        "/api/copy",
+        "/api/delete",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/lora-adapters",
+    }
+)
 #: paths under which every route is an admin's (not for GET): Ollama's blobs
 ADMIN_PREFIXES = ("/api/blobs/",)
 

@@ -23,6 +23,7 @@ ENDPOINTS: dict[Kind, str] = {
     "responses": "/v1/responses",
     "ollama_chat": "/api/chat",
     "ollama_generate": "/api/generate",
+    "transcription": "/v1/audio/transcriptions",
 }
 
 

@@ -31,7 +31,7 @@ import trio
 
 from .._core._errors import unwrap_group
 from .._core._exceptions import InvalidRequestError
-from .._core._media import RemoteImage
+from .._core._media import Media, RemoteImage
 
 __all__ = ["FetchPolicy", "address_rule", "fetch", "parse_allow", "read_local", "resolve_images"]
 
@@ -281,13 +281,11 @@ async def _read_capped(chunks: object, limit: int, param: str) -> bytes:
     return bytes(body)
 
 
-async def resolve_images(
-    images: Sequence[bytes | RemoteImage], policy: FetchPolicy
-) -> tuple[bytes | RemoteImage, ...]:
+async def resolve_images(images: Sequence[Media], policy: FetchPolicy) -> tuple[Media, ...]:
     """A request's images with every URL replaced by its bytes: remote ones fetched
     (:func:`fetch`) and local ones read (:func:`read_local`), all at once, inside the
     caller's cancel scope. The first refusal cancels the others and is raised."""
-    out: list[bytes | RemoteImage] = list(images)
+    out: list[Media] = list(images)
 
     async def get(index: int, image: RemoteImage) -> None:
         if image.url.lower().startswith("file:"):

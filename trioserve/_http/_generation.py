@@ -114,6 +114,7 @@ GENERATION_PATHS: dict[str, Kind] = {
 
 #: each generation route's dialect, picked once per request at the route
 _SPECS: dict[Kind, DialectSpec] = {kind: SPECS[path] for path, kind in GENERATION_PATHS.items()}
+_SPECS["transcription"] = SPECS["/v1/audio/transcriptions"]  # (reached through its form's reader)
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -279,7 +280,9 @@ class GenerationHandler:
         state = self.state
         scope = request.asgi
         _check_content_type(scope)
-        body = await _read_body(scope, receive, state.settings.max_body_bytes, state.settings.body_timeout)
+        # (a transcription's form, read and bounded already: its own limit)
+        limit = scope.get("trioserve.body_limit", state.settings.max_body_bytes)
+        body = await _read_body(scope, receive, limit, state.settings.body_timeout)
         # which model: refused (404, 503 shutting down) before any work
         # (a large body's depth check and decode: off the event loop)
         large = len(body) > INLINE_PARSE_BYTES
@@ -738,7 +741,8 @@ class GenerationHandler:
         request.advance(Phase.QUEUED)
         # a server at capacity refuses before tokenizing or compiling a constraint
         engine.admission.check()
-        if any(g.images for g in generations) and engine.backend.info.vision:
+        info = engine.backend.info
+        if any(g.images for g in generations) and (info.vision or info.audio):
             # image URLs fetched, local files read: inside the request's scope (a client
             # that leaves cancels them), before the prompt is laid out (docs/vision.md);
             # never for a model that cannot see them (its prepare refuses them). Its

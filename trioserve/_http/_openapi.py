@@ -25,6 +25,7 @@ from .._wire._anthropic import CountTokensRequest, MessagesRequest
 from .._wire._control import ChatControlRequest, ControlAnswer, RequestControlRequest
 from .._wire._embeddings import EmbeddingsRequest
 from .._wire._infill import InfillRequest
+from .._wire._lora import LoadLoraRequest, LoraScale, LoraScalesSet, UnloadLoraRequest
 from .._wire._models import RouterModelRequest
 from .._wire._ollama import OllamaChatRequest, OllamaGenerateRequest
 from .._wire._openai import ChatCompletionRequest, CompletionRequest
@@ -36,6 +37,7 @@ from ._access import AccessPolicy
 __all__ = ["OPERATIONS", "Operation", "Param", "needs_key", "openapi_document", "openapi_path"]
 
 JSON = "application/json"
+TEXT = "text/plain; charset=utf-8"
 SSE = "text/event-stream"
 NDJSON = "application/x-ndjson"
 
@@ -178,6 +180,16 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         stream=True, errors=_RUN, params=_HEADERS,
     ),
     # retrieval
+    # audio (docs/audio.md): a multipart form (file, model, prompt, language, temperature,
+    # response_format, stream), not JSON
+    ("POST", "/v1/audio/transcriptions"): Operation(
+        "Transcribe audio (OpenAI; multipart/form-data)", "openai", None, shapes.Transcription,
+        stream=True, errors=_RUN, params=_HEADERS,
+    ),
+    ("POST", "/v1/audio/speech"): Operation(
+        "Speech: refused (400 speech_not_supported: no text-to-speech model is served)", "openai",
+        errors=(400,),
+    ),
     ("POST", "/v1/embeddings"): Operation(
         "Embed texts (OpenAI)", "retrieval", EmbeddingsRequest, shapes.Embeddings,
         errors=_RUN, params=_RETRIEVAL_HEADERS,
@@ -223,6 +235,18 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/lora-adapters"): Operation(
         "The model's LoRA adapters (llama-server's shape: id, path, scale; and the name)",
         "models", answer=list[shapes.LoraAdapter], errors=(404, 503), params=_MODEL_QUERY,
+    ),
+    ("POST", "/lora-adapters"): Operation(
+        "Set each LoRA adapter's default scale by id (llama-server's; an admin's, with keys)",
+        "models", list[LoraScale], LoraScalesSet, errors=(*_BODY, 501), params=_MODEL_QUERY,
+    ),
+    ("POST", "/v1/load_lora_adapter"): Operation(
+        "Load a LoRA adapter from a path on the server (vLLM's; an admin's, with keys)",
+        "models", LoadLoraRequest, media=TEXT, errors=(*_BODY, 501),
+    ),
+    ("POST", "/v1/unload_lora_adapter"): Operation(
+        "Unload a LoRA adapter; streams using it finish (vLLM's; an admin's, with keys)",
+        "models", UnloadLoraRequest, media=TEXT, errors=(*_BODY, 501),
     ),
     ("GET", "/models"): Operation(
         "List the models (llama-server's router)", "models", answer=shapes.RouterModelList, errors=(503,)

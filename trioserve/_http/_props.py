@@ -55,7 +55,10 @@ def props(entry: ModelEntry, name: str) -> dict[str, object]:
         "total_slots": slots,
         "model_alias": name,
         "model_path": str(path) if path is not None else None,
-        "modalities": {"vision": bool(info.vision) if info is not None else False, "audio": False},
+        "modalities": {
+            "vision": bool(info.vision) if info is not None else False,
+            "audio": bool(info.audio) if info is not None else False,
+        },
         "chat_template": (info.chat_template or "") if info is not None else "",
         "bos_token": info.bos_token if info is not None else "",
         "eos_token": info.eos_token if info is not None else "",

@@ -49,6 +49,7 @@ Kind = Literal[
     "embeddings",
     "rerank",
     "stream",
+    "transcription",
 ]
 
 

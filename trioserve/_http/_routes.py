@@ -60,6 +60,7 @@ from ._exchange import (
 from ._fetch import resolve_images
 from ._generation import GENERATION_PATHS, GenerationHandler, key_salt, presented_key
 from ._lifecycle import INLINE_PARSE_BYTES, completing, off_the_loop_if
+from ._lora_routes import add_lora_routes
 from ._ollama_asgi import OLLAMA_ASGI_PATHS, OllamaAsgi
 from ._ollama_routes import add_ollama_routes
 from ._openapi import needs_key, openapi_document, openapi_path
@@ -70,6 +71,7 @@ from ._rerank import RERANK_PATHS, RerankHandler
 from ._state import ServerState
 from ._stored_routes import add_stored_routes
 from ._stream_routes import add_stream_routes
+from ._transcriptions import SPEECH_PATH, TRANSCRIPTIONS_PATH, TranscriptionsHandler, refuse_speech
 
 __all__ = ["create_app", "served_routes"]
 
@@ -96,8 +98,17 @@ def create_app(
 
     header_limit = state.settings.max_header_bytes
 
+    transcriptions = TranscriptionsHandler(state, generation)
+
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            audio = scope["path"].rstrip("/")
+            if audio == TRANSCRIPTIONS_PATH:
+                await transcriptions(scope, receive, send)
+                return
+            if audio == SPEECH_PATH:
+                await refuse_speech(scope, send)
+                return
             kind = GENERATION_PATHS.get(scope["path"].rstrip("/") or "/")
             if kind is not None:
                 await generation(scope, receive, send, kind)  # checks headers, logs, counts
@@ -141,7 +152,14 @@ def create_app(
 
 def _asgi_paths() -> list[str]:
     """The paths served at the ASGI level, before quart (``POST`` only)."""
-    return [*GENERATION_PATHS, EMBEDDINGS_PATH, *sorted(RERANK_PATHS), *OLLAMA_ASGI_PATHS]
+    return [
+        *GENERATION_PATHS,
+        EMBEDDINGS_PATH,
+        *sorted(RERANK_PATHS),
+        *OLLAMA_ASGI_PATHS,
+        TRANSCRIPTIONS_PATH,
+        SPEECH_PATH,
+    ]
 
 
 def served_routes(app: QuartTrio) -> set[tuple[str, str]]:
@@ -384,13 +402,14 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 "embeddings": _embeds(engine.backend),
                 "rerank": info.rerank,
                 "vision": info.vision,
+                "audio": info.audio,
             }
             if engine is not None and info is not None
             else None
         )
         # what it reads, loaded or not (docs/vision.md)
         if info is not None:
-            body["input_modalities"] = ["text", "image"] if info.vision else ["text"]
+            body["input_modalities"] = ["text"] + ["image"] * info.vision + ["audio"] * info.audio
         else:
             known = getattr(entry.spec.source, "input_modalities", None)
             body["input_modalities"] = list(known) if known is not None else None
@@ -565,7 +584,8 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
                 # before any fetch or decode, and at most slots + --max-queue requests
                 # fetch and decode images at once
                 images = generation.images
-                reservation = engine.admission.reserve() if engine.backend.info.vision else None
+                media = engine.backend.info.vision or engine.backend.info.audio
+                reservation = engine.admission.reserve() if media else None
                 try:
                     if reservation is not None:
                         images = await resolve_images(images, state.settings.media)
@@ -628,6 +648,7 @@ def _create_quart_app(state: ServerState, access: AccessPolicy | None = None) ->
     add_request_routes(app, state, access)
     add_control_routes(app, state, access, _json_body)
     add_props_route(app, state)
+    add_lora_routes(app, state, _json_body)
     add_ollama_routes(app, state, access, _json_body)
 
     @app.get("/openapi.json")

@@ -34,6 +34,7 @@ from ._tokenize import (
     detokenize_response,
     tokenize_response,
 )
+from ._transcriptions import TranscriptionForm, chat_body
 from ._truncation import Dropped, Truncation, TruncationMode
 
 __all__ = [
@@ -58,8 +59,10 @@ __all__ = [
     "StoredAsk",
     "StoredContext",
     "StoredTurn",
+    "TranscriptionForm",
     "Truncation",
     "TruncationMode",
+    "chat_body",
     "chat_format_for",
     "control_answer",
     "decode",

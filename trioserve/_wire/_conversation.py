@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._core._exceptions import InvalidRequestError
-from .._core._media import RemoteImage
+from .._core._media import Media
 from .._core._types import Constraint, GenerationRequest, ReasoningMarkers, SamplingParams
 from ._chat import ChatFormat, ChatPrompt
 from ._choices import ToolMode
@@ -114,7 +114,7 @@ class Conversation:
     #: Anthropic's ``thinking.display: omitted``: thinking blocks without their text
     omit_thinking: bool = False
     #: the images its messages' markers name (docs/vision.md)
-    images: tuple[bytes | RemoteImage, ...] = ()
+    images: tuple[Media, ...] = ()
 
     @property
     def tool_mode(self) -> ToolMode:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
-from .._core._media import RemoteImage
+from .._core._media import Media
 from .._core._types import GenerationRequest
 from ._anthropic import decode_count_tokens_request, decode_messages_request, messages_conversation
 from ._anthropic_writer import AnthropicDialect, anthropic_error
@@ -39,6 +39,7 @@ from ._responses import (
 )
 from ._responses_writer import ResponsesDialect, StoredTurn
 from ._spec import DialectSpec, ParsedRequest, ReadOptions, openai_error_body
+from ._transcriptions import TranscriptionDialect, read_transcription_body
 from ._truncation import Truncation, TruncationMode
 
 __all__ = [
@@ -61,7 +62,7 @@ def _chat_for(
     chat: ChatCompletionRequest,
     rendered: ChatPrompt,
     limits: RequestLimits,
-    images: tuple[bytes | RemoteImage, ...],
+    images: tuple[Media, ...],
 ) -> GenerationRequest:
     """A chat completion's generation, for its messages rendered to ``rendered``."""
     stops, bos = rendered.stops, not rendered.has_bos
@@ -358,6 +359,26 @@ COMPLETIONS = DialectSpec(
     param_names=MappingProxyType({"input_prefix": "suffix"}),
 )
 CHAT = DialectSpec(kind="chat", error_body=openai_error_body, read=_read_chat)
+
+
+def read_transcription(body: bytes, chat_format: ChatFormat, options: ReadOptions) -> ParsedRequest:
+    """``/v1/audio/transcriptions`` (docs/audio.md): the chat its form became, answered as
+    a transcript."""
+    response_format, chat = read_transcription_body(body)
+    parsed = _read_chat(chat, chat_format, options)
+    return ParsedRequest(
+        stream=parsed.stream,
+        generations=parsed.generations,
+        model=parsed.model,
+        dialect=TranscriptionDialect(response_format),
+        priority=parsed.priority,
+    )
+
+
+#: ``/v1/audio/transcriptions`` (docs/audio.md): a chat, answered as a transcript
+TRANSCRIPTION = DialectSpec(
+    kind="transcription", error_body=openai_error_body, read=read_transcription, resumable=False
+)
 MESSAGES = DialectSpec(
     kind="messages", error_body=anthropic_error, read=_read_messages, count=_count_messages
 )
@@ -382,6 +403,7 @@ SPECS: dict[str, DialectSpec] = {
     "/infill": INFILL,
     "/api/chat": OLLAMA_CHAT,
     "/api/generate": OLLAMA_GENERATE,
+    "/v1/audio/transcriptions": TRANSCRIPTION,
 }
 
 

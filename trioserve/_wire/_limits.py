@@ -47,6 +47,8 @@ class RequestLimits:
         max_batch_choices: on ``/v1/completions``, prompts × ``n``.
         max_images: images per request (docs/vision.md).
         max_image_bytes: the bytes of one image (a data URL's, decoded).
+        max_audio_parts: audio parts per request (docs/audio.md).
+        max_audio_bytes: the bytes of one audio clip (base64-decoded, or uploaded).
     """
 
     max_stop_sequences: int = 16
@@ -59,6 +61,8 @@ class RequestLimits:
     max_batch_choices: int = 64
     max_images: int = 16
     max_image_bytes: int = 20 * 1024 * 1024
+    max_audio_parts: int = 4
+    max_audio_bytes: int = 25 * 1024 * 1024
 
     def check_stops(self, stops: Sequence[str], param: str, *, openai: bool = False) -> None:
         """Refuse too many stop sequences, or too many bytes of them (``openai``: OpenAI's

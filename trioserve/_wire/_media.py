@@ -1,4 +1,5 @@
-"""Images in a request's messages, sans-IO (docs/vision.md): each image part becomes a
+"""Images and audio clips in a request's messages, sans-IO (docs/vision.md, docs/audio.md):
+each image or audio part becomes a
 marker in its message's text, in place (``_core/_media.py``), and the image joins the
 request's list — decoded here when it is a data URL, left for the server to fetch when
 it is a URL (:class:`~trioserve._core._media.RemoteImage`).
@@ -15,10 +16,10 @@ import urllib.parse
 from collections.abc import Sequence
 
 from .._core._exceptions import InvalidRequestError
-from .._core._media import RemoteImage, image_marker
+from .._core._media import AUDIO_FORMATS, AudioClip, Media, RemoteImage, image_marker
 from ._limits import RequestLimits
 
-__all__ = ["Marker", "MediaCollector", "join_parts"]
+__all__ = ["Marker", "MediaCollector", "check_audio_signature", "join_parts"]
 
 
 class Marker(str):
@@ -45,10 +46,10 @@ class MediaCollector:
 
     def __init__(self, limits: RequestLimits) -> None:
         self.limits = limits
-        self._images: list[bytes | RemoteImage] = []
+        self._images: list[Media] = []
 
     @property
-    def images(self) -> tuple[bytes | RemoteImage, ...]:
+    def images(self) -> tuple[Media, ...]:
         return tuple(self._images)
 
     def add(
@@ -74,13 +75,50 @@ class MediaCollector:
         self._check_count(param)
         return self._append(self._decode(data, param))
 
-    def _append(self, image: bytes | RemoteImage) -> Marker:
+    def add_audio(self, data: str | None, audio_format: str | None, *, param: str) -> Marker:
+        """An audio clip given as base64 text and its format (OpenAI's ``input_audio``:
+        ``param`` names it; a refusal names its ``data`` or its ``format``)."""
+        limit = self.limits.max_audio_parts
+        if sum(isinstance(m, AudioClip) for m in self._images) >= limit:
+            raise InvalidRequestError(
+                f"this request holds more than {limit} audio parts; this server accepts at most {limit} "
+                "(--max-audio-parts)",
+                param=param,
+                code="too_many_audio_parts",
+            )
+        if audio_format not in AUDIO_FORMATS:
+            raise InvalidRequestError(
+                f"input_audio.format must be one of {', '.join(AUDIO_FORMATS)}; got {audio_format!r}",
+                param=f"{param}.format",
+                code="invalid_audio",
+            )
+        where = f"{param}.data"
+        if not data:
+            raise InvalidRequestError(
+                "input_audio.data needs the clip, base64", param=where, code="invalid_audio"
+            )
+        limit_bytes = self.limits.max_audio_bytes
+        payload = data.strip()
+        if len(payload) // 4 * 3 > limit_bytes + 2:
+            raise _audio_too_large(limit_bytes, where)
+        try:
+            clip = binascii.a2b_base64(payload, strict_mode=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequestError(
+                "input_audio.data is not valid base64", param=where, code="invalid_audio"
+            ) from None
+        if len(clip) > limit_bytes:
+            raise _audio_too_large(limit_bytes, where)
+        check_audio_signature(clip, audio_format, where)
+        return self._append(AudioClip(clip, audio_format, where))
+
+    def _append(self, image: Media) -> Marker:
         self._images.append(image)
         return Marker(image_marker(len(self._images) - 1))
 
     def _check_count(self, param: str) -> None:
         limit = self.limits.max_images
-        if len(self._images) >= limit:
+        if sum(not isinstance(m, AudioClip) for m in self._images) >= limit:
             raise InvalidRequestError(
                 f"this request holds more than {limit} images; this server accepts at most {limit} "
                 "(--max-images)",
@@ -88,7 +126,7 @@ class MediaCollector:
                 code="too_many_images",
             )
 
-    def _read(self, url: str, param: str) -> bytes | RemoteImage:
+    def _read(self, url: str, param: str) -> Media:
         if not url:
             raise InvalidRequestError(
                 "the image needs a URL (a data: URL or an http(s) URL)", param=param, code="invalid_image_url"
@@ -133,6 +171,32 @@ class MediaCollector:
         if len(data) > limit:
             raise _too_large(limit, param)
         return data
+
+
+def check_audio_signature(clip: bytes, audio_format: str, param: str) -> None:
+    """Refuse a clip whose first bytes are not its format's (libmtmd's helper tells audio
+    from images by them: a clip it did not take for audio it would decode as an image)."""
+    head = clip[:12]
+    if audio_format == "wav":
+        ok = len(head) == 12 and head[:4] == b"RIFF" and head[8:12] == b"WAVE"
+    elif audio_format == "flac":
+        ok = head[:4] == b"fLaC"
+    else:  # mp3: an ID3 tag or an MPEG frame's sync word
+        ok = len(head) >= 12 and (head[:3] == b"ID3" or (head[0] == 0xFF and head[1] & 0xE0 == 0xE0))
+    if not ok:
+        raise InvalidRequestError(
+            f"the audio clip is not a {audio_format} file (its first bytes are not a {audio_format} file's)",
+            param=param,
+            code="invalid_audio",
+        )
+
+
+def _audio_too_large(limit: int, param: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"the audio clip is larger than {limit} bytes, this server's limit for one clip (--max-audio-bytes)",
+        param=param,
+        code="audio_too_large",
+    )
 
 
 def _invalid(message: str, param: str) -> InvalidRequestError:

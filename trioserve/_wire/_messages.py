@@ -53,7 +53,10 @@ def flatten_text[P: TextLike](
 
 
 def _unsupported(type_: str) -> str:
-    return f"content parts of type {type_!r} are not supported; send text (and images as image_url)"
+    return (
+        f"content parts of type {type_!r} are not supported; send text (images as image_url, "
+        "audio as input_audio)"
+    )
 
 
 def _refuse_part(index: int, type_: str) -> InvalidRequestError:
@@ -67,9 +70,18 @@ class ImageUrl(msgspec.Struct, kw_only=True):
     detail: str | None = None
 
 
+class InputAudio(msgspec.Struct, kw_only=True):
+    """OpenAI's ``input_audio`` object: a base64 clip and its format (docs/audio.md)."""
+
+    data: str | None = None
+    format: str | None = None
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
+    #: an ``input_audio`` part's clip (replaced by its marker as an image is)
+    input_audio: InputAudio | None = None
     #: an ``image_url`` part's image (docs/vision.md: replaced by a text part holding its
     #: marker once the request's images are collected: :func:`take_images`)
     image_url: ImageUrl | None = None
@@ -94,6 +106,21 @@ def take_images(messages: Sequence[ChatMessage], media: MediaCollector, param: s
                         "(type image_url)",
                         param=f"{where}.image_url",
                     )
+                continue
+            if part.type == "input_audio":
+                if message.role != "user":
+                    raise InvalidRequestError(
+                        f"{where} is audio in a {message.role} message; audio goes in user messages",
+                        param=where,
+                    )
+                if part.input_audio is None:
+                    raise InvalidRequestError(
+                        f"{where} (input_audio) needs an input_audio object with data and format",
+                        param=f"{where}.input_audio",
+                    )
+                given = part.input_audio
+                marker = media.add_audio(given.data, given.format, param=f"{where}.input_audio")
+                content[j] = ContentPart(type="text", text=marker)
                 continue
             if part.type != "image_url":
                 raise InvalidRequestError(_unsupported(part.type), param=where)

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from .._core._exceptions import InvalidRequestError
-from .._core._media import RemoteImage
+from .._core._media import Media
 from .._core._types import Constraint, GenerationRequest, Infill, SamplingParams
 from ._codec import decode as _decode
 from ._codec import encode_json
@@ -508,7 +508,7 @@ def chat_generation(
     *,
     add_bos: bool = True,
     limits: RequestLimits = DEFAULT_LIMITS,
-    images: tuple[bytes | RemoteImage, ...] = (),
+    images: tuple[Media, ...] = (),
 ) -> GenerationRequest:
     """The generation for a chat request whose messages were rendered to ``prompt``
     (``add_bos=False`` when the template already wrote the BOS token); ``images``: the

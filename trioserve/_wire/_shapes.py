@@ -467,3 +467,11 @@ class InputItems(msgspec.Struct, kw_only=True):
     first_id: str | None
     last_id: str | None
     has_more: bool
+
+
+class Transcription(msgspec.Struct, kw_only=True):
+    """``POST /v1/audio/transcriptions`` with ``response_format`` ``json`` (OpenAI's
+    shape; ``text``: the text alone; streamed: ``transcript.text.*`` events)."""
+
+    text: str
+    usage: Object

@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from trioserve._core._exceptions import ServiceUnavailableError
+from trioserve._core._exceptions import InvalidRequestError, ServiceUnavailableError
 
 from ._registry_helpers import Client, make_registry, state, until
 
@@ -142,3 +142,25 @@ async def test_a_model_that_can_never_fit_beside_the_pinned_ones_is_refused(auto
         with pytest.raises(ServiceUnavailableError) as refused:
             await registry.acquire("b")
         assert refused.value.code == "model_does_not_fit"
+
+
+# --------------------------------------------------- a LoRA adapter's file (docs/lora.md)
+
+
+async def test_an_adapter_loaded_at_run_time_counts_against_the_memory_budget(
+    autojump_clock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry, _, _ = make_registry("a", "b", memory_budget=1000)
+    async with registry:
+        lease = await registry.acquire("a")
+        entry = lease.entry
+        registry.check_adapter_room(entry, 1000)  # (fits: nothing else takes room)
+        with pytest.raises(InvalidRequestError, match="--models-memory") as refused:
+            registry.check_adapter_room(entry, 1001)
+        assert refused.value.param == "lora_path"
+        # a file loaded counts in its model's footprint until it is freed
+        monkeypatch.setattr(type(lease.engine.backend), "adapter_bytes", 600)
+        assert entry.footprint() == 600
+        with pytest.raises(InvalidRequestError, match="the loaded models take 600 of the 1,000-byte"):
+            registry.check_adapter_room(entry, 500)
+        lease.release()

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from trioserve._core._exceptions import InvalidRequestError
-from trioserve._core._media import RemoteImage, image_marker, marker_indices, split_at_markers
+from trioserve._core._media import AudioClip, RemoteImage, image_marker, marker_indices, split_at_markers
 from trioserve._wire._anthropic import decode_messages_request, messages_conversation
 from trioserve._wire._chat import GemmaFormat
 from trioserve._wire._conversation import generation_for
@@ -310,9 +310,9 @@ def test_a_text_only_chat_has_no_images() -> None:
         ),
         (
             [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "input_audio"}]}],
-            "messages[0].content[1]",
+            "messages[0].content[1].input_audio",
             None,
-            "'input_audio' are not supported",
+            "needs an input_audio object",
         ),
         (
             [{"role": "user", "content": [{"type": "text"}]}],
@@ -344,6 +344,67 @@ def test_openai_too_many_images_counts_the_whole_request() -> None:
     assert CHAT.read is not None
     error = refused(CHAT.read, body, GemmaFormat(), options)
     assert (error.code, error.param) == ("too_many_images", "messages[2].content[0].image_url.url")
+
+
+# --------------------------------------------------------------- audio (docs/audio.md)
+
+WAV = b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(40)
+
+
+def _audio_part(data: bytes | str = WAV, audio_format: str | None = "wav") -> dict[str, Any]:
+    encoded = base64.b64encode(data).decode() if isinstance(data, bytes) else data
+    return {"type": "input_audio", "input_audio": {"data": encoded, "format": audio_format}}
+
+
+def test_openai_audio_parts_become_markers_in_place() -> None:
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hear:"}, _audio_part()]}]}
+    ).encode()
+    options = ReadOptions(limits=RequestLimits(), model_name=lambda name: "m")
+    assert CHAT.read is not None
+    generation = CHAT.read(body, GemmaFormat(), options).generation
+    (clip,) = generation.images
+    assert isinstance(clip, AudioClip)
+    assert (clip.data, clip.format) == (WAV, "wav")
+    assert f"Hear:{image_marker(0)}" in str(generation.prompt)
+
+
+@pytest.mark.parametrize(
+    ("part", "limits", "param", "code", "says"),
+    [
+        (_audio_part(audio_format="ogg"), RequestLimits(), "input_audio.format", "invalid_audio", "one of"),
+        (_audio_part(audio_format=None), RequestLimits(), "input_audio.format", "invalid_audio", "one of"),
+        (_audio_part("not base64!"), RequestLimits(), "input_audio.data", "invalid_audio", "base64"),
+        (_audio_part(b"ID3" + bytes(20)), RequestLimits(), "input_audio.data", "invalid_audio", "not a wav"),
+        (_audio_part(PNG), RequestLimits(), "input_audio.data", "invalid_audio", "not a wav"),
+        (
+            _audio_part(),
+            RequestLimits(max_audio_bytes=10),
+            "input_audio.data",
+            "audio_too_large",
+            "--max-audio-bytes",
+        ),
+    ],
+)
+def test_openai_audio_refusals(
+    part: dict[str, Any], limits: RequestLimits, param: str, code: str, says: str
+) -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": [part]}]}).encode()
+    options = ReadOptions(limits=limits, model_name=lambda name: "m")
+    assert CHAT.read is not None
+    error = refused(CHAT.read, body, GemmaFormat(), options)
+    assert (error.code, error.param) == (code, f"messages[0].content[0].{param}")
+    assert says in error.message
+
+
+def test_openai_audio_parts_are_counted_apart_from_images() -> None:
+    parts = [_image_part(), _audio_part(), _audio_part(), _image_part(), _audio_part()]
+    body = json.dumps({"messages": [{"role": "user", "content": parts}]}).encode()
+    options = ReadOptions(limits=RequestLimits(max_images=2, max_audio_parts=2), model_name=lambda name: "m")
+    assert CHAT.read is not None
+    error = refused(CHAT.read, body, GemmaFormat(), options)
+    assert (error.code, error.param) == ("too_many_audio_parts", "messages[0].content[4].input_audio")
+    assert "--max-audio-parts" in error.message
 
 
 # --------------------------------------------------------------- Anthropic, more

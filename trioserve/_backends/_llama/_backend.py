@@ -25,6 +25,7 @@ Design, defaults and measurements: ``docs/batching.md``; the module map:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -47,6 +48,7 @@ from ._facade import ModelFacade
 from ._kv_memory import KvMemory
 from ._loading import aload
 from ._loop import Scheduler
+from ._lora_loads import AdapterLoads
 from ._model import LlamaModel
 from ._sequence import CANCELLED, Sequence
 from ._settings import LlamaSettings
@@ -98,6 +100,9 @@ class LlamaBackend(ModelFacade):
         self._scheduler = Scheduler(model, host_cache, self._embedder.turns)
         # reranking (docs/rerank.md): its context made on the first rerank, same turns
         self._reranker = Reranker(model, self._embedder.turns)
+        # LoRA adapters loaded and unloaded at run time (docs/lora.md): llama.cpp's list
+        # of a model's adapters changes under the cores' turn, between calls
+        self._adapter_loads = AdapterLoads(model, self._embedder.turns.turn)
 
     # ----------------------------------------------------------------- loading
 
@@ -156,6 +161,28 @@ class LlamaBackend(ModelFacade):
         self._closed = True
         self._release_contexts()
         self.llama_model.close()
+
+    # ---------------------------------------------------------- LoRA adapters
+
+    @property
+    def adapter_loads(self) -> AdapterLoads:
+        """Run-time loads and unloads of its LoRA adapters (docs/lora.md)."""
+        return self._adapter_loads
+
+    async def load_adapter(
+        self, name: str, path: str, *, scale: float = 1.0, check_room: Callable[[int], None] | None = None
+    ) -> None:
+        await self._adapter_loads.load(name, path, scale, check_room=check_room)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._adapter_loads.unload(name)
+
+    def set_adapter_scales(self, scales: Items[tuple[int, float]]) -> None:
+        self._adapter_loads.set_scales(scales)
+
+    @property
+    def adapter_bytes(self) -> int:
+        return self.llama_model.adapters.hot_bytes
 
     # ---------------------------------------------------------- the contexts
 
@@ -372,6 +399,19 @@ class LlamaBackend(ModelFacade):
         self._reranker.free()
 
     async def generate(
+        self, prompt: PreparedPrompt, channel: PieceChannel, progress: GenerationProgress
+    ) -> GenerationEnd:
+        if not prompt.adapters:
+            return await self._generate(prompt, channel, progress)
+        # its adapters' names bound to the files loaded under them now, held until its
+        # sequence is out of the scheduler (an unload meanwhile frees them after it)
+        keyed = self.llama_model.adapters.acquire(prompt.adapters)
+        try:
+            return await self._generate(dataclasses.replace(prompt, adapters=keyed), channel, progress)
+        finally:
+            await self._adapter_loads.release(keyed)
+
+    async def _generate(
         self, prompt: PreparedPrompt, channel: PieceChannel, progress: GenerationProgress
     ) -> GenerationEnd:
         if prompt.max_new_tokens <= 0 and not (prompt.request.cache_prompt and self._scheduler.cache_enabled):

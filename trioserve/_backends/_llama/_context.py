@@ -39,9 +39,11 @@ class Context:
         params.n_threads = settings.n_threads
         params.n_threads_batch = settings.n_threads
         params.n_seq_max = sequences
-        # sliding-window layers keep about the window and a batch (the default, as
-        # llama-server's): reuse is where they reach, or from a checkpoint of them;
-        # ``--swa-full`` keeps every cell (docs/prompt-cache.md, "Window layers")
+        # sliding-window layers keep every cell too (the default, ``swa_full``): any
+        # cached prefix's cells are there, where a fresh evaluation puts them; without
+        # it (``--no-swa-full``, llama-server's default) they keep about the window and
+        # a batch, and reuse is where they reach or from a checkpoint of them
+        # (docs/prompt-cache.md, "Window layers")
         params.swa_full = settings.swa_full
         if sequences > 1:
             params.kv_unified = False

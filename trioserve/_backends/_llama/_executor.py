@@ -89,7 +89,7 @@ class Executor:
         self.padded_steps = 0
         #: the call written last is an image call: its images and spans
         self._images: tuple[VisionPrompt, list[ImageSpan]] | None = None
-        #: the adapter set of the call written last (docs/lora.md)
+        #: the adapter set of the call written last, by key (docs/lora.md)
         self._adapters: AdapterSet = ()
         if model.projector is not None:
             model.projector.watch(context.abort_flag)  # (an encode stops on a cancel)
@@ -219,13 +219,16 @@ class Executor:
             batch.logits[i] = 0
         batch.n_tokens = chunk
 
+    def has_adapters(self, keyed: AdapterSet) -> bool:
+        """Whether the files of ``keyed`` are all still loaded (listed)."""
+        return self._model.adapters.listed_keys(keyed)
+
     def decode(self) -> Outcome:
         """Run the call written last. The cores are shared with embeddings: a cancel
         while waiting for them aborts the call at once (the abort flag)."""
         with self.turns.turn():
-            adapters = self._model.adapters
-            if len(adapters):
-                adapters.apply(self.ctx, self._adapters)
+            # (always: an adapter unloaded from the list may still run its streams)
+            self._model.adapters.apply(self.ctx, self._adapters)
             if self._images is not None:
                 return self._decode_images(*self._images)
             return Outcome(self.lib.llama_decode(self.ctx, self.batch))
@@ -250,10 +253,12 @@ class Executor:
             if not projector.encode(media.chunks, span, base + (span.start - first) * row, aborted):
                 return Outcome(DECODE_ABORTED)
         lib = self.lib
-        if projector.non_causal:
+        # (an audio chunk's attention is causal: docs/audio.md)
+        non_causal = projector.non_causal and not spans[0].audio
+        if non_causal:
             lib.llama_set_causal_attn(self.ctx, False)
         try:
             return Outcome(lib.llama_decode(self.ctx, batch))
         finally:
-            if projector.non_causal:
+            if non_causal:
                 lib.llama_set_causal_attn(self.ctx, True)

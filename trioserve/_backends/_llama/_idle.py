@@ -64,8 +64,13 @@ class IdleRecompute:
             # (an image past the cached cells: not recomputed — its encode is a request's)
             self.policy.drop_history(seq_id)
             return
-        # (its conversation's adapter set, from its salt: docs/lora.md)
-        self.executor.fill_chunk(seq_id, history, start, end, adapters_of_salt(self.policy.salt(seq_id)))
+        # (its conversation's adapter set, from its salt: docs/lora.md; an adapter
+        # unloaded since: not recomputed)
+        adapters = adapters_of_salt(self.policy.salt(seq_id))
+        if adapters and not self.executor.has_adapters(adapters):
+            self.policy.drop_history(seq_id)
+            return
+        self.executor.fill_chunk(seq_id, history, start, end, adapters)
         tokens = history[:end]
         inbox = self.inbox
         with inbox.condition:

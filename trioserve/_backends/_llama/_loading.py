@@ -8,18 +8,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import trio
 
 from ..._core._errors import unwrap_group
 from ..._core._exceptions import BackendError
-from .._platform import decide_repack
+from .._platform import RepackDecision, decide_repack
 from ._native import LoadAborted, LoadLog, load_errors, make_log_callback
 from ._settings import LlamaSettings
-
-if TYPE_CHECKING:
-    from ._model import LlamaModel
 
 __all__ = ["aload", "load"]
 
@@ -30,7 +27,29 @@ class _Closable(Protocol):
     def close(self) -> None: ...
 
 
-def load[M: "LlamaModel"](
+class Loadable(Protocol):
+    """What :func:`load` makes (``LlamaModel``): built from the loaded weights, then
+    its adapters and projector loaded, or closed."""
+
+    def __init__(
+        self,
+        settings: LlamaSettings,
+        lib: Any,
+        model: Any,
+        *,
+        system_info: str,
+        repack: RepackDecision,
+        abort: threading.Event | None,
+    ) -> None: ...
+
+    def load_adapters(self) -> None: ...
+
+    def load_projector(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def load[M: Loadable](
     cls: type[M],
     settings: LlamaSettings,
     *,

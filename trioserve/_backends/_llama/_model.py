@@ -19,8 +19,9 @@ import trio
 
 from ..._core._backend import ModelInfo, PreparedPrompt, check_token_ids, fit_to_context
 from ..._core._exceptions import BackendError, InvalidRequestError
-from ..._core._media import split_at_markers
+from ..._core._media import AudioClip, RemoteImage, split_at_markers
 from ..._core._types import GenerationRequest, SamplingParams
+from .._audio import DECODED_BYTES_PER_SECOND, decoded_bytes, probe_seconds
 from .._draw import LogitBias
 from .._grammar import GrammarCompiler
 from .._infill import FimTokens, InfillParts, infill_tokens
@@ -29,7 +30,14 @@ from .._platform import RepackDecision
 from .._reasoning import marker_tokens
 from .._rerank import reranker_kind
 from .._side_work import run_side_work
-from .._vision import DECODING_PER_PIXEL, HELD_PER_PIXEL, Projector, VisionPrompt, decode_bytes
+from .._vision import (
+    DECODING_PER_PIXEL,
+    HELD_PER_PIXEL,
+    Projector,
+    VisionPrompt,
+    check_media_support,
+    decode_bytes,
+)
 from ._adapters import AdapterSet, LoraAdapters
 from ._loading import load
 from ._native import LoadAborted, LoadLog, make_log_callback, meta_value
@@ -139,9 +147,13 @@ class LlamaModel:
             self.check_abort()
             adapter = self.adapters.load(name, path, scale)
             logger.info("LoRA adapter %s: %s (scale %g, alpha %g)", name, path, scale, adapter.alpha)
-        if len(self.adapters):
-            listed = tuple((a.name, a.scale, str(a.path)) for a in self.adapters.listed)
-            self._info = dataclasses.replace(self._info, adapters=listed)
+        self.refresh_adapters()
+
+    def refresh_adapters(self) -> None:
+        """``info.adapters``: the adapters listed now (after a load, an unload, a scale
+        set at run time: ``_lora_loads``)."""
+        listed = tuple((a.name, a.scale, str(a.path)) for a in self.adapters.listed)
+        self._info = dataclasses.replace(self._info, adapters=listed)
 
     def load_projector(self) -> None:
         """Load ``settings.mmproj`` (the load's last phase: blocking, aborted with it)."""
@@ -160,7 +172,8 @@ class LlamaModel:
             abort=self._load_abort,
             log_callback=LoadLog.callback,
         )
-        self._info = dataclasses.replace(self._info, vision=True)
+        projector = self.projector
+        self._info = dataclasses.replace(self._info, vision=projector.vision, audio=projector.audio)
         self.check_abort()
 
     def _fim_tokens(self) -> FimTokens | None:
@@ -418,7 +431,7 @@ class LlamaModel:
         if not len(adapters):
             raise InvalidRequestError(
                 f"the model {self.settings.model_id!r} has no LoRA adapters (serve it with "
-                "--lora NAME=PATH, or a preset's lora table); send no lora",
+                "--lora NAME=PATH, or a preset's lora table, or POST /v1/load_lora_adapter); send no lora",
                 param="lora",
             )
         named = [(adapters.by_id(w) if isinstance(w, int) else w, scale) for w, scale in request.lora]
@@ -457,18 +470,13 @@ class LlamaModel:
     async def _prepare_images(self, request: GenerationRequest) -> PreparedPrompt:
         """A prompt with images: laid out by the projector (docs/vision.md)."""
         projector = self.projector
-        if projector is None:
-            raise InvalidRequestError(
-                f"the model {self.settings.model_id!r} does not take images: it has no vision projector "
-                "(serve it with --mmproj FILE, or a preset's mmproj key); send text only",
-                param="messages",
-                code="images_not_supported",
-            )
+        check_media_support(projector, self.settings.model_id, request.images)
+        assert projector is not None
         if not isinstance(request.prompt, str) or request.infill is not None:
             raise InvalidRequestError("images go in a chat's messages, with a text prompt", param="prompt")
-        images: list[bytes] = []
+        images: list[bytes | AudioClip] = []
         for i, image in enumerate(request.images):
-            if not isinstance(image, bytes):
+            if isinstance(image, RemoteImage):
                 raise InvalidRequestError(
                     f"image {i} is a URL ({image.url}): fetch it first (the server fetches only with "
                     "--media-fetch or --media-dir)",
@@ -504,7 +512,11 @@ class LlamaModel:
         return await self._finish_prepare(request, laid_out.tokens, laid_out)
 
     async def _decode_images(
-        self, projector: Projector, request: GenerationRequest, pieces: list[str | int], images: list[bytes]
+        self,
+        projector: Projector,
+        request: GenerationRequest,
+        pieces: list[str | int],
+        images: list[bytes | AudioClip],
     ) -> VisionPrompt:
         """The images decoded and laid out with the prompt, under the server's decode
         budget (docs/vision.md, "Decoding under a budget"): each image's size read from
@@ -512,18 +524,25 @@ class LlamaModel:
         share of the budget waited for (cancellable), then the decode in a worker thread
         that stops between images when the request is cancelled."""
         used = sorted({piece for piece in pieces if isinstance(piece, int)})
-        sizes = await trio.to_thread.run_sync(
-            lambda: [projector.measure(images[k], f"messages (image {k})") for k in used],
-            abandon_on_cancel=True,
-        )
-        pixels = dict(zip(used, sizes, strict=True))
+        pictures = [k for k in used if not isinstance(images[k], AudioClip)]
+        clips = [clip for k in used if isinstance(clip := images[k], AudioClip)]
+        limit = self.settings.max_audio_seconds
+
+        def measure() -> tuple[list[int], list[float]]:
+            sizes = [projector.measure(images[k], f"messages (image {k})") for k in pictures]  # type: ignore[arg-type]
+            return sizes, [probe_seconds(clip, limit) for clip in clips]
+
+        sizes, seconds = await trio.to_thread.run_sync(measure, abandon_on_cancel=True)
+        pixels = dict(zip(pictures, sizes, strict=True))
         budget = self.settings.image_budget
-        need = decode_bytes(sizes)
+        need = decode_bytes(sizes) + sum(decoded_bytes(s) for s in seconds)
         if need > budget.capacity:
             raise InvalidRequestError(
-                f"this request's images take {need / (1 << 20):,.0f} MiB to decode ({sum(sizes):,} pixels: "
+                f"this request's media take {need / (1 << 20):,.0f} MiB to decode ({sum(sizes):,} pixels: "
                 f"{HELD_PER_PIXEL} bytes each, held together until the prompt is laid out, and "
-                f"{DECODING_PER_PIXEL} a pixel of the largest while it decodes); this server decodes at most "
+                f"{DECODING_PER_PIXEL} a pixel of the largest while it decodes; "
+                f"{sum(seconds):,.0f} seconds of audio: {DECODED_BYTES_PER_SECOND:,} bytes a second); "
+                "this server decodes at most "
                 f"{budget.capacity / (1 << 20):,.0f} MiB at once (--image-decode-budget): send smaller or "
                 "fewer images",
                 param="messages",
@@ -532,7 +551,12 @@ class LlamaModel:
         async with budget.hold(need):
             return await trio.to_thread.run_sync(
                 lambda: projector.tokenize(
-                    pieces, images, pixels, add_bos=request.add_bos, check=trio.from_thread.check_cancelled
+                    pieces,
+                    images,
+                    pixels,
+                    add_bos=request.add_bos,
+                    check=trio.from_thread.check_cancelled,
+                    max_audio_seconds=limit,
                 )
             )
 

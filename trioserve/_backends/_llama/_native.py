@@ -1,18 +1,17 @@
-"""The native glue of a load: llama.cpp's abort callback (``_abort.c``, or a Python
-fallback) and its log lines forwarded to Python logging, with the errors of the load
+"""The native glue of a load: llama.cpp's abort callback (from :mod:`.._aborting`) and
+its log lines forwarded to Python logging, with the errors of the load
 running in this thread kept to say why a GGUF cannot be used."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib
 import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ..._core._exceptions import BackendError
+from .._aborting import LoadAborted, make_abort_callback
 
 __all__ = [
     "LoadAborted",
@@ -25,26 +24,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("trioserve.llama")
-
-
-def _abort_requested(data: int) -> bool:
-    """The pure-Python abort callback, used only if the C one (``_abort.c``) was not
-    built: reads the flag byte at ``data``. Called from C; it must never raise."""
-    return bool(ctypes.c_ubyte.from_address(data).value)
-
-
-def make_abort_callback(lib: Any) -> tuple[Any, bool]:
-    """The abort callback, and whether it is the C one."""
-    try:
-        # (by name: the C extension is no module the import graph's scanner sees)
-        abort = importlib.import_module("trioserve._backends._abort")
-    except ImportError:  # pragma: no cover - the extension is built on install
-        logger.warning(
-            "trioserve._backends._abort (C) is not built: using a Python abort callback, which "
-            "costs ~10%% of decode speed; reinstall trioserve with a C compiler"
-        )
-        return lib.ggml_abort_callback(_abort_requested), False
-    return lib.ggml_abort_callback(abort.ABORT_CHECK_ADDRESS), True
 
 
 _llama_cpp_logger = logging.getLogger("trioserve.llama_cpp")
@@ -75,10 +54,6 @@ def make_log_callback() -> Any:
     import llama_cpp
 
     return llama_cpp.llama_log_callback(_forward_log)
-
-
-class LoadAborted(BackendError):
-    """A load stopped because nobody wanted it any more (``aload``'s cancel)."""
 
 
 #: the llama.cpp error lines of the load running in this thread

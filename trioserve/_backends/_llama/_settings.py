@@ -41,13 +41,15 @@ class LlamaSettings:
             cache types").
         cache_type_v: the same for V (``--cache-type-v``); a quantized V needs flash
             attention, which llama.cpp then turns on.
-        swa_full: a sliding-window model's window layers keep every cell
-            (``--swa-full``): any cached prefix is reusable from the cells alone, at the
-            cost of every cell's memory and of attention over all of them. ``False``
-            (the default, llama-server's): they keep about the window and a batch — a
-            32k context's KV memory is a fraction and long prompts run faster; a cached
-            prefix is reusable where those cells still reach, or from a checkpoint of
-            them (``ctx_checkpoints``; docs/prompt-cache.md, "Window layers").
+        swa_full: a sliding-window model's window layers keep every cell (the
+            default): any cached prefix is reusable from the cells alone, computed in
+            the cells a fresh evaluation uses, at the cost of every cell's memory and
+            of attention over all of them. ``False`` (``--no-swa-full``, llama-server's
+            default): they keep about the window and a batch — a 32k context's KV
+            memory is a fraction and long prompts run faster; a cached prefix is
+            reusable where those cells still reach, or from a checkpoint of them
+            (``ctx_checkpoints``), in other cells than a fresh evaluation's — not
+            bit-exact (docs/prompt-cache.md, "Window layers").
         ctx_checkpoints: with the window layers kept to their window, the checkpoints of
             their cells each sequence id keeps (``--ctx-checkpoints``, llama-server's
             name; 0: none): a prefix whose window cells are gone is given back from the
@@ -107,12 +109,15 @@ class LlamaSettings:
             (docs/rerank.md); a cross-encoder GGUF reranks without it.
         rerank_template: that reranker's prompt (``{instruction}``, ``{query}``,
             ``{document}``); default: ``_backends/_rerank.py``'s ``DEFAULT_TEMPLATE``.
-        mmproj: the model's vision projector (a GGUF libmtmd loads: ``--mmproj``): the
-            model then takes images (docs/vision.md).
+        mmproj: the model's projector (a GGUF libmtmd loads: ``--mmproj``): the model
+            then takes images (docs/vision.md) or audio (docs/audio.md), as it encodes.
         max_image_tokens: the most image tokens one request's prompt may hold.
+        max_audio_seconds: the longest audio clip a request may hold (docs/audio.md).
         lora: LoRA adapters loaded after the weights, ``(name, path, scale)`` each
             (``--lora NAME=PATH[:SCALE]``: docs/lora.md); ``scale``: a request's when it
             names the adapter without one.
+        lora_max: the most adapters the model may list at once (``--lora-max``): a
+            run-time load past it is refused (docs/lora.md).
         image_budget: the bytes of decoded images held at once (``--image-decode-budget``:
             one :class:`~trioserve._core._media.ImageBudget` shared by a server's models);
             default: one per process, of 1 GiB.
@@ -124,7 +129,7 @@ class LlamaSettings:
         *,
         n_ctx: int = 4096,
         cache_type_k: str = "f16",
-        swa_full: bool = False,
+        swa_full: bool = True,
         ctx_checkpoints: int = 8,
         cache_type_v: str = "f16",
         n_threads: int | None = None,
@@ -148,8 +153,10 @@ class LlamaSettings:
         rerank_template: str | None = None,
         mmproj: str | Path | None = None,
         max_image_tokens: int = 4096,
+        max_audio_seconds: int = 600,
         image_budget: ImageBudget | None = None,
         lora: Sequence[tuple[str, str | Path, float]] = (),
+        lora_max: int = 16,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
@@ -214,11 +221,17 @@ class LlamaSettings:
         if max_image_tokens < 1:
             raise ValueError(f"max_image_tokens must be at least 1, got {max_image_tokens}")
         self.max_image_tokens = max_image_tokens
+        if max_audio_seconds < 1:
+            raise ValueError(f"max_audio_seconds must be at least 1, got {max_audio_seconds}")
+        self.max_audio_seconds = max_audio_seconds
         self.image_budget = image_budget if image_budget is not None else default_image_budget()
         names = [check_adapter_name(name) for name, _, _ in lora]
         if len(set(names)) != len(names):
             raise ValueError(f"two LoRA adapters share a name: {sorted(names)}")
         self.lora = tuple((name, Path(path).expanduser(), float(scale)) for name, path, scale in lora)
+        if lora_max < len(self.lora) or lora_max < 0:
+            raise ValueError(f"lora_max ({lora_max}) must be at least the adapters given ({len(self.lora)})")
+        self.lora_max = lora_max
 
     @property
     def kv_types(self) -> str:

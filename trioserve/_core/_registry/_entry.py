@@ -96,19 +96,21 @@ class ModelEntry:
         return (self.spec.name, *self.spec.aliases)
 
     def adapter_names(self) -> tuple[str, ...]:
-        """Its LoRA adapters' names: the spec's, or the loaded backend's own."""
-        if self.spec.adapters:
-            return self.spec.adapters
+        """Its LoRA adapters' names: the loaded backend's own (those loaded at run time
+        included), else the spec's."""
         engine = self.engine
         if engine is None:
-            return ()
+            return self.spec.adapters
         return tuple(adapter[0] for adapter in engine.backend.info.adapters)
 
     def footprint(self) -> int:
         """Bytes it counts against the memory budget: the larger of what its load was
-        measured to add (RSS) and its source's estimate (the weights' files)."""
+        measured to add (RSS) and its source's estimate (the weights' files), and the
+        LoRA adapter files loaded at run time."""
         estimate = self.spec.source.footprint()
-        return estimate if self.measured_bytes is None else max(self.measured_bytes, estimate)
+        weights = estimate if self.measured_bytes is None else max(self.measured_bytes, estimate)
+        engine = self.engine
+        return weights + (engine.backend.adapter_bytes if engine is not None else 0)
 
     def describe(self) -> dict[str, object]:
         """What ``/v1/models`` and ``GET /models`` say about it."""

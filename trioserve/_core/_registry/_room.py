@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from .._exceptions import OverloadedError, ServiceUnavailableError
+from .._exceptions import InvalidRequestError, OverloadedError, ServiceUnavailableError
 from ._entry import ModelEntry, _Ticket
 from ._loading import _Loading
 
@@ -31,6 +31,22 @@ class _Room(_Loading):
         if self.max_loaded is not None and count >= self.max_loaded:
             return False
         return self.memory_budget is None or memory + entry.footprint() <= self.memory_budget
+
+    def check_adapter_room(self, entry: ModelEntry, size: int) -> None:
+        """A LoRA adapter file of ``size`` bytes loaded at run time into ``entry``
+        (docs/lora.md): 400 naming the budget if the loaded models and it would not fit
+        (an adapter evicts no model)."""
+        if self.memory_budget is None:
+            return
+        _, memory = self._used()
+        if memory + size > self.memory_budget:
+            raise InvalidRequestError(
+                f"the LoRA adapter's file takes {size:,} bytes; the loaded models take {memory:,} of the "
+                f"{self.memory_budget:,}-byte memory budget (--models-memory): unload an adapter or a "
+                "model first",
+                param="lora_path",
+                code="model_does_not_fit",
+            )
 
     def _could_ever_fit(self, entry: ModelEntry) -> bool:
         pinned = [

@@ -25,8 +25,8 @@ from trioserve._wire._responses import decode_responses_request
 from trioserve._wire._responses_writer import ResponsesDialect
 from trioserve.testing import open_test_server
 
-from . import _openai_validation as validation
-from ._helpers import ServerProcess
+from ... import _openai_validation as validation
+from ..._helpers import ServerProcess
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
 JSON_HEADERS = [(b"content-type", b"application/json")]

@@ -377,7 +377,7 @@ def test_random_walks_validate_and_keep_the_bound(compiler: GrammarCompiler, sch
 def _probe() -> Any:
     """scripts/probes/grammar_engines.py, the engines' coverage probe (its schemas and
     its validator: Draft 2020-12 with formats)."""
-    path = Path(__file__).parent.parent / "scripts" / "probes" / "grammar_engines.py"
+    path = Path(__file__).parents[3] / "scripts" / "probes" / "grammar_engines.py"
     spec = importlib.util.spec_from_file_location("grammar_engines_probe", path)
     assert spec is not None
     assert spec.loader is not None

@@ -11,7 +11,7 @@ import trio
 
 from trioserve import Aborted, PieceChannel
 
-from ._helpers import wait_for
+from ..._helpers import wait_for
 
 
 async def test_a_thread_producer_is_bounded_and_every_piece_arrives_in_order() -> None:

@@ -30,7 +30,7 @@ from trioserve._wire._openai import ChatMessage, ChoiceResult, ContentPart
 from trioserve._wire._responses import decode_responses_request, responses_conversation
 from trioserve._wire._responses_writer import ResponsesDialect
 
-CLAUDE_CODE = Path(__file__).parent / "data" / "claude_code_request.json"
+CLAUDE_CODE = Path(__file__).parents[2] / "data" / "claude_code_request.json"
 GEMMA = GemmaFormat()
 
 

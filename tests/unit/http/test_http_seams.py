@@ -17,7 +17,7 @@ from trioserve._http import InFlightRequest, Phase
 from trioserve._http._exchange import Exchange
 from trioserve._http._generation import GenerationHandler
 
-from ._helpers import wait_for
+from ..._helpers import wait_for
 
 
 def _state(backend: ScriptedBackend, **settings: Any) -> ServerState:

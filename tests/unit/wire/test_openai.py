@@ -99,7 +99,7 @@ def test_bad_completion_requests_name_the_problem(body: bytes, param: str | None
         ),
         (
             b'{"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}',
-            "'input_audio' are not supported",
+            "needs an input_audio object with data and format",
         ),
         (
             b'{"messages": [{"role": "system", "content": '

@@ -22,7 +22,7 @@ from trioserve import (
 )
 from trioserve._core._engine import WINDOW
 
-from ._helpers import wait_for
+from ..._helpers import wait_for
 
 
 def assert_torn_down(engine: Engine) -> None:
