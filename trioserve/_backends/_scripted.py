@@ -3,7 +3,9 @@
 It behaves like the llama.cpp backend where the engine can tell: it runs in a worker
 thread (:class:`~trioserve._backends._threaded.ThreadedBackend`), "prefills" for a time
 proportional to the prompt, emits one piece per ``token_interval``, and checks the abort
-flag between tokens and every millisecond inside prefill and decode steps. Its tokenizer
+flag between tokens and every millisecond inside prefill; a decode step waits on the
+abort flag (:class:`~trioserve._backends._threaded.AbortFlag`: one wake per step, an
+abort wakes it at once), so a paced stream costs the stack's work, not a poll loop's. Its tokenizer
 is UTF-8 bytes: one token per byte (a vocabulary of 256 ids, no special tokens).
 
 It plays a reasoning model when its chat template has reasoning markers and its script
@@ -18,6 +20,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import trio
+
 from .._core._backend import (
     ControlOutcome,
     GenerationProgress,
@@ -30,7 +34,7 @@ from .._core._backend import (
 from .._core._channel import Aborted, PieceChannel
 from .._core._types import GenerationEnd, GenerationRequest, ReasoningMarkers
 from ._reasoning import ReasoningTracker
-from ._threaded import Emit, ThreadedBackend
+from ._threaded import AbortFlag, Emit, ThreadedBackend
 
 __all__ = ["ScriptedBackend"]
 
@@ -92,7 +96,10 @@ class ScriptedBackend(ThreadedBackend):
     async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
         refuse_unsupported(request, "scripted")
         if isinstance(request.prompt, str):
-            tokens: Sequence[int] = list(request.prompt.encode())
+            data = request.prompt.encode()
+            if len(data) >= self._info.context_length:
+                return fit_to_context(request, data, self._info.context_length)  # (refused)
+            tokens: Sequence[int] = await _byte_tokens(data)
         else:
             tokens = list(request.prompt)
         return fit_to_context(request, tokens, self._info.context_length)
@@ -100,7 +107,12 @@ class ScriptedBackend(ThreadedBackend):
     async def tokenize_text(
         self, text: str, *, add_special: bool = False, parse_special: bool = True
     ) -> list[int]:
-        return list(text.encode())  # no special tokens: both flags change nothing
+        return await _byte_tokens(text.encode())  # no special tokens: both flags change nothing
+
+    async def count_text_tokens(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> int:
+        return len(text.encode())  # (a copy at memory speed: no list of ints)
 
     async def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
         check_token_ids(tokens, 256)
@@ -147,7 +159,11 @@ class ScriptedBackend(ThreadedBackend):
                 index += 1
                 if emitted >= prompt.max_new_tokens:
                     return "length"
-                _busy_wait(self.token_interval, aborted)
+                if isinstance(aborted, AbortFlag) and self.token_interval > 0:
+                    if aborted() or aborted.wait(self.token_interval):
+                        raise Aborted
+                else:
+                    _busy_wait(self.token_interval, aborted)
                 if control is not None:
                     if control.asked:
                         control.asked = False
@@ -201,6 +217,27 @@ def _after_marker(script: Sequence[bytes], markers: ReasoningMarkers, index: int
         if probe.state == "answer":
             return position + 1
     return index
+
+
+#: a text longer than this is made tokens in a worker thread (as the llama backend's
+#: tokenizer does), in slices: each slice's ``list`` is one C call that holds the GIL,
+#: so the event loop gets it back between slices
+_INLINE_TOKEN_BYTES = 64 * 1024
+
+
+async def _byte_tokens(data: bytes) -> list[int]:
+    """``data``'s byte values, the scripted tokenizer's tokens (off the loop when long)."""
+    if len(data) <= _INLINE_TOKEN_BYTES:
+        return list(data)
+    return await trio.to_thread.run_sync(_sliced_tokens, data)
+
+
+def _sliced_tokens(data: bytes) -> list[int]:
+    out: list[int] = []
+    view = memoryview(data)
+    for start in range(0, len(data), _INLINE_TOKEN_BYTES):
+        out += view[start : start + _INLINE_TOKEN_BYTES]
+    return out
 
 
 def _busy_wait(seconds: float, aborted: Callable[[], bool]) -> None:

@@ -24,10 +24,28 @@ from .._core._errors import unwrap_group
 from .._core._exceptions import BackendError
 from .._core._types import GenerationEnd
 
-__all__ = ["Emit", "Infer", "ThreadedBackend"]
+__all__ = ["AbortFlag", "Emit", "Infer", "ThreadedBackend"]
 
 Emit = Callable[[bytes], None]
 Infer = Callable[[PreparedPrompt, Emit, Callable[[], bool], GenerationProgress], GenerationEnd]
+
+
+class AbortFlag:
+    """The ``aborted`` that :meth:`ThreadedBackend.run_in_thread` hands ``infer``: call
+    it (one attribute read), or :meth:`wait` on it — a paced producer's step, woken at
+    once by an abort."""
+
+    __slots__ = ("_channel",)
+
+    def __init__(self, channel: PieceChannel) -> None:
+        self._channel = channel
+
+    def __call__(self) -> bool:
+        return self._channel.aborted
+
+    def wait(self, seconds: float) -> bool:
+        """Block up to ``seconds`` or until the abort; whether aborted."""
+        return self._channel.wait_aborted(seconds)
 
 
 async def _abort_on_cancel(channel: PieceChannel) -> None:
@@ -38,7 +56,23 @@ async def _abort_on_cancel(channel: PieceChannel) -> None:
 
 
 class ThreadedBackend(Backend):
-    """Base for backends whose inference blocks: see :meth:`run_in_thread`."""
+    """Base for backends whose inference blocks: see :meth:`run_in_thread`.
+
+    Its generations' threads come from a limiter of its own, sized to its slots
+    (admission already bounds them there), never Trio's default one: that one holds 40
+    threads for every ``to_thread`` of the process — a body decoded off the loop, a
+    render, a tokenization — and 40 streams would take them all (the 41st stream would
+    wait for a thread its slot had already promised it)."""
+
+    _thread_limiter: trio.CapacityLimiter | None = None
+
+    def _generation_threads(self) -> trio.CapacityLimiter:
+        limiter = self._thread_limiter
+        if limiter is None:
+            limiter = self._thread_limiter = trio.CapacityLimiter(max(1, self.slots))
+        elif limiter.total_tokens != max(1, self.slots):
+            limiter.total_tokens = max(1, self.slots)
+        return limiter
 
     async def run_in_thread(
         self, infer: Infer, prompt: PreparedPrompt, channel: PieceChannel, progress: GenerationProgress
@@ -50,8 +84,7 @@ class ThreadedBackend(Backend):
         ``infer`` has returned.
         """
 
-        def aborted() -> bool:
-            return channel.aborted
+        aborted = AbortFlag(channel)
 
         def in_thread() -> GenerationEnd | Literal["aborted"]:
             with self.generations:
@@ -65,7 +98,7 @@ class ThreadedBackend(Backend):
         with unwrap_group():
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_abort_on_cancel, channel)
-                result = await trio.to_thread.run_sync(in_thread)
+                result = await trio.to_thread.run_sync(in_thread, limiter=self._generation_threads())
                 nursery.cancel_scope.cancel()
         # a cancel that caused the abort has been raised by the nursery above
         if result == "aborted":

@@ -12,7 +12,7 @@ from .._backends._llama._settings import KV_CACHE_TYPES
 from .._core._media import DEFAULT_IMAGE_BUDGET_BYTES
 from .._wire._limits import RequestLimits
 from ._cluster import add_cluster_command
-from ._stream_flags import add_detach_flags
+from ._stream_flags import add_detach_flags, add_stream_interval_flag
 
 __all__ = ["parser"]
 
@@ -530,6 +530,7 @@ def _flow(serve: argparse.ArgumentParser) -> None:
         default=16 * 1024,
         help="bytes a connection may queue in the kernel unsent (TCP_NOTSENT_LOWAT; default: 16384)",
     )
+    add_stream_interval_flag(group)
     group.add_argument(
         "--heartbeat-interval",
         type=float,

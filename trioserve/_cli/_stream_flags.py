@@ -1,11 +1,12 @@
-"""``trioserve serve``'s flags for resumable streams (``--detach-*``; the design and
-every bound: docs/resumable-streams.md)."""
+"""``trioserve serve``'s flags for streams: resumable streams (``--detach-*``; the design
+and every bound: docs/resumable-streams.md) and the coalescing of a stream's events
+(``--stream-interval-ms``: docs/api.md, "Streaming format")."""
 
 from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_detach_flags"]
+__all__ = ["add_detach_flags", "add_stream_interval_flag"]
 
 
 def _non_negative_int(text: str) -> int:
@@ -78,4 +79,23 @@ def add_detach_flags(serve: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds without a reader before a stream ends (cause detach_timeout), and that a "
         "finished stream's log is kept (default: 300, llama-server's)",
+    )
+
+
+def _milliseconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 10_000:  # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"must be between 0 and 10000 ms, got {text}")
+    return value
+
+
+def add_stream_interval_flag(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--stream-interval-ms",
+        type=_milliseconds,
+        default=0.0,
+        metavar="MS",
+        help="hold a stream's text deltas that arrive within MS of its last event and send them "
+        "as one event when MS has passed (vLLM's stream_interval); the first delta and the end "
+        "are never delayed (default: 0, every delta its own event)",
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -131,6 +132,19 @@ class PieceChannel:
         with self._condition:
             self.aborted = True
             self._condition.notify_all()
+
+    def wait_aborted(self, seconds: float) -> bool:
+        """Block the calling worker thread up to ``seconds``, or until :meth:`abort`;
+        whether the channel is aborted. One wake per call, not one per millisecond: a
+        paced producer (the scripted backend) waits its step out here."""
+        deadline = time.monotonic() + seconds
+        with self._condition:
+            while not self.aborted:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._condition.wait(remaining)  # (a consumer making room wakes it too)
+            return self.aborted
 
     def close(self) -> None:
         """The producer is done (Trio thread): the consumer gets the rest, then the end."""

@@ -26,6 +26,10 @@ class HTTPSettings:
         max_timeout: the cap on ``X-Request-Timeout``; ``None``: no cap.
         heartbeat_interval: a stream silent this long (queued, in a long prefill) gets
             an SSE comment line; ``None`` or 0: no heartbeats.
+        stream_interval: seconds (``--stream-interval-ms``): text deltas that arrive
+            within this long of a stream's last sent event are held and go out as one
+            event when it has passed; the first delta and the end go out at once. 0:
+            every delta is its own event (docs/api.md, "Streaming format").
         model_aliases: other names accepted in the ``model`` field.
         keep_billing_header: keep Claude Code's ``x-anthropic-billing-header`` system
             block in the prompt (by default it is removed: it changes every request and
@@ -62,6 +66,7 @@ class HTTPSettings:
     max_prompt_tokens: int | None = None
     max_tokens_limit: int | None = None
     heartbeat_interval: float | None = 15.0
+    stream_interval: float = 0.0
     default_timeout: float | None = None
     max_timeout: float | None = 600.0
     model_aliases: tuple[str, ...] = ()

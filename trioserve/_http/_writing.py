@@ -51,6 +51,8 @@ class ResponseWriter:
     async def stream(
         self, request: InFlightRequest, events: EventStream, heartbeat: Heartbeat | None
     ) -> None:
+        if self.state.settings.stream_interval:
+            return await self._stream_coalesced(request, events, heartbeat)
         dialect = request.dialect
         assert dialect is not None
         body = request.exchange.body
@@ -78,6 +80,69 @@ class ResponseWriter:
                     final = writer.finish(event.reason, event.message, event.stop_sequence)
                     final += dialect.end(event.usage)
                 await self._end(request, final, event)
+
+    async def _stream_coalesced(
+        self, request: InFlightRequest, events: EventStream, heartbeat: Heartbeat | None
+    ) -> None:
+        """:meth:`stream` with ``--stream-interval-ms``: a delta that arrives within the
+        interval of the last event sent is held, with those after it, until the interval
+        has passed; then they go as one event. Never delayed: the first delta (nothing
+        sent yet) and the end (held text goes out with the final event, in one send). A
+        cancel hands held text to whatever ends the response (``Exchange.unsent``), as a
+        send that a cancel stopped does."""
+        dialect = request.dialect
+        assert dialect is not None
+        exchange = request.exchange
+        delta = dialect.plain_delta
+        interval = self.state.settings.stream_interval
+        observe_gap = self.state.metrics.inter_token_latency.observe
+        now = trio.current_time
+        held: list[str] = []
+        last = -math.inf  # when the last text event went out
+        try:
+            while True:
+                event: TextDelta | Finished | None = None
+                if held:
+                    with trio.move_on_at(last + interval):
+                        event = await anext(events)  # (a cancel while waiting loses nothing)
+                    if event is None:  # the interval has passed: what is held goes
+                        text, held = "".join(held), []
+                        await exchange.body(delta(text))
+                        at = now()
+                        observe_gap(at - last)
+                        last = at
+                        continue
+                else:
+                    event = await anext(events)
+                if request.phase is Phase.QUEUED:  # the first event
+                    if heartbeat is not None:
+                        await heartbeat.hand_over()  # from here on, this task is the only writer
+                    request.advance(Phase.STREAMING)
+                if type(event) is TextDelta:
+                    at = now()
+                    if held or at < last + interval:
+                        held.append(event.text)
+                        continue
+                    await exchange.body(delta(event.text))
+                    if last > -math.inf:
+                        observe_gap(at - last)
+                    last = at
+                    continue
+                assert isinstance(event, Finished)
+                text, held = "".join(held), []
+                start = delta(text) if text else b""
+                if event.reason == "error":
+                    final = start + dialect.stream_error(failure(events, event))
+                else:
+                    writer = dialect.writers[0]
+                    final = start + writer.finish(event.reason, event.message, event.stop_sequence)
+                    final += dialect.end(event.usage)
+                await self._end(request, final, event)
+                return
+        except trio.Cancelled:
+            if held:
+                exchange.unsent += delta("".join(held))
+            raise
 
     async def stream_choices(
         self, request: InFlightRequest, parsed: ParsedRequest, heartbeat: Heartbeat | None
