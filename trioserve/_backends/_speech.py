@@ -50,6 +50,9 @@ class SpeechEngine:
 
         self._lib, self._mtmd = llama_cpp, mtmd_cpp
         self._model = self._ctx = self._mctx = self._gen = None
+        #: frames made since the load, all generations together (read from any thread:
+        #: a generation's progress)
+        self.frames_made = 0
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
         self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mparams)
@@ -113,13 +116,7 @@ class SpeechEngine:
             raise BackendError("the speech model is closed")
         stop_asked = cancelled.is_set if isinstance(cancelled, threading.Event) else cancelled
         raw = text.encode()
-        tokens = self._count_tokens(raw)
-        if tokens + 1 > self.n_ctx:
-            raise InvalidRequestError(
-                f"the input is {tokens} tokens; this speech model's context holds {self.n_ctx - 1}",
-                param="input",
-                code="input_too_long",
-            )
+        tokens = self.check_input(text)
         # a generation starts from empty cells (the helper restarts its positions at 0)
         lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)
         inp = mtmd.mtmd_helper_gen_audio_inp()
@@ -152,6 +149,7 @@ class SpeechEngine:
                 raise BackendError("the speech model's frame generation failed")
             if out:
                 frames += 1
+                self.frames_made += 1
                 h_state = out
             if done.value or frames % WINDOW_FRAMES == 0:
                 sent = self._send_new(sent, emit)
@@ -159,11 +157,21 @@ class SpeechEngine:
             sent = self._send_new(sent, emit)
         return SpeechResult(frames, sent, tokens, stopped)
 
-    def _count_tokens(self, raw: bytes) -> int:
-        lib = self._lib
-        vocab = lib.llama_model_get_vocab(self._model)
-        n = -lib.llama_tokenize(vocab, raw, len(raw), None, 0, False, False)
-        return max(int(n), 0)
+    def check_input(self, text: str) -> int:
+        """The tokens of ``text``; a 400 naming ``input`` if the context cannot hold
+        them (what :meth:`generate` checks first; a caller may check before it answers)."""
+        if self._model is None:
+            raise BackendError("the speech model is closed")
+        raw = text.encode()
+        vocab = self._lib.llama_model_get_vocab(self._model)
+        tokens = max(int(-self._lib.llama_tokenize(vocab, raw, len(raw), None, 0, False, False)), 0)
+        if tokens + 1 > self.n_ctx:
+            raise InvalidRequestError(
+                f"the input is {tokens} tokens; this speech model's context holds {self.n_ctx - 1}",
+                param="input",
+                code="input_too_long",
+            )
+        return tokens
 
     def _send_new(self, sent: int, emit: Callable[[bytes], None]) -> int:
         """Emit the samples made since ``sent`` (as 16-bit PCM); return the new count."""

@@ -26,6 +26,7 @@ from .._wire._limits import RequestLimits
 from . import _models
 from ._cluster import run_cluster
 from ._parser import parser as _parser
+from ._speech_flags import speech_source
 
 __all__ = ["main"]
 
@@ -100,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             description, models = _models.registry(args, max_queue=args.max_queue)
         else:
             description, models = _loader(args)
+        speech = speech_source(args)
     except (RuntimeError, FileNotFoundError, ValueError) as exc:
         logger.error("%s", exc)
         return 2
@@ -177,13 +179,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         maker = None if args.scripted or args.upstream else _models.model_maker(args)
-        server = Server(models, settings, model_maker=maker)
+        server = Server(models, settings, model_maker=maker, speech=speech)
     except RuntimeError as exc:  # e.g. --otlp-endpoint without the otel extra
         logger.error("%s", exc)
         return 2
     except (OSError, ValueError) as exc:  # the keys file
         logger.error("--keys-file %s: %s", args.keys_file, exc)
         return 2
+    if speech is not None:
+        description += f", and the {speech.description} as {speech.name!r}"
     logger.info("trioserve %s (pid %d): loading %s", _version(), os.getpid(), description)
     keys = server.state.accounts.file.accounts
     if keys:

@@ -12,6 +12,7 @@ from .._backends._llama._settings import KV_CACHE_TYPES
 from .._core._media import DEFAULT_IMAGE_BUDGET_BYTES
 from .._wire._limits import RequestLimits
 from ._cluster import add_cluster_command
+from ._speech_flags import add_speech_flags
 from ._stream_flags import add_detach_flags, add_stream_interval_flag
 
 __all__ = ["parser"]
@@ -82,6 +83,7 @@ def parser() -> argparse.ArgumentParser:
     _media(serve)
     _dialects(serve)
     add_detach_flags(serve)
+    add_speech_flags(serve)
     _logging(serve)
     add_cluster_command(commands)
     return root

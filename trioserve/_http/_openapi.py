@@ -31,6 +31,7 @@ from .._wire._ollama import OllamaChatRequest, OllamaGenerateRequest
 from .._wire._openai import ChatCompletionRequest, CompletionRequest
 from .._wire._rerank import RerankRequest
 from .._wire._responses import InputTokensRequest, ResponsesRequest
+from .._wire._speech import SpeechRequest
 from .._wire._tokenize import DetokenizeRequest, TokenizeRequest
 from ._access import AccessPolicy
 
@@ -187,8 +188,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         stream=True, errors=_RUN, params=_HEADERS,
     ),
     ("POST", "/v1/audio/speech"): Operation(
-        "Speech: refused (400 speech_not_supported: no text-to-speech model is served)", "openai",
-        errors=(400,),
+        "Speak a text (OpenAI; WAV or PCM chunked as made, or speech.audio.delta events with "
+        "stream_format sse; 400 speech_not_supported on a server started without --tts-model)",
+        "openai", SpeechRequest, media="audio/wav", stream=True, errors=_RUN, params=_RETRIEVAL_HEADERS,
     ),
     ("POST", "/v1/embeddings"): Operation(
         "Embed texts (OpenAI)", "retrieval", EmbeddingsRequest, shapes.Embeddings,

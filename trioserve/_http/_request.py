@@ -50,6 +50,7 @@ Kind = Literal[
     "rerank",
     "stream",
     "transcription",
+    "speech",
 ]
 
 

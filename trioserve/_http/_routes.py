@@ -68,10 +68,11 @@ from ._props import add_props_route, context_length
 from ._replay import STREAM_PATH, ReplayHandler, ResponsesReplay, response_stream_id
 from ._requests_routes import add_request_routes
 from ._rerank import RERANK_PATHS, RerankHandler
+from ._speech import SPEECH_PATH, SpeechHandler
 from ._state import ServerState
 from ._stored_routes import add_stored_routes
 from ._stream_routes import add_stream_routes
-from ._transcriptions import SPEECH_PATH, TRANSCRIPTIONS_PATH, TranscriptionsHandler, refuse_speech
+from ._transcriptions import TRANSCRIPTIONS_PATH, TranscriptionsHandler
 
 __all__ = ["create_app", "served_routes"]
 
@@ -99,6 +100,7 @@ def create_app(
     header_limit = state.settings.max_header_bytes
 
     transcriptions = TranscriptionsHandler(state, generation)
+    speech = SpeechHandler(state, access)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -107,7 +109,7 @@ def create_app(
                 await transcriptions(scope, receive, send)
                 return
             if audio == SPEECH_PATH:
-                await refuse_speech(scope, send)
+                await speech(scope, receive, send)
                 return
             kind = GENERATION_PATHS.get(scope["path"].rstrip("/") or "/")
             if kind is not None:

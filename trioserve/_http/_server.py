@@ -34,6 +34,7 @@ from ._generation import FINAL_EVENT_TIMEOUT
 from ._hypercorn_patches import patch_hypercorn_connection_registry, patch_hypercorn_h2_backpressure
 from ._routes import create_app
 from ._settings import HTTPSettings
+from ._speech import SpeechService, SpeechSource
 from ._state import ModelMaker, ServerState
 from ._stored import StoredResponses, open_stored_responses
 from ._tracing import Tracing
@@ -139,6 +140,9 @@ class Server:
             to share one loaded backend between servers, as the tests do).
         model_maker: how a model added while it serves (Ollama's ``/api/create``) is
             loaded (``None``: ``/api/create`` answers 501).
+        speech: the text-to-speech model (``POST /v1/audio/speech``; docs/audio.md,
+            "Speech"): loaded in a worker thread at start (:attr:`ready` waits for it),
+            closed at shutdown (``None``: the route answers 400 ``speech_not_supported``).
     """
 
     def __init__(
@@ -148,6 +152,7 @@ class Server:
         *,
         close_backend: bool = True,
         model_maker: ModelMaker | None = None,
+        speech: SpeechSource | None = None,
     ) -> None:
         self.settings = settings or ServerSettings()
         stall = self.settings.stall_timeout
@@ -190,6 +195,7 @@ class Server:
             tracing=Tracing(http.otlp_endpoint, service=http.service_name),
             accounts=accounts,
             model_maker=model_maker,
+            speech=None if speech is None else SpeechService(speech, max_queue=self.settings.max_queue),
         )
         self.state.metrics.bind_registry(self.registry)
         self.state.metrics.bind_detached(
@@ -301,6 +307,9 @@ class Server:
                     self.state.responses = responses
                     self.state.detached = detached
                     self.state.registry = self.registry
+                    speech = self.state.speech
+                    if speech is not None:
+                        nursery.start_soon(speech.load)
                     nursery.start_soon(self._announce, binds)
                     try:
                         await self._shutdown_requested.wait()
@@ -309,6 +318,8 @@ class Server:
                     finally:
                         with trio.CancelScope(shield=True):
                             await self._drain(0.0)
+                            if speech is not None:
+                                await speech.aclose()
             finally:
                 nursery.cancel_scope.cancel()
                 if self.state.tracing.enabled:
@@ -352,6 +363,9 @@ class Server:
                 )
             else:
                 logger.error("the model %s failed to load: %s", entry.name or "", entry.error)
+        speech = self.state.speech
+        if speech is not None:
+            await speech.settled.wait()
         if not preloads:
             names = ", ".join(entry.name for entry in self.registry.entries)
             count = len(self.registry.entries)

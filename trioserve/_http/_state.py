@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -22,6 +23,9 @@ from ._request import InFlightRequest
 from ._settings import HTTPSettings
 from ._stored import StoredResponses
 from ._tracing import Tracing
+
+if TYPE_CHECKING:
+    from ._speech import SpeechService
 
 __all__ = ["ModelMaker", "ServerState"]
 
@@ -60,6 +64,8 @@ class ServerState:
     accounts: Accounts = field(default_factory=Accounts)
     #: how ``/api/create`` loads a new model (``None``: this server adds none: 501)
     model_maker: ModelMaker | None = None
+    #: the text-to-speech model (``None``: none is served; docs/audio.md, "Speech")
+    speech: SpeechService | None = None
     _idle: trio.Event = field(default_factory=trio.Event)
     _formats: dict[int, tuple[Engine, ChatFormat]] = field(
         default_factory=dict[int, tuple[Engine, ChatFormat]]

@@ -1,5 +1,5 @@
-"""``POST /v1/audio/transcriptions`` and ``POST /v1/audio/speech`` at the ASGI level
-(docs/audio.md).
+"""``POST /v1/audio/transcriptions`` at the ASGI level (docs/audio.md; speech:
+``_speech.py``).
 
 A transcription's multipart body is read here, bounded before a byte of it is read
 (``Content-Length`` against ``--max-audio-bytes`` and the form fields' allowance: 413),
@@ -8,9 +8,7 @@ counted as it arrives (a chunked body cut at the same bound), within
 :data:`MAX_FIELDS` fields of :data:`MAX_FIELD_BYTES` each, one file). The form becomes
 the chat request llama-server builds (``_wire/_transcriptions.py``), run by the
 generation handler as the ``transcription`` dialect: the same request scope, queue,
-deadline, disconnect watcher and cancellation as a chat.
-
-Speech is refused by name: no speaking model is served here (docs/audio.md, "Speech")."""
+deadline, disconnect watcher and cancellation as a chat."""
 
 from __future__ import annotations
 
@@ -30,11 +28,10 @@ from .._wire import TranscriptionForm, chat_body
 from ._exchange import Exchange, Message, Receive, Scope, Send, _ClientGone, _header, body_timeout_error
 from ._state import ServerState
 
-__all__ = ["SPEECH_PATH", "TRANSCRIPTIONS_PATH", "TranscriptionsHandler"]
+__all__ = ["TRANSCRIPTIONS_PATH", "TranscriptionsHandler"]
 
 
 TRANSCRIPTIONS_PATH = "/v1/audio/transcriptions"
-SPEECH_PATH = "/v1/audio/speech"
 #: form fields besides the file, and the bytes of each
 MAX_FIELDS, MAX_FIELD_BYTES = 16, 64 * 1024
 #: what the form may add to the clip's bytes: its fields and every part's headers
@@ -244,14 +241,3 @@ class TranscriptionsHandler:
             await send(message)
 
         await self.generation(inner, replay, plain, "transcription")
-
-
-async def refuse_speech(scope: Scope, send: Send) -> None:
-    """``/v1/audio/speech``: 400 ``speech_not_supported``."""
-    error = InvalidRequestError(
-        "this server generates no speech: it loads no text-to-speech model yet (libmtmd's PocketTTS "
-        'engine is built, its route and loading flags are not: docs/audio.md, "Speech")',
-        param="model",
-        code="speech_not_supported",
-    )
-    await Exchange(send, uuid.uuid4().hex).error(error)
