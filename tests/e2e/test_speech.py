@@ -201,6 +201,36 @@ async def test_a_client_that_leaves_mid_generation_stops_the_engine(
     assert len(answer.content) % 2 == 0
 
 
+async def test_the_deadline_stops_the_engine_and_says_so_in_an_event(
+    talkative: tuple[Path, Path], nursery: trio.Nursery
+) -> None:
+    running = await serve_speech(nursery, talkative)
+    speech, made = service(running), engine(running)
+    text = " ".join([SENTENCE] * 40)  # (seconds of CPU: the deadline comes first)
+    body = {
+        "model": NAME,
+        "voice": "default",
+        "input": text,
+        "response_format": "pcm",
+        "stream_format": "sse",
+    }
+    events = []
+    async with (
+        httpx.AsyncClient(base_url=running.url, timeout=60) as http,
+        http.stream("POST", "/v1/audio/speech", json=body, headers={"X-Request-Timeout": "1"}) as answer,
+    ):
+        assert answer.status_code == 200
+        async for line in answer.aiter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line.removeprefix("data: ")))
+    assert {event["type"] for event in events[:-1]} == {"speech.audio.delta"}
+    assert events[-1]["type"] == "error"
+    assert events[-1]["error"]["code"] == "deadline_exceeded"
+    await wait_for(lambda: speech.running == 0, limit=30)
+    assert speech.stopped == 1
+    assert made.frames_made < 40 * 150  # (its budget: about 40 × 200)
+
+
 async def post(url: str, body: dict[str, Any]) -> httpx.Response:
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         return await http.post("/v1/audio/speech", json=body)

@@ -382,8 +382,8 @@ class SpeechHandler:
         as an error event (SSE), or the connection ended (audio)."""
         exchange = request.exchange
         cause = request.cause
-        if cause in ("disconnect", "stall") or exchange.ended:
-            return
+        if cause in ("disconnect", "stall", "stop") or exchange.ended:
+            return  # (nobody to tell; or the answer was whole: a cancel after its end)
         if cause == "deadline":
             error: TrioserveError = DeadlineExceededError(
                 "the request's deadline passed before the speech was done"
