@@ -48,7 +48,9 @@ def talkative() -> tuple[Path, Path]:
     return tiny_pockettts(talkative=True)
 
 
-async def serve_speech(nursery: trio.Nursery, pair: tuple[Path, Path] | None) -> RunningServer:
+async def serve_speech(
+    nursery: trio.Nursery, pair: tuple[Path, Path] | None, *, max_queue: int = 16
+) -> RunningServer:
     """A real hypercorn server (the scripted backend for text) with the pair as its
     speech model, loaded at start as ``trioserve serve --tts-model`` loads it."""
     backend = ScriptedBackend()
@@ -60,7 +62,8 @@ async def serve_speech(nursery: trio.Nursery, pair: tuple[Path, Path] | None) ->
     if pair is not None:
         model, mmproj = pair
         source = SpeechSource(NAME, lambda: SpeechEngine(model, mmproj, threads=1))
-    server = Server(load, ServerSettings(host="127.0.0.1", port=0), speech=source)
+    settings = ServerSettings(host="127.0.0.1", port=0, max_queue=max_queue)
+    server = Server(load, settings, speech=source)
     binds = await nursery.start(server.run)
     await server.ready.wait()
     return RunningServer(server, binds[0])
@@ -199,6 +202,33 @@ async def test_a_client_that_leaves_mid_generation_stops_the_engine(
     answer = await sdk.audio.speech.create(model=NAME, voice="default", input="Hi.", response_format="pcm")
     assert len(answer.content) > 0
     assert len(answer.content) % 2 == 0
+
+
+@pytest.mark.parametrize("max_queue", [1, 0])
+async def test_one_generation_at_a_time_and_a_waiting_request_leaves_when_its_client_does(
+    talkative: tuple[Path, Path], nursery: trio.Nursery, max_queue: int
+) -> None:
+    running = await serve_speech(nursery, talkative, max_queue=max_queue)
+    speech = service(running)
+    long = {"model": NAME, "voice": "default", "input": " ".join([SENTENCE] * 40), "response_format": "pcm"}
+    # the first holds the engine: its client reads nothing past the head
+    first = await RawStream.post(running.url, "/v1/audio/speech", long, receive_buffer=16384)
+    await first.read_until(b"\r\n\r\n")
+    await wait_for(lambda: speech.running == 1)
+    short = {**long, "input": "Hi."}
+    if max_queue == 0:  # no place to wait: 429
+        answer = await post(running.url, short)
+        assert answer.status_code == 429, answer.text
+    else:
+        second = await RawStream.post(running.url, "/v1/audio/speech", short)
+        await wait_for(lambda: speech.admission.queued == 1)
+        await second.aclose()
+        await wait_for(lambda: speech.admission.queued == 0)
+    assert speech.generations == 1
+    await first.aclose()
+    await wait_for(lambda: speech.running == 0 and speech.stopped == 1, limit=30)
+    await running.wait_idle()
+    assert speech.generations == 1
 
 
 async def test_the_deadline_stops_the_engine_and_says_so_in_an_event(

@@ -66,6 +66,7 @@ from ._exchange import (
     _request_timeout,
     headers_too_large,
 )
+from ._generation import _ID_RULE, valid_id
 from ._lifecycle import FINAL_EVENT_TIMEOUT, end_connection, send_last, watch_disconnect, watch_stall
 from ._request import InFlightRequest, Phase
 from ._state import ServerState
@@ -218,7 +219,9 @@ class SpeechHandler:
         self.access = access
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        exchange = Exchange(send, _header(scope, b"x-request-id") or uuid.uuid4().hex, render_error)
+        given = _header(scope, b"x-request-id")
+        valid = given is not None and valid_id(given)
+        exchange = Exchange(send, given if given is not None and valid else uuid.uuid4().hex, render_error)
         request = InFlightRequest(scope, exchange, "speech")
         request.owner = key_salt(scope, self.access)
         usage = [0, 0]  # input tokens, frames
@@ -226,6 +229,8 @@ class SpeechHandler:
             limit = self.state.settings.max_header_bytes
             if headers_too_large(scope, limit):
                 raise HeadersTooLargeError(f"the request headers exceed the limit of {limit} bytes")
+            if given is not None and not valid:
+                raise InvalidRequestError(_ID_RULE.format(name="X-Request-Id"), param="X-Request-Id")
             if scope["method"] != "POST":
                 raise MethodNotAllowedError(f"{scope['path']} accepts POST only, not {scope['method']}")
             service = self.state.speech
