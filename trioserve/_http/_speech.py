@@ -329,8 +329,8 @@ class SpeechHandler:
                 return
             try:
                 trio.from_thread.run(write, chunk)
-            except trio.Cancelled:  # the request's scope was cancelled during the send
-                stop.set()
+            except (trio.Cancelled, trio.BrokenResourceError, trio.ClosedResourceError):
+                stop.set()  # the request's scope was cancelled during the send, or the client went
 
         async def relay_cancel() -> None:
             try:
