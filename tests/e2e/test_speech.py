@@ -102,9 +102,10 @@ async def test_the_openai_sdk_gets_a_wav_the_stdlib_reads(
 ) -> None:
     running = await serve_speech(nursery, terse)
     speech = service(running)
-    response = await client(running.url).audio.speech.create(
-        model=NAME, voice="default", input="Hello there, how are you?", response_format="wav"
-    )
+    async with client(running.url) as sdk:
+        response = await sdk.audio.speech.create(
+            model=NAME, voice="default", input="Hello there, how are you?", response_format="wav"
+        )
     assert response.response.headers["content-type"] == "audio/wav"
     reader, pcm = read_wav(response.content)
     assert (reader.getnchannels(), reader.getsampwidth(), reader.getframerate()) == (1, 2, SAMPLE_RATE)
@@ -125,53 +126,53 @@ async def test_streamed_answers_are_the_whole_answers_samples(
     talkative: tuple[Path, Path], nursery: trio.Nursery
 ) -> None:
     running = await serve_speech(nursery, talkative)
-    sdk = client(running.url)
-    ask: dict[str, Any] = {"model": NAME, "voice": "default", "input": SENTENCE}
-    whole_7 = await sdk.audio.speech.create(**ask, response_format="wav", extra_body={"seed": 7})
-    _, pcm_7 = read_wav(whole_7.content)
-    pcm_8 = (await sdk.audio.speech.create(**ask, response_format="pcm", extra_body={"seed": 8})).content
-    frames = engine(running).frames_made // 2
-    assert len(pcm_7) == len(pcm_8) == 2 * frames * SAMPLES_PER_FRAME  # (the budget: ≥ 8 windows)
-    assert frames > 8 * 8
-    assert pcm_7 != pcm_8
+    async with client(running.url) as sdk:
+        ask: dict[str, Any] = {"model": NAME, "voice": "default", "input": SENTENCE}
+        whole_7 = await sdk.audio.speech.create(**ask, response_format="wav", extra_body={"seed": 7})
+        _, pcm_7 = read_wav(whole_7.content)
+        pcm_8 = (await sdk.audio.speech.create(**ask, response_format="pcm", extra_body={"seed": 8})).content
+        frames = engine(running).frames_made // 2
+        assert len(pcm_7) == len(pcm_8) == 2 * frames * SAMPLES_PER_FRAME  # (the budget: ≥ 8 windows)
+        assert frames > 8 * 8
+        assert pcm_7 != pcm_8
 
-    # chunked audio, read as it comes
-    async with sdk.audio.speech.with_streaming_response.create(
-        **ask, response_format="pcm", extra_body={"seed": 7}
-    ) as streamed:
-        assert streamed.headers["content-type"] == "audio/pcm"
-        chunks = [chunk async for chunk in streamed.iter_bytes()]
-    assert b"".join(chunks) == pcm_7
+        # chunked audio, read as it comes
+        async with sdk.audio.speech.with_streaming_response.create(
+            **ask, response_format="pcm", extra_body={"seed": 7}
+        ) as streamed:
+            assert streamed.headers["content-type"] == "audio/pcm"
+            chunks = [chunk async for chunk in streamed.iter_bytes()]
+        assert b"".join(chunks) == pcm_7
 
-    # speech.audio.delta events, then speech.audio.done with the usage
-    events = []
-    async with sdk.audio.speech.with_streaming_response.create(
-        **ask, response_format="pcm", stream_format="sse", extra_body={"seed": 8}
-    ) as streamed:
-        assert streamed.headers["content-type"].startswith("text/event-stream")
-        async for line in streamed.iter_lines():
-            if line.startswith("data: "):
-                events.append(json.loads(line.removeprefix("data: ")))
-    deltas, done = events[:-1], events[-1]
-    assert len(deltas) > 1
-    assert {event["type"] for event in deltas} == {"speech.audio.delta"}
-    assert b"".join(base64.b64decode(event["audio"]) for event in deltas) == pcm_8
-    assert done["type"] == "speech.audio.done"
-    usage = done["usage"]
-    assert usage["output_tokens"] == frames
-    assert usage["input_tokens"] > 0
-    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+        # speech.audio.delta events, then speech.audio.done with the usage
+        events = []
+        async with sdk.audio.speech.with_streaming_response.create(
+            **ask, response_format="pcm", stream_format="sse", extra_body={"seed": 8}
+        ) as streamed:
+            assert streamed.headers["content-type"].startswith("text/event-stream")
+            async for line in streamed.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line.removeprefix("data: ")))
+        deltas, done = events[:-1], events[-1]
+        assert len(deltas) > 1
+        assert {event["type"] for event in deltas} == {"speech.audio.delta"}
+        assert b"".join(base64.b64decode(event["audio"]) for event in deltas) == pcm_8
+        assert done["type"] == "speech.audio.done"
+        usage = done["usage"]
+        assert usage["output_tokens"] == frames
+        assert usage["input_tokens"] > 0
+        assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
 
-    # a WAV in events: the header rides in the first delta
-    events.clear()
-    async with sdk.audio.speech.with_streaming_response.create(
-        **ask, response_format="wav", stream_format="sse", extra_body={"seed": 7}
-    ) as streamed:
-        async for line in streamed.iter_lines():
-            if line.startswith("data: "):
-                events.append(json.loads(line.removeprefix("data: ")))
-    audio = b"".join(base64.b64decode(event["audio"]) for event in events[:-1])
-    assert audio == whole_7.content
+        # a WAV in events: the header rides in the first delta
+        events.clear()
+        async with sdk.audio.speech.with_streaming_response.create(
+            **ask, response_format="wav", stream_format="sse", extra_body={"seed": 7}
+        ) as streamed:
+            async for line in streamed.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line.removeprefix("data: ")))
+        audio = b"".join(base64.b64decode(event["audio"]) for event in events[:-1])
+        assert audio == whole_7.content
 
 
 async def test_a_client_that_leaves_mid_generation_stops_the_engine(
@@ -179,7 +180,7 @@ async def test_a_client_that_leaves_mid_generation_stops_the_engine(
 ) -> None:
     running = await serve_speech(nursery, talkative)
     speech, made = service(running), engine(running)
-    text = " ".join([SENTENCE] * 40)  # (about 40 × 220 frames: seconds of CPU, minutes of sound)
+    text = " ".join([SENTENCE] * 40)  # (about 40 × 172 frames: seconds of CPU, minutes of sound)
     body = {"model": NAME, "voice": "default", "input": text, "response_format": "pcm"}
     # a small receive window: the server's sends wait for this client, and so does the engine
     raw = await RawStream.post(running.url, "/v1/audio/speech", body, receive_buffer=16384)
@@ -194,12 +195,16 @@ async def test_a_client_that_leaves_mid_generation_stops_the_engine(
     await raw.aclose()
     await wait_for(lambda: speech.stopped == 1 and speech.running == 0, limit=30)
     stopped_at = made.frames_made
-    assert stopped_at < 40 * 100, stopped_at  # far from its budget: it stopped, not finished
+    # far from its budget (about 6,900 frames: 172 a sentence): it stopped, not finished
+    # (measured: 8, the first window, the one its send waited on)
+    assert stopped_at < 1000, stopped_at
     await running.wait_idle()
     assert made.frames_made == stopped_at
     # the engine serves the next request
-    sdk = client(running.url)
-    answer = await sdk.audio.speech.create(model=NAME, voice="default", input="Hi.", response_format="pcm")
+    async with client(running.url) as sdk:
+        answer = await sdk.audio.speech.create(
+            model=NAME, voice="default", input="Hi.", response_format="pcm"
+        )
     assert len(answer.content) > 0
     assert len(answer.content) % 2 == 0
 
@@ -258,7 +263,7 @@ async def test_the_deadline_stops_the_engine_and_says_so_in_an_event(
     assert events[-1]["error"]["code"] == "deadline_exceeded"
     await wait_for(lambda: speech.running == 0, limit=30)
     assert speech.stopped == 1
-    assert made.frames_made < 40 * 150  # (its budget: about 40 × 200)
+    assert made.frames_made < 3000  # (its budget: about 6,900)
 
 
 async def post(url: str, body: dict[str, Any]) -> httpx.Response:
@@ -304,14 +309,16 @@ async def test_refusals_name_their_field(
 async def test_the_sdk_s_refusal_of_a_voice(terse: tuple[Path, Path], nursery: trio.Nursery) -> None:
     running = await serve_speech(nursery, terse)
     with pytest.raises(openai.BadRequestError) as caught:
-        await client(running.url).audio.speech.create(model=NAME, voice="alloy", input="Hello.")
+        async with client(running.url) as sdk:
+            await sdk.audio.speech.create(model=NAME, voice="alloy", input="Hello.")
     assert caught.value.code == "unsupported_voice"
 
 
 async def test_a_server_without_a_speech_model_refuses_by_name(nursery: trio.Nursery) -> None:
     running = await serve_speech(nursery, None)
     with pytest.raises(openai.BadRequestError) as caught:
-        await client(running.url).audio.speech.create(model=NAME, voice="default", input="Hello.")
+        async with client(running.url) as sdk:
+            await sdk.audio.speech.create(model=NAME, voice="default", input="Hello.")
     assert caught.value.code == "speech_not_supported"
     assert "--tts-model" in caught.value.message
 
