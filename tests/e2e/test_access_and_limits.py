@@ -399,7 +399,8 @@ def _app_routes(server: RunningServer) -> set[tuple[str, str]]:
     from trioserve._http._replay import STREAM_PATH
     from trioserve._http._rerank import RERANK_PATHS
     from trioserve._http._routes import _create_quart_app
-    from trioserve._http._transcriptions import SPEECH_PATH, TRANSCRIPTIONS_PATH
+    from trioserve._http._speech import SPEECH_PATH
+    from trioserve._http._transcriptions import TRANSCRIPTIONS_PATH
 
     quart = _create_quart_app(server.server.state, server.server.access)
     routes = {

@@ -27,7 +27,7 @@ from trioserve import Backend, ScriptedBackend, Server, ServerSettings
 from trioserve._backends._speech import SpeechEngine
 from trioserve._cli._parser import parser
 from trioserve._cli._speech_flags import speech_source
-from trioserve._http._speech import SpeechService, SpeechSource
+from trioserve._http._speech_service import SpeechService, SpeechSource
 from trioserve._wire._speech import MAX_INPUT_CHARS
 
 from .._helpers import RawStream, RunningServer, ServerProcess, wait_for

@@ -9,7 +9,7 @@ import functools
 import os
 from pathlib import Path
 
-from .._http._speech import SpeechModel, SpeechSource
+from .._http._speech_service import SpeechModel, SpeechSource
 
 __all__ = ["add_speech_flags", "speech_source"]
 

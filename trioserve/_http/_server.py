@@ -34,7 +34,7 @@ from ._generation import FINAL_EVENT_TIMEOUT
 from ._hypercorn_patches import patch_hypercorn_connection_registry, patch_hypercorn_h2_backpressure
 from ._routes import create_app
 from ._settings import HTTPSettings
-from ._speech import SpeechService, SpeechSource
+from ._speech_service import SpeechService, SpeechSource
 from ._state import ModelMaker, ServerState
 from ._stored import StoredResponses, open_stored_responses
 from ._tracing import Tracing

@@ -25,7 +25,7 @@ from ._stored import StoredResponses
 from ._tracing import Tracing
 
 if TYPE_CHECKING:
-    from ._speech import SpeechService
+    from ._speech_service import SpeechService
 
 __all__ = ["ModelMaker", "ServerState"]
 
