@@ -304,10 +304,9 @@ class KvCells:
         marks = self.policy.marks
         end = sequence.prefilled
         cuts = sequence.cache.cuts
-        if not cuts or end > cuts[-1]:
-            return  # (past the last cut: no later prompt's pieces end there)
-        if cuts[bisect.bisect_left(cuts, end) :][:1] != [end]:
-            return
+        i = bisect.bisect_left(cuts, end)
+        if i == len(cuts) or cuts[i] != end:
+            return  # (not on a cut: no later prompt's pieces end there)
         turn = self.policy.rule.after_header(sequence.asked.prompt, end)
         if not marks.wants(sequence.seq_id, end, cuts[-1], turn=turn):
             return
