@@ -31,7 +31,8 @@ CHECKS = ",".join(
 )
 #: the scripted backend computes no embeddings: its documented 501 is the answer there;
 #: it adds no models (/api/create), keeps no blobs (--blobs-dir off) and reaches no
-#: registry (/api/pull, /api/push): 501 each, documented
+#: registry (/api/pull, /api/push) and loads no LoRA adapters (/lora-adapters, vLLM's
+#: load and unload): 501 each, documented
 CONFIG = "".join(
     f"""
 [[operations]]
@@ -40,7 +41,7 @@ checks.not_a_server_error.expected-statuses = ["2xx", "3xx", "4xx", "501"]
 """
     for path in (
         "/v1/embeddings", "/api/embed", "/api/embeddings", "/api/create", "/api/pull", "/api/push",
-        "/api/blobs/{digest}",
+        "/api/blobs/{digest}", "/lora-adapters", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
     )
 )  # fmt: skip
 
