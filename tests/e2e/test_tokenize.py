@@ -83,6 +83,7 @@ async def test_a_model_by_id_is_its_entry_in_the_list(server: RunningServer) -> 
                 "embeddings": True,
                 "rerank": None,
                 "vision": False,
+                "audio": False,
             }
             assert model["input_modalities"] == ["text"]
             assert model["context_length"] == model["max_model_len"] > 0
