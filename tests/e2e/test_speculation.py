@@ -12,6 +12,7 @@ weights' layout (repacked or not).
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 
@@ -35,6 +36,12 @@ pytestmark = pytest.mark.model
 
 GREEDY = SamplingParams(temperature=0)
 THREADS = 2
+
+#: prompts per sweep of equal texts. The bug each sweep guards against shows on every
+#: prompt (without the pad rows, 50 of 50 log-probability runs differ:
+#: docs/speculation.md), so the suite runs 64; ``TRIOSERVE_SPECULATION_SWEEP=200`` is the
+#: deep run the docs' figures come from (about 10 min more)
+SWEEP = int(os.environ.get("TRIOSERVE_SPECULATION_SWEEP", "64"))
 
 _WORDS = ["apple", "river", "stone", "cloud", "amber", "violet", "copper", "maple", "harbor", "ember"]
 
@@ -102,7 +109,7 @@ def backend(request: pytest.FixtureRequest, model_path: str) -> Iterator[LlamaBa
 
 
 async def test_every_text_equals_the_non_speculative_text(backend: LlamaBackend) -> None:
-    """200 prompts (the repacked configuration; 40 without repacking), varied
+    """``SWEEP`` prompts (the repacked configuration; 40 without repacking), varied
     ``max_tokens`` and stop sequences: with speculation each text and its token count
     (with a stop sequence: the tokens up to it, not those a verify call made past it)
     equal those of the same request with speculation off — token for token — and
@@ -112,7 +119,7 @@ async def test_every_text_equals_the_non_speculative_text(backend: LlamaBackend)
     assert stats["mode"] == "auto"
     # (a machine where no verify call is exact must not speculate at all: checked below)
     exact_somewhere = stats["verify_width"] != 1
-    count = 200 if backend.repack is None or backend.repack.extra_buffers else 40
+    count = SWEEP if backend.repack is None or backend.repack.extra_buffers else min(SWEEP, 40)
     engine = Engine(backend)
     before = backend.speculation_stats()
     differ = []
@@ -358,7 +365,7 @@ def exact(model_path: str) -> Iterator[LlamaBackend]:
 
 
 async def test_exact_mode_keeps_every_text_at_any_length(exact: LlamaBackend) -> None:
-    """``--speculate exact``: 200 prompts of ~300 to ~1,970 tokens (past the 256 cells
+    """``--speculate exact``: ``SWEEP`` prompts of ~300 to ~1,970 tokens (past the 256 cells
     where a lone one-row step's attention would take another path than a verify call's),
     varied ``max_tokens`` and stop sequences, log-probabilities on half: each text, token
     count and log-probability equals the same request's with speculation off (without the
@@ -371,7 +378,7 @@ async def test_exact_mode_keeps_every_text_at_any_length(exact: LlamaBackend) ->
     assert stats["mode"] == "exact"
     exact_somewhere = stats["verify_width"] != 1
     engine = Engine(exact)
-    prompts = _long_prompts(exact, 200)
+    prompts = _long_prompts(exact, SWEEP)
     assert min(len(exact.tokenize(p)) for p in prompts) > SPLIT_KV_CONTEXT
     before = exact.speculation_stats()
     differ = []
