@@ -15,7 +15,7 @@ from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, Th
 from ._codec import encode_json
 from ._conversation import new_id
 from ._openai_writer import END_MESSAGES, ChoiceResult
-from ._responses import ResponsesRequest, ToolChoiceFunction
+from ._responses_request import ResponsesRequest, ToolChoiceFunction
 from ._truncation import Dropped
 
 __all__ = ["ResponsesDialect", "StoredTurn"]
