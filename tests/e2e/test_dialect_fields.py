@@ -8,7 +8,7 @@ with counts, structured output with its schema), a refused one gets a 400 that n
 (Anthropic's error body has no ``param``: the message names it), an ignored one is
 accepted and changes neither the prompt nor the text. The tables in docs/api.md,
 "Anthropic Messages" and "OpenAI Responses", are checked against the rows, and the rows
-against the request structs of ``_wire/_anthropic.py`` and ``_wire/_responses.py``, so
+against the request structs of ``_wire/_anthropic_request.py`` and ``_wire/_responses_request.py``, so
 neither the documentation nor the tests can drift from the code.
 """
 
@@ -1288,7 +1288,8 @@ def test_every_request_field_has_a_row() -> None:
     """The rows name every field the request structs declare (a nested field in its
     parent's row, unless it has a status of its own), on the endpoints that read it, and
     every field the code refuses."""
-    from trioserve._wire import _anthropic, _responses
+    from trioserve._wire import _anthropic_request as _anthropic
+    from trioserve._wire import _responses_request as _responses
 
     assert _top_level(ANTHROPIC_ENDPOINTS, "messages") == _struct_fields(_anthropic.MessagesRequest)
     assert _top_level(ANTHROPIC_ENDPOINTS, "count_tokens") == _struct_fields(_anthropic.CountTokensRequest)

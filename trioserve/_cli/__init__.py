@@ -23,7 +23,7 @@ from .._http._fetch import FetchPolicy, parse_allow
 from .._http._server import Server, ServerSettings, serve_until_signalled
 from .._http._settings import ModelFileSettings
 from .._wire._limits import RequestLimits
-from . import _models
+from . import _models, _paths
 from ._cluster import run_cluster
 from ._parser import parser as _parser
 from ._speech_flags import speech_source
@@ -143,12 +143,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_aliases=tuple(args.model_alias),
             keep_billing_header=args.keep_billing_header,
             model_files=ModelFileSettings(
-                blobs_dir=_models.blobs_dir(args.blobs_dir),
+                blobs_dir=_paths.blobs_dir(args.blobs_dir),
                 max_blob_bytes=args.max_blob_bytes,
                 delete_files=args.delete_model_files,
                 model_dirs=tuple(args.models_dir),
             ),
-            responses_db=_models.responses_db(args.responses_db),
+            responses_db=_paths.responses_db(args.responses_db),
             otlp_endpoint=args.otlp_endpoint or None,
             service_name=args.service_name,
             responses_max_age=args.responses_max_age * 86400.0,

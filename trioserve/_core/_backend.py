@@ -29,7 +29,9 @@ the engine owns everything else. Contract for :meth:`Backend.generate`:
   made before the hook is installed is ``progress.reasoning_end_asked``, honoured from
   the first token. It removes the hook when its work ends.
 
-The backends that fit it: ``docs/embedding.md``.
+The backends that fit it: ``docs/embedding.md``. The data that crosses the seam:
+:mod:`._backend_data`; the checks every backend shares: :mod:`._backend_checks` (both
+re-exported here).
 """
 
 from __future__ import annotations
@@ -38,14 +40,14 @@ import functools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 import trio
 
 from ._admission import SlotLease
+from ._backend_checks import check_dimensions, check_token_ids, fit_to_context, refuse_unsupported
+from ._backend_data import ChoiceGroup, ControlOutcome, ModelInfo, PreparedPrompt, Ranking
 from ._channel import PieceChannel
-from ._exceptions import ContextLengthError, InvalidRequestError, NotSupportedError
+from ._exceptions import InvalidRequestError, NotSupportedError
 from ._types import GenerationEnd, GenerationRequest
 
 __all__ = [
@@ -62,185 +64,6 @@ __all__ = [
     "fit_to_context",
     "refuse_unsupported",
 ]
-
-
-#: What an ask to end a running generation's reasoning came to
-#: (``EventStream.end_reasoning``): ``forced`` — the end marker is written at its next
-#: token (or was being written already); ``not_enabled`` — the request said
-#: ``reasoning_control: false``; ``not_reasoning`` — the model does not reason here (no
-#: markers, reasoning turned off, a constrained answer); ``already_ended`` — its
-#: reasoning ended (the model wrote the marker, or an earlier ask did); ``finished`` —
-#: its generation is over; ``unsupported`` — its backend cannot (the upstream relay).
-ControlOutcome = Literal["forced", "not_enabled", "not_reasoning", "already_ended", "finished", "unsupported"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelInfo:
-    id: str
-    context_length: int
-    #: A Jinja chat template from the model's metadata, if it has one.
-    chat_template: str | None = None
-    #: The model architecture (``general.architecture``), for the chat fallback.
-    architecture: str | None = None
-    bos_token: str = ""
-    eos_token: str = ""
-    #: the model can fill in the middle (its vocabulary names FIM tokens: ``/infill``);
-    #: ``None``: not known (the upstream relay, until an upstream has answered one)
-    infill: bool | None = False
-    #: what reranking it does: ``"cross-encoder"``, ``"yes-no"``, ``"upstream"`` (the
-    #: relay, once an upstream has reranked) or ``None`` (docs/rerank.md)
-    rerank: str | None = None
-    #: it generates text (an encoder embeds and ranks only)
-    generates: bool = True
-    #: it takes images (a vision projector is loaded with it: docs/vision.md)
-    vision: bool = False
-    #: it takes audio (an audio projector is loaded with it: docs/audio.md)
-    audio: bool = False
-    #: its LoRA adapters, ``(name, default scale, file)`` in their ``id`` order
-    #: (docs/lora.md)
-    adapters: tuple[tuple[str, float, str], ...] = ()
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Ranking:
-    """A rerank's answer (``Backend.rerank``): a score per document, in the order given."""
-
-    scores: list[float]
-    #: tokens evaluated for it (the shared prefix counted once)
-    prompt_tokens: int
-    #: ``"cross-encoder"``, ``"yes-no"``, or ``"upstream"`` (the relay: an upstream's,
-    #: which it does not name)
-    kind: str
-    #: what a score is: ``"logit"``, ``"probability"``, or ``"unknown"`` (the relay: the
-    #: upstream's own, unnamed)
-    score: str
-    #: of ``prompt_tokens``, the shared prefix's (a ``yes-no`` reranker; 0: it was kept
-    #: from the previous request)
-    prefix_tokens: int = 0
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PreparedPrompt:
-    """A request after tokenization and validation: ready to run, nothing left to refuse."""
-
-    request: GenerationRequest
-    tokens: Sequence[int]
-    #: ``max_tokens`` resolved against the context: how many tokens may be generated.
-    max_new_tokens: int
-    #: the backend's compiled ``request.constraint`` (its own type), if any
-    compiled: object | None = None
-    #: the backend's own form of ``request.sampling.logit_bias`` (arrays, say), made once
-    #: per request at prepare, so no per-token or per-choice work walks the mapping
-    logit_bias: object | None = None
-    #: ``n`` > 1: this prompt is choice ``choice`` of ``group``, whose choices may share
-    #: one evaluation of the prompt (a backend that cannot share runs them apart)
-    group: ChoiceGroup | None = None
-    choice: int = 0
-    #: the backend's own form of the prompt's images (where they sit, what encodes
-    #: them: docs/vision.md), if it has any
-    media: object | None = None
-    #: ``request.reasoning``'s markers as the backend's tokens (``(start, end)``),
-    #: tokenized at prepare where the reasoning may be ended on request
-    reasoning_tokens: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-    #: ``request.lora`` resolved: the adapter set, ``((name, scale), …)`` sorted by
-    #: name, no zero scale (docs/lora.md); empty: the base model
-    adapters: tuple[tuple[str, float], ...] = ()
-
-
-def refuse_unsupported(request: GenerationRequest, backend: str, *, infill: bool = False) -> None:
-    """For backends that cannot constrain their text or report log-probabilities:
-    refuse such requests (400 naming the field) rather than ignore the ask.
-    ``infill``: the backend fills in the middle another way (the upstream relay
-    forwards it, ``samplers`` included); ``samplers`` is still refused elsewhere."""
-    if request.constraint is not None:
-        raise InvalidRequestError(
-            f"constrained decoding (response_format, json_schema, grammar, forced tool calls) "
-            f"is not supported by the {backend} backend",
-            param="response_format",
-        )
-    if request.logprobs is not None:
-        raise InvalidRequestError(f"logprobs are not supported by the {backend} backend", param="logprobs")
-    if request.lora:
-        raise InvalidRequestError(f"LoRA adapters are not supported by the {backend} backend", param="lora")
-    if request.images:
-        raise InvalidRequestError(
-            f"images are not supported by the {backend} backend",
-            param="messages",
-            code="images_not_supported",
-        )
-    if request.infill is not None and not infill:
-        raise InvalidRequestError(
-            f"fill in the middle (/infill, suffix) is not supported by the {backend} backend: it lays "
-            "out the prompt with the model's own FIM tokens, which only a llama backend has",
-            param="input_prefix",
-            code="infill_not_supported",
-        )
-    if request.sampling.samplers is not None and not (infill and request.infill is not None):
-        where = " outside /infill" if infill else ""
-        raise InvalidRequestError(
-            f"samplers (a sampler chain in a given order) is not supported{where} by the {backend} "
-            "backend; send the request without it",
-            param="samplers",
-        )
-
-
-class ChoiceGroup:
-    """The ``n`` choices of one request: a token their prompts share (``size``: how
-    many are still to be served; a backend that shares the evaluation counts down the
-    choices cancelled before they started)."""
-
-    __slots__ = ("size",)
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-
-def fit_to_context(request: GenerationRequest, tokens: Sequence[int], n_ctx: int) -> PreparedPrompt:
-    """Check that the prompt and ``max_tokens`` fit a context of ``n_ctx`` tokens, and
-    resolve ``max_tokens=None`` to the room left. Raises :class:`ContextLengthError`
-    with the numbers a user needs to fix the request."""
-    if not tokens:
-        raise InvalidRequestError("the prompt is empty", param="prompt")
-    if len(tokens) >= n_ctx:
-        raise ContextLengthError(
-            f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}; "
-            f"shorten it to at most {n_ctx - 1} tokens",
-            param="prompt",
-        )
-    room = n_ctx - len(tokens)
-    max_new = room if request.max_tokens is None else request.max_tokens
-    if max_new > room and request.clamp_max_tokens:
-        max_new = room
-    if max_new > room:
-        raise ContextLengthError(
-            f"max_tokens is {max_new} but only {room} tokens fit after the "
-            f"{len(tokens)}-token prompt (context {n_ctx}); lower max_tokens or shorten the prompt",
-            param="max_tokens",
-        )
-    return PreparedPrompt(request=request, tokens=tokens, max_new_tokens=max_new)
-
-
-def check_token_ids(tokens: Sequence[int], n_vocab: int, param: str = "tokens") -> None:
-    """Raise :class:`InvalidRequestError` naming the first id of ``tokens`` that is not
-    in a vocabulary of ``n_vocab`` tokens (ids ``0`` to ``n_vocab - 1``)."""
-    for i, token in enumerate(tokens):
-        if not 0 <= token < n_vocab:
-            raise InvalidRequestError(
-                f"{param}[{i}] is {token}, which is not a token id of this model: "
-                f"its ids are 0 to {n_vocab - 1}",
-                param=f"{param}[{i}]",
-            )
-
-
-def check_dimensions(dimensions: int | None, n_embd: int) -> None:
-    """Embeddings' ``dimensions``: refused by name unless it is the model's own size
-    ``n_embd`` (a model cannot produce vectors of another length)."""
-    if dimensions is not None and dimensions != n_embd:
-        raise InvalidRequestError(
-            f"dimensions is not supported: this model's embeddings have {n_embd} dimensions and it cannot "
-            f"produce others (omit dimensions, or send it as {n_embd})",
-            param="dimensions",
-        )
 
 
 class GenerationProgress:

@@ -28,7 +28,7 @@ __all__ = ["add_control_routes", "end_reasoning", "find_completion"]
 
 logger = logging.getLogger("trioserve.server")
 
-#: reads the request's JSON body with a decoder (``_routes._json_body``)
+#: reads the request's JSON body with a decoder (``_route_io.json_body``)
 ReadBody = Callable[[Callable[[bytes], Any]], Awaitable[Any]]
 
 

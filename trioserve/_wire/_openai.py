@@ -2,37 +2,33 @@
 
 Requests are decoded and validated by msgspec in one pass (unknown fields ignored, as
 OpenAI's own clients expect); errors come back as :class:`InvalidRequestError` naming the
-offending field. The responses: :mod:`._openai_writer` (its names are here too, for
-the readers that know them from here).
+offending field. The request structs: :mod:`._openai_request`; the fields both
+endpoints share, read: :mod:`._openai_fields`. The responses: :mod:`._openai_writer` (its
+names are here too, for the readers that know them from here).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
 
 import msgspec
 
 from .._core._exceptions import InvalidRequestError
 from .._core._media import Media
-from .._core._types import Constraint, GenerationRequest, Infill, SamplingParams
+from .._core._types import GenerationRequest, Infill
 from ._codec import decode as _decode
 from ._codec import encode_json
-from ._constraints import ANY_OBJECT, json_schema_constraint
-from ._limits import RequestLimits, top_level_entries
+from ._limits import RequestLimits
 from ._media import MediaCollector
 from ._messages import CallFunction, ChatMessage, ContentPart, MessageToolCall, take_images
-from ._openai_writer import (
-    ChoiceResult,
-    ChunkEncoder,
-    error_event,
-    non_stream_response,
-    openai_finish_reason,
-)
+from ._openai_fields import DEFAULT_LIMITS, _constraint, _logit_bias, _sampling, _stops
+from ._openai_request import ChatCompletionRequest, CompletionRequest, Priority, _CommonFields, lora_uses
+from ._openai_writer import ChoiceResult, ChunkEncoder, error_event, non_stream_response, openai_finish_reason
 from ._refusals import Refusal, check_refused
-from ._tools import Tool, ToolChoiceObject, call_constraint, check_tool_choice, check_tools
+from ._tools import call_constraint, check_tool_choice, check_tools
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "CallFunction",
     "ChatCompletionRequest",
     "ChatMessage",
@@ -41,6 +37,7 @@ __all__ = [
     "CompletionRequest",
     "ContentPart",
     "MessageToolCall",
+    "Priority",
     "decode_chat_request",
     "decode_completion_prompts",
     "decode_completion_request",
@@ -51,155 +48,8 @@ __all__ = [
 ]
 
 
-Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
-TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
-MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
-#: a request's place in the queue: lower first (vLLM's ``priority``); the key's default
-#: when absent (docs/scheduling.md)
-Priority = Annotated[int, msgspec.Meta(ge=-1_000_000, le=1_000_000)]
-Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
-Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
-TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
-
-
-class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False
-
-
-class JsonSchemaFormat(msgspec.Struct, kw_only=True):
-    name: str | None = None
-    description: str | None = None
-    #: OpenAI's field is ``schema``
-    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-    #: llama-server's ``{"type": "json_object", "schema": {...}}``
-    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
-
-
-class LoraUse(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """llama-server's ``lora`` entry: an adapter by its id (``GET /lora-adapters``)."""
-
-    id: Annotated[int, msgspec.Meta(ge=0)]
-    scale: Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)] = 1.0
-
-
-class _CommonFields(msgspec.Struct, kw_only=True):
-    model: str | None = None
-    max_tokens: MaxTokens | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    #: counted before it is decoded (``_logit_bias``): its entries are limited
-    logit_bias: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
-    frequency_penalty: Penalty = 0.0
-    presence_penalty: Penalty = 0.0
-    response_format: ResponseFormat | None = None
-    #: llama.cpp's sampling fields (llama-server's names and meanings)
-    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
-    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
-    repeat_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0
-    repeat_last_n: Annotated[int, msgspec.Meta(ge=-1)] = 64
-    #: llama-server's field: ``false`` neither reuses nor leaves a cached prefix
-    cache_prompt: bool = True
-    #: trioserve's: ``false`` decodes this request one token per call, without guessing
-    #: ahead (speculative decoding; the text at temperature 0 is the same either way)
-    speculate: bool = True
-    #: vLLM's: the request's priority, lower first (docs/scheduling.md)
-    priority: Priority | None = None
-    #: llama-server's constraint fields: a JSON Schema, a GBNF grammar
-    json_schema: dict[str, Any] | None = None
-    grammar: str | None = None
-    #: an end-user identifier: accepted and not used (ignored, like prompt_cache_key
-    #: and safety_identifier: identifiers every client may send)
-    user: str | None = None
-    #: llama-server's: ``false``: this request's reasoning cannot be ended on request
-    #: (``POST /v1/chat/completions/control``); absent or ``true``: it can
-    reasoning_control: bool | None = None
-    #: llama-server's: LoRA adapters by id, with their scales (docs/lora.md); none:
-    #: the base model (or the adapter ``model`` names)
-    lora: Annotated[list[LoraUse], msgspec.Meta(max_length=16)] | None = None
-
-
-def lora_uses(request: _CommonFields) -> tuple[tuple[str | int, float | None], ...]:
-    """The request's ``lora`` as :attr:`GenerationRequest.lora`."""
-    return tuple((use.id, use.scale) for use in request.lora or ())
-
-
-class CompletionRequest(_CommonFields, kw_only=True):
-    #: a text, token ids, or a batch of either (one choice per prompt, × ``n``)
-    prompt: str | list[str | int | list[int]]
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
-    echo: Any = None
-    suffix: Any = None
-    best_of: Any = None
-    # the chat endpoint's (refused here: _CHAT_ONLY)
-    messages: Any = None
-    max_completion_tokens: Any = None
-    top_logprobs: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-
-
-class ChatCompletionRequest(_CommonFields, kw_only=True):
-    messages: list[ChatMessage]
-    max_completion_tokens: MaxTokens | None = None
-    logprobs: bool = False
-    top_logprobs: TopLogprobs | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
-    parallel_tool_calls: bool | None = None
-    #: trioserve's (the Responses API's field): ``auto`` drops whole oldest turns until
-    #: the prompt fits the context; absent: the server's ``--truncation``
-    truncation: Literal["auto", "disabled"] | None = None
-    # known, not honoured: refused when set to anything but "not asked for" (_REFUSED)
-    functions: Any = None
-    function_call: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
-    store: Any = None
-    service_tier: Any = None
-    metadata: Any = None
-    # identifiers: accepted and not used (ignored)
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    # the completions endpoint's (refused here: _COMPLETIONS_ONLY)
-    prompt: Any = None
-    echo: Any = None
-    suffix: Any = None
-    best_of: Any = None
-
-    def tool_mode(self) -> Literal["none", "auto", "required"] | str:
-        """``none``, ``auto``, ``required``, or the name of the function to call."""
-        if not self.tools:
-            return "none"
-        choice = self.tool_choice
-        if choice is None:
-            return "auto"
-        if isinstance(choice, str):
-            return choice
-        return choice.function.name
-
-
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
-
-
-#: the limits a decoder applies when its caller passes none
-DEFAULT_LIMITS = RequestLimits()
 
 
 #: fields trioserve knows and does not honour: (name, the values that mean "not asked
@@ -248,101 +98,6 @@ def _check_common(request: _CommonFields) -> None:
             endpoint = "/v1/chat/completions" if chat else "/v1/completions"
             raise InvalidRequestError(f"{endpoint} has no field {name}: {hint}", param=name)
     check_refused(request, _REFUSED)
-
-
-def _stops(stop: str | list[str] | None, limits: RequestLimits = DEFAULT_LIMITS) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    stops = (stop,) if isinstance(stop, str) else tuple(stop)
-    limits.check_stops(stops, "stop", openai=True)
-    return tuple(s for s in stops if s)
-
-
-_bias_decoder = msgspec.json.Decoder(dict[str, Bias] | None)
-
-
-def _logit_bias(raw: msgspec.Raw, limits: RequestLimits = DEFAULT_LIMITS) -> dict[int, float]:
-    """The ``logit_bias`` field, counted (``--max-logit-bias``) before it is decoded."""
-    data = bytes(raw)
-    if not data:
-        return {}
-    limits.check_count(
-        "logit_bias", top_level_entries(data), limits.max_logit_bias, "--max-logit-bias", "logit_bias"
-    )
-    try:
-        bias = _bias_decoder.decode(data)
-    except msgspec.ValidationError as exc:  # (its path, as the whole body's would be)
-        message, _, path = str(exc).partition(" - at `$")
-        param = "logit_bias" + path.rstrip("`")
-        raise InvalidRequestError(f"{message} at `{param}`", param=param) from None
-    if not bias:
-        return {}
-    out: dict[int, float] = {}
-    for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise InvalidRequestError(
-                f"logit_bias keys must be token ids (integers as strings); got {key!r}",
-                param="logit_bias",
-            ) from None
-        if token < 0:
-            raise InvalidRequestError(f"logit_bias key {key!r} is not a valid token id", param="logit_bias")
-        out[token] = value
-    return out
-
-
-def _sampling(request: _CommonFields, limits: RequestLimits = DEFAULT_LIMITS) -> SamplingParams:
-    return SamplingParams(
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        min_p=request.min_p,
-        seed=request.seed,
-        logit_bias=_logit_bias(request.logit_bias, limits),
-        frequency_penalty=request.frequency_penalty,
-        presence_penalty=request.presence_penalty,
-        repeat_penalty=request.repeat_penalty,
-        repeat_last_n=request.repeat_last_n,
-    )
-
-
-def _constraint(request: _CommonFields, limits: RequestLimits = DEFAULT_LIMITS) -> Constraint | None:
-    """The constraint ``response_format`` (or llama-server's ``json_schema``/``grammar``)
-    asks for; at most one of them (a schema no larger than ``limits`` allow)."""
-    asked: list[tuple[str, Constraint]] = []
-    fmt = request.response_format
-    if fmt is not None and fmt.type != "text":
-        if fmt.type == "json_object":
-            schema = fmt.schema_
-            source = ANY_OBJECT if schema is None else msgspec.json.encode(schema).decode()
-            constraint = json_schema_constraint(source, "response_format.schema", limits)
-        else:
-            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-                raise InvalidRequestError(
-                    "response_format of type json_schema needs json_schema.schema (a JSON Schema object)",
-                    param="response_format.json_schema.schema",
-                )
-            source = msgspec.json.encode(fmt.json_schema.schema_).decode()
-            constraint = json_schema_constraint(source, "response_format.json_schema.schema", limits)
-        asked.append(("response_format", constraint))
-    if request.json_schema is not None:
-        source = msgspec.json.encode(request.json_schema).decode()
-        asked.append(("json_schema", json_schema_constraint(source, "json_schema", limits)))
-    if request.grammar:
-        size = len(request.grammar.encode())
-        if size > limits.max_schema_bytes:
-            raise InvalidRequestError(
-                f"grammar is {size} bytes; this server accepts at most "
-                f"{limits.max_schema_bytes} (--max-schema-bytes)",
-                param="grammar",
-            )
-        asked.append(("grammar", Constraint(kind="gbnf", source=request.grammar)))
-    if len(asked) > 1:
-        raise InvalidRequestError(
-            f"send one constraint, not {' and '.join(name for name, _ in asked)}", param=asked[1][0]
-        )
-    return asked[0][1] if asked else None
 
 
 def _completion_prompts(

@@ -156,7 +156,7 @@ def test_the_servers_token_limit_clamps_an_upper_bound_and_refuses_the_rest() ->
 
     from trioserve._core._backend import PreparedPrompt
     from trioserve._core._types import GenerationRequest
-    from trioserve._http._generation import _check_limits
+    from trioserve._http._prepare_run import _check_limits
     from trioserve._http._settings import HTTPSettings
 
     settings = HTTPSettings(max_tokens_limit=50)
