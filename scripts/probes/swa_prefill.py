@@ -2,7 +2,7 @@
 every cell (swa_full 1, trioserve's default) or their window (0, llama-server's), in calls
 of CHUNK tokens: python scripts/probes/swa_prefill.py TOKENS CHUNK SWA_FULL [FLASH_ATTN]
 (e.g. 16384 128 1, 16384 512 0)."""
-import sys, time, ctypes
+import sys, time, ctypes, os
 import llama_cpp as L
 from trioserve import default_model_path
 MODEL=str(default_model_path())
@@ -11,8 +11,8 @@ L.llama_backend_init()
 mp=L.llama_model_default_params()
 model=L.llama_model_load_from_file(MODEL.encode(), mp)
 cp=L.llama_context_default_params()
-cp.n_ctx=32768; cp.n_batch=max(chunk,512); cp.n_ubatch=max(chunk,512) if chunk>=512 else chunk
-cp.n_threads=2; cp.n_threads_batch=2; cp.swa_full=swa_full; cp.flash_attn_type=fa
+cp.n_ctx=32768; cp.n_batch=max(chunk,512); cp.n_ubatch=int(os.environ.get("UBATCH", max(chunk,512) if chunk>=512 else chunk))
+import os; cp.n_threads=int(os.environ.get("THREADS","2")); cp.n_threads_batch=cp.n_threads; cp.swa_full=swa_full; cp.flash_attn_type=fa
 ctx=L.llama_init_from_model(model, cp)
 vocab=L.llama_model_get_vocab(model)
 import random; random.seed(0)
