@@ -44,6 +44,7 @@ from .._draw import LogitBias
 from .._embeddings import Embedder, EmbeddingContext
 from .._prompt_cache import HostBudget, HostCache
 from .._rerank import Reranker
+from ._alora import activate
 from ._facade import ModelFacade
 from ._kv_memory import KvMemory
 from ._loading import aload
@@ -405,9 +406,13 @@ class LlamaBackend(ModelFacade):
             return await self._generate(prompt, channel, progress)
         # its adapters' names bound to the files loaded under them now, held until its
         # sequence is out of the scheduler (an unload meanwhile frees them after it)
-        keyed = self.llama_model.adapters.acquire(prompt.adapters)
+        loaded = self.llama_model.adapters
+        keyed = loaded.acquire(prompt.adapters)
         try:
-            return await self._generate(dataclasses.replace(prompt, adapters=keyed), channel, progress)
+            # (an aLoRA: from where its invocation tokens last occur; absent, not at all)
+            adapters, alora = activate(keyed, prompt.tokens, loaded.key_invocation)
+            prompt = dataclasses.replace(prompt, adapters=adapters, alora=alora)
+            return await self._generate(prompt, channel, progress)
         finally:
             await self._adapter_loads.release(keyed)
 
