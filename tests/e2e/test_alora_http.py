@@ -139,13 +139,14 @@ def test_the_base_prefix_is_evaluated_once_for_the_base_and_every_alora(ours: st
     for name in ("al", "al2"):
         answer = _complete(ours, LONG + INVOCATION, model=name)
         total, evaluated = _evaluated(answer)
-        # (the invocation, the token before it and at most the piece that holds that one)
-        assert evaluated <= 3 + 64, (name, total, evaluated)
+        # (the invocation, the token before it and at most the rest of the canonical
+        # piece that holds that one: 128 tokens at most)
+        assert evaluated <= 3 + 128, (name, total, evaluated)
         assert answer["choices"][0]["text"] == _text(fresh, LONG + INVOCATION, model=name), name
     # and the base prompt again: all of it from the cache, the aLoRAs changed nothing
     again = _complete(ours, LONG)
     assert again["choices"][0]["text"] == base["choices"][0]["text"]
-    assert _evaluated(again)[1] <= 64
+    assert _evaluated(again)[1] <= 128
 
 
 def test_an_aloras_cells_past_its_switch_serve_no_base_request_nor_another_alora(
