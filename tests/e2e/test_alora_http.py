@@ -142,6 +142,8 @@ def test_the_base_prefix_is_evaluated_once_for_the_base_and_every_alora(ours: st
         # (the invocation, the token before it and at most the rest of the canonical
         # piece that holds that one: 128 tokens at most)
         assert evaluated <= 3 + 128, (name, total, evaluated)
+        if name == "al2":  # (switched where al was: al's cells serve it up to the switch itself)
+            assert evaluated == 1 + len(INVOKE), (total, evaluated)
         assert answer["choices"][0]["text"] == _text(fresh, LONG + INVOCATION, model=name), name
     # and the base prompt again: all of it from the cache, the aLoRAs changed nothing
     again = _complete(ours, LONG)
