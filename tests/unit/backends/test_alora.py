@@ -41,6 +41,10 @@ def test_activate_mirrors_llama_server() -> None:
     # at the prompt's start: on for all of it (no prefix)
     assert activate((("al", 1.0),), [105, 4368, 107, 5], _invocations) == ((("al", 1.0),), None)
     assert activate((("al", 1.0),), [2, 105, 4368, 107, 5], _invocations) == ((("al", 1.0),), None)
+    # an image just before it (its placeholders: ids from n_vocab up): from the invocation
+    pictured = [2, 7, 5000, 5000, 105, 4368, 107]
+    assert activate((("al", 1.0),), pictured, _invocations, 4096) == ((("al", 1.0),), ("al", 4))
+    assert activate((("al", 1.0),), pictured, _invocations) == ((("al", 1.0),), ("al", 3))
     # plain LoRAs: unchanged
     assert activate((("b", 1.0),), prompt, _invocations) == ((("b", 1.0),), None)
     with pytest.raises(InvalidRequestError, match=MULTIPLE):

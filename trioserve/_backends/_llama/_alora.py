@@ -38,13 +38,18 @@ def find_invocation(tokens: Sequence[int], invocation: Sequence[int]) -> int:
 
 
 def activate(
-    adapters: AdapterSet, tokens: Sequence[int], invocation: Callable[[str], tuple[int, ...]]
+    adapters: AdapterSet,
+    tokens: Sequence[int],
+    invocation: Callable[[str], tuple[int, ...]],
+    n_vocab: int = 0,
 ) -> tuple[AdapterSet, tuple[str, int] | None]:
     """A request's adapter set with its aLoRA resolved against its prompt: ``(set,
     (its aLoRA, the position it applies from) or None)``. Its invocation absent: the
     set without it (llama-server: "requested, but not found. deactivating"). More than
     one aLoRA: 400 (llama-server's words). ``invocation(name)``: an adapter's tokens
-    (empty: a plain LoRA)."""
+    (empty: a plain LoRA). The token before the invocation an image's (an id from
+    ``n_vocab`` up: a placeholder): the adapter applies from the invocation itself — an
+    image is evaluated whole, in one call (docs/vision.md)."""
     activated = [(name, invocation(name)) for name, _ in adapters]
     activated = [(name, tokens_) for name, tokens_ in activated if tokens_]
     if not activated:
@@ -56,4 +61,6 @@ def activate(
     if start < 0:
         return tuple(pair for pair in adapters if pair[0] != name), None
     at = max(start - 1, 0)
+    if at and n_vocab and tokens[at] >= n_vocab:
+        at = start
     return adapters, ((name, at) if at else None)

@@ -410,7 +410,7 @@ class LlamaBackend(ModelFacade):
         keyed = loaded.acquire(prompt.adapters)
         try:
             # (an aLoRA: from where its invocation tokens last occur; absent, not at all)
-            adapters, alora = activate(keyed, prompt.tokens, loaded.key_invocation)
+            adapters, alora = activate(keyed, prompt.tokens, loaded.key_invocation, self.n_vocab)
             prompt = dataclasses.replace(prompt, adapters=adapters, alora=alora)
             return await self._generate(prompt, channel, progress)
         finally:
