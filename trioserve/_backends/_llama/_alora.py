@@ -8,13 +8,15 @@ the same text."""
 
 from __future__ import annotations
 
+import dataclasses
 from array import array
 from collections.abc import Callable, Sequence
 
+from ..._core._backend import PreparedPrompt
 from ..._core._exceptions import InvalidRequestError
-from ._adapters import AdapterSet
+from ._adapters import AdapterSet, LoraAdapter
 
-__all__ = ["MULTIPLE", "activate", "find_invocation"]
+__all__ = ["MULTIPLE", "activate", "activated", "find_invocation", "invocations"]
 
 #: llama-server's refusal, word for word
 MULTIPLE = "Cannot run multiple aLoRAs in a single request"
@@ -64,3 +66,24 @@ def activate(
     if at and n_vocab and tokens[at] >= n_vocab:
         at = start
     return adapters, ((name, at) if at else None)
+
+
+def activated(
+    prompt: PreparedPrompt, keyed: AdapterSet, invocation: Callable[[str], tuple[int, ...]], n_vocab: int
+) -> PreparedPrompt:
+    """``prompt`` run with ``keyed`` (its adapters bound to their files), its aLoRA
+    resolved (:func:`activate`): ``PreparedPrompt.alora``."""
+    adapters, alora = activate(keyed, prompt.tokens, invocation, n_vocab)
+    return dataclasses.replace(prompt, adapters=adapters, alora=alora)
+
+
+def invocations(
+    listed: Sequence[LoraAdapter], piece: Callable[[int], bytes]
+) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    """``ModelInfo.alora``: each aLoRA's name, invocation tokens and their text as
+    llama-server shows it (each token's piece, control tokens as their text)."""
+    return tuple(
+        (a.name, a.invocation, b"".join(map(piece, a.invocation)).decode(errors="replace"))
+        for a in listed
+        if a.invocation
+    )

@@ -39,7 +39,7 @@ from .._vision import (
     decode_bytes,
 )
 from ._adapters import AdapterSet, LoraAdapters
-from ._alora import MULTIPLE
+from ._alora import MULTIPLE, invocations
 from ._loading import load
 from ._native import LoadAborted, LoadLog, make_log_callback, meta_value
 from ._sampler import logit_bias, sampler_chain
@@ -154,13 +154,7 @@ class LlamaModel:
         """``info.adapters``: the adapters listed now (after a load, an unload, a scale
         set at run time: ``_lora_loads``)."""
         listed = tuple((a.name, a.scale, str(a.path)) for a in self.adapters.listed)
-        # (an aLoRA's invocation as llama-server shows it: each token's piece, control
-        # tokens as their text)
-        alora = tuple(
-            (a.name, a.invocation, b"".join(map(self.special_piece, a.invocation)).decode(errors="replace"))
-            for a in self.adapters.listed
-            if a.invocation
-        )
+        alora = invocations(self.adapters.listed, self.special_piece)
         self._info = dataclasses.replace(self._info, adapters=listed, alora=alora)
 
     def load_projector(self) -> None:
