@@ -173,3 +173,17 @@ def test_an_aloras_cells_past_its_switch_serve_no_base_request_nor_another_alora
             assert _evaluated(answer)[1] >= 4, fields
     assert first["choices"][0]["text"] == _text(fresh, prompt, model="al")
     assert total > 900
+
+
+def test_an_alora_loaded_at_run_time_is_listed_and_turns_on_as_one_given_at_start(ours: str) -> None:
+    al, _ = _aloras()
+    loaded = httpx.post(ours + "/v1/load_lora_adapter", json={"lora_name": "hot", "lora_path": str(al)})
+    assert loaded.status_code == 200, loaded.text
+    try:
+        listed = {a["name"]: a for a in httpx.get(ours + "/lora-adapters").json()}
+        assert listed["hot"]["alora_invocation_tokens"] == list(INVOKE)
+        prompt = PROMPT + INVOCATION + "Hot:"
+        assert _text(ours, prompt, model="hot") == _text(ours, prompt, model="al")
+    finally:
+        gone = httpx.post(ours + "/v1/unload_lora_adapter", json={"lora_name": "hot"})
+        assert gone.status_code == 200, gone.text
