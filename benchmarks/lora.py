@@ -119,7 +119,7 @@ def alora_round(url: str, rep: int, max_tokens: int, cache: bool) -> tuple[list[
 
 def alora_main(args: Any) -> None:
     model = default_model_path(progress=False)
-    adapters = [tiny_lora(seed, amplitude=0.08, invocation=INVOKE) for seed in (3, 4, 5, 6)]
+    adapters = [tiny_lora(seed, invocation=INVOKE) for seed in (3, 4, 5, 6)]
     logs = Path(tempfile.mkdtemp(prefix="alora-bench-"))
     result: dict[str, dict[str, Any]] = {}
     for name in (servers.TRIOSERVE, servers.LLAMA_SERVER):

@@ -30,8 +30,12 @@ BAN = {"logit_bias": {"1": -100, "106": -100}}  # (every answer max_tokens long)
 
 
 def _aloras() -> tuple[Any, Any]:
-    # (stronger than the plain test LoRAs: on a few tokens, the adapter must matter)
-    return tiny_lora(3, amplitude=0.08, invocation=INVOKE), tiny_lora(4, amplitude=0.08, invocation=INVOKE)
+    # (the plain test LoRAs' strength. Stronger random adapters make the two servers'
+    # greedy texts part — plain LoRAs as much as aLoRAs: with amplitude 0.06 or 0.08,
+    # 6 of 8 and 4 of 4 texts on these prompts differ — where the two servers' different
+    # call widths move a log-probability by ~0.1 nat, as they do on the base model, and
+    # a stronger adapter makes closer calls; docs/lora.md)
+    return tiny_lora(3, invocation=INVOKE), tiny_lora(5, invocation=INVOKE)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,7 @@ def fresh() -> Iterator[str]:
     """The same server with the prompt cache off: every prompt evaluated whole."""
     al, al2 = _aloras()
     with ServerProcess(
-        "--threads", "2", "--slots", "1", "--cache-mode", "off", "--lora", f"al={al}", "--lora", f"al2={al2}"
+        "--threads", "2", "--slots", "1", "--no-prompt-cache", "--lora", f"al={al}", "--lora", f"al2={al2}"
     ) as server:
         yield server.wait_ready()
 
@@ -56,10 +60,9 @@ def fresh() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def theirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
-    al, _ = _aloras()
-    argv = llama_server_command(
-        default_model_path(progress=False), port, ["--parallel", "1", "--lora", str(al)]
-    )
+    al, al2 = _aloras()
+    extra = ["--parallel", "1", "--lora", str(al), "--lora", str(al2)]
+    argv = llama_server_command(default_model_path(progress=False), port, extra)
     server = Server(LLAMA_SERVER, argv, port, tmp_path_factory.mktemp("llama-server-alora"))
     try:
         server.wait_ready(120)
@@ -98,23 +101,24 @@ def test_it_is_listed_with_its_invocation_as_llama_server_lists_it(ours: str, th
 def test_an_alora_gives_llama_servers_text_with_its_invocation_in_the_prompt_and_without(
     ours: str, theirs: str
 ) -> None:
-    on = [{"id": 0, "scale": 1.0}]
-    off = [{"id": 0, "scale": 0.0}]
+    off = [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}]
     # (llama-server: its prompt cache off, so each answer is a fresh evaluation)
     cases = {
         "at the end": PROMPT + INVOCATION,
         "mid-prompt": PROMPT + INVOCATION + "The ledgers say",
         "twice (the last counts)": INVOCATION + PROMPT + INVOCATION + "In short,",
     }
-    for case, prompt in cases.items():
-        text = _text(ours, prompt, model="al")
-        assert text == _text(theirs, prompt, lora=on, cache_prompt=False), case
-        assert text != _text(ours, prompt), case  # (the adapter turned on: not the base's text)
-        assert text == _text(ours, prompt, model="al"), case  # (again, from the cache)
-    # without its invocation: the request runs without the adapter, as llama-server's
-    text = _text(ours, PROMPT, model="al")
-    assert text == _text(theirs, PROMPT, lora=on, cache_prompt=False) == _text(theirs, PROMPT, lora=off)
-    assert text == _text(ours, PROMPT)
+    for i, name in enumerate(("al", "al2")):
+        on = [{"id": j, "scale": 1.0 if j == i else 0.0} for j in range(2)]
+        for case, prompt in cases.items():
+            text = _text(ours, prompt, model=name)
+            assert text == _text(theirs, prompt, lora=on, cache_prompt=False), (name, case)
+            assert text != _text(ours, prompt), (name, case)  # (the adapter turned on: not the base's)
+            assert text == _text(ours, prompt, model=name), (name, case)  # (again, from the cache)
+        # without its invocation: the request runs without the adapter, as llama-server's
+        text = _text(ours, PROMPT, model=name)
+        assert text == _text(theirs, PROMPT, lora=on, cache_prompt=False) == _text(theirs, PROMPT, lora=off)
+        assert text == _text(ours, PROMPT), name
 
 
 def test_two_aloras_in_one_request_are_refused_as_llama_server_refuses_them(ours: str) -> None:
@@ -160,17 +164,19 @@ def test_an_aloras_cells_past_its_switch_serve_no_base_request_nor_another_alora
     prompt = LONG.replace("river", "hill") + INVOCATION
     first = _complete(ours, prompt, model="al")
     total, _ = _evaluated(first)
-    for fields, text_prompt in (
-        ({}, prompt),
-        ({}, prompt + "The"),
-        ({"model": "al2"}, prompt),
-        ({"model": "al"}, prompt),
+    # (after an aLoRA's cells, ``past``: the base prefix only is reused — at least the
+    # token before the invocation and the invocation are evaluated; the base's own
+    # cells serve the base's next prompt whole)
+    for fields, text_prompt, past in (
+        ({}, prompt, True),
+        ({}, prompt + "The", False),
+        ({"model": "al2"}, prompt, True),
+        ({"model": "al"}, prompt, False),
     ):
         answer = _complete(ours, text_prompt, **fields)
         assert answer["choices"][0]["text"] == _text(fresh, text_prompt, **fields), fields
-        if fields.get("model") != "al":
-            # (reused: the base prefix only — its last piece and the invocation evaluated)
-            assert _evaluated(answer)[1] >= 4, fields
+        if past:
+            assert _evaluated(answer)[1] >= 1 + len(INVOKE), fields
     assert first["choices"][0]["text"] == _text(fresh, prompt, model="al")
     assert total > 900
 
