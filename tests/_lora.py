@@ -18,20 +18,31 @@ _TARGETS = ("attn_q", "attn_v")
 
 
 def tiny_lora(
-    seed: int, *, rank: int = 8, alpha: float = 16.0, amplitude: float = 0.04, wider: int = 0
+    seed: int,
+    *,
+    rank: int = 8,
+    alpha: float = 16.0,
+    amplitude: float = 0.04,
+    wider: int = 0,
+    invocation: tuple[int, ...] = (),
 ) -> Path:
     """The path of a LoRA adapter of the default model with random A and B matrices
     (``seed``), for every layer's query and value projections: its greedy text differs
     from the base model's. ``wider``: its A matrices take that many more inputs than the
-    model's (an adapter of another base: llama.cpp refuses its shapes)."""
+    model's (an adapter of another base: llama.cpp refuses its shapes). ``invocation``:
+    an activated LoRA (aLoRA) turned on by these tokens (the key
+    ``convert_lora_to_gguf.py`` writes: ``adapter.alora.invocation_tokens``, uint32)."""
     import gguf
 
     source = default_model_path(progress=False)
     recipe = f"{source.stat().st_size}:{source.name}:lora:{seed}:{rank}:{alpha}:{amplitude}:{_TARGETS}:v1"
     if wider:
         recipe += f":wider{wider}"
+    if invocation:
+        recipe += f":alora{','.join(map(str, invocation))}"
     digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
-    target = source.parent / "test-models" / f"{source.stem}-lora-{seed}-{digest}.gguf"
+    kind = "alora" if invocation else "lora"
+    target = source.parent / "test-models" / f"{source.stem}-{kind}-{seed}-{digest}.gguf"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -43,6 +54,11 @@ def tiny_lora(
     writer.add_string("general.type", "adapter")
     writer.add_string("adapter.type", "lora")
     writer.add_float32("adapter.lora.alpha", alpha)
+    if invocation:
+        tokens = [int(t) for t in invocation]
+        writer.add_key_value(
+            "adapter.alora.invocation_tokens", tokens, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32
+        )
     writer.add_name(f"trioserve tiny LoRA {seed} (random weights, tests only)")
     for tensor in base.tensors:
         stem = tensor.name.removesuffix(".weight")

@@ -24,6 +24,7 @@ from ._disk_cache import DiskEntry
 from ._memory import StateBuffer
 from ._pieces import PieceRule, image_runs
 from ._prompt_cache import HostCache, shared_prefix
+from ._switch_salt import agreement, switch_cuts, switch_of, unswitched
 from ._window_marks import WindowMark, WindowMarks
 
 __all__ = ["CachePolicy", "Placement", "WindowMark", "WindowMarks", "next_cut", "short_tail"]
@@ -58,6 +59,13 @@ def next_cut(cuts: list[int], after: int, default: int) -> int:
     if i < len(cuts) and (not default or cuts[i] <= default):
         return cuts[i]
     return default
+
+
+def _agreed(held: str, salt: str, limit: int) -> int:
+    """How much of a prompt of ``salt`` cells of salt ``held`` may serve, at most
+    ``limit`` (0: none — the salts differ from the first position)."""
+    differ = agreement(held, salt)
+    return limit if differ is None else min(limit, differ)
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
@@ -270,25 +278,35 @@ class CachePolicy:
         count: another salt's share nothing with it. Changes nothing but the host
         tier's recency; :meth:`take` commits."""
         limit = 0
+        # ``cuts``: the canonical ones; ``own``: the prompt's, its switch added (where an
+        # aLoRA turns on: the pieces another id computed end at the canonical cuts only)
+        switch = switch_of(salt)
+        own = switch_cuts(cuts, salt)
         if self.enabled and cache_prompt:
             # at least the last piece (fast: token) is evaluated: its logits are needed
             limit = (
                 self.rule.image_floor(prompt, len(prompt) - 1)
                 if self.fast
-                else _last_cut(cuts, len(prompt) - 1)
+                else _last_cut(own, len(prompt) - 1)
             )
         cached = self._cached
         salts = self._salt
+        # (an id's cells serve up to where its salt and the prompt's differ: an aLoRA's
+        # prefix is the base model's — docs/lora.md, "Activated LoRA")
+        agrees = {i: _agreed(salts[i], salt, limit) for i in free_ids}
         if self.fast:
             shared = {
-                i: self.rule.image_floor(prompt, _common_prefix(cached[i], prompt, limit))
-                if salts[i] == salt
+                i: self.rule.image_floor(prompt, _common_prefix(cached[i], prompt, agrees[i]))
+                if agrees[i]
                 else 0
                 for i in free_ids
             }
         else:
             shared = {
-                i: shared_prefix(cached[i], prompt, cuts, limit) if salts[i] == salt else 0 for i in free_ids
+                i: shared_prefix(cached[i], prompt, own if switch_of(salts[i]) == switch else cuts, agrees[i])
+                if agrees[i]
+                else 0
+                for i in free_ids
             }
         # (a longer prefix needs fewer window cells: if an id's cells cannot give back what
         # it shares, they give back nothing — but a checkpoint of its window cells at a
@@ -309,11 +327,7 @@ class CachePolicy:
         reused = shared[best] if hit is None else len(prompt)
         restore = None
         host = self.host
-        found = (
-            host.best(prompt, self.host_cuts(prompt), limit, salt=salt)
-            if limit and host.keeps and hit is None
-            else None
-        )
+        found = self._host_best(prompt, limit, salt) if limit and host.keeps and hit is None else None
         if found is not None and found[0] > reused:
             # host memory holds more of it: restore into the least recently used id
             best = min(free_ids, key=lambda i: self._used_at[i])
@@ -326,6 +340,21 @@ class CachePolicy:
             checkpoint = self.checkpoint(best, 0 if restore is not None else reused)
         window = marked.get(best) if restore is None and hit is None else None
         return Placement(best, reused, save, restore, checkpoint, salts[best], hit is not None, window)
+
+    def _host_best(
+        self, prompt: list[int], limit: int, salt: str
+    ) -> tuple[int, StateBuffer | bytes | DiskEntry] | None:
+        """The host (or disk) tier's entry sharing the most of ``prompt`` under ``salt`` —
+        or, for an aLoRA's prompt, under its prefix salt up to its switch (the base
+        model's entries)."""
+        cuts = self.host_cuts(prompt)
+        found = self.host.best(prompt, cuts, limit, salt=salt)
+        prefix, switch, _ = unswitched(salt)
+        if switch and (found is None or found[0] < switch):
+            base = self.host.best(prompt, cuts, min(limit, switch), salt=prefix)
+            if base is not None and (found is None or base[0] > found[0]):
+                return base
+        return found
 
     def _whole_hit(self, prompt: list[int], free_ids: list[int], salt: str) -> int | None:
         """A free id whose cells hold all of ``prompt`` and its last token's logits (the

@@ -49,6 +49,8 @@ class ModelInfo:
     #: its LoRA adapters, ``(name, default scale, file)`` in their ``id`` order
     #: (docs/lora.md)
     adapters: tuple[tuple[str, float, str], ...] = ()
+    #: its activated LoRAs' invocations, ``(name, tokens, text)`` (docs/lora.md)
+    alora: tuple[tuple[str, tuple[int, ...], str], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,6 +97,9 @@ class PreparedPrompt:
     #: ``request.lora`` resolved: the adapter set, ``((name, scale), …)`` sorted by
     #: name, no zero scale (docs/lora.md); empty: the base model
     adapters: tuple[tuple[str, float], ...] = ()
+    #: an activated LoRA of ``adapters`` and the prompt position it applies from: the
+    #: positions before it run without it (docs/lora.md, "Activated LoRA")
+    alora: tuple[str, int] | None = None
 
 
 class ChoiceGroup:

@@ -73,6 +73,11 @@ def add_model_routes(app: QuartTrio, state: ServerState) -> None:
         body = model_object(entry, adapter)
         body["parent"] = entry.name
         body["root"] = entry.name
+        engine = entry.engine
+        for name, tokens, text in engine.backend.info.alora if engine is not None else ():
+            if name == adapter:  # (an activated LoRA: what turns it on, as /lora-adapters says)
+                body["alora_invocation_string"] = text
+                body["alora_invocation_tokens"] = list(tokens)
         return body
 
     @app.get("/v1/models")

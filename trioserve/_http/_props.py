@@ -79,7 +79,17 @@ def lora_adapters(entry: ModelEntry) -> list[dict[str, object]]:
         if engine is not None
         else tuple((name, scale, str(path)) for name, path, scale in getattr(settings, "lora", ()))
     )
-    return [{"id": i, "name": n, "path": path, "scale": scale} for i, (n, scale, path) in enumerate(listed)]
+    entries: list[dict[str, object]] = [
+        {"id": i, "name": n, "path": path, "scale": scale} for i, (n, scale, path) in enumerate(listed)
+    ]
+    # an activated LoRA's invocation, under llama-server's keys (known once loaded)
+    invocations = {name: (tokens, text) for name, tokens, text in engine.backend.info.alora} if engine else {}
+    for item in entries:
+        if item["name"] in invocations:
+            tokens, text = invocations[str(item["name"])]
+            item["alora_invocation_string"] = text
+            item["alora_invocation_tokens"] = list(tokens)
+    return entries
 
 
 def add_props_route(app: QuartTrio, state: ServerState) -> None:

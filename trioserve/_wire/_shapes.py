@@ -300,6 +300,9 @@ class Model(msgspec.Struct, kw_only=True):
     #: a LoRA adapter's base model (vLLM's fields: docs/lora.md)
     parent: str | None = None
     root: str | None = None
+    #: an activated LoRA's invocation (llama-server's ``/lora-adapters`` keys)
+    alora_invocation_string: str | None = None
+    alora_invocation_tokens: list[int] | None = None
 
 
 class ModelList(msgspec.Struct, kw_only=True):
@@ -354,6 +357,9 @@ class LoraAdapter(msgspec.Struct, kw_only=True):
     name: str
     path: str | None = None
     scale: float
+    #: an activated LoRA's invocation: its tokens' pieces and ids (llama-server's)
+    alora_invocation_string: str | None = None
+    alora_invocation_tokens: list[int] | None = None
 
 
 class Health(msgspec.Struct, kw_only=True):

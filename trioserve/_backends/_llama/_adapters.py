@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._core._exceptions import BackendError, InvalidRequestError
+from .._switch_salt import final_salt
 from ._native import capture_errors
 from ._settings import check_adapter_name
 
@@ -66,8 +67,9 @@ def adapter_salt(salt: str, adapters: AdapterSet) -> str:
 
 
 def adapters_of_salt(salt: str) -> AdapterSet:
-    """The adapter set a salt made by :func:`adapter_salt` holds."""
-    _, mark, listed = salt.partition(_MARK)
+    """The adapter set a salt made by :func:`adapter_salt` holds (an aLoRA request's:
+    the set of its cells past the switch, its reply's)."""
+    _, mark, listed = final_salt(salt).partition(_MARK)
     if not mark:
         return ()
     pairs = (item.split("=", 1) for item in listed.split(";"))
@@ -121,6 +123,9 @@ class LoraAdapter:
     #: loaded at run time (``POST /v1/load_lora_adapter``): its bytes count against
     #: the model's memory
     hot: bool = False
+    #: an activated LoRA's invocation tokens (``adapter.alora.invocation_tokens``): it
+    #: applies from where they last occur in the prompt on; empty: a plain LoRA
+    invocation: tuple[int, ...] = ()
 
     @property
     def key(self) -> str:
@@ -201,13 +206,13 @@ class LoraAdapters:
             cause = "; ".join(line.strip() for line in said if line.strip())
             said_why = f": {cause}" if cause else ""
             raise BackendError(f"llama.cpp could not load the LoRA adapter {path} for this model{said_why}")
-        if lib.llama_adapter_get_alora_n_invocation_tokens(pointer):
-            lib.llama_adapter_lora_free(pointer)
-            raise BackendError(f"{path} is an activated LoRA (aLoRA): not served yet (docs/lora.md)")
+        # an activated LoRA (aLoRA): its invocation tokens (docs/lora.md, "Activated LoRA")
+        n = lib.llama_adapter_get_alora_n_invocation_tokens(pointer)
+        invocation = tuple(lib.llama_adapter_get_alora_invocation_tokens(pointer)[:n]) if n else ()
         alpha_text = ctypes.create_string_buffer(64)
         found = lib.llama_adapter_meta_val_str(pointer, b"adapter.lora.alpha", alpha_text, 64)
         alpha = float(alpha_text.value or 0) if found >= 0 else 0.0
-        return LoraAdapter(name, path, float(scale), pointer, alpha, digest, size, hot)
+        return LoraAdapter(name, path, float(scale), pointer, alpha, digest, size, hot, invocation)
 
     def add(self, adapter: LoraAdapter) -> None:
         """List ``adapter`` under its name (last in the ``id`` order)."""
@@ -258,6 +263,17 @@ class LoraAdapters:
                 param="lora",
             )
         return listed[index].name
+
+    def invocation(self, name: str) -> tuple[int, ...]:
+        """The invocation tokens of the listed adapter ``name`` (empty: a plain LoRA)."""
+        adapter = self._by_name.get(name)
+        return adapter.invocation if adapter is not None else ()
+
+    def key_invocation(self, key: str) -> tuple[int, ...]:
+        """The invocation tokens of the loaded file ``key`` (empty: a plain LoRA)."""
+        with self._lock:
+            adapter = self._by_key.get(key)
+        return adapter.invocation if adapter is not None else ()
 
     def listed_keys(self, keyed: AdapterSet) -> bool:
         """Whether each key of ``keyed`` is a listed adapter's file (an idle recompute

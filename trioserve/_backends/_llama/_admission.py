@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .._cache_policy import CachePolicy
 from .._pieces import PieceRule
+from .._switch_salt import switch_cuts
 from ._inbox import Inbox
 from ._sequence import Sequence
 
@@ -30,7 +31,9 @@ class Admission:
             self._assign_resumed(sequence)
             return
         prompt = sequence.asked.prompt
-        sequence.cache.cuts = cuts = self.rule.cuts(prompt)
+        cuts = self.rule.cuts(prompt)
+        # (an aLoRA's switch is a cut: its adapter set changes there)
+        sequence.cache.cuts = switch_cuts(cuts, sequence.asked.salt)
         cells = self.inbox.cells
         plan = self.policy.place(
             prompt,
@@ -80,7 +83,9 @@ class Admission:
         if plan.save is not None:
             sequence.cache.save, sequence.cache.save_salt = plan.save, plan.save_salt
         sequence.cache.cuts = (
-            leader.cache.cuts if leader.cache.cuts else self.rule.cuts(sequence.asked.prompt)
+            leader.cache.cuts
+            if leader.cache.cuts
+            else switch_cuts(self.rule.cuts(sequence.asked.prompt), sequence.asked.salt)
         )
         sequence.leader = leader
         leader.followers.append(sequence)

@@ -25,7 +25,6 @@ Design, defaults and measurements: ``docs/batching.md``; the module map:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
@@ -44,6 +43,7 @@ from .._draw import LogitBias
 from .._embeddings import Embedder, EmbeddingContext
 from .._prompt_cache import HostBudget, HostCache
 from .._rerank import Reranker
+from ._alora import activated
 from ._facade import ModelFacade
 from ._kv_memory import KvMemory
 from ._loading import aload
@@ -407,7 +407,9 @@ class LlamaBackend(ModelFacade):
         # sequence is out of the scheduler (an unload meanwhile frees them after it)
         keyed = self.llama_model.adapters.acquire(prompt.adapters)
         try:
-            return await self._generate(dataclasses.replace(prompt, adapters=keyed), channel, progress)
+            # (an aLoRA: from where its invocation tokens last occur; absent, not at all)
+            prompt = activated(prompt, keyed, self.llama_model.adapters.key_invocation, self.n_vocab)
+            return await self._generate(prompt, channel, progress)
         finally:
             await self._adapter_loads.release(keyed)
 

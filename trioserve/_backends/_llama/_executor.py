@@ -107,7 +107,9 @@ class Executor:
         """Write ``call``'s rows into the batch (a decoding sequence's drafted guesses
         are taken from it: they ride in this call)."""
         self._images = None
-        self._adapters = call[0][0].asked.adapters  # (one set a call: the planner's)
+        # (one set a call: the planner's; an aLoRA's prompt piece before its switch: the
+        # set less the aLoRA)
+        self._adapters = call[0][0].adapters
         if len(call) == 1 and call[0][1] and call[0][0].asked.media is not None:
             images = self._fill_images(*call[0])
             if images is not None:

@@ -396,7 +396,7 @@ class Scheduler:
         # 2. plan the calls of this step (the planner: data in, a plan out)
         sets: dict[AdapterSet, int] = {(): 0}  # (this step's adapter sets, numbered)
         candidates = [
-            _candidate(key, s, sets.setdefault(s.asked.adapters, len(sets))) for key, s in enumerate(active)
+            _candidate(key, s, sets.setdefault(s.adapters, len(sets))) for key, s in enumerate(active)
         ]
         plan = plan_step(candidates, self.limits)
         running = list(active)

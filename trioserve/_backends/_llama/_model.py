@@ -39,6 +39,7 @@ from .._vision import (
     decode_bytes,
 )
 from ._adapters import AdapterSet, LoraAdapters
+from ._alora import MULTIPLE, invocations
 from ._loading import load
 from ._native import LoadAborted, LoadLog, make_log_callback, meta_value
 from ._sampler import logit_bias, sampler_chain
@@ -153,7 +154,8 @@ class LlamaModel:
         """``info.adapters``: the adapters listed now (after a load, an unload, a scale
         set at run time: ``_lora_loads``)."""
         listed = tuple((a.name, a.scale, str(a.path)) for a in self.adapters.listed)
-        self._info = dataclasses.replace(self._info, adapters=listed)
+        alora = invocations(self.adapters.listed, self.special_piece)
+        self._info = dataclasses.replace(self._info, adapters=listed, alora=alora)
 
     def load_projector(self) -> None:
         """Load ``settings.mmproj`` (the load's last phase: blocking, aborted with it)."""
@@ -435,7 +437,10 @@ class LlamaModel:
                 param="lora",
             )
         named = [(adapters.by_id(w) if isinstance(w, int) else w, scale) for w, scale in request.lora]
-        return adapters.select(named)
+        chosen = adapters.select(named)
+        if sum(1 for name, _ in chosen if adapters.invocation(name)) > 1:
+            raise InvalidRequestError(MULTIPLE, param="lora")  # (llama-server's refusal)
+        return chosen
 
     async def _finish_prepare(
         self, request: GenerationRequest, tokens: list[int], media: VisionPrompt | None = None

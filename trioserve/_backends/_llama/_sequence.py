@@ -23,6 +23,7 @@ from .._grammar import TokenMask
 from .._memory import StateBuffer
 from .._reasoning import ReasoningTracker
 from .._speculation import Drafter
+from .._switch_salt import switched_salt
 from .._vision import VisionPrompt
 from .._window_marks import WindowMark
 from ._adapters import AdapterSet, adapter_salt
@@ -86,6 +87,11 @@ class Asked:
     special: bool
     #: its images (``_vision.VisionPrompt``: where they sit, what encodes them), if any
     media: VisionPrompt | None = None
+    #: an activated LoRA's request (docs/lora.md, "Activated LoRA"): the prompt
+    #: positions before ``switch`` run with ``prefix_adapters`` (its set less the aLoRA;
+    #: a cut of its prompt), the rest with ``adapters``; 0: all with ``adapters``
+    switch: int = 0
+    prefix_adapters: AdapterSet = ()
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -197,18 +203,26 @@ class Sequence:
             # a copy: the compiled mask stays fresh for the other choices (and for a
             # prepared prompt streamed again)
             mask = compiled.copy()
+        adapters = prompt.adapters
+        switch = prompt.alora[1] if prompt.alora is not None else 0
+        prefix = tuple(a for a in adapters if prompt.alora is None or a[0] != prompt.alora[0])
+        # (an aLoRA's prompt: the cells before its switch are cached as its prefix set's)
+        salt = adapter_salt(request.cache_salt, adapters)
+        salt = switched_salt(adapter_salt(request.cache_salt, prefix), switch, salt)
         self.asked = Asked(
             prompt=tokens if isinstance(tokens, list) else list(tokens),
             max_new=prompt.max_new_tokens,
-            adapters=prompt.adapters,
+            adapters=adapters,
             cache_prompt=request.cache_prompt,
-            salt=adapter_salt(request.cache_salt, prompt.adapters),
+            salt=salt,
             greedy=request.sampling.plain_greedy,
             bias=bias,
             mask=mask,
             logprobs=request.logprobs,
             special=mask is not None or request.logprobs is not None,
             media=prompt.media if isinstance(prompt.media, VisionPrompt) else None,
+            switch=switch,
+            prefix_adapters=prefix,
         )
         self.cache = CacheWork()
         # (no guesses with LoRA adapters: a verify call's rows are exact only where the
@@ -257,6 +271,12 @@ class Sequence:
         self.seq_id = -1
         self.prefilled = 0
         self.pos = 0
+
+    @property
+    def adapters(self) -> AdapterSet:
+        """The adapter set of its next call: before an aLoRA's switch, its prefix set."""
+        asked = self.asked
+        return asked.prefix_adapters if self.prefilled < asked.switch else asked.adapters
 
     @property
     def decoding(self) -> bool:
