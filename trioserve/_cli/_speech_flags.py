@@ -10,15 +10,9 @@ import os
 from pathlib import Path
 
 from .._http._speech_service import SpeechModel, SpeechSource
+from ._flag_types import positive_int
 
 __all__ = ["add_speech_flags", "speech_source"]
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def add_speech_flags(serve: argparse.ArgumentParser) -> None:
@@ -45,7 +39,7 @@ def add_speech_flags(serve: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--tts-threads",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="CPU threads of a speech generation (default: --threads, else all cores)",

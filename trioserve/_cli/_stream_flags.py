@@ -6,28 +6,9 @@ from __future__ import annotations
 
 import argparse
 
+from ._flag_types import non_negative_int, positive_float, positive_int
+
 __all__ = ["add_detach_flags", "add_stream_interval_flag"]
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
-    return value
 
 
 def add_detach_flags(serve: argparse.ArgumentParser) -> None:
@@ -36,7 +17,7 @@ def add_detach_flags(serve: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--detach-max",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=64,
         metavar="N",
         help="detachable streams kept at once, server-wide, running and finished (default: 64; "
@@ -44,14 +25,14 @@ def add_detach_flags(serve: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--detach-per-key",
-        type=_positive_int,
+        type=positive_int,
         default=8,
         metavar="N",
         help="detachable streams one API key may keep (its oldest finished one dropped first; default: 8)",
     )
     group.add_argument(
         "--detach-log-events",
-        type=_positive_int,
+        type=positive_int,
         default=1280,
         metavar="N",
         help="events a stream's log keeps for readers that come back (default: 1280, about 28 s "
@@ -59,7 +40,7 @@ def add_detach_flags(serve: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--detach-log-kib",
-        type=_positive_int,
+        type=positive_int,
         default=1024,
         metavar="KIB",
         help="bytes a stream's log keeps, in KiB (default: 1024)",
@@ -74,7 +55,7 @@ def add_detach_flags(serve: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--detach-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=300.0,
         metavar="S",
         help="seconds without a reader before a stream ends (cause detach_timeout), and that a "
