@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -61,17 +62,29 @@ def _settings(model_path: str, cache_dir: Path, **changes: object) -> LlamaSetti
 
 
 async def _complete(backend: LlamaBackend, prompt: str, max_tokens: int = 12) -> tuple[str, Usage]:
+    text, _, usage = await _complete_with_logprobs(backend, prompt, max_tokens)
+    return text, usage
+
+
+async def _complete_with_logprobs(
+    backend: LlamaBackend, prompt: str, max_tokens: int = 12
+) -> tuple[str, list[Any], Usage]:
+    """The greedy text, each token's log-probability (the bits of the logits it was drawn
+    from: a restored cell placed elsewhere changes them before it changes a text) and
+    the usage."""
     engine = Engine(backend)
     try:
         prepared = await engine.prepare(
-            GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=GREEDY)
+            GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=GREEDY, logprobs=1)
         )
         parts: list[str] = []
+        logprobs: list[Any] = []
         async with engine.stream(prepared) as events:
             async for event in events:
                 if type(event) is TextDelta:
                     parts.append(event.text)
-            return "".join(parts), events.usage
+                    logprobs.extend(event.logprobs or ())
+            return "".join(parts), logprobs, events.usage
     finally:
         await engine.aclose(close_backend=False)
 
@@ -134,11 +147,14 @@ async def test_a_conversation_after_a_restart_evaluates_only_its_new_text_and_eq
     backend = await LlamaBackend.aload(_settings(model_path, tmp_path))
     try:
         first_tokens = len(backend.tokenize(first))
-        text, usage = await _complete(backend, second)
+        text, logprobs, usage = await _complete_with_logprobs(backend, second)
     finally:
         await backend.aclose()
-    reference, _ = await _complete(uncached_backend, second)
+    reference, reference_logprobs, _ = await _complete_with_logprobs(uncached_backend, second)
     assert text == reference
+    # bit for bit: the restored cells sit where the fresh evaluation put them (measured
+    # before they did: these differed in every run, the text in one of 12)
+    assert logprobs == reference_logprobs
     assert usage.cached_disk_tokens == usage.cached_tokens > 0
     # only the new text, and at most the one piece of the first prompt that did not end
     # on a cut, is evaluated

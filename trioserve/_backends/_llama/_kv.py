@@ -20,6 +20,7 @@ from .._disk_cache import DiskEntry
 from .._memory import StateBuffer
 from .._window_marks import WindowMark
 from ._sequence import Sequence
+from ._state_layout import aligned
 from ._tiers import StateTier
 
 if TYPE_CHECKING:
@@ -64,6 +65,11 @@ class KvCells:
         self._rows: dict[int, numpy.ndarray] = {}
         #: full hits: prompts whose first token came from a kept row, with no call
         self.whole_hits = 0
+        #: per id whose cells were set from a state with its window cells put in their
+        #: places (:mod:`._state_layout`): the first position whose window cells are
+        #: real (llama.cpp reports the zero cells below it)
+        self._window_starts: dict[int, int] = {}
+        self._unaligned_warned = False
 
     def keep_row(self, sequence: Sequence, logits: numpy.ndarray) -> None:
         """``sequence``'s prompt is evaluated and ends on a cut (its cells are all kept):
@@ -165,6 +171,7 @@ class KvCells:
         """Drop what a free id caches: its cells, its kept row and its bookkeeping."""
         self.policy.forget(seq_id)
         self._rows.pop(seq_id, None)
+        self._window_starts.pop(seq_id, None)
         if not self.lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1):  # pragma: no cover
             logger.error("llama.cpp could not clear the cells of sequence %d", seq_id)
 
@@ -177,6 +184,7 @@ class KvCells:
             return keep
         if keep > 0:
             logger.warning("llama.cpp refused to keep %d cells of sequence %d: clearing it", keep, seq_id)
+        self._window_starts.pop(seq_id, None)
         if not lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1):
             raise BackendError(f"llama.cpp could not clear the cells of sequence {seq_id}")
         return 0
@@ -194,6 +202,7 @@ class KvCells:
         if not self.kv_bytes_per_token and sequence.pos > 0:
             # (the pause budget's estimate for the next pauses)
             self.kv_bytes_per_token = state.used / sequence.pos
+        sequence.saved_window = self._window_starts.get(seq_id, 0)
         self.forget(seq_id)
         # (its row, if kept, stays with this id: it resumes under another, which holds
         # another row — it keeps none for a full hit)
@@ -210,7 +219,8 @@ class KvCells:
         assert state is not None
         seq_id = sequence.seq_id
         self.trim(seq_id, 0)
-        if not self.lib.llama_state_seq_set_data(self.ctx, state.array, len(state), seq_id):
+        floor, sequence.saved_window = sequence.saved_window, 0
+        if self.set_state(state.array, len(state), seq_id, floor=floor, strict=False) is None:
             raise BackendError("llama.cpp could not restore the state of a paused request")
 
     def _save_planned(self, sequence: Sequence) -> None:
@@ -236,7 +246,6 @@ class KvCells:
     def prepare(self, sequence: Sequence) -> None:
         """Carry out admission's plan: save the prefix being overwritten to host memory,
         restore the one to reuse from it, drop the cells past the reused prefix."""
-        lib = self.lib
         seq_id = sequence.seq_id
         self._save_planned(sequence)
         if sequence.cache.restore is not None:
@@ -256,15 +265,19 @@ class KvCells:
                 buffer, size = state.array, len(state)
             else:
                 buffer, size = (ctypes.c_uint8 * len(state)).from_buffer_copy(state), len(state)
+            needed = self.window_floor(sequence.prefilled)
+            # (the entry was chosen because its window cells reach down to ``needed``:
+            # nothing below it is claimed, whatever zero cells the state carries)
+            start = None if buffer is None else self.set_state(buffer, size, seq_id, floor=needed)
             if buffer is None:
                 # a miss on disk (gone, failed its check — logged — or the request was
                 # cancelled while it was read): evaluate the prompt
                 self.reuse(sequence, 0)
-            elif not lib.llama_state_seq_set_data(self.ctx, buffer, size, seq_id):
+            elif start is None:
                 # pragma: no cover - llama.cpp refused the state: evaluate it all
                 logger.warning("could not restore a cached prefix; evaluating the prompt")
                 self.reuse(sequence, 0)
-            elif lib.llama_memory_seq_pos_min(self.memory, seq_id) > self.window_floor(sequence.prefilled):
+            elif start > needed:
                 # pragma: no cover - (planned against: HostCache.usable) the state lacks
                 # window cells the rest of the prompt attends to
                 logger.warning("a restored prefix lacks sliding-window cells; evaluating the prompt")
@@ -363,7 +376,47 @@ class KvCells:
         if not self.host.window or not held:
             return 0
         start = int(self.lib.llama_memory_seq_pos_min(self.memory, seq_id))
-        return start if start >= 0 else held  # (no window cells at all: they serve nothing)
+        if start < 0:
+            return held  # (no window cells at all: they serve nothing)
+        # (cells set from a state with its window cells in place: the zero cells below
+        # its first real one count as missing)
+        return max(start, self._window_starts.get(seq_id, 0))
+
+    def set_state(
+        self, buffer: Any, size: int, seq_id: int, *, floor: int = 0, strict: bool = True
+    ) -> int | None:
+        """``llama_state_seq_set_data`` of a whole sequence state (``size`` bytes of
+        ``buffer``) into ``seq_id``, whose cells it replaces — with the window layers'
+        cells where a fresh evaluation put them when the window layers keep every cell
+        (:mod:`._state_layout`: else the attention sums round differently and the text
+        may change). ``floor``: no window cell below it is claimed (a restored id's zero
+        cells may be in a state of it). Returns the first position whose window cells
+        the state really holds (0 without a window), or ``None`` when nothing was
+        restored: llama.cpp refused, or (``strict``) the state's layout is not one this
+        build knows — a restore then evaluates the prompt instead."""
+        self._window_starts.pop(seq_id, None)
+        start = 0
+        if self.swa_full and self.host.window:
+            layout = aligned(buffer, size)
+            if layout is not None:
+                buffer, size, start = layout.buffer, layout.size, layout.start
+            elif strict:
+                logger.warning("a saved state's layout is not the one this build writes; it is not restored")
+                return None
+            elif not self._unaligned_warned:
+                self._unaligned_warned = True
+                logger.warning(
+                    "a paused request's state has a layout this build does not know: it resumes "
+                    "with its window cells elsewhere, and its text may differ from an unpaused run"
+                )
+        if not self.lib.llama_state_seq_set_data(self.ctx, buffer, size, seq_id):
+            return None
+        if self.host.window and not self.swa_full:
+            # (the window layers keep their window: their cells are as saved)
+            start = max(0, int(self.lib.llama_memory_seq_pos_min(self.memory, seq_id)))
+        if start or floor:
+            self._window_starts[seq_id] = max(start, floor)
+        return start
 
     def window_floor(self, reused: int) -> int:
         """The lowest position the tokens after ``reused`` cached ones attend to."""
@@ -403,10 +456,11 @@ class KvCells:
         size = lib.llama_state_seq_get_size(self.ctx, leader.seq_id)
         state = StateBuffer(size).array  # (unmapped when this returns)
         written = lib.llama_state_seq_get_data(self.ctx, state, size, leader.seq_id)
+        floor = self._window_starts.get(leader.seq_id, 0)
         shared = []
         for follower in waiting:
             self.trim(follower.seq_id, 0)
-            if not written or not lib.llama_state_seq_set_data(self.ctx, state, written, follower.seq_id):
+            if not written or self.set_state(state, written, follower.seq_id, floor=floor) is None:
                 # pragma: no cover - llama.cpp refused: this choice evaluates the prompt itself
                 logger.warning("could not share a prompt's cells; a choice evaluates it again")
                 self.trim(follower.seq_id, 0)

@@ -182,6 +182,7 @@ class Sequence:
         "result",
         "sampler",
         "saved",
+        "saved_window",
         "seq_id",
         "spec",
         "token",
@@ -253,6 +254,9 @@ class Sequence:
         self.pause_asked = False
         self.parked_out = False
         self.saved: StateBuffer | None = None
+        #: the first position whose window cells ``saved`` really holds (its id's cells
+        #: were set from a state: :meth:`~._kv.KvCells.set_state`)
+        self.saved_window = 0
         self.park: Literal["parked", "declined"] | None = None
         self.result: GenerationEnd | Literal["cancelled"] | BaseException | None = None
         self.cancelled = False
