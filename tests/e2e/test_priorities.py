@@ -7,6 +7,7 @@ Fair shares under load: ``benchmarks/fairness.py`` (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import textwrap
 import time
@@ -347,3 +348,65 @@ async def test_a_stream_paused_after_its_prompt_keeps_no_row_on_the_id_it_resume
     # full hits were drawn (how many: a prompt that is not one takes the least recently
     # used id, another prompt's, which then is not one either)
     assert backend.cache_stats()["whole_hits"] > hits  # type: ignore[operator]
+
+
+async def _streamed(
+    client: httpx.AsyncClient, body: dict[str, object], decoding: trio.Event | None = None
+) -> tuple[str, list[object]]:
+    """A streamed completion's text and its tokens' log-probabilities; ``decoding`` is
+    set once 8 tokens have come."""
+    text: list[str] = []
+    logprobs: list[object] = []
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    text.append(choice["text"])
+                    logprobs.extend((choice.get("logprobs") or {}).get("token_logprobs") or ())
+            if decoding is not None and len(logprobs) >= 8:
+                decoding.set()
+    return "".join(text), logprobs
+
+
+async def test_a_stream_paused_past_the_sliding_window_resumes_with_the_same_logprobs(
+    llama_backend: LlamaBackend, nursery: trio.Nursery
+) -> None:
+    """One slot; a stream whose context is past Gemma 3's 512-token window is set aside
+    for a priority-0 request and resumed from its saved state. Its window cells come
+    back where a fresh evaluation put them (docs/prompt-cache.md, "Window cells in their
+    places"), so every token's log-probability is the uninterrupted run's, bit for bit
+    (restored as llama.cpp writes the state, they differ from the first token after the
+    resume)."""
+    server = await start_server(nursery, llama_backend, shutdown_grace=0.0, http=HTTPSettings())
+    admission = server.engine.admission
+    prompt = "The history of the old harbor town, told by its oldest inhabitant. " * 50
+    assert len(llama_backend.tokenize(prompt)) > 600
+    body = {
+        "prompt": prompt,
+        "max_tokens": 48,
+        "temperature": 0,
+        "logit_bias": {"1": -100, "106": -100},
+        "logprobs": 1,
+    }
+    try:
+        async with server.client() as client:
+            alone = await _streamed(client, body)
+            preemptions = admission.preemptions
+            paused: list[tuple[str, list[object]]] = []
+
+            decoding = trio.Event()
+
+            async def low() -> None:
+                paused.append(await _streamed(client, {**body, "priority": 5}, decoding))
+
+            async with trio.open_nursery() as requests:
+                requests.start_soon(low)
+                with trio.fail_after(60):
+                    await decoding.wait()
+                await _complete(client, "Hello, my name is", 4, priority=0)
+                assert admission.preemptions == preemptions + 1
+        assert len(alone[1]) == 48
+        assert paused == [alone]
+    finally:
+        server.server.shutdown()
