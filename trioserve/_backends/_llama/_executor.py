@@ -19,7 +19,7 @@ from ._adapters import AdapterSet
 from ._sequence import Sequence
 
 if TYPE_CHECKING:
-    from .._vision import ImageSpan, VisionPrompt
+    from .._media import ImageSpan, VisionPrompt
     from ._context import Context
     from ._model import LlamaModel
 

@@ -45,9 +45,9 @@ from typing import Any, Literal
 import numpy
 import trio
 
-from .._core._channel import Aborted
-from .._core._exceptions import BackendError, InvalidRequestError
-from ._aborting import make_abort_callback
+from ..._core._channel import Aborted
+from ..._core._exceptions import BackendError, InvalidRequestError
+from .._aborting import make_abort_callback
 from ._model_view import ModelView
 
 logger = logging.getLogger("trioserve.embeddings")

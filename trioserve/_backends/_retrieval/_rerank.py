@@ -17,10 +17,10 @@ from typing import Any, Literal
 
 import trio
 
-from .._core._backend import Ranking
-from .._core._channel import Aborted
-from .._core._exceptions import BackendError, InvalidRequestError
-from ._aborting import make_abort_callback
+from ..._core._backend import Ranking
+from ..._core._channel import Aborted
+from ..._core._exceptions import BackendError, InvalidRequestError
+from .._aborting import make_abort_callback
 from ._embeddings import CpuTurns, Embedder, EmbeddingContext
 from ._model_view import ModelView
 from ._rerank_layout import (
