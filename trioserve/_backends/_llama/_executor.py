@@ -65,7 +65,7 @@ class Outcome:
 
 
 class Turns(Protocol):
-    """The cores' turns (``_embeddings.CpuTurns``): generation and embeddings take
+    """The cores' turns (``_retrieval._turns.CpuTurns``): generation and embeddings take
     turns on them."""
 
     def turn(self) -> AbstractContextManager[None]: ...
