@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 
 import pytest
 
-from trioserve._backends import _disk_format
+from trioserve._backends._cache import _disk_format
 
 __all__ = ["SmallDisk"]
 

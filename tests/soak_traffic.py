@@ -81,7 +81,7 @@ WORDS = (  # noqa: SIM905
 #: RSS growth allowed beyond the host-memory tier's budget (what the tier holds is
 #: resident by design): the grammar engine's vocabulary is built in the warm-up, saved
 #: states live in mappings of their own and the heap is trimmed when the scheduler goes
-#: idle (trioserve/_backends/_memory.py), docs/benchmarks.md "Soak"
+#: idle (trioserve/_backends/_cache/_memory.py), docs/benchmarks.md "Soak"
 RSS_SLACK_MIB = 48.0
 #: the exactness check after the traffic: turns per conversation (slots + 1 conversations)
 EXACT_TURNS = 3

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trioserve._backends._speculation import Drafter
+from trioserve._backends._decoding import Drafter
 
 #: 2026-12-05, AMD EPYC (AVX-512), 2 threads, repacked, context 899:
 #: scripts/probes/spec_exact.py --timing --widths 1,2,3,4,8,16,32,48,64

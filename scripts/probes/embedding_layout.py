@@ -16,7 +16,7 @@ import random
 import time
 
 from trioserve import LlamaBackend, LlamaSettings, default_model_path
-from trioserve._backends import _embeddings as E
+from trioserve._backends._retrieval import _embeddings as E
 
 WORDS = "the a river stone light market violin engine garden , . ! ? 1 22 333 Paris über naïve 東京 😀".split()
 

@@ -32,9 +32,8 @@ from trioserve import (
     TextDelta,
     Usage,
 )
-from trioserve._backends._disk_cache import DiskStore
-from trioserve._backends._disk_format import read_header
-from trioserve._backends._prompt_cache import HostBudget
+from trioserve._backends._cache import DiskStore, HostBudget
+from trioserve._backends._cache._disk_format import read_header
 
 from .._helpers import ServerProcess, start_server
 from .._small_disk import SmallDisk

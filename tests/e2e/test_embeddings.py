@@ -381,7 +381,7 @@ def test_cpu_turns_alternate_in_the_order_asked() -> None:
     generation scheduler and an embedding call take turns."""
     import threading
 
-    from trioserve._backends._embeddings import CpuTurns
+    from trioserve._backends._retrieval import CpuTurns
 
     turns = CpuTurns()
     order: list[str] = []
@@ -403,7 +403,7 @@ def test_cpu_turns_alternate_in_the_order_asked() -> None:
 def test_a_call_waiting_for_its_turn_leaves_when_aborted() -> None:
     import threading
 
-    from trioserve._backends._embeddings import CpuTurns
+    from trioserve._backends._retrieval import CpuTurns
 
     turns = CpuTurns()
     aborted = threading.Event()

@@ -25,7 +25,7 @@ from trioserve import (
     TextDelta,
     Usage,
 )
-from trioserve._backends._prompt_cache import shared_prefix
+from trioserve._backends._cache._prompt_cache import shared_prefix
 
 from .._helpers import RunningServer, start_server, wait_for
 from ..conftest import THREADS

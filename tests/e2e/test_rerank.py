@@ -21,7 +21,7 @@ import trio
 
 from benchmarks.harness.servers import LLAMA_SERVER, Server, free_port
 from trioserve import HTTPSettings, LlamaBackend, LlamaSettings, default_model_path
-from trioserve._backends._rerank_layout import DEFAULT_INSTRUCTION, DEFAULT_TEMPLATE, YesNoTemplate
+from trioserve._backends._retrieval import DEFAULT_INSTRUCTION, DEFAULT_TEMPLATE, YesNoTemplate
 from trioserve.testing import ScriptedBackend
 
 from .._helpers import RawStream, RunningServer, llama_server_command, start_server, wait_for

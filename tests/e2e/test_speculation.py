@@ -28,7 +28,7 @@ from trioserve import (
     SamplingParams,
     TextDelta,
 )
-from trioserve._backends._speculation import SPLIT_KV_CONTEXT
+from trioserve._backends._decoding import SPLIT_KV_CONTEXT
 
 from .._helpers import verifying, wait_for
 

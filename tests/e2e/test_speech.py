@@ -24,7 +24,7 @@ import pytest
 import trio
 
 from trioserve import Backend, ScriptedBackend, Server, ServerSettings
-from trioserve._backends._speech import SpeechEngine
+from trioserve._backends._media import SpeechEngine
 from trioserve._cli._parser import parser
 from trioserve._cli._speech_flags import speech_source
 from trioserve._http._speech_service import SpeechService, SpeechSource

@@ -33,7 +33,7 @@ from .._core._backend import (
 )
 from .._core._channel import Aborted, PieceChannel
 from .._core._types import GenerationEnd, GenerationRequest, ReasoningMarkers
-from ._reasoning import ReasoningTracker
+from ._decoding import ReasoningTracker
 from ._threaded import AbortFlag, Emit, ThreadedBackend
 
 __all__ = ["ScriptedBackend"]

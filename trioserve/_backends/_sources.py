@@ -16,9 +16,8 @@ import os
 from collections.abc import Callable
 
 from .._core._backend import Backend
+from ._cache import HostBudget, HostCache, host_rule
 from ._llama import LlamaBackend, LlamaSettings
-from ._pieces import host_rule
-from ._prompt_cache import HostBudget, HostCache
 
 __all__ = ["LlamaSource"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from .._backends._llama._auto_context import AUTO
 from .._backends._llama._settings import KV_CACHE_TYPES
-from .._backends._vision import find_projector, is_projector_file
+from .._backends._media import find_projector, is_projector_file
 
 __all__ = ["PRESET_KEYS", "PRESET_TYPES", "discover", "is_registry", "read_preset"]
 
@@ -120,7 +120,7 @@ def _check_value(origin: str, key: str, value: object) -> None:
     if int in kinds and isinstance(value, int) and value < 0:
         raise RuntimeError(f"{origin}: {key} must be 0 or more, got {value!r}")
     if key == "rerank_template":
-        from .._backends._rerank_layout import YesNoTemplate
+        from .._backends._retrieval import YesNoTemplate
 
         try:
             YesNoTemplate.parse(str(value))

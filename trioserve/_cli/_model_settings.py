@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from .._backends import LlamaSettings
+from .._backends._cache import HostBudget
 from .._backends._llama._auto_context import AUTO, auto_context
-from .._backends._prompt_cache import HostBudget
 from .._backends._sources import LlamaSource
 from .._core._exceptions import InvalidRequestError
 from .._core._media import ImageBudget

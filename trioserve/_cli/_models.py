@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from .._backends import Backend, LlamaBackend, ScriptedBackend, UpstreamBackend
+from .._backends._cache import HostBudget
 from .._backends._llama._auto_context import AUTO
-from .._backends._prompt_cache import HostBudget
 from .._backends._sources import LlamaSource
 from .._core._exceptions import InvalidRequestError
 from .._core._media import ImageBudget

@@ -47,7 +47,7 @@ def add_speech_flags(serve: argparse.ArgumentParser) -> None:
 
 
 def _load(model: Path, mmproj: Path, threads: int) -> SpeechModel:
-    from .._backends._speech import SpeechEngine
+    from .._backends._media import SpeechEngine
 
     return SpeechEngine(model, mmproj, threads=threads)
 

@@ -1,5 +1,5 @@
 """The server's text-to-speech model (docs/audio.md, "Speech"): what the route needs of
-it (:class:`SpeechModel`: ``_backends/_speech.py``'s ``SpeechEngine``), how it is named
+it (:class:`SpeechModel`: ``_backends/_media/_speech.py``'s ``SpeechEngine``), how it is named
 and loaded (:class:`SpeechSource`), and :class:`SpeechService`, which
 :class:`~trioserve._http._state.ServerState` holds: the load in a worker thread at start,
 one generation at a time (an :class:`~trioserve._core._admission.Admission` of one slot
@@ -34,7 +34,7 @@ class SpeechOutcome(Protocol):
 
 
 class SpeechModel(Protocol):
-    """What the route needs of a loaded speech model (``_backends/_speech.py``'s
+    """What the route needs of a loaded speech model (``_backends/_media/_speech.py``'s
     ``SpeechEngine``): every method is blocking CPU work, called in a worker thread."""
 
     sample_rate: int

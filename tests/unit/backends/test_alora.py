@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from trioserve._backends._cache_policy import CachePolicy
+from trioserve._backends._cache import CachePolicy, HostCache, PieceRule
+from trioserve._backends._cache._switch_salt import (
+    agreement,
+    final_salt,
+    switch_cuts,
+    switched_salt,
+    unswitched,
+)
 from trioserve._backends._llama._adapters import adapter_salt, adapters_of_salt
 from trioserve._backends._llama._alora import MULTIPLE, activate, find_invocation
-from trioserve._backends._pieces import PieceRule
-from trioserve._backends._prompt_cache import HostCache
-from trioserve._backends._switch_salt import agreement, final_salt, switch_cuts, switched_salt, unswitched
 from trioserve._core._exceptions import InvalidRequestError
 
 INVOKE = (105, 4368, 107)

@@ -1,4 +1,4 @@
-"""The prompt cache's disk tier (``_backends/_disk_cache.py``), without a model: the
+"""The prompt cache's disk tier (``_backends/_cache/_disk_cache.py``), without a model: the
 format, the index, the checks that make a bad entry a miss, the budget, the leftovers
 of a killed writer, and the host tier on top of it. The states are opaque bytes here;
 the real model's restores are in tests/e2e/test_disk_cache.py."""
@@ -13,9 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from trioserve._backends._disk_cache import DiskEntry, DiskStore, DiskTier, fingerprint, gguf_digest
-from trioserve._backends._memory import StateBuffer
-from trioserve._backends._prompt_cache import HostCache
+from trioserve._backends._cache import (
+    DiskEntry,
+    DiskStore,
+    DiskTier,
+    HostCache,
+    StateBuffer,
+    fingerprint,
+    gguf_digest,
+)
 
 FP = "a" * 32
 TOKENS = list(range(100, 164))

@@ -17,9 +17,8 @@ from typing import Any, BinaryIO
 
 import pytest
 
-from trioserve._backends import _disk_format
-from trioserve._backends._disk_cache import DiskStore, DiskTier
-from trioserve._backends._disk_format import write_atomic
+from trioserve._backends._cache import DiskStore, DiskTier, _disk_format
+from trioserve._backends._cache._disk_format import write_atomic
 
 from ..._small_disk import SmallDisk
 

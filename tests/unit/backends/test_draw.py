@@ -11,7 +11,7 @@ import time
 import numpy
 import pytest
 
-from trioserve._backends._draw import LogitBias, logprob_entry
+from trioserve._backends._decoding import LogitBias, logprob_entry
 from trioserve._core._types import TokenLogprob
 
 VOCAB = 262_144

@@ -18,7 +18,7 @@ import numpy
 import pytest
 
 from trioserve import LlamaBackend
-from trioserve._backends._grammar import (
+from trioserve._backends._decoding._grammar import (
     DEFAULT_DIGIT_BOUND,
     DigitBound,
     GrammarCompiler,

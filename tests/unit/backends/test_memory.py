@@ -1,10 +1,10 @@
-"""The memory a dropped sequence state gives back (trioserve/_backends/_memory.py)."""
+"""The memory a dropped sequence state gives back (trioserve/_backends/_cache/_memory.py)."""
 
 from __future__ import annotations
 
 import gc
 
-from trioserve._backends._memory import StateBuffer, trim_heap
+from trioserve._backends._cache import StateBuffer, trim_heap
 
 
 def _resident_kib() -> int:

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from trioserve._backends._pieces import END, NL, SENT, START, WS, PieceRule, classify_piece, host_rule
+from trioserve._backends._cache._pieces import END, NL, SENT, START, WS, PieceRule, classify_piece, host_rule
 
 # a vocabulary: 0-49 words, 50 ".", 51 "\n", 52 "<start_of_turn>", 53 "<end_of_turn>",
 # 54 "user", 55 "model", 56 " " (whitespace), 57 ".\n" (ends a line)

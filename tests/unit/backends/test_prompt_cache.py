@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trioserve._backends._cache_policy import CachePolicy, WindowMark, WindowMarks, short_tail
+from trioserve._backends._cache import PieceRule
+from trioserve._backends._cache._cache_policy import CachePolicy, WindowMark, WindowMarks, short_tail
+from trioserve._backends._cache._prompt_cache import HostBudget, HostCache, shared_prefix
 from trioserve._backends._llama import LlamaSettings
-from trioserve._backends._pieces import PieceRule
-from trioserve._backends._prompt_cache import HostBudget, HostCache, shared_prefix
 from trioserve._backends._sources import LlamaSource
 
 

@@ -1,11 +1,11 @@
-"""The reasoning tracker (``_backends/_reasoning.py``): where a generation's text is,
+"""The reasoning tracker (``_backends/_decoding/_reasoning.py``): where a generation's text is,
 read from its pieces however they split the markers, and what ending it writes."""
 
 from __future__ import annotations
 
 import pytest
 
-from trioserve._backends._reasoning import ReasoningTracker, marker_tokens
+from trioserve._backends._decoding import ReasoningTracker, marker_tokens
 
 START, END = (1, 2), (3, 4, 5)
 

@@ -1,4 +1,4 @@
-"""Reranking's pure parts (``_backends/_rerank_layout.py``): the yes/no template, the
+"""Reranking's pure parts (``_backends/_retrieval/_rerank_layout.py``): the yes/no template, the
 cross-encoder's pair as llama-server lays it (``format_prompt_rerank``), and the "yes"
 probability. The same layouts on real files beside llama-server: tests/e2e/test_rerank.py."""
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from trioserve._backends._rerank_layout import (
+from trioserve._backends._retrieval._rerank_layout import (
     DEFAULT_TEMPLATE,
     YesNoTemplate,
     pair_tokens,

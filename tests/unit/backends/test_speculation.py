@@ -1,8 +1,8 @@
-"""Prompt-lookup drafting (``trioserve/_backends/_speculation.py``), without a model."""
+"""Prompt-lookup drafting (``trioserve/_backends/_decoding/_speculation.py``), without a model."""
 
 from __future__ import annotations
 
-from trioserve._backends._speculation import (
+from trioserve._backends._decoding._speculation import (
     MAX_NGRAM,
     MIN_NGRAM,
     PATIENCE,

@@ -14,7 +14,7 @@ import pytest
 from tests._speech_model import SAMPLE_RATE, SAMPLES_PER_FRAME, tiny_pockettts
 from tests._vision_model import tiny_gemma3_projector
 from trioserve import default_model_path
-from trioserve._backends._speech import WINDOW_FRAMES, SpeechEngine
+from trioserve._backends._media._speech import WINDOW_FRAMES, SpeechEngine
 from trioserve._core._exceptions import BackendError
 
 

@@ -16,8 +16,8 @@ import llama_cpp
 import numpy
 import pytest
 
+from trioserve._backends._cache import StateBuffer
 from trioserve._backends._llama._state_layout import aligned
-from trioserve._backends._memory import StateBuffer
 
 from ...conftest import THREADS
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._core._exceptions import BackendError, InvalidRequestError
-from .._switch_salt import final_salt
+from .._cache import final_salt
 from ._native import capture_errors
 from ._settings import check_adapter_name
 

@@ -1,13 +1,11 @@
 """Admission: give a sequence its id and the cached prefix it starts after (the cache
-policy's :class:`~.._cache_policy.Placement`, made without the lock and committed
+policy's :class:`~.._cache._cache_policy.Placement`, made without the lock and committed
 under it). What the placement asks of the cells — save the prefix being overwritten,
 restore one from the host tier — the loop has :meth:`~._kv.KvCells.prepare` carry out."""
 
 from __future__ import annotations
 
-from .._cache_policy import CachePolicy
-from .._pieces import PieceRule
-from .._switch_salt import switch_cuts
+from .._cache import CachePolicy, PieceRule, switch_cuts
 from ._inbox import Inbox
 from ._sequence import Sequence
 

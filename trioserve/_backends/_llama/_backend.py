@@ -39,10 +39,9 @@ from ..._core._backend import GenerationProgress, PreparedPrompt, Ranking
 from ..._core._channel import PieceChannel
 from ..._core._exceptions import BackendError, InvalidRequestError
 from ..._core._types import GenerationEnd
-from .._draw import LogitBias
-from .._embeddings import Embedder, EmbeddingContext
-from .._prompt_cache import HostBudget, HostCache
-from .._rerank import Reranker
+from .._cache import HostBudget, HostCache
+from .._decoding import LogitBias
+from .._retrieval import Embedder, EmbeddingContext, Reranker
 from ._alora import activated
 from ._facade import ModelFacade
 from ._kv_memory import KvMemory

@@ -1,7 +1,7 @@
 """What the serving context can do, measured at load before the scheduler thread
 starts (:class:`Capabilities`): one warm-up decode (a llama.cpp build that cannot run
 here fails at startup, not at a user's first request), the widths at which a decode
-call's numerics stay exact (:mod:`.._invariance`: batch-invariant mode's calls,
+call's numerics stay exact (:mod:`.._decoding._invariance`: batch-invariant mode's calls,
 speculation's verify calls) and whether the model can remove part of a sequence."""
 
 from __future__ import annotations
@@ -14,8 +14,15 @@ from typing import TYPE_CHECKING, Literal
 import numpy
 
 from ..._core._exceptions import BackendError
-from .._invariance import probe_invariant_width, probe_shared_context_limit, probe_verify_width
-from .._speculation import FAST_DRAFT, MAX_DRAFT, SHORTEST_DRAFT, SPLIT_KV_CONTEXT
+from .._decoding import (
+    FAST_DRAFT,
+    MAX_DRAFT,
+    SHORTEST_DRAFT,
+    SPLIT_KV_CONTEXT,
+    probe_invariant_width,
+    probe_shared_context_limit,
+    probe_verify_width,
+)
 from ._context import Context
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 Pure bookkeeping, no llama.cpp, numpy or Trio (an import-linter contract): the loop
 takes an id at admission and gives it back when it releases the sequence; what the
-cells of each id *keep* for the prompt cache is :class:`~.._cache_policy.CachePolicy`'s.
+cells of each id *keep* for the prompt cache is :class:`~.._cache._cache_policy.CachePolicy`'s.
 Callers hold the scheduler's lock around every change (the Trio side reads it for
 ``/health`` and ``/metrics``)."""
 

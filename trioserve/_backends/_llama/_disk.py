@@ -1,5 +1,5 @@
 """The disk tier a model's context opens (``cache_dir``; docs/prompt-cache.md, "On
-disk"): its directory in the server's :class:`~.._disk_cache.DiskStore`, named by the
+disk"): its directory in the server's :class:`~.._cache._disk_cache.DiskStore`, named by the
 fingerprint of the cells this model computes — the GGUF's content, the settings that
 change cells, the llama.cpp build and the CPU features it runs with — so an entry is
 offered only to a model that would compute the same cells itself. A directory where
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import llama_cpp
 
-from .._disk_cache import DiskStore, DiskTier, fingerprint, gguf_digest
+from .._cache import DiskStore, DiskTier, fingerprint, gguf_digest
 from ._settings import KV_CACHE_TYPES
 
 if TYPE_CHECKING:

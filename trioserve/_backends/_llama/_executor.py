@@ -19,7 +19,7 @@ from ._adapters import AdapterSet
 from ._sequence import Sequence
 
 if TYPE_CHECKING:
-    from .._vision import ImageSpan, VisionPrompt
+    from .._media import ImageSpan, VisionPrompt
     from ._context import Context
     from ._model import LlamaModel
 
@@ -65,7 +65,7 @@ class Outcome:
 
 
 class Turns(Protocol):
-    """The cores' turns (``_embeddings.CpuTurns``): generation and embeddings take
+    """The cores' turns (``_retrieval._turns.CpuTurns``): generation and embeddings take
     turns on them."""
 
     def turn(self) -> AbstractContextManager[None]: ...

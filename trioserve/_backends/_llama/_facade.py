@@ -11,8 +11,8 @@ from typing import Any
 
 from ..._core._backend import Backend, ModelInfo, PreparedPrompt
 from ..._core._types import GenerationRequest
-from .._grammar import GrammarCompiler
-from .._pieces import PieceRule
+from .._cache import PieceRule
+from .._decoding import GrammarCompiler
 from .._platform import RepackDecision
 from ._model import LlamaModel
 from ._settings import LlamaSettings

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from .._cache_policy import CachePolicy
+from .._cache import CachePolicy
 from ._adapters import adapters_of_salt
 from ._executor import Executor
 from ._inbox import Inbox

@@ -15,10 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy
 
 from ..._core._exceptions import BackendError
-from .._cache_policy import CachePolicy
-from .._disk_cache import DiskEntry
-from .._memory import StateBuffer
-from .._window_marks import WindowMark
+from .._cache import CachePolicy, DiskEntry, StateBuffer, WindowMark
 from ._sequence import Sequence
 from ._state_layout import aligned
 from ._tiers import StateTier
@@ -312,7 +309,7 @@ class KvCells:
     def mark(self, sequence: Sequence) -> None:
         """A prompt piece of ``sequence`` just ended on a cut: keep a checkpoint of its
         window cells there when the policy wants one (``--no-swa-full``:
-        :mod:`.._window_marks`). One ``llama_state_seq_get_data_ext`` of the window layers
+        :mod:`.._cache._window_marks`). One ``llama_state_seq_get_data_ext`` of the window layers
         (≈ window + batch cells)."""
         marks = self.policy.marks
         end = sequence.prefilled

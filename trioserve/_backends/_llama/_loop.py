@@ -6,7 +6,7 @@ the running sequences to the planner (:func:`~._planner.plan_step` → a plan), 
 executor run each planned call (→ an outcome), and acts on the outcome: draws
 (:class:`~._outputs.Outputs`), rolls back an aborted call, shares a leader's prompt,
 releases what ended (:class:`~._kv.KvCells`). The prompt cache's decisions are
-:class:`~.._cache_policy.CachePolicy`'s.
+:class:`~.._cache._cache_policy.CachePolicy`'s.
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..._core._exceptions import BackendError
-from .._cache_policy import CachePolicy
-from .._draw import logits_row
-from .._memory import trim_heap
-from .._window_marks import WindowMarks
+from .._cache import CachePolicy, WindowMarks, trim_heap
+from .._decoding import logits_row
 from ._adapters import AdapterSet
 from ._admission import Admission
 from ._capabilities import measure
@@ -36,7 +34,7 @@ from ._sequence import CANCELLED, Sequence, hand_back, hand_park
 from ._tiers import host_tier
 
 if TYPE_CHECKING:
-    from .._prompt_cache import HostCache
+    from .._cache import HostCache
     from ._executor import Turns
     from ._model import LlamaModel
 

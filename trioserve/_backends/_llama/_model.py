@@ -21,23 +21,23 @@ from ..._core._backend import ModelInfo, PreparedPrompt, check_token_ids, fit_to
 from ..._core._exceptions import BackendError, InvalidRequestError
 from ..._core._media import AudioClip, RemoteImage, split_at_markers
 from ..._core._types import GenerationRequest, SamplingParams
-from .._audio import DECODED_BYTES_PER_SECOND, decoded_bytes, probe_seconds
-from .._draw import LogitBias
-from .._grammar import GrammarCompiler
+from .._cache import classify_piece, make_rule
+from .._decoding import GrammarCompiler, LogitBias, marker_tokens
 from .._infill import FimTokens, InfillParts, infill_tokens
-from .._pieces import classify_piece, make_rule
-from .._platform import RepackDecision
-from .._reasoning import marker_tokens
-from .._rerank import reranker_kind
-from .._side_work import run_side_work
-from .._vision import (
+from .._media import (
+    DECODED_BYTES_PER_SECOND,
     DECODING_PER_PIXEL,
     HELD_PER_PIXEL,
     Projector,
     VisionPrompt,
     check_media_support,
     decode_bytes,
+    decoded_bytes,
+    probe_seconds,
 )
+from .._platform import RepackDecision
+from .._retrieval import reranker_kind
+from .._side_work import run_side_work
 from ._adapters import AdapterSet, LoraAdapters
 from ._alora import MULTIPLE, invocations
 from ._loading import load
@@ -281,7 +281,7 @@ class LlamaModel:
 
     def pair_flags(self) -> dict[str, Any]:
         """The vocabulary's special tokens and add-flags, as a cross-encoder's pair
-        layout reads them (``_backends/_rerank.py::pair_tokens``)."""
+        layout reads them (``_backends/_retrieval/_rerank.py::pair_tokens``)."""
         lib, vocab = self.lib, self.vocab
         return {
             "bos": int(lib.llama_vocab_bos(vocab)),

@@ -13,9 +13,16 @@ import numpy
 
 from ..._core._exceptions import BackendError
 from ..._core._types import GenerationEnd, TokenLogprob
-from .._draw import draw, draw_special, logits_row, logprob_entry
-from .._reasoning import ReasoningTracker
-from .._speculation import SHORTEST_DRAFT, Drafter, SpeculationStats
+from .._decoding import (
+    SHORTEST_DRAFT,
+    Drafter,
+    ReasoningTracker,
+    SpeculationStats,
+    draw,
+    draw_special,
+    logits_row,
+    logprob_entry,
+)
 from ._capabilities import Capabilities
 from ._sequence import Sequence
 

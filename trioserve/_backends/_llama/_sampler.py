@@ -10,7 +10,7 @@ import trio
 
 from ..._core._exceptions import InvalidRequestError
 from ..._core._types import SamplingParams
-from .._draw import LogitBias
+from .._decoding import LogitBias
 
 __all__ = ["logit_bias", "sampler_chain"]
 

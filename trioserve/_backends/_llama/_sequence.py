@@ -17,15 +17,9 @@ import trio
 from ..._core._backend import ChoiceGroup, GenerationProgress, PreparedPrompt
 from ..._core._channel import PieceChannel
 from ..._core._types import GenerationEnd
-from .._disk_cache import DiskEntry
-from .._draw import LogitBias
-from .._grammar import TokenMask
-from .._memory import StateBuffer
-from .._reasoning import ReasoningTracker
-from .._speculation import Drafter
-from .._switch_salt import switched_salt
-from .._vision import VisionPrompt
-from .._window_marks import WindowMark
+from .._cache import DiskEntry, StateBuffer, WindowMark, switched_salt
+from .._decoding import Drafter, LogitBias, ReasoningTracker, TokenMask
+from .._media import VisionPrompt
 from ._adapters import AdapterSet, adapter_salt
 
 __all__ = [

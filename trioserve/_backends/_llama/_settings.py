@@ -108,7 +108,7 @@ class LlamaSettings:
         rerank: ``"yes-no"``: a generative model reranks by its "yes" probability
             (docs/rerank.md); a cross-encoder GGUF reranks without it.
         rerank_template: that reranker's prompt (``{instruction}``, ``{query}``,
-            ``{document}``); default: ``_backends/_rerank.py``'s ``DEFAULT_TEMPLATE``.
+            ``{document}``); default: ``_backends/_retrieval/_rerank.py``'s ``DEFAULT_TEMPLATE``.
         mmproj: the model's projector (a GGUF libmtmd loads: ``--mmproj``): the model
             then takes images (docs/vision.md) or audio (docs/audio.md), as it encodes.
         max_image_tokens: the most image tokens one request's prompt may hold.
@@ -212,7 +212,7 @@ class LlamaSettings:
         if rerank_template is not None:
             if rerank is None:
                 raise ValueError("rerank_template is for rerank = 'yes-no'; set that too")
-            from .._rerank_layout import YesNoTemplate
+            from .._retrieval import YesNoTemplate
 
             YesNoTemplate.parse(rerank_template)  # (ValueError naming the mistake)
         self.rerank: Literal["yes-no"] | None = rerank

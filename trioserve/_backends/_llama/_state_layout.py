@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy
 
-from .._memory import StateBuffer
+from .._cache import StateBuffer
 
 __all__ = ["Layout", "aligned"]
 

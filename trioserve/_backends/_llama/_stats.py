@@ -1,6 +1,6 @@
 """What the scheduler's state looks like from outside, as typed records read under its
 lock: :class:`Snapshot` (what tests and tools observe: ``LlamaBackend.snapshot()``),
-the prompt cache's :class:`~.._cache_stats.CacheStats` (``/health``, ``/metrics``)
+the prompt cache's :class:`~.._cache._cache_stats.CacheStats` (``/health``, ``/metrics``)
 and the speculation counters."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._cache_stats import CacheStats
+from .._cache import CacheStats
 
 if TYPE_CHECKING:
     from ._loop import Scheduler

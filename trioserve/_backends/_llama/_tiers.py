@@ -1,6 +1,6 @@
 """The prompt cache's tiers below the KV cells: a small store protocol
 (:class:`StateTier`) that the scheduler's cell manager saves evicted prefixes to and
-restores them from. Today's tier is host memory (:class:`~.._prompt_cache.HostCache`,
+restores them from. Today's tier is host memory (:class:`~.._cache._prompt_cache.HostCache`,
 ``--cache-ram``); a disk tier plugs in behind the same protocol.
 
 Pure: no llama.cpp, numpy or Trio (an import-linter contract). A sequence state is an
@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from .._disk_cache import DiskTier
-from .._prompt_cache import HostCache
+# the tier modules themselves, not the cache's face: the face brings the cut (numpy)
+from .._cache._disk_cache import DiskTier
+from .._cache._prompt_cache import HostCache
 
 __all__ = ["StateTier", "host_tier"]
 

@@ -36,8 +36,8 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from .._core._exceptions import InvalidRequestError
-from .._core._types import Constraint
+from ..._core._exceptions import InvalidRequestError
+from ..._core._types import Constraint
 
 __all__ = ["DigitBound", "GrammarCompiler", "TokenMask", "digit_bound"]
 

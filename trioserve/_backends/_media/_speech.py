@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from .._core._exceptions import BackendError, InvalidRequestError
+from ..._core._exceptions import BackendError, InvalidRequestError
 
 __all__ = ["WINDOW_FRAMES", "SpeechEngine", "SpeechResult"]
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from .._core._exceptions import BackendError, InvalidRequestError
-from .._core._media import AudioClip
-from ._aborting import LoadAborted
+from ..._core._exceptions import BackendError, InvalidRequestError
+from ..._core._media import AudioClip
+from .._aborting import LoadAborted
 from ._audio import check_seconds
 
 __all__ = ["ImageSpan", "Projector", "VisionPrompt", "check_media_support", "decode_bytes", "find_projector"]

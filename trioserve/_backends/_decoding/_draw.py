@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy
 
-from .._core._types import TokenLogprob
+from ..._core._types import TokenLogprob
 from ._grammar import TokenMask
 
 __all__ = ["LogitBias", "draw", "draw_special", "logits_row", "logprob_entry", "sample_row"]

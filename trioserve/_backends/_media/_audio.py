@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import io
 
-from .._core._exceptions import InvalidRequestError
-from .._core._media import AudioClip
+from ..._core._exceptions import InvalidRequestError
+from ..._core._media import AudioClip
 
 __all__ = ["DECODED_BYTES_PER_SECOND", "check_seconds", "decoded_bytes", "probe_seconds"]
 

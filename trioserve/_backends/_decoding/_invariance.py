@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy
 
-from .._core._exceptions import BackendError
+from ..._core._exceptions import BackendError
 
 __all__ = ["probe_invariant_width", "probe_shared_context_limit", "probe_verify_width"]
 

@@ -17,11 +17,11 @@ from typing import Any, Literal
 
 import trio
 
-from .._core._backend import Ranking
-from .._core._channel import Aborted
-from .._core._exceptions import BackendError, InvalidRequestError
-from ._aborting import make_abort_callback
-from ._embeddings import CpuTurns, Embedder, EmbeddingContext
+from ..._core._backend import Ranking
+from ..._core._channel import Aborted
+from ..._core._exceptions import BackendError, InvalidRequestError
+from .._aborting import make_abort_callback
+from ._embeddings import Embedder, EmbeddingContext
 from ._model_view import ModelView
 from ._rerank_layout import (
     DEFAULT_INSTRUCTION,
@@ -33,6 +33,7 @@ from ._rerank_layout import (
     templated_pair,
     yes_probability,
 )
+from ._turns import CpuTurns
 
 logger = logging.getLogger("trioserve.rerank")
 
