@@ -34,7 +34,13 @@ _WINDOW_ONLY = 1
 
 class KvCells:
     """The cells of one context (``ctx``, its ``memory``), with the tier evicted
-    prefixes go to."""
+    prefixes go to.
+
+    Over 300 lines for one job: every verb here (trim, save, restore, park, share,
+    checkpoint, persist) is a few llama.cpp calls and their failure paths on the same
+    id's cells, and they keep that id's facts in step — its window start after a
+    restore, its kept logits row, what of it the disk holds. Split across objects, each
+    would have to be told of the others' changes to those facts."""
 
     def __init__(
         self, model: LlamaModel, ctx: Any, memory: Any, *, host: StateTier, policy: CachePolicy
