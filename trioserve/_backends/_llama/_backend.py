@@ -365,7 +365,7 @@ class LlamaBackend(ModelFacade):
         """Test seam: ``prepare`` is called on the scheduler thread before each admitted
         sequence's cached prefix is prepared; what it raises fails that sequence alone
         (as a failed save or restore would). ``None`` removes it."""
-        self._scheduler.prepare_fault = prepare
+        self._scheduler.membership.prepare_fault = prepare
 
     def simulate_failure(self, failure: BaseException | None) -> None:
         """Test seam: record ``failure`` as the scheduler thread's, as it does when it
