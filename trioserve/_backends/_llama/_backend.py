@@ -25,10 +25,8 @@ Design, defaults and measurements: ``docs/batching.md``; the module map:
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
-import time
 from collections.abc import Callable
 from collections.abc import Sequence as Items
 from typing import Literal, Self
@@ -37,21 +35,19 @@ import trio
 
 from ..._core._backend import GenerationProgress, PreparedPrompt, Ranking
 from ..._core._channel import PieceChannel
-from ..._core._exceptions import BackendError, InvalidRequestError
+from ..._core._exceptions import InvalidRequestError
 from ..._core._types import GenerationEnd
 from .._cache import HostBudget, HostCache
-from .._decoding import LogitBias
 from .._retrieval import Embedder, EmbeddingContext, Reranker
-from ._alora import activated
 from ._facade import ModelFacade
 from ._kv_memory import KvMemory
 from ._loading import aload
 from ._loop import Scheduler
 from ._lora_loads import AdapterLoads
 from ._model import LlamaModel
-from ._sequence import CANCELLED, Sequence
 from ._settings import LlamaSettings
 from ._stats import Snapshot, cache_stats, snapshot, speculation_stats
+from ._submit import Submitter
 
 __all__ = ["LlamaBackend"]
 
@@ -74,6 +70,12 @@ class LlamaBackend(ModelFacade):
     loaded :class:`LlamaModel`, which it then owns). ``generations`` counts the
     generations inside the scheduler (submitted and not yet removed with their KV cells
     cleared): what a cancel must bring back to zero.
+
+    Over 300 lines for one job, the face: it answers the :class:`Backend` interface's
+    forty-odd members (loads, adapters, embeddings, reranking, ``/health``'s figures,
+    the observables and test seams), each in a few lines handed to the part that does
+    the work — the scheduler, the model, the embedder, the reranker, the adapter loads,
+    a generation's :class:`~._submit.Submitter`.
     """
 
     #: models loaded and not yet freed, in this process (:attr:`LlamaModel.loaded`)
@@ -102,6 +104,8 @@ class LlamaBackend(ModelFacade):
         # LoRA adapters loaded and unloaded at run time (docs/lora.md): llama.cpp's list
         # of a model's adapters changes under the cores' turn, between calls
         self._adapter_loads = AdapterLoads(model, self._embedder.turns.turn)
+        # a request's generation: submitted to the scheduler thread and waited for
+        self._submitter = Submitter(model, self._scheduler, self._adapter_loads, self.generations)
 
     # ----------------------------------------------------------------- loading
 
@@ -365,7 +369,7 @@ class LlamaBackend(ModelFacade):
         """Test seam: ``prepare`` is called on the scheduler thread before each admitted
         sequence's cached prefix is prepared; what it raises fails that sequence alone
         (as a failed save or restore would). ``None`` removes it."""
-        self._scheduler.prepare_fault = prepare
+        self._scheduler.membership.prepare_fault = prepare
 
     def simulate_failure(self, failure: BaseException | None) -> None:
         """Test seam: record ``failure`` as the scheduler thread's, as it does when it
@@ -400,106 +404,4 @@ class LlamaBackend(ModelFacade):
     async def generate(
         self, prompt: PreparedPrompt, channel: PieceChannel, progress: GenerationProgress
     ) -> GenerationEnd:
-        if not prompt.adapters:
-            return await self._generate(prompt, channel, progress)
-        # its adapters' names bound to the files loaded under them now, held until its
-        # sequence is out of the scheduler (an unload meanwhile frees them after it)
-        keyed = self.llama_model.adapters.acquire(prompt.adapters)
-        try:
-            # (an aLoRA: from where its invocation tokens last occur; absent, not at all)
-            prompt = activated(prompt, keyed, self.llama_model.adapters.key_invocation, self.n_vocab)
-            return await self._generate(prompt, channel, progress)
-        finally:
-            await self._adapter_loads.release(keyed)
-
-    async def _generate(
-        self, prompt: PreparedPrompt, channel: PieceChannel, progress: GenerationProgress
-    ) -> GenerationEnd:
-        if prompt.max_new_tokens <= 0 and not (prompt.request.cache_prompt and self._scheduler.cache_enabled):
-            await trio.lowlevel.checkpoint()
-            return "length"  # nothing to generate, nothing to keep
-        # (no token asked, but a prompt to cache: an editor's warm-up of its extra
-        # context — the prompt is evaluated into the cache, nothing is drawn)
-        scheduler = self._scheduler
-        bias = prompt.logit_bias if isinstance(prompt.logit_bias, LogitBias) else None
-        if bias is None and prompt.request.sampling.logit_bias:  # (a prompt not from prepare)
-            bias = LogitBias(prompt.request.sampling.logit_bias)
-        model = self.llama_model
-        sampler = model.sampler(
-            prompt.request.sampling,
-            max_new_tokens=prompt.max_new_tokens,
-            seed_offset=prompt.choice,
-            bias=bias,
-        )
-        sequence = Sequence(prompt, progress, sampler, channel, bias)
-        inbox = scheduler.inbox
-        channel.on_room = inbox.wake
-        lease = progress.preemption
-        with self.generations:
-            try:
-                inbox.submit(sequence)
-            except BaseException:
-                model.lib.llama_sampler_free(sequence.sampler)
-                raise
-            if sequence.reasoning is not None:
-                # (an ask made before this: Sequence took progress.reasoning_end_asked)
-                progress.control = functools.partial(inbox.force, sequence)
-            if lease is not None:
-                kv = scheduler.kv
-                lease.enable_pause(
-                    functools.partial(inbox.pause, sequence),
-                    state_bytes=lambda: int(sequence.pos * kv.kv_bytes_per_token),
-                )
-            try:
-                while True:
-                    await sequence.removed.wait()
-                    park = sequence.park
-                    if park is None:
-                        break  # removed: it has its result
-                    # preemption (docs/scheduling.md): set aside, or declined
-                    assert lease is not None
-                    sequence.park = None
-                    # a new event first, then the result read: a removal that follows
-                    # a decline at once is seen either way (it sets the new event, or
-                    # its result is read here)
-                    sequence.removed = trio.Event()
-                    if sequence.result is not None:
-                        break
-                    if park == "declined":
-                        lease.decline()
-                        continue
-                    saved = sequence.saved
-                    # the slot goes back; held again on return
-                    await lease.pause(saved_bytes=len(saved) if saved is not None else 0)
-                    inbox.resume(sequence)
-            finally:
-                progress.control = None
-                if lease is not None:
-                    lease.disable_pause()
-                if sequence.result is None and not sequence.removed.is_set():
-                    if inbox.withdraw(sequence):
-                        # parked: out of the scheduler, so freed here
-                        self._free_parked(sequence)
-                    else:
-                        with trio.CancelScope(shield=True):
-                            await sequence.removed.wait()
-        result = sequence.result
-        if isinstance(result, BaseException):
-            # one error object can end several sequences (a failed call, a dead
-            # scheduler): give each request its own
-            retry = result.should_retry if isinstance(result, BackendError) else None
-            raise BackendError(str(result), should_retry=retry) from None
-        if result == "stop" or result == "length":
-            return result
-        # removed as cancelled: the request's own Cancelled is raised here
-        await trio.lowlevel.checkpoint_if_cancelled()
-        raise BackendError("the sequence was dropped, but its request was not cancelled")
-
-    def _free_parked(self, sequence: Sequence) -> None:
-        """A parked sequence whose request ended: its sampler and saved state go."""
-        if sequence.sampler is not None:
-            self.llama_model.lib.llama_sampler_free(sequence.sampler)
-            sequence.sampler = None
-        sequence.saved = None
-        sequence.result = CANCELLED
-        sequence.progress.inference_ended = time.perf_counter()
+        return await self._submitter.generate(prompt, channel, progress)

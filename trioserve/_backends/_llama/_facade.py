@@ -88,21 +88,21 @@ class ModelFacade(Backend):
         return self.llama_model.token_bytes(token, special=special)
 
     async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
-        return await self.llama_model.prepare(request)
+        return await self.llama_model.prompts.prepare(request)
 
     async def tokenize_text(
         self, text: str, *, add_special: bool = False, parse_special: bool = True
     ) -> list[int]:
-        return await self.llama_model.tokenize_text(
+        return await self.llama_model.prompts.tokenize_text(
             text, add_special=add_special, parse_special=parse_special
         )
 
     async def count_text_tokens(
         self, text: str, *, add_special: bool = False, parse_special: bool = True
     ) -> int:
-        return await self.llama_model.count_text_tokens(
+        return await self.llama_model.prompts.count_text_tokens(
             text, add_special=add_special, parse_special=parse_special
         )
 
     async def token_pieces(self, tokens: Items[int]) -> list[bytes]:
-        return await self.llama_model.token_pieces(tokens)
+        return await self.llama_model.prompts.token_pieces(tokens)

@@ -1,20 +1,20 @@
 """The scheduler thread (:class:`Scheduler`): admits, plans, decodes, samples, removes.
 
-It makes every llama.cpp call on the serving context and is the only place that hands a
-sequence back to its request (:func:`~._sequence.hand_back`). Each step it describes
-the running sequences to the planner (:func:`~._planner.plan_step` → a plan), has the
-executor run each planned call (→ an outcome), and acts on the outcome: draws
-(:class:`~._outputs.Outputs`), rolls back an aborted call, shares a leader's prompt,
-releases what ended (:class:`~._kv.KvCells`). The prompt cache's decisions are
-:class:`~.._cache._cache_policy.CachePolicy`'s.
+It makes every llama.cpp call on the serving context and, with its
+:class:`~._membership.Membership` (the batch's way in and out: admission, removal,
+preemption), is the only place that hands a sequence back to its request
+(:func:`~._sequence.hand_back`). Each step it describes the running sequences to the
+planner (:func:`~._planner.plan_step` → a plan), has the executor run each planned call
+(→ an outcome), and acts on the outcome: draws (:class:`~._outputs.Outputs`), rolls back
+an aborted call, shares a leader's prompt, releases what ended (:class:`~._kv.KvCells`).
+The prompt cache's decisions are :class:`~.._cache._cache_policy.CachePolicy`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING
 
 from ..._core._exceptions import BackendError
 from .._cache import CachePolicy, WindowMarks, trim_heap
@@ -28,9 +28,10 @@ from ._executor import Executor
 from ._idle import IdleRecompute
 from ._inbox import Inbox
 from ._kv import KvCells
-from ._outputs import End, Outputs
+from ._membership import Membership, failed
+from ._outputs import Outputs
 from ._planner import Candidate, Limits, plan_step
-from ._sequence import CANCELLED, Sequence, hand_back, hand_park
+from ._sequence import CANCELLED, Sequence, hand_park
 from ._tiers import host_tier
 
 if TYPE_CHECKING:
@@ -120,29 +121,31 @@ class Scheduler:
             shared_context_limit=caps.shared_context_limit if settings.batch_invariant else None,
             speculate=caps.verify_width > 1,
         )
-        #: a sequence ended since the heap was last trimmed (_memory.trim_heap, when idle)
-        self._trim_due = False
+        #: the batch's way in and out: admission, removal, preemption (its methods
+        #: bound here once: the step's calls to them stay direct)
+        self.membership = membership = Membership(
+            model, self.inbox, self.kv, self.policy, self.admission, self.outputs, caps
+        )
+        self._remove = membership.remove
+        self._park = membership.park
         self.heap_trims = 0
-        #: sequences set aside by preemption; one was set aside this step (the
-        #: request it made room for is about to be submitted)
-        self.parks = 0
+        #: a sequence was set aside this step (the request it made room for is about
+        #: to be submitted)
         self._handoff = False
         self.steps = 0
         self.aborted_calls = 0
-        #: a test seam (``LlamaBackend.inject_fault``): called before a sequence's
-        #: cached prefix is prepared; what it raises fails that sequence alone
-        self.prepare_fault: Callable[[], None] | None = None
 
     # ------------------------------------------------------- scheduler thread
 
     def _run(self) -> None:
         inbox = self.inbox
+        membership = self.membership
         try:
             while True:
-                if self._trim_due and not inbox.active and not inbox.queue:
+                if membership.trim_due and not inbox.active and not inbox.queue:
                     # idle after sequences ended: the freed pages of every malloc arena
                     # go back to the system (_memory.py), never on the per-token path
-                    self._trim_due = False
+                    membership.trim_due = False
                     trim_heap()
                     self.heap_trims += 1
                 with inbox.condition:
@@ -193,10 +196,7 @@ class Scheduler:
                     self._remove(sequence, CANCELLED)
                 for sequence in parking:
                     hand_park(sequence, "parked")
-                admitted = self._admit(groups)
-                for sequence in admitted:
-                    if sequence.result is None:  # (not failed at admission)
-                        self._contained(self._prepare, sequence, "preparing its cached prefix")
+                membership.admit(groups)
                 if idle:
                     if self.policy.pending:
                         self.idle.run_safely()
@@ -209,176 +209,7 @@ class Scheduler:
             with inbox.condition:
                 inbox.failure = exc
         finally:
-            failure = inbox.failure or BackendError("the server is shutting down")
-            with inbox.condition:
-                inbox.stopping = True  # nothing submitted from now on is left unserved
-                leaving = inbox.active + list(inbox.queue)
-                leaving += [s for s in inbox.admitting if s not in leaving and s.result is None]
-                inbox.active = []
-                inbox.queue.clear()
-                inbox.admitting = []
-            for sequence in leaving:
-                try:
-                    self._remove(sequence, failure)
-                except BaseException:  # pragma: no cover - _remove hands back in any case
-                    logger.exception("could not release a sequence at shutdown")
-
-    def _admit(self, groups: list[list[Sequence]]) -> list[Sequence]:
-        """Give each admitted sequence its id and cached prefix (the plan is made outside
-        the lock: only this thread writes the cache's bookkeeping; the commit is under
-        it). A sequence whose admission fails fails alone."""
-        inbox = self.inbox
-        admitted: list[Sequence] = []
-        for members in groups:
-            leader = members[0]
-            for sequence in members:
-                shares = (
-                    sequence is not leader and self.capabilities.partial_removal and leader.result is None
-                )
-                if shares:
-                    ok = self._contained(self.admission.assign_follower, sequence, "admission", leader)
-                else:
-                    ok = self._contained(self.admission.assign, sequence, "admission")
-                with inbox.condition:
-                    if ok:
-                        inbox.active.append(sequence)
-                    inbox.admitting.remove(sequence)
-                if ok:
-                    admitted.append(sequence)
-        return admitted
-
-    def _prepare(self, sequence: Sequence) -> None:
-        if self.prepare_fault is not None:
-            self.prepare_fault()
-        if sequence.saved is not None:
-            self.kv.unpark(sequence)  # a paused sequence resumes
-            return
-        self.kv.prepare(sequence)
-        if sequence.cache.whole:
-            self._whole_hit(sequence)
-
-    def _whole_hit(self, sequence: Sequence) -> None:
-        """A full hit: every prompt cell is there, and the logits its last piece gave;
-        the first token is drawn from them now, no call (what a fresh evaluation's
-        last piece would give: the same piece, the same row — docs/prompt-cache.md)."""
-        row = self.kv.whole_row(sequence)
-        if row is None:  # pragma: no cover - (a row is kept wherever a full hit is planned)
-            # its cells or its row did not come through: it evaluates its last piece
-            sequence.cache.whole = sequence.cache.row_kept = False
-            if sequence.decoding:
-                cut = self.policy.last_cut_before(sequence.cache.cuts, len(sequence.asked.prompt))
-                self.kv.reuse(sequence, cut if self.kv.trim(sequence.seq_id, cut) == cut else 0)
-            return
-        sequence.out.first_chunk_at = time.perf_counter()
-        sequence.progress.prefill_seconds = 0.0
-        if sequence.asked.max_new <= 0:
-            self._remove(sequence, "length")  # a prompt to evaluate only: it is cached
-            return
-        _, end = self.outputs.emit(sequence, 0, row)
-        if end is not None:
-            self._remove(sequence, end)
-
-    def _park(self, sequence: Sequence) -> None:
-        """Preemption: set ``sequence`` aside between steps — its cells' state saved
-        (the prompt and the reply so far, as computed), its cells cleared and its id
-        freed; its sampler, drafter and pending token stay with it — and hand it back
-        parked. A choice of ``n`` > 1 is never set aside (``declined``)."""
-        inbox = self.inbox
-        if sequence.group is not None or sequence.leader is not None or sequence.followers:
-            with inbox.condition:
-                sequence.pause_asked = False
-            hand_park(sequence, "declined")
-            return
-        started = time.perf_counter()
-        try:
-            state = self.kv.park(sequence) if sequence.pos > 0 else None
-        except Exception:
-            logger.exception("could not set a request aside; it goes on")
-            with inbox.condition:
-                sequence.pause_asked = False
-            hand_park(sequence, "declined")
-            return
-        self.kv.park_seconds += time.perf_counter() - started
-        self.parks += 1
-        self._handoff = True
-        with inbox.condition:
-            sequence.pause_asked = False
-            inbox.active.remove(sequence)
-            inbox.cells.give_back(sequence.seq_id)
-            sequence.seq_id = -1
-            cancelled = sequence.cancelled
-            if not cancelled:
-                sequence.saved = state
-                sequence.parked_out = True
-        if cancelled:
-            self._remove(sequence, CANCELLED)  # (its cells are gone already)
-        else:
-            hand_park(sequence, "parked")
-
-    def _contained(self, step: Any, sequence: Sequence, what: str, *args: Any) -> bool:
-        """Run ``step(sequence, *args)``; if it raises, only ``sequence`` fails (its
-        cells cleared, its request told why) and the server goes on."""
-        try:
-            step(sequence, *args)
-        except Exception as exc:
-            logger.exception("a request failed in the scheduler (%s); the others go on", what)
-            if sequence.result is None:
-                self._remove(sequence, _failed(sequence, f"inference failed while {what}: {exc!r}"))
-            return False
-        return True
-
-    def _release(self, sequence: Sequence, result: End) -> None:
-        """Take ``sequence`` out of the context: keep the cells of its whole prompt
-        chunks for the cache and clear the rest (the reply, a partial chunk), free its
-        id and sampler. The caller hands it back to Trio."""
-        self._trim_due = True
-        if sequence in self.inbox.active:
-            self.inbox.active.remove(sequence)
-        for follower in sequence.followers:
-            follower.leader = None  # its leader is gone before sharing: it evaluates the prompt itself
-        sequence.followers = []
-        if sequence.leader is not None and sequence in sequence.leader.followers:
-            sequence.leader.followers.remove(sequence)
-        if sequence.seq_id >= 0:
-            finished = result == "stop" or result == "length"
-            self.kv.keep(sequence, failed=isinstance(result, BaseException), finished=finished)
-            self._free_id(sequence)
-        if sequence.sampler is not None:
-            self._model.lib.llama_sampler_free(sequence.sampler)
-            sequence.sampler = None
-        sequence.saved = None
-        sequence.result = result
-        sequence.progress.inference_ended = time.perf_counter()
-
-    def _free_id(self, sequence: Sequence) -> None:
-        if sequence.seq_id >= 0:
-            with self.inbox.condition:
-                self.inbox.cells.give_back(sequence.seq_id)
-                sequence.seq_id = -1
-
-    def _remove(self, sequence: Sequence, result: End) -> None:
-        try:
-            self._release(sequence, result)
-        except Exception:
-            # the cache's bookkeeping failed (e.g. a MemoryError): this sequence's
-            # cells are dropped and its id freed; the request still gets its result
-            # (its text went out whole: only the cache lost it)
-            logger.exception("could not keep a finished sequence's cells; they are dropped")
-            if sequence in self.inbox.active:
-                self.inbox.active.remove(sequence)
-            if sequence.seq_id >= 0:
-                try:
-                    self.kv.forget(sequence.seq_id)
-                finally:
-                    self._free_id(sequence)
-            if sequence.sampler is not None:
-                self._model.lib.llama_sampler_free(sequence.sampler)
-                sequence.sampler = None
-            if sequence.result is None:
-                sequence.result = result
-            sequence.progress.inference_ended = time.perf_counter()
-        finally:
-            hand_back(sequence)  # its request must never wait forever
+            self.membership.drain()
 
     def _step(self) -> None:
         # 1. drop cancelled sequences
@@ -388,7 +219,8 @@ class Scheduler:
         # 1b. set aside those preemption asks to pause
         parking = [s for s in active if s.pause_asked]
         for sequence in parking:
-            self._park(sequence)
+            if self._park(sequence):
+                self._handoff = True
         if self._handoff or not active:
             return  # the request it made room for is admitted first (_run)
         # 2. plan the calls of this step (the planner: data in, a plan out)
@@ -416,7 +248,7 @@ class Scheduler:
                 logger.exception("a decode call failed in the scheduler; its requests fail, the others go on")
                 for sequence, _ in call:
                     if sequence.result is None:
-                        self._remove(sequence, _failed(sequence, f"inference failed: {exc!r}"))
+                        self._remove(sequence, failed(sequence, f"inference failed: {exc!r}"))
         self.steps += 1
 
     def _decode_call(self, call: list[tuple[Sequence, int]]) -> None:
@@ -448,7 +280,7 @@ class Scheduler:
             return
         if not outcome.ok:
             for sequence, _ in call:
-                self._remove(sequence, _failed(sequence, f"llama_decode failed with code {outcome.code}"))
+                self._remove(sequence, failed(sequence, f"llama_decode failed with code {outcome.code}"))
             return
         outputs = filled.outputs
         now = time.perf_counter()
@@ -507,9 +339,3 @@ def _candidate(key: int, sequence: Sequence, adapters: int) -> Candidate:
         cuts=sequence.cache.cuts,
         priority=sequence.priority,
     )
-
-
-def _failed(sequence: Sequence, message: str) -> BackendError | Literal["cancelled"]:
-    """The result of a sequence that failed: a cancelled one (its client left, a stop
-    sequence matched) is reported cancelled — a cancel is never an error."""
-    return CANCELLED if sequence.cancelled else BackendError(message)
