@@ -17,7 +17,7 @@ import numpy
 from ..._core._exceptions import BackendError
 from .._cache import CachePolicy, DiskEntry, StateBuffer, WindowMark
 from ._sequence import Sequence
-from ._state_layout import aligned
+from ._state_layout import restore
 from ._tiers import StateTier
 
 if TYPE_CHECKING:
@@ -72,7 +72,6 @@ class KvCells:
         #: places (:mod:`._state_layout`): the first position whose window cells are
         #: real (llama.cpp reports the zero cells below it)
         self._window_starts: dict[int, int] = {}
-        self._unaligned_warned = False
 
     def keep_row(self, sequence: Sequence, logits: numpy.ndarray) -> None:
         """``sequence``'s prompt is evaluated and ends on a cut (its cells are all kept):
@@ -398,26 +397,14 @@ class KvCells:
         restored: llama.cpp refused, or (``strict``) the state's layout is not one this
         build knows — a restore then evaluates the prompt instead."""
         self._window_starts.pop(seq_id, None)
-        start = 0
-        if self.swa_full and self.host.window:
-            layout = aligned(buffer, size)
-            if layout is not None:
-                buffer, size, start = layout.buffer, layout.size, layout.start
-            elif strict:
-                logger.warning("a saved state's layout is not the one this build writes; it is not restored")
-                return None
-            elif not self._unaligned_warned:
-                self._unaligned_warned = True
-                logger.warning(
-                    "a paused request's state has a layout this build does not know: it resumes "
-                    "with its window cells elsewhere, and its text may differ from an unpaused run"
-                )
-        if not self.lib.llama_state_seq_set_data(self.ctx, buffer, size, seq_id):
-            return None
-        if self.host.window and not self.swa_full:
+        lib, window = self.lib, self.host.window
+        start = restore(
+            lib, self.ctx, buffer, size, seq_id, in_place=self.swa_full and bool(window), strict=strict
+        )
+        if start is not None and window and not self.swa_full:
             # (the window layers keep their window: their cells are as saved)
-            start = max(0, int(self.lib.llama_memory_seq_pos_min(self.memory, seq_id)))
-        if start or floor:
+            start = max(0, int(lib.llama_memory_seq_pos_min(self.memory, seq_id)))
+        if start is not None and (start or floor):
             self._window_starts[seq_id] = max(start, floor)
         return start
 

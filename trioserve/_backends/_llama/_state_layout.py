@@ -43,6 +43,7 @@ and the caller does not restore the state (a miss: the prompt is evaluated)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,11 @@ import numpy
 
 from .._cache import StateBuffer
 
-__all__ = ["Layout", "aligned"]
+__all__ = ["Layout", "aligned", "restore"]
+
+logger = logging.getLogger("trioserve.llama")
+#: a paused request restored with its window cells elsewhere was said once
+_said: list[bool] = []
 
 #: the state's header: u32 magic, i32 seq_id
 _MAGIC = 0xAF143CD8
@@ -152,6 +157,33 @@ def aligned(buffer: Any, size: int) -> Layout | None:
     o += tail
     assert o == size + extra
     return Layout(out.array, size + extra, start)
+
+
+def restore(
+    lib: Any, ctx: Any, buffer: Any, size: int, seq_id: int, *, in_place: bool, strict: bool
+) -> int | None:
+    """``llama_state_seq_set_data`` of the state in ``buffer`` into ``seq_id``, its
+    window cells put in their places first when ``in_place`` (:func:`aligned`). The
+    first position whose window cells it really holds (0 when not placed), or ``None``
+    when nothing was restored: llama.cpp refused, or (``strict``) the layout is not one
+    this build writes."""
+    start = 0
+    if in_place:
+        layout = aligned(buffer, size)
+        if layout is not None:
+            buffer, size, start = layout.buffer, layout.size, layout.start
+        elif strict:
+            logger.warning("a saved state's layout is not the one this build writes; it is not restored")
+            return None
+        elif not _said:
+            _said.append(True)
+            logger.warning(
+                "a paused request's state has a layout this build does not know: it resumes "
+                "with its window cells elsewhere, and its text may differ from an unpaused run"
+            )
+    if not lib.llama_state_seq_set_data(ctx, buffer, size, seq_id):
+        return None
+    return start
 
 
 def _u32(view: memoryview, at: int) -> int:
