@@ -354,6 +354,23 @@ async def _settled(client: httpx.AsyncClient, done: Callable[[dict[str, object]]
             await trio.sleep(0.02)
 
 
+async def _temp_files_at_rest(
+    client: httpx.AsyncClient, disk: SmallDisk, done: Callable[[dict[str, object]], bool]
+) -> tuple[dict[str, object], list[Path]]:
+    """The disk tier once ``done``, and the temporary files its directory holds at a
+    moment no write ran: the idle thread may start a write (a free id's prefix) right
+    after a health read says none is pending, so the listing counts only when a second
+    read says none is pending and no write began or ended in between."""
+    with trio.fail_after(60):
+        while True:
+            before = await _settled(client, done)
+            temp = disk.temp_files()
+            after = await _disk_health(client)
+            counters = ("pending_writes", "writes", "failed_writes")
+            if all(after[key] == before[key] for key in counters):
+                return before, temp
+
+
 def _entry_of(disk: SmallDisk, tokens: tuple[int, ...]) -> Path | None:
     """The entry on disk holding a prefix of the prompt of ``tokens`` (its idle write)."""
     for path in disk.entries():
@@ -393,8 +410,12 @@ async def test_a_full_disk_answers_every_request_leaves_no_temp_file_and_writes_
             small_disk.fill()
             for i in range(3):
                 assert await _answered(client, _note(f"full {i}"))
-                disk = await _settled(client, lambda d, i=i: int(d["failed_writes"]) > i)  # type: ignore[misc,call-overload]
-                assert small_disk.temp_files() == []
+                disk, temp = await _temp_files_at_rest(
+                    client,
+                    small_disk,
+                    lambda d, i=i: int(d["failed_writes"]) > i,  # type: ignore[misc,call-overload]
+                )
+                assert temp == []
             assert disk["state"] == "failing"
             assert "No space left on device" in str(disk["error"])
             assert (disk["writes"], small_disk.entries()) == (0, [])
@@ -423,7 +444,8 @@ async def test_a_full_disk_answers_every_request_leaves_no_temp_file_and_writes_
             assert int(disk["evictions"]) >= 1  # type: ignore[call-overload]
             assert oldest not in small_disk.entries()
             assert _entry_of(small_disk, tokens["own 0"]) is not None
-            assert small_disk.temp_files() == []
+            _, temp = await _temp_files_at_rest(client, small_disk, lambda _: True)
+            assert temp == []
             assert value(await scrape(client), "trioserve_prompt_cache_disk_failing") == 0
     finally:
         await backend.aclose()
