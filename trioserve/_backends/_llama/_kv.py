@@ -404,7 +404,9 @@ class KvCells:
         if start is not None and window and not self.swa_full:
             # (the window layers keep their window: their cells are as saved)
             start = max(0, int(lib.llama_memory_seq_pos_min(self.memory, seq_id)))
-        if start is not None and (start or floor):
+        if start is not None and self.swa_full and (start or floor):
+            # (zero cells below ``start`` when it was put in place; with the window kept
+            # to its window, llama.cpp's own first position says it all, as before)
             self._window_starts[seq_id] = max(start, floor)
         return start
 
