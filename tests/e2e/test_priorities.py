@@ -384,7 +384,7 @@ async def test_a_stream_paused_past_the_sliding_window_resumes_with_the_same_log
     assert len(llama_backend.tokenize(prompt)) > 600
     body = {
         "prompt": prompt,
-        "max_tokens": 48,
+        "max_tokens": 96,  # (the priority-0 request arrives after 8: ample time left to pause it)
         "temperature": 0,
         "logit_bias": {"1": -100, "106": -100},
         "logprobs": 1,
@@ -406,7 +406,7 @@ async def test_a_stream_paused_past_the_sliding_window_resumes_with_the_same_log
                     await decoding.wait()
                 await _complete(client, "Hello, my name is", 4, priority=0)
                 assert admission.preemptions == preemptions + 1
-        assert len(alone[1]) == 48
+        assert len(alone[1]) == 96
         assert paused == [alone]
     finally:
         server.server.shutdown()

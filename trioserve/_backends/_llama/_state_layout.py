@@ -124,7 +124,7 @@ def aligned(buffer: Any, size: int) -> Layout | None:
     pad = base.count - window.count
     if pad < 0 or not numpy.array_equal(base.positions[pad:], window.positions):
         return None
-    start = int(window.positions[0]) if window.count else int(base.positions[-1]) + 1
+    start = int(window.positions[0])  # (a part holds cells: _part found its stream)
     if pad == 0:
         return Layout(buffer, size, start)
     extra = pad * (window.cell + sum(r.width * r.lines for r in window.rows))
