@@ -87,6 +87,70 @@ class _Waiter:
         self.granted = trio.Event()
 
 
+class FairShares:
+    """The fair-share accounting of one :class:`Admission`: each active account's
+    virtual token counter (tokens served per unit of weight) and its share of the slots.
+
+    It reads the admission's holders and waiters (the same set and list, never copies)
+    and keeps only what ended or paused leases served; running leases are counted live.
+    """
+
+    __slots__ = ("_leases", "_served", "_slots", "_waiters")
+
+    def __init__(self, slots: int, leases: set[SlotLease], waiters: list[_Waiter]) -> None:
+        self._slots = slots
+        self._leases = leases
+        self._waiters = waiters
+        #: per active account (holding or waiting): tokens served per unit of weight,
+        #: of leases that have ended or paused (the running ones are counted live)
+        self._served: dict[str, float] = {}
+
+    def active(self) -> set[str]:
+        return {lease.ticket.account for lease in self._leases} | {w.ticket.account for w in self._waiters}
+
+    def counter(self, account: str) -> float:
+        """The account's virtual token counter: tokens served per unit of weight."""
+        live = 0.0
+        for lease in self._leases:
+            if lease.ticket.account == account:
+                live += (lease.usage() - lease.charged) / lease.ticket.weight
+        return self._served.get(account, 0.0) + live
+
+    def activate(self, account: str) -> None:
+        """An account with nothing held or queued arrives: it starts at the lowest
+        counter of the active accounts (no credit for idling, no debt either)."""
+        active = self.active()
+        if account in active:
+            return
+        others = [self.counter(a) for a in active]
+        self._served[account] = min(others) if others else 0.0
+
+    def settle(self, lease: SlotLease) -> None:
+        """Count what a lease that stops holding served."""
+        used = lease.usage()
+        account = lease.ticket.account
+        self._served[account] = self._served.get(account, 0.0) + (used - lease.charged) / lease.ticket.weight
+        lease.charged = used
+
+    def forget_idle(self) -> None:
+        active = self.active()
+        for account in [a for a in self._served if a not in active]:
+            del self._served[account]
+
+    def held_by(self, account: str) -> int:
+        return sum(lease.count for lease in self._leases if lease.ticket.account == account)
+
+    def shares(self) -> dict[str, float]:
+        """Each active account's fair share of the slots, by weight."""
+        weights: dict[str, float] = {}
+        for lease in self._leases:
+            weights[lease.ticket.account] = lease.ticket.weight
+        for waiter in self._waiters:
+            weights[waiter.ticket.account] = waiter.ticket.weight
+        total = sum(weights.values())
+        return {account: self._slots * weight / total for account, weight in weights.items()}
+
+
 class Admission:
     """``slots`` concurrent holders; at most ``max_queue`` waiting, served by priority,
     fair share and arrival (the module docstring).
@@ -130,9 +194,8 @@ class Admission:
         self.reserved = 0
         #: the leases holding slots
         self._leases: set[SlotLease] = set()
-        #: per active account (holding or waiting): tokens served per unit of weight,
-        #: of leases that have ended or paused (the running ones are counted live)
-        self._served: dict[str, float] = {}
+        #: the virtual token counters and shares of the accounts above
+        self._fair = FairShares(slots, self._leases, self._waiters)
         #: slots of leases asked to pause that have not yet given them back
         self._pausing = 0
         self.paused = 0
@@ -159,58 +222,16 @@ class Admission:
             parked=self.parked,
         )
 
-    # ---------------------------------------------------------- fair share
-
-    def _active(self) -> set[str]:
-        return {lease.ticket.account for lease in self._leases} | {w.ticket.account for w in self._waiters}
-
     def counter(self, account: str) -> float:
         """The account's virtual token counter: tokens served per unit of weight."""
-        live = 0.0
-        for lease in self._leases:
-            if lease.ticket.account == account:
-                live += (lease.usage() - lease.charged) / lease.ticket.weight
-        return self._served.get(account, 0.0) + live
-
-    def _activate(self, account: str, active: set[str]) -> None:
-        """An account with nothing held or queued arrives: it starts at the lowest
-        counter of the active accounts (no credit for idling, no debt either)."""
-        if account in active:
-            return
-        others = [self.counter(a) for a in active]
-        self._served[account] = min(others) if others else 0.0
-
-    def _settle(self, lease: SlotLease) -> None:
-        """Count what a lease that stops holding served."""
-        used = lease.usage()
-        account = lease.ticket.account
-        self._served[account] = self._served.get(account, 0.0) + (used - lease.charged) / lease.ticket.weight
-        lease.charged = used
-
-    def _forget_idle(self) -> None:
-        active = self._active()
-        for account in [a for a in self._served if a not in active]:
-            del self._served[account]
-
-    def _held_by(self, account: str) -> int:
-        return sum(lease.count for lease in self._leases if lease.ticket.account == account)
-
-    def _shares(self) -> dict[str, float]:
-        """Each active account's fair share of the slots, by weight."""
-        weights: dict[str, float] = {}
-        for lease in self._leases:
-            weights[lease.ticket.account] = lease.ticket.weight
-        for waiter in self._waiters:
-            weights[waiter.ticket.account] = waiter.ticket.weight
-        total = sum(weights.values())
-        return {account: self.slots * weight / total for account, weight in weights.items()}
+        return self._fair.counter(account)
 
     # ---------------------------------------------------------- granting
 
     def _give_back(self, lease: SlotLease) -> None:
         if lease in self._leases:
             self._leases.discard(lease)
-            self._settle(lease)
+            self._fair.settle(lease)
         if lease.pause_asked:
             lease.pause_asked = False
             self._pausing -= lease.count
@@ -219,11 +240,11 @@ class Admission:
                 lease.held_bytes = 0
         self._free += lease.count
         self._grant()
-        self._forget_idle()
+        self._fair.forget_idle()
 
     def _eligible(self, waiter: _Waiter) -> bool:
         limit = waiter.ticket.concurrency
-        return limit is None or self._held_by(waiter.ticket.account) + waiter.count <= limit
+        return limit is None or self._fair.held_by(waiter.ticket.account) + waiter.count <= limit
 
     def _best(self) -> _Waiter | None:
         """The waiter to grant next: the best priority; then an account under its share
@@ -232,14 +253,14 @@ class Admission:
         best: _Waiter | None = None
         best_key: tuple[int, bool, float, int] | None = None
         counters: dict[str, float] = {}
-        shares = self._shares() if len(self._active()) > 1 else None
+        shares = self._fair.shares() if len(self._fair.active()) > 1 else None
         for waiter in self._waiters:
             if not self._eligible(waiter):
                 continue
             account = waiter.ticket.account
             if account not in counters:
-                counters[account] = self.counter(account)
-            over = shares is not None and self._held_by(account) + waiter.count > shares[account]
+                counters[account] = self._fair.counter(account)
+            over = shares is not None and self._fair.held_by(account) + waiter.count > shares[account]
             key = (waiter.ticket.priority, over, counters[account], waiter.arrival)
             if best_key is None or key < best_key:
                 best, best_key = waiter, key
@@ -269,8 +290,8 @@ class Admission:
         # the same priority: a waiter's account under its share takes a slot from an
         # account over its own (and never so far that the roles swap)
         return (
-            self._held_by(mine.account) + waiter.count <= shares[mine.account]
-            and self._held_by(theirs.account) - lease.count >= shares[theirs.account]
+            self._fair.held_by(mine.account) + waiter.count <= shares[mine.account]
+            and self._fair.held_by(theirs.account) - lease.count >= shares[theirs.account]
         )
 
     def _preempt_for(self, waiter: _Waiter) -> None:
@@ -287,7 +308,7 @@ class Admission:
                 need -= lease.count
         if need <= 0:
             return
-        shares = self._shares()
+        shares = self._fair.shares()
         victims = [
             lease
             for lease in self._leases
@@ -298,7 +319,7 @@ class Admission:
         victims.sort(
             key=lambda lease: (
                 -lease.ticket.priority,
-                -(self._held_by(lease.ticket.account) - shares[lease.ticket.account]),
+                -(self._fair.held_by(lease.ticket.account) - shares[lease.ticket.account]),
                 lease.usage() - lease.charged,
                 -lease.arrival,
             )
@@ -321,7 +342,7 @@ class Admission:
             lease.on_pause()
 
     def _enqueue(self, lease: SlotLease) -> _Waiter:
-        self._activate(lease.ticket.account, self._active())
+        self._fair.activate(lease.ticket.account)
         waiter = _Waiter(lease)
         self._waiters.append(waiter)
         return waiter
@@ -348,7 +369,7 @@ class Admission:
             else:
                 self._waiters.remove(waiter)
             self._grant()  # the ones behind it may fit now
-            self._forget_idle()
+            self._fair.forget_idle()
             raise
         if at_once:
             await trio.lowlevel.cancel_shielded_checkpoint()  # (a schedule point all the same)
