@@ -5,6 +5,7 @@ One job per module, from the face down::
 
     _cache_policy   CachePolicy: which id a prompt takes, what each id keeps, when a
                     state goes to the host or the disk tier (pure: no llama.cpp, no Trio)
+    _placement      Placer: which free id a new prompt takes, how much of it is reused
     _prompt_cache   the host-memory tier (HostCache, its HostBudget shared by the models)
                     and the longest shared prefix of whole pieces
     _disk_cache     the disk tier's store (DiskStore: one directory per server) and the
