@@ -271,7 +271,7 @@ URLS = ["http://a", "http://b"]
 
 def _backend(handler: Handler) -> UpstreamBackend:
     backend = UpstreamBackend(URLS, info=ModelInfo(id="m", context_length=100, infill=None))
-    backend._client = _client(handler)
+    backend._relay.client = _client(handler)
     return backend
 
 

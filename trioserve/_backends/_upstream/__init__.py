@@ -4,7 +4,9 @@ One job per module, from the face down::
 
     _backend     UpstreamBackend: the Backend the engine sees (prepare, generate --
                  /v1/completions, or /infill for fill in the middle --, embed_inputs,
-                 rerank, aload); builds each request's body (_wire._upstream)
+                 rerank, aload); checks each request
+    _relay       Relay: each kind of request to the upstreams: its body
+                 (_wire._upstream), its attempts and errors, capabilities learnt
     _discovery   at load: what the upstreams serve, and which answer at all
     _attempts    the one attempt/retry loop: an upstream per attempt, retry while no
                  byte reached the client

@@ -5,7 +5,8 @@ request before ``Cancelled`` propagates, the deadline travels (:mod:`._client`).
 Upstreams are chosen by :mod:`._balancer`. A request whose upstream fails before a byte
 reached the client is retried on another; after the first byte it ends with an error
 (:mod:`._attempts`, one loop for completions and embeddings; :mod:`._errors` maps
-each failure).
+each failure). Each kind of request is relayed by the backend's :class:`~._relay.Relay`
+once the backend has checked it.
 There is no local tokenizer: token counts come from the upstream's usage chunk, else
 ``completion_tokens`` counts text chunks. ``POST /v1/embeddings`` is forwarded as it
 came (:meth:`UpstreamBackend.embed_inputs`), a rerank to the upstream's
@@ -18,10 +19,9 @@ FIM tokens. Whether the upstreams can do the last two is learnt from their answe
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import trio
@@ -36,16 +36,15 @@ from ..._core._backend import (
 )
 from ..._core._channel import PieceChannel
 from ..._core._exceptions import (
-    BackendError,
     InvalidRequestError,
 )
 from ..._core._types import GenerationEnd, GenerationRequest
-from ..._wire._upstream import base_url, completion_payload, infill_payload, rerank_payload
+from ..._wire._upstream import base_url
 from . import _errors
-from ._attempts import attempt_each
 from ._balancer import Balancer, UpstreamState
-from ._client import Sink, UpstreamClient
+from ._client import UpstreamClient
 from ._discovery import describe_upstreams
+from ._relay import Relay
 
 __all__ = ["UpstreamBackend", "UpstreamState"]
 
@@ -105,12 +104,17 @@ class UpstreamBackend(Backend):
         self._info = info
         self.slots_per_upstream = slots_per_upstream
         self.extra_body = dict(extra_body or {})
-        self._client = UpstreamClient(
+        client = UpstreamClient(
             connections=slots_per_upstream * len(urls),
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             receive_buffer_bytes=receive_buffer_bytes,
             api_key=api_key,
+        )
+        #: each kind of request, sent to the upstreams (its body, attempts, errors),
+        #: through the client it owns
+        self._relay = Relay(
+            client, self.balancer, info=lambda: self._info, learn=self._learn, extra_body=self.extra_body
         )
         self._closed = False
 
@@ -154,7 +158,7 @@ class UpstreamBackend(Backend):
             **settings,
         )
         try:
-            first = await describe_upstreams(backend._client, backend.balancer, load_timeout)
+            first = await describe_upstreams(backend._relay.client, backend.balancer, load_timeout)
             backend._info = ModelInfo(
                 id=model_id or first.id,
                 context_length=first.context_length or UNKNOWN_CONTEXT_LENGTH,
@@ -179,7 +183,7 @@ class UpstreamBackend(Backend):
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
-            await self._client.aclose()
+            await self._relay.client.aclose()
 
     # ---------------------------------------------------------------- properties
 
@@ -245,71 +249,9 @@ class UpstreamBackend(Backend):
         this raises ``Cancelled``."""
         with self.generations:
             try:
-                return await self._generate(prompt, send, progress)
+                return await self._relay.generate(prompt, send, progress)
             finally:
                 progress.inference_ended = time.perf_counter()
-
-    async def _generate(
-        self,
-        prompt: PreparedPrompt,
-        send: PieceChannel,
-        progress: GenerationProgress,
-    ) -> GenerationEnd:
-        if prompt.request.infill is not None:
-            return await self._infill(prompt, send, progress)
-        payload = completion_payload(
-            prompt.request, bos_token=self._info.bos_token, extra_body=self.extra_body
-        )
-        sink = Sink(send, progress)
-
-        async def attempt(upstream: UpstreamState, answered: Callable[[], None]) -> GenerationEnd:
-            body = {**upstream.request_fields, **payload, "model": upstream.model_id or self._info.id}
-            return await self._client.stream(upstream, body, sink, answered)
-
-        return await attempt_each(
-            self.balancer,
-            attempt,
-            unavailable=BackendError,
-            exhausted=functools.partial(_errors.generation_failed, self.balancer),
-            committed=lambda: sink.sent,
-            overload_ends=True,
-        )
-
-    async def _infill(
-        self,
-        prompt: PreparedPrompt,
-        send: PieceChannel,
-        progress: GenerationProgress,
-    ) -> GenerationEnd:
-        """Fill in the middle through llama-server's ``POST /infill``: the same
-        attempts, retries and promises as a completion; an upstream without it
-        (404/405/501, or a 4xx saying so) is a retry, and when every one tried lacks
-        it, the client's 400 ``infill_not_supported`` names each's answer."""
-        payload = infill_payload(prompt.request, extra_body=self.extra_body)
-        sink = Sink(send, progress)
-
-        async def attempt(upstream: UpstreamState, answered: Callable[[], None]) -> GenerationEnd:
-            body = {**upstream.request_fields, **payload, "model": upstream.model_id or self._info.id}
-            try:
-                end = await self._client.infill(upstream, body, sink, answered)
-            except _errors.Retry as retry:
-                if retry.error.code == "infill_not_supported":
-                    self._learn(upstream, "infill", False)
-                raise
-            finally:
-                if sink.sent:
-                    self._learn(upstream, "infill", True)
-            self._learn(upstream, "infill", True)
-            return end
-
-        return await attempt_each(
-            self.balancer,
-            attempt,
-            unavailable=BackendError,
-            exhausted=functools.partial(_errors.infill_failed, self.balancer),
-            committed=lambda: sink.sent,
-            overload_ends=True,
-        )
 
     # --------------------------------------------------------------- embeddings
 
@@ -338,26 +280,7 @@ class UpstreamBackend(Backend):
             OverloadedError: every upstream answered 429.
             BackendError: the upstreams failed otherwise (5xx, a malformed answer).
         """
-        _errors.refuse_if_all_cooling_down(self.balancer)
-        payload: dict[str, Any] = {
-            "input": [item if isinstance(item, str) else list(item) for item in inputs],
-            "encoding_format": "float",
-        }
-        if dimensions is not None:
-            payload["dimensions"] = dimensions
-
-        async def attempt(
-            upstream: UpstreamState, answered: Callable[[], None]
-        ) -> tuple[list[list[float]], int]:
-            body = {"model": upstream.model_id or self._info.id, **payload}
-            return await self._client.embeddings(upstream, body, answered)
-
-        return await attempt_each(
-            self.balancer,
-            attempt,
-            unavailable=functools.partial(_errors.unavailable_for_embeddings, self.balancer),
-            exhausted=functools.partial(_errors.embeddings_failed, self.balancer),
-        )
+        return await self._relay.embeddings(inputs, dimensions)
 
     # ------------------------------------------------------------------- rerank
 
@@ -393,29 +316,4 @@ class UpstreamBackend(Backend):
                     f"without {name}",
                     param=name,
                 )
-        _errors.refuse_if_all_cooling_down(self.balancer)
-        payload = rerank_payload(query, list(documents))
-
-        async def attempt(upstream: UpstreamState, answered: Callable[[], None]) -> Ranking:
-            body = {"model": upstream.model_id or self._info.id, **payload}
-            try:
-                answer, scores, prompt_tokens = await self._client.rerank(upstream, body, answered)
-            except _errors.Retry as retry:
-                if retry.error.code == "rerank_not_supported":
-                    self._learn(upstream, "rerank", False)
-                raise
-            self._learn(upstream, "rerank", True)
-            said = answer.trioserve
-            return Ranking(
-                scores=scores,
-                prompt_tokens=prompt_tokens,
-                kind=said.reranker if said is not None and said.reranker else "upstream",
-                score=said.score if said is not None and said.score else "unknown",
-            )
-
-        return await attempt_each(
-            self.balancer,
-            attempt,
-            unavailable=functools.partial(_errors.unavailable_for_embeddings, self.balancer),
-            exhausted=functools.partial(_errors.embeddings_failed, self.balancer),
-        )
+        return await self._relay.rerank(query, documents)
