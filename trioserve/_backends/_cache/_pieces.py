@@ -16,7 +16,7 @@ every ``max_piece`` tokens from its start: the absolute alignment of before, exa
 
 An image in a prompt (docs/vision.md) is a run of placeholder ids ≥ ``n_vocab``, the
 first of each image's at an even offset from ``n_vocab`` and the rest at odd ones
-(``_vision.py``): an image is evaluated in one call, so the cut never falls inside
+(``_media/_layout.py``): an image is evaluated in one call, so the cut never falls inside
 one, and falls at each image's start and end (its cells are then a whole piece: a later
 turn about the same image reuses them). That rule needs the token after a cut, so it
 is causal only for prompts that do not end inside an image, which no prompt does.

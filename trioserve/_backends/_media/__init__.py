@@ -5,6 +5,8 @@ One job per module, from the face down::
 
     _vision   Projector (--mmproj): images and audio clips into prompt tokens and
               embeddings (VisionPrompt, ImageSpan); finding a model's projector file
+    _layout   PromptLayout: a tokenized prompt's ids, placeholder ids at each image's
+              or clip's positions (VisionPrompt, ImageSpan)
     _audio    an audio clip's length read from its header, refused over the limit before
               any decode, and the bytes its decode takes
     _speech   SpeechEngine: speech from text, one generation at a time

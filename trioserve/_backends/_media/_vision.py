@@ -6,7 +6,8 @@ holds images (``_core/_media.py``'s markers) into a :class:`VisionPrompt`: the t
 of its text, and at each image's positions a *placeholder id* made from the image's
 content (≥ ``n_vocab``: never a real token), so the token list is an exact cache key;
 and the image's libmtmd chunk, encoded only when its cells are evaluated (a second turn
-about the same image restores them from the cache and encodes nothing).
+about the same image restores them from the cache and encodes nothing). The token list
+is laid out by the projector's :class:`~._layout.PromptLayout`.
 
 Encoding stops on a cancel: libmtmd has no abort callback, but ggml's graph-evaluation
 callback (``cb_eval``, the C check in ``_abort.c``) is asked after every node of the
@@ -23,9 +24,7 @@ import io
 import logging
 import secrets
 import threading
-import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -33,6 +32,7 @@ from ..._core._exceptions import BackendError, InvalidRequestError
 from ..._core._media import AudioClip
 from .._aborting import LoadAborted
 from ._audio import check_seconds
+from ._layout import Chunks, ImageSpan, PromptLayout, VisionPrompt
 
 __all__ = ["ImageSpan", "Projector", "VisionPrompt", "check_media_support", "decode_bytes", "find_projector"]
 
@@ -44,51 +44,6 @@ MAX_PIXELS = 50_000_000
 #: out, and — for the one image being decoded — the decoder's working buffers (stb_image:
 #: a 16-bit RGBA PNG's inflated rows and image, 8 + 8 bytes a pixel, the worst it reads)
 HELD_PER_PIXEL, DECODING_PER_PIXEL = 3, 16
-#: placeholder ids lie in [n_vocab, _ID_CEILING): llama_token is an int32
-_ID_CEILING = 2**31 - 1
-
-
-@dataclass(frozen=True, slots=True)
-class ImageSpan:
-    """One image's positions in a prompt: ``start``, ``length`` tokens, its chunk."""
-
-    start: int
-    length: int
-    #: the chunk's index in :attr:`VisionPrompt.chunks`
-    chunk: int
-    #: an audio chunk (docs/audio.md: 30 seconds of a clip), not an image
-    audio: bool = False
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
-
-
-class _Chunks:
-    """libmtmd's tokenized chunks of one prompt (freed when the last holder lets go:
-    the prepared prompt, and the sequence that evaluates it)."""
-
-    def __init__(self, mtmd: Any, handle: Any) -> None:
-        self.mtmd = mtmd
-        self.handle = handle
-        self._finalizer = weakref.finalize(self, mtmd.mtmd_input_chunks_free, handle)
-
-    def get(self, index: int) -> Any:
-        return self.mtmd.mtmd_input_chunks_get(self.handle, index)
-
-
-@dataclass(frozen=True, slots=True)
-class VisionPrompt:
-    """A prompt with images, tokenized: ``tokens`` (placeholders at image positions),
-    the images' spans in order, and the chunks that encode them."""
-
-    tokens: list[int]
-    spans: tuple[ImageSpan, ...]
-    chunks: _Chunks
-
-    @property
-    def image_tokens(self) -> int:
-        return sum(span.length for span in self.spans if not span.audio)
 
 
 def decode_bytes(pixels: Sequence[int]) -> int:
@@ -170,10 +125,12 @@ class Projector:
         if not path.is_file():
             raise FileNotFoundError(f"projector file not found: {path}")
         stat = path.stat()
-        #: what the placeholder ids are made from besides an image: the projector (a
-        #: cached image's cells are its embeddings; the disk tier's fingerprint holds
-        #: the projector's content hash too)
-        self._seed = hashlib.blake2b(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).digest()
+        # what the placeholder ids are made from besides an image: the projector (a
+        # cached image's cells are its embeddings; the disk tier's fingerprint holds
+        # the projector's content hash too)
+        seed = hashlib.blake2b(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).digest()
+        #: the token list of a prompt's chunks, with the media's placeholder ids
+        self._layout = PromptLayout(mtmd_cpp, n_vocab=n_vocab, seed=seed)
         # (libmtmd splits its text at this marker: one no client text can hold)
         self.marker = f"<__mtmd_{secrets.token_hex(8)}__>"
         self._marker_bytes = self.marker.encode()
@@ -320,7 +277,7 @@ class Projector:
                 parts.append(self.marker)
             text = "".join(parts).encode()
             handle = mtmd.mtmd_input_chunks_init()
-            chunks = _Chunks(mtmd, handle)
+            chunks = Chunks(mtmd, handle)
             given = mtmd.mtmd_input_text(
                 text=text, text_len=len(text), add_special=add_bos, parse_special=True
             )
@@ -336,13 +293,13 @@ class Projector:
                 param=param,
                 code="invalid_image",
             )
-        return self._lay_out(chunks, digests, clips)
+        return self._layout.lay_out(chunks, digests, clips)
 
     def _audio_bitmap(self, clip: AudioClip, piece: int, max_seconds: int) -> tuple[Any, bytes]:
         """One clip decoded by libmtmd's helper (miniaudio: resampled to the projector's
         rate, mono f32), its decoded length checked, and its digest: of its samples,
         read in place. Its id names the piece, so its chunks can be told from the next
-        clip's (``_lay_out``)."""
+        clip's (``PromptLayout.lay_out``)."""
         mtmd = self.mtmd
         if not self.audio:
             raise InvalidRequestError(
@@ -407,60 +364,9 @@ class Projector:
         digest.update(f"|{nx}x{ny}".encode())
         return bitmap, digest.digest()
 
-    def _lay_out(self, chunks: _Chunks, digests: list[bytes], clips: Mapping[bytes, bytes]) -> VisionPrompt:
-        mtmd = self.mtmd
-        tokens: list[int] = []
-        spans: list[ImageSpan] = []
-        n = mtmd.mtmd_input_chunks_size(chunks.handle)
-        images = iter(digests)
-        #: the clip the last chunk was of, and that chunk's index in it
-        clip, part = b"", 0
-        for index in range(n):
-            chunk = chunks.get(index)
-            kind = mtmd.mtmd_input_chunk_get_type(chunk)
-            if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
-                count = ctypes.c_size_t()
-                ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
-                tokens.extend(ids[i] for i in range(count.value))
-                clip = b""
-                continue
-            length = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
-            if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
-                # a clip is one chunk per 30 seconds begun: each chunk's ids from the
-                # clip's samples and the chunk's index in it
-                named = mtmd.mtmd_input_chunk_get_id(chunk) or b""
-                part = part + 1 if named == clip else 0
-                clip = named
-                digest = hashlib.blake2b(part.to_bytes(4, "little"), key=clips[named][:64]).digest()
-                spans.append(ImageSpan(len(tokens), length, index, audio=True))
-                tokens.extend(self.placeholders(digest, length))
-                continue
-            if kind != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-                raise InvalidRequestError(
-                    f"libmtmd laid out a chunk of unknown type {kind}", param="messages"
-                )
-            clip = b""
-            spans.append(ImageSpan(len(tokens), length, index))
-            tokens.extend(self.placeholders(next(images), length))
-        return VisionPrompt(tokens, tuple(spans), chunks)
-
-    def placeholders(self, digest: bytes, length: int) -> list[int]:
-        """An image's placeholder ids: one per position, each from the projector, the
-        image's content and the position (two different images agree at a position
-        with probability ~2⁻³⁰, at all of an image's positions never in practice). The
-        first sits at an even offset from ``n_vocab``, the others at odd ones: where one
-        image ends and the next starts shows in the ids (``_pieces.image_runs``)."""
-        half = (_ID_CEILING - self.n_vocab) // 2
-        base = hashlib.blake2b(digest, digest_size=32, key=self._seed).digest()
-        out = []
-        for i in range(length):
-            value = int.from_bytes(hashlib.blake2b(i.to_bytes(4, "little"), key=base).digest()[:8], "little")
-            out.append(self.n_vocab + 2 * (value % half) + (1 if i else 0))
-        return out
-
     # --------------------------------------------------------------- encoding
 
-    def encode(self, chunks: _Chunks, span: ImageSpan, into: Any, aborted: Callable[[], bool]) -> bool:
+    def encode(self, chunks: Chunks, span: ImageSpan, into: Any, aborted: Callable[[], bool]) -> bool:
         """Encode ``span``'s image and copy its ``length × n_embd`` floats to ``into``
         (a ctypes float pointer: the batch's ``embd``). False: stopped by the abort flag
         (``aborted()``), nothing usable written. Blocking: the scheduler thread's."""
