@@ -12,7 +12,7 @@ from .._core._types import EndCause, TokenLogprob, Usage
 from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ThinkingPart, ToolMode
 from ._codec import encode_json
 from ._conversation import new_id
-from ._openai_writer import END_MESSAGES, ChoiceResult
+from ._openai_writer import ChoiceResult, trioserve_extension
 from ._truncation import Dropped
 
 __all__ = ["AnthropicDialect", "anthropic_error"]
@@ -150,11 +150,7 @@ class AnthropicDialect:
                 "cache_read_input_tokens": 0,
             },
         }
-        extension: dict[str, object] = {}
-        if self.request_id is not None:
-            extension["request_id"] = self.request_id
-        if self._dropped is not None:
-            extension["truncation"] = self._dropped.extension()
+        extension = trioserve_extension(self.request_id, truncation=self._dropped)
         if extension:
             message["trioserve"] = extension
         out = _event(b"message_start", {"type": "message_start", "message": message})
@@ -246,14 +242,9 @@ class AnthropicDialect:
         return body
 
     def _extension(self, body: dict[str, object]) -> dict[str, object]:
-        extension: dict[str, object] = {}
-        if self.request_id is not None:
-            extension["request_id"] = self.request_id
-        if self._dropped is not None:
-            extension["truncation"] = self._dropped.extension()
-        if self._cause not in ("stop", "length"):
-            extension["end_cause"] = self._cause
-            extension["message"] = self._message or END_MESSAGES.get(self._cause, "")
+        extension = trioserve_extension(
+            self.request_id, truncation=self._dropped, cause=self._cause, message=self._message
+        )
         if extension:
             body["trioserve"] = extension
         return body

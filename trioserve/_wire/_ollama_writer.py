@@ -15,7 +15,7 @@ from .._core._exceptions import OverloadedError, TrioserveError
 from .._core._types import EndCause, TokenLogprob, Usage
 from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ThinkingPart, ToolMode
 from ._codec import encode_json
-from ._openai_writer import END_MESSAGES, ChoiceResult
+from ._openai_writer import ChoiceResult, trioserve_extension
 from ._tools import new_call_id
 from ._truncation import Dropped
 
@@ -237,16 +237,13 @@ class OllamaDialect:
             "eval_count": usage.completion_tokens,
             "eval_duration": _ns(usage.decode_seconds),
         }
-        extension: dict[str, object] = {}
-        if self.request_id is not None:
-            extension["request_id"] = self.request_id
-        if usage.cached_tokens:
-            extension["cached_tokens"] = usage.cached_tokens
-        if self._dropped is not None:
-            extension["truncation"] = self._dropped.extension()
-        if self._cause not in ("stop", "length"):
-            extension["end_cause"] = self._cause
-            extension["message"] = self._message or END_MESSAGES.get(self._cause, "")
+        extension = trioserve_extension(
+            self.request_id,
+            cached_tokens=usage.cached_tokens,
+            truncation=self._dropped,
+            cause=self._cause,
+            message=self._message,
+        )
         if extension:
             fields["trioserve"] = extension
         return fields
