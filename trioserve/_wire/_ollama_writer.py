@@ -15,7 +15,7 @@ from .._core._exceptions import OverloadedError, TrioserveError
 from .._core._types import EndCause, TokenLogprob, Usage
 from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ThinkingPart, ToolMode
 from ._codec import encode_json
-from ._openai_writer import ChoiceResult, trioserve_extension
+from ._openai_writer import ChoiceResult, token_logprobs, trioserve_extension
 from ._tools import new_call_id
 from ._truncation import Dropped
 
@@ -58,27 +58,6 @@ _CLOCK = _Clock()
 
 def rfc3339_now() -> str:
     return _CLOCK.now()
-
-
-def _token(piece: bytes) -> str:
-    return piece.decode("utf-8", errors="replace")
-
-
-def _logprobs(entries: Sequence[TokenLogprob]) -> list[dict[str, object]]:
-    """Ollama's ``logprobs``: per token, its text, log-probability, bytes and the most
-    likely alternatives."""
-    return [
-        {
-            "token": _token(entry.piece),
-            "logprob": entry.logprob,
-            "bytes": list(entry.piece),
-            "top_logprobs": [
-                {"token": _token(piece), "logprob": logprob, "bytes": list(piece)}
-                for piece, logprob in entry.top
-            ],
-        }
-        for entry in entries
-    ]
 
 
 def _done_reason(cause: EndCause) -> str:
@@ -197,7 +176,7 @@ class OllamaDialect:
         for part in parts:
             if type(part) is TextPart:
                 if part.logprobs is not None and self._logprobs:
-                    out += self._line({"content": part.text, "logprobs": _logprobs(part.logprobs)})
+                    out += self._line({"content": part.text, "logprobs": token_logprobs(part.logprobs)})
                 else:
                     out += self.plain_delta(part.text)
             elif type(part) is ThinkingPart:
@@ -276,6 +255,6 @@ class OllamaDialect:
         if calls:
             fields["tool_calls"] = calls
         if self._logprobs and result.logprobs is not None:
-            fields["logprobs"] = _logprobs(result.logprobs)
+            fields["logprobs"] = token_logprobs(result.logprobs)
         fields.update(self._final(usage))
         return self._line(fields).rstrip(b"\n")

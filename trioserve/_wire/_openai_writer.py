@@ -24,6 +24,7 @@ __all__ = [
     "error_event",
     "non_stream_response",
     "openai_finish_reason",
+    "token_logprobs",
     "trioserve_extension",
 ]
 
@@ -60,23 +61,26 @@ def _token_text(piece: bytes) -> str:
     return piece.decode("utf-8", errors="replace")
 
 
+def token_logprobs(entries: Sequence[TokenLogprob]) -> list[dict[str, object]]:
+    """Per token, its text, log-probability, bytes and the most likely alternatives:
+    OpenAI's chat ``logprobs.content``, and Ollama's ``logprobs`` (the same shape)."""
+    return [
+        {
+            "token": _token_text(entry.piece),
+            "logprob": entry.logprob,
+            "bytes": list(entry.piece),
+            "top_logprobs": [
+                {"token": _token_text(piece), "logprob": logprob, "bytes": list(piece)}
+                for piece, logprob in entry.top
+            ],
+        }
+        for entry in entries
+    ]
+
+
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, object]:
     """OpenAI's chat ``logprobs`` object for ``entries``."""
-    return {
-        "content": [
-            {
-                "token": _token_text(entry.piece),
-                "logprob": entry.logprob,
-                "bytes": list(entry.piece),
-                "top_logprobs": [
-                    {"token": _token_text(piece), "logprob": logprob, "bytes": list(piece)}
-                    for piece, logprob in entry.top
-                ],
-            }
-            for entry in entries
-        ],
-        "refusal": None,
-    }
+    return {"content": token_logprobs(entries), "refusal": None}
 
 
 def text_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, object]:
