@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from typing import Literal
 
 from .._core._exceptions import OverloadedError, TrioserveError
-from .._core._types import EndCause, TokenLogprob, Usage
+from .._core._types import EndCause, Usage
 from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ThinkingPart, ToolMode
 from ._codec import encode_json
 from ._openai_writer import ChoiceResult, token_logprobs, trioserve_extension
+from ._parts_writer import PartsWriter
 from ._tools import new_call_id
 from ._truncation import Dropped
 
@@ -71,7 +72,7 @@ def _ns(seconds: float) -> int:
     return max(0, round(seconds * 1e9))
 
 
-class OllamaDialect:
+class OllamaDialect(PartsWriter):
     """One ``/api/chat`` (``kind="chat"``) or ``/api/generate`` (``"generate"``) answer.
     One choice: the dialect is its own writer."""
 
@@ -190,13 +191,9 @@ class OllamaDialect:
                     self._call[2].append(part.fragment)
         return out
 
-    def delta(self, text: str, logprobs: Sequence[TokenLogprob] | None) -> bytes:
-        return self._encode(self._reader.feed(text, logprobs))
-
-    def finish(self, cause: EndCause, message: str | None = None, stop_sequence: str | None = None) -> bytes:
-        out = self._encode(self._reader.finish(cause))
+    def _close_choice(self, cause: EndCause, message: str | None, stop_sequence: str | None) -> bytes:
         self._cause, self._message = cause, message
-        return out + self._flush_call()
+        return self._flush_call()
 
     def note_truncation(self, dropped: Dropped) -> None:
         """``truncation: "auto"`` dropped turns: the final line says so."""
