@@ -63,6 +63,27 @@ class TrioserveError(Exception):
         if should_retry is not None:
             self.should_retry = should_retry
 
+    def __init_subclass__(
+        cls,
+        *,
+        status: int | None = None,
+        error_type: str | None = None,
+        code: str | None = None,
+        should_retry: bool | None = None,
+        **kwargs: object,
+    ) -> None:
+        """A subclass names what differs from its base in its class line:
+        ``class NotFoundError(TrioserveError, status=404, code="not_found")``."""
+        super().__init_subclass__(**kwargs)
+        if status is not None:
+            cls.status = status
+        if error_type is not None:
+            cls.error_type = error_type
+        if code is not None:
+            cls.default_code = code
+        if should_retry is not None:
+            cls.should_retry = should_retry
+
     def to_dict(self) -> dict[str, object]:
         """The OpenAI-style error body."""
         return {
@@ -75,66 +96,54 @@ class TrioserveError(Exception):
         }
 
 
-class InvalidRequestError(TrioserveError):
-    status = 400
-    error_type = "invalid_request_error"
+_INVALID = "invalid_request_error"
 
 
-class ContextLengthError(InvalidRequestError):
-    default_code = "context_length_exceeded"
+class InvalidRequestError(TrioserveError, status=400, error_type=_INVALID):
+    pass
 
 
-class AuthenticationError(TrioserveError):
-    status = 401
-    error_type = "authentication_error"
-    default_code = "invalid_api_key"
+class ContextLengthError(InvalidRequestError, code="context_length_exceeded"):
+    pass
 
 
-class PermissionDeniedError(TrioserveError):
+class AuthenticationError(
+    TrioserveError, status=401, error_type="authentication_error", code="invalid_api_key"
+):
+    pass
+
+
+class PermissionDeniedError(
+    TrioserveError, status=403, error_type="permission_error", code="admin_key_required"
+):
     """A valid API key that may not do this (403): an admin's action
     (``docs/operations.md``, "Access")."""
 
-    status = 403
-    error_type = "permission_error"
-    default_code = "admin_key_required"
+
+class NotFoundError(TrioserveError, status=404, error_type=_INVALID, code="not_found"):
+    pass
 
 
-class NotFoundError(TrioserveError):
-    status = 404
-    error_type = "invalid_request_error"
-    default_code = "not_found"
+class MethodNotAllowedError(TrioserveError, status=405, error_type=_INVALID, code="method_not_allowed"):
+    pass
 
 
-class MethodNotAllowedError(TrioserveError):
-    status = 405
-    error_type = "invalid_request_error"
-    default_code = "method_not_allowed"
+class PayloadTooLargeError(TrioserveError, status=413, error_type=_INVALID, code="payload_too_large"):
+    pass
 
 
-class PayloadTooLargeError(TrioserveError):
-    status = 413
-    error_type = "invalid_request_error"
-    default_code = "payload_too_large"
+class HeadersTooLargeError(TrioserveError, status=431, error_type=_INVALID, code="headers_too_large"):
+    pass
 
 
-class HeadersTooLargeError(TrioserveError):
-    status = 431
-    error_type = "invalid_request_error"
-    default_code = "headers_too_large"
+class UnsupportedMediaTypeError(
+    TrioserveError, status=415, error_type=_INVALID, code="unsupported_media_type"
+):
+    pass
 
 
-class UnsupportedMediaTypeError(TrioserveError):
-    status = 415
-    error_type = "invalid_request_error"
-    default_code = "unsupported_media_type"
-
-
-class OverloadedError(TrioserveError):
+class OverloadedError(TrioserveError, status=429, error_type="overloaded_error", code="overloaded"):
     """Refused at admission. ``retry_after`` (seconds) goes into ``Retry-After``."""
-
-    status = 429
-    error_type = "overloaded_error"
-    default_code = "overloaded"
 
     def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
         # the same request's deadline would pass again in the same queue
@@ -142,14 +151,10 @@ class OverloadedError(TrioserveError):
         self.retry_after = retry_after
 
 
-class RateLimitError(TrioserveError):
+class RateLimitError(TrioserveError, status=429, error_type="rate_limit_error", code="rate_limit_exceeded"):
     """The API key is over one of its limits (the keys file: requests or tokens per
     minute). ``retry_after``: when the limit has room again; the ``x-ratelimit-*``
     headers say which limit and how much is left."""
-
-    status = 429
-    error_type = "rate_limit_error"
-    default_code = "rate_limit_exceeded"
 
     def __init__(
         self, message: str, *, retry_after: float, headers: tuple[tuple[bytes, bytes], ...] = ()
@@ -159,66 +164,45 @@ class RateLimitError(TrioserveError):
         self.headers = headers
 
 
-class ServiceUnavailableError(TrioserveError):
-    status = 503
-    error_type = "service_unavailable"
-    default_code = "service_unavailable"
-
+class ServiceUnavailableError(
+    TrioserveError, status=503, error_type="service_unavailable", code="service_unavailable"
+):
     def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
         super().__init__(message, code=code)
         self.retry_after = retry_after
 
 
-class ConflictError(TrioserveError):
+class ConflictError(TrioserveError, status=409, error_type=_INVALID, code="conflict", should_retry=False):
     """The request conflicts with one in flight (its ``X-Request-Id`` is taken)."""
 
-    status = 409
-    error_type = "invalid_request_error"
-    default_code = "conflict"
-    should_retry = False
 
-
-class RequestCancelledError(TrioserveError):
+class RequestCancelledError(
+    TrioserveError, status=409, error_type=_INVALID, code="request_cancelled", should_retry=False
+):
     """Someone cancelled the request by its id (or a newer request of its session
     superseded it) before its response began."""
 
-    status = 409
-    error_type = "invalid_request_error"
-    default_code = "request_cancelled"
-    should_retry = False
 
-
-class DeadlineExceededError(TrioserveError):
+class DeadlineExceededError(
+    TrioserveError, status=504, error_type="timeout_error", code="deadline_exceeded", should_retry=False
+):
     """The request's own deadline passed: sent again, it gets the same budget."""
 
-    status = 504
-    error_type = "timeout_error"
-    default_code = "deadline_exceeded"
-    should_retry = False
 
-
-class NotSupportedError(TrioserveError):
+class NotSupportedError(
+    TrioserveError, status=501, error_type="not_supported_error", code="not_supported", should_retry=False
+):
     """The backend serving this server cannot do what the request asks (for example
     ``/tokenize`` on a backend without a tokenizer): no retry or change of the request
     will help on this server. 501, as llama-server answers an unsupported feature."""
 
-    status = 501
-    error_type = "not_supported_error"
-    default_code = "not_supported"
-    should_retry = False
+
+class BackendError(TrioserveError, status=500, error_type="server_error", code="backend_error"):
+    pass
 
 
-class BackendError(TrioserveError):
-    status = 500
-    error_type = "server_error"
-    default_code = "backend_error"
-
-
-class ChatTemplateError(TrioserveError):
+class ChatTemplateError(
+    TrioserveError, status=500, error_type="server_error", code="chat_template_error", should_retry=False
+):
     """The model's chat template failed on these messages (a bug in the template, not a
     refusal: that is a 400). Sent again, the same messages fail the same way."""
-
-    status = 500
-    error_type = "server_error"
-    default_code = "chat_template_error"
-    should_retry = False

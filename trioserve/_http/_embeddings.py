@@ -16,7 +16,6 @@ import trio
 
 from .._core._admission import DEFAULT_TICKET, Admission, Ticket
 from .._core._backend import Backend
-from .._core._errors import unwrap_group
 from .._core._exceptions import (
     DeadlineExceededError,
     HeadersTooLargeError,
@@ -42,7 +41,7 @@ from ._exchange import (
     _request_timeout,
     headers_too_large,
 )
-from ._lifecycle import INLINE_PARSE_BYTES, watch_disconnect
+from ._lifecycle import INLINE_PARSE_BYTES, watched
 from ._request import InFlightRequest, Kind, Phase
 from ._state import ServerState
 
@@ -172,25 +171,22 @@ class RetrievalHandler:
             request.advance(Phase.LOADING if entry.state != "loaded" else Phase.QUEUED)
             state.add_request(request)
             try:
-                with unwrap_group():
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(watch_disconnect, receive, request)
-                        lease = await state.lease(entry, request, keep_alive)
-                        try:
-                            request.advance(Phase.QUEUED)
-                            admission = state.embeddings_admission(lease.engine)
-                            # 429 when the queue is full or the deadline cannot be met
-                            async with admission.slot(ticket=ticket):
-                                started = time.perf_counter()
-                                # the backend tokenizes, checks the limits before
-                                # anything is evaluated, and computes — or forwards
-                                # the inputs (the upstream relay)
-                                result, count = await self.compute(lease.engine.backend, parsed)
-                                _note_service_time(admission, time.perf_counter() - started)
-                                self.charge(request, count)
-                        finally:
-                            lease.release()
-                        nursery.cancel_scope.cancel()
+                async with watched(request, receive, None):
+                    lease = await state.lease(entry, request, keep_alive)
+                    try:
+                        request.advance(Phase.QUEUED)
+                        admission = state.embeddings_admission(lease.engine)
+                        # 429 when the queue is full or the deadline cannot be met
+                        async with admission.slot(ticket=ticket):
+                            started = time.perf_counter()
+                            # the backend tokenizes, checks the limits before
+                            # anything is evaluated, and computes — or forwards
+                            # the inputs (the upstream relay)
+                            result, count = await self.compute(lease.engine.backend, parsed)
+                            _note_service_time(admission, time.perf_counter() - started)
+                            self.charge(request, count)
+                    finally:
+                        lease.release()
             finally:
                 state.remove_request(request)
         if request.cancel_scope.cancelled_caught or request.cause is not None:

@@ -5,7 +5,7 @@ alone for a caller without a valid key where keys are required) and a gateway's 
 from __future__ import annotations
 
 import datetime
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from quart import Response
 from quart_trio import QuartTrio
@@ -18,6 +18,9 @@ from ._generation import presented_key
 from ._route_io import error_response, json_response
 from ._state import ServerState
 
+if TYPE_CHECKING:
+    from .._core._engine import Engine
+
 __all__ = ["add_health_routes"]
 
 
@@ -25,6 +28,26 @@ def _health(
     body: dict[str, object], status: int = 200, headers: dict[str, str] | None = None
 ) -> tuple[dict[str, object], int, dict[str, str] | None]:
     return body, status, headers
+
+
+def _load_figures(engine: Engine, *, parked: bool = False) -> dict[str, object]:
+    """A model's slots, queue and streams as ``/health`` says them (``parked``: the
+    top-level figures say it too, each model's do not)."""
+    admission = engine.admission
+    figures: dict[str, object] = {
+        "slots": admission.slots,
+        "slots_in_use": admission.in_use,
+        "queued": admission.queued,
+        "paused": admission.paused,
+    }
+    if parked:
+        figures["parked"] = admission.parked
+    figures.update(
+        preemptions=admission.preemptions,
+        active_streams=engine.active_streams,
+        generations_running=engine.backend.generations.running,
+    )
+    return figures
 
 
 def add_health_routes(app: QuartTrio, state: ServerState, access: AccessPolicy | None) -> None:
@@ -44,15 +67,7 @@ def add_health_routes(app: QuartTrio, state: ServerState, access: AccessPolicy |
         stats = backend.stats()
         if stats is not None:
             body["batch"] = stats
-        body.update(
-            slots=engine.admission.slots,
-            slots_in_use=engine.admission.in_use,
-            queued=engine.admission.queued,
-            paused=engine.admission.paused,
-            preemptions=engine.admission.preemptions,
-            active_streams=engine.active_streams,
-            generations_running=backend.generations.running,
-        )
+        body.update(_load_figures(engine))
         return body
 
     @app.get("/health")
@@ -101,17 +116,8 @@ def add_health_routes(app: QuartTrio, state: ServerState, access: AccessPolicy |
             platform = engine.backend.platform()
             if platform is not None:
                 body["platform"] = platform
-            body.update(
-                model=default.name,
-                slots=engine.admission.slots,
-                slots_in_use=engine.admission.in_use,
-                queued=engine.admission.queued,
-                paused=engine.admission.paused,
-                parked=engine.admission.parked,
-                preemptions=engine.admission.preemptions,
-                active_streams=engine.active_streams,
-                generations_running=engine.backend.generations.running,
-            )
+            body["model"] = default.name
+            body.update(_load_figures(engine, parked=True))
         if state.responses is not None:
             # a store that cannot write is degraded, not down: answers are still sent
             body["responses_store"] = state.responses.health()

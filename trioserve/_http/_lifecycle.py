@@ -5,10 +5,12 @@ send of its last bytes. Why every bound: ``docs/cancellation.md``."""
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import trio
 
+from .._core._errors import unwrap_group
 from ._exchange import Exchange, Message, Receive, Scope, Send
 from ._hypercorn_patches import shut_down_connection
 from ._request import InFlightRequest
@@ -23,6 +25,7 @@ __all__ = [
     "send_last",
     "watch_disconnect",
     "watch_stall",
+    "watched",
 ]
 
 #: how long the final event of a cancelled stream may take to send (shielded)
@@ -79,6 +82,28 @@ async def send_last(
             await send()
             nursery.cancel_scope.cancel()
     return not cut and not (watch_cancel and request.connection_cut)
+
+
+@asynccontextmanager
+async def watched(
+    request: InFlightRequest, receive: Receive, stall_timeout: float | None
+) -> AsyncIterator[None]:
+    """While the body runs, its watchers: the client's disconnect, and the stall timer
+    (:func:`watch_stall`; ``None``: none, for an answer sent whole). The stall timer
+    outlives a cancel of the request: a cancelled consumer stuck in hypercorn's
+    (shielded) send is freed only by ending the connection. Both stop when the body is
+    done; an error group of one error raises that error."""
+    with unwrap_group():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_disconnect, receive, request)
+            stall_scope = trio.CancelScope(shield=True)
+            if stall_timeout is not None:
+                nursery.start_soon(watch_stall, request, stall_timeout, stall_scope)
+            try:
+                yield
+            finally:
+                stall_scope.cancel()
+            nursery.cancel_scope.cancel()  # the watchers: this request is done
 
 
 async def watch_stall(request: InFlightRequest, stall_timeout: float, stall_scope: trio.CancelScope) -> None:

@@ -22,32 +22,10 @@ if TYPE_CHECKING:
 
 __all__ = ["CANCEL_CAUSES", "END_CAUSES", "Metrics"]
 
-CANCEL_CAUSES = (
-    "disconnect",
-    "stall",
-    "deadline",
-    "shutdown",
-    "unload",
-    "cancelled",
-    "superseded",
-    "detach_timeout",
-    "evicted",
-)
-END_CAUSES = (
-    "stop",
-    "length",
-    "deadline",
-    "disconnect",
-    "stall",
-    "overloaded",
-    "shutdown",
-    "unload",
-    "cancelled",
-    "superseded",
-    "detach_timeout",
-    "evicted",
-    "error",
-)
+# causes from outside the request (the server, a newer request, an eviction): both lists end so
+_OUTSIDE_CAUSES = ("shutdown", "unload", "cancelled", "superseded", "detach_timeout", "evicted")
+CANCEL_CAUSES = ("disconnect", "stall", "deadline", *_OUTSIDE_CAUSES)
+END_CAUSES = ("stop", "length", "deadline", "disconnect", "stall", "overloaded", *_OUTSIDE_CAUSES, "error")
 
 # Latency buckets (seconds): from sub-millisecond (cancel latency, inter-token on a fast
 # model) to minutes (end-to-end of a long generation).
@@ -60,154 +38,149 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
-        self.time_to_first_token = Histogram(
-            "trioserve_time_to_first_token_seconds",
-            "From request arrival to the first text sent.",
-            buckets=_SLOW,
-            registry=registry,
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, registry=registry)
+
+        self.time_to_first_token = histogram(
+            "trioserve_time_to_first_token_seconds", "From request arrival to the first text sent.", _SLOW
         )
-        self.inter_token_latency = Histogram(
-            "trioserve_inter_token_latency_seconds",
-            "Between consecutive text deltas of one stream.",
-            buckets=_FAST,
-            registry=registry,
+        self.inter_token_latency = histogram(
+            "trioserve_inter_token_latency_seconds", "Between consecutive text deltas of one stream.", _FAST
         )
-        self.request_duration = Histogram(
+        self.request_duration = histogram(
             "trioserve_request_duration_seconds",
             "End-to-end: from request arrival to its last byte (or its end).",
-            buckets=_SLOW,
-            registry=registry,
+            _SLOW,
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = histogram(
             "trioserve_queue_wait_seconds",
             "Time spent waiting for a slot.",
-            buckets=_SLOW,
-            registry=registry,
+            _SLOW,
         )
-        self.prefill = Histogram(
+        self.prefill = histogram(
             "trioserve_prefill_seconds",
             "Prompt processing time.",
-            buckets=_SLOW,
-            registry=registry,
+            _SLOW,
         )
-        self.cancel_latency = Histogram(
+        self.cancel_latency = histogram(
             "trioserve_cancel_latency_seconds",
             "From a cancel's cause (disconnect noticed, deadline passed, shutdown) to the "
             "inference thread leaving the model.",
-            ["cause"],
-            buckets=_FAST,
-            registry=registry,
+            _FAST,
+            "cause",
         )
-        self.load_wait = Histogram(
+        self.load_wait = histogram(
             "trioserve_model_load_wait_seconds",
             "How long a request waited for its model to load (0: it was loaded).",
-            ["model"],
-            buckets=_SLOW,
-            registry=registry,
+            _SLOW,
+            "model",
         )
-        self.requests = Counter(
+        self.requests = counter(
             "trioserve_requests",
             "HTTP generation requests by endpoint and status code.",
-            ["endpoint", "status"],
-            registry=registry,
+            "endpoint",
+            "status",
         )
-        self.stream_ends = Counter(
+        self.stream_ends = counter(
             "trioserve_stream_ends",
             "Generation requests by why they ended: stop, length, deadline, disconnect, "
             "stall, overloaded, shutdown, error.",
-            ["cause"],
-            registry=registry,
+            "cause",
         )
-        self.prompt_tokens = Counter("trioserve_prompt_tokens", "Prompt tokens processed.", registry=registry)
-        self.completion_tokens = Counter(
-            "trioserve_completion_tokens", "Tokens generated.", registry=registry
+        self.prompt_tokens = counter(
+            "trioserve_prompt_tokens",
+            "Prompt tokens processed.",
         )
-        self.prompt_tokens_cached = Counter(
+        self.completion_tokens = counter(
+            "trioserve_completion_tokens",
+            "Tokens generated.",
+        )
+        self.prompt_tokens_cached = counter(
             "trioserve_prompt_tokens_cached",
             "Prompt tokens whose evaluation was reused from the prompt cache.",
-            registry=registry,
         )
-        self.prompt_tokens_evaluated = Counter(
+        self.prompt_tokens_evaluated = counter(
             "trioserve_prompt_tokens_evaluated",
             "Prompt tokens evaluated (cancelled prompts count what they evaluated).",
-            registry=registry,
         )
-        self.draft_tokens_proposed = Counter(
+        self.draft_tokens_proposed = counter(
             "trioserve_draft_tokens_proposed",
             "Speculative decoding: tokens guessed from the context and verified (docs/speculation.md).",
-            registry=registry,
         )
-        self.draft_tokens_accepted = Counter(
+        self.draft_tokens_accepted = counter(
             "trioserve_draft_tokens_accepted",
             "Speculative decoding: guessed tokens the model agreed with (each one a decode step saved).",
-            registry=registry,
         )
-        self.wasted_tokens = Counter(
+        self.wasted_tokens = counter(
             "trioserve_wasted_tokens",
             "Tokens generated after a cancel was requested (0 when cancellation reaches "
             "inference before the next token).",
-            registry=registry,
         )
-        self.active_streams = Gauge(
-            "trioserve_active_streams", "Streams admitted and not yet torn down.", registry=registry
+        self.active_streams = gauge(
+            "trioserve_active_streams",
+            "Streams admitted and not yet torn down.",
         )
-        self.queued_requests = Gauge(
-            "trioserve_queued_requests", "Requests waiting for a slot.", registry=registry
+        self.queued_requests = gauge(
+            "trioserve_queued_requests",
+            "Requests waiting for a slot.",
         )
-        self.slots_in_use = Gauge("trioserve_slots_in_use", "Slots held.", registry=registry)
-        self.paused_requests = Gauge(
+        self.slots_in_use = gauge(
+            "trioserve_slots_in_use",
+            "Slots held.",
+        )
+        self.paused_requests = gauge(
             "trioserve_paused_requests",
             "Requests set aside for a better-ranked one (preemption), waiting for a slot again.",
-            registry=registry,
         )
-        self.preemptions = Gauge(
+        self.preemptions = gauge(
             "trioserve_preemptions",
             "Running requests asked to pause for a better-ranked one since each model loaded.",
-            registry=registry,
         )
-        self.response_store_failures = Counter(
+        self.response_store_failures = counter(
             "trioserve_response_store_failures",
             "Stored responses that could not be written (reason: error, the database or its disk; "
             "full, no room within the key's quota and the total); their answers were sent.",
-            ["reason"],
-            registry=registry,
+            "reason",
         )
-        self.paused_state_bytes = Gauge(
+        self.paused_state_bytes = gauge(
             "trioserve_paused_state_bytes",
             "Bytes of paused requests' saved states (their budget: --pause-ram).",
-            registry=registry,
         )
-        self.pauses_refused = Gauge(
+        self.pauses_refused = gauge(
             "trioserve_pauses_refused",
             "Requests that waited instead of pausing a stream because the --pause-ram budget was "
             "spent (a counter read at scrape time).",
-            registry=registry,
         )
-        self.slots_total = Gauge("trioserve_slots", "Slots (capacity).", registry=registry)
-        self.batch_sequences = Gauge(
+        self.slots_total = gauge(
+            "trioserve_slots",
+            "Slots (capacity).",
+        )
+        self.batch_sequences = gauge(
             "trioserve_batch_sequences",
             "llama backend: sequences in the scheduler (submitted, not yet removed).",
-            registry=registry,
         )
-        self.batch_steps = Gauge(
+        self.batch_steps = gauge(
             "trioserve_batch_steps",
             "llama backend: decode steps run since start (a counter read at scrape time).",
-            registry=registry,
         )
-        self.batch_aborted_calls = Gauge(
+        self.batch_aborted_calls = gauge(
             "trioserve_batch_aborted_calls",
             "llama backend: llama_decode calls stopped by a cancel that owned most of the call.",
-            registry=registry,
         )
-        self.prompt_cache_tokens = Gauge(
+        self.prompt_cache_tokens = gauge(
             "trioserve_prompt_cache_tokens",
             "llama backend: prompt tokens whose KV cells idle sequences keep for reuse.",
-            registry=registry,
         )
-        self.prompt_cache_bytes = Gauge(
+        self.prompt_cache_bytes = gauge(
             "trioserve_prompt_cache_kv_bytes",
             "llama backend: bytes of KV cells idle sequences keep for reuse.",
-            registry=registry,
         )
         # Every label value exists from the start, so dashboards see zeros, not gaps.
         for cause in CANCEL_CAUSES:

@@ -7,9 +7,6 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 
-import trio
-
-from .._core._errors import unwrap_group
 from .._core._exceptions import (
     OverloadedError,
     PermissionDeniedError,
@@ -24,7 +21,7 @@ from ._access import presented_key
 from ._accounting import ENDPOINTS as ENDPOINT_PATHS
 from ._accounting import log_request
 from ._exchange import Receive, Scope, _ClientGone, _keep_alive
-from ._lifecycle import FINAL_EVENT_TIMEOUT, send_last, watch_disconnect, watch_stall
+from ._lifecycle import FINAL_EVENT_TIMEOUT, send_last, watched
 from ._prepare_run import PrepareAndRun
 from ._request import InFlightRequest, Phase
 
@@ -99,40 +96,27 @@ class RequestScope(PrepareAndRun):
         with request.cancel_scope:
             state.add_request(request)
             try:
-                with unwrap_group():
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(watch_disconnect, receive, request)
-                        # The stall timer outlives a cancel of the request: a cancelled
-                        # consumer stuck in hypercorn's (shielded) send is freed only by
-                        # ending the connection. Stopped when the body is done.
-                        stall_scope = trio.CancelScope(shield=True)
-                        stall_timeout = (
-                            math.inf if state.stall_timeout is None or detached else state.stall_timeout
+                stall_timeout = math.inf if state.stall_timeout is None or detached else state.stall_timeout
+                async with watched(request, receive, stall_timeout):
+                    # the stored conversation it continues (a thread's read)
+                    stored = None
+                    if ask is not None and state.responses is not None:
+                        stored = await state.responses.context(
+                            ask.previous_response_id,
+                            self.owner(scope),
+                            request.exchange.request_id if ask.background else None,
                         )
-                        nursery.start_soon(watch_stall, request, stall_timeout, stall_scope)
-                        try:
-                            # the stored conversation it continues (a thread's read)
-                            stored = None
-                            if ask is not None and state.responses is not None:
-                                stored = await state.responses.context(
-                                    ask.previous_response_id,
-                                    self.owner(scope),
-                                    request.exchange.request_id if ask.background else None,
-                                )
-                            # the model, loaded (a load waits inside this request's
-                            # deadline; a disconnect leaves it: docs/models.md)
-                            if entry.state != "loaded":
-                                request.advance(Phase.LOADING)
-                            lease = await state.lease(entry, request, keep_alive)
-                            try:
-                                # (a pinned model stays whatever the request asks)
-                                ttl = None if entry.spec.pinned else keep_alive
-                                await self._generate(request, lease.engine, body, spec, stored, ttl)
-                            finally:
-                                lease.release()
-                            nursery.cancel_scope.cancel()  # the watcher: this request is done
-                        finally:
-                            stall_scope.cancel()
+                    # the model, loaded (a load waits inside this request's
+                    # deadline; a disconnect leaves it: docs/models.md)
+                    if entry.state != "loaded":
+                        request.advance(Phase.LOADING)
+                    lease = await state.lease(entry, request, keep_alive)
+                    try:
+                        # (a pinned model stays whatever the request asks)
+                        ttl = None if entry.spec.pinned else keep_alive
+                        await self._generate(request, lease.engine, body, spec, stored, ttl)
+                    finally:
+                        lease.release()
             finally:
                 state.remove_request(request)
                 if request.reservation is not None:

@@ -29,7 +29,6 @@ import uuid
 import msgspec
 import trio
 
-from .._core._errors import unwrap_group
 from .._core._exceptions import (
     DeadlineExceededError,
     HeadersTooLargeError,
@@ -63,7 +62,7 @@ from ._exchange import (
     headers_too_large,
 )
 from ._generation import _ID_RULE, valid_id
-from ._lifecycle import FINAL_EVENT_TIMEOUT, end_connection, send_last, watch_disconnect, watch_stall
+from ._lifecycle import FINAL_EVENT_TIMEOUT, end_connection, send_last, watched
 from ._request import InFlightRequest, Phase
 from ._speech_service import SpeechModel, SpeechService
 from ._state import ServerState
@@ -157,19 +156,10 @@ class SpeechHandler:
             request.advance(Phase.QUEUED)
             state.add_request(request)
             try:
-                with unwrap_group():
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(watch_disconnect, receive, request)
-                        stall_scope = trio.CancelScope(shield=True)
-                        stall = math.inf if state.stall_timeout is None else state.stall_timeout
-                        nursery.start_soon(watch_stall, request, stall, stall_scope)
-                        try:
-                            # 429 when the queue is full or the deadline cannot be met
-                            async with service.admission.slot():
-                                await self._speak(request, service, model, parsed, usage)
-                        finally:
-                            stall_scope.cancel()
-                        nursery.cancel_scope.cancel()  # the watcher: this request is done
+                stall = math.inf if state.stall_timeout is None else state.stall_timeout
+                # 429 when the queue is full or the deadline cannot be met
+                async with watched(request, receive, stall), service.admission.slot():
+                    await self._speak(request, service, model, parsed, usage)
             finally:
                 state.remove_request(request)
         if request.cancel_scope.cancelled_caught or request.cause is not None:

@@ -8,11 +8,12 @@ import json
 from collections.abc import Sequence
 
 from .._core._exceptions import OverloadedError, TrioserveError
-from .._core._types import EndCause, TokenLogprob, Usage
+from .._core._types import EndCause, Usage
 from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ThinkingPart, ToolMode
 from ._codec import encode_json
 from ._conversation import new_id
-from ._openai_writer import END_MESSAGES, ChoiceResult
+from ._openai_writer import ChoiceResult, trioserve_extension
+from ._parts_writer import PartsWriter
 from ._truncation import Dropped
 
 __all__ = ["AnthropicDialect", "anthropic_error"]
@@ -55,7 +56,7 @@ _STOP_BLOCK = b'event: content_block_stop\ndata: {"type":"content_block_stop","i
 _MESSAGE_STOP = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
 
 
-class AnthropicDialect:
+class AnthropicDialect(PartsWriter):
     """One Messages response: its events (one content block open at a time) or its
     ``Message`` body. One choice: the dialect is its own writer."""
 
@@ -150,11 +151,7 @@ class AnthropicDialect:
                 "cache_read_input_tokens": 0,
             },
         }
-        extension: dict[str, object] = {}
-        if self.request_id is not None:
-            extension["request_id"] = self.request_id
-        if self._dropped is not None:
-            extension["truncation"] = self._dropped.extension()
+        extension = trioserve_extension(self.request_id, truncation=self._dropped)
         if extension:
             message["trioserve"] = extension
         out = _event(b"message_start", {"type": "message_start", "message": message})
@@ -198,9 +195,6 @@ class AnthropicDialect:
     def _json_delta(self, fragment: str) -> bytes:
         return self._block_delta({"type": "input_json_delta", "partial_json": fragment})
 
-    def delta(self, text: str, logprobs: Sequence[TokenLogprob] | None) -> bytes:
-        return self._encode(self._reader.feed(text, logprobs))
-
     def _decide(self, cause: EndCause, message: str | None, stop_sequence: str | None, called: bool) -> None:
         self._cause, self._message = cause, message
         if cause == "stop":
@@ -213,10 +207,9 @@ class AnthropicDialect:
         else:  # length, or cut short by a deadline or shutdown: the text is not complete
             self._stop_reason = "max_tokens"
 
-    def finish(self, cause: EndCause, message: str | None = None, stop_sequence: str | None = None) -> bytes:
-        out = self._encode(self._reader.finish(cause))
+    def _close_choice(self, cause: EndCause, message: str | None, stop_sequence: str | None) -> bytes:
         self._decide(cause, message, stop_sequence, self._reader.called)
-        return out + self._close()
+        return self._close()
 
     def limit_max_tokens(self, limit: int) -> None:
         """The server's ``--max-tokens-limit`` bounds this response below what it asked
@@ -246,14 +239,9 @@ class AnthropicDialect:
         return body
 
     def _extension(self, body: dict[str, object]) -> dict[str, object]:
-        extension: dict[str, object] = {}
-        if self.request_id is not None:
-            extension["request_id"] = self.request_id
-        if self._dropped is not None:
-            extension["truncation"] = self._dropped.extension()
-        if self._cause not in ("stop", "length"):
-            extension["end_cause"] = self._cause
-            extension["message"] = self._message or END_MESSAGES.get(self._cause, "")
+        extension = trioserve_extension(
+            self.request_id, truncation=self._dropped, cause=self._cause, message=self._message
+        )
         if extension:
             body["trioserve"] = extension
         return body

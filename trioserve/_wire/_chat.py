@@ -52,9 +52,20 @@ class ChatFormat:
         *,
         tools: Sequence[Tool] | None = None,
         thinking: bool | None = None,
-    ) -> ChatPrompt:  # pragma: no cover
+    ) -> ChatPrompt:
         """``thinking``: ``False`` asks a reasoning template not to reason (its
-        ``enable_thinking``), ``None`` leaves the template's default."""
+        ``enable_thinking``), ``None`` leaves the template's default.
+
+        Raises:
+            InvalidRequestError: no message is the user's.
+        """
+        _check_roles(messages)
+        return self._render(messages, tools, thinking)
+
+    def _render(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Tool] | None, thinking: bool | None
+    ) -> ChatPrompt:  # pragma: no cover
+        """The prompt for messages that include a user's (each format its own)."""
         raise NotImplementedError
 
 
@@ -119,14 +130,9 @@ def _check_roles(messages: Sequence[ChatMessage]) -> None:
 class GemmaFormat(ChatFormat):
     name = "gemma"
 
-    def render(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        tools: Sequence[Tool] | None = None,
-        thinking: bool | None = None,
+    def _render(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Tool] | None, thinking: bool | None
     ) -> ChatPrompt:
-        _check_roles(messages)
         system = "\n\n".join(m.text() for m in messages if m.role in ("system", "developer"))
         if tools:
             system = f"{system}\n\n{tools_preamble(tools)}" if system else tools_preamble(tools)
@@ -163,14 +169,9 @@ class GemmaFormat(ChatFormat):
 class ChatMLFormat(ChatFormat):
     name = "chatml"
 
-    def render(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        tools: Sequence[Tool] | None = None,
-        thinking: bool | None = None,
+    def _render(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Tool] | None, thinking: bool | None
     ) -> ChatPrompt:
-        _check_roles(messages)
         parts = [f"<|im_start|>system\n{tools_preamble(tools)}<|im_end|>\n"] if tools else []
         for m in messages:
             text = m.text()
@@ -251,14 +252,9 @@ class JinjaFormat(ChatFormat):
         if "<think>" in template and "</think>" in template:
             self.reasoning = ("<think>", "</think>")
 
-    def render(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        tools: Sequence[Tool] | None = None,
-        thinking: bool | None = None,
+    def _render(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Tool] | None, thinking: bool | None
     ) -> ChatPrompt:
-        _check_roles(messages)
         extra: dict[str, object] = {}
         if tools:
             extra["tools"] = [

@@ -27,7 +27,7 @@ from ._codec import decode as _decode
 from ._codec import encode_json
 from ._limits import RequestLimits
 from ._openai import Priority
-from ._openai_writer import END_MESSAGES, ChoiceResult
+from ._openai_writer import ChoiceResult, trioserve_extension
 from ._refusals import Refusal, check_refused
 from ._sse import HEARTBEAT, encode_data
 
@@ -336,12 +336,7 @@ class InfillDialect:
         }
         if request.response_fields:
             body = _nested(request.response_fields, body)
-        extension: dict[str, object] = {}
-        if self.request_id is not None:
-            extension["request_id"] = self.request_id
-        if self.cause not in ("stop", "length"):
-            extension["end_cause"] = self.cause
-            extension["message"] = self.message or END_MESSAGES.get(self.cause, "")
+        extension = trioserve_extension(self.request_id, cause=self.cause, message=self.message)
         if extension and not request.response_fields:
             body["trioserve"] = extension
         elif "end_cause" in extension:

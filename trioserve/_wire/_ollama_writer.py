@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from typing import Literal
 
 from .._core._exceptions import OverloadedError, TrioserveError
-from .._core._types import EndCause, TokenLogprob, Usage
+from .._core._types import EndCause, Usage
 from ._choices import CallArguments, CallStart, ChoiceReader, Part, TextPart, ThinkingPart, ToolMode
 from ._codec import encode_json
-from ._openai_writer import END_MESSAGES, ChoiceResult
+from ._openai_writer import ChoiceResult, token_logprobs, trioserve_extension
+from ._parts_writer import PartsWriter
 from ._tools import new_call_id
 from ._truncation import Dropped
 
@@ -60,27 +61,6 @@ def rfc3339_now() -> str:
     return _CLOCK.now()
 
 
-def _token(piece: bytes) -> str:
-    return piece.decode("utf-8", errors="replace")
-
-
-def _logprobs(entries: Sequence[TokenLogprob]) -> list[dict[str, object]]:
-    """Ollama's ``logprobs``: per token, its text, log-probability, bytes and the most
-    likely alternatives."""
-    return [
-        {
-            "token": _token(entry.piece),
-            "logprob": entry.logprob,
-            "bytes": list(entry.piece),
-            "top_logprobs": [
-                {"token": _token(piece), "logprob": logprob, "bytes": list(piece)}
-                for piece, logprob in entry.top
-            ],
-        }
-        for entry in entries
-    ]
-
-
 def _done_reason(cause: EndCause) -> str:
     """``stop`` when the model ended the text, else ``length`` (the text was cut: by
     ``num_predict``, the context, a deadline, shutdown; the real cause goes in the
@@ -92,7 +72,7 @@ def _ns(seconds: float) -> int:
     return max(0, round(seconds * 1e9))
 
 
-class OllamaDialect:
+class OllamaDialect(PartsWriter):
     """One ``/api/chat`` (``kind="chat"``) or ``/api/generate`` (``"generate"``) answer.
     One choice: the dialect is its own writer."""
 
@@ -197,7 +177,7 @@ class OllamaDialect:
         for part in parts:
             if type(part) is TextPart:
                 if part.logprobs is not None and self._logprobs:
-                    out += self._line({"content": part.text, "logprobs": _logprobs(part.logprobs)})
+                    out += self._line({"content": part.text, "logprobs": token_logprobs(part.logprobs)})
                 else:
                     out += self.plain_delta(part.text)
             elif type(part) is ThinkingPart:
@@ -211,13 +191,9 @@ class OllamaDialect:
                     self._call[2].append(part.fragment)
         return out
 
-    def delta(self, text: str, logprobs: Sequence[TokenLogprob] | None) -> bytes:
-        return self._encode(self._reader.feed(text, logprobs))
-
-    def finish(self, cause: EndCause, message: str | None = None, stop_sequence: str | None = None) -> bytes:
-        out = self._encode(self._reader.finish(cause))
+    def _close_choice(self, cause: EndCause, message: str | None, stop_sequence: str | None) -> bytes:
         self._cause, self._message = cause, message
-        return out + self._flush_call()
+        return self._flush_call()
 
     def note_truncation(self, dropped: Dropped) -> None:
         """``truncation: "auto"`` dropped turns: the final line says so."""
@@ -237,16 +213,13 @@ class OllamaDialect:
             "eval_count": usage.completion_tokens,
             "eval_duration": _ns(usage.decode_seconds),
         }
-        extension: dict[str, object] = {}
-        if self.request_id is not None:
-            extension["request_id"] = self.request_id
-        if usage.cached_tokens:
-            extension["cached_tokens"] = usage.cached_tokens
-        if self._dropped is not None:
-            extension["truncation"] = self._dropped.extension()
-        if self._cause not in ("stop", "length"):
-            extension["end_cause"] = self._cause
-            extension["message"] = self._message or END_MESSAGES.get(self._cause, "")
+        extension = trioserve_extension(
+            self.request_id,
+            cached_tokens=usage.cached_tokens,
+            truncation=self._dropped,
+            cause=self._cause,
+            message=self._message,
+        )
         if extension:
             fields["trioserve"] = extension
         return fields
@@ -279,6 +252,6 @@ class OllamaDialect:
         if calls:
             fields["tool_calls"] = calls
         if self._logprobs and result.logprobs is not None:
-            fields["logprobs"] = _logprobs(result.logprobs)
+            fields["logprobs"] = token_logprobs(result.logprobs)
         fields.update(self._final(usage))
         return self._line(fields).rstrip(b"\n")

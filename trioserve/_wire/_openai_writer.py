@@ -15,6 +15,7 @@ import msgspec
 from .._core._types import EndCause, TokenLogprob, Usage
 from ._codec import encode_json
 from ._sse import DONE, encode_data
+from ._truncation import Dropped
 
 __all__ = [
     "END_MESSAGES",
@@ -23,6 +24,8 @@ __all__ = [
     "error_event",
     "non_stream_response",
     "openai_finish_reason",
+    "token_logprobs",
+    "trioserve_extension",
 ]
 
 
@@ -58,23 +61,26 @@ def _token_text(piece: bytes) -> str:
     return piece.decode("utf-8", errors="replace")
 
 
+def token_logprobs(entries: Sequence[TokenLogprob]) -> list[dict[str, object]]:
+    """Per token, its text, log-probability, bytes and the most likely alternatives:
+    OpenAI's chat ``logprobs.content``, and Ollama's ``logprobs`` (the same shape)."""
+    return [
+        {
+            "token": _token_text(entry.piece),
+            "logprob": entry.logprob,
+            "bytes": list(entry.piece),
+            "top_logprobs": [
+                {"token": _token_text(piece), "logprob": logprob, "bytes": list(piece)}
+                for piece, logprob in entry.top
+            ],
+        }
+        for entry in entries
+    ]
+
+
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, object]:
     """OpenAI's chat ``logprobs`` object for ``entries``."""
-    return {
-        "content": [
-            {
-                "token": _token_text(entry.piece),
-                "logprob": entry.logprob,
-                "bytes": list(entry.piece),
-                "top_logprobs": [
-                    {"token": _token_text(piece), "logprob": logprob, "bytes": list(piece)}
-                    for piece, logprob in entry.top
-                ],
-            }
-            for entry in entries
-        ],
-        "refusal": None,
-    }
+    return {"content": token_logprobs(entries), "refusal": None}
 
 
 def text_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, object]:
@@ -225,15 +231,9 @@ class ChunkEncoder:
             choice["text"] = ""
         else:
             choice["delta"] = {}
-        extension: dict[str, object] = {}
-        if self.request_id is not None:
-            extension["request_id"] = self.request_id
-        if self.truncation is not None:
-            extension["truncation"] = self.truncation
-        if cause not in ("stop", "length"):
-            # trioserve's own field: why the stream ended, in words a user can act on.
-            extension["end_cause"] = cause
-            extension["message"] = message or END_MESSAGES.get(cause, "")
+        extension = trioserve_extension(
+            self.request_id, truncation=self.truncation, cause=cause, message=message
+        )
         if not extension:
             return self._chunk([choice])
         return self._chunk([choice], trioserve=extension)
@@ -278,6 +278,31 @@ END_MESSAGES: dict[str, str] = {
     "is complete up to here",
     "error": "inference failed",
 }
+
+
+def trioserve_extension(
+    request_id: str | None,
+    *,
+    truncation: Dropped | dict[str, int] | None = None,
+    cause: str | None = None,
+    message: str | None = None,
+    cached_tokens: int = 0,
+) -> dict[str, object]:
+    """trioserve's own fields of a response (its ``trioserve`` object; empty: none to
+    send): the request's id, the tokens read from cache (where the dialect has no field
+    of its own), what truncation dropped, and, where it ended other than by a stop or its
+    length, why (``end_cause``) in words a user can act on (``message``)."""
+    extension: dict[str, object] = {}
+    if request_id is not None:
+        extension["request_id"] = request_id
+    if cached_tokens:
+        extension["cached_tokens"] = cached_tokens
+    if truncation is not None:
+        extension["truncation"] = truncation.extension() if isinstance(truncation, Dropped) else truncation
+    if cause is not None and cause not in ("stop", "length"):
+        extension["end_cause"] = cause
+        extension["message"] = message or END_MESSAGES.get(cause, "")
+    return extension
 
 
 class ChoiceResult(msgspec.Struct, kw_only=True):
@@ -350,11 +375,7 @@ def non_stream_response(
         "choices": out,
         "usage": _usage_dict(usage),
     }
-    extension: dict[str, object] = {}
-    if request_id is not None:
-        extension["request_id"] = request_id
-    if truncation is not None:
-        extension["truncation"] = truncation
+    extension = trioserve_extension(request_id, truncation=truncation)
     if extension:
         body["trioserve"] = extension
     return encode_json(body)

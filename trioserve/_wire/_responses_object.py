@@ -12,7 +12,7 @@ from .._core._exceptions import TrioserveError
 from .._core._types import EndCause, Usage
 from ._choices import ChoiceReader, ToolMode
 from ._conversation import new_id
-from ._openai_writer import END_MESSAGES, ChoiceResult
+from ._openai_writer import ChoiceResult, trioserve_extension
 from ._responses_request import ResponsesRequest, ToolChoiceFunction
 from ._truncation import Dropped
 
@@ -190,14 +190,12 @@ class ResponseObject:
             "truncation": self.truncation,
             "usage": _usage(usage) if usage is not None else None,
         }
-        extension: dict[str, object] = {}
-        if self.request_id is not None:
-            extension["request_id"] = self.request_id
-        if self._dropped is not None:
-            extension["truncation"] = self._dropped.extension()
-        if status not in ("in_progress", "queued") and self._cause not in ("stop", "length"):
-            extension["end_cause"] = self._cause
-            extension["message"] = self._message or END_MESSAGES.get(self._cause, "")
+        extension = trioserve_extension(
+            self.request_id,
+            truncation=self._dropped,
+            cause=None if status in ("in_progress", "queued") else self._cause,
+            message=self._message,
+        )
         if extension:
             body["trioserve"] = extension
         if status not in ("in_progress", "queued"):

@@ -10,17 +10,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._core._exceptions import TrioserveError
-from .._core._types import EndCause, TokenLogprob, Usage
+from .._core._types import EndCause, Usage
 from ._choices import CallArguments, CallStart, Part, TextPart, ThinkingPart
 from ._codec import encode_json
 from ._conversation import new_id
 from ._openai_writer import ChoiceResult
+from ._parts_writer import PartsWriter
 from ._responses_object import ResponseObject, _output_items
 
 __all__ = ["ResponsesDialect", "StoredTurn"]
 
 
-class ResponsesDialect(ResponseObject):
+class ResponsesDialect(ResponseObject, PartsWriter):
     """One Responses response: its events or its ``Response`` body. One choice: the
     dialect is its own writer."""
 
@@ -206,13 +207,9 @@ class ResponsesDialect(ResponseObject):
                 out += self._arguments(part.fragment)
         return out
 
-    def delta(self, text: str, logprobs: Sequence[TokenLogprob] | None) -> bytes:
-        return self._encode(self._reader.feed(text, logprobs))
-
-    def finish(self, cause: EndCause, message: str | None = None, stop_sequence: str | None = None) -> bytes:
-        out = self._encode(self._reader.finish(cause))
+    def _close_choice(self, cause: EndCause, message: str | None, stop_sequence: str | None) -> bytes:
         self._cause, self._message = cause, message
-        return out + self._close("completed" if cause == "stop" else "incomplete")
+        return self._close("completed" if cause == "stop" else "incomplete")
 
     def end(self, usage: Usage) -> bytes:
         status = "completed" if self._cause == "stop" else "incomplete"

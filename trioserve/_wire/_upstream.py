@@ -81,17 +81,11 @@ def completion_payload(
         payload["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias.items()}
     # the penalties and llama.cpp's extras: sent only when asked for (every peer
     # accepts OpenAI's two; llama-server and llama-cpp-python the others)
-    for name, value, default in (
-        ("frequency_penalty", sampling.frequency_penalty, 0.0),
-        ("presence_penalty", sampling.presence_penalty, 0.0),
-        ("top_k", sampling.top_k, 0),
-        ("min_p", sampling.min_p, 0.0),
-        ("repeat_penalty", sampling.repeat_penalty, 1.0),
-    ):
-        if value != default:
-            payload[name] = value
-    if sampling.repeat_penalty != 1.0 and sampling.repeat_last_n != 64:
-        payload["repeat_last_n"] = sampling.repeat_last_n
+    payload.update(_penalties(sampling))
+    if sampling.top_k != 0:
+        payload["top_k"] = sampling.top_k
+    if sampling.min_p != 0.0:
+        payload["min_p"] = sampling.min_p
     payload.update(extra_body)
     return payload
 
@@ -185,8 +179,9 @@ class CompletionEvent:
 _NOTHING = CompletionEvent()
 
 
-def completion_event(data: str) -> CompletionEvent:
-    """One SSE event's data (not ``[DONE]``) as a :class:`CompletionEvent`.
+def _event_object(data: str) -> dict[str, Any] | CompletionEvent:
+    """One SSE event's JSON object, or the event it is without one to read: nothing (not
+    an object) or an error.
 
     Raises:
         NotJSON: the data is not JSON.
@@ -200,6 +195,27 @@ def completion_event(data: str) -> CompletionEvent:
     error = chunk.get("error")
     if error is not None:
         return CompletionEvent(error=error_text(error))
+    return chunk
+
+
+def _extension_fields(extension: object) -> tuple[Any, str | None]:
+    """An upstream trioserve's ``trioserve`` object: its ``message`` and its
+    ``end_cause`` (``None``, ``None`` where there is none)."""
+    if not isinstance(extension, dict):
+        return None, None
+    cause = extension.get("end_cause")
+    return extension.get("message"), cause if isinstance(cause, str) else None
+
+
+def completion_event(data: str) -> CompletionEvent:
+    """One SSE event's data (not ``[DONE]``) as a :class:`CompletionEvent`.
+
+    Raises:
+        NotJSON: the data is not JSON.
+    """
+    chunk = _event_object(data)
+    if isinstance(chunk, CompletionEvent):
+        return chunk
     usage = None
     reported = chunk.get("usage")
     if isinstance(reported, dict):
@@ -208,14 +224,9 @@ def completion_event(data: str) -> CompletionEvent:
             usage = (prompt_tokens, completion_tokens)
     extension = chunk.get("trioserve")
     has_extension = isinstance(extension, dict)
-    message = None
-    cause = None
-    if isinstance(extension, dict):
-        message = extension.get("message")
-        # an upstream trioserve: finish_reason is OpenAI's ("length" for a stream it cut
-        # short); why it ended is here
-        if isinstance(extension.get("end_cause"), str):
-            cause = extension["end_cause"]
+    # an upstream trioserve: finish_reason is OpenAI's ("length" for a stream it cut
+    # short); why it ended is in its extension
+    message, cause = _extension_fields(extension)
     texts: list[str] = []
     finish_reason = None
     for choice in chunk.get("choices") or ():
@@ -249,26 +260,16 @@ def infill_event(data: str) -> CompletionEvent:
     Raises:
         NotJSON: the data is not JSON.
     """
-    try:
-        chunk = _decode_json(data)
-    except msgspec.DecodeError:
-        raise NotJSON(data) from None
-    if not isinstance(chunk, dict):
-        return _NOTHING
-    error = chunk.get("error")
-    if error is not None:
-        return CompletionEvent(error=error_text(error))
+    chunk = _event_object(data)
+    if isinstance(chunk, CompletionEvent):
+        return chunk
     if chunk.get("stop") is not True:
         content = chunk.get("content")
         return CompletionEvent(texts=(content,)) if isinstance(content, str) and content else _NOTHING
     # the final object: its content is not text to hand on (llama-server's is empty;
     # an upstream trioserve's repeats the whole text the deltas carried)
     extension = chunk.get("trioserve")
-    message = cause = None
-    if isinstance(extension, dict):
-        message = extension.get("message")
-        if isinstance(extension.get("end_cause"), str):
-            cause = extension["end_cause"]
+    message, cause = _extension_fields(extension)
     stop_type = chunk.get("stop_type")
     reason = cause or _STOP_TYPES.get(stop_type if isinstance(stop_type, str) else "", "stop")
     timings = chunk.get("timings")

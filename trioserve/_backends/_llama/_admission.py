@@ -56,10 +56,9 @@ class Admission:
         sequence.prefilled = sequence.pos = plan.reused
         sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = plan.reused
 
-    def _assign_resumed(self, sequence: Sequence) -> None:
-        """A paused sequence comes back: the least recently used free id (its cached
-        prefix saved to host memory first, as for a choice); its state is restored
-        there (:meth:`~._kv.KvCells.unpark`) and it goes on where it stopped."""
+    def _take_least_recent_id(self, sequence: Sequence) -> None:
+        """Give ``sequence`` the least recently used free id (the prefix cached there saved
+        to host memory first, where the policy says so)."""
         cells = self.inbox.cells
         plan = self.policy.place_follower(cells.free)
         with self.inbox.condition:
@@ -69,17 +68,16 @@ class Admission:
         if plan.save is not None:
             sequence.cache.save, sequence.cache.save_salt = plan.save, plan.save_salt
 
+    def _assign_resumed(self, sequence: Sequence) -> None:
+        """A paused sequence comes back: the least recently used free id (its cached
+        prefix saved to host memory first, as for a choice); its state is restored
+        there (:meth:`~._kv.KvCells.unpark`) and it goes on where it stopped."""
+        self._take_least_recent_id(sequence)
+
     def assign_follower(self, sequence: Sequence, leader: Sequence) -> None:
         """Give ``sequence`` (a later choice of ``leader``'s group) the least recently
         used free id; it gets a copy of the leader's cells once the prompt is evaluated."""
-        cells = self.inbox.cells
-        plan = self.policy.place_follower(cells.free)
-        with self.inbox.condition:
-            cells.take(plan.seq_id)
-            self.policy.take(plan.seq_id, sequence.asked.salt)
-            sequence.seq_id = plan.seq_id
-        if plan.save is not None:
-            sequence.cache.save, sequence.cache.save_salt = plan.save, plan.save_salt
+        self._take_least_recent_id(sequence)
         sequence.cache.cuts = (
             leader.cache.cuts
             if leader.cache.cuts

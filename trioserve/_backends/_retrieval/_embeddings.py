@@ -49,7 +49,7 @@ from ._turns import CpuTurns
 logger = logging.getLogger("trioserve.embeddings")
 
 
-__all__ = ["POOLINGS", "Embedder", "EmbeddingContext", "Pooling"]
+__all__ = ["POOLINGS", "Embedder", "EmbeddingContext", "OwnedContext", "Pooling"]
 
 #: "rank": a cross-encoder's score (the classifier head in the graph: docs/rerank.md)
 Pooling = Literal["mean", "cls", "last", "rank"]
@@ -86,7 +86,32 @@ PROBE_TEXTS = (
 )
 
 
-class EmbeddingContext:
+class OwnedContext:
+    """A llama context a retrieval model made and frees: its memory, a batch of
+    ``n_batch`` one-sequence rows, and the abort flag a cancel raises."""
+
+    lib: Any
+    n_batch: int
+
+    def _adopt(self, ctx: Any, abort_flag: ctypes.c_ubyte | None) -> None:
+        lib = self.lib
+        self.ctx = ctx
+        self.memory = lib.llama_get_memory(ctx)
+        self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        for i in range(self.n_batch):
+            self.batch.n_seq_id[i] = 1
+        # the callback object and its flag must outlive the context: keep references
+        # (the flag its Embedder raises on a cancel, the probe's calls included)
+        self.abort_flag = abort_flag if abort_flag is not None else ctypes.c_ubyte(0)
+        self._abort_callback, _ = make_abort_callback(lib)
+        lib.llama_set_abort_callback(ctx, self._abort_callback, ctypes.addressof(self.abort_flag))
+
+    def free(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+
+
+class EmbeddingContext(OwnedContext):
     """A llama context for pooled embeddings: room for ``n_batch`` tokens of up to
     :data:`MAX_SEQUENCES` inputs per call (one ubatch: a pooled vector needs its whole
     input in one evaluation).
@@ -143,16 +168,7 @@ class EmbeddingContext:
         ctx = self._create(model, native, MAX_SEQUENCES + 1)
         #: the token of padding rows (any: no input attends to them)
         self.pad_token = max(0, int(lib.llama_vocab_bos(model.vocab)))
-        self.ctx = ctx
-        self.memory = lib.llama_get_memory(ctx)
-        self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
-        for i in range(self.n_batch):
-            self.batch.n_seq_id[i] = 1
-        # the callback object and its flag must outlive the context: keep references
-        # (the flag its Embedder raises on a cancel, the probe's calls included)
-        self.abort_flag = abort_flag if abort_flag is not None else ctypes.c_ubyte(0)
-        self._abort_callback, _ = make_abort_callback(lib)
-        lib.llama_set_abort_callback(ctx, self._abort_callback, ctypes.addressof(self.abort_flag))
+        self._adopt(ctx, abort_flag)
         #: ``llama_decode`` calls made, and aborted, and inputs evaluated (tests and /health)
         self.calls = 0
         self.aborted_calls = 0
@@ -345,10 +361,6 @@ class EmbeddingContext:
             batch.logits[row] = 1
             position += 1
         return end, position
-
-    def free(self) -> None:
-        self.lib.llama_batch_free(self.batch)
-        self.lib.llama_free(self.ctx)
 
 
 class Embedder[C]:

@@ -20,8 +20,7 @@ import trio
 from ..._core._backend import Ranking
 from ..._core._channel import Aborted
 from ..._core._exceptions import BackendError, InvalidRequestError
-from .._aborting import make_abort_callback
-from ._embeddings import Embedder, EmbeddingContext
+from ._embeddings import Embedder, EmbeddingContext, OwnedContext
 from ._model_view import ModelView
 from ._rerank_layout import (
     DEFAULT_INSTRUCTION,
@@ -51,7 +50,7 @@ def reranker_kind(model: ModelView) -> RerankKind | None:
     return None
 
 
-class YesNoContext:
+class YesNoContext(OwnedContext):
     """A generative model's reranking context: sequence 0 holds the shared prefix, each
     document is evaluated after it in sequence 1 (the prefix's cells shared, not
     copied), its last row's logits read for "yes" and "no". One document per call: a
@@ -76,14 +75,7 @@ class YesNoContext:
             ctx = lib.llama_init_from_model(model.model, params)
         if not ctx:
             raise BackendError(f"llama.cpp could not create a reranking context of {self.n_batch} tokens")
-        self.ctx = ctx
-        self.memory = lib.llama_get_memory(ctx)
-        self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
-        for i in range(self.n_batch):
-            self.batch.n_seq_id[i] = 1
-        self.abort_flag = abort_flag if abort_flag is not None else ctypes.c_ubyte(0)
-        self._abort_callback, _ = make_abort_callback(lib)
-        lib.llama_set_abort_callback(ctx, self._abort_callback, ctypes.addressof(self.abort_flag))
+        self._adopt(ctx, abort_flag)
         #: the prefix sequence 0 holds (``None``: nothing valid)
         self._prefix: list[int] | None = None
         #: ``llama_decode`` calls, aborted calls, tokens evaluated, prefixes evaluated
@@ -146,10 +138,6 @@ class YesNoContext:
             lib.llama_memory_clear(memory, True)
             raise
         return scores, prefix_evaluated
-
-    def free(self) -> None:
-        self.lib.llama_batch_free(self.batch)
-        self.lib.llama_free(self.ctx)
 
 
 class Reranker:
