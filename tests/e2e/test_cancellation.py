@@ -39,6 +39,7 @@ import pytest
 import trio
 
 from trioserve import HTTPSettings, LlamaBackend, LlamaSettings
+from trioserve._http import FINAL_EVENT_TIMEOUT
 
 from .._helpers import H2Stream, RawStream, RunningServer, start_server, verifying, wait_for
 
@@ -458,6 +459,7 @@ async def _cancel_cell(
     victim = Victim(cause, phase, extra, dialect)
     if dialect == "ollama":  # (Ollama requires it)
         victim.body["model"] = server.engine.backend.info.id
+    sent_at = trio.current_time()
     await victim.send(server.url)
     try:
         # --- bring the victim into its phase
@@ -525,7 +527,14 @@ async def _cancel_cell(
         else:
             # blocked: a cancelled request whose send is stuck is cut after FINAL_EVENT_TIMEOUT,
             # not after the stall timeout
-            health = await server.wait_idle(limit=5.0 if phase == "blocked" else 3.0)
+            limit = 5.0 if phase == "blocked" else 3.0
+            if victim.cause == "deadline":
+                # its deadline counts from the send, not from here: a fast CPU pauses the
+                # blocked victim well before it (measured 1–3 s of its 6 s on one
+                # machine, under 1 s on another); then the stuck send's cut, then slack
+                ends_at = sent_at + float(victim.headers["X-Request-Timeout"]) + FINAL_EVENT_TIMEOUT
+                limit = max(limit, ends_at + 3.0 - trio.current_time())
+            health = await server.wait_idle(limit=limit)
             assert health["status"] == "ok"
         assert llama_backend.generations.running == 0
         assert server.engine.admission.in_use == 0
