@@ -50,6 +50,7 @@ from trioserve import (
 from trioserve._core._media import ImageBudget, image_marker
 from trioserve._http._fetch import FetchPolicy, parse_allow
 
+from .._greedy import Step, assert_same_greedy_text, steps
 from .._helpers import RawStream, RunningServer, ServerProcess, llama_server_command, start_server, wait_for
 from .._image_host import Host
 from .._vision_model import IMAGE_TOKENS, png_bytes, solid_png, tiny_gemma3_projector
@@ -142,41 +143,12 @@ async def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
         return await client.post(path, json=body)
 
 
-#: how far apart the two servers' log-probabilities of the same token may be (measured on
-#: an Intel Xeon with AVX-512: up to ~0.1 nat at the token where one image's texts part),
-#: and how close two candidates must be for a greedy choice between them to turn on that
-NEAR = 0.25
-
-
-async def chat_tokens(url: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """A chat's tokens as its ``logprobs.content`` lists them (each with its two best
-    candidates), and its usage."""
+async def chat_steps(url: str, body: dict[str, Any]) -> tuple[list[Step], dict[str, Any]]:
+    """A chat's tokens with their two best candidates each, and its usage."""
     response = await post(url, "/v1/chat/completions", body)
     assert response.status_code == 200, response.text
     answer = response.json()
-    return answer["choices"][0]["logprobs"]["content"], answer["usage"]
-
-
-def assert_equal_up_to_a_near_tie(
-    index: int, ours: list[dict[str, Any]], theirs: list[dict[str, Any]]
-) -> None:
-    mine = [entry["token"] for entry in ours]
-    other = [entry["token"] for entry in theirs]
-    at = next(
-        (i for i, (a, b) in enumerate(zip(mine, other, strict=False)) if a != b), min(len(mine), len(other))
-    )
-    for i in range(at):  # the shared tokens: each as likely in both servers
-        assert abs(ours[i]["logprob"] - theirs[i]["logprob"]) < NEAR, (index, i, ours[i], theirs[i])
-    if mine == other:
-        return
-    assert at < min(len(mine), len(other)), (index, "one text is the other's beginning", mine, other)
-    # where they part: both servers saw the same two candidates at the top, a near tie
-    # in each, and each took one of them
-    tops = [{alt["token"]: alt["logprob"] for alt in side[at]["top_logprobs"]} for side in (ours, theirs)]
-    assert set(tops[0]) == set(tops[1]) == {mine[at], other[at]}, (index, at, tops)
-    for top in tops:
-        first, second = sorted(top.values(), reverse=True)
-        assert first - second < NEAR, (index, at, tops)
+    return steps(answer["choices"][0]["logprobs"]), answer["usage"]
 
 
 async def chat(url: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -195,10 +167,9 @@ async def test_an_image_chat_equals_llama_servers(projector: Path, peer: str, vi
     candidates are 0.17 nat apart in trioserve, the two servers' log-probabilities there
     ~0.1 nat apart (where the two programs' numbers part is not found yet:
     docs/vision.md). So: every text equal to llama-server's, each shared token's
-    log-probability within ``NEAR`` of llama-server's, or the texts equal up to a token
-    where both servers saw the same two candidates at the top, within ``NEAR`` of each
-    other, and each took one of them. With the default text cut a greedy text may also part in a near tie; it
-    equals a fresh trioserve's, which the cache tests check."""
+    log-probability within 0.25 nat of llama-server's, or the texts equal up to a near
+    tie both servers saw (tests/_greedy.py). With the default text cut a greedy text may
+    also part in a near tie; it equals a fresh trioserve's, which the cache tests check."""
     aligned = LlamaBackend.load(
         LlamaSettings(
             default_model_path(),
@@ -215,12 +186,12 @@ async def test_an_image_chat_equals_llama_servers(projector: Path, peer: str, vi
         async with trio.open_nursery() as serving:
             running = await start_server(serving, aligned, http=HTTPSettings())
             for index, image in enumerate(IMAGES):
-                ours, usage = await chat_tokens(running.url, chat_body(image, **probes))
-                theirs, their_usage = await chat_tokens(
+                ours, usage = await chat_steps(running.url, chat_body(image, **probes))
+                theirs, their_usage = await chat_steps(
                     peer, {**chat_body(image, **probes), "cache_prompt": False}
                 )
                 assert usage["prompt_tokens"] == their_usage["prompt_tokens"]
-                assert_equal_up_to_a_near_tie(index, ours, theirs)
+                assert_same_greedy_text(index, ours, theirs)
             running.server.shutdown()
     finally:
         aligned.close()
