@@ -5,6 +5,7 @@ on a backend with the cache off."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import re
 import uuid
@@ -97,6 +98,39 @@ async def test_a_conversation_served_from_the_cache_equals_the_cache_off_text(
         limit = max((c for c in rule.cuts(now) if c < len(now)), default=0)
         assert cached[i] == shared_prefix(before[:kept], now, rule.cuts(now), min(kept, limit))
     assert cached[-1] >= 384
+
+
+async def test_a_conversation_past_where_deep_pieces_start_equals_the_cache_off_text(
+    llama_backend: LlamaBackend, uncached_backend: LlamaBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``deep_from`` (1,024 tokens) a piece ends only at a turn header or after
+    ``deep_chunk`` (512) tokens (docs/prompt-cache.md, "Deep pieces"): a conversation
+    that grows past it is cut so on a fresh server and from the cache alike, and every
+    answer is the cache-off answer."""
+    monkeypatch.setattr(llama_backend, "idle_recompute", False)
+    rule = llama_backend.piece_rule
+    assert (rule.deep_from, rule.deep_piece) == (1024, 512)
+    tag = uuid.uuid4().hex
+    sentence = "The harbour master counted the ships that came in from the north. "
+    prompt = f"[{tag}] "
+    cached: list[int] = []
+    async with _engine(llama_backend) as on, _engine(uncached_backend) as off:
+        for i in range(3):
+            prompt += _gemma_turn("user", f"Part {i}. " + sentence * 45) + "<start_of_turn>model\n"
+            text, usage = await _complete(on, prompt)
+            reference, _ = await _complete(off, prompt)
+            assert text == reference, f"turn {i}: the cached answer differs"
+            cached.append(usage.cached_tokens)
+            prompt += text + "<end_of_turn>\n"
+    tokens = llama_backend.tokenize(prompt)
+    cuts = rule.cuts(tokens)
+    assert len(tokens) > 1900
+    deep = [(a, b) for a, b in itertools.pairwise([0, *cuts]) if a >= 1024]
+    # the deep pieces: whole 512-token ones inside the long turn, header-ended ones else
+    assert any(b - a == 512 for a, b in deep)
+    assert all(b - a == 512 or rule.after_header(tokens, b) for a, b in deep)
+    # and each turn reused the whole of the turn before it (its prompt ends on a header)
+    assert cached[0] == 0 and cached[1] > 600 and cached[2] > 1200
 
 
 async def test_the_same_prompt_again_reevaluates_only_its_last_piece(llama_backend: LlamaBackend) -> None:

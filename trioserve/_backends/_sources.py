@@ -76,7 +76,13 @@ class LlamaSource:
         if not settings.prompt_cache or not settings.cache_ram_bytes:
             return None
         stamp = self._file_stamp()
-        rule = host_rule(settings.piece_rule, settings.prefill_chunk, fast=settings.cache_mode == "fast")
+        rule = host_rule(
+            settings.piece_rule,
+            settings.prefill_chunk,
+            fast=settings.cache_mode == "fast",
+            deep_from=settings.deep_from,
+            deep_piece=settings.deep_chunk,
+        )
         made = (rule, settings.kv_types)
         changed = self._host is not None and (self._host.rule, self._host.kv_types) != made
         if self._host is None or stamp != self._stamp or changed:

@@ -297,6 +297,20 @@ def _prompt_cache(serve: argparse.ArgumentParser) -> None:
         "(every --prefill-chunk tokens from the start) (default: text)",
     )
     group.add_argument(
+        "--deep-chunk",
+        type=int,
+        default=None,
+        help="a piece that starts --deep-from tokens or more into a prompt ends only at a "
+        "turn header or after this many tokens: long prompts in calls the CPU runs at full "
+        "rate (0: off; default: 512, at most --batch-size)",
+    )
+    group.add_argument(
+        "--deep-from",
+        type=int,
+        default=1024,
+        help="where in a prompt deep pieces start (default: 1024)",
+    )
+    group.add_argument(
         "--no-prompt-cache",
         action="store_true",
         help="clear every request's KV cells when it ends instead of keeping its prompt's "

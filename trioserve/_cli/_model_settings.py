@@ -58,6 +58,8 @@ def _settings(
         slots=slots,
         prefill_chunk=int(get("prefill_chunk", args.prefill_chunk)),
         piece_rule=get("piece_rule", args.piece_rule),
+        deep_chunk=None if (deep := get("deep_chunk", args.deep_chunk)) is None else int(deep),
+        deep_from=int(get("deep_from", args.deep_from)),
         prompt_cache=bool(get("prompt_cache", not args.no_prompt_cache)),
         cache_ram_bytes=int(get("cache_ram", args.cache_ram)) * 1024 * 1024,
         cache_dir=cache_dir(args.cache_dir),

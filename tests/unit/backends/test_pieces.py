@@ -84,9 +84,10 @@ def test_no_piece_is_longer_than_max_piece() -> None:
         assert cuts == sorted(set(cuts))
 
 
-def test_the_rule_is_causal_every_cut_of_a_prefix_is_a_cut_of_the_whole() -> None:
+@pytest.mark.parametrize("deep", [{}, {"deep_from": 30, "deep_piece": 40}])
+def test_the_rule_is_causal_every_cut_of_a_prefix_is_a_cut_of_the_whole(deep: dict[str, int]) -> None:
     rng = random.Random(7)
-    r = rule()
+    r = rule(**deep)
     for _ in range(200):
         tokens = [rng.choice([WORD] * 6 + [DOT, LF, SOT, EOT, USER, MODEL, SPACE, DOTLF]) for _ in range(120)]
         whole = r.cuts(tokens)
@@ -94,8 +95,9 @@ def test_the_rule_is_causal_every_cut_of_a_prefix_is_a_cut_of_the_whole() -> Non
             assert r.cuts(tokens[:n]) == [c for c in whole if c <= n]
 
 
-def test_a_conversation_turn_ends_on_a_cut_that_the_next_turn_shares() -> None:
-    r = rule(max_piece=64)
+@pytest.mark.parametrize("deep", [{}, {"deep_from": 4, "deep_piece": 64}])
+def test_a_conversation_turn_ends_on_a_cut_that_the_next_turn_shares(deep: dict[str, int]) -> None:
+    r = rule(max_piece=64, **deep)
     first = [0, *turn(USER, 20), SOT, MODEL, LF]
     reply = [WORD] * 7
     second = [*first, *reply, EOT, LF, *turn(USER, 12)[:-2], EOT, LF, SOT, MODEL, LF]
@@ -110,6 +112,33 @@ def test_a_conversation_turn_ends_on_a_cut_that_the_next_turn_shares() -> None:
     assert len(history) in r.cuts(second)  # that the next prompt shares
 
 
+def test_a_deep_piece_ends_only_at_a_turn_header_or_at_its_length() -> None:
+    r = rule(deep_from=32, deep_piece=40)
+    text = ([WORD] * 9 + [DOT] + [WORD] * 5 + [DOTLF]) * 10  # a sentence and a line every 16
+    cuts = r.cuts(text)
+    # shallow: the sentences and lines close pieces (10, then 16 each); from 32 on, 40 each
+    assert cuts == [10, 16, 26, 32, 72, 112, 152]
+    # a turn header still closes a deep piece of any length
+    prompt = [*text[:50], EOT, LF, SOT, USER, LF, *([WORD] * 45)]
+    assert r.cuts(prompt) == [10, 16, 26, 32, len(text[:50]) + 5, len(text[:50]) + 5 + 40]
+    # every piece past the shallow part is a deep one: never longer, and whole where no
+    # header closes it
+    edges = [0, *cuts]
+    assert all(b - a == 40 for a, b in itertools.pairwise(edges) if a >= 32)
+
+
+def test_the_aligned_rule_takes_deep_pieces_too() -> None:
+    aligned = PieceRule(None, max_piece=4, deep_from=8, deep_piece=16)
+    assert aligned.cuts(list(range(45))) == [4, 8, 24, 40]
+    # deep_from inside a piece: the piece that starts past it is the first deep one
+    assert PieceRule(None, max_piece=4, deep_from=6, deep_piece=16).cuts(list(range(30))) == [4, 8, 24]
+
+
+def test_no_deep_piece_is_shorter_than_the_longest_shallow_one() -> None:
+    with pytest.raises(ValueError, match="deep_piece"):
+        PieceRule(None, max_piece=16, deep_from=32, deep_piece=8)
+
+
 def test_there_is_no_guess_without_a_header_at_the_end() -> None:
     r = rule()
     assert r.continuation([WORD] * 10) == []
@@ -121,6 +150,10 @@ def test_the_host_rule_key_names_the_cut() -> None:
     assert host_rule("text", 128, fast=False) != host_rule("aligned", 128, fast=False)
     assert host_rule("text", 128, fast=False) != host_rule("text", 64, fast=False)
     assert host_rule("text", 128, fast=False) == PieceRule(lambda t: 0, max_piece=128).key
+    deep = host_rule("text", 128, fast=False, deep_from=1024, deep_piece=512)
+    assert deep != host_rule("text", 128, fast=False)
+    assert deep != host_rule("text", 128, fast=False, deep_from=2048, deep_piece=512)
+    assert deep != host_rule("text", 128, fast=False, deep_from=1024, deep_piece=256)
 
 
 @pytest.mark.parametrize("max_piece", [0, -1])

@@ -14,6 +14,14 @@ line of text or a sentence once the piece is long enough to be efficient, and ne
 lets a piece grow past ``max_piece`` tokens. A prompt with no structure at all is cut
 every ``max_piece`` tokens from its start: the absolute alignment of before, exactly.
 
+**Deep pieces** (issue 49, docs/prompt-cache.md "Deep pieces"): a piece that starts at
+``deep_from`` tokens or later ignores lines and sentences: it ends at a turn header or
+after exactly ``deep_piece`` tokens. A CPU's kernels compute rows in tiles (128 on the
+machines measured): a piece that ends at a sentence (~100 rows) pays for a whole tile,
+and past the first thousand tokens a prompt's cost is in its long text, not in where
+the next request may part from it. Still a function of the tokens alone (the piece's
+start is), so still causal.
+
 An image in a prompt (docs/vision.md) is a run of placeholder ids ≥ ``n_vocab``, the
 first of each image's at an even offset from ``n_vocab`` and the rest at odd ones
 (``_media/_layout.py``): an image is evaluated in one call, so the cut never falls inside
@@ -98,7 +106,9 @@ class PieceRule:
     ``aligned``: every ``max_piece`` tokens from position 0, whatever the text.
     ``min_line`` / ``min_sentence``: the shortest piece a line end / a sentence end
     closes (shorter pieces cost more per token: docs/prompt-cache.md); a turn header
-    closes a piece of any length. ``window``: the most tokens a header line holds."""
+    closes a piece of any length. ``window``: the most tokens a header line holds.
+    ``deep_from`` / ``deep_piece``: a piece that starts at ``deep_from`` or later is
+    closed only by a turn header or at ``deep_piece`` tokens (0: no deep pieces)."""
 
     def __init__(
         self,
@@ -109,9 +119,15 @@ class PieceRule:
         min_line: int = 96,
         min_sentence: int = 96,
         window: int = 8,
+        deep_from: int = 0,
+        deep_piece: int = 0,
     ) -> None:
         if max_piece < 1:
             raise ValueError(f"max_piece must be at least 1, got {max_piece}")
+        if deep_piece and (deep_piece < max_piece or deep_from < 0):
+            raise ValueError(f"deep_piece must be 0 or at least max_piece={max_piece}, got {deep_piece}")
+        self.deep_from = deep_from if deep_piece else 0
+        self.deep_piece = deep_piece
         self.max_piece = max_piece
         self.min_line = min_line
         self.min_sentence = min_sentence
@@ -123,6 +139,8 @@ class PieceRule:
         self.kind: Literal["text", "aligned"] = "aligned" if classify is None else "text"
         #: identifies the rule: a host tier of cached prefixes is valid only under it
         self.key = f"{self.kind}/{max_piece}/{min_line}/{min_sentence}/{window}"
+        if deep_piece:
+            self.key += f"/deep{self.deep_from}:{deep_piece}"
 
     # ------------------------------------------------------------------ classes
 
@@ -184,14 +202,25 @@ class PieceRule:
         cls = self.classes(tokens[start:end])
         return bool(cls[-1] & NL) and self._header_start(cls, len(cls) - 1, 0) >= 0
 
+    def deep(self, start: int) -> bool:
+        """Whether a piece that starts at ``start`` is a deep one."""
+        return bool(self.deep_piece) and start >= self.deep_from
+
+    def limit(self, start: int) -> int:
+        """The longest piece that starts at ``start``."""
+        return self.deep_piece if self.deep(start) else self.max_piece
+
     def _text_cuts(self, tokens: Sequence[int]) -> list[int]:
         n = len(tokens)
-        limit = self.max_piece
-        if self._table is None:
-            return list(range(limit, n + 1, limit))
-        cls = self.classes(tokens)
         out: list[int] = []
         b = 0
+        if self._table is None:
+            while n - b >= (limit := self.limit(b)):
+                b += limit
+                out.append(b)
+            return out
+        cls = self.classes(tokens)
+        limit = self.limit(0)
         for i, c in enumerate(cls):
             if not c & (NL | SENT):
                 continue
@@ -199,23 +228,29 @@ class PieceRule:
             while p - b > limit:
                 b += limit
                 out.append(b)
-            if p - b == limit or self._closes(cls, i, b, c):
+                limit = self.limit(b)
+            if p - b == limit or self._closes(cls, i, b, c, deep=self.deep(b)):
                 out.append(p)
                 b = p
+                limit = self.limit(b)
         while n - b >= limit:
             b += limit
             out.append(b)
+            limit = self.limit(b)
         return out
 
-    def _closes(self, cls: list[int], i: int, b: int, c: int) -> bool:
+    def _closes(self, cls: list[int], i: int, b: int, c: int, *, deep: bool) -> bool:
         """Whether token ``i`` (a line or sentence end) closes the piece that started at
-        ``b`` (the rule for cuts other than the length limit)."""
+        ``b`` (the rule for cuts other than the length limit; a deep piece: a turn header
+        only)."""
         if c & NL:
             if self._header_start(cls, i, b) >= 0:
                 return True
+            if deep:
+                return False
             # a line of text (not a control token's own line: ``<end_of_turn>\n``)
             return i + 1 - b >= self.min_line and i > 0 and not cls[i - 1] & (START | END)
-        return i + 1 - b >= self.min_sentence
+        return not deep and i + 1 - b >= self.min_sentence
 
     def _header_start(self, cls: list[int], i: int, b: int) -> int:
         """If the line that token ``i`` (a newline) ends is a turn header — a short line,
@@ -270,18 +305,33 @@ class PieceRule:
 
 
 def make_rule(
-    kind: Literal["text", "aligned"], max_piece: int, *, classify: Callable[[int], int], n_vocab: int
+    kind: Literal["text", "aligned"],
+    max_piece: int,
+    *,
+    classify: Callable[[int], int],
+    n_vocab: int,
+    deep_from: int = 0,
+    deep_piece: int = 0,
 ) -> PieceRule:
     """The rule a backend cuts prompts with (``LlamaSettings.piece_rule``)."""
-    return PieceRule(classify if kind == "text" else None, n_vocab=n_vocab, max_piece=max_piece)
+    return PieceRule(
+        classify if kind == "text" else None,
+        n_vocab=n_vocab,
+        max_piece=max_piece,
+        deep_from=deep_from,
+        deep_piece=deep_piece,
+    )
 
 
-def host_rule(kind: Literal["text", "aligned"], max_piece: int, *, fast: bool) -> str:
+def host_rule(
+    kind: Literal["text", "aligned"], max_piece: int, *, fast: bool, deep_from: int = 0, deep_piece: int = 0
+) -> str:
     """What a host tier made under these settings is indexed by (:attr:`PieceRule.key`,
     or ``"token"`` in fast mode), without loading the model."""
     if fast:
         return "token"
-    return PieceRule(None if kind == "aligned" else _no_class, max_piece=max_piece).key
+    classify = None if kind == "aligned" else _no_class
+    return PieceRule(classify, max_piece=max_piece, deep_from=deep_from, deep_piece=deep_piece).key
 
 
 def _no_class(token: int) -> int:  # pragma: no cover - never called (a key only)

@@ -62,7 +62,7 @@ class Scheduler:
         except BaseException:
             context.free(lib)
             raise
-        self.chunk = settings.prefill_chunk  # (the longest piece of the canonical cut)
+        self.chunk = settings.prefill_chunk  # (the longest piece of the cut's shallow part)
         self.cache_enabled = settings.prompt_cache and caps.partial_removal
         #: ``fast`` mode: keep and reuse every computed cell (the reply too, any matching
         #: length), as llama-server does — not exact (docs/prompt-cache.md)

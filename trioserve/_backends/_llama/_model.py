@@ -88,7 +88,12 @@ class LlamaModel:
         self._piece_lock = threading.Lock()
         #: where prompts are cut into prefill calls (docs/prompt-cache.md, "The cut")
         self.piece_rule = make_rule(
-            settings.piece_rule, settings.prefill_chunk, classify=self._classify_token, n_vocab=self.n_vocab
+            settings.piece_rule,
+            settings.prefill_chunk,
+            classify=self._classify_token,
+            n_vocab=self.n_vocab,
+            deep_from=settings.deep_from,
+            deep_piece=settings.deep_chunk,
         )
         train_ctx = lib.llama_model_n_ctx_train(model)
         if settings.n_ctx > train_ctx:

@@ -66,6 +66,10 @@ class LlamaSettings:
             at most ``prefill_chunk``: a conversation's turns end on cuts the next turn
             shares) or ``"aligned"`` (every ``prefill_chunk`` tokens from position 0);
             ``docs/prompt-cache.md``, "The cut".
+        deep_chunk / deep_from: a piece that starts ``deep_from`` tokens or more into
+            a prompt ends only at a turn header or after ``deep_chunk`` tokens (default:
+            ``min(512, n_batch)``; 0: no deep pieces): long prompts in calls the CPU's
+            kernels run at full rate (``docs/prompt-cache.md``, "Deep pieces").
         prompt_cache: keep the KV cells of finished prompts' whole pieces and reuse the
             longest cached prefix (``docs/prompt-cache.md``).
         cache_ram_bytes: host memory for cached prefixes evicted from KV cells (their
@@ -137,6 +141,8 @@ class LlamaSettings:
         slots: int = 8,
         prefill_chunk: int = 128,
         piece_rule: Literal["text", "aligned"] = "text",
+        deep_chunk: int | None = None,
+        deep_from: int = 1024,
         prompt_cache: bool = True,
         cache_ram_bytes: int = 1 << 30,
         cache_dir: str | Path | None = None,
@@ -165,6 +171,15 @@ class LlamaSettings:
             raise ValueError(f"slots ({slots}) may be at most n_batch ({n_batch}): raise the batch size")
         if not 1 <= prefill_chunk <= n_batch:
             raise ValueError(f"prefill_chunk must be in [1, n_batch={n_batch}], got {prefill_chunk}")
+        if deep_chunk is None:
+            deep_chunk = max(prefill_chunk, min(512, n_batch))
+        elif deep_chunk and not prefill_chunk <= deep_chunk <= n_batch:
+            raise ValueError(
+                f"deep_chunk must be 0 or in [prefill_chunk={prefill_chunk}, n_batch={n_batch}], "
+                f"got {deep_chunk}"
+            )
+        if deep_from < 0:
+            raise ValueError(f"deep_from must be at least 0, got {deep_from}")
         self.model_path = Path(model_path)
         self.batch_invariant = batch_invariant
         self.repack = repack
@@ -185,6 +200,8 @@ class LlamaSettings:
         self.n_batch = n_batch
         self.slots = slots
         self.prefill_chunk = prefill_chunk
+        self.deep_chunk = deep_chunk
+        self.deep_from = deep_from
         if piece_rule not in ("text", "aligned"):
             raise ValueError(f"piece_rule must be 'text' or 'aligned', got {piece_rule!r}")
         self.piece_rule: Literal["text", "aligned"] = piece_rule
