@@ -118,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         keys_file=args.keys_file,
         allow_empty_keys_reload=args.allow_empty_keys_reload,
         send_buffer_bytes=args.send_buffer_bytes,
+        backlog=args.backlog,
         detach=None
         if args.detach_max == 0
         else DetachSettings(

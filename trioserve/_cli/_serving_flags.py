@@ -146,6 +146,13 @@ def _flow(serve: argparse.ArgumentParser) -> None:
         default=16 * 1024,
         help="bytes a connection may queue in the kernel unsent (TCP_NOTSENT_LOWAT; default: 16384)",
     )
+    group.add_argument(
+        "--backlog",
+        type=int,
+        default=2048,
+        help="connections the kernel queues for accept (listen's backlog, capped by "
+        "net.core.somaxconn; default: 2048)",
+    )
     add_stream_interval_flag(group)
     group.add_argument(
         "--heartbeat-interval",

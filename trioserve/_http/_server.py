@@ -93,6 +93,10 @@ class ServerSettings:
         stall_timeout: a client that accepts no bytes for this long while the server
             has bytes for it is cut off (trioserve's stall timer resets the connection;
             the log says ``stall``); ``None``: never.
+        backlog: connections the kernel queues for ``accept`` (``listen``'s backlog;
+            the kernel caps it at ``net.core.somaxconn``). hypercorn's default, 100, made
+            the 101st of a burst of connections wait for the client's SYN retransmit:
+            a second (docs/benchmarks.md, "A second for the 101st connection").
         send_buffer_bytes: bound on bytes queued in the kernel, not yet sent, per
             connection (``TCP_NOTSENT_LOWAT``): past it, the server's send waits, the
             consumer waits, and so does inference.
@@ -119,6 +123,7 @@ class ServerSettings:
     shutdown_grace: float = 10.0
     stall_timeout: float | None = 30.0
     send_buffer_bytes: int = 16 * 1024
+    backlog: int = 2048
     api_keys: tuple[str, ...] = ()
     admin_keys: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
@@ -258,6 +263,7 @@ class Server:
         # hypercorn holds a closed-by-peer socket until its keep-alive timer ends;
         # keep it short (its default; httpx's pool expires idle connections at 5 s too)
         config.keep_alive_timeout = 5.0
+        config.backlog = self.settings.backlog
         # hypercorn bounds what it buffers of a head; the app checks complete heads
         config.h11_max_incomplete_size = self.settings.http.max_header_bytes
         config.h2_max_header_list_size = self.settings.http.max_header_bytes
