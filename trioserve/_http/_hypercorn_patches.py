@@ -1,9 +1,10 @@
-"""Two changes to hypercorn, applied when trioserve serves: the corrected resume rule
+"""Three changes to hypercorn, applied when trioserve serves: the corrected resume rule
 of its HTTP/2 ``StreamBuffer.pop`` (so a stream that a client does not read stays
-bounded at 32 KiB), and a registry of connection sockets that the stall timer shuts
-down (:func:`shut_down_connection`). The patch checks that the class still looks as
+bounded at 32 KiB), a registry of connection sockets that the stall timer shuts
+down (:func:`shut_down_connection`), and a send that writes at once when it can
+(:func:`patch_hypercorn_send`). Each patch checks that the class still looks as
 expected and leaves it alone otherwise. The bug and its measurement:
-``docs/operations.md``, "Flow control".
+``docs/operations.md``, "Flow control"; the send: docs/benchmarks.md, "The send path".
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ import socket
 import struct
 from typing import Any
 
-__all__ = ["patch_hypercorn_connection_registry", "patch_hypercorn_h2_backpressure", "shut_down_connection"]
+__all__ = [
+    "patch_hypercorn_connection_registry",
+    "patch_hypercorn_h2_backpressure",
+    "patch_hypercorn_send",
+    "shut_down_connection",
+]
 
 logger = logging.getLogger("trioserve.server")
 
@@ -93,6 +99,62 @@ def patch_hypercorn_connection_registry() -> bool:
 
     run._trioserve_registry = True  # type: ignore[attr-defined]
     server_class.run = run
+    return True
+
+
+def patch_hypercorn_send() -> bool:
+    """hypercorn's trio worker sends each event's bytes under a lock, in a shielded
+    scope, through ``SocketStream.send_all``: two trips through Trio's scheduler per
+    streamed event even when the kernel takes the bytes at once. This writes them at
+    once when the connection is plain TCP, no other send holds the lock and the kernel
+    takes them all (a non-blocking ``send``); anything else — a partial write, a full
+    socket (``TCP_NOTSENT_LOWAT``: the back-pressure), an error, TLS — goes the way it
+    went, under the lock. The bytes, their order and the errors are hypercorn's; the
+    caller still checkpoints (the consumer's next receive). Wraps
+    ``TCPServer.protocol_send`` and nothing else."""
+    try:
+        import trio
+        from hypercorn.events import Closed, RawData
+        from hypercorn.trio import tcp_server
+    except ImportError:  # pragma: no cover
+        return False
+    server_class: Any = getattr(tcp_server, "TCPServer", None)
+    if server_class is None or not hasattr(server_class, "protocol_send"):  # pragma: no cover
+        logger.warning("hypercorn's TCPServer changed; its send path is left as it is")
+        return False
+    if getattr(server_class.protocol_send, "_trioserve_fast", False):
+        return True
+    original = server_class.protocol_send
+
+    async def protocol_send(self: Any, event: Any) -> None:
+        stream = self.stream
+        lock = self.send_lock
+        if type(event) is RawData and type(stream) is trio.SocketStream and not lock.locked():
+            data = event.data
+            try:
+                sent = stream.socket._sock.send(data)  # type: ignore[attr-defined]
+            except OSError:  # (BlockingIOError: full; other errors: the usual path says them)
+                sent = 0
+            if sent == len(data):
+                return
+            if sent:
+                # the rest as hypercorn sends, under the lock (free: nothing ran since
+                # the check), taken without a cancel point: a cancel now would leave
+                # the event half written
+                lock.acquire_nowait()
+                try:
+                    try:
+                        with trio.CancelScope(shield=True):
+                            await stream.send_all(data[sent:])
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        await self.protocol.handle(Closed())
+                finally:
+                    lock.release()
+                return
+        await original(self, event)
+
+    protocol_send._trioserve_fast = True  # type: ignore[attr-defined]
+    server_class.protocol_send = protocol_send
     return True
 
 

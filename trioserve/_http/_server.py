@@ -31,7 +31,11 @@ from ._access import AccessPolicy
 from ._accounts import Account, Accounts, KeysFile, parse_keys_file
 from ._detach import DetachedStreams, DetachSettings, keys_refusal, open_detached_streams
 from ._generation import FINAL_EVENT_TIMEOUT
-from ._hypercorn_patches import patch_hypercorn_connection_registry, patch_hypercorn_h2_backpressure
+from ._hypercorn_patches import (
+    patch_hypercorn_connection_registry,
+    patch_hypercorn_h2_backpressure,
+    patch_hypercorn_send,
+)
 from ._routes import create_app
 from ._settings import HTTPSettings
 from ._speech_service import SpeechService, SpeechSource
@@ -288,6 +292,7 @@ class Server:
         async with trio.open_nursery() as nursery:
             patch_hypercorn_h2_backpressure()
             patch_hypercorn_connection_registry()
+            patch_hypercorn_send()
             config = self._hypercorn_config()
             sockets = config.create_sockets()
             for sock in sockets.insecure_sockets:
