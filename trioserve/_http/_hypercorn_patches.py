@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+from contextvars import ContextVar
 from typing import Any
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "patch_hypercorn_h2_backpressure",
     "patch_hypercorn_send",
     "shut_down_connection",
+    "streamed_body",
 ]
 
 logger = logging.getLogger("trioserve.server")
@@ -102,15 +104,24 @@ def patch_hypercorn_connection_registry() -> bool:
     return True
 
 
+#: set while an HTTP/1.x response's streamed body part (``more_body``) is sent
+#: (``_lifecycle.completing``): the only sends :func:`patch_hypercorn_send` writes at once
+streamed_body: ContextVar[bool] = ContextVar("trioserve_streamed_body", default=False)
+
+
 def patch_hypercorn_send() -> bool:
     """hypercorn's trio worker sends each event's bytes under a lock, in a shielded
     scope, through ``SocketStream.send_all``: two trips through Trio's scheduler per
-    streamed event even when the kernel takes the bytes at once. This writes them at
-    once when the connection is plain TCP, no other send holds the lock and the kernel
-    takes them all (a non-blocking ``send``); anything else — a partial write, a full
-    socket (``TCP_NOTSENT_LOWAT``: the back-pressure), an error, TLS — goes the way it
-    went, under the lock. The bytes, their order and the errors are hypercorn's; the
-    caller still checkpoints (the consumer's next receive). Wraps
+    streamed event even when the kernel takes the bytes at once. This writes a streamed
+    body part (:data:`streamed_body`: by then the request was read) at once when the
+    connection is plain TCP, no other send holds the lock and the kernel takes them all
+    (a non-blocking ``send``); anything else — a response's head or end, a partial
+    write, a full socket (``TCP_NOTSENT_LOWAT``: the back-pressure), an error, TLS,
+    HTTP/2 — goes the way it went, under the lock. (A head or an end written at once
+    could beat the reading of a request body still arriving — a 401 before the body — and
+    hypercorn would then close a connection the client is about to reuse: measured with
+    httpx, which then fails its next request.) The bytes, their order and the errors are
+    hypercorn's; the caller still checkpoints (the consumer's next receive). Wraps
     ``TCPServer.protocol_send`` and nothing else."""
     try:
         import trio
@@ -129,7 +140,12 @@ def patch_hypercorn_send() -> bool:
     async def protocol_send(self: Any, event: Any) -> None:
         stream = self.stream
         lock = self.send_lock
-        if type(event) is RawData and type(stream) is trio.SocketStream and not lock.locked():
+        if (
+            type(event) is RawData
+            and type(stream) is trio.SocketStream
+            and not lock.locked()
+            and streamed_body.get()
+        ):
             data = event.data
             try:
                 sent = stream.socket._sock.send(data)  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ import trio.testing
 from hypercorn.events import Closed, RawData
 from hypercorn.trio.tcp_server import TCPServer
 
-from trioserve._http._hypercorn_patches import patch_hypercorn_send
+from trioserve._http._hypercorn_patches import patch_hypercorn_send, streamed_body
 
 
 class _Protocol:
@@ -43,8 +43,12 @@ def _pair() -> tuple[trio.SocketStream, socket.socket]:
     return trio.SocketStream(trio.socket.from_stdlib_socket(ours)), theirs
 
 
-async def _send(connection: _Connection, data: bytes) -> None:
-    await TCPServer.protocol_send(connection, RawData(data=data))  # type: ignore[arg-type]
+async def _send(connection: _Connection, data: bytes, *, streamed: bool = True) -> None:
+    token = streamed_body.set(streamed)  # (as _lifecycle.completing sets it for a body part)
+    try:
+        await TCPServer.protocol_send(connection, RawData(data=data))  # type: ignore[arg-type]
+    finally:
+        streamed_body.reset(token)
 
 
 async def _read(theirs: socket.socket, n: int) -> bytes:
@@ -86,14 +90,37 @@ async def test_bytes_the_kernel_takes_are_written_at_once_without_the_lock() -> 
     await stream.aclose()
 
 
+async def test_a_head_or_an_end_goes_hypercorns_way_under_the_lock() -> None:
+    # (written at once, a 401 could beat the reading of the request's body, and hypercorn
+    # would close a connection the client is about to reuse)
+    stream, theirs = _pair()
+    connection = _Connection(stream)
+    taken: list[bool] = []
+    acquire = connection.send_lock.acquire
+
+    async def watched() -> None:
+        taken.append(True)
+        await acquire()
+
+    connection.send_lock.acquire = watched  # type: ignore[method-assign]
+    await _send(connection, b"HTTP/1.1 401 Unauthorized\r\n\r\n", streamed=False)
+    assert theirs.recv(100) == b"HTTP/1.1 401 Unauthorized\r\n\r\n"
+    assert taken == [True]
+    theirs.close()
+    await stream.aclose()
+
+
 async def test_a_full_socket_waits_for_the_reader_and_every_byte_arrives_in_order() -> None:
     stream, theirs = _pair()
     connection = _Connection(stream)
     filler = b"f" * 1024
     sent_before = 0
-    with pytest.raises(BlockingIOError):
-        while True:  # fill the kernel's buffers: the next send cannot go at once
-            sent_before += stream.socket._sock.send(filler)  # type: ignore[attr-defined]
+    raw = stream.socket._sock  # type: ignore[attr-defined]
+    while True:  # fill the kernel's buffers: the next send cannot go at once
+        try:
+            sent_before += raw.send(filler)
+        except BlockingIOError:
+            break
     payload = bytes(range(256)) * 64  # 16 KiB, more than the buffers hold
     done = trio.Event()
 
