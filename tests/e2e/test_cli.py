@@ -122,6 +122,7 @@ def test_mmproj_flags_that_cannot_work_exit_2(
         (["--deep-chunk", "64"], "deep_chunk must be 0 or in [prefill_chunk=128, n_batch=512], got 64"),
         (["--deep-chunk", "1024"], "deep_chunk must be 0 or in [prefill_chunk=128, n_batch=512], got 1024"),
         (["--deep-from", "-1"], "deep_from must be at least 0, got -1"),
+        (["--backlog", "0"], "--backlog must be at least 1, got 0"),
     ],
 )
 def test_flags_that_cannot_work_exit_2_with_the_reason(

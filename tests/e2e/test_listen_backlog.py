@@ -43,9 +43,11 @@ async def test_the_listening_socket_queues_the_backlog_asked_for(backlog: int | 
 
 
 async def test_a_burst_of_400_connections_is_accepted_without_a_syn_retransmit() -> None:
-    # 400 connections opened at once: each is established by the kernel's handshake;
-    # past the backlog the kernel drops the SYN and the client sends it again a second
-    # later. Every one established well under that second.
+    # 400 connections opened at once (fewer where the kernel caps every backlog lower:
+    # net.core.somaxconn, 4096 since Linux 5.4): each is established by the kernel's
+    # handshake; past the backlog the kernel drops the SYN and the client sends it again a
+    # second later. Every one established well under that second.
+    burst = min(400, _somaxconn() - 8)
     async with trio.open_nursery() as nursery:
         server = await start_server(nursery, ScriptedBackend(), close_backend=True)
         port = int(server.url.rsplit(":", 1)[1])
@@ -57,11 +59,11 @@ async def test_a_burst_of_400_connections_is_accepted_without_a_syn_retransmit()
             streams.append(await trio.open_tcp_stream("127.0.0.1", port))
             times.append(trio.current_time() - start)
 
-        async with trio.open_nursery() as burst:
-            for _ in range(400):
-                burst.start_soon(connect)
+        async with trio.open_nursery() as nursery_burst:
+            for _ in range(burst):
+                nursery_burst.start_soon(connect)
         for stream in streams:
             await stream.aclose()
-        assert len(times) == 400
+        assert len(times) == burst
         assert max(times) < 0.9, sorted(times)[-5:]
         server.server.shutdown()

@@ -93,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise RuntimeError(f"--max-blob-bytes must be at least 1, got {args.max_blob_bytes}")
         if args.pause_ram < 0:
             raise RuntimeError(f"--pause-ram must be 0 or more MiB, got {args.pause_ram}")
+        if args.backlog < 1:
+            raise RuntimeError(f"--backlog must be at least 1, got {args.backlog}")
         if not args.responses_max_mb_per_key > 0:
             raise RuntimeError(
                 f"--responses-max-mb-per-key must be more than 0 MiB, got {args.responses_max_mb_per_key}"

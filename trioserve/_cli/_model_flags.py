@@ -294,7 +294,7 @@ def _prompt_cache(serve: argparse.ArgumentParser) -> None:
         default="text",
         help="where prompts are cut into llama_decode calls: text (after turn headers, lines "
         "and sentences: a conversation's next turn reuses all of the last prompt) or aligned "
-        "(every --prefill-chunk tokens from the start) (default: text)",
+        "(every --prefill-chunk tokens from the start; every --deep-chunk past --deep-from) (default: text)",
     )
     group.add_argument(
         "--deep-chunk",
@@ -302,7 +302,7 @@ def _prompt_cache(serve: argparse.ArgumentParser) -> None:
         default=None,
         help="a piece that starts --deep-from tokens or more into a prompt ends only at a "
         "turn header or after this many tokens: long prompts in calls the CPU runs at full "
-        "rate (0: off; default: 512, at most --batch-size)",
+        "rate (0: off; default: min(512, --batch-size), at least --prefill-chunk)",
     )
     group.add_argument(
         "--deep-from",

@@ -104,8 +104,10 @@ def patch_hypercorn_connection_registry() -> bool:
     return True
 
 
-#: set while an HTTP/1.x response's streamed body part (``more_body``) is sent
-#: (``_lifecycle.completing``): the only sends :func:`patch_hypercorn_send` writes at once
+#: set while a streamed body part (``more_body``) of trioserve's own writers is sent
+#: (``Exchange.body``: generation, follow, speech, heartbeats — each after its request
+#: was read): the only sends :func:`patch_hypercorn_send` writes at once (quart's routes
+#: send their one-shot bodies as ``more_body`` too, before reading a body they refuse)
 streamed_body: ContextVar[bool] = ContextVar("trioserve_streamed_body", default=False)
 
 
@@ -113,7 +115,8 @@ def patch_hypercorn_send() -> bool:
     """hypercorn's trio worker sends each event's bytes under a lock, in a shielded
     scope, through ``SocketStream.send_all``: two trips through Trio's scheduler per
     streamed event even when the kernel takes the bytes at once. This writes a streamed
-    body part (:data:`streamed_body`: by then the request was read) at once when the
+    body part of trioserve's writers (:data:`streamed_body`: by then the request was
+    read) at once when the
     connection is plain TCP, no other send holds the lock and the kernel takes them all
     (a non-blocking ``send``); anything else — a response's head or end, a partial
     write, a full socket (``TCP_NOTSENT_LOWAT``: the back-pressure), an error, TLS,
@@ -147,8 +150,9 @@ def patch_hypercorn_send() -> bool:
             and streamed_body.get()
         ):
             data = event.data
+            raw = getattr(stream.socket, "_sock", None)  # (trio's stdlib socket; if it goes: off)
             try:
-                sent = stream.socket._sock.send(data)  # type: ignore[attr-defined]
+                sent = raw.send(data) if raw is not None else 0
             except OSError:  # (BlockingIOError: full; other errors: the usual path says them)
                 sent = 0
             if sent == len(data):

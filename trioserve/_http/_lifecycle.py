@@ -12,7 +12,7 @@ import trio
 
 from .._core._errors import unwrap_group
 from ._exchange import Exchange, Message, Receive, Scope, Send
-from ._hypercorn_patches import shut_down_connection, streamed_body
+from ._hypercorn_patches import shut_down_connection
 from ._request import InFlightRequest
 
 __all__ = [
@@ -194,11 +194,7 @@ def completing(send: Send) -> Send:
 
     async def shielded(message: Message) -> None:
         if message.get("more_body", False):
-            streaming = streamed_body.set(True)  # (hypercorn may write it at once)
-            try:
-                await send(message)
-            finally:
-                streamed_body.reset(streaming)
+            await send(message)
             return
         with trio.CancelScope(shield=True):
             await send(message)

@@ -14,6 +14,7 @@ import trio.testing
 from hypercorn.events import Closed, RawData
 from hypercorn.trio.tcp_server import TCPServer
 
+from trioserve._http._exchange import Exchange
 from trioserve._http._hypercorn_patches import patch_hypercorn_send, streamed_body
 
 
@@ -168,3 +169,24 @@ async def test_another_kind_of_stream_goes_hypercorns_way() -> None:
     connection = _Connection(ours)
     await _send(connection, b"data: tls-like\n\n")
     assert await theirs.receive_some() == b"data: tls-like\n\n"
+
+
+async def test_only_a_writers_streamed_body_part_is_marked_for_the_fast_path() -> None:
+    seen: list[tuple[str, bool, bool]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        seen.append((message["type"], bool(message.get("more_body")), streamed_body.get()))
+
+    exchange = Exchange(send, "id")  # type: ignore[arg-type]
+    await exchange.start(200, [])
+    await exchange.body(b"data: 1\n\n")
+    await exchange.body(b"", more=False)
+    await exchange.json(401, b"{}")
+    assert seen == [
+        ("http.response.start", False, False),
+        ("http.response.body", True, True),  # a streamed part: hypercorn may write it at once
+        ("http.response.body", False, False),  # the end: hypercorn's way
+        ("http.response.start", False, False),
+        ("http.response.body", False, False),
+    ]
+    assert not streamed_body.get()

@@ -12,7 +12,8 @@ token that is not an end of generation: ``<start_of_turn>model\\n``,
 ``<|im_start|>assistant\\n``, ``<|start_header_id|>user<|end_header_id|>\\n\\n``), after a
 line of text or a sentence once the piece is long enough to be efficient, and never
 lets a piece grow past ``max_piece`` tokens. A prompt with no structure at all is cut
-every ``max_piece`` tokens from its start: the absolute alignment of before, exactly.
+every ``max_piece`` tokens from its start (deep pieces aside): the absolute alignment of
+before, exactly.
 
 **Deep pieces** (issue 49, docs/prompt-cache.md "Deep pieces"): a piece that starts at
 ``deep_from`` tokens or later ignores lines and sentences: it ends at a turn header or
@@ -103,7 +104,8 @@ class PieceRule:
     """The canonical cut of token sequences into prefill calls.
 
     ``classify(token) -> bits`` gives a token's class; ``None`` makes the rule
-    ``aligned``: every ``max_piece`` tokens from position 0, whatever the text.
+    ``aligned``: every ``max_piece`` tokens from position 0, whatever the text (every
+    ``deep_piece`` from the first cut at or past ``deep_from``).
     ``min_line`` / ``min_sentence``: the shortest piece a line end / a sentence end
     closes (shorter pieces cost more per token: docs/prompt-cache.md); a turn header
     closes a piece of any length. ``window``: the most tokens a header line holds.
@@ -124,8 +126,10 @@ class PieceRule:
     ) -> None:
         if max_piece < 1:
             raise ValueError(f"max_piece must be at least 1, got {max_piece}")
-        if deep_piece and (deep_piece < max_piece or deep_from < 0):
+        if deep_piece and deep_piece < max_piece:
             raise ValueError(f"deep_piece must be 0 or at least max_piece={max_piece}, got {deep_piece}")
+        if deep_from < 0:
+            raise ValueError(f"deep_from must be at least 0, got {deep_from}")
         self.deep_from = deep_from if deep_piece else 0
         self.deep_piece = deep_piece
         self.max_piece = max_piece

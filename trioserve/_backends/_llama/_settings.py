@@ -64,11 +64,12 @@ class LlamaSettings:
             load, so cached pieces are exact.
         piece_rule: ``"text"`` (cut after turn headers, lines and sentences, pieces of
             at most ``prefill_chunk``: a conversation's turns end on cuts the next turn
-            shares) or ``"aligned"`` (every ``prefill_chunk`` tokens from position 0);
+            shares) or ``"aligned"`` (every ``prefill_chunk`` tokens from position 0,
+            every ``deep_chunk`` past ``deep_from``);
             ``docs/prompt-cache.md``, "The cut".
         deep_chunk / deep_from: a piece that starts ``deep_from`` tokens or more into
             a prompt ends only at a turn header or after ``deep_chunk`` tokens (default:
-            ``min(512, n_batch)``; 0: no deep pieces): long prompts in calls the CPU's
+            ``max(prefill_chunk, min(512, n_batch))``; 0: no deep pieces): long prompts in calls the CPU's
             kernels run at full rate (``docs/prompt-cache.md``, "Deep pieces").
         prompt_cache: keep the KV cells of finished prompts' whole pieces and reuse the
             longest cached prefix (``docs/prompt-cache.md``).
