@@ -12,8 +12,11 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
+
+import trio
 
 __all__ = [
     "patch_hypercorn_connection_registry",
@@ -62,46 +65,56 @@ def patch_hypercorn_h2_backpressure() -> bool:
 _CONNECTIONS: dict[tuple[object, object], socket.socket] = {}
 
 
+def _wrap_tcp_server(name: str, wrap: Callable[[Any], Any], changed: str) -> bool:
+    """Replace hypercorn's ``TCPServer.<name>`` with ``wrap(original)``, once; if the
+    class no longer has it, leave it alone and log ``changed``."""
+    try:
+        from hypercorn.trio import tcp_server
+    except ImportError:  # pragma: no cover
+        return False
+    server_class: Any = getattr(tcp_server, "TCPServer", None)
+    if server_class is None or not hasattr(server_class, name):  # pragma: no cover
+        logger.warning("hypercorn's TCPServer changed; %s", changed)
+        return False
+    original = getattr(server_class, name)
+    if getattr(original, "_trioserve_patched", False):
+        return True
+    wrapped = wrap(original)
+    wrapped._trioserve_patched = True
+    setattr(server_class, name, wrapped)
+    return True
+
+
 def patch_hypercorn_connection_registry() -> bool:
     """Record each connection's socket while hypercorn serves it, so that the
     application can end a connection whose client stopped reading (the ASGI ``send``
     of hypercorn's trio worker is shielded: no cancel can interrupt it; shutting the
     socket down can). Wraps ``TCPServer.run`` and nothing else."""
-    try:
-        from hypercorn.trio import tcp_server
-        from hypercorn.utils import parse_socket_addr
-    except ImportError:  # pragma: no cover
-        return False
-    server_class: Any = getattr(tcp_server, "TCPServer", None)
-    if server_class is None or not hasattr(server_class, "run"):  # pragma: no cover
-        logger.warning("hypercorn's TCPServer changed; stalled connections are left to the kernel")
-        return False
-    if getattr(server_class.run, "_trioserve_registry", False):
-        return True
-    original = server_class.run
+    from hypercorn.utils import parse_socket_addr
 
-    async def run(self: Any) -> None:
-        key = None
-        stream = getattr(self.stream, "transport_stream", self.stream)  # under TLS
-        sock = getattr(stream, "socket", None)
-        if sock is not None:
+    def wrap(original: Any) -> Any:
+        async def run(self: Any) -> None:
+            key = None
+            stream = getattr(self.stream, "transport_stream", self.stream)  # under TLS
+            sock = getattr(stream, "socket", None)
+            if sock is not None:
+                try:
+                    key = (
+                        parse_socket_addr(sock.family, sock.getpeername()),
+                        parse_socket_addr(sock.family, sock.getsockname()),
+                    )
+                    _CONNECTIONS[key] = sock
+                except OSError:  # already gone
+                    key = None
             try:
-                key = (
-                    parse_socket_addr(sock.family, sock.getpeername()),
-                    parse_socket_addr(sock.family, sock.getsockname()),
-                )
-                _CONNECTIONS[key] = sock
-            except OSError:  # already gone
-                key = None
-        try:
-            await original(self)
-        finally:
-            if key is not None:
-                _CONNECTIONS.pop(key, None)
+                await original(self)
+            finally:
+                if key is not None:
+                    _CONNECTIONS.pop(key, None)
 
-    run._trioserve_registry = True  # type: ignore[attr-defined]
-    server_class.run = run
-    return True
+        return run
+
+    return _wrap_tcp_server("run", wrap, "stalled connections are left to the kernel")
 
 
 #: set while a streamed body part (``more_body``) of trioserve's own writers is sent
@@ -116,9 +129,8 @@ def patch_hypercorn_send() -> bool:
     scope, through ``SocketStream.send_all``: two trips through Trio's scheduler per
     streamed event even when the kernel takes the bytes at once. This writes a streamed
     body part of trioserve's writers (:data:`streamed_body`: by then the request was
-    read) at once when the
-    connection is plain TCP, no other send holds the lock and the kernel takes them all
-    (a non-blocking ``send``); anything else — a response's head or end, a partial
+    read) at once when the connection is plain TCP, no other send holds the lock and the
+    kernel takes it all (a non-blocking ``send``); anything else — a response's head or end, a partial
     write, a full socket (``TCP_NOTSENT_LOWAT``: the back-pressure), an error, TLS,
     HTTP/2 — goes the way it went, under the lock. (A head or an end written at once
     could beat the reading of a request body still arriving — a 401 before the body — and
@@ -126,56 +138,45 @@ def patch_hypercorn_send() -> bool:
     httpx, which then fails its next request.) The bytes, their order and the errors are
     hypercorn's; the caller still checkpoints (the consumer's next receive). Wraps
     ``TCPServer.protocol_send`` and nothing else."""
-    try:
-        import trio
-        from hypercorn.events import Closed, RawData
-        from hypercorn.trio import tcp_server
-    except ImportError:  # pragma: no cover
-        return False
-    server_class: Any = getattr(tcp_server, "TCPServer", None)
-    if server_class is None or not hasattr(server_class, "protocol_send"):  # pragma: no cover
-        logger.warning("hypercorn's TCPServer changed; its send path is left as it is")
-        return False
-    if getattr(server_class.protocol_send, "_trioserve_fast", False):
-        return True
-    original = server_class.protocol_send
+    from hypercorn.events import Closed, RawData
 
-    async def protocol_send(self: Any, event: Any) -> None:
-        stream = self.stream
-        lock = self.send_lock
-        if (
-            type(event) is RawData
-            and type(stream) is trio.SocketStream
-            and not lock.locked()
-            and streamed_body.get()
-        ):
-            data = event.data
-            raw = getattr(stream.socket, "_sock", None)  # (trio's stdlib socket; if it goes: off)
-            try:
-                sent = raw.send(data) if raw is not None else 0
-            except OSError:  # (BlockingIOError: full; other errors: the usual path says them)
-                sent = 0
-            if sent == len(data):
-                return
-            if sent:
-                # the rest as hypercorn sends, under the lock (free: nothing ran since
-                # the check), taken without a cancel point: a cancel now would leave
-                # the event half written
-                lock.acquire_nowait()
+    def wrap(original: Any) -> Any:
+        async def protocol_send(self: Any, event: Any) -> None:
+            stream = self.stream
+            lock = self.send_lock
+            if (
+                type(event) is RawData
+                and type(stream) is trio.SocketStream
+                and not lock.locked()
+                and streamed_body.get()
+            ):
+                data = event.data
+                raw = getattr(stream.socket, "_sock", None)  # (trio's stdlib socket; if it goes: off)
                 try:
+                    sent = raw.send(data) if raw is not None else 0
+                except OSError:  # (BlockingIOError: full; other errors: the usual path says them)
+                    sent = 0
+                if sent == len(data):
+                    return
+                if sent:
+                    # the rest as hypercorn sends, under the lock (free: nothing ran since
+                    # the check), taken without a cancel point: a cancel now would leave
+                    # the event half written
+                    lock.acquire_nowait()
                     try:
-                        with trio.CancelScope(shield=True):
-                            await stream.send_all(data[sent:])
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        await self.protocol.handle(Closed())
-                finally:
-                    lock.release()
-                return
-        await original(self, event)
+                        try:
+                            with trio.CancelScope(shield=True):
+                                await stream.send_all(data[sent:])
+                        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                            await self.protocol.handle(Closed())
+                    finally:
+                        lock.release()
+                    return
+            await original(self, event)
 
-    protocol_send._trioserve_fast = True  # type: ignore[attr-defined]
-    server_class.protocol_send = protocol_send
-    return True
+        return protocol_send
+
+    return _wrap_tcp_server("protocol_send", wrap, "its send path is left as it is")
 
 
 def shut_down_connection(client: object, server: object) -> bool:

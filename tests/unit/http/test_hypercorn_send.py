@@ -63,7 +63,7 @@ async def _read(theirs: socket.socket, n: int) -> bytes:
 @pytest.fixture(autouse=True)
 def _patched() -> None:
     assert patch_hypercorn_send()
-    assert getattr(TCPServer.protocol_send, "_trioserve_fast", False)
+    assert getattr(TCPServer.protocol_send, "_trioserve_patched", False)
 
 
 async def test_bytes_the_kernel_takes_are_written_at_once_without_the_lock() -> None:
