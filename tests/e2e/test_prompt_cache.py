@@ -124,7 +124,7 @@ async def test_a_conversation_past_where_deep_pieces_start_equals_the_cache_off_
             prompt += text + "<end_of_turn>\n"
     tokens = llama_backend.tokenize(prompt)
     cuts = rule.cuts(tokens)
-    assert len(tokens) > 1900
+    assert len(tokens) > 1800  # (the three turns' own text: the replies add what they drew)
     deep = [(a, b) for a, b in itertools.pairwise([0, *cuts]) if a >= 1024]
     # the deep pieces: whole 512-token ones inside the long turn, header-ended ones else
     assert any(b - a == 512 for a, b in deep)
