@@ -1,8 +1,9 @@
-"""Three changes to hypercorn, applied when trioserve serves: the corrected resume rule
+"""Four changes to hypercorn, applied when trioserve serves: the corrected resume rule
 of its HTTP/2 ``StreamBuffer.pop`` (so a stream that a client does not read stays
 bounded at 32 KiB), a registry of connection sockets that the stall timer shuts
-down (:func:`shut_down_connection`), and a send that writes at once when it can
-(:func:`patch_hypercorn_send`). Each patch checks that the class still looks as
+down (:func:`shut_down_connection`), a send that writes at once when it can
+(:func:`patch_hypercorn_send`), and a streamed chunk written from the ASGI send straight
+to the socket (:func:`patch_hypercorn_chunks`). Each patch checks that the class still looks as
 expected and leaves it alone otherwise. The bug and its measurement:
 ``docs/operations.md``, "Flow control"; the send: docs/benchmarks.md, "The send path".
 """
@@ -19,11 +20,13 @@ from typing import Any
 import trio
 
 __all__ = [
+    "patch_hypercorn_chunks",
     "patch_hypercorn_connection_registry",
     "patch_hypercorn_h2_backpressure",
     "patch_hypercorn_send",
     "shut_down_connection",
     "streamed_body",
+    "write_chunk",
 ]
 
 logger = logging.getLogger("trioserve.server")
@@ -119,7 +122,8 @@ def patch_hypercorn_connection_registry() -> bool:
 
 #: set while a streamed body part (``more_body``) of trioserve's own writers is sent
 #: (``Exchange.body``: generation, follow, speech, heartbeats — each after its request
-#: was read): the only sends :func:`patch_hypercorn_send` writes at once (quart's routes
+#: was read): the only sends :func:`patch_hypercorn_send` and
+#: :func:`patch_hypercorn_chunks` write at once (quart's routes
 #: send their one-shot bodies as ``more_body`` too, before reading a body they refuse)
 streamed_body: ContextVar[bool] = ContextVar("trioserve_streamed_body", default=False)
 
@@ -138,45 +142,134 @@ def patch_hypercorn_send() -> bool:
     httpx, which then fails its next request.) The bytes, their order and the errors are
     hypercorn's; the caller still checkpoints (the consumer's next receive). Wraps
     ``TCPServer.protocol_send`` and nothing else."""
-    from hypercorn.events import Closed, RawData
+    from hypercorn.events import RawData
 
     def wrap(original: Any) -> Any:
         async def protocol_send(self: Any, event: Any) -> None:
-            stream = self.stream
-            lock = self.send_lock
-            if (
-                type(event) is RawData
-                and type(stream) is trio.SocketStream
-                and not lock.locked()
-                and streamed_body.get()
-            ):
+            if type(event) is RawData and not self.send_lock.locked() and streamed_body.get():
                 data = event.data
-                raw = getattr(stream.socket, "_sock", None)  # (trio's stdlib socket; if it goes: off)
-                try:
-                    sent = raw.send(data) if raw is not None else 0
-                except OSError:  # (BlockingIOError: full; other errors: the usual path says them)
-                    sent = 0
+                sent = write_now(self, data)
                 if sent == len(data):
                     return
                 if sent:
-                    # the rest as hypercorn sends, under the lock (free: nothing ran since
-                    # the check), taken without a cancel point: a cancel now would leave
-                    # the event half written
-                    lock.acquire_nowait()
-                    try:
-                        try:
-                            with trio.CancelScope(shield=True):
-                                await stream.send_all(data[sent:])
-                        except (trio.BrokenResourceError, trio.ClosedResourceError):
-                            await self.protocol.handle(Closed())
-                    finally:
-                        lock.release()
+                    await send_rest(self, data[sent:])
                     return
             await original(self, event)
 
         return protocol_send
 
     return _wrap_tcp_server("protocol_send", wrap, "its send path is left as it is")
+
+
+def write_now(server: Any, data: bytes) -> int:
+    """Write ``data`` to ``server``'s (hypercorn's ``TCPServer``) plain TCP socket with
+    one non-blocking ``send``: how many bytes the kernel took (0: full, an error, or
+    not plain TCP — the caller goes hypercorn's way, which says errors as it does)."""
+    stream = server.stream
+    raw = getattr(stream.socket, "_sock", None) if type(stream) is trio.SocketStream else None
+    if raw is None:  # (trio's stdlib socket; if it goes: off)
+        return 0
+    try:
+        return int(raw.send(data))
+    except OSError:  # (BlockingIOError: full; other errors: the usual path says them)
+        return 0
+
+
+async def send_rest(server: Any, rest: bytes) -> None:
+    """The rest of a partly written event, as hypercorn sends, under its send lock —
+    free: the caller checked it and nothing ran since — taken without a cancel point (a
+    cancel now would leave the event half written), shielded."""
+    from hypercorn.events import Closed
+
+    lock = server.send_lock
+    lock.acquire_nowait()
+    try:
+        try:
+            with trio.CancelScope(shield=True):
+                await server.stream.send_all(rest)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await server.protocol.handle(Closed())
+    finally:
+        lock.release()
+
+
+def write_chunk(http: Any, data: bytes) -> tuple[Any, bytes] | None:
+    """Write ``data`` as one HTTP/1.1 chunk of ``http``'s (hypercorn's ``HTTPStream``)
+    response straight to its socket, if it can go now: ``None`` if not (nothing
+    written), else the connection (hypercorn's ``TCPServer``) and what the kernel did not
+    take of the framed chunk (``b""``: all of it), which the caller sends next
+    (:func:`send_rest`). It can when the stream is HTTP/1.1
+    over plain TCP, its response is under way and chunked (h11's chunked writer: an
+    HTTP/1.0 client's body, a ``content-length`` one, a HEAD's, go h11's way), no other
+    send holds the connection's lock, and the kernel takes bytes at once. h11's state
+    does not change for a chunk (its chunked writer keeps none), so skipping it leaves
+    hypercorn and h11 where their own path would."""
+    protocol: Any = getattr(http.send, "__self__", None)
+    if type(protocol) is not _H11[0] or not data or http.closed or http.state is not _H11[1]:
+        return None
+    connection = protocol.connection
+    server: Any = getattr(protocol.send, "__self__", None)
+    if (
+        connection.our_state is not _H11[2]
+        or type(getattr(connection, "_writer", None)) is not _H11[3]
+        or type(server) is not _H11[4]
+        or server.send_lock.locked()
+    ):
+        return None
+    framed = b"%x\r\n%b\r\n" % (len(data), data)
+    sent = write_now(server, framed)
+    return (server, framed[sent:]) if sent else None
+
+
+#: what :func:`write_chunk` compares with: hypercorn's ``H11Protocol``, the state of a
+#: stream whose response started, h11's ``SEND_BODY`` and chunked writer, ``TCPServer``
+_H11: list[Any] = []
+
+
+def patch_hypercorn_chunks() -> bool:
+    """A streamed body part of trioserve's writers (:data:`streamed_body`) goes from
+    hypercorn's ``HTTPStream.app_send`` straight to the socket as a chunk
+    (:func:`write_chunk`), past ``H11Protocol.stream_send`` → h11 → ``TCPServer.protocol_send``
+    — a fifth of the event loop's time per event (docs/benchmarks.md, "The send path");
+    whatever cannot go at once goes their way. The ASGI wrappers above ``app_send`` (a
+    shield, CORS headers, a test's validator) still see every message. Wraps
+    ``HTTPStream.app_send`` and nothing else; off if hypercorn's or h11's classes no longer
+    look as expected."""
+    try:
+        import h11
+        from h11._writers import ChunkedWriter
+        from hypercorn.protocol.h11 import H11Protocol
+        from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
+        from hypercorn.trio.tcp_server import TCPServer
+    except ImportError:  # pragma: no cover
+        logger.warning("hypercorn's or h11's classes changed; streamed chunks go their way")
+        return False
+    original = getattr(HTTPStream, "app_send", None)
+    if original is None:  # pragma: no cover
+        logger.warning("hypercorn's HTTPStream changed; streamed chunks go its way")
+        return False
+    if getattr(original, "_trioserve_patched", False):
+        return True
+    _H11[:] = [H11Protocol, ASGIHTTPState.RESPONSE, h11.SEND_BODY, ChunkedWriter, TCPServer]
+
+    async def app_send(self: Any, message: Any) -> None:
+        if (
+            message is not None
+            and message["type"] == "http.response.body"
+            and message.get("more_body", False)
+            and streamed_body.get()
+        ):
+            written = write_chunk(self, message.get("body", b""))
+            if written is not None:
+                server, rest = written
+                if rest:
+                    await send_rest(server, rest)
+                return
+        await original(self, message)
+
+    app_send._trioserve_patched = True  # type: ignore[attr-defined]
+    setattr(HTTPStream, "app_send", app_send)  # noqa: B010  (a method replaced)
+    return True
 
 
 def shut_down_connection(client: object, server: object) -> bool:

@@ -32,6 +32,7 @@ from ._accounts import Account, Accounts, KeysFile, parse_keys_file
 from ._detach import DetachedStreams, DetachSettings, keys_refusal, open_detached_streams
 from ._generation import FINAL_EVENT_TIMEOUT
 from ._hypercorn_patches import (
+    patch_hypercorn_chunks,
     patch_hypercorn_connection_registry,
     patch_hypercorn_h2_backpressure,
     patch_hypercorn_send,
@@ -293,6 +294,7 @@ class Server:
             patch_hypercorn_h2_backpressure()
             patch_hypercorn_connection_registry()
             patch_hypercorn_send()
+            patch_hypercorn_chunks()
             config = self._hypercorn_config()
             sockets = config.create_sockets()
             for sock in sockets.insecure_sockets:
