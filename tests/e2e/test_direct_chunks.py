@@ -63,18 +63,24 @@ async def test_a_streams_events_go_straight_to_the_socket_as_chunks_clients_read
     assert all(r is not None for _, r in written)
 
 
-async def test_through_the_cors_wrapper_too(nursery: trio.Nursery, written: list[tuple[int, bytes | None]]) -> None:
+async def test_through_the_cors_wrapper_too(
+    nursery: trio.Nursery, written: list[tuple[int, bytes | None]]
+) -> None:
     server = await _server(nursery, cors_origins=("https://app.example",))
     async with (
         httpx.AsyncClient(base_url=server.url, timeout=30) as client,
         client.stream(
-            "POST", "/v1/chat/completions", json={**CHAT, "stream": True}, headers={"Origin": "https://app.example"}
+            "POST",
+            "/v1/chat/completions",
+            json={**CHAT, "stream": True},
+            headers={"Origin": "https://app.example"},
         ) as response,
     ):
         assert response.headers["access-control-allow-origin"] == "https://app.example"
         body = b"".join([part async for part in response.aiter_bytes()])
     assert body.endswith(b"data: [DONE]\n\n")
-    assert written and all(r == b"" for _, r in written)
+    assert written
+    assert all(r == b"" for _, r in written)
 
 
 async def test_an_http_1_0_client_gets_hypercorns_way_and_the_same_text(
@@ -103,4 +109,5 @@ async def test_an_http_1_0_client_gets_hypercorns_way_and_the_same_text(
         if line.startswith(b"data: {")
     ]
     assert "".join(deltas) == TEXT
-    assert written and all(r is None for _, r in written)  # asked, and declined: nothing written
+    assert written
+    assert all(r is None for _, r in written)  # asked, and declined: nothing written

@@ -19,7 +19,6 @@ from .._core._exceptions import (
 )
 from .._wire import decode
 from ._errors import JSON_HEADERS, ErrorRenderer, render_error
-from ._hypercorn_patches import streamed_body
 from ._settings import HTTPSettings
 
 __all__ = ["BodyTimeoutError", "Exchange", "Message", "Receive", "Scope", "Send"]
@@ -96,14 +95,10 @@ class Exchange:
                 self.unsent = data
             raise
         self.sending_since = time.perf_counter()
-        # a streamed part (the request was read before the response started): hypercorn
-        # may write it at once (``_hypercorn_patches.patch_hypercorn_send``)
-        streaming = streamed_body.set(more)
         try:
             await self.send({"type": "http.response.body", "body": data, "more_body": more})
         finally:
             self.sending_since = None
-            streamed_body.reset(streaming)
         self.last_sent = time.perf_counter()
         if not more:
             self.ended = True

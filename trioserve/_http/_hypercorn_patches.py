@@ -14,9 +14,9 @@ import logging
 import socket
 import struct
 from collections.abc import Callable
-from contextvars import ContextVar
 from typing import Any
 
+import h11
 import trio
 
 __all__ = [
@@ -24,8 +24,8 @@ __all__ = [
     "patch_hypercorn_connection_registry",
     "patch_hypercorn_h2_backpressure",
     "patch_hypercorn_send",
+    "request_read",
     "shut_down_connection",
-    "streamed_body",
     "write_chunk",
 ]
 
@@ -120,33 +120,38 @@ def patch_hypercorn_connection_registry() -> bool:
     return _wrap_tcp_server("run", wrap, "stalled connections are left to the kernel")
 
 
-#: set while a streamed body part (``more_body``) of trioserve's own writers is sent
-#: (``Exchange.body``: generation, follow, speech, heartbeats — each after its request
-#: was read): the only sends :func:`patch_hypercorn_send` and
-#: :func:`patch_hypercorn_chunks` write at once (quart's routes
-#: send their one-shot bodies as ``more_body`` too, before reading a body they refuse)
-streamed_body: ContextVar[bool] = ContextVar("trioserve_streamed_body", default=False)
+def request_read(server: Any) -> bool:
+    """Whether the request on ``server``'s connection (hypercorn's ``TCPServer``) was
+    read in full (h11's client side ``DONE`` or after it): from then on a send written at once
+    cannot beat the reading of a request body still arriving. (A 401 written at once
+    before the body was read made hypercorn close a connection its client was about to
+    reuse: measured with httpx, which then failed its next request.) ``False`` for
+    anything but HTTP/1.x."""
+    connection = getattr(getattr(server.protocol, "protocol", None), "connection", None)
+    return type(connection) is h11.Connection and connection.their_state in _READ
+
+
+#: h11's client-side states once its request was read in full (``MUST_CLOSE``: with
+#: ``Connection: close``; ``CLOSED``: the client then shut its side)
+_READ = frozenset((h11.DONE, h11.MUST_CLOSE, h11.CLOSED))
 
 
 def patch_hypercorn_send() -> bool:
     """hypercorn's trio worker sends each event's bytes under a lock, in a shielded
     scope, through ``SocketStream.send_all``: two trips through Trio's scheduler per
-    streamed event even when the kernel takes the bytes at once. This writes a streamed
-    body part of trioserve's writers (:data:`streamed_body`: by then the request was
-    read) at once when the connection is plain TCP, no other send holds the lock and the
-    kernel takes it all (a non-blocking ``send``); anything else — a response's head or end, a partial
-    write, a full socket (``TCP_NOTSENT_LOWAT``: the back-pressure), an error, TLS,
-    HTTP/2 — goes the way it went, under the lock. (A head or an end written at once
-    could beat the reading of a request body still arriving — a 401 before the body — and
-    hypercorn would then close a connection the client is about to reuse: measured with
-    httpx, which then fails its next request.) The bytes, their order and the errors are
-    hypercorn's; the caller still checkpoints (the consumer's next receive). Wraps
-    ``TCPServer.protocol_send`` and nothing else."""
+    event even when the kernel takes the bytes at once. This writes them at once when
+    the request was read in full (:func:`request_read`), the connection is plain TCP, no
+    other send holds the lock and the kernel takes it all (a non-blocking ``send``); a
+    partial write sends the rest under the lock (:func:`send_rest`); anything else — a
+    request still arriving, a full socket (``TCP_NOTSENT_LOWAT``: the back-pressure), an
+    error, TLS, HTTP/2 — goes the way it went, under the lock. The bytes, their order and
+    the errors are hypercorn's; the caller still checkpoints (the consumer's next
+    receive). Wraps ``TCPServer.protocol_send`` and nothing else."""
     from hypercorn.events import RawData
 
     def wrap(original: Any) -> Any:
         async def protocol_send(self: Any, event: Any) -> None:
-            if type(event) is RawData and not self.send_lock.locked() and streamed_body.get():
+            if type(event) is RawData and not self.send_lock.locked() and request_read(self):
                 data = event.data
                 sent = write_now(self, data)
                 if sent == len(data):
@@ -199,20 +204,22 @@ def write_chunk(http: Any, data: bytes) -> tuple[Any, bytes] | None:
     written), else the connection (hypercorn's ``TCPServer``) and what the kernel did not
     take of the framed chunk (``b""``: all of it), which the caller sends next
     (:func:`send_rest`). It can when the stream is HTTP/1.1
-    over plain TCP, its response is under way and chunked (h11's chunked writer: an
+    over plain TCP, its request was read in full (:func:`request_read`), its response
+    is under way and chunked (h11's chunked writer: an
     HTTP/1.0 client's body, a ``content-length`` one, a HEAD's, go h11's way), no other
     send holds the connection's lock, and the kernel takes bytes at once. h11's state
     does not change for a chunk (its chunked writer keeps none), so skipping it leaves
     hypercorn and h11 where their own path would."""
     protocol: Any = getattr(http.send, "__self__", None)
-    if type(protocol) is not _H11[0] or not data or http.closed or http.state is not _H11[1]:
+    if type(protocol) is not _Kinds.protocol or not data or http.closed or http.state is not _Kinds.response:
         return None
     connection = protocol.connection
     server: Any = getattr(protocol.send, "__self__", None)
     if (
-        connection.our_state is not _H11[2]
-        or type(getattr(connection, "_writer", None)) is not _H11[3]
-        or type(server) is not _H11[4]
+        connection.our_state is not h11.SEND_BODY
+        or connection.their_state not in _READ
+        or type(getattr(connection, "_writer", None)) is not _Kinds.chunked
+        or type(server) is not _Kinds.server
         or server.send_lock.locked()
     ):
         return None
@@ -221,14 +228,18 @@ def write_chunk(http: Any, data: bytes) -> tuple[Any, bytes] | None:
     return (server, framed[sent:]) if sent else None
 
 
-#: what :func:`write_chunk` compares with: hypercorn's ``H11Protocol``, the state of a
-#: stream whose response started, h11's ``SEND_BODY`` and chunked writer, ``TCPServer``
-_H11: list[Any] = []
+class _Kinds:
+    """What :func:`write_chunk` compares with, set by :func:`patch_hypercorn_chunks`."""
+
+    protocol: Any = None  # hypercorn's H11Protocol
+    response: Any = None  # the state of an HTTPStream whose response started
+    chunked: Any = None  # h11's chunked body writer
+    server: Any = None  # hypercorn's trio TCPServer
 
 
 def patch_hypercorn_chunks() -> bool:
-    """A streamed body part of trioserve's writers (:data:`streamed_body`) goes from
-    hypercorn's ``HTTPStream.app_send`` straight to the socket as a chunk
+    """A streamed body part (``more_body``) goes from hypercorn's ``HTTPStream.app_send``
+    straight to the socket as a chunk
     (:func:`write_chunk`), past ``H11Protocol.stream_send`` → h11 → ``TCPServer.protocol_send``
     — a fifth of the event loop's time per event (docs/benchmarks.md, "The send path");
     whatever cannot go at once goes their way. The ASGI wrappers above ``app_send`` (a
@@ -236,7 +247,6 @@ def patch_hypercorn_chunks() -> bool:
     ``HTTPStream.app_send`` and nothing else; off if hypercorn's or h11's classes no longer
     look as expected."""
     try:
-        import h11
         from h11._writers import ChunkedWriter
         from hypercorn.protocol.h11 import H11Protocol
         from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
@@ -250,14 +260,14 @@ def patch_hypercorn_chunks() -> bool:
         return False
     if getattr(original, "_trioserve_patched", False):
         return True
-    _H11[:] = [H11Protocol, ASGIHTTPState.RESPONSE, h11.SEND_BODY, ChunkedWriter, TCPServer]
+    _Kinds.protocol, _Kinds.response = H11Protocol, ASGIHTTPState.RESPONSE
+    _Kinds.chunked, _Kinds.server = ChunkedWriter, TCPServer
 
     async def app_send(self: Any, message: Any) -> None:
         if (
             message is not None
             and message["type"] == "http.response.body"
             and message.get("more_body", False)
-            and streamed_body.get()
         ):
             written = write_chunk(self, message.get("body", b""))
             if written is not None:

@@ -1,26 +1,47 @@
-"""hypercorn's send, patched (``_hypercorn_patches.patch_hypercorn_send``): bytes the
-kernel takes at once are written at once; a partial write, a full socket (the
-back-pressure), a closed peer and any stream but plain TCP go hypercorn's way — the
-bytes whole and in order, the errors what hypercorn makes of them."""
+"""hypercorn's send, patched (``_hypercorn_patches.patch_hypercorn_send``): once the
+request was read in full, bytes the kernel takes at once are written at once; a partial
+write, a full socket (the back-pressure), a closed peer, a request still arriving and
+any stream but plain TCP go hypercorn's way — the bytes whole and in order, the errors
+what hypercorn makes of them."""
 
 from __future__ import annotations
 
 import socket
+import types
 from typing import Any
 
+import h11
 import pytest
 import trio
 import trio.testing
 from hypercorn.events import Closed, RawData
 from hypercorn.trio.tcp_server import TCPServer
 
-from trioserve._http._exchange import Exchange
-from trioserve._http._hypercorn_patches import patch_hypercorn_send, streamed_body
+from trioserve._http._hypercorn_patches import patch_hypercorn_send, request_read
+
+
+def _h11(*, read: bool, close: bool = False) -> h11.Connection:
+    """A server's h11 connection that has read a whole request (``read``; ``close``:
+    one that said ``Connection: close``) or only the head of one whose body is still
+    arriving."""
+    connection = h11.Connection(h11.SERVER)
+    if read:
+        said = b"Connection: close\r\n" if close else b""
+        connection.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n" + said + b"\r\n")
+    else:
+        connection.receive_data(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
+    while connection.next_event() not in (h11.NEED_DATA, h11.PAUSED):
+        pass
+    return connection
 
 
 class _Protocol:
-    def __init__(self) -> None:
+    """hypercorn's ``ProtocolWrapper``: what it is told, and its HTTP/1.1 protocol's h11
+    connection."""
+
+    def __init__(self, *, read: bool = True, close: bool = False) -> None:
         self.events: list[object] = []
+        self.protocol = types.SimpleNamespace(connection=_h11(read=read, close=close))
 
     async def handle(self, event: object) -> None:
         self.events.append(event)
@@ -30,10 +51,10 @@ class _Connection:
     """What ``TCPServer.protocol_send`` reads of its connection: the stream, the lock,
     the protocol."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, *, read: bool = True, close: bool = False) -> None:
         self.stream = stream
         self.send_lock = trio.Lock()
-        self.protocol = _Protocol()
+        self.protocol = _Protocol(read=read, close=close)
 
 
 def _pair() -> tuple[trio.SocketStream, socket.socket]:
@@ -44,12 +65,8 @@ def _pair() -> tuple[trio.SocketStream, socket.socket]:
     return trio.SocketStream(trio.socket.from_stdlib_socket(ours)), theirs
 
 
-async def _send(connection: _Connection, data: bytes, *, streamed: bool = True) -> None:
-    token = streamed_body.set(streamed)  # (as _lifecycle.completing sets it for a body part)
-    try:
-        await TCPServer.protocol_send(connection, RawData(data=data))  # type: ignore[arg-type]
-    finally:
-        streamed_body.reset(token)
+async def _send(connection: _Connection, data: bytes) -> None:
+    await TCPServer.protocol_send(connection, RawData(data=data))  # type: ignore[arg-type]
 
 
 async def _read(theirs: socket.socket, n: int) -> bytes:
@@ -66,9 +83,11 @@ def _patched() -> None:
     assert getattr(TCPServer.protocol_send, "_trioserve_patched", False)
 
 
-async def test_bytes_the_kernel_takes_are_written_at_once_without_the_lock() -> None:
+@pytest.mark.parametrize("close", [False, True], ids=["keep-alive", "connection-close"])
+async def test_bytes_the_kernel_takes_are_written_at_once_without_the_lock(close: bool) -> None:
     stream, theirs = _pair()
-    connection = _Connection(stream)
+    connection = _Connection(stream, close=close)
+    assert request_read(connection)
     taken: list[bool] = []
     real = connection.send_lock
 
@@ -91,11 +110,12 @@ async def test_bytes_the_kernel_takes_are_written_at_once_without_the_lock() -> 
     await stream.aclose()
 
 
-async def test_a_head_or_an_end_goes_hypercorns_way_under_the_lock() -> None:
+async def test_a_response_to_a_request_still_arriving_goes_hypercorns_way_under_the_lock() -> None:
     # (written at once, a 401 could beat the reading of the request's body, and hypercorn
     # would close a connection the client is about to reuse)
     stream, theirs = _pair()
-    connection = _Connection(stream)
+    connection = _Connection(stream, read=False)
+    assert not request_read(connection)
     taken: list[bool] = []
     acquire = connection.send_lock.acquire
 
@@ -104,7 +124,7 @@ async def test_a_head_or_an_end_goes_hypercorns_way_under_the_lock() -> None:
         await acquire()
 
     connection.send_lock.acquire = watched  # type: ignore[method-assign]
-    await _send(connection, b"HTTP/1.1 401 Unauthorized\r\n\r\n", streamed=False)
+    await _send(connection, b"HTTP/1.1 401 Unauthorized\r\n\r\n")
     assert theirs.recv(100) == b"HTTP/1.1 401 Unauthorized\r\n\r\n"
     assert taken == [True]
     theirs.close()
@@ -169,24 +189,3 @@ async def test_another_kind_of_stream_goes_hypercorns_way() -> None:
     connection = _Connection(ours)
     await _send(connection, b"data: tls-like\n\n")
     assert await theirs.receive_some() == b"data: tls-like\n\n"
-
-
-async def test_only_a_writers_streamed_body_part_is_marked_for_the_fast_path() -> None:
-    seen: list[tuple[str, bool, bool]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        seen.append((message["type"], bool(message.get("more_body")), streamed_body.get()))
-
-    exchange = Exchange(send, "id")  # type: ignore[arg-type]
-    await exchange.start(200, [])
-    await exchange.body(b"data: 1\n\n")
-    await exchange.body(b"", more=False)
-    await exchange.json(401, b"{}")
-    assert seen == [
-        ("http.response.start", False, False),
-        ("http.response.body", True, True),  # a streamed part: hypercorn may write it at once
-        ("http.response.body", False, False),  # the end: hypercorn's way
-        ("http.response.start", False, False),
-        ("http.response.body", False, False),
-    ]
-    assert not streamed_body.get()
