@@ -28,7 +28,15 @@ from .._core._exceptions import AuthenticationError, PermissionDeniedError
 from ._accounts import KeysFile
 from ._errors import render_for_path
 
-__all__ = ["ADMIN_PATHS", "OPEN_PATHS", "AccessPolicy", "key_salt", "presented_key", "with_access_control"]
+__all__ = [
+    "ADMIN_PATHS",
+    "OPEN_PATHS",
+    "AccessPolicy",
+    "check_keep_alive_key",
+    "key_salt",
+    "presented_key",
+    "with_access_control",
+]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -268,6 +276,18 @@ def presented_key(scope: Scope) -> str | None:
         return key.strip() if scheme.lower() == "bearer" else None
     api_key = _header(scope, b"x-api-key")
     return api_key.strip() if api_key is not None else None
+
+
+def check_keep_alive_key(scope: Scope, access: AccessPolicy | None) -> None:
+    """Raise :class:`PermissionDeniedError` (403) for a body's ``keep_alive`` without an
+    admin key where keys are required: like ``X-Keep-Alive`` (:meth:`AccessPolicy.check`),
+    it sets how long the model stays loaded for every client."""
+    if access is not None and access.requires_key and not access.key_is_admin(presented_key(scope) or ""):
+        raise PermissionDeniedError(
+            "keep_alive sets how long the model stays loaded for every client: it needs an admin "
+            "key (--admin-key); send the request without it",
+            param="keep_alive",
+        )
 
 
 def key_salt(scope: Scope, access: AccessPolicy | None) -> str:

@@ -26,13 +26,12 @@ from .._core._exceptions import (
     MethodNotAllowedError,
     NotSupportedError,
     PayloadTooLargeError,
-    PermissionDeniedError,
     TrioserveError,
 )
 from .._core._registry import ModelEntry
 from .._wire import encode_json
 from .._wire._ollama_models import EmbeddingsRequest, EmbedRequest, decode_ollama, embed_inputs
-from ._access import AccessPolicy, presented_key
+from ._access import AccessPolicy, check_keep_alive_key
 from ._embeddings import RetrievalHandler
 from ._errors import ErrorRenderer, render_ollama
 from ._exchange import (
@@ -106,13 +105,7 @@ class OllamaEmbedHandler(RetrievalHandler):
         raw = parsed.request.keep_alive
         if raw is None:
             return super().keep_alive(scope, parsed)
-        access = self.access
-        if access is not None and access.requires_key and not access.key_is_admin(presented_key(scope) or ""):
-            raise PermissionDeniedError(
-                "keep_alive sets how long the model stays loaded for every client: it needs an admin key "
-                "(--admin-key); send the request without it",
-                param="keep_alive",
-            )
+        check_keep_alive_key(scope, self.access)
         return parse_keep_alive(str(raw))
 
     async def compute(self, backend: Backend, parsed: Any) -> tuple[Any, int]:

@@ -9,7 +9,6 @@ from collections.abc import Awaitable, Callable
 
 from .._core._exceptions import (
     OverloadedError,
-    PermissionDeniedError,
     ServiceUnavailableError,
     TrioserveError,
 )
@@ -17,7 +16,7 @@ from .._core._registry import ModelEntry
 from .._core._tracing import TRACEPARENT
 from .._core._types import EndCause
 from .._wire import DialectSpec, StoredAsk
-from ._access import presented_key
+from ._access import check_keep_alive_key
 from ._accounting import ENDPOINTS as ENDPOINT_PATHS
 from ._accounting import log_request
 from ._exchange import Receive, Scope, _ClientGone, _keep_alive
@@ -136,11 +135,5 @@ class RequestScope(PrepareAndRun):
         given = None if peek is None else peek(body)
         if given is None:
             return _keep_alive(scope)
-        access = self.access
-        if access is not None and access.requires_key and not access.key_is_admin(presented_key(scope) or ""):
-            raise PermissionDeniedError(
-                "keep_alive sets how long the model stays loaded for every client: it needs an admin "
-                "key (--admin-key); send the request without it",
-                param="keep_alive",
-            )
+        check_keep_alive_key(scope, self.access)
         return given
