@@ -30,12 +30,12 @@ from ._anthropic_request import (
     decode_messages_request,
 )
 from ._constraints import json_schema_constraint
-from ._conversation import Conversation, fold_system_messages
+from ._conversation import Conversation, fold_system_messages, take_prefill
 from ._limits import RequestLimits
 from ._media import MediaCollector, join_parts
 from ._messages import CallFunction, ChatMessage, MessageToolCall, flatten_text
 from ._openai import DEFAULT_LIMITS
-from ._tools import FunctionDef, Tool, check_tool_name, check_tool_schemas
+from ._tools import FunctionDef, Tool, check_tool_name, check_tool_schemas, chosen_tool
 
 __all__ = [
     "BILLING_HEADER_PREFIX",
@@ -220,13 +220,7 @@ def _tool_choice(choice: ToolChoice | None, tools: list[Tool]) -> str:
         return "auto"
     if choice.type == "any":
         return "required"
-    names = [tool.function.name for tool in tools]
-    if choice.name not in names:
-        raise InvalidRequestError(
-            f"tool_choice names the tool {choice.name!r}, which is not in tools ({', '.join(names)})",
-            param="tool_choice.name",
-        )
-    return choice.name
+    return chosen_tool(choice.name, tools, noun="tool", param="tool_choice.name")
 
 
 def _constraint(request: _MessagesFields, limits: RequestLimits) -> Constraint | None:
@@ -260,19 +254,13 @@ def messages_conversation(
     system = _system_text(request.system, keep_billing_header)
     if system:
         messages.insert(0, ChatMessage(role="system", content=system))
-    prefill = ""
-    if messages and messages[-1].role == "assistant":
-        last = messages.pop()
-        if last.tool_calls:
-            raise InvalidRequestError(
-                "the last message is an assistant tool_use; send its tool_result in a user message",
-                param="messages",
-            )
-        prefill = last.text()
-        if prefill != prefill.rstrip():
-            raise InvalidRequestError(
-                "final assistant content cannot end with trailing whitespace", param="messages"
-            )
+    prefill = take_prefill(
+        messages, "the last message is an assistant tool_use; send its tool_result in a user message"
+    )
+    if prefill != prefill.rstrip():
+        raise InvalidRequestError(
+            "final assistant content cannot end with trailing whitespace", param="messages"
+        )
     tools = _tools(request.tools)
     check_tool_schemas(tools, limits, schema_field="input_schema")
     choice = _tool_choice(request.tool_choice, tools)

@@ -25,7 +25,7 @@ from ._openai_fields import DEFAULT_LIMITS, _constraint, _logit_bias, _sampling,
 from ._openai_request import ChatCompletionRequest, CompletionRequest, Priority, _CommonFields, lora_uses
 from ._openai_writer import ChoiceResult, ChunkEncoder, error_event, non_stream_response, openai_finish_reason
 from ._refusals import Refusal, check_refused
-from ._tools import call_constraint, check_tool_choice, check_tools
+from ._tools import call_constraint, check_tool_choice, check_tools, chosen_tool
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -237,12 +237,7 @@ def decode_chat_request(
     check_tool_choice(request.tool_choice)
     mode = request.tool_mode()
     if mode not in ("none", "auto", "required"):
-        names = [tool.function.name for tool in request.tools or ()]
-        if mode not in names:
-            raise InvalidRequestError(
-                f"tool_choice names the function {mode!r}, which is not in tools ({', '.join(names)})",
-                param="tool_choice",
-            )
+        chosen_tool(mode, request.tools or ())
     elif request.tool_choice is not None and not request.tools and request.tool_choice != "none":
         raise InvalidRequestError(f"tool_choice {request.tool_choice!r} needs tools", param="tool_choice")
     fmt = request.response_format

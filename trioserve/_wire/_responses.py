@@ -44,7 +44,7 @@ from ._responses_request import (
     decode_responses_request,
     peek_stored,
 )
-from ._tools import FunctionDef, Tool, check_tool_name, check_tool_schemas, check_tools
+from ._tools import FunctionDef, Tool, check_tool_name, check_tool_schemas, check_tools, chosen_tool
 
 __all__ = [
     "InputTokensRequest",
@@ -191,13 +191,7 @@ def _tool_choice(choice: str | ToolChoiceFunction | None, tools: list[Tool]) -> 
                 f"tool_choice of type {choice.type!r} is not supported; send a function's name",
                 param="tool_choice",
             )
-        names = [tool.function.name for tool in tools]
-        if choice.name not in names:
-            raise InvalidRequestError(
-                f"tool_choice names the function {choice.name!r}, which is not in tools ({', '.join(names)})",
-                param="tool_choice.name",
-            )
-        return choice.name
+        return chosen_tool(choice.name, tools, param="tool_choice.name")
     if choice != "none" and not tools:
         raise InvalidRequestError(f"tool_choice {choice!r} needs tools", param="tool_choice")
     return choice

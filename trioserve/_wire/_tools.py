@@ -35,6 +35,7 @@ __all__ = [
     "ToolChoiceObject",
     "call_constraint",
     "check_tool_name",
+    "chosen_tool",
     "new_call_id",
     "parse_calls",
 ]
@@ -72,6 +73,20 @@ def check_tool_name(name: str | None, param: str, longest: int = 64) -> None:
         raise InvalidRequestError(
             f"{param} {name!r} must be 1-{longest} letters, digits, '_' or '-'", param=param
         )
+
+
+def chosen_tool(
+    name: str | None, tools: Sequence[Tool], *, noun: str = "function", param: str = "tool_choice"
+) -> str:
+    """The tool a ``tool_choice`` names, checked to be one of ``tools`` (a 400 naming
+    ``param`` and listing the tools otherwise; ``noun``: the dialect's word for a tool)."""
+    names = [tool.function.name for tool in tools]
+    if name not in names:
+        raise InvalidRequestError(
+            f"tool_choice names the {noun} {name!r}, which is not in tools ({', '.join(names)})",
+            param=param,
+        )
+    return name
 
 
 _EMPTY_PARAMETERS: dict[str, object] = {"type": "object", "properties": {}}
