@@ -17,7 +17,7 @@ from ._choices import ToolMode
 from ._messages import ChatMessage
 from ._tools import Tool, call_constraint
 
-__all__ = ["Conversation", "armed", "fold_system_messages", "generation_for", "new_id"]
+__all__ = ["Conversation", "armed", "fold_system_messages", "generation_for", "new_id", "take_prefill"]
 
 
 def new_id(prefix: str) -> str:
@@ -46,6 +46,18 @@ class _UserTurn:
         if not joined:
             return self.first  # (as it came: one message, nothing folded into it)
         return ChatMessage(role="user", content="\n\n".join(self.texts), name=self.first.name)
+
+
+def take_prefill(messages: list[ChatMessage], refusal: str) -> str:
+    """The text of a last assistant message, taken off ``messages``: the reply continues
+    it (``""``: the last message is not the assistant's). One that calls tools is refused
+    with ``refusal`` (its results must come first)."""
+    if not messages or messages[-1].role != "assistant":
+        return ""
+    last = messages.pop()
+    if last.tool_calls:
+        raise InvalidRequestError(refusal, param="messages")
+    return last.text()
 
 
 def fold_system_messages(messages: Sequence[ChatMessage]) -> list[ChatMessage]:

@@ -21,7 +21,7 @@ from .._core._exceptions import InvalidRequestError, NotFoundError
 from .._core._types import Constraint, GenerationRequest, Infill, SamplingParams
 from ._codec import decode as _decode
 from ._constraints import ANY_OBJECT, json_schema_constraint
-from ._conversation import Conversation, fold_system_messages
+from ._conversation import Conversation, fold_system_messages, take_prefill
 from ._limits import RequestLimits
 from ._media import MediaCollector, join_parts
 from ._messages import CallFunction, ChatMessage, MessageToolCall
@@ -29,7 +29,15 @@ from ._ollama_names import ollama_model_name
 from ._ollama_options import OllamaOptions, max_tokens_of, sampling_of, stops_of
 from ._openai import Priority
 from ._refusals import Refusal, check_refused
-from ._tools import FunctionDef, Tool, ToolChoiceObject, check_tool_choice, check_tools, new_call_id
+from ._tools import (
+    FunctionDef,
+    Tool,
+    ToolChoiceObject,
+    check_tool_choice,
+    check_tools,
+    chosen_tool,
+    new_call_id,
+)
 
 __all__ = [
     "OllamaChatRequest",
@@ -278,12 +286,8 @@ def _tools(request: OllamaChatRequest, limits: RequestLimits) -> tuple[list[Tool
     name = choice if isinstance(choice, str) else choice.function.name
     if name != "none" and not tools:
         raise InvalidRequestError(f"tool_choice {name!r} needs tools", param="tool_choice")
-    names = [tool.function.name for tool in tools]
-    if name not in ("none", "auto", "required") and name not in names:
-        raise InvalidRequestError(
-            f"tool_choice names the function {name!r}, which is not in tools ({', '.join(names)})",
-            param="tool_choice",
-        )
+    if name not in ("none", "auto", "required"):
+        chosen_tool(name, tools)
     return tools, name
 
 
@@ -313,31 +317,22 @@ def chat_conversation(
     """The conversation an ``/api/chat`` request (with at least one message) asks for."""
     limits.check_count("messages", len(request.messages), limits.max_messages, "--max-messages", "messages")
     messages = _messages(request.messages, media)
-    prefill = ""
-    if messages[-1].role == "assistant":  # (Ollama continues a last assistant message)
-        last = messages.pop()
-        if last.tool_calls:
-            raise InvalidRequestError(
-                "the last message is an assistant's tool call; send its result in a tool message",
-                param="messages",
-            )
-        prefill = last.text()
+    # (Ollama continues a last assistant message)
+    prefill = take_prefill(
+        messages, "the last message is an assistant's tool call; send its result in a tool message"
+    )
     tools, choice = _tools(request, limits)
     forced = choice not in ("none", "auto")
-    sampling, stops, constraint = _common(request, limits, forced)
-    return Conversation(
-        messages=fold_system_messages(messages),
+    common = _common(request, limits, forced)
+    return _options_conversation(
+        request,
+        fold_system_messages(messages),
+        common,
+        reasons,
+        media,
         tools=tools,
-        tool_choice=choice,
-        max_tokens=max_tokens_of(request.options),
-        sampling=sampling,
-        stops=stops,
-        constraint=constraint,
+        choice=choice,
         prefill=prefill,
-        # (num_predict past the context: Ollama stops at the context's end)
-        clamp_max_tokens=True,
-        thinking=thinking_of(request.think, reasons),
-        images=media.images,
     )
 
 
@@ -346,20 +341,40 @@ def generate_conversation(
 ) -> Conversation:
     """The one-turn conversation a templated ``/api/generate`` asks for: ``system``, then
     the prompt (after its images) as the user's turn."""
-    sampling, stops, constraint = _common(request, limits, False)
+    common = _common(request, limits, False)
     markers = _images(request.images, media, "images")
     content = join_parts([*markers, request.prompt], "") if markers else request.prompt
     messages = [ChatMessage(role="user", content=content)]
     if request.system:
         messages.insert(0, ChatMessage(role="system", content=request.system))
+    return _options_conversation(request, messages, common, reasons, media)
+
+
+def _options_conversation(
+    request: _OllamaFields,
+    messages: list[ChatMessage],
+    common: tuple[SamplingParams, tuple[str, ...], Constraint | None],
+    reasons: bool,
+    media: MediaCollector,
+    *,
+    tools: list[Tool] | None = None,
+    choice: str = "none",
+    prefill: str = "",
+) -> Conversation:
+    """The conversation of ``messages`` under an Ollama request's options (``common``:
+    the sampling, stops and format :func:`_common` read), its ``think``, and the images
+    ``media`` holds; ``tools``, ``choice`` and ``prefill``: a chat's."""
+    sampling, stops, constraint = common
     return Conversation(
         messages=messages,
-        tools=[],
-        tool_choice="none",
+        tools=tools if tools is not None else [],
+        tool_choice=choice,
         max_tokens=max_tokens_of(request.options),
         sampling=sampling,
         stops=stops,
         constraint=constraint,
+        prefill=prefill,
+        # (num_predict past the context: Ollama stops at the context's end)
         clamp_max_tokens=True,
         thinking=thinking_of(request.think, reasons),
         images=media.images,
