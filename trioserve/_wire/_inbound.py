@@ -38,7 +38,7 @@ from ._responses import (
     turn_input_items,
 )
 from ._responses_writer import ResponsesDialect, StoredTurn
-from ._spec import DialectSpec, ParsedRequest, ReadOptions, openai_error_body
+from ._spec import DialectSpec, ParsedRequest, ReadOptions, conversation_request, openai_error_body
 from ._transcriptions import TranscriptionDialect, read_transcription_body
 from ._truncation import Truncation, TruncationMode
 
@@ -176,7 +176,7 @@ def _read_messages(body: bytes, chat_format: ChatFormat, options: ReadOptions) -
     )
     mode = messages.truncation or options.truncation
     truncation = _truncation(mode, conversation, chat_format, messages.reasoning_control, dialect)
-    return _one_generation(
+    return conversation_request(
         messages.stream,
         generation,
         model,
@@ -212,36 +212,6 @@ def _truncation(
         note=dialect.note_truncation,
         param=param,
         max_tokens_param=max_tokens_param,
-    )
-
-
-def _one_generation(
-    stream: bool,
-    generation: GenerationRequest,
-    model: str,
-    dialect: AnthropicDialect | ResponsesDialect,
-    conversation: Conversation,
-    rendered: ChatPrompt,
-    turn: StoredTurn | None = None,
-    *,
-    priority: int | None = None,
-    truncation: Truncation | None = None,
-) -> ParsedRequest:
-    """What a conversation dialect (Messages, Responses) asks for: one generation, and
-    the tool and reasoning facts its conversation and rendered prompt give."""
-    return ParsedRequest(
-        turn=turn,
-        priority=priority,
-        truncation=truncation,
-        stream=stream,
-        generations=(generation,),
-        model=model,
-        dialect=dialect,
-        tool_mode=conversation.tool_mode,
-        tool_names=conversation.tool_names,
-        parallel_calls=conversation.parallel_calls,
-        reasoning=rendered.reasoning,
-        inside=rendered.opens_reasoning,
     )
 
 
@@ -286,14 +256,14 @@ def _read_responses(body: bytes, chat_format: ChatFormat, options: ReadOptions) 
             background=bool(responses.background),
             model=model,
         )
-    return _one_generation(
+    return conversation_request(
         responses.stream,
         generation,
         model,
         dialect,
         conversation,
         rendered,
-        turn,
+        turn=turn,
         priority=responses.priority,
         truncation=truncation,
     )

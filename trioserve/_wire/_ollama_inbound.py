@@ -28,7 +28,7 @@ from ._ollama import (
 )
 from ._ollama_options import check_num_ctx, peek_keep_alive
 from ._ollama_writer import NDJSON, OllamaDialect, ollama_error
-from ._spec import DialectSpec, ParsedRequest, ReadOptions
+from ._spec import DialectSpec, ParsedRequest, ReadOptions, conversation_request
 from ._truncation import Truncation
 
 __all__ = ["OLLAMA", "OLLAMA_CHAT", "OLLAMA_GENERATE"]
@@ -86,17 +86,15 @@ def _read_ollama_chat(body: bytes, chat_format: ChatFormat, options: ReadOptions
         lambda messages: build(messages)[0],
         note=dialect.note_truncation,
     )
-    return ParsedRequest(
-        stream=request.stream,
-        generations=(generation,),
-        model=model,
-        dialect=dialect,
+    return conversation_request(
+        request.stream,
+        generation,
+        model,
+        dialect,
+        conversation,
+        rendered,
         priority=request.priority,
         truncation=truncation,
-        tool_mode=conversation.tool_mode,
-        tool_names=conversation.tool_names,
-        reasoning=rendered.reasoning,
-        inside=rendered.opens_reasoning,
     )
 
 

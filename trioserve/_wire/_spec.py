@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .._core._exceptions import InvalidRequestError, TrioserveError
 from .._core._types import GenerationRequest
-from ._chat import ChatFormat
+from ._chat import ChatFormat, ChatPrompt
 from ._choices import ToolMode
 from ._conversation import Conversation
 from ._dialect import Dialect
@@ -34,6 +34,7 @@ __all__ = [
     "RequestReader",
     "StoredAsk",
     "StoredContext",
+    "conversation_request",
     "openai_error_body",
 ]
 
@@ -123,6 +124,37 @@ class ParsedRequest:
             and self.generation.logprobs is None
             and self.reasoning is None
         )
+
+
+def conversation_request(
+    stream: bool,
+    generation: GenerationRequest,
+    model: str,
+    dialect: Dialect,
+    conversation: Conversation,
+    rendered: ChatPrompt,
+    *,
+    turn: StoredTurn | None = None,
+    priority: int | None = None,
+    truncation: Truncation | None = None,
+) -> ParsedRequest:
+    """What a conversation dialect (Messages, Responses, Ollama's chat) asks for: one
+    generation, and the tool and reasoning facts its conversation and rendered prompt
+    give."""
+    return ParsedRequest(
+        turn=turn,
+        priority=priority,
+        truncation=truncation,
+        stream=stream,
+        generations=(generation,),
+        model=model,
+        dialect=dialect,
+        tool_mode=conversation.tool_mode,
+        tool_names=conversation.tool_names,
+        parallel_calls=conversation.parallel_calls,
+        reasoning=rendered.reasoning,
+        inside=rendered.opens_reasoning,
+    )
 
 
 class ModelResolver(Protocol):
