@@ -16,11 +16,11 @@ from typing import Any
 
 from ..._core._backend import GenerationProgress, ModelInfo, PreparedPrompt, Ranking
 from ..._core._channel import PieceChannel
-from ..._core._exceptions import BackendError
+from ..._core._exceptions import BackendError, TrioserveError
 from ..._core._types import GenerationEnd
 from ..._wire._upstream import completion_payload, infill_payload, rerank_payload
 from . import _errors
-from ._attempts import attempt_each
+from ._attempts import Attempt, attempt_each
 from ._balancer import Balancer, UpstreamState
 from ._client import Sink, UpstreamClient
 
@@ -56,6 +56,34 @@ class Relay:
     def _model(self, upstream: UpstreamState) -> str:
         return upstream.model_id or self._info().id
 
+    async def _stream_each(
+        self,
+        attempt: Attempt[GenerationEnd],
+        sink: Sink,
+        exhausted: Callable[[Balancer, list[TrioserveError]], TrioserveError],
+    ) -> GenerationEnd:
+        """A streamed request's attempts (a completion, ``/infill``): retried on another
+        upstream while nothing has reached ``sink``, an overloaded last one the
+        request's error, ``exhausted`` the client's error when none served."""
+        return await attempt_each(
+            self.balancer,
+            attempt,
+            unavailable=BackendError,
+            exhausted=functools.partial(exhausted, self.balancer),
+            committed=lambda: sink.sent,
+            overload_ends=True,
+        )
+
+    async def _read_each[T](self, attempt: Attempt[T]) -> T:
+        """A request read whole (embeddings, rerank): every failed attempt retried, as
+        embeddings' errors say."""
+        return await attempt_each(
+            self.balancer,
+            attempt,
+            unavailable=functools.partial(_errors.unavailable_for_embeddings, self.balancer),
+            exhausted=functools.partial(_errors.embeddings_failed, self.balancer),
+        )
+
     async def generate(
         self,
         prompt: PreparedPrompt,
@@ -75,14 +103,7 @@ class Relay:
             body = {**upstream.request_fields, **payload, "model": self._model(upstream)}
             return await self.client.stream(upstream, body, sink, answered)
 
-        return await attempt_each(
-            self.balancer,
-            attempt,
-            unavailable=BackendError,
-            exhausted=functools.partial(_errors.generation_failed, self.balancer),
-            committed=lambda: sink.sent,
-            overload_ends=True,
-        )
+        return await self._stream_each(attempt, sink, _errors.generation_failed)
 
     async def infill(
         self,
@@ -111,14 +132,7 @@ class Relay:
             self._learn(upstream, "infill", True)
             return end
 
-        return await attempt_each(
-            self.balancer,
-            attempt,
-            unavailable=BackendError,
-            exhausted=functools.partial(_errors.infill_failed, self.balancer),
-            committed=lambda: sink.sent,
-            overload_ends=True,
-        )
+        return await self._stream_each(attempt, sink, _errors.infill_failed)
 
     async def embeddings(
         self, inputs: Sequence[str | Sequence[int]], dimensions: int | None
@@ -140,12 +154,7 @@ class Relay:
             body = {"model": self._model(upstream), **payload}
             return await self.client.embeddings(upstream, body, answered)
 
-        return await attempt_each(
-            self.balancer,
-            attempt,
-            unavailable=functools.partial(_errors.unavailable_for_embeddings, self.balancer),
-            exhausted=functools.partial(_errors.embeddings_failed, self.balancer),
-        )
+        return await self._read_each(attempt)
 
     async def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
         """The upstream's ``POST /v1/rerank`` of ``documents`` against ``query``, read
@@ -172,9 +181,4 @@ class Relay:
                 score=said.score if said is not None and said.score else "unknown",
             )
 
-        return await attempt_each(
-            self.balancer,
-            attempt,
-            unavailable=functools.partial(_errors.unavailable_for_embeddings, self.balancer),
-            exhausted=functools.partial(_errors.embeddings_failed, self.balancer),
-        )
+        return await self._read_each(attempt)
