@@ -16,17 +16,11 @@ import trio
 
 from .._core._admission import DEFAULT_TICKET, Admission, Ticket
 from .._core._backend import Backend
-from .._core._exceptions import (
-    DeadlineExceededError,
-    HeadersTooLargeError,
-    MethodNotAllowedError,
-    OverloadedError,
-    ServiceUnavailableError,
-    TrioserveError,
-)
+from .._core._exceptions import DeadlineExceededError, ServiceUnavailableError
 from .._core._registry import ModelEntry
 from .._wire import decode_embeddings_request, embeddings_inputs, embeddings_response
 from ._access import AccessPolicy, key_salt
+from ._direct_route import errors_answered, refuse_large_headers, refuse_unless_post
 from ._errors import ErrorRenderer, render_error
 from ._exchange import (
     Exchange,
@@ -34,12 +28,10 @@ from ._exchange import (
     Scope,
     Send,
     _check_content_type,
-    _ClientGone,
     _header,
     _keep_alive,
     _read_body,
     _request_timeout,
-    headers_too_large,
 )
 from ._lifecycle import INLINE_PARSE_BYTES, watched
 from ._request import InFlightRequest, Kind, Phase
@@ -77,22 +69,11 @@ class RetrievalHandler:
         request.owner = key_salt(scope, self.access)
         inputs_count = tokens_count = 0
         try:
-            limit = self.state.settings.max_header_bytes
-            if headers_too_large(scope, limit):
-                raise HeadersTooLargeError(f"the request headers exceed the limit of {limit} bytes")
-            if scope["method"] != "POST":
-                raise MethodNotAllowedError(f"{scope['path']} accepts POST only, not {scope['method']}")
-            inputs_count, tokens_count = await self._serve(request, receive)
-        except _ClientGone:
-            request.end("disconnect")
-        except TrioserveError as exc:
-            request.end(
-                request.cause or ("overloaded" if isinstance(exc, OverloadedError) else "error"), exc.message
-            )
-            if not exchange.started:
-                await exchange.error(exc)
+            async with errors_answered(request):
+                refuse_large_headers(scope, self.state.settings.max_header_bytes)
+                refuse_unless_post(scope)
+                inputs_count, tokens_count = await self._serve(request, receive)
         finally:
-            request.advance(Phase.DONE)
             self._log(request, inputs_count, tokens_count)
 
     # what a subclass says

@@ -15,11 +15,12 @@ import uuid
 
 import msgspec
 
-from .._core._exceptions import HeadersTooLargeError, InvalidRequestError, MethodNotAllowedError
+from .._core._exceptions import InvalidRequestError
 from .._core._registry import ModelEntry
 from .._wire import SPECS, DialectSpec, decode
 from ._access import key_salt, presented_key
 from ._detached_jobs import DetachedJobs
+from ._direct_route import refuse_large_headers, refuse_unless_post
 from ._errors import renderer
 from ._exchange import (
     Exchange,
@@ -31,7 +32,6 @@ from ._exchange import (
     _peek_head,
     _read_body,
     _request_timeout,
-    headers_too_large,
 )
 from ._lifecycle import FINAL_EVENT_TIMEOUT, INLINE_PARSE_BYTES, off_the_loop_if
 from ._prepare_run import cache_salt
@@ -95,17 +95,14 @@ class GenerationHandler(DetachedJobs):
         request.owner = self.owner(scope)
 
         async def serve() -> None:
-            limit = self.state.settings.max_header_bytes
-            if headers_too_large(scope, limit):
-                raise HeadersTooLargeError(f"the request headers exceed the limit of {limit} bytes")
+            refuse_large_headers(scope, self.state.settings.max_header_bytes)
             if given is not None and not valid:
                 raise InvalidRequestError(_ID_RULE.format(name="X-Request-Id"), param="X-Request-Id")
             session = _header(scope, b"x-session-id")
             if session is not None and not valid_id(session):
                 raise InvalidRequestError(_ID_RULE.format(name="X-Session-Id"), param="X-Session-Id")
             request.session = session
-            if scope["method"] != "POST":
-                raise MethodNotAllowedError(f"{scope['path']} accepts POST only, not {scope['method']}")
+            refuse_unless_post(scope)
             await self._serve(request, receive, spec)
 
         await self._handle(request, serve)

@@ -31,11 +31,8 @@ import trio
 
 from .._core._exceptions import (
     DeadlineExceededError,
-    HeadersTooLargeError,
     InvalidRequestError,
-    MethodNotAllowedError,
     NotFoundError,
-    OverloadedError,
     ServiceUnavailableError,
     TrioserveError,
 )
@@ -48,6 +45,7 @@ from .._wire._speech import (
     streaming_wav_header,
 )
 from ._access import AccessPolicy, key_salt
+from ._direct_route import errors_answered, refuse_large_headers, refuse_unless_post
 from ._errors import render_error
 from ._exchange import (
     Exchange,
@@ -55,11 +53,9 @@ from ._exchange import (
     Scope,
     Send,
     _check_content_type,
-    _ClientGone,
     _header,
     _read_body,
     _request_timeout,
-    headers_too_large,
 )
 from ._generation import _ID_RULE, valid_id
 from ._lifecycle import FINAL_EVENT_TIMEOUT, end_connection, send_last, watched
@@ -108,27 +104,16 @@ class SpeechHandler:
         request.owner = key_salt(scope, self.access)
         usage = [0, 0]  # input tokens, frames
         try:
-            limit = self.state.settings.max_header_bytes
-            if headers_too_large(scope, limit):
-                raise HeadersTooLargeError(f"the request headers exceed the limit of {limit} bytes")
-            if given is not None and not valid:
-                raise InvalidRequestError(_ID_RULE.format(name="X-Request-Id"), param="X-Request-Id")
-            if scope["method"] != "POST":
-                raise MethodNotAllowedError(f"{scope['path']} accepts POST only, not {scope['method']}")
-            service = self.state.speech
-            if service is None:
-                raise not_supported()
-            await self._serve(request, receive, service, usage)
-        except _ClientGone:
-            request.end("disconnect")
-        except TrioserveError as exc:
-            request.end(
-                request.cause or ("overloaded" if isinstance(exc, OverloadedError) else "error"), exc.message
-            )
-            if not exchange.started:
-                await exchange.error(exc)
+            async with errors_answered(request):
+                refuse_large_headers(scope, self.state.settings.max_header_bytes)
+                if given is not None and not valid:
+                    raise InvalidRequestError(_ID_RULE.format(name="X-Request-Id"), param="X-Request-Id")
+                refuse_unless_post(scope)
+                service = self.state.speech
+                if service is None:
+                    raise not_supported()
+                await self._serve(request, receive, service, usage)
         finally:
-            request.advance(Phase.DONE)
             self._log(request, *usage)
 
     async def _serve(

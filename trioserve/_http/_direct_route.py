@@ -1,0 +1,48 @@
+"""What the routes served at the ASGI level share (generation, embeddings and rerank,
+speech): the checks of a request's head, and — for those outside the generation
+pipeline's :class:`~trioserve._http._request_scope.RequestScope` — how a request that
+failed ends."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from .._core._exceptions import HeadersTooLargeError, MethodNotAllowedError, OverloadedError, TrioserveError
+from ._exchange import Scope, _ClientGone, headers_too_large
+from ._request import InFlightRequest, Phase
+
+__all__ = ["errors_answered", "refuse_large_headers", "refuse_unless_post"]
+
+
+def refuse_large_headers(scope: Scope, limit: int) -> None:
+    """Raise :class:`HeadersTooLargeError` (431) for headers past ``limit`` bytes
+    (``--max-header-bytes``)."""
+    if headers_too_large(scope, limit):
+        raise HeadersTooLargeError(f"the request headers exceed the limit of {limit} bytes")
+
+
+def refuse_unless_post(scope: Scope) -> None:
+    """Raise :class:`MethodNotAllowedError` (405) for a method other than ``POST``."""
+    if scope["method"] != "POST":
+        raise MethodNotAllowedError(f"{scope['path']} accepts POST only, not {scope['method']}")
+
+
+@contextlib.asynccontextmanager
+async def errors_answered(request: InFlightRequest) -> AsyncIterator[None]:
+    """Serve ``request`` in the block: a client gone ends it as a disconnect; an error
+    ends it with its cause (one recorded already, else ``overloaded`` for a 429, else
+    ``error``) and is answered while nothing has gone out. However it ends, the request
+    is done."""
+    try:
+        yield
+    except _ClientGone:
+        request.end("disconnect")
+    except TrioserveError as exc:
+        request.end(
+            request.cause or ("overloaded" if isinstance(exc, OverloadedError) else "error"), exc.message
+        )
+        if not request.exchange.started:
+            await request.exchange.error(exc)
+    finally:
+        request.advance(Phase.DONE)
