@@ -1,4 +1,5 @@
-"""A generation request's one log line, and its metrics."""
+"""A request's one log line, and its metrics: a generation request's, and one that
+counts what it served (embeddings, rerank, speech)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from ._metrics import Metrics
 from ._request import InFlightRequest, Kind
 from ._writing import usage_of
 
-__all__ = ["ENDPOINTS", "log_request"]
+__all__ = ["ENDPOINTS", "log_request", "log_request_counts"]
 
 request_logger = logging.getLogger("trioserve.requests")
 
@@ -25,6 +26,28 @@ ENDPOINTS: dict[Kind, str] = {
     "ollama_generate": "/api/generate",
     "transcription": "/v1/audio/transcriptions",
 }
+
+
+def log_request_counts(
+    metrics: Metrics, request: InFlightRequest, path: str, counts: str, *values: int
+) -> None:
+    """The one log line of a request served outside generation (embeddings, rerank,
+    speech), and its count in the metrics: ``counts``, the format of what it served
+    (``values``: inputs and tokens, say), between its cause and its duration."""
+    exchange = request.exchange
+    duration = time.perf_counter() - request.started
+    metrics.requests.labels(endpoint=path, status=str(exchange.status or 0)).inc()
+    request_logger.info(
+        "request %s %s model=%s status=%s cause=%s " + counts + " duration_ms=%.1f%s",
+        exchange.request_id,
+        path,
+        request.model or "-",
+        exchange.status or "-",
+        request.cause,
+        *values,
+        duration * 1000,
+        f" error={request.error!r}" if request.error else "",
+    )
 
 
 def log_request(metrics: Metrics, request: InFlightRequest) -> Usage | None:

@@ -9,10 +9,11 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from .._core._exceptions import HeadersTooLargeError, MethodNotAllowedError, OverloadedError, TrioserveError
-from ._exchange import Scope, _ClientGone, headers_too_large
+from ._exchange import Receive, Scope, _check_content_type, _ClientGone, _read_body, headers_too_large
 from ._request import InFlightRequest, Phase
+from ._settings import HTTPSettings
 
-__all__ = ["errors_answered", "refuse_large_headers", "refuse_unless_post"]
+__all__ = ["errors_answered", "read_json_body", "refuse_large_headers", "refuse_unless_post"]
 
 
 def refuse_large_headers(scope: Scope, limit: int) -> None:
@@ -26,6 +27,18 @@ def refuse_unless_post(scope: Scope) -> None:
     """Raise :class:`MethodNotAllowedError` (405) for a method other than ``POST``."""
     if scope["method"] != "POST":
         raise MethodNotAllowedError(f"{scope['path']} accepts POST only, not {scope['method']}")
+
+
+async def read_json_body(
+    scope: Scope, receive: Receive, settings: HTTPSettings, limit: int | None = None
+) -> bytes:
+    """A JSON request's whole body: its content type checked (415), at most ``limit``
+    bytes (``None``: ``--max-body-bytes``; 413 past it), all of it within
+    ``--body-timeout`` (408)."""
+    _check_content_type(scope)
+    return await _read_body(
+        scope, receive, settings.max_body_bytes if limit is None else limit, settings.body_timeout
+    )
 
 
 @contextlib.asynccontextmanager

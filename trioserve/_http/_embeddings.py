@@ -7,7 +7,6 @@ queue (429 when full), at most ``--max-embedding-tokens`` per request
 from __future__ import annotations
 
 import functools
-import logging
 import time
 import uuid
 from typing import Any
@@ -20,17 +19,16 @@ from .._core._exceptions import DeadlineExceededError, ServiceUnavailableError
 from .._core._registry import ModelEntry
 from .._wire import decode_embeddings_request, embeddings_inputs, embeddings_response
 from ._access import AccessPolicy, key_salt
-from ._direct_route import errors_answered, refuse_large_headers, refuse_unless_post
+from ._accounting import log_request_counts
+from ._direct_route import errors_answered, read_json_body, refuse_large_headers, refuse_unless_post
 from ._errors import ErrorRenderer, render_error
 from ._exchange import (
     Exchange,
     Receive,
     Scope,
     Send,
-    _check_content_type,
     _header,
     _keep_alive,
-    _read_body,
     _request_timeout,
 )
 from ._lifecycle import INLINE_PARSE_BYTES, watched
@@ -40,7 +38,6 @@ from ._state import ServerState
 __all__ = ["EMBEDDINGS_PATH", "EmbeddingsHandler", "RetrievalHandler"]
 
 EMBEDDINGS_PATH = "/v1/embeddings"
-request_logger = logging.getLogger("trioserve.requests")
 #: responses of more numbers than this are JSON-encoded in a worker thread (about 1 MB
 #: of JSON: tens of milliseconds of the event loop otherwise)
 _INLINE_ENCODE_FLOATS = 64 * 1024
@@ -134,8 +131,7 @@ class RetrievalHandler:
     async def _serve(self, request: InFlightRequest, receive: Receive) -> tuple[int, int]:
         state = self.state
         scope, exchange = request.asgi, request.exchange
-        _check_content_type(scope)
-        body = await _read_body(scope, receive, state.settings.max_body_bytes, state.settings.body_timeout)
+        body = await read_json_body(scope, receive, state.settings)
         if len(body) > INLINE_PARSE_BYTES:
             parsed = await trio.to_thread.run_sync(self.parse, body, scope["path"])
         else:
@@ -195,23 +191,8 @@ class RetrievalHandler:
         return inputs, count
 
     def _log(self, request: InFlightRequest, inputs: int, tokens: int) -> None:
-        metrics = self.state.metrics
-        exchange = request.exchange
-        duration = time.perf_counter() - request.started
         path = self.path_of(request)
-        metrics.requests.labels(endpoint=path, status=str(exchange.status or 0)).inc()
-        request_logger.info(
-            "request %s %s model=%s status=%s cause=%s inputs=%d prompt_tokens=%d duration_ms=%.1f%s",
-            exchange.request_id,
-            path,
-            request.model or "-",
-            exchange.status or "-",
-            request.cause,
-            inputs,
-            tokens,
-            duration * 1000,
-            f" error={request.error!r}" if request.error else "",
-        )
+        log_request_counts(self.state.metrics, request, path, "inputs=%d prompt_tokens=%d", inputs, tokens)
 
 
 class EmbeddingsHandler(RetrievalHandler):

@@ -20,17 +20,15 @@ from .._core._registry import ModelEntry
 from .._wire import SPECS, DialectSpec, decode
 from ._access import key_salt, presented_key
 from ._detached_jobs import DetachedJobs
-from ._direct_route import refuse_large_headers, refuse_unless_post
+from ._direct_route import read_json_body, refuse_large_headers, refuse_unless_post
 from ._errors import renderer
 from ._exchange import (
     Exchange,
     Receive,
     Scope,
     Send,
-    _check_content_type,
     _header,
     _peek_head,
-    _read_body,
     _request_timeout,
 )
 from ._lifecycle import FINAL_EVENT_TIMEOUT, INLINE_PARSE_BYTES, off_the_loop_if
@@ -110,10 +108,8 @@ class GenerationHandler(DetachedJobs):
     async def _serve(self, request: InFlightRequest, receive: Receive, spec: DialectSpec) -> None:
         state = self.state
         scope = request.asgi
-        _check_content_type(scope)
         # (a transcription's form, read and bounded already: its own limit)
-        limit = scope.get("trioserve.body_limit", state.settings.max_body_bytes)
-        body = await _read_body(scope, receive, limit, state.settings.body_timeout)
+        body = await read_json_body(scope, receive, state.settings, scope.get("trioserve.body_limit"))
         # which model: refused (404, 503 shutting down) before any work
         # (a large body's depth check and decode: off the event loop)
         large = len(body) > INLINE_PARSE_BYTES

@@ -20,10 +20,8 @@ Without a speech model the route answers 400 ``speech_not_supported``."""
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import threading
-import time
 import uuid
 
 import msgspec
@@ -45,16 +43,15 @@ from .._wire._speech import (
     streaming_wav_header,
 )
 from ._access import AccessPolicy, key_salt
-from ._direct_route import errors_answered, refuse_large_headers, refuse_unless_post
+from ._accounting import log_request_counts
+from ._direct_route import errors_answered, read_json_body, refuse_large_headers, refuse_unless_post
 from ._errors import render_error
 from ._exchange import (
     Exchange,
     Receive,
     Scope,
     Send,
-    _check_content_type,
     _header,
-    _read_body,
     _request_timeout,
 )
 from ._generation import _ID_RULE, valid_id
@@ -66,7 +63,6 @@ from ._state import ServerState
 __all__ = ["SPEECH_PATH", "SpeechHandler", "not_supported"]
 
 SPEECH_PATH = "/v1/audio/speech"
-request_logger = logging.getLogger("trioserve.requests")
 
 
 def not_supported() -> InvalidRequestError:
@@ -121,8 +117,7 @@ class SpeechHandler:
     ) -> None:
         state = self.state
         scope = request.asgi
-        _check_content_type(scope)
-        body = await _read_body(scope, receive, state.settings.max_body_bytes, state.settings.body_timeout)
+        body = await read_json_body(scope, receive, state.settings)
         parsed = decode_speech_request(body)  # (≤ 4,096 characters: on the loop)
         if state.shutting_down:
             raise ServiceUnavailableError(
@@ -260,18 +255,6 @@ class SpeechHandler:
         await self._fail(request, parsed.stream_format == "sse", error)
 
     def _log(self, request: InFlightRequest, tokens: int, frames: int) -> None:
-        metrics = self.state.metrics
-        exchange = request.exchange
-        metrics.requests.labels(endpoint=SPEECH_PATH, status=str(exchange.status or 0)).inc()
-        request_logger.info(
-            "request %s %s model=%s status=%s cause=%s input_tokens=%d frames=%d duration_ms=%.1f%s",
-            exchange.request_id,
-            SPEECH_PATH,
-            request.model or "-",
-            exchange.status or "-",
-            request.cause,
-            tokens,
-            frames,
-            (time.perf_counter() - request.started) * 1000,
-            f" error={request.error!r}" if request.error else "",
+        log_request_counts(
+            self.state.metrics, request, SPEECH_PATH, "input_tokens=%d frames=%d", tokens, frames
         )
