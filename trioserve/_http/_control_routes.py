@@ -19,9 +19,9 @@ from .._core._backend import ControlOutcome
 from .._core._exceptions import TrioserveError
 from .._wire import control_answer, decode_chat_control, decode_request_control, encode_json
 from ._access import AccessPolicy, key_salt, presented_key
-from ._errors import render_error
 from ._exchange import Scope
 from ._request import InFlightRequest, Phase
+from ._route_io import error_response
 from ._state import ServerState
 
 __all__ = ["add_control_routes", "end_reasoning", "find_completion"]
@@ -106,16 +106,12 @@ def add_control_routes(
             )
         return Response(encode_json(answer), content_type="application/json")
 
-    def error(exc: TrioserveError) -> Response:
-        status, headers, body = render_error(exc)
-        return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
-
     @app.post("/v1/chat/completions/control")
     async def chat_control() -> Response:
         try:
             return control(await read_body(decode_chat_control))
         except TrioserveError as exc:
-            return error(exc)
+            return error_response(exc)
 
     @app.post("/v1/requests/<request_id>/control")
     async def request_control(request_id: str) -> Response:
@@ -123,4 +119,4 @@ def add_control_routes(
             await read_body(decode_request_control)
             return control(request_id)
         except TrioserveError as exc:
-            return error(exc)
+            return error_response(exc)

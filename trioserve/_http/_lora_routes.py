@@ -19,7 +19,7 @@ from .._core._exceptions import InvalidRequestError, TrioserveError
 from .._core._registry import ModelEntry
 from .._wire import encode_json
 from .._wire._lora import decode_load_lora, decode_lora_scales, decode_unload_lora
-from ._errors import render_error
+from ._route_io import error_response
 from ._state import ServerState
 
 __all__ = ["LORA_PATHS", "add_lora_routes"]
@@ -28,11 +28,6 @@ __all__ = ["LORA_PATHS", "add_lora_routes"]
 LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/lora-adapters")
 
 ReadBody = Callable[[Callable[[bytes], Any]], Awaitable[Any]]
-
-
-def _error(exc: TrioserveError) -> Response:
-    status, headers, body = render_error(exc)
-    return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
 
 
 def _text(line: str) -> Response:
@@ -73,7 +68,7 @@ def add_lora_routes(app: QuartTrio, state: ServerState, read_body: ReadBody) -> 
                     check_room=functools.partial(registry.check_adapter_room, entry),
                 )
         except TrioserveError as exc:
-            return _error(exc)
+            return error_response(exc)
         return _text(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
@@ -88,7 +83,7 @@ def add_lora_routes(app: QuartTrio, state: ServerState, read_body: ReadBody) -> 
             async with registry.lease(base(body.model)) as lease:
                 await lease.engine.backend.unload_adapter(body.lora_name)
         except TrioserveError as exc:
-            return _error(exc)
+            return error_response(exc)
         return _text(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/lora-adapters")
@@ -119,5 +114,5 @@ def add_lora_routes(app: QuartTrio, state: ServerState, read_body: ReadBody) -> 
                         )
                 backend.set_adapter_scales([(i, given.get(i, 0.0)) for i in range(listed)])
         except TrioserveError as exc:
-            return _error(exc)
+            return error_response(exc)
         return Response(encode_json({"success": True}), content_type="application/json")

@@ -42,6 +42,7 @@ from ._access import AccessPolicy
 from ._errors import render_ollama
 from ._ollama_facts import FileFacts, ModelFacts, model_path, resolve_ollama
 from ._props import BUILD_PREFIX, _version
+from ._route_io import error_response
 from ._state import ServerState
 
 __all__ = ["add_ollama_routes", "blob_path"]
@@ -68,8 +69,7 @@ def _json(body: object, status: int = 200) -> Response:
 
 
 def _error(exc: TrioserveError) -> Response:
-    status, headers, body = render_ollama(exc)
-    return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
+    return error_response(exc, render_ollama)
 
 
 def _statuses(lines: list[str], stream: bool | None) -> Response:

@@ -13,7 +13,7 @@ from quart_trio import QuartTrio
 from .._core._exceptions import TrioserveError
 from .._core._registry import ModelEntry
 from .._wire import encode_json
-from ._errors import render_error
+from ._route_io import error_response
 from ._state import ServerState
 
 __all__ = ["add_props_route", "context_length", "lora_adapters"]
@@ -104,8 +104,7 @@ def add_props_route(app: QuartTrio, state: ServerState) -> None:
         try:
             entry = entry_of(request.args.get("model"))
         except TrioserveError as exc:
-            status, headers, body = render_error(exc)
-            return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
+            return error_response(exc)
         return Response(encode_json(lora_adapters(entry)), content_type="application/json")
 
     @app.get("/props")
@@ -119,6 +118,5 @@ def add_props_route(app: QuartTrio, state: ServerState) -> None:
         try:
             entry = state.resolve(name) if name else state.serving_registry().default
         except TrioserveError as exc:
-            status, headers, body = render_error(exc)
-            return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
+            return error_response(exc)
         return Response(encode_json(props(entry, name or entry.name)), content_type="application/json")

@@ -16,11 +16,11 @@ from .._core._exceptions import NotFoundError, TrioserveError
 from .._wire import encode_json
 from ._access import AccessPolicy
 from ._detach import DetachedStream, DetachedStreams
-from ._errors import render_error
 from ._exchange import Scope
 from ._generation import key_salt, presented_key
 from ._lifecycle import FINAL_EVENT_TIMEOUT
 from ._request import InFlightRequest, Phase
+from ._route_io import error_response
 from ._state import ServerState
 
 __all__ = ["add_request_routes", "phase_of"]
@@ -146,13 +146,12 @@ def add_request_routes(app: QuartTrio, state: ServerState, access: AccessPolicy 
         owner, admin = caller()
         found = state.find_requests(request_id, owner, admin=admin)
         if not found:
-            status, headers, body = render_error(
+            return error_response(
                 NotFoundError(
                     f"no request {request_id!r} in flight for this API key (it ended, or never was)",
                     param="request_id",
                 )
             )
-            return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
         phases = [phase_of(r) for r in found]
         first = found[0]
         # whose request it was: an admin may cancel any key's, and says whose it cancelled
@@ -190,8 +189,7 @@ def add_request_routes(app: QuartTrio, state: ServerState, access: AccessPolicy 
         try:
             return await cancel(request_id)
         except TrioserveError as exc:  # (none expected: kept in the error shape)
-            status, headers, body = render_error(exc)
-            return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
+            return error_response(exc)
 
     @app.delete("/v1/requests/<request_id>")
     async def delete_request(request_id: str) -> Response:

@@ -13,10 +13,10 @@ from quart_trio import QuartTrio
 from .._core._exceptions import InvalidRequestError, NotFoundError, TrioserveError
 from .._wire import encode_json
 from ._access import AccessPolicy
-from ._errors import render_error
 from ._exchange import Scope
 from ._generation import key_salt
 from ._lifecycle import FINAL_EVENT_TIMEOUT
+from ._route_io import error_response
 from ._state import ServerState
 from ._stored import StoredResponses, check_include, missing_response
 
@@ -28,11 +28,6 @@ _CANCEL_WAIT = FINAL_EVENT_TIMEOUT + 5.0
 
 def _json(body: dict[str, Any], status: int = 200) -> Response:
     return Response(encode_json(body), status=status, content_type="application/json")
-
-
-def _error(exc: TrioserveError) -> Response:
-    status, headers, body = render_error(exc)
-    return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
 
 
 def add_stored_routes(app: QuartTrio, state: ServerState, access: AccessPolicy | None) -> None:
@@ -70,7 +65,7 @@ def add_stored_routes(app: QuartTrio, state: ServerState, access: AccessPolicy |
             if body is None:
                 raise missing_response(response_id)
         except TrioserveError as exc:
-            return _error(exc)
+            return error_response(exc)
         return _json(body)
 
     @app.delete("/v1/responses/<response_id>")
@@ -92,7 +87,7 @@ def add_stored_routes(app: QuartTrio, state: ServerState, access: AccessPolicy |
             if not deleted:
                 raise missing_response(response_id)
         except TrioserveError as exc:
-            return _error(exc)
+            return error_response(exc)
         return _json({"id": response_id, "object": "response", "deleted": True})
 
     @app.get("/v1/responses/<response_id>/input_items")
@@ -125,7 +120,7 @@ def add_stored_routes(app: QuartTrio, state: ServerState, access: AccessPolicy |
             if page is None:
                 raise missing_response(response_id)
         except TrioserveError as exc:
-            return _error(exc)
+            return error_response(exc)
         items, more = page
         return _json(
             {
@@ -160,5 +155,5 @@ def add_stored_routes(app: QuartTrio, state: ServerState, access: AccessPolicy |
                     param="response_id",
                 )
         except TrioserveError as exc:
-            return _error(exc)
+            return error_response(exc)
         return _json(body)

@@ -19,6 +19,7 @@ from ._access import AccessPolicy, key_salt
 from ._exchange import Scope
 from ._lifecycle import FINAL_EVENT_TIMEOUT
 from ._replay import conversation_of, render_llama_error
+from ._route_io import error_response
 from ._state import ServerState
 
 __all__ = ["LOOKUP_MAX_IDS", "add_stream_routes"]
@@ -45,10 +46,6 @@ def add_stream_routes(app: QuartTrio, state: ServerState, access: AccessPolicy |
         from quart import request
 
         return key_salt(cast("Scope", request.scope), access)
-
-    def error(exc: TrioserveError) -> Response:
-        status, headers, body = render_llama_error(exc)
-        return Response(body, status=status, headers={k.decode(): v.decode() for k, v in headers})
 
     @app.post("/v1/streams/lookup")
     async def lookup() -> Response:
@@ -81,7 +78,7 @@ def add_stream_routes(app: QuartTrio, state: ServerState, access: AccessPolicy |
         try:
             conversation = conversation_of(cast("Scope", request.scope))
         except InvalidRequestError as exc:
-            return error(exc)
+            return error_response(exc, render_llama_error)
         detached = state.detached
         stream = None if detached is None else detached.get(owner(), conversation)
         if stream is None or detached is None:
