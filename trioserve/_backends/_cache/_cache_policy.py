@@ -221,11 +221,7 @@ class CachePolicy:
         the scheduler's lock: ``/health`` reads what the ids keep.)"""
         self.marks.cut(seq_id, marks)
         self._salt[seq_id] = salt
-        self._cached[seq_id] = []
-        self._floor[seq_id] = 0
-        self._prompt_end[seq_id] = 0
-        self._logits_at[seq_id] = 0
-        self._history.pop(seq_id, None)
+        self._clear_record(seq_id)
 
     # ------------------------------------------------------------ release
 
@@ -243,6 +239,11 @@ class CachePolicy:
     def forget(self, seq_id: int) -> None:
         """``seq_id`` keeps nothing (its cells are being cleared)."""
         self.marks.set(seq_id, [])
+        self._clear_record(seq_id)
+
+    def _clear_record(self, seq_id: int) -> None:
+        """What the policy knows of ``seq_id``'s cells, cleared: no cached tokens, floor,
+        prompt end, last logits or history."""
         self._cached[seq_id] = []
         self._floor[seq_id] = 0
         self._prompt_end[seq_id] = 0
