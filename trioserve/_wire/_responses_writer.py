@@ -94,14 +94,19 @@ class ResponsesDialect(ResponseObject, PartsWriter):
         )
 
     def _reasoning_delta(self, text: str) -> bytes:
+        return self._item_delta("response.reasoning_text.delta", text, content_index=0)
+
+    def _item_delta(self, kind: str, text: str, **fields: object) -> bytes:
+        """The open item's event ``kind`` carrying ``text`` as its delta (``fields``: the
+        event's own, before it); the text kept for the item's done event."""
         assert self._item is not None
         self._texts.append(text)
         return self._event(
             {
-                "type": "response.reasoning_text.delta",
+                "type": kind,
                 "item_id": self._item["id"],
                 "output_index": len(self._output),
-                "content_index": 0,
+                **fields,
                 "delta": text,
             }
         )
@@ -167,16 +172,7 @@ class ResponsesDialect(ResponseObject, PartsWriter):
         return b'%b%b,"sequence_number":%d}\n\n' % (self._delta_prefix, encode_json(text), sequence)
 
     def _arguments(self, fragment: str) -> bytes:
-        assert self._item is not None
-        self._texts.append(fragment)
-        return self._event(
-            {
-                "type": "response.function_call_arguments.delta",
-                "item_id": self._item["id"],
-                "output_index": len(self._output),
-                "delta": fragment,
-            }
-        )
+        return self._item_delta("response.function_call_arguments.delta", fragment)
 
     def opening(self, prompt_tokens: int) -> bytes:
         response = self._response("in_progress", None)
