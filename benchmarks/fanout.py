@@ -1,6 +1,8 @@
 """The cost of a streamed event: N concurrent streams of ``trioserve serve --scripted``
 beside the floor (a bare ASGI app on hypercorn's Trio worker writing the same
-``chat.completion.chunk`` events at the same pace: ``benchmarks/harness/floor.py``).
+``chat.completion.chunk`` events at the same pace: ``benchmarks/harness/floor.py``) and,
+the floor whose paced events
+come from a worker thread per stream (``floor.py --threaded``; skipped at full speed).
 
 Paced (``--interval`` 0.02: one event per 20 ms per stream) and at full speed
 (``--interval`` 0), for each of ``--streams`` (16, 64, 256). One Trio raw-socket client in
@@ -11,7 +13,7 @@ stream's reads that carried events, when the last stream's first event came (fro
 run's start), and the streams complete. Method: docs/benchmarks.md.
 
     python benchmarks/fanout.py [--streams 16,64,256] [--events 100] [--full-tokens 500]
-        [--modes paced,full] [--contestants trioserve,floor] [--json out.json]
+        [--modes paced,full] [--contestants trioserve,floor,floor+thread] [--json out.json]
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ from benchmarks.harness import cli, servers
 from benchmarks.harness.proc import cpu_seconds
 from benchmarks.harness.stats import table
 
-TRIOSERVE, FLOOR = "trioserve", "floor"
+TRIOSERVE, FLOOR, FLOOR_THREAD = "trioserve", "floor", "floor+thread"
 CONTENT = b'{"content":'  # a content delta (the role chunk's delta starts with "role")
 FLOOR_SCRIPT = Path(__file__).resolve().parent / "harness" / "floor.py"
 
 
 def parse_args() -> Any:
-    p = cli.parser(__doc__, ((TRIOSERVE, FLOOR), (TRIOSERVE, FLOOR)), streams=[16, 64, 256])
+    every = (TRIOSERVE, FLOOR, FLOOR_THREAD)
+    p = cli.parser(__doc__, (every, every), streams=[16, 64, 256])
     cli.option(p, "--interval", 0.02, "seconds between a paced stream's events")
     cli.option(p, "--events", 100, "content events per paced stream")
     cli.option(p, "--full-tokens", 500, "tokens per stream at full speed")
@@ -132,8 +135,9 @@ def measure(server: servers.Server, streams: int, tokens: int, timeout: float) -
 
 
 def start(name: str, port: int, interval: float, slots: int, logs: Path, extra: list[str]) -> servers.Server:
-    if name == FLOOR:
+    if name in (FLOOR, FLOOR_THREAD):
         argv = [sys.executable, str(FLOOR_SCRIPT), "--port", str(port), "--interval", str(interval)]
+        argv += ["--threaded"] if name == FLOOR_THREAD else []
     else:
         options = ["--scripted", "--scripted-interval", str(interval), "--slots", str(slots)]
         argv = servers.trioserve_command(port, *options, "--max-queue", str(slots), *extra)
@@ -150,6 +154,8 @@ def run(args: Any) -> dict[str, Any]:
         for mode in modes:
             interval, tokens = (args.interval, args.events) if mode == "paced" else (0.0, args.full_tokens)
             for name in args.contestants:
+                if name == FLOOR_THREAD and not interval:
+                    continue  # (its thread paces: at full speed it is the floor)
                 server = start(name, servers.free_port(), interval, slots, Path(logs), args.server_arg)
                 running.append(server)
                 server.wait_ready(args.ready_timeout)

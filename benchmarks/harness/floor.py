@@ -4,19 +4,28 @@ the same OpenAI-shaped ``chat.completion.chunk`` SSE events as ``trioserve serve
 no metrics): what Trio + hypercorn + the socket cost (docs/benchmarks.md, "The cost of a
 streamed event").
 
-    python benchmarks/harness/floor.py --port 8123 [--interval 0.02]
+    python benchmarks/harness/floor.py --port 8123 [--interval 0.02] [--threaded]
 
 ``POST`` any path with a JSON body ``{"max_tokens": N, ...}``: a role chunk, ``N`` content
 chunks (`` tok0``, `` tok1``, …) one per ``--interval`` s (0: as fast as the socket takes
 them), a finish chunk, ``[DONE]``. ``GET /health``: 200.
+
+``--threaded`` (paced only): each stream's events are made in a worker thread of its own
+that waits out the interval and wakes the stream's task with ``run_sync_soon`` — the least
+a token made outside the event loop costs to reach it (trioserve's producers are worker
+threads by design: one wake of the loop from another thread per event when the events
+come at distinct moments). The floor of a server whose tokens come from a thread.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 import uuid
+from collections import deque
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -28,7 +37,47 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no
 _encode = msgspec.json.Encoder().encode
 
 
-def app_for(interval: float) -> Any:
+class _ThreadPace:
+    """A stream's events, paced in a worker thread: each one wakes the stream's task
+    (parked in :meth:`next`) from the thread, as a producer thread wakes its consumer."""
+
+    def __init__(self, tokens: int, interval: float) -> None:
+        self.tokens = tokens
+        self.interval = interval
+        self.ready: deque[int] = deque()
+        self.lock = threading.Lock()
+        self.parked: Any = None
+        self.token = trio.lowlevel.current_trio_token()
+
+    def _wake(self) -> None:
+        task, self.parked = self.parked, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+
+    def produce(self) -> None:
+        next_at = time.monotonic()
+        for i in range(self.tokens):
+            next_at += self.interval
+            time.sleep(max(0.0, next_at - time.monotonic()))
+            with self.lock:
+                self.ready.append(i)
+            self.token.run_sync_soon(self._wake)
+
+    async def next(self) -> list[int]:
+        while True:
+            with self.lock:
+                if self.ready:
+                    batch = list(self.ready)
+                    self.ready.clear()
+                    return batch
+            self.parked = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.SUCCEEDED)
+
+
+_THREADS = trio.CapacityLimiter(4096)
+
+
+def app_for(interval: float, threaded: bool = False) -> Any:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             while (message := await receive())["type"] != "lifespan.shutdown":
@@ -59,13 +108,24 @@ def app_for(interval: float) -> Any:
                 "more_body": True,
             }
         )
-        next_at = trio.current_time()
-        for i in range(tokens):
-            if interval:
-                next_at += interval
-                await trio.sleep_until(next_at)
-            data = prefix + _encode(f" tok{i}") + suffix
-            await send({"type": "http.response.body", "body": data, "more_body": True})
+        if threaded and interval:
+            pace = _ThreadPace(tokens, interval)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(trio.to_thread.run_sync, pace.produce, limiter=_THREADS))
+                sent = 0
+                while sent < tokens:
+                    for i in await pace.next():
+                        data = prefix + _encode(f" tok{i}") + suffix
+                        await send({"type": "http.response.body", "body": data, "more_body": True})
+                        sent += 1
+        else:
+            next_at = trio.current_time()
+            for i in range(tokens):
+                if interval:
+                    next_at += interval
+                    await trio.sleep_until(next_at)
+                data = prefix + _encode(f" tok{i}") + suffix
+                await send({"type": "http.response.body", "body": data, "more_body": True})
         finish = (
             b"data: "
             + head
@@ -80,12 +140,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--interval", type=float, default=0.02, help="seconds per event (0: full speed)")
+    p.add_argument("--threaded", action="store_true", help="pace each stream in a worker thread")
     args = p.parse_args()
     config = Config()
     config.bind = [f"127.0.0.1:{args.port}"]
     config.accesslog = None
     config.backlog = 1024
-    trio.run(serve, app_for(args.interval), config)
+    trio.run(serve, app_for(args.interval, args.threaded), config)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import trio
+import trio.testing
 
 from trioserve import Aborted, PieceChannel
 
@@ -126,3 +127,21 @@ async def test_on_room_is_called_when_the_consumer_drains_a_full_channel() -> No
     channel.put(b"c")
     assert await channel.receive_batch() == [b"b", b"c"]
     assert calls == [2]
+
+
+async def test_receive_batch_is_a_checkpoint_whether_pieces_wait_or_it_parks() -> None:
+    # (parked: the wait was the yield, and the wake-up takes no second trip through the
+    # scheduler; pieces already waiting: it yields before it returns them)
+    channel = PieceChannel(4)
+    channel.put(b"a")
+    with trio.testing.assert_checkpoints():
+        assert await channel.receive_batch() == [b"a"]
+
+    async def put_later() -> None:
+        await trio.testing.wait_all_tasks_blocked()
+        channel.put(b"b")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(put_later)
+        with trio.testing.assert_checkpoints():
+            assert await channel.receive_batch() == [b"b"]
