@@ -22,7 +22,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trioserve._core._channel import PieceChannel
 
-EVENTS, INTERVAL = 100, 0.02
+EVENTS, INTERVAL = 300, 0.02
 
 
 def cpu() -> float:

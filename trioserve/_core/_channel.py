@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 
@@ -35,6 +34,7 @@ class Aborted(Exception):
 
 class PieceChannel:
     __slots__ = (
+        "_abort_gate",
         "_closed",
         "_condition",
         "_consumer",
@@ -60,6 +60,9 @@ class PieceChannel:
         self._receiving_closed = False
         #: set by :meth:`abort`: producer threads read it between steps
         self.aborted = False
+        #: held until :meth:`abort` releases it: what :meth:`wait_aborted` waits on
+        self._abort_gate = threading.Lock()
+        self._abort_gate.acquire()
         self._token = trio.lowlevel.current_trio_token()
         self._consumer: trio.lowlevel.Task | None = None  # parked in receive_batch
         self._producer: trio.lowlevel.Task | None = None  # parked in send
@@ -130,21 +133,24 @@ class PieceChannel:
         """Tell producer threads to stop (any thread): :meth:`put_wait` raises
         :class:`Aborted`, and :attr:`aborted` is true."""
         with self._condition:
+            first = not self.aborted
             self.aborted = True
             self._condition.notify_all()
+        if first:
+            self._abort_gate.release()
 
     def wait_aborted(self, seconds: float) -> bool:
         """Block the calling worker thread up to ``seconds``, or until :meth:`abort`;
         whether the channel is aborted. One wake per call, not one per millisecond: a
-        paced producer (the scripted backend) waits its step out here."""
-        deadline = time.monotonic() + seconds
-        with self._condition:
-            while not self.aborted:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._condition.wait(remaining)  # (a consumer making room wakes it too)
-            return self.aborted
+        paced producer (the scripted backend) waits its step out here, on a lock that
+        :meth:`abort` releases (a timed lock wait: no condition's waiter to make per
+        step)."""
+        if self.aborted:
+            return True
+        if seconds > 0 and self._abort_gate.acquire(timeout=seconds):
+            self._abort_gate.release()  # (open for any other waiter)
+            return True
+        return self.aborted
 
     def close(self) -> None:
         """The producer is done (Trio thread): the consumer gets the rest, then the end."""

@@ -145,3 +145,22 @@ async def test_receive_batch_is_a_checkpoint_whether_pieces_wait_or_it_parks() -
         nursery.start_soon(put_later)
         with trio.testing.assert_checkpoints():
             assert await channel.receive_batch() == [b"b"]
+
+
+async def test_wait_aborted_waits_out_its_step_or_wakes_at_the_abort() -> None:
+    channel = PieceChannel(4)
+    assert not await trio.to_thread.run_sync(channel.wait_aborted, 0.01)  # the step, waited out
+    assert not channel.wait_aborted(0)
+    with trio.fail_after(30):  # (the waits below are an hour: only the abort ends them)
+        async with trio.open_nursery() as nursery:
+            results: list[bool] = []
+
+            async def wait() -> None:
+                results.append(await trio.to_thread.run_sync(channel.wait_aborted, 3600.0))
+
+            nursery.start_soon(wait)
+            nursery.start_soon(wait)
+            await trio.sleep(0.05)  # (if they are not waiting yet, they find the flag set)
+            channel.abort()
+    assert results == [True, True]
+    assert channel.wait_aborted(3600.0)  # (and every later wait, at once)
