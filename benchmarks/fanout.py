@@ -1,8 +1,9 @@
 """The cost of a streamed event: N concurrent streams of ``trioserve serve --scripted``
 beside the floor (a bare ASGI app on hypercorn's Trio worker writing the same
-``chat.completion.chunk`` events at the same pace: ``benchmarks/harness/floor.py``) and,
-the floor whose paced events
-come from a worker thread per stream (``floor.py --threaded``; skipped at full speed).
+``chat.completion.chunk`` events at the same pace: ``benchmarks/harness/floor.py``, stock
+hypercorn), the same with trioserve's hypercorn send patches (``floor+patches``:
+``floor.py --patched``) and that one with its paced events made in a worker thread per
+stream (``floor+thread``: ``--patched --threaded``; skipped at full speed).
 
 Paced (``--interval`` 0.02: one event per 20 ms per stream) and at full speed
 (``--interval`` 0), for each of ``--streams`` (16, 64, 256). One Trio raw-socket client in
@@ -13,7 +14,7 @@ stream's reads that carried events, when the last stream's first event came (fro
 run's start), and the streams complete. Method: docs/benchmarks.md.
 
     python benchmarks/fanout.py [--streams 16,64,256] [--events 100] [--full-tokens 500]
-        [--modes paced,full] [--contestants trioserve,floor,floor+thread] [--json out.json]
+        [--modes paced,full] [--contestants trioserve,floor,floor+patches,floor+thread] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ from benchmarks.harness import cli, servers
 from benchmarks.harness.proc import cpu_seconds
 from benchmarks.harness.stats import table
 
-TRIOSERVE, FLOOR, FLOOR_THREAD = "trioserve", "floor", "floor+thread"
+TRIOSERVE, FLOOR, FLOOR_PATCHED, FLOOR_THREAD = "trioserve", "floor", "floor+patches", "floor+thread"
 CONTENT = b'{"content":'  # a content delta (the role chunk's delta starts with "role")
 FLOOR_SCRIPT = Path(__file__).resolve().parent / "harness" / "floor.py"
 
 
 def parse_args() -> Any:
-    every = (TRIOSERVE, FLOOR, FLOOR_THREAD)
+    every = (TRIOSERVE, FLOOR, FLOOR_PATCHED, FLOOR_THREAD)
     p = cli.parser(__doc__, (every, every), streams=[16, 64, 256])
     cli.option(p, "--interval", 0.02, "seconds between a paced stream's events")
     cli.option(p, "--events", 100, "content events per paced stream")
@@ -135,8 +136,9 @@ def measure(server: servers.Server, streams: int, tokens: int, timeout: float) -
 
 
 def start(name: str, port: int, interval: float, slots: int, logs: Path, extra: list[str]) -> servers.Server:
-    if name in (FLOOR, FLOOR_THREAD):
+    if name in (FLOOR, FLOOR_PATCHED, FLOOR_THREAD):
         argv = [sys.executable, str(FLOOR_SCRIPT), "--port", str(port), "--interval", str(interval)]
+        argv += ["--patched"] if name in (FLOOR_PATCHED, FLOOR_THREAD) else []
         argv += ["--threaded"] if name == FLOOR_THREAD else []
     else:
         options = ["--scripted", "--scripted-interval", str(interval), "--slots", str(slots)]

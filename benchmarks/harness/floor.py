@@ -15,17 +15,24 @@ that waits out the interval and wakes the stream's task with ``run_sync_soon`` â
 a token made outside the event loop costs to reach it (trioserve's producers are worker
 threads by design: one wake of the loop from another thread per event when the events
 come at distinct moments). The floor of a server whose tokens come from a thread.
+
+``--patched``: hypercorn with trioserve's two send patches (``_http/_hypercorn_patches``:
+a send written at once once the request was read, a streamed chunk straight from the
+ASGI send) â€” the floor as cheap as trioserve makes hypercorn. Without it, stock
+hypercorn (the floor issue 53 defines).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 import uuid
 from collections import deque
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -47,6 +54,7 @@ class _ThreadPace:
         self.ready: deque[int] = deque()
         self.lock = threading.Lock()
         self.parked: Any = None
+        self.stopped = False  # (the stream was cancelled: the thread stops at its next step)
         self.token = trio.lowlevel.current_trio_token()
 
     def _wake(self) -> None:
@@ -57,6 +65,8 @@ class _ThreadPace:
     def produce(self) -> None:
         next_at = time.monotonic()
         for i in range(self.tokens):
+            if self.stopped:
+                return
             next_at += self.interval
             time.sleep(max(0.0, next_at - time.monotonic()))
             with self.lock:
@@ -71,7 +81,13 @@ class _ThreadPace:
                     self.ready.clear()
                     return batch
             self.parked = trio.lowlevel.current_task()
-            await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.SUCCEEDED)
+
+            def abort(_: object) -> trio.lowlevel.Abort:
+                self.parked = None
+                self.stopped = True
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
 
 
 _THREADS = trio.CapacityLimiter(4096)
@@ -141,7 +157,14 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--interval", type=float, default=0.02, help="seconds per event (0: full speed)")
     p.add_argument("--threaded", action="store_true", help="pace each stream in a worker thread")
+    p.add_argument("--patched", action="store_true", help="hypercorn with trioserve's send patches")
     args = p.parse_args()
+    if args.patched:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from trioserve._http._hypercorn_patches import patch_hypercorn_chunks, patch_hypercorn_send
+
+        if not (patch_hypercorn_send() and patch_hypercorn_chunks()):
+            raise SystemExit("trioserve's hypercorn patches did not apply")
     config = Config()
     config.bind = [f"127.0.0.1:{args.port}"]
     config.accesslog = None

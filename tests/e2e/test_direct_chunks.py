@@ -57,10 +57,10 @@ async def test_a_streams_events_go_straight_to_the_socket_as_chunks_clients_read
             return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
     assert await trio.to_thread.run_sync(chat) == TEXT
-    whole = [r for _, r in written if r == b""]
-    # every content event (one a word, the scripted model pacing none) went at once, whole
-    assert len(whole) >= 2
-    assert all(r is not None for _, r in written)
+    # every streamed part (the role chunk, then the content: one a word, or several that
+    # came together) went at once, whole
+    assert len(written) >= 2
+    assert all(r == b"" for _, r in written)
 
 
 async def test_through_the_cors_wrapper_too(
@@ -91,7 +91,7 @@ async def test_an_http_1_0_client_gets_hypercorns_way_and_the_same_text(
     server = await _server(nursery)
     host, port = server.url.removeprefix("http://").split(":")
     payload = json.dumps({**CHAT, "stream": True}).encode()
-    with socket.create_connection((host, int(port))) as sock:
+    with socket.create_connection((host, int(port)), timeout=30) as sock:  # (a hang fails, not waits)
         sock.sendall(
             b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(payload)}\r\n\r\n".encode()

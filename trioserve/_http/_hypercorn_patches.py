@@ -220,6 +220,7 @@ def write_chunk(http: Any, data: bytes) -> tuple[Any, bytes] | None:
         or connection.their_state not in _READ
         or type(getattr(connection, "_writer", None)) is not _Kinds.chunked
         or type(server) is not _Kinds.server
+        or type(server.stream) is not trio.SocketStream  # (TLS: no copy made for nothing)
         or server.send_lock.locked()
     ):
         return None

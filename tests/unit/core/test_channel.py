@@ -156,7 +156,9 @@ async def test_wait_aborted_waits_out_its_step_or_wakes_at_the_abort() -> None:
             results: list[bool] = []
 
             async def wait() -> None:
-                results.append(await trio.to_thread.run_sync(channel.wait_aborted, 3600.0))
+                # (abandoned if the abort never wakes it: the fail_after then fails the test)
+                waited = await trio.to_thread.run_sync(channel.wait_aborted, 3600.0, abandon_on_cancel=True)
+                results.append(waited)
 
             nursery.start_soon(wait)
             nursery.start_soon(wait)
