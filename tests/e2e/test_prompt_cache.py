@@ -110,6 +110,10 @@ async def test_a_conversation_past_where_deep_pieces_start_equals_the_cache_off_
     monkeypatch.setattr(llama_backend, "idle_recompute", False)
     rule = llama_backend.piece_rule
     assert (rule.deep_from, rule.deep_piece) == (1024, 512)
+    shown = llama_backend.cache_stats()  # (what /health says of them)
+    assert shown["deep_pieces"] == {"from": 1024, "piece": 512}
+    assert shown["piece_rule_key"] == rule.key
+    assert str(shown["piece_rule_key"]).endswith("/deep1024:512")
     tag = uuid.uuid4().hex
     sentence = "The harbour master counted the ships that came in from the north. "
     prompt = f"[{tag}] "

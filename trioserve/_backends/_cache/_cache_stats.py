@@ -40,6 +40,11 @@ class CacheStats:
     idle_tokens: int
     idle_aborted: int
     idle_pending: int
+    #: the cut rule's key (part of every tier's fingerprint) and its deep pieces: past
+    #: ``deep_from`` tokens a piece ends at a turn header or after ``deep_piece`` (0: none)
+    piece_rule_key: str = ""
+    deep_from: int = 0
+    deep_piece: int = 0
     #: the disk tier (``DiskTier.stats``), ``None`` without one
     disk: dict[str, object] | None = None
     #: the window cells' checkpoints (``WindowMarks.stats``), ``None`` without them
@@ -58,6 +63,8 @@ class CacheStats:
             "mode": "fast" if self.fast else "exact",
             "chunk": self.chunk,
             "piece_rule": self.piece_rule,
+            "piece_rule_key": self.piece_rule_key,
+            "deep_pieces": {"from": self.deep_from, "piece": self.deep_piece} if self.deep_piece else None,
             "tokens": tokens,
             "kv_bytes": int(tokens * self.kv_bytes_per_token),
             #: per sequence id: the prompt tokens it keeps (``null``: running a request)
