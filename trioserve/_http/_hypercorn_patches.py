@@ -3,8 +3,8 @@ of its HTTP/2 ``StreamBuffer.pop`` (so a stream that a client does not read stay
 bounded at 32 KiB), a registry of connection sockets that the stall timer shuts
 down (:func:`shut_down_connection`), a send that writes at once when it can
 (:func:`patch_hypercorn_send`), and a streamed chunk written from the ASGI send straight
-to the socket (:func:`patch_hypercorn_chunks`). Each patch checks that the class still looks as
-expected and leaves it alone otherwise. The bug and its measurement:
+to the socket (:func:`patch_hypercorn_chunks`). Each patch checks that the class still
+looks as expected and leaves it alone otherwise. The bug and its measurement:
 ``docs/operations.md``, "Flow control"; the send: docs/benchmarks.md, "The send path".
 """
 
@@ -122,8 +122,8 @@ def patch_hypercorn_connection_registry() -> bool:
 
 def request_read(server: Any) -> bool:
     """Whether the request on ``server``'s connection (hypercorn's ``TCPServer``) was
-    read in full (h11's client side ``DONE`` or after it): from then on a send written at once
-    cannot beat the reading of a request body still arriving. (A 401 written at once
+    read in full (h11's client side ``DONE`` or after it): from then on a send written at
+    once cannot beat the reading of a request body still arriving. (A 401 written at once
     before the body was read made hypercorn close a connection its client was about to
     reuse: measured with httpx, which then failed its next request.) ``False`` for
     anything but HTTP/1.x."""
@@ -203,13 +203,12 @@ def write_chunk(http: Any, data: bytes) -> tuple[Any, bytes] | None:
     response straight to its socket, if it can go now: ``None`` if not (nothing
     written), else the connection (hypercorn's ``TCPServer``) and what the kernel did not
     take of the framed chunk (``b""``: all of it), which the caller sends next
-    (:func:`send_rest`). It can when the stream is HTTP/1.1
-    over plain TCP, its request was read in full (:func:`request_read`), its response
-    is under way and chunked (h11's chunked writer: an
-    HTTP/1.0 client's body, a ``content-length`` one, a HEAD's, go h11's way), no other
-    send holds the connection's lock, and the kernel takes bytes at once. h11's state
-    does not change for a chunk (its chunked writer keeps none), so skipping it leaves
-    hypercorn and h11 where their own path would."""
+    (:func:`send_rest`). It can when the stream is HTTP/1.1 over plain TCP, its request
+    was read in full (:func:`request_read`), its response is under way and chunked
+    (h11's chunked writer: an HTTP/1.0 client's body, a ``content-length`` one, a HEAD's
+    go h11's way), no other send holds the connection's lock, and the kernel takes bytes
+    at once. h11's state does not change for a chunk (its chunked writer keeps none), so
+    skipping it leaves hypercorn and h11 where their own path would."""
     protocol: Any = getattr(http.send, "__self__", None)
     if type(protocol) is not _Kinds.protocol or not data or http.closed or http.state is not _Kinds.response:
         return None
@@ -240,13 +239,13 @@ class _Kinds:
 
 def patch_hypercorn_chunks() -> bool:
     """A streamed body part (``more_body``) goes from hypercorn's ``HTTPStream.app_send``
-    straight to the socket as a chunk
-    (:func:`write_chunk`), past ``H11Protocol.stream_send`` → h11 → ``TCPServer.protocol_send``
-    — a fifth of the event loop's time per event (docs/benchmarks.md, "The send path");
-    whatever cannot go at once goes their way. The ASGI wrappers above ``app_send`` (a
-    shield, CORS headers, a test's validator) still see every message. Wraps
-    ``HTTPStream.app_send`` and nothing else; off if hypercorn's or h11's classes no longer
-    look as expected."""
+    straight to the socket as a chunk (:func:`write_chunk`), past
+    ``H11Protocol.stream_send`` → h11 → ``TCPServer.protocol_send`` — half of what an
+    event cost the event loop beside the ``send()`` itself (docs/benchmarks.md, "Chunks
+    straight from the ASGI send"); whatever cannot go at once goes their way. The ASGI
+    wrappers above ``app_send`` (a shield, CORS headers, a test's validator) still see
+    every message. Wraps ``HTTPStream.app_send`` and nothing else; off if hypercorn's or
+    h11's classes no longer look as expected."""
     try:
         from h11._writers import ChunkedWriter
         from hypercorn.protocol.h11 import H11Protocol
