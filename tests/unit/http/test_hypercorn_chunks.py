@@ -21,6 +21,8 @@ from hypercorn.trio.tcp_server import TCPServer
 from trioserve._http import _hypercorn_patches
 from trioserve._http._hypercorn_patches import patch_hypercorn_chunks, patch_hypercorn_send, write_chunk
 
+from ._wire_doubles import read_exactly, server_h11, small_socket_pair
+
 
 class _Wrapper:
     """hypercorn's ``ProtocolWrapper``: what the connection tells it."""
@@ -47,18 +49,9 @@ def _stream(*, read: bool = True, length: int | None = None) -> tuple[Any, Any, 
     """An ``HTTPStream`` whose response started (chunked, or ``length`` bytes long),
     its ``TCPServer``, and the client's end of the socket (both ends closed after the
     test)."""
-    ours, theirs = socket.socketpair()
+    ours, theirs = small_socket_pair()
     _OPEN.extend((ours, theirs))
-    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    theirs.setblocking(False)
-    connection = h11.Connection(h11.SERVER)
-    if read:
-        connection.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-    else:  # the head of a request whose body is still arriving
-        connection.receive_data(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
-    while connection.next_event() not in (h11.NEED_DATA, h11.PAUSED):
-        pass
+    connection = server_h11(read=read)
     headers = [] if length is None else [(b"content-length", str(length).encode())]
     connection.send(h11.Response(status_code=200, headers=headers))  # (the head: sent)
     server: Any = object.__new__(TCPServer)
@@ -74,15 +67,6 @@ def _stream(*, read: bool = True, length: int | None = None) -> tuple[Any, Any, 
     http.state = ASGIHTTPState.RESPONSE
     http.scope, http.response, http.stream_id = {"method": "GET"}, {"status": 200}, 1
     return http, server, theirs
-
-
-async def _read(theirs: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    with trio.fail_after(30):  # (bytes lost: the test fails, it does not hang)
-        while len(out) < n:
-            await trio.lowlevel.wait_readable(theirs)
-            out += theirs.recv(65536)
-    return bytes(out)
 
 
 @pytest.fixture
@@ -112,7 +96,7 @@ async def test_a_streamed_part_goes_straight_to_the_socket_as_h11_frames_it(
     http, server, theirs = _stream()
     await HTTPStream.app_send(http, _part(b"data: one\n\n"))
     framed = b"b\r\ndata: one\n\n\r\n"  # (what h11's chunked writer writes for it)
-    assert await _read(theirs, len(framed)) == framed
+    assert await read_exactly(theirs, len(framed)) == framed
     assert chunks == [b""]
     assert not server.send_lock.locked()
     assert http.send.__self__.connection.our_state is h11.SEND_BODY  # (h11 where its own path leaves it)
@@ -121,7 +105,7 @@ async def test_a_streamed_part_goes_straight_to_the_socket_as_h11_frames_it(
 async def test_a_request_still_arriving_goes_hypercorns_way(chunks: list[bytes | None]) -> None:
     http, _, theirs = _stream(read=False)
     await HTTPStream.app_send(http, _part(b"data: one\n\n"))
-    assert await _read(theirs, 16) == b"b\r\ndata: one\n\n\r\n"
+    assert await read_exactly(theirs, 16) == b"b\r\ndata: one\n\n\r\n"
     assert chunks == [None]
 
 
@@ -134,7 +118,7 @@ async def test_another_send_holding_the_lock_or_a_content_length_body_is_decline
     server.send_lock.release()
     http, _, theirs = _stream(length=11)
     await HTTPStream.app_send(http, _part(b"data: one\n\n"))
-    assert await _read(theirs, 11) == b"data: one\n\n"  # (no chunk framing: h11's length writer)
+    assert await read_exactly(theirs, 11) == b"data: one\n\n"  # (no chunk framing: h11's length writer)
     assert chunks == [None]
 
 
@@ -144,7 +128,7 @@ async def test_a_partial_write_sends_the_rest_under_the_lock_in_order(chunks: li
     framed = b"%x\r\n%b\r\n" % (len(payload), payload)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(HTTPStream.app_send, http, _part(payload))
-        received = await _read(theirs, len(framed))
+        received = await read_exactly(theirs, len(framed))
     assert received == framed
     assert len(chunks) == 1
     assert chunks[0]  # (partly written: the rest went under the lock)

@@ -10,7 +10,6 @@ import socket
 import types
 from typing import Any
 
-import h11
 import pytest
 import trio
 import trio.testing
@@ -19,20 +18,7 @@ from hypercorn.trio.tcp_server import TCPServer
 
 from trioserve._http._hypercorn_patches import patch_hypercorn_send, request_read
 
-
-def _h11(*, read: bool, close: bool = False) -> h11.Connection:
-    """A server's h11 connection that has read a whole request (``read``; ``close``:
-    one that said ``Connection: close``) or only the head of one whose body is still
-    arriving."""
-    connection = h11.Connection(h11.SERVER)
-    if read:
-        said = b"Connection: close\r\n" if close else b""
-        connection.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n" + said + b"\r\n")
-    else:
-        connection.receive_data(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
-    while connection.next_event() not in (h11.NEED_DATA, h11.PAUSED):
-        pass
-    return connection
+from ._wire_doubles import read_exactly, server_h11, small_socket_pair
 
 
 class _Protocol:
@@ -41,7 +27,7 @@ class _Protocol:
 
     def __init__(self, *, read: bool = True, close: bool = False) -> None:
         self.events: list[object] = []
-        self.protocol = types.SimpleNamespace(connection=_h11(read=read, close=close))
+        self.protocol = types.SimpleNamespace(connection=server_h11(read=read, close=close))
 
     async def handle(self, event: object) -> None:
         self.events.append(event)
@@ -58,24 +44,12 @@ class _Connection:
 
 
 def _pair() -> tuple[trio.SocketStream, socket.socket]:
-    ours, theirs = socket.socketpair()
-    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    theirs.setblocking(False)
+    ours, theirs = small_socket_pair()
     return trio.SocketStream(trio.socket.from_stdlib_socket(ours)), theirs
 
 
 async def _send(connection: _Connection, data: bytes) -> None:
     await TCPServer.protocol_send(connection, RawData(data=data))  # type: ignore[arg-type]
-
-
-async def _read(theirs: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    with trio.fail_after(30):  # (bytes lost: the test fails, it does not hang)
-        while len(out) < n:
-            await trio.lowlevel.wait_readable(theirs)
-            out += theirs.recv(65536)
-    return bytes(out)
 
 
 @pytest.fixture(autouse=True)
@@ -155,7 +129,7 @@ async def test_a_full_socket_waits_for_the_reader_and_every_byte_arrives_in_orde
         await trio.testing.wait_all_tasks_blocked()
         assert not done.is_set()  # waiting for room: the back-pressure holds
         assert connection.send_lock.locked()  # hypercorn's way, under its lock
-        received = await _read(theirs, sent_before + len(payload))
+        received = await read_exactly(theirs, sent_before + len(payload))
     assert done.is_set()
     assert received == b"f" * sent_before + payload
     assert connection.protocol.events == []
@@ -169,7 +143,7 @@ async def test_a_partial_write_sends_the_rest_in_order() -> None:
     payload = bytes(range(251)) * 400  # ~100 KiB: the kernel takes a part at once
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_send, connection, payload)
-        received = await _read(theirs, len(payload))
+        received = await read_exactly(theirs, len(payload))
     assert received == payload
     assert not connection.send_lock.locked()
     theirs.close()
