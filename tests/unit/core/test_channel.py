@@ -154,15 +154,26 @@ async def test_wait_aborted_waits_out_its_step_or_wakes_at_the_abort() -> None:
     with trio.fail_after(30):  # (the waits below are an hour: only the abort ends them)
         async with trio.open_nursery() as nursery:
             results: list[bool] = []
+            threads: list[int] = []
+
+            def wait_in_thread() -> bool:
+                threads.append(threading.get_native_id())
+                return channel.wait_aborted(3600.0)
 
             async def wait() -> None:
                 # (abandoned if the abort never wakes it: the fail_after then fails the test)
-                waited = await trio.to_thread.run_sync(channel.wait_aborted, 3600.0, abandon_on_cancel=True)
-                results.append(waited)
+                results.append(await trio.to_thread.run_sync(wait_in_thread, abandon_on_cancel=True))
 
             nursery.start_soon(wait)
             nursery.start_soon(wait)
-            await trio.sleep(0.05)  # (if they are not waiting yet, they find the flag set)
+            # both threads blocked in their wait (the kernel says so) before the abort
+            await wait_for(lambda: len(threads) == 2 and all(_sleeping(t) for t in threads))
             channel.abort()
     assert results == [True, True]
     assert channel.wait_aborted(3600.0)  # (and every later wait, at once)
+
+
+def _sleeping(native_id: int) -> bool:
+    """Whether this process's thread ``native_id`` is blocked (``S``), per ``/proc``."""
+    with open(f"/proc/self/task/{native_id}/stat") as stat:
+        return stat.read().rpartition(")")[2].split()[0] == "S"
