@@ -194,7 +194,7 @@ def _u64(view: memoryview, at: int) -> int:
     return int.from_bytes(view[at : at + 8], "little")
 
 
-def _part(view: memoryview, at: int) -> _Part | None:
+def _part(view: memoryview, at: int, *, ordered: bool = True) -> _Part | None:
     size = len(view)
     start = at
     if at + 4 > size:
@@ -214,7 +214,7 @@ def _part(view: memoryview, at: int) -> _Part | None:
             continue
         if found is not None:
             return None  # (one sequence's cells live in one stream)
-        cells = _cells(view, at, count)
+        cells = _cells(view, at, count, ordered=ordered)
         if cells is None:
             return None
         cell, positions = cells
@@ -232,7 +232,7 @@ def _part(view: memoryview, at: int) -> _Part | None:
     return _Part(start, count_at, count, meta, cell, positions, data, layers, stream_end, at)
 
 
-def _cells(view: memoryview, at: int, count: int) -> tuple[int, numpy.ndarray] | None:
+def _cells(view: memoryview, at: int, count: int, *, ordered: bool) -> tuple[int, numpy.ndarray] | None:
     for cell in (_CELL, _CELL + _EXT):
         if at + count * cell > len(view):
             continue
@@ -243,7 +243,8 @@ def _cells(view: memoryview, at: int, count: int) -> tuple[int, numpy.ndarray] |
             (table[:, 1] == 1).all()
             and (table[:, -1] == table[0, -1]).all()
             and positions[0] >= 0
-            and (numpy.diff(positions) > 0).all()
+            and (positions >= 0).all()
+            and (not ordered or (numpy.diff(positions) > 0).all())
         ):
             return cell, positions.copy()
     return None
@@ -278,3 +279,7 @@ def _data(view: memoryview, at: int, count: int) -> tuple[tuple[_Rows, ...], int
         if at > size or width == 0 or lines == 0:
             return None
     return tuple(rows), at
+
+
+#: for :mod:`._ring_layout`, which reads the same format
+HEADER, MAGIC, part, u32 = _HEADER, _MAGIC, _part, _u32
