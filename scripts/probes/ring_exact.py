@@ -117,9 +117,10 @@ def main() -> None:
             assert L.llama_state_seq_set_data(ctx, saved[0], saved[1], 2)
         results[f"restored, {'laid out' if layout else 'as saved'}"] = run_steps(2)
     for name, got in results.items():
-        same = sum(x == y for x, y in zip(a, got))
+        pairs = list(zip(a, got, strict=True))
+        same = sum(x == y for x, y in pairs)
         worst = max(
-            float(numpy.abs(numpy.frombuffer(x, "<f4") - numpy.frombuffer(y, "<f4")).max()) for x, y in zip(a, got)
+            float(numpy.abs(numpy.frombuffer(x, "<f4") - numpy.frombuffer(y, "<f4")).max()) for x, y in pairs
         )
         print(f"{name}: {same}/{len(a)} steps equal bit for bit (largest difference {worst:.3g})")
 

@@ -3,7 +3,11 @@ llama-server's default; docs/prompt-cache.md, "Window layers"), with the real mo
 (Gemma 3: 15 of its 18 layers see the last 512 positions): the KV memory is llama.cpp's
 own figure and a fraction of the full one; a conversation's next turn still reuses
 its prompt and answers the cache-off text; a prefix whose window cells are gone is not
-reused (evaluated again, the text unchanged) — the trade this mode makes."""
+reused (evaluated again, the text unchanged) — the trade this mode makes. Every
+reuse — the cells trimmed back, a checkpoint, a state restored from host memory —
+gives the cache-off server's log-probabilities to the last bit: the window's ring is
+laid out as a fresh evaluation leaves it (docs/prompt-cache.md, "The window's ring,
+exact")."""
 
 from __future__ import annotations
 
@@ -13,7 +17,16 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from trioserve import Engine, GenerationRequest, LlamaBackend, LlamaSettings, SamplingParams, TextDelta, Usage
+from trioserve import (
+    Engine,
+    GenerationRequest,
+    LlamaBackend,
+    LlamaSettings,
+    SamplingParams,
+    TextDelta,
+    TokenLogprob,
+    Usage,
+)
 
 from ..conftest import THREADS
 
@@ -56,14 +69,30 @@ async def _engine(backend: LlamaBackend) -> AsyncIterator[Engine]:
 async def _run(
     engine: Engine, prompt: list[int], max_tokens: int, sampling: SamplingParams
 ) -> tuple[str, Usage]:
-    request = GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling)
+    text, usage, _ = await _run_logprobs(engine, prompt, max_tokens, sampling)
+    return text, usage
+
+
+async def _run_logprobs(
+    engine: Engine, prompt: list[int], max_tokens: int, sampling: SamplingParams
+) -> tuple[str, Usage, list[TokenLogprob]]:
+    """The text, the usage, and each token's log-probability with its 5 likeliest."""
+    request = GenerationRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling, logprobs=5)
     prepared = await engine.prepare(request)
     parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     async with engine.stream(prepared) as events:
         async for event in events:
             if type(event) is TextDelta:
                 parts.append(event.text)
-        return "".join(parts), events.usage
+                logprobs.extend(event.logprobs or ())
+        return "".join(parts), events.usage, logprobs
+
+
+def _ring(backend: LlamaBackend) -> dict[str, int]:
+    ring = backend.cache_stats()["window_ring"]
+    assert isinstance(ring, dict)
+    return ring
 
 
 def _restores(backend: LlamaBackend) -> int:
@@ -123,11 +152,15 @@ async def test_a_next_turn_past_the_window_reuses_its_prompt_and_answers_the_cac
                 add_bos=False,
             )
         )
-        answer, usage = await _run(engine, follow_up, 24, GREEDY)
+        relays = _ring(window)["relays"]
+        answer, usage, logprobs = await _run_logprobs(engine, follow_up, 24, GREEDY)
     async with _engine(window_uncached) as off:
-        reference, _ = await _run(off, follow_up, 24, GREEDY)
+        reference, _, fresh = await _run_logprobs(off, follow_up, 24, GREEDY)
     assert usage.cached_tokens == len(first)  # the previous prompt, whole
+    # (1,700 positions had gone round the ring of 1,024 cells: trimmed back, laid out again)
+    assert _ring(window)["relays"] == relays + 1
     assert answer == reference
+    assert logprobs == fresh  # every token's log-probabilities, to the last bit
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +200,9 @@ async def test_a_shared_head_past_the_window_comes_back_from_a_checkpoint_with_t
         restores = _restores(backend) if checkpoints else 0
         await _run(engine, head + tail, 4, NO_END)
         assert len(tail) > 1500
-        answer, usage = await _run(engine, head + other, 24, GREEDY)
+        answer, usage, logprobs = await _run_logprobs(engine, head + other, 24, GREEDY)
     async with _engine(window_uncached) as off:
-        reference, _ = await _run(off, head + other, 24, GREEDY)
+        reference, _, fresh = await _run_logprobs(off, head + other, 24, GREEDY)
     if checkpoints:
         assert usage.cached_tokens == len(head)  # the whole head, its window cells restored
         assert _restores(backend) == restores + 1
@@ -177,3 +210,41 @@ async def test_a_shared_head_past_the_window_comes_back_from_a_checkpoint_with_t
         assert usage.cached_tokens < len(head) - 512  # the head's window cells were not there
         assert backend.cache_stats()["window_checkpoints"] is None
     assert answer == reference
+    assert logprobs == fresh
+
+
+async def test_a_conversation_restored_from_host_memory_gives_the_cache_off_bits(
+    window: LlamaBackend, window_uncached: LlamaBackend
+) -> None:
+    """One id: a ~1,500-token conversation and its 200-token reply, then another prompt
+    takes the id (the conversation's cells saved to host memory), then the
+    conversation's next turn restores them — a state whose window cells sat in a ring
+    gone round, laid out again as they go in. Its log-probabilities are the cache-off
+    server's; the same state restored as saved gives other bits
+    (``scripts/probes/ring_exact.py``: "restored, as saved")."""
+    first = window.tokenize(
+        f"[{uuid.uuid4().hex}] "
+        + _turn("user", "The lighthouse keeper counted the ships and the storms. " * 110)
+        + "<start_of_turn>model\n"
+    )
+    assert len(first) > 1100
+    async with _engine(window) as engine:
+        reply, _ = await _run(engine, first, 200, NO_END)
+        other = window.tokenize(f"[{uuid.uuid4().hex}] " + _turn("user", "Hello.") + "<start_of_turn>model\n")
+        restores = window.cache_stats()["ram"]["restores"]  # type: ignore[index]
+        await _run(engine, other, 4, NO_END)
+        follow_up = (
+            first
+            + window.tokenize(reply, add_bos=False)
+            + window.tokenize(
+                "<end_of_turn>\n" + _turn("user", "Which storm was the worst?") + "<start_of_turn>model\n",
+                add_bos=False,
+            )
+        )
+        answer, usage, logprobs = await _run_logprobs(engine, follow_up, 24, GREEDY)
+    async with _engine(window_uncached) as off:
+        reference, _, fresh = await _run_logprobs(off, follow_up, 24, GREEDY)
+    assert usage.cached_tokens == len(first)
+    assert window.cache_stats()["ram"]["restores"] == restores + 1  # type: ignore[index]
+    assert answer == reference
+    assert logprobs == fresh

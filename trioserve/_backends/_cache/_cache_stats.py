@@ -49,6 +49,9 @@ class CacheStats:
     disk: dict[str, object] | None = None
     #: the window cells' checkpoints (``WindowMarks.stats``), ``None`` without them
     window: dict[str, object] | None = None
+    #: the window layers' rings (``--no-swa-full``): cells a sequence, trims laid out
+    #: again and their time (``WindowRing.stats``), ``None`` with every cell kept
+    ring: dict[str, object] | None = None
 
     @property
     def tokens(self) -> int:
@@ -87,6 +90,7 @@ class CacheStats:
             "whole_hits": self.whole_hits,
             "disk": self.disk,
             "window_checkpoints": self.window,
+            "window_ring": self.ring,
             "idle_recompute": {
                 "enabled": self.idle_recompute,
                 "chunks": self.idle_chunks,

@@ -16,6 +16,7 @@ import numpy
 
 from ..._core._exceptions import BackendError
 from .._cache import CachePolicy, DiskEntry, StateBuffer, WindowMark
+from ._ring_layout import WindowRing, window_ring
 from ._sequence import Sequence
 from ._state_layout import restore
 from ._tiers import StateTier
@@ -26,10 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["KvCells"]
 
 logger = logging.getLogger("trioserve.llama")
-
-#: ``llama_state_seq_*_ext``'s flag for the window layers' cells only
-#: (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``, formerly ``SWA_ONLY``)
-_WINDOW_ONLY = 1
 
 
 class KvCells:
@@ -72,6 +69,11 @@ class KvCells:
         #: places (:mod:`._state_layout`): the first position whose window cells are
         #: real (llama.cpp reports the zero cells below it)
         self._window_starts: dict[int, int] = {}
+        #: the window layers kept to their window: their rings laid out as a fresh
+        #: evaluation leaves them (:mod:`._ring_layout`), else ``None``
+        self.ring: WindowRing | None = None
+        if not model.settings.swa_full:
+            self.ring = window_ring(model, ctx, memory, window=host.window, n_batch=model.settings.n_batch)
 
     def keep_row(self, sequence: Sequence, logits: numpy.ndarray) -> None:
         """``sequence``'s prompt is evaluated and ends on a cut (its cells are all kept):
@@ -151,10 +153,7 @@ class KvCells:
         cuts = self.policy.host_cuts(tokens)
         if disk is None or not self.policy.savable(seq_id) or disk.covers(tokens, cuts, salt=salt):
             return False
-        lib = self.lib
-        size = lib.llama_state_seq_get_size(self.ctx, seq_id)
-        state = StateBuffer(size)
-        state.used = lib.llama_state_seq_get_data(self.ctx, state.array, size, seq_id)
+        state = self.whole_state(seq_id)
         if not state.used:
             return False
         start = self.host.floor(len(tokens), self.window_start(seq_id, len(tokens)))
@@ -176,29 +175,47 @@ class KvCells:
         self._window_starts.pop(seq_id, None)
         if not self.lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1):  # pragma: no cover
             logger.error("llama.cpp could not clear the cells of sequence %d", seq_id)
+        elif self.ring is not None:
+            self.ring.cleared(seq_id)
 
-    def trim(self, seq_id: int, keep: int) -> int:
+    def whole_state(self, seq_id: int) -> StateBuffer:
+        """The state of ``seq_id``'s cells (``used``: 0 when llama.cpp wrote none), in a
+        mapping of its own, never the heap (_memory.py: given back when evicted)."""
+        size = self.lib.llama_state_seq_get_size(self.ctx, seq_id)
+        state = StateBuffer(size)
+        state.used = self.lib.llama_state_seq_get_data(self.ctx, state.array, size, seq_id)
+        return state
+
+    def trim(self, seq_id: int, keep: int, *, lay: bool = True) -> int:
         """Remove ``seq_id``'s cells from position ``keep`` on; the cells kept. Where
         llama.cpp refuses a partial removal (``llama_memory_seq_rm`` returns false:
-        recurrent state), every cell goes and 0 is kept."""
-        lib = self.lib
+        recurrent state), every cell goes and 0 is kept. With the window layers kept to
+        their window, the ring is laid out again as a fresh evaluation of ``keep``
+        tokens leaves it (:mod:`._ring_layout`; ``lay=False``: the caller sets the
+        window cells itself next)."""
+        lib, ring = self.lib, self.ring
+        held = ring.held(seq_id) if ring is not None and keep > 0 else 0
         if keep > 0 and lib.llama_memory_seq_rm(self.memory, seq_id, keep, -1):
-            return keep
-        if keep > 0:
+            start = 0 if ring is None or not lay else ring.trimmed(seq_id, held, keep)
+            if start is not None:
+                if start:  # (zero cells below it now)
+                    self._window_starts[seq_id] = max(start, self._window_starts.get(seq_id, 0))
+                return keep
+            logger.warning("could not lay the window cells of sequence %d out again: clearing it", seq_id)
+        elif keep > 0:
             logger.warning("llama.cpp refused to keep %d cells of sequence %d: clearing it", keep, seq_id)
         self._window_starts.pop(seq_id, None)
         if not lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1):
             raise BackendError(f"llama.cpp could not clear the cells of sequence {seq_id}")
+        if ring is not None:
+            ring.cleared(seq_id)
         return 0
 
     def park(self, sequence: Sequence) -> StateBuffer:
         """Preemption: the state of ``sequence``'s cells (in a mapping of its own), then
         its cells cleared; :meth:`unpark` puts it back under any free id."""
-        lib = self.lib
         seq_id = sequence.seq_id
-        size = lib.llama_state_seq_get_size(self.ctx, seq_id)
-        state = StateBuffer(size)
-        state.used = lib.llama_state_seq_get_data(self.ctx, state.array, size, seq_id)
+        state = self.whole_state(seq_id)
         if not state.used:
             raise BackendError(f"llama.cpp could not save the state of sequence {seq_id}")
         if not self.kv_bytes_per_token and sequence.pos > 0:
@@ -325,18 +342,16 @@ class KvCells:
         turn = self.policy.rule.after_header(sequence.asked.prompt, end)
         if not marks.wants(sequence.seq_id, end, cuts[-1], turn=turn):
             return
-        lib = self.lib
         seq_id = sequence.seq_id
         started = time.perf_counter()
+        assert self.ring is not None  # (checkpoints are kept only with the window kept to it)
         try:
-            size = lib.llama_state_seq_get_size_ext(self.ctx, seq_id, _WINDOW_ONLY)
-            state = StateBuffer(size)
-            state.used = lib.llama_state_seq_get_data_ext(self.ctx, state.array, size, seq_id, _WINDOW_ONLY)
+            state = self.ring.window_state(seq_id)
         except Exception:  # an optimisation: without it, a shared head is evaluated again
             logger.exception("could not keep a checkpoint of the window cells; none is kept")
             return
-        floor = int(lib.llama_memory_seq_pos_min(self.memory, seq_id))
-        if state.used and floor >= 0:
+        floor = self.window_start(seq_id, end)
+        if state.used and floor < end:
             marks.add(seq_id, WindowMark(end, floor, state, state.used))
         self.mark_seconds += time.perf_counter() - started
 
@@ -346,14 +361,17 @@ class KvCells:
         seq_id = sequence.seq_id
         state = mark.state
         assert isinstance(state, StateBuffer)
-        if self.trim(seq_id, mark.end) != mark.end:  # pragma: no cover - (checked at load)
+        if self.trim(seq_id, mark.end, lay=False) != mark.end:  # pragma: no cover - (checked at load)
             self.reuse(sequence, 0)
             return
-        if not self.lib.llama_state_seq_set_data_ext(self.ctx, state.array, len(state), seq_id, _WINDOW_ONLY):
+        assert self.ring is not None  # (checkpoints are kept only with the window kept to it)
+        start = self.ring.restore(state.array, len(state), seq_id, partial=True)
+        if start is None or start < 0:
             # pragma: no cover - llama.cpp refused the state: evaluate it all
             logger.warning("could not restore a checkpoint of the window cells; evaluating the prompt")
             self.reuse(sequence, 0)
             return
+        self._window_starts[seq_id] = max(start, mark.floor)
         self.policy.marks.restores += 1
 
     def save_state(self, seq_id: int, tokens: list[int], salt: str) -> bool:
@@ -398,17 +416,28 @@ class KvCells:
         build knows — a restore then evaluates the prompt instead."""
         self._window_starts.pop(seq_id, None)
         lib, window = self.lib, self.host.window
-        start = restore(
-            lib, self.ctx, buffer, size, seq_id, in_place=self.swa_full and bool(window), strict=strict
-        )
-        if start is not None and window and not self.swa_full:
-            # (the window layers keep their window: their cells are as saved)
-            start = max(0, int(lib.llama_memory_seq_pos_min(self.memory, seq_id)))
-        if start is not None and self.swa_full and (start or floor):
-            # (zero cells below ``start`` when it was put in place; with the window kept
-            # to its window, llama.cpp's own first position says it all, as before)
+        start = None if self.ring is None else self.ring.restore(buffer, size, seq_id, partial=False)
+        if start is None and self.ring is not None and strict:
+            logger.warning("a saved state's layout is not the one this build writes; it is not restored")
+        elif start is None:
+            # (with the window kept to its window: a paused request's state of a layout
+            # this build does not lay out goes in as saved; llama.cpp's first position
+            # then says it all)
+            start = restore(
+                lib, self.ctx, buffer, size, seq_id, in_place=self.swa_full and bool(window), strict=strict
+            )
+            if start is not None and window and not self.swa_full:
+                start = max(0, int(lib.llama_memory_seq_pos_min(self.memory, seq_id)))
+        if start is not None and start < 0:
+            return None  # (llama.cpp refused it)
+        if start is not None and (start or floor):
+            # (zero cells below ``start``: put in place, or laid out in the ring)
             self._window_starts[seq_id] = max(start, floor)
         return start
+
+    def window_floor_of(self, seq_id: int) -> int:
+        """The first real window position a restore into ``seq_id`` recorded (0: none)."""
+        return self._window_starts.get(seq_id, 0)
 
     def window_floor(self, reused: int) -> int:
         """The lowest position the tokens after ``reused`` cached ones attend to."""
@@ -422,45 +451,6 @@ class KvCells:
             self.trim(sequence.seq_id, 0)
         sequence.prefilled = sequence.pos = tokens
         sequence.progress.cached_tokens = sequence.progress.prefilled_tokens = tokens
-
-    def share_prompt(
-        self, leader: Sequence, outputs: list[tuple[Sequence, int]]
-    ) -> list[tuple[Sequence, int]]:
-        """``leader``'s prompt is evaluated: copy its cells to each waiting choice of its
-        group, which then draws its first token from the same logits.
-
-        The copy is the leader's sequence state (``llama_state_seq_get_data``, then
-        ``set_data`` into each follower: its prompt cells only, done when the call
-        returns). Not ``llama_memory_seq_cp``: between sequences of a non-unified cache
-        that copies the follower's whole stream, and only at the start of the next
-        ``llama_decode`` — after a save to or restore from the host tier could already
-        have read or written those cells (measured: logits off by up to 11.5)."""
-        lib = self.lib
-        index = next(i for s, i in outputs if s is leader)
-        waiting = [f for f in leader.followers if not f.cancelled]  # (the cancelled: dropped next step)
-        leader.followers = []
-        for follower in waiting:
-            # detached first: if what follows fails, each evaluates the prompt itself
-            # rather than waiting for a leader that has gone
-            follower.leader = None
-        if not waiting:
-            return []
-        size = lib.llama_state_seq_get_size(self.ctx, leader.seq_id)
-        state = StateBuffer(size).array  # (unmapped when this returns)
-        written = lib.llama_state_seq_get_data(self.ctx, state, size, leader.seq_id)
-        floor = self._window_starts.get(leader.seq_id, 0)
-        shared = []
-        for follower in waiting:
-            self.trim(follower.seq_id, 0)
-            if not written or self.set_state(state, written, follower.seq_id, floor=floor) is None:
-                # pragma: no cover - llama.cpp refused: this choice evaluates the prompt itself
-                logger.warning("could not share a prompt's cells; a choice evaluates it again")
-                self.trim(follower.seq_id, 0)
-                continue
-            follower.prefilled = follower.pos = leader.prefilled
-            follower.progress.prefill_seconds = leader.progress.prefill_seconds
-            shared.append((follower, index))
-        return shared
 
     def keep(self, sequence: Sequence, *, failed: bool, finished: bool) -> None:
         """``sequence`` leaves its id: keep the cells the policy keeps (fast: every cell

@@ -22,6 +22,7 @@ from .._decoding import logits_row
 from ._adapters import AdapterSet
 from ._admission import Admission
 from ._capabilities import measure
+from ._choices import share_prompt
 from ._context import Context
 from ._disk import open_disk_tier
 from ._executor import Executor
@@ -115,6 +116,7 @@ class Scheduler:
         self.executor = Executor(model, context, turns)
         self.executor.pad_context = caps.pad_context
         self.outputs = Outputs(model, context.ctx, context.memory, caps)
+        self.outputs.rewind = self.kv.trim
         self.idle = IdleRecompute(self.inbox, self.policy, self.kv, self.executor)
         self.limits = Limits(
             max_call_width=caps.max_call_width,
@@ -297,7 +299,7 @@ class Scheduler:
                     prompts_done = True
                     sequence.progress.prefill_seconds = now - sequence.out.first_chunk_at
                     if sequence.followers:
-                        outputs += self.kv.share_prompt(sequence, outputs)
+                        outputs += share_prompt(self.kv, sequence, outputs)
             else:
                 sequence.pos += 1
         if filled.padded is not None:

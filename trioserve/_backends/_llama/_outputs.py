@@ -7,6 +7,7 @@ that ends here is *reported* (an :data:`End`), never handed back: the loop does 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy
@@ -46,6 +47,12 @@ class Outputs:
         self.memory = memory
         self.capabilities = capabilities
         self.stats = SpeculationStats()
+        #: remove a sequence's cells from a position on (``KvCells.trim``: with the window
+        #: layers kept to their window, the ring laid out again); the cells kept
+        self.rewind: Callable[[int, int], int] = self._rewind
+
+    def _rewind(self, seq_id: int, pos: int) -> int:
+        return pos if self.lib.llama_memory_seq_rm(self.memory, seq_id, pos, -1) else 0
 
     @property
     def lib(self) -> Any:
@@ -163,9 +170,8 @@ class Outputs:
             sequence.spec.drafter.settle(len(draft), accepted)
         if end is not None:
             return end  # ended inside the run: the loop releases its cells
-        if accepted < len(draft) and not self.lib.llama_memory_seq_rm(
-            self.memory, sequence.seq_id, sequence.pos, -1
-        ):  # pragma: no cover - (speculation needs partial removal: checked at load)
+        if accepted < len(draft) and self.rewind(sequence.seq_id, sequence.pos) != sequence.pos:
+            # pragma: no cover - (speculation needs partial removal: checked at load)
             return BackendError("the rejected guesses' cells could not be removed")
         return None
 

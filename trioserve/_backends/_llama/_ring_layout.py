@@ -33,6 +33,7 @@ so after a wrap their positions are not ascending."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,18 +42,20 @@ import numpy
 from .._cache import StateBuffer
 from ._state_layout import HEADER, MAGIC, part, u32
 
-__all__ = ["Ring", "ring_layout", "ring_size"]
+__all__ = ["Ring", "WindowRing", "ring_layout", "ring_size", "window_ring"]
 
 
 @dataclass(frozen=True, slots=True)
 class Ring:
     """A state to restore (``buffer``, ``size`` bytes) whose window cells land as a fresh
-    evaluation of its ``end`` positions leaves them; ``filler``: the position to remove
-    after the restore (its cell is where the fresh head is), ``None`` when there is none."""
+    evaluation of its ``end`` positions leaves them; ``start``: the first position whose
+    window cells are the state's own (zero cells below it); ``filler``: the position to
+    remove after the restore (its cell is where the fresh head is), ``None`` when none."""
 
     buffer: Any
     size: int
     end: int
+    start: int
     filler: int | None
 
 
@@ -71,17 +74,18 @@ def ring_layout(buffer: Any, size: int, *, ring: int, window: int, partial: bool
     if size < HEADER or u32(view, 0) != MAGIC:
         return None
     at = HEADER
+    last = -1
     if not partial:
         base = part(view, at)
         if base is None:
             return None
-        at = base.end
+        at, last = base.end, int(base.positions[-1])
     win = part(view, at, ordered=False)
     if win is None or win.end != size:
         return None
     positions = win.positions
     end = int(positions.max()) + 1
-    if not partial and int(base.positions[-1]) + 1 != end:
+    if not partial and last + 1 != end:
         return None
     count = min(end, ring)
     index = numpy.arange(count, dtype=numpy.int64)
@@ -131,7 +135,8 @@ def ring_layout(buffer: Any, size: int, *, ring: int, window: int, partial: bool
         dst[o : o + rows.start - rows.header] = src[rows.header : rows.start]
         o += rows.start - rows.header
         width = rows.width
-        lines = src[rows.start : rows.start + win.count * width * rows.lines].reshape(rows.lines, win.count, width)
+        held_rows = src[rows.start : rows.start + win.count * width * rows.lines]
+        lines = held_rows.reshape(rows.lines, win.count, width)
         target = dst[o : o + count * width * rows.lines].reshape(rows.lines, count, width)
         # (the zero rows: the mapping's pages are zero until written)
         target[:, found, :] = lines[:, source[found], :]
@@ -140,4 +145,114 @@ def ring_layout(buffer: Any, size: int, *, ring: int, window: int, partial: bool
     dst[o : o + tail] = src[win.stream_end : win.end]
     o += tail
     assert o == out_size
-    return Ring(out.array, out_size, end, filler)
+    return Ring(out.array, out_size, end, int(ranked[0]), filler)
+
+
+#: a position no cell holds: a shift of it moves nothing and puts the search head at 0
+_FAR = 1 << 30
+#: ``llama_state_seq_*_ext``'s flag for the window layers' cells only
+_WINDOW_ONLY = 1
+
+
+class WindowRing:
+    """One context's window rings (``ring`` cells a sequence; ``window``: the model's
+    sliding window), kept as a fresh evaluation leaves them: a stream emptied starts
+    its search at cell 0 (:meth:`cleared`), a trim that leaves another picture is laid
+    out again (:meth:`trimmed`), a state restored is laid out as it goes in
+    (:meth:`restore`). Only the scheduler thread calls it."""
+
+    def __init__(self, model: Any, ctx: Any, memory: Any, *, ring: int, window: int) -> None:
+        self._model = model
+        self.ctx = ctx
+        self.memory = memory
+        self.ring = ring
+        self.window = window
+        #: trims laid out again, and the time they took
+        self.relays = 0
+        self.seconds = 0.0
+
+    @property
+    def lib(self) -> Any:
+        """The model's bindings, read at each call (tests swap them to inject faults)."""
+        return self._model.lib
+
+    def stats(self) -> dict[str, object]:
+        """``/health``'s ``cache.window_ring``."""
+        return {"cells": self.ring, "relays": self.relays, "seconds": round(self.seconds, 6)}
+
+    def window_state(self, seq_id: int) -> StateBuffer:
+        """The state of ``seq_id``'s window layers' cells (a checkpoint's, a relay's)."""
+        lib = self.lib
+        size = lib.llama_state_seq_get_size_ext(self.ctx, seq_id, _WINDOW_ONLY)
+        state = StateBuffer(size)
+        state.used = lib.llama_state_seq_get_data_ext(self.ctx, state.array, size, seq_id, _WINDOW_ONLY)
+        return state
+
+    def cleared(self, seq_id: int) -> None:
+        """``seq_id`` holds no cell: its streams' search heads go to cell 0, where a
+        fresh server's are (llama.cpp moves a head down to the first cell it frees, and
+        the first cell may have been free already)."""
+        self.lib.llama_memory_seq_add(self.memory, seq_id, _FAR, _FAR + 1, 1)
+
+    def held(self, seq_id: int) -> int:
+        """The positions ``seq_id``'s cells reach (its last one + 1; 0: none)."""
+        return int(self.lib.llama_memory_seq_pos_max(self.memory, seq_id)) + 1
+
+    def trimmed(self, seq_id: int, held: int, keep: int) -> int | None:
+        """``seq_id`` held ``held`` positions and now keeps ``keep``: lay its ring out
+        again where the trim left another picture than a fresh evaluation of ``keep``
+        tokens — only when the ring had gone round (``held > ring``); the trimmed cells'
+        holes and the head are then elsewhere. Returns the first position whose window
+        cells are real (0: nothing laid out — nothing needed it, or its window cells do
+        not reach back far enough, which a reuse then finds and evaluates the prompt);
+        ``None`` when llama.cpp refused the state (its window cells are gone)."""
+        if held <= self.ring or held <= keep:
+            return 0
+        started = time.perf_counter()
+        state = self.window_state(seq_id)
+        laid = None
+        if state.used:
+            laid = ring_layout(state.array, state.used, ring=self.ring, window=self.window, partial=True)
+        if laid is None:
+            return 0
+        ok = self._set(laid, seq_id, partial=True)
+        self.relays += ok
+        self.seconds += time.perf_counter() - started
+        return laid.start if ok else None
+
+    def restore(self, buffer: Any, size: int, seq_id: int, *, partial: bool) -> int | None:
+        """``llama_state_seq_set_data`` (``partial``: of the window layers only) of the
+        state in ``buffer`` into ``seq_id``, its ring laid out first. Returns the first
+        position whose window cells are real; ``None``: the state is not one this build
+        lays out (nothing changed); -1: llama.cpp refused it."""
+        laid = ring_layout(buffer, size, ring=self.ring, window=self.window, partial=partial)
+        if laid is None:
+            return None
+        return laid.start if self._set(laid, seq_id, partial=partial) else -1
+
+    def _set(self, laid: Ring, seq_id: int, *, partial: bool) -> bool:
+        lib = self.lib
+        self.cleared(seq_id)  # (the restore's cells then go in at 0, 1, 2…)
+        if partial:
+            ok = lib.llama_state_seq_set_data_ext(self.ctx, laid.buffer, laid.size, seq_id, _WINDOW_ONLY)
+        else:
+            ok = lib.llama_state_seq_set_data(self.ctx, laid.buffer, laid.size, seq_id)
+        if ok and laid.filler is not None:
+            lib.llama_memory_seq_rm(self.memory, seq_id, laid.filler, laid.filler + 1)
+        return bool(ok)
+
+
+def window_ring(model: Any, ctx: Any, memory: Any, *, window: int, n_batch: int) -> WindowRing | None:
+    """The context's window rings, its window layers kept to their window (``window``:
+    the model's sliding window, 0: none) — not for a model whose positions take several
+    numbers a token (M-RoPE: llama.cpp shifts none of them, and the ring's head is put
+    back with a shift)."""
+    lib = model.lib
+    if not window or int(lib.llama_model_rope_type(model.model)) in _MULTI_POSITION_ROPES:
+        return None
+    ring = ring_size(int(lib.llama_n_ctx_seq(ctx)), window, n_batch)
+    return WindowRing(model, ctx, memory, ring=ring, window=window)
+
+
+#: ``LLAMA_ROPE_TYPE_MROPE``, ``_IMROPE``, ``_VISION``: several positions a token
+_MULTI_POSITION_ROPES = frozenset({8, 40, 24})

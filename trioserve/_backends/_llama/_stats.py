@@ -119,6 +119,7 @@ def cache_stats(scheduler: Scheduler) -> CacheStats:
         idle_pending=scheduler.policy.pending,
         disk=host.disk.stats() if host.disk is not None else _disk_off(scheduler),
         window=scheduler.policy.marks.stats(kv.mark_seconds) if scheduler.policy.marks.keep else None,
+        ring=kv.ring.stats() if kv.ring is not None else None,
     )
 
 
