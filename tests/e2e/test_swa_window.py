@@ -128,22 +128,31 @@ def test_the_window_layers_hold_a_fraction_of_the_kv_memory(model_path: str) -> 
     assert "--no-swa-full" in windowed.describe()
 
 
+@pytest.mark.parametrize("repeats", [100, 125], ids=["holes-inside-the-ring", "holes-round-its-end"])
 async def test_a_next_turn_past_the_window_reuses_its_prompt_and_answers_the_cache_off_text(
-    window: LlamaBackend, window_uncached: LlamaBackend
+    window: LlamaBackend, window_uncached: LlamaBackend, repeats: int
 ) -> None:
-    """A ~1,500-token prompt (past the window and a batch: its first cells' window rows
-    are gone), a 200-token reply decoded a token at a time, then the next turn: it
-    reuses the previous prompt (its window cells still reach), and its text is the
-    cache-off text."""
+    """A ~1,500- or ~1,900-token prompt (past the window and a batch: its first cells'
+    window rows are gone), a 200-token reply decoded a token at a time, then the next
+    turn: it reuses the previous prompt (its window cells still reach), and its
+    log-probabilities are the cache-off server's. The reply's cells, trimmed off, are
+    holes in the ring of 1,024 cells: inside it (left as they are) or round its end
+    (the ring laid out again)."""
     first = window.tokenize(
         f"[{uuid.uuid4().hex}] "
-        + _turn("user", "Tell me about the harbour, its stones, its people and the long years. " * 100)
+        + _turn("user", "Tell me about the harbour, its stones, its people and the long years. " * repeats)
         + "<start_of_turn>model\n"
     )
-    assert len(first) > 1500
+    ring = _ring(window)["cells"]
+    assert 1500 < len(first) < 2 * ring
+    around = len(first) % ring + 200 >= ring  # (the reply's cells reach the ring's last one)
+    assert around == (repeats == 125)
     async with _engine(window) as engine:
+        relays = _ring(window)["relays"]
         reply, usage = await _run(engine, first, 200, NO_END)
         assert usage.completion_tokens == 200
+        # (the reply's cells go when it ends: the trim that may lay the ring out)
+        assert _ring(window)["relays"] == relays + around
         follow_up = (
             first
             + window.tokenize(reply, add_bos=False)
@@ -152,13 +161,10 @@ async def test_a_next_turn_past_the_window_reuses_its_prompt_and_answers_the_cac
                 add_bos=False,
             )
         )
-        relays = _ring(window)["relays"]
         answer, usage, logprobs = await _run_logprobs(engine, follow_up, 24, GREEDY)
     async with _engine(window_uncached) as off:
         reference, _, fresh = await _run_logprobs(off, follow_up, 24, GREEDY)
     assert usage.cached_tokens == len(first)  # the previous prompt, whole
-    # (1,700 positions had gone round the ring of 1,024 cells: trimmed back, laid out again)
-    assert _ring(window)["relays"] == relays + 1
     assert answer == reference
     assert logprobs == fresh  # every token's log-probabilities, to the last bit
 

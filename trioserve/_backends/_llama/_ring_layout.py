@@ -170,6 +170,9 @@ class WindowRing:
         #: trims laid out again, and the time they took
         self.relays = 0
         self.seconds = 0.0
+        #: per sequence whose ring has holes no call has filled yet (a trim's): the
+        #: position past the highest cell those holes reach
+        self._reach: dict[int, int] = {}
 
     @property
     def lib(self) -> Any:
@@ -192,6 +195,7 @@ class WindowRing:
         """``seq_id`` holds no cell: its streams' search heads go to cell 0, where a
         fresh server's are (llama.cpp moves a head down to the first cell it frees, and
         the first cell may have been free already)."""
+        self._reach.pop(seq_id, None)
         self.lib.llama_memory_seq_add(self.memory, seq_id, _FAR, _FAR + 1, 1)
 
     def held(self, seq_id: int) -> int:
@@ -201,12 +205,21 @@ class WindowRing:
     def trimmed(self, seq_id: int, held: int, keep: int) -> int | None:
         """``seq_id`` held ``held`` positions and now keeps ``keep``: lay its ring out
         again where the trim left another picture than a fresh evaluation of ``keep``
-        tokens — only when the ring had gone round (``held > ring``); the trimmed cells'
-        holes and the head are then elsewhere. Returns the first position whose window
-        cells are real (0: nothing laid out — nothing needed it, or its window cells do
-        not reach back far enough, which a reuse then finds and evaluates the prompt);
-        ``None`` when llama.cpp refused the state (its window cells are gone)."""
-        if held <= self.ring or held <= keep:
+        tokens. The removed cells are holes where the fresh ring keeps older, masked
+        cells; that changes nothing later while the holes start at the head and stop
+        short of the ring's last cell (the next calls fill them in the fresh order,
+        and the attention covers as many cells) — measured to the bit
+        (``scripts/probes/ring_exact.py``: 2,600 tokens and 471 more trimmed, equal;
+        472, the last cell emptied, not). Holes a trim left that no call has filled
+        yet count with the next trim's. Returns the first position whose window
+        cells are real (0: nothing laid out — nothing needed it, or its window cells
+        do not reach back far enough, which a reuse then finds and evaluates the
+        prompt); ``None`` when llama.cpp refused the state (its window cells are gone)."""
+        reach = max(held, self._reach.pop(seq_id, 0))
+        if reach <= self.ring or reach <= keep:
+            return 0  # (never gone round: cell p holds p, the holes past ``keep``; or nothing went)
+        if keep % self.ring + (reach - keep) < self.ring:
+            self._reach[seq_id] = reach  # (holes up to ``reach`` until calls fill them)
             return 0
         started = time.perf_counter()
         state = self.window_state(seq_id)
@@ -214,6 +227,7 @@ class WindowRing:
         if state.used:
             laid = ring_layout(state.array, state.used, ring=self.ring, window=self.window, partial=True)
         if laid is None:
+            self._reach[seq_id] = reach
             return 0
         ok = self._set(laid, seq_id, partial=True)
         self.relays += ok
@@ -239,6 +253,8 @@ class WindowRing:
             ok = lib.llama_state_seq_set_data(self.ctx, laid.buffer, laid.size, seq_id)
         if ok and laid.filler is not None:
             lib.llama_memory_seq_rm(self.memory, seq_id, laid.filler, laid.filler + 1)
+            # (the cell at the head is a hole where the fresh ring has a masked cell)
+            self._reach[seq_id] = laid.end + 1
         return bool(ok)
 
 
