@@ -99,12 +99,14 @@ def _model(serve: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--swa-full",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="a sliding-window model's window layers keep every cell, so any cached prefix is "
-        "reusable exactly, at every cell's memory and attention cost (default: on); "
-        "--no-swa-full (llama-server's default) keeps about the window: a fraction of the KV "
-        "memory, faster long prompts, reuse where the window cells reach or from a checkpoint "
-        "of them (--ctx-checkpoints), not bit-exact (docs/prompt-cache.md, 'Window layers')",
+        default=None,
+        help="a sliding-window model's window layers keep every cell (any cached prefix "
+        "reusable from the cells alone, at every cell's memory and attention cost); "
+        "--no-swa-full (llama-server's default) keeps about the window and a batch: a "
+        "fraction of the KV memory, faster long prompts, reuse where the window cells "
+        "reach or from a checkpoint of them (--ctx-checkpoints); both exact (default: "
+        "every cell while the context per sequence is at most 4 times the window and a "
+        "batch — 4,096 for Gemma 3 —, the window past it; docs/prompt-cache.md, 'Window layers')",
     )
     group.add_argument(
         "--ctx-checkpoints",

@@ -51,7 +51,7 @@ def _settings(
         ),
         cache_type_k=get("cache_type_k", args.cache_type_k),
         cache_type_v=get("cache_type_v", args.cache_type_v),
-        swa_full=bool(get("swa_full", args.swa_full)),
+        swa_full=_optional_bool(get("swa_full", args.swa_full)),
         ctx_checkpoints=int(get("ctx_checkpoints", args.ctx_checkpoints)),
         n_threads=get("threads", args.threads),
         n_batch=int(get("batch_size", args.batch_size)),
@@ -121,3 +121,8 @@ def model_maker(args: argparse.Namespace) -> Callable[[str, Path, Mapping[str, i
         return LlamaSource(settings, host_pool=host_pool)
 
     return make
+
+
+def _optional_bool(value: object) -> bool | None:
+    """A flag or preset value that may be left to the default (``None``)."""
+    return None if value is None else bool(value)

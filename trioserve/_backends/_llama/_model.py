@@ -95,6 +95,8 @@ class LlamaModel:
             deep_from=settings.deep_from,
             deep_piece=settings.deep_chunk,
         )
+        # the window layers' default (every cell, or a ring): known once the file is
+        settings.resolve_window(max(0, int(lib.llama_model_n_swa(model))))
         train_ctx = lib.llama_model_n_ctx_train(model)
         if settings.n_ctx > train_ctx:
             logger.warning("n_ctx %d exceeds the model's training context %d", settings.n_ctx, train_ctx)

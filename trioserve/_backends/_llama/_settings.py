@@ -41,15 +41,17 @@ class LlamaSettings:
             cache types").
         cache_type_v: the same for V (``--cache-type-v``); a quantized V needs flash
             attention, which llama.cpp then turns on.
-        swa_full: a sliding-window model's window layers keep every cell (the
-            default): any cached prefix is reusable from the cells alone, computed in
-            the cells a fresh evaluation uses, at the cost of every cell's memory and
-            of attention over all of them. ``False`` (``--no-swa-full``, llama-server's
-            default): they keep about the window and a batch — a 32k context's KV
-            memory is a fraction and long prompts run faster; a cached prefix is
-            reusable where those cells still reach, or from a checkpoint of them
-            (``ctx_checkpoints``), in other cells than a fresh evaluation's — not
-            bit-exact (docs/prompt-cache.md, "Window layers").
+        swa_full: a sliding-window model's window layers keep every cell: any cached
+            prefix is reusable from the cells alone, at the cost of every cell's memory
+            and of attention over all of them. ``False`` (``--no-swa-full``,
+            llama-server's default): they keep a ring of about the window and a batch —
+            a 32k context's KV memory is a fraction and long prompts run faster; a
+            cached prefix is reusable where those cells still reach, or from a
+            checkpoint of them (``ctx_checkpoints``). Both exact (the ring is laid out
+            as a fresh evaluation leaves it: docs/prompt-cache.md, "The window's ring,
+            exact"). ``None`` (the default): every cell while ``n_ctx`` is at most four
+            rings (4,096 for Gemma 3 with 512-token batches), the ring past that
+            (:meth:`resolve_window`, at load).
         ctx_checkpoints: with the window layers kept to their window, the checkpoints of
             their cells each sequence id keeps (``--ctx-checkpoints``, llama-server's
             name; 0: none): a prefix whose window cells are gone is given back from the
@@ -134,7 +136,7 @@ class LlamaSettings:
         *,
         n_ctx: int = 4096,
         cache_type_k: str = "f16",
-        swa_full: bool = True,
+        swa_full: bool | None = None,
         ctx_checkpoints: int = 8,
         cache_type_v: str = "f16",
         n_threads: int | None = None,
@@ -190,7 +192,9 @@ class LlamaSettings:
             if value not in KV_CACHE_TYPES:
                 raise ValueError(f"{flag} must be one of {', '.join(KV_CACHE_TYPES)}, got {value!r}")
         self.cache_type_k = cache_type_k
-        self.swa_full = swa_full
+        #: as asked (``None``: chosen at load by :meth:`resolve_window`), and in force
+        self.swa_full_asked = swa_full
+        self.swa_full = True if swa_full is None else swa_full
         if ctx_checkpoints < 0:
             raise ValueError(f"ctx_checkpoints must be at least 0, got {ctx_checkpoints}")
         self.ctx_checkpoints = ctx_checkpoints
@@ -250,6 +254,15 @@ class LlamaSettings:
         if lora_max < len(self.lora) or lora_max < 0:
             raise ValueError(f"lora_max ({lora_max}) must be at least the adapters given ({len(self.lora)})")
         self.lora_max = lora_max
+
+    def resolve_window(self, window: int) -> None:
+        """At load (``window``: the model's sliding window, 0: none): the default
+        ``swa_full`` — every cell while the context per sequence is at most four rings
+        of the window and a batch, where keeping every cell costs little memory or
+        attention and spares checkpoints; the ring past that, where both grow with the
+        context (measured: docs/long-context.md)."""
+        if self.swa_full_asked is None:
+            self.swa_full = not window or self.n_ctx <= 4 * (window + self.n_batch)
 
     @property
     def kv_types(self) -> str:
