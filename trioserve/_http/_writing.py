@@ -14,7 +14,7 @@ import trio
 from .._core._engine import EventStream
 from .._core._exceptions import TrioserveError
 from .._core._types import Finished, TextDelta, TokenLogprob, Usage
-from .._wire import ParsedRequest, finished_choice
+from .._wire import Dialect, ParsedRequest, finished_choice
 from ._lifecycle import Heartbeat
 from ._request import InFlightRequest, Phase
 from ._writing_end import ResponseEnd, usage_of
@@ -39,9 +39,7 @@ class ResponseWriter(ResponseEnd):
         previous = 0.0
         async for event in events:
             if request.phase is Phase.QUEUED:  # the first event
-                if heartbeat is not None:
-                    await heartbeat.hand_over()  # from here on, this task is the only writer
-                request.advance(Phase.STREAMING)
+                await _begin_streaming(request, heartbeat)
             if type(event) is TextDelta:
                 now = perf_counter()
                 if previous:
@@ -50,13 +48,7 @@ class ResponseWriter(ResponseEnd):
                 await body(delta(event.text))
             else:
                 assert isinstance(event, Finished)
-                if event.reason == "error":
-                    final = dialect.stream_error(failure(events, event))
-                else:
-                    writer = dialect.writers[0]
-                    final = writer.finish(event.reason, event.message, event.stop_sequence)
-                    final += dialect.end(event.usage)
-                await self._end(request, final, event)
+                await self._end(request, _one_choice_end(dialect, events, event), event)
 
     async def _stream_coalesced(
         self, request: InFlightRequest, events: EventStream, heartbeat: Heartbeat | None
@@ -92,9 +84,7 @@ class ResponseWriter(ResponseEnd):
                 else:
                     event = await anext(events)
                 if request.phase is Phase.QUEUED:  # the first event
-                    if heartbeat is not None:
-                        await heartbeat.hand_over()  # from here on, this task is the only writer
-                    request.advance(Phase.STREAMING)
+                    await _begin_streaming(request, heartbeat)
                 if type(event) is TextDelta:
                     at = now()
                     if held or at < last + interval:
@@ -108,13 +98,7 @@ class ResponseWriter(ResponseEnd):
                 assert isinstance(event, Finished)
                 text, held = "".join(held), []
                 start = delta(text) if text else b""
-                if event.reason == "error":
-                    final = start + dialect.stream_error(failure(events, event))
-                else:
-                    writer = dialect.writers[0]
-                    final = start + writer.finish(event.reason, event.message, event.stop_sequence)
-                    final += dialect.end(event.usage)
-                await self._end(request, final, event)
+                await self._end(request, start + _one_choice_end(dialect, events, event), event)
                 return
         except trio.Cancelled:
             if held:
@@ -147,9 +131,7 @@ class ResponseWriter(ResponseEnd):
             left = len(choices)
             async for index, event in receive:
                 if request.phase is Phase.QUEUED:  # the first event
-                    if heartbeat is not None:
-                        await heartbeat.hand_over()  # from here on, this task is the only writer
-                    request.advance(Phase.STREAMING)
+                    await _begin_streaming(request, heartbeat)
                 if type(event) is TextDelta:
                     data = writers[index].delta(event.text, event.logprobs)
                     if data:
@@ -201,10 +183,7 @@ class ResponseWriter(ResponseEnd):
             assert final is not None
             if final.reason == "error":
                 request.end(final.reason)
-                failure = choices[index].backend_error
-                if isinstance(failure, TrioserveError):
-                    raise failure  # its own status: a 400 from an upstream stays a 400
-                raise BackendFailed(final.message or "inference failed")
+                raise failure(choices[index], final)  # (an upstream's 400 stays a 400)
         last = finals[-1]
         assert last is not None
         assert request.model is not None
@@ -235,8 +214,26 @@ class ResponseWriter(ResponseEnd):
         await self._end(request, body, Finished(reason="stop", usage=usage), json=True)
 
 
+async def _begin_streaming(request: InFlightRequest, heartbeat: Heartbeat | None) -> None:
+    """At a stream's first event: the heartbeat hands its writing over (from here on,
+    the calling task is the only writer) and the request is streaming."""
+    if heartbeat is not None:
+        await heartbeat.hand_over()
+    request.advance(Phase.STREAMING)
+
+
+def _one_choice_end(dialect: Dialect, events: EventStream, event: Finished) -> bytes:
+    """The last bytes of a one-choice text stream: a failed choice's error event, else
+    the choice's finish and the dialect's end (the usage)."""
+    if event.reason == "error":
+        return dialect.stream_error(failure(events, event))
+    final = dialect.writers[0].finish(event.reason, event.message, event.stop_sequence)
+    return final + dialect.end(event.usage)
+
+
 def failure(events: EventStream, event: Finished) -> TrioserveError:
-    """The error a failed choice reports to the client."""
+    """The error a failed choice reports to the client (a backend's own error keeps
+    its status: an upstream's 400 stays a 400)."""
     failure = events.backend_error
     if isinstance(failure, TrioserveError):
         return failure
