@@ -17,7 +17,15 @@ from ._choices import ToolMode
 from ._messages import ChatMessage
 from ._tools import Tool, call_constraint
 
-__all__ = ["Conversation", "armed", "fold_system_messages", "generation_for", "new_id", "take_prefill"]
+__all__ = [
+    "Conversation",
+    "armed",
+    "armed_generation",
+    "fold_system_messages",
+    "generation_for",
+    "new_id",
+    "take_prefill",
+]
 
 
 def new_id(prefix: str) -> str:
@@ -197,3 +205,13 @@ def armed(
     if markers is None and control is not False:
         return generation
     return dataclasses.replace(generation, reasoning=markers, reasoning_control=control is not False)
+
+
+def armed_generation(
+    conversation: Conversation, chat_format: ChatFormat, control: bool | None
+) -> tuple[GenerationRequest, ChatPrompt]:
+    """The generation a conversation asks for (:func:`generation_for`), :func:`armed`
+    with its rendered prompt's reasoning markers, and that prompt: what a conversation
+    dialect generates, and builds again from fewer messages when it truncates."""
+    generation, rendered = generation_for(conversation, chat_format)
+    return armed(generation, rendered.reasoning, rendered.opens_reasoning, control), rendered

@@ -15,7 +15,7 @@ from ._anthropic import decode_count_tokens_request, decode_messages_request, me
 from ._anthropic_writer import AnthropicDialect, anthropic_error
 from ._chat import ChatFormat, ChatPrompt
 from ._choices import ToolMode
-from ._conversation import Conversation, generation_for
+from ._conversation import Conversation, armed_generation
 from ._conversation import armed as _armed
 from ._dialect import OpenAIDialect
 from ._infill import InfillDialect, decode_infill_request
@@ -161,8 +161,7 @@ def _read_messages(body: bytes, chat_format: ChatFormat, options: ReadOptions) -
         messages, keep_billing_header=options.keep_billing_header, limits=options.limits
     )
     model = options.model_name(messages.model)
-    generation, rendered = generation_for(conversation, chat_format)
-    generation = _armed(generation, rendered.reasoning, rendered.opens_reasoning, messages.reasoning_control)
+    generation, rendered = armed_generation(conversation, chat_format, messages.reasoning_control)
     dialect = AnthropicDialect(
         model,
         tool_mode=conversation.tool_mode,
@@ -202,8 +201,7 @@ def _truncation(
 
     def build(messages: list[ChatMessage]) -> GenerationRequest:
         shorter = dataclasses.replace(conversation, messages=messages)
-        generation, rendered = generation_for(shorter, chat_format)
-        return _armed(generation, rendered.reasoning, rendered.opens_reasoning, control)
+        return armed_generation(shorter, chat_format, control)[0]
 
     return Truncation(
         mode,
@@ -221,8 +219,7 @@ def _read_responses(body: bytes, chat_format: ChatFormat, options: ReadOptions) 
     stored = options.stored
     conversation = responses_conversation(responses, limits=options.limits, stored=stored)
     model = options.model_name(responses.model)
-    generation, rendered = generation_for(conversation, chat_format)
-    generation = _armed(generation, rendered.reasoning, rendered.opens_reasoning, responses.reasoning_control)
+    generation, rendered = armed_generation(conversation, chat_format, responses.reasoning_control)
     # stored: OpenAI's default, where the server has a store
     storing = stored is not None and responses.store is not False
     dialect = ResponsesDialect(

@@ -11,8 +11,7 @@ import dataclasses
 
 from .._core._types import GenerationRequest
 from ._chat import ChatFormat, ChatPrompt
-from ._conversation import armed as _armed
-from ._conversation import generation_for
+from ._conversation import armed_generation
 from ._media import MediaCollector
 from ._messages import ChatMessage
 from ._ollama import (
@@ -63,9 +62,8 @@ def _read_ollama_chat(body: bytes, chat_format: ChatFormat, options: ReadOptions
 
     def build(messages: list[ChatMessage]) -> tuple[GenerationRequest, ChatPrompt]:
         shorter = dataclasses.replace(conversation, messages=messages)
-        generation, rendered = generation_for(shorter, chat_format)
-        generation = dataclasses.replace(generation, logprobs=logprobs)
-        return _armed(generation, rendered.reasoning, rendered.opens_reasoning, None), rendered
+        generation, rendered = armed_generation(shorter, chat_format, None)
+        return dataclasses.replace(generation, logprobs=logprobs), rendered
 
     generation, rendered = build(conversation.messages)
     dialect = OllamaDialect(
@@ -113,10 +111,9 @@ def _read_ollama_generate(body: bytes, chat_format: ChatFormat, options: ReadOpt
     else:
         media = MediaCollector(limits)
         conversation = generate_conversation(request, limits, chat_format.reasoning is not None, media)
-        generation, rendered = generation_for(conversation, chat_format)
+        generation, rendered = armed_generation(conversation, chat_format, None)
         reasoning, inside = rendered.reasoning, rendered.opens_reasoning
         generation = dataclasses.replace(generation, logprobs=logprobs_of(request))
-        generation = _armed(generation, reasoning, inside, None)
     dialect = OllamaDialect(
         "generate",
         request.model or model,
