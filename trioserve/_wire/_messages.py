@@ -108,11 +108,7 @@ def take_images(messages: Sequence[ChatMessage], media: MediaCollector, param: s
                     )
                 continue
             if part.type == "input_audio":
-                if message.role != "user":
-                    raise InvalidRequestError(
-                        f"{where} is audio in a {message.role} message; audio goes in user messages",
-                        param=where,
-                    )
+                _refuse_outside_user(message.role, where, "audio", "audio goes")
                 if part.input_audio is None:
                     raise InvalidRequestError(
                         f"{where} (input_audio) needs an input_audio object with data and format",
@@ -124,11 +120,7 @@ def take_images(messages: Sequence[ChatMessage], media: MediaCollector, param: s
                 continue
             if part.type != "image_url":
                 raise InvalidRequestError(_unsupported(part.type), param=where)
-            if message.role != "user":
-                raise InvalidRequestError(
-                    f"{where} is an image in a {message.role} message; images go in user messages",
-                    param=where,
-                )
+            _refuse_outside_user(message.role, where, "an image", "images go")
             if part.image_url is None:
                 raise InvalidRequestError(
                     f"{where} (image_url) needs an image_url object with a url", param=f"{where}.image_url"
@@ -140,6 +132,16 @@ def take_images(messages: Sequence[ChatMessage], media: MediaCollector, param: s
                 detail_param=f"{where}.image_url.detail",
             )
             content[j] = ContentPart(type="text", text=marker)
+
+
+def _refuse_outside_user(role: str, where: str, what: str, rule: str) -> None:
+    """A 400 naming the part at ``where`` if its message is not a user's: images and
+    audio go in user messages only (``what``: the part, ``rule``: the sentence's subject
+    and verb, as in "images go")."""
+    if role != "user":
+        raise InvalidRequestError(
+            f"{where} is {what} in a {role} message; {rule} in user messages", param=where
+        )
 
 
 class CallFunction(msgspec.Struct, kw_only=True):
