@@ -66,17 +66,35 @@ def _non_negative(text: str, what: str) -> int:
     return value
 
 
-class ReplayHandler:
-    """``GET /v1/stream``: one reader of a detachable stream, from an offset."""
+async def _past_the_end(exchange: Exchange) -> None:
+    """A 204 with no body, for a reader past the last event of a finished stream: it
+    stops an EventSource's reconnecting (the SSE standard)."""
+    await exchange.start(204, [])
+    await exchange.body(b"", more=False)
+
+
+class _LogReaders:
+    """What both replay routes share: the server's state and access policy, and the
+    request of one reader, owned by its key."""
 
     def __init__(self, state: ServerState, access: AccessPolicy | None = None) -> None:
         self.state = state
         self.access = access
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        exchange = Exchange(send, uuid.uuid4().hex, render_llama_error)
+    def _reader(self, scope: Scope, exchange: Exchange) -> InFlightRequest:
+        """The reader's request (a ``stream`` request), owned by the key's salt: it
+        reads only its own key's streams."""
         reader = InFlightRequest(scope, exchange, "stream")
         reader.owner = key_salt(scope, self.access)
+        return reader
+
+
+class ReplayHandler(_LogReaders):
+    """``GET /v1/stream``: one reader of a detachable stream, from an offset."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        exchange = Exchange(send, uuid.uuid4().hex, render_llama_error)
+        reader = self._reader(scope, exchange)
         try:
             detached = self.state.detached
             conversation = conversation_of(scope)
@@ -89,10 +107,7 @@ class ReplayHandler:
                 if last_event is not None:
                     after = _non_negative(last_event, "'Last-Event-ID'")
                     if log.finished and after >= log.next_id - 1:
-                        # past the last event of a finished stream: 204 stops an
-                        # EventSource's reconnecting (the SSE standard)
-                        await exchange.start(204, [])
-                        await exchange.body(b"", more=False)
+                        await _past_the_end(exchange)
                         return
                     cursor = log.attach_after(after)
                 else:
@@ -146,21 +161,16 @@ def _sequence_number(text: str, name: str) -> int:
     return int(text)
 
 
-class ResponsesReplay:
+class ResponsesReplay(_LogReaders):
     """``GET /v1/responses/{id}?stream=true``: one reader of a background response's
     stream (``background`` + ``stream``), after a sequence number. The events come from
     its in-memory log while it runs and ``--detach-timeout`` seconds after its end; once
     the log is gone (dropped, or the server restarted), from the store
     (:func:`~._event_store.stored_replay`)."""
 
-    def __init__(self, state: ServerState, access: AccessPolicy | None = None) -> None:
-        self.state = state
-        self.access = access
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send, response_id: str) -> None:
         exchange = Exchange(send, uuid.uuid4().hex)  # (OpenAI's error bodies)
-        reader = InFlightRequest(scope, exchange, "stream")
-        reader.owner = key_salt(scope, self.access)
+        reader = self._reader(scope, exchange)
         try:
             self.state.serving_registry()  # (503 while shutting down)
             service = self.state.responses
@@ -194,8 +204,7 @@ class ResponsesReplay:
                         param="stream",
                     )
                 if replay.past_end and by_header:
-                    await exchange.start(204, [])
-                    await exchange.body(b"", more=False)
+                    await _past_the_end(exchange)
                     return
                 log = replay_log(replay.body)
                 cursor: Cursor | None = log.attach(0)
@@ -226,10 +235,7 @@ class ResponsesReplay:
         """A cursor on the live log after ``after`` (``None``: a 204 went out)."""
         last = log.next_id - 1
         if after is not None and after >= last and log.finished and last_event is not None:
-            # past the last event of a finished stream: 204 stops an EventSource's
-            # reconnecting (the SSE standard)
-            await exchange.start(204, [])
-            await exchange.body(b"", more=False)
+            await _past_the_end(exchange)
             return log, None
         if after is not None and after > last and not log.finished:
             name = "Last-Event-ID" if last_event is not None else "starting_after"
