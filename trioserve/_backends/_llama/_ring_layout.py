@@ -40,7 +40,7 @@ from typing import Any
 import numpy
 
 from .._cache import StateBuffer
-from ._state_layout import HEADER, MAGIC, part, u32
+from ._state_layout import HEADER, MAGIC, part, rewrite, u32
 
 __all__ = ["Ring", "WindowRing", "ring_layout", "ring_size", "window_ring"]
 
@@ -108,44 +108,22 @@ def ring_layout(buffer: Any, size: int, *, ring: int, window: int, partial: bool
     if end > ring and end % ring:
         filler = end + ring
         final[end % ring] = filler
-    cell = win.cell
-    out_size = size + (count - win.count) * (cell + sum(r.width * r.lines for r in win.rows))
-    out = StateBuffer(out_size)
-    dst = numpy.ctypeslib.as_array(out.array)
-    src = numpy.frombuffer(view, dtype=numpy.uint8)
-    # the header, any full-attention part, the window part up to its cell count
-    dst[: win.count_at] = src[: win.count_at]
-    o = win.count_at
-    dst[o : o + 4] = numpy.frombuffer(numpy.uint32(count).tobytes(), dtype=numpy.uint8)
-    o += 4
     # the cells: (pos, n_seq_id, [ext], seq_id) — the kept cells' own, zero ext for the rest
-    words = cell // 4
+    words = win.cell // 4
     held = numpy.frombuffer(view, dtype="<i4", count=win.count * words, offset=win.meta).reshape(-1, words)
     meta = numpy.zeros((count, words), dtype="<i4")
     meta[found] = held[source[found]]
     meta[:, 0] = final
     meta[:, 1] = 1
     meta[:, -1] = held[0, -1]
-    n = count * cell
-    dst[o : o + n] = meta.view(numpy.uint8).reshape(-1)
-    o += n
-    dst[o : o + 8] = src[win.data : win.data + 8]  # (v_trans, n_layer)
-    o += 8
-    for rows in win.rows:
-        dst[o : o + rows.start - rows.header] = src[rows.header : rows.start]
-        o += rows.start - rows.header
-        width = rows.width
-        held_rows = src[rows.start : rows.start + win.count * width * rows.lines]
-        lines = held_rows.reshape(rows.lines, win.count, width)
-        target = dst[o : o + count * width * rows.lines].reshape(rows.lines, count, width)
+    kept, into = source[found], numpy.flatnonzero(found)
+
+    def place(rows: numpy.ndarray, ring_rows: numpy.ndarray) -> None:
         # (the zero rows: the mapping's pages are zero until written)
-        target[:, found, :] = lines[:, source[found], :]
-        o += count * width * rows.lines
-    tail = win.end - win.stream_end
-    dst[o : o + tail] = src[win.stream_end : win.end]
-    o += tail
-    assert o == out_size
-    return Ring(out.array, out_size, end, int(ranked[0]), filler)
+        ring_rows[:, into, :] = rows[:, kept, :]
+
+    array, out_size = rewrite(view, size, win, count, meta.view(numpy.uint8).reshape(-1), place)
+    return Ring(array, out_size, end, int(ranked[0]), filler)
 
 
 #: a position no cell holds: a shift of it moves nothing and puts the search head at 0

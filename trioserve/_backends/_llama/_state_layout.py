@@ -44,6 +44,7 @@ and the caller does not restore the state (a miss: the prompt is evaluated)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,36 +128,62 @@ def aligned(buffer: Any, size: int) -> Layout | None:
     start = int(window.positions[0])  # (a part holds cells: _part found its stream)
     if pad == 0:
         return Layout(buffer, size, start)
-    extra = pad * (window.cell + sum(r.width * r.lines for r in window.rows))
-    out = StateBuffer(size + extra)
+    # the full-attention part's cells: the same positions, the same sequence
+    meta = _bytes_at(view, base.meta, base.count * base.cell)
+
+    def place(held: numpy.ndarray, whole: numpy.ndarray) -> None:
+        # (the zero cells first: the mapping's pages are zero until written)
+        whole[:, pad:, :] = held
+
+    array, out_size = _rewrite(view, size, window, base.count, meta, place)
+    return Layout(array, out_size, start)
+
+
+def _bytes_at(view: memoryview, at: int, n: int) -> numpy.ndarray:
+    """``n`` bytes of ``view`` from ``at``, as a uint8 array (no copy)."""
+    return numpy.frombuffer(view, dtype=numpy.uint8, count=n, offset=at)
+
+
+def _rewrite(
+    view: memoryview,
+    size: int,
+    window: _Part,
+    count: int,
+    meta: numpy.ndarray,
+    place: Callable[[numpy.ndarray, numpy.ndarray], None],
+) -> tuple[Any, int]:
+    """A copy of the state in ``view`` whose window part holds ``count`` cells: their
+    metadata ``meta`` (bytes), and each layer's keys and values as ``place`` puts the
+    part's own rows (``lines × cells × width``) among them (zero rows elsewhere)."""
+    out_size = size + (count - window.count) * (window.cell + sum(r.width * r.lines for r in window.rows))
+    out = StateBuffer(out_size)
     dst = numpy.ctypeslib.as_array(out.array)
     src = numpy.frombuffer(view, dtype=numpy.uint8)
-    # the header, the full-attention part, and the window part up to its cell count
+    # the header, any full-attention part, the window part up to its cell count
     dst[: window.count_at] = src[: window.count_at]
     o = window.count_at
-    dst[o : o + 4] = numpy.frombuffer(numpy.uint32(base.count).tobytes(), dtype=numpy.uint8)
+    dst[o : o + 4] = numpy.frombuffer(numpy.uint32(count).tobytes(), dtype=numpy.uint8)
     o += 4
-    # the full-attention part's cells: the same positions, the same sequence
-    n = base.count * base.cell
-    dst[o : o + n] = src[base.meta : base.meta + n]
-    o += n
+    dst[o : o + len(meta)] = meta
+    o += len(meta)
     dst[o : o + 8] = src[window.data : window.data + 8]  # (v_trans, n_layer)
     o += 8
     for rows in window.rows:
         dst[o : o + rows.start - rows.header] = src[rows.header : rows.start]
         o += rows.start - rows.header
-        held = window.count * rows.width
-        whole = base.count * rows.width
-        lines = src[rows.start : rows.start + held * rows.lines].reshape(rows.lines, held)
-        # (the zero cells first: the mapping's pages are zero until written)
-        dst[o : o + whole * rows.lines].reshape(rows.lines, whole)[:, pad * rows.width :] = lines
-        o += whole * rows.lines
+        held = src[rows.start : rows.start + window.count * rows.width * rows.lines]
+        n = count * rows.width * rows.lines
+        place(
+            held.reshape(rows.lines, window.count, rows.width),
+            dst[o : o + n].reshape(rows.lines, count, rows.width),
+        )
+        o += n
     # the other streams' cell counts (0) after the sequence's stream
     tail = window.end - window.stream_end
     dst[o : o + tail] = src[window.stream_end : window.end]
     o += tail
-    assert o == size + extra
-    return Layout(out.array, size + extra, start)
+    assert o == out_size
+    return out.array, out_size
 
 
 def restore(
@@ -282,4 +309,4 @@ def _data(view: memoryview, at: int, count: int) -> tuple[tuple[_Rows, ...], int
 
 
 #: for :mod:`._ring_layout`, which reads the same format
-HEADER, MAGIC, part, u32 = _HEADER, _MAGIC, _part, _u32
+HEADER, MAGIC, part, rewrite, u32 = _HEADER, _MAGIC, _part, _rewrite, _u32
