@@ -237,6 +237,36 @@ async def test_a_disk_cache_written_with_f16_is_not_used_by_a_q8_0_backend_whose
     assert again == fresh
 
 
+@pytest.mark.parametrize("types", ["f16", "q8_0"])
+async def test_a_conversation_restored_from_disk_into_a_window_ring_gives_the_cache_off_bits(
+    model_path: str, tmp_path: Path, store_dirs: list[Path], types: str
+) -> None:
+    """The window layers kept to their ring (``swa_full=False``): a conversation past the
+    window served, its cells written at unload, then restored from disk by the next
+    backend — a state whose window cells go into a ring, laid out as a fresh evaluation
+    leaves it (docs/prompt-cache.md, "The window's ring, exact"). Every token's
+    log-probability equals the one computed with nothing cached. (Restored as saved, a
+    q8_0 text here differed.)"""
+    store_dirs.append(tmp_path)
+    first, new = _conversation(uuid.uuid4().hex)
+    ring = {"swa_full": False, "cache_type_k": types, "cache_type_v": types}
+    backend = await LlamaBackend.aload(_settings(model_path, tmp_path, **ring))
+    try:
+        fresh, fresh_logprobs, usage = await _complete_with_logprobs(backend, first + new)
+    finally:
+        await backend.aclose()
+    assert usage.cached_tokens == 0
+    backend = await LlamaBackend.aload(_settings(model_path, tmp_path, **ring))
+    try:
+        assert backend.cache_stats()["window_ring"] is not None
+        again, logprobs, usage = await _complete_with_logprobs(backend, first + new)
+    finally:
+        await backend.aclose()
+    assert usage.cached_disk_tokens == usage.cached_tokens > 512
+    assert again == fresh
+    assert logprobs == fresh_logprobs
+
+
 def _complete_http(url: str, prompt: str) -> tuple[str, dict[str, object]]:
     response = httpx.post(
         url + "/v1/completions",
