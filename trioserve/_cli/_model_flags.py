@@ -104,7 +104,7 @@ def _model(serve: argparse.ArgumentParser) -> None:
         "reusable from the cells alone, at every cell's memory and attention cost); "
         "--no-swa-full (llama-server's default) keeps about the window and a batch: a "
         "fraction of the KV memory, faster long prompts, reuse where the window cells "
-        "reach or from a checkpoint of them (--ctx-checkpoints); both exact (default: "
+        "reach or from a checkpoint of them (--ctx-checkpoints); both exact for Gemma 2/3 (default: "
         "every cell while the context per sequence is at most 4 times the window and a "
         "batch — 4,096 for Gemma 3 —, the window past it; docs/prompt-cache.md, 'Window layers')",
     )

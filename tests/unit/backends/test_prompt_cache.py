@@ -9,6 +9,7 @@ from trioserve._backends._cache import PieceRule
 from trioserve._backends._cache._cache_policy import CachePolicy, WindowMark, WindowMarks, short_tail
 from trioserve._backends._cache._prompt_cache import HostBudget, HostCache, shared_prefix
 from trioserve._backends._llama import LlamaSettings
+from trioserve._backends._llama._tiers import host_tier
 from trioserve._backends._sources import LlamaSource
 
 
@@ -429,3 +430,28 @@ def test_a_prefix_whose_window_cells_are_gone_is_placed_on_a_window_checkpoint()
     assert (plan.reused, plan.window) == (40, None)
     policy.forget(0)
     assert policy.marks.of(0) == []
+
+
+def test_a_host_tier_made_before_the_load_chose_the_window_layout_is_the_one_used(tmp_path: Path) -> None:
+    """``swa_full`` left to the default is chosen once the model file is read, after the
+    registry made the model's host tier (tagged with every cell kept): the load re-tags
+    that tier, still empty, and uses it — inside the server's one budget, and kept
+    across the model's unload — instead of making one outside it."""
+    pool = HostBudget(100)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"weights")
+    settings = LlamaSettings(path, cache_ram_bytes=100, n_ctx=32768)
+    assert settings.swa_full_asked is None
+    given = LlamaSource(settings, host_pool=pool).host_cache()
+    assert given is not None
+    assert given.kv_types == "f16/f16"
+    settings.resolve_window(512)  # (what LlamaModel does at load: past four rings, the ring)
+    assert settings.kv_types == "f16/f16/window"
+    host = host_tier(given, rule=given.rule, budget=100, enabled=True, window=512, kv_types=settings.kv_types)
+    assert host is given
+    assert host.pool is pool
+    assert host.kv_types == "f16/f16/window"
+    # a tier that holds cells of other types is never re-tagged: a new one
+    given.put([1, 2, 3, 4], [4], b"a" * 10)
+    other = host_tier(given, rule=given.rule, budget=100, enabled=True, window=512, kv_types="q8_0/q8_0")
+    assert other is not given

@@ -11,7 +11,7 @@ import struct
 import numpy
 import pytest
 
-from trioserve._backends._llama._ring_layout import ring_layout, ring_size
+from trioserve._backends._llama._ring_layout import WindowRing, ring_layout, ring_size
 
 MAGIC = 0xAF143CD8
 K_WIDTH = 4  # bytes of a cell's key row
@@ -124,3 +124,53 @@ def test_the_ring_is_the_window_and_a_batch_padded_to_256_at_most_the_context() 
     assert ring_size(32768, 512, 300) == 1024
     assert ring_size(32768, 1024, 512) == 1536
     assert ring_size(700, 512, 512) == 768
+
+
+class _Lib:
+    """The two llama.cpp calls a relay starts with, counted (the window state read back
+    is empty: nothing is laid out, so only the decision shows)."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def llama_state_seq_get_size_ext(self, ctx: object, seq_id: int, flags: int) -> int:
+        self.reads += 1
+        return 16
+
+    def llama_state_seq_get_data_ext(
+        self, ctx: object, array: object, size: int, seq_id: int, flags: int
+    ) -> int:
+        return 0
+
+
+class _Model:
+    def __init__(self) -> None:
+        self.lib = _Lib()
+
+
+def test_a_trim_is_laid_out_again_only_where_its_holes_reach_the_rings_last_cell() -> None:
+    """Ring of 8. Holes from the head up to cell 6 change nothing (no relay); to cell 7,
+    or round the end, they do. Holes a trim left and no call filled count with the next
+    trim's, and so do the cells of a call that failed — llama.cpp removed them itself
+    before the trim looked (``note``, taken before the call)."""
+    model = _Model()
+    ring = WindowRing(model, None, None, ring=8, window=4)
+    lib = model.lib
+    assert ring.trimmed(0, held=7, keep=5) == 0  # never gone round
+    assert ring.trimmed(0, held=12, keep=9) == 0  # holes at cells 1–3
+    assert lib.reads == 0
+    assert ring.trimmed(0, held=9, keep=9) == 0  # nothing removed, but holes up to 12 remain…
+    assert ring.trimmed(0, held=9, keep=8) == 0  # …cells 0–3: still short of the last
+    assert lib.reads == 0
+    assert ring.trimmed(1, held=16, keep=10) == 0  # cells 2–7: the last cell emptied
+    assert lib.reads == 1
+    assert ring.trimmed(2, held=18, keep=14) == 0  # cells 6, 7, 0, 1: round the end
+    assert lib.reads == 2
+    # a call about to write sequence 3 up to 24 fails: llama.cpp removes its cells, so
+    # the trim sees only 20 held — the noted reach says where the holes go
+    ring.note(3, 24)
+    assert ring.trimmed(3, held=20, keep=20) == 0  # (nothing removed by this trim…)
+    assert lib.reads == 3  # (…but cells 4–7 are holes: laid out again)
+    ring.note(4, 21)
+    assert ring.trimmed(4, held=20, keep=20) == 0  # cell 4 only
+    assert lib.reads == 3

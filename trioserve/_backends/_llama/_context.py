@@ -39,7 +39,8 @@ class Context:
         params.n_threads = settings.n_threads
         params.n_threads_batch = settings.n_threads
         params.n_seq_max = sequences
-        # sliding-window layers keep every cell too (the default, ``swa_full``): any
+        # sliding-window layers keep every cell too (``swa_full``; the default up to
+        # four times the window and a batch: LlamaSettings.resolve_window): any
         # cached prefix's cells are there, where a fresh evaluation puts them; without
         # it (``--no-swa-full``, llama-server's default) they keep about the window and
         # a batch, and reuse is where they reach or from a checkpoint of them

@@ -16,7 +16,7 @@ import numpy
 
 from ..._core._exceptions import BackendError
 from .._cache import CachePolicy, DiskEntry, StateBuffer, WindowMark
-from ._ring_layout import WindowRing, window_ring
+from ._ring_layout import WindowRing, set_window_state, window_ring, window_state
 from ._sequence import Sequence
 from ._state_layout import restore
 from ._tiers import StateTier
@@ -320,7 +320,7 @@ class KvCells:
             not self.swa_full
             and kept
             and self.host.window
-            and self.lib.llama_memory_seq_pos_min(self.memory, seq_id) > self.window_floor(kept)
+            and self.window_start(seq_id, kept) > self.window_floor(kept)
         ):
             # window layers kept to their window: the cells the rest attends to are gone
             # (planned against: CachePolicy.serves) — evaluate it all, never a short window
@@ -344,9 +344,8 @@ class KvCells:
             return
         seq_id = sequence.seq_id
         started = time.perf_counter()
-        assert self.ring is not None  # (checkpoints are kept only with the window kept to it)
         try:
-            state = self.ring.window_state(seq_id)
+            state = window_state(self.lib, self.ctx, seq_id)
         except Exception:  # an optimisation: without it, a shared head is evaluated again
             logger.exception("could not keep a checkpoint of the window cells; none is kept")
             return
@@ -364,8 +363,10 @@ class KvCells:
         if self.trim(seq_id, mark.end, lay=False) != mark.end:  # pragma: no cover - (checked at load)
             self.reuse(sequence, 0)
             return
-        assert self.ring is not None  # (checkpoints are kept only with the window kept to it)
-        start = self.ring.restore(state.array, len(state), seq_id, partial=True)
+        if self.ring is not None:
+            start: int | None = self.ring.restore(state.array, len(state), seq_id, partial=True)
+        else:  # (a window this build does not lay out: as saved, not exact)
+            start = mark.floor if set_window_state(self.lib, self.ctx, state, seq_id) else None
         if start is None or start < 0:
             # pragma: no cover - llama.cpp refused the state: evaluate it all
             logger.warning("could not restore a checkpoint of the window cells; evaluating the prompt")
@@ -423,6 +424,8 @@ class KvCells:
             # (with the window kept to its window: a paused request's state of a layout
             # this build does not lay out goes in as saved; llama.cpp's first position
             # then says it all)
+            if self.ring is not None:
+                logger.warning("a paused request's state is restored as saved: its text may differ")
             start = restore(
                 lib, self.ctx, buffer, size, seq_id, in_place=self.swa_full and bool(window), strict=strict
             )

@@ -264,6 +264,13 @@ class Scheduler:
             inbox.abort_flag.value = 0
             inbox.in_flight = filled.per_sequence
             inbox.in_flight_tokens = filled.rows
+        ring = self.kv.ring
+        if ring is not None:
+            # (a failed or aborted call's cells are removed by llama.cpp itself: their
+            # holes must count with the trim that follows — _ring_layout.py)
+            for sequence, count in call:
+                start = sequence.prefilled if count else sequence.pos
+                ring.note(sequence.seq_id, start + filled.per_sequence.get(sequence, 1))
         outcome = self.executor.decode()
         with inbox.condition:
             inbox.in_flight = {}

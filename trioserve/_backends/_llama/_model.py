@@ -30,6 +30,7 @@ from ._alora import invocations
 from ._loading import load
 from ._native import LoadAborted, LoadLog, make_log_callback, meta_value
 from ._prompts import Prompts, fim_tokens
+from ._ring_layout import RING_ARCHITECTURES
 from ._sampler import sampler_chain
 from ._settings import LlamaSettings
 
@@ -95,13 +96,14 @@ class LlamaModel:
             deep_from=settings.deep_from,
             deep_piece=settings.deep_chunk,
         )
-        # the window layers' default (every cell, or a ring): known once the file is
-        settings.resolve_window(max(0, int(lib.llama_model_n_swa(model))))
         train_ctx = lib.llama_model_n_ctx_train(model)
         if settings.n_ctx > train_ctx:
             logger.warning("n_ctx %d exceeds the model's training context %d", settings.n_ctx, train_ctx)
         #: ``general.architecture`` (``bert``, ``gemma3``…)
         self.architecture = self._meta("general.architecture") or ""
+        # the window layers' default (every cell, or a ring where it is laid out exactly)
+        window = max(0, int(lib.llama_model_n_swa(model)))
+        settings.resolve_window(window if self.architecture in RING_ARCHITECTURES else 0)
         #: the model generates text (an encoder — BERT and its kin — does not: its
         #: attention sees the whole input; it embeds and ranks only)
         self.generates = (self._meta(f"{self.architecture}.attention.causal") or "true").strip() != "false"

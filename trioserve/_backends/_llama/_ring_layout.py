@@ -42,7 +42,16 @@ import numpy
 from .._cache import StateBuffer
 from ._state_layout import HEADER, MAGIC, part, rewrite, u32
 
-__all__ = ["Ring", "WindowRing", "ring_layout", "ring_size", "window_ring"]
+__all__ = [
+    "RING_ARCHITECTURES",
+    "Ring",
+    "WindowRing",
+    "ring_layout",
+    "ring_size",
+    "set_window_state",
+    "window_ring",
+    "window_state",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,12 +171,8 @@ class WindowRing:
         return {"cells": self.ring, "relays": self.relays, "seconds": round(self.seconds, 6)}
 
     def window_state(self, seq_id: int) -> StateBuffer:
-        """The state of ``seq_id``'s window layers' cells (a checkpoint's, a relay's)."""
-        lib = self.lib
-        size = lib.llama_state_seq_get_size_ext(self.ctx, seq_id, _WINDOW_ONLY)
-        state = StateBuffer(size)
-        state.used = lib.llama_state_seq_get_data_ext(self.ctx, state.array, size, seq_id, _WINDOW_ONLY)
-        return state
+        """The state of ``seq_id``'s window layers' cells (a relay's)."""
+        return window_state(self.lib, self.ctx, seq_id)
 
     def cleared(self, seq_id: int) -> None:
         """``seq_id`` holds no cell: its streams' search heads go to cell 0, where a
@@ -175,6 +180,14 @@ class WindowRing:
         the first cell may have been free already)."""
         self._reach.pop(seq_id, None)
         self.lib.llama_memory_seq_add(self.memory, seq_id, _FAR, _FAR + 1, 1)
+
+    def note(self, seq_id: int, end: int) -> None:
+        """A call is about to write ``seq_id``'s cells up to position ``end`` (its last
+        + 1). If it fails or is aborted, llama.cpp removes what it placed before the
+        caller's trim sees it: the holes it leaves count with that trim's."""
+        reach = self._reach
+        if reach.get(seq_id, 0) < end:
+            reach[seq_id] = end
 
     def held(self, seq_id: int) -> int:
         """The positions ``seq_id``'s cells reach (its last one + 1; 0: none)."""
@@ -193,8 +206,9 @@ class WindowRing:
         cells are real (0: nothing laid out — nothing needed it, or its window cells
         do not reach back far enough, which a reuse then finds and evaluates the
         prompt); ``None`` when llama.cpp refused the state (its window cells are gone)."""
-        reach = max(held, self._reach.pop(seq_id, 0))
+        reach = max(held, self._reach.get(seq_id, 0))
         if reach <= self.ring or reach <= keep:
+            self._reach.pop(seq_id, None)
             return 0  # (never gone round: cell p holds p, the holes past ``keep``; or nothing went)
         if keep % self.ring + (reach - keep) < self.ring:
             self._reach[seq_id] = reach  # (holes up to ``reach`` until calls fill them)
@@ -238,15 +252,30 @@ class WindowRing:
 
 def window_ring(model: Any, ctx: Any, memory: Any, *, window: int, n_batch: int) -> WindowRing | None:
     """The context's window rings, its window layers kept to their window (``window``:
-    the model's sliding window, 0: none) — not for a model whose positions take several
-    numbers a token (M-RoPE: llama.cpp shifts none of them, and the ring's head is put
-    back with a shift)."""
-    lib = model.lib
-    if not window or int(lib.llama_model_rope_type(model.model)) in _MULTI_POSITION_ROPES:
+    the model's sliding window, 0: none) — for the architectures whose window is a
+    plain sliding one, where the fresh picture above holds (:data:`RING_ARCHITECTURES`;
+    a chunked window saves only its chunk's cells, a hybrid model's state has a
+    recurrent part after them, M-RoPE positions are not shifted): others keep
+    llama.cpp's own placement, not exact."""
+    if not window or model.architecture not in RING_ARCHITECTURES:
         return None
-    ring = ring_size(int(lib.llama_n_ctx_seq(ctx)), window, n_batch)
+    ring = ring_size(int(model.lib.llama_n_ctx_seq(ctx)), window, n_batch)
     return WindowRing(model, ctx, memory, ring=ring, window=window)
 
 
-#: ``LLAMA_ROPE_TYPE_MROPE``, ``_IMROPE``, ``_VISION``: several positions a token
-_MULTI_POSITION_ROPES = frozenset({8, 40, 24})
+def window_state(lib: Any, ctx: Any, seq_id: int) -> StateBuffer:
+    """The state of ``seq_id``'s window layers' cells (``llama_state_seq_get_data_ext``
+    of those layers only; ``used`` 0 when llama.cpp wrote none)."""
+    size = lib.llama_state_seq_get_size_ext(ctx, seq_id, _WINDOW_ONLY)
+    state = StateBuffer(size)
+    state.used = lib.llama_state_seq_get_data_ext(ctx, state.array, size, seq_id, _WINDOW_ONLY)
+    return state
+
+
+def set_window_state(lib: Any, ctx: Any, state: StateBuffer, seq_id: int) -> bool:
+    """``llama_state_seq_set_data_ext`` of a window-only state, as saved."""
+    return bool(lib.llama_state_seq_set_data_ext(ctx, state.array, len(state), seq_id, _WINDOW_ONLY))
+
+
+#: architectures whose window layers use a plain sliding window (measured: Gemma 3)
+RING_ARCHITECTURES = frozenset({"gemma2", "gemma3"})

@@ -47,10 +47,11 @@ class LlamaSettings:
             llama-server's default): they keep a ring of about the window and a batch —
             a 32k context's KV memory is a fraction and long prompts run faster; a
             cached prefix is reusable where those cells still reach, or from a
-            checkpoint of them (``ctx_checkpoints``). Both exact (the ring is laid out
-            as a fresh evaluation leaves it: docs/prompt-cache.md, "The window's ring,
-            exact"). ``None`` (the default): every cell while ``n_ctx`` is at most four
-            rings (4,096 for Gemma 3 with 512-token batches), the ring past that
+            checkpoint of them (``ctx_checkpoints``). Both exact for a plain sliding
+            window (Gemma 2/3; the ring is laid out as a fresh evaluation leaves it:
+            docs/prompt-cache.md, "The window's ring, exact"). ``None`` (the
+            default): every cell while ``n_ctx`` is at most four times the window and
+            a batch (4,096 for Gemma 3 with 512-token batches), the ring past that
             (:meth:`resolve_window`, at load).
         ctx_checkpoints: with the window layers kept to their window, the checkpoints of
             their cells each sequence id keeps (``--ctx-checkpoints``, llama-server's
@@ -256,11 +257,12 @@ class LlamaSettings:
         self.lora_max = lora_max
 
     def resolve_window(self, window: int) -> None:
-        """At load (``window``: the model's sliding window, 0: none): the default
-        ``swa_full`` — every cell while the context per sequence is at most four rings
-        of the window and a batch, where keeping every cell costs little memory or
-        attention and spares checkpoints; the ring past that, where both grow with the
-        context (measured: docs/long-context.md)."""
+        """At load (``window``: the model's sliding window where its ring is laid out
+        exactly, 0: none or not): the default ``swa_full`` — every cell while the
+        context per sequence is at most four times the window and a batch, where
+        keeping every cell costs little memory or attention and spares checkpoints;
+        the ring past that, where both grow with the context (measured:
+        docs/long-context.md)."""
         if self.swa_full_asked is None:
             self.swa_full = not window or self.n_ctx <= 4 * (window + self.n_batch)
 

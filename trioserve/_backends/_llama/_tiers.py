@@ -77,6 +77,9 @@ def host_tier(
     an unload: what the model cached before, under the server's one budget) when it is
     indexed by the same ``rule``, holds cells of the same ``kv_types`` and the cache is
     on; else a new one."""
+    if given is not None and given.kv_types != kv_types and not len(given):
+        # (made before the load chose the window layers' layout: it holds nothing yet)
+        given.kv_types = kv_types
     if given is not None and given.rule == rule and given.kv_types == kv_types and enabled:
         given.budget = budget
         given.active = True  # (an unloaded model's entries are the first to go)
