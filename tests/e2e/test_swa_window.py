@@ -103,6 +103,17 @@ def _restores(backend: LlamaBackend) -> int:
     return restores
 
 
+def _next_turn(backend: LlamaBackend, first: list[int], reply: str, question: str) -> list[int]:
+    """``first``, its ``reply``, and a next user turn asking ``question``."""
+    return (
+        first
+        + backend.tokenize(reply, add_bos=False)
+        + backend.tokenize(
+            "<end_of_turn>\n" + _turn("user", question) + "<start_of_turn>model\n", add_bos=False
+        )
+    )
+
+
 def _turn(role: str, text: str) -> str:
     return f"<start_of_turn>{role}\n{text}<end_of_turn>\n"
 
@@ -153,14 +164,7 @@ async def test_a_next_turn_past_the_window_reuses_its_prompt_and_answers_the_cac
         assert usage.completion_tokens == 200
         # (the reply's cells go when it ends: the trim that may lay the ring out)
         assert _ring(window)["relays"] == relays + around
-        follow_up = (
-            first
-            + window.tokenize(reply, add_bos=False)
-            + window.tokenize(
-                "<end_of_turn>\n" + _turn("user", "And what about its future?") + "<start_of_turn>model\n",
-                add_bos=False,
-            )
-        )
+        follow_up = _next_turn(window, first, reply, "And what about its future?")
         answer, usage, logprobs = await _run_logprobs(engine, follow_up, 24, GREEDY)
     async with _engine(window_uncached) as off:
         reference, _, fresh = await _run_logprobs(off, follow_up, 24, GREEDY)
@@ -239,14 +243,7 @@ async def test_a_conversation_restored_from_host_memory_gives_the_cache_off_bits
         other = window.tokenize(f"[{uuid.uuid4().hex}] " + _turn("user", "Hello.") + "<start_of_turn>model\n")
         restores = window.cache_stats()["ram"]["restores"]  # type: ignore[index]
         await _run(engine, other, 4, NO_END)
-        follow_up = (
-            first
-            + window.tokenize(reply, add_bos=False)
-            + window.tokenize(
-                "<end_of_turn>\n" + _turn("user", "Which storm was the worst?") + "<start_of_turn>model\n",
-                add_bos=False,
-            )
-        )
+        follow_up = _next_turn(window, first, reply, "Which storm was the worst?")
         answer, usage, logprobs = await _run_logprobs(engine, follow_up, 24, GREEDY)
     async with _engine(window_uncached) as off:
         reference, _, fresh = await _run_logprobs(off, follow_up, 24, GREEDY)

@@ -80,13 +80,13 @@ class IdleRecompute:
             inbox.idle_in_flight = True
             inbox.idle_tokens = tokens
             inbox.idle_salt = self.policy.salt(seq_id)
-        if self.kv.ring is not None:
-            self.kv.ring.note(seq_id, end)  # (an aborted chunk's holes: _ring_layout.py)
         outcome = self.executor.decode()  # (the cores, shared with embeddings)
         with inbox.condition:
             inbox.idle_in_flight = False
             inbox.idle_tokens = []
         if not outcome.ok:
+            if self.kv.ring is not None:
+                self.kv.ring.note(seq_id, end)  # (an aborted chunk's holes: _ring_layout.py)
             if (
                 self.kv.trim(seq_id, start) != start
             ):  # pragma: no cover - (partial removal is always possible here)

@@ -264,16 +264,16 @@ class Scheduler:
             inbox.abort_flag.value = 0
             inbox.in_flight = filled.per_sequence
             inbox.in_flight_tokens = filled.rows
+        outcome = self.executor.decode()
+        with inbox.condition:
+            inbox.in_flight = {}
         ring = self.kv.ring
-        if ring is not None:
+        if ring is not None and not outcome.ok:
             # (a failed or aborted call's cells are removed by llama.cpp itself: their
             # holes must count with the trim that follows — _ring_layout.py)
             for sequence, count in call:
                 start = sequence.prefilled if count else sequence.pos
                 ring.note(sequence.seq_id, start + filled.per_sequence.get(sequence, 1))
-        outcome = self.executor.decode()
-        with inbox.condition:
-            inbox.in_flight = {}
         if outcome.aborted:
             # Survivors redo the call from the same state. llama.cpp rolls back the
             # ubatch it was computing (a mutation test removing the line below still

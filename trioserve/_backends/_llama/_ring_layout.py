@@ -182,9 +182,10 @@ class WindowRing:
         self.lib.llama_memory_seq_add(self.memory, seq_id, _FAR, _FAR + 1, 1)
 
     def note(self, seq_id: int, end: int) -> None:
-        """A call is about to write ``seq_id``'s cells up to position ``end`` (its last
-        + 1). If it fails or is aborted, llama.cpp removes what it placed before the
-        caller's trim sees it: the holes it leaves count with that trim's."""
+        """A call that failed or was aborted wrote ``seq_id``'s cells up to position
+        ``end`` (its last + 1): llama.cpp removed what it placed before the caller's
+        trim sees it, so the holes it left count with that trim's. (Only then: a call
+        that succeeds leaves its cells, which the trim reads itself — nothing per token.)"""
         reach = self._reach
         if reach.get(seq_id, 0) < end:
             reach[seq_id] = end
