@@ -4,6 +4,7 @@ and whose ``POST`` is its first reader, and a background response (``background:
 docs/dialects.md, "Stored responses"), run in the store's nursery and its end stored.
 Both run the same :meth:`RequestScope._run` as a request with a connection."""
 
+import dataclasses
 import logging
 import uuid
 
@@ -11,9 +12,8 @@ import trio
 
 from .._core._errors import unwrap_group
 from .._core._exceptions import InvalidRequestError, ServiceUnavailableError, TrioserveError
-from .._core._registry import ModelEntry
 from .._core._tracing import TRACEPARENT
-from .._wire import DialectSpec, StoredAsk, encode_json, responses_reply
+from .._wire import StoredAsk, encode_json, responses_reply
 from ._accounting import log_request
 from ._detach import DetachController, DetachedStream, log_sink
 from ._errors import renderer
@@ -22,7 +22,7 @@ from ._exchange import Exchange, Receive
 from ._following import follow
 from ._lifecycle import INLINE_PARSE_BYTES, off_the_loop_if
 from ._request import InFlightRequest, Phase
-from ._request_scope import RequestScope
+from ._request_scope import RequestScope, RunPlan
 from ._stored import BackgroundJob
 
 __all__ = ["DetachedJobs"]
@@ -44,14 +44,7 @@ class DetachedJobs(RequestScope):
     """Starts and runs the jobs that outlive their connection (or never had one)."""
 
     async def _start_detached(
-        self,
-        request: InFlightRequest,
-        receive: Receive,
-        spec: DialectSpec,
-        body: bytes,
-        entry: ModelEntry,
-        ask: StoredAsk | None,
-        conversation: str,
+        self, request: InFlightRequest, receive: Receive, plan: RunPlan, conversation: str
     ) -> None:
         """A detachable stream (docs/resumable-streams.md): its job starts in the
         detached streams' nursery, writing into the stream's log; this request's
@@ -68,18 +61,15 @@ class DetachedJobs(RequestScope):
         job.model = request.model
         job.cancel_scope.deadline = request.cancel_scope.deadline
         stream.job = job
-        request.model = entry.name
-        await self._detach(request, receive, stream, spec, body, entry, ask)
+        request.model = plan.entry.name
+        await self._detach(request, receive, stream, plan)
 
     async def _detach(
         self,
         request: InFlightRequest,
         receive: Receive,
         stream: DetachedStream,
-        spec: DialectSpec,
-        body: bytes,
-        entry: ModelEntry,
-        ask: StoredAsk | None,
+        plan: RunPlan,
         background: BackgroundJob | None = None,
     ) -> None:
         """Start ``stream``'s job in the detached streams' nursery; ``request``'s
@@ -88,7 +78,7 @@ class DetachedJobs(RequestScope):
         assert detached is not None
         assert stream.job is not None
         cursor = stream.log.attach(0)
-        detached.nursery.start_soon(self._detached_job, stream, spec, body, entry, ask, background)
+        detached.nursery.start_soon(self._detached_job, stream, plan, background)
         await follow(
             request,
             stream.log,
@@ -99,13 +89,7 @@ class DetachedJobs(RequestScope):
         )
 
     async def _detached_job(
-        self,
-        stream: DetachedStream,
-        spec: DialectSpec,
-        body: bytes,
-        entry: ModelEntry,
-        ask: StoredAsk | None,
-        background: BackgroundJob | None,
+        self, stream: DetachedStream, plan: RunPlan, background: BackgroundJob | None
     ) -> None:
         """A detachable stream's job, to its end (a background response's: its end
         stored); then its log is kept for readers."""
@@ -128,7 +112,7 @@ class DetachedJobs(RequestScope):
                     if recorder is not None:
                         nursery.start_soon(recorder.run)
                     try:
-                        await self._run(job, _never_disconnects, spec, body, entry, ask, detached=True)
+                        await self._run(job, _never_disconnects, plan, detached=True)
                     finally:
                         nursery.cancel_scope.cancel()
 
@@ -151,15 +135,7 @@ class DetachedJobs(RequestScope):
                     log.append_nowait(b"", last=True)
         await detached.keep(stream)
 
-    async def _start_background(
-        self,
-        request: InFlightRequest,
-        receive: Receive,
-        spec: DialectSpec,
-        body: bytes,
-        entry: ModelEntry,
-        ask: StoredAsk,
-    ) -> None:
+    async def _start_background(self, request: InFlightRequest, receive: Receive, plan: RunPlan) -> None:
         """A background response: checked, stored as ``queued`` and started as a
         request no connection holds. Without ``stream`` (in the store's nursery) this
         request answers with the queued response object at once (docs/dialects.md,
@@ -168,6 +144,8 @@ class DetachedJobs(RequestScope):
         (docs/resumable-streams.md)."""
         service = self.state.responses
         assert service is not None
+        ask = plan.ask
+        assert ask is not None
         detached = self.state.detached if ask.stream else None
         if ask.stream and detached is None:
             raise InvalidRequestError(
@@ -179,21 +157,21 @@ class DetachedJobs(RequestScope):
         response_id = "resp_" + uuid.uuid4().hex
         stored = await service.context(ask.previous_response_id, owner, response_id)
         options = self._options(stored)
-        large = len(body) > INLINE_PARSE_BYTES
-        turn, queued = await off_the_loop_if(large, responses_reply, body, options)
+        large = len(plan.body) > INLINE_PARSE_BYTES
+        turn, queued = await off_the_loop_if(large, responses_reply, plan.body, options)
         # (its bounds: a 429 before anything is stored)
         account = request.account
         stream = None if detached is None else detached.open(owner, response_id, account, param="stream")
         # its own request: its own scope, deadline and log line; nothing to send to,
         # or its stream's log
         send = _nowhere if stream is None else log_sink(stream.log)
-        exchange = Exchange(send, response_id, renderer(spec))
+        exchange = Exchange(send, response_id, renderer(plan.spec))
         job_request = InFlightRequest(request.asgi, exchange, "responses")
         job_request.owner = owner
         job_request.account = request.account  # (its limits were taken by this request)
         if stream is None:
             self.state.tracing.begin(job_request, "/v1/responses")
-        job_request.model = entry.name
+        job_request.model = plan.entry.name
         job_request.cancel_scope.deadline = request.cancel_scope.deadline
         job = BackgroundJob(turn, owner, queued, job_request)
         if not await service.record(turn, owner, queued, streamed=stream is not None):
@@ -209,19 +187,17 @@ class DetachedJobs(RequestScope):
         if stream is not None:
             stream.background = True
             stream.job = job_request
-            request.model = entry.name
+            request.model = plan.entry.name
             ask = StoredAsk(turn.previous_id, background=True, stream=True)
-            await self._detach(request, receive, stream, spec, body, entry, ask, job)
+            await self._detach(request, receive, stream, dataclasses.replace(plan, ask=ask), job)
             return
-        service.nursery.start_soon(self._background, job, spec, body, entry)
+        service.nursery.start_soon(self._background, job, plan)
         request.end("stop")
         request.delivered = True
         request.watch_scope.cancel()
         await request.exchange.json(200, encode_json(queued))
 
-    async def _background(
-        self, job: BackgroundJob, spec: DialectSpec, body: bytes, entry: ModelEntry
-    ) -> None:
+    async def _background(self, job: BackgroundJob, plan: RunPlan) -> None:
         """Run a background response to its end, then store how it ended. Never raises
         into the server's nursery but to stop (a bug is logged and stored as a failure)."""
         service = self.state.responses
@@ -231,7 +207,7 @@ class DetachedJobs(RequestScope):
         TRACEPARENT.set(request.traceparent)  # (this task's own context: the job's trace)
         try:
             ask = StoredAsk(job.turn.previous_id, background=True)
-            await self._run(request, _never_disconnects, spec, body, entry, ask)
+            await self._run(request, _never_disconnects, dataclasses.replace(plan, ask=ask))
         except TrioserveError as exc:
             request.end(request.cause or "error", exc.message)
         except Exception as exc:

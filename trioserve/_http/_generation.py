@@ -34,6 +34,7 @@ from ._exchange import (
 from ._lifecycle import FINAL_EVENT_TIMEOUT, INLINE_PARSE_BYTES, off_the_loop_if
 from ._prepare_run import cache_salt
 from ._request import InFlightRequest, Kind
+from ._request_scope import RunPlan
 
 __all__ = [
     "FINAL_EVENT_TIMEOUT",
@@ -133,13 +134,14 @@ class GenerationHandler(DetachedJobs):
                     "send it without X-Conversation-Id",
                     param="X-Conversation-Id",
                 )
-            if ask.background:
-                await self._start_background(request, receive, spec, body, entry, ask)
-                return
-        if conversation is not None:
-            await self._start_detached(request, receive, spec, body, entry, ask, conversation)
+        plan = RunPlan(spec, body, entry, ask)
+        if ask is not None and ask.background:
+            await self._start_background(request, receive, plan)
             return
-        await self._run(request, receive, spec, body, entry, ask)
+        if conversation is not None:
+            await self._start_detached(request, receive, plan, conversation)
+            return
+        await self._run(request, receive, plan)
 
     def _conversation_id(self, request: InFlightRequest, body: bytes, spec: DialectSpec) -> str | None:
         """A detachable stream's id (llama-server's ``X-Conversation-Id``), checked:

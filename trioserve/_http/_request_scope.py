@@ -3,6 +3,7 @@ the stall timer around it, the model's lease (a load waited for inside the scope
 end of a request cut short; and its end however it ends (an error answered, or a started
 stream's final event; the cause recorded, its log line, charge and span)."""
 
+import dataclasses
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -24,9 +25,21 @@ from ._lifecycle import FINAL_EVENT_TIMEOUT, send_last, watched
 from ._prepare_run import PrepareAndRun
 from ._request import InFlightRequest, Phase
 
-__all__ = ["RequestScope"]
+__all__ = ["RequestScope", "RunPlan"]
 
 logger = logging.getLogger("trioserve.http")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunPlan:
+    """What a generation request runs, once read: its dialect, its body, its model and
+    the stored conversation it continues (``ask``; ``None``: no store, or a dialect
+    that stores nothing)."""
+
+    spec: DialectSpec
+    body: bytes
+    entry: ModelEntry
+    ask: StoredAsk | None
 
 
 class RequestScope(PrepareAndRun):
@@ -78,10 +91,7 @@ class RequestScope(PrepareAndRun):
         self,
         request: InFlightRequest,
         receive: Receive,
-        spec: DialectSpec,
-        body: bytes,
-        entry: ModelEntry,
-        ask: StoredAsk | None,
+        plan: RunPlan,
         *,
         detached: bool = False,
     ) -> None:
@@ -90,6 +100,7 @@ class RequestScope(PrepareAndRun):
         is the designed pause, never a stall)."""
         state = self.state
         scope = request.asgi
+        spec, body, entry, ask = plan.spec, plan.body, plan.entry, plan.ask
         keep_alive = self._keep_alive(scope, spec, body)
 
         with request.cancel_scope:
