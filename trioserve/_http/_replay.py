@@ -88,6 +88,21 @@ class _LogReaders:
         reader.owner = key_salt(scope, self.access)
         return reader
 
+    async def _follow(
+        self,
+        reader: InFlightRequest,
+        receive: Receive,
+        log: StreamLog,
+        cursor: Cursor,
+        head: tuple[int, list[tuple[bytes, bytes]]] | None,
+        job_id: str,
+    ) -> None:
+        """Send ``log`` to ``reader`` from ``cursor`` on (``head``: the status and headers
+        to start with; ``None``: the log's own), under the server's stall timeout."""
+        await follow(
+            reader, log, cursor, receive, stall_timeout=self.state.stall_timeout, head=head, job_id=job_id
+        )
+
 
 class ReplayHandler(_LogReaders):
     """``GET /v1/stream``: one reader of a detachable stream, from an offset."""
@@ -123,15 +138,8 @@ class ReplayHandler(_LogReaders):
             return
         job = stream.job
         headers = [*_SSE_HEADERS, (b"x-conversation-id", conversation.encode())]
-        await follow(
-            reader,
-            log,
-            cursor,
-            receive,
-            stall_timeout=self.state.stall_timeout,
-            head=(200, headers),
-            job_id=job.exchange.request_id if job is not None else "",
-        )
+        job_id = job.exchange.request_id if job is not None else ""
+        await self._follow(reader, receive, log, cursor, (200, headers), job_id)
 
 
 def _query(scope: Scope) -> dict[str, list[str]]:
@@ -218,15 +226,7 @@ class ResponsesReplay(_LogReaders):
             await exchange.error(exc)
             return
         assert cursor is not None
-        await follow(
-            reader,
-            log,
-            cursor,
-            receive,
-            stall_timeout=self.state.stall_timeout,
-            head=head,
-            job_id=response_id,
-        )
+        await self._follow(reader, receive, log, cursor, head, response_id)
 
     @staticmethod
     async def _live(
