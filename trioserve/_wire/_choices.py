@@ -247,20 +247,9 @@ class ChoiceStream:
 
     __slots__ = ("_call_ids", "_encoder", "_reader")
 
-    def __init__(
-        self,
-        encoder: ChunkEncoder,
-        mode: ToolMode,
-        names: Sequence[str] = (),
-        *,
-        reasoning: tuple[str, str] | None = None,
-        inside: bool = False,
-        parallel_calls: bool = True,
-    ) -> None:
+    def __init__(self, encoder: ChunkEncoder, reader: ChoiceReader) -> None:
         self._encoder = encoder
-        self._reader = ChoiceReader(
-            mode, names, reasoning=reasoning, inside=inside, parallel_calls=parallel_calls
-        )
+        self._reader = reader
         self._call_ids: dict[int, str] = {}
 
     def _encode(self, parts: tuple[Part, ...]) -> bytes:

@@ -17,7 +17,7 @@ from typing import Literal, Protocol
 
 from .._core._exceptions import TrioserveError
 from .._core._types import EndCause, TokenLogprob, Usage
-from ._choices import ChoiceStream, ToolMode
+from ._choices import ChoiceReader, ChoiceStream, ToolMode
 from ._openai_writer import ChoiceResult, ChunkEncoder, error_event, non_stream_response
 from ._sse import HEARTBEAT
 from ._truncation import Dropped
@@ -108,11 +108,9 @@ class OpenAIDialect:
         self.writers: list[ChoiceStream] = [
             ChoiceStream(
                 encoder,
-                tool_mode,
-                tool_names,
-                reasoning=reasoning,
-                inside=inside,
-                parallel_calls=parallel_calls,
+                ChoiceReader(
+                    tool_mode, tool_names, reasoning=reasoning, inside=inside, parallel_calls=parallel_calls
+                ),
             )
             for encoder in self.encoders
         ]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from trioserve._core._exceptions import InvalidRequestError
 from trioserve._core._types import TokenLogprob
-from trioserve._wire._choices import ChoiceStream, finished_choice
+from trioserve._wire._choices import ChoiceReader, ChoiceStream, finished_choice
 from trioserve._wire._openai import ChunkEncoder, decode_chat_request
 from trioserve._wire._tools import StreamedCallParser, Tool, call_constraint, parse_calls
 
@@ -89,7 +89,7 @@ def _chunks(data: bytes) -> list[dict[str, object]]:
 
 
 def test_a_forced_call_streams_as_openai_streams_it() -> None:
-    stream = ChoiceStream(ChunkEncoder("chat", "m"), "forced", ["get_weather"])
+    stream = ChoiceStream(ChunkEncoder("chat", "m"), ChoiceReader("forced", ["get_weather"]))
     data = b"".join(stream.delta(CALL[i : i + 5], None) for i in range(0, len(CALL), 5))
     data += stream.finish("stop")
     deltas = [c["choices"][0]["delta"] for c in _chunks(data)]  # type: ignore[index]
@@ -106,7 +106,7 @@ def test_a_forced_call_streams_as_openai_streams_it() -> None:
 )
 def test_auto_holds_what_may_be_a_call_and_sends_content_otherwise(text: str, reason: str) -> None:
     entry = TokenLogprob(token=1, piece=b"x", logprob=-0.5)
-    stream = ChoiceStream(ChunkEncoder("chat", "m"), "auto", ["get_weather"])
+    stream = ChoiceStream(ChunkEncoder("chat", "m"), ChoiceReader("auto", ["get_weather"]))
     data = b"".join(stream.delta(ch, (entry,)) for ch in text) + stream.finish("stop")
     chunks = _chunks(data)
     assert chunks[-1]["choices"][0]["finish_reason"] == reason  # type: ignore[index]
@@ -214,7 +214,7 @@ def test_a_call_nested_deeper_than_python_recurses_is_content_not_an_error() -> 
 
 def test_parallel_calls_stream_and_finish_as_separate_openai_calls() -> None:
     text = f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>"
-    stream = ChoiceStream(ChunkEncoder("chat", "m"), "auto", NAMES)
+    stream = ChoiceStream(ChunkEncoder("chat", "m"), ChoiceReader("auto", NAMES))
     data = b"".join(stream.delta(ch, None) for ch in text) + stream.finish("stop")
     chunks = _chunks(data)
     calls = [
@@ -254,7 +254,7 @@ def test_with_parallel_calls_off_only_the_first_call_is_read(text: str) -> None:
 
 @pytest.mark.parametrize("text", TWO_CALLS)
 def test_with_parallel_calls_off_a_choice_holds_exactly_one_call(text: str) -> None:
-    stream = ChoiceStream(ChunkEncoder("chat", "m"), "auto", NAMES, parallel_calls=False)
+    stream = ChoiceStream(ChunkEncoder("chat", "m"), ChoiceReader("auto", NAMES, parallel_calls=False))
     data = b"".join(stream.delta(ch, None) for ch in text) + stream.finish("stop")
     chunks = _chunks(data)
     deltas = [c["choices"][0]["delta"] for c in chunks]  # type: ignore[index]
