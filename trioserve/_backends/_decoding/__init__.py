@@ -18,7 +18,7 @@ Imports :mod:`trioserve._core` at most: nothing of a backend.
 
 from ._draw import LogitBias, draw, draw_special, logits_row, logprob_entry
 from ._grammar import GrammarCompiler, TokenMask
-from ._invariance import probe_invariant_width, probe_shared_context_limit, probe_verify_width
+from ._invariance import ProbeCalls, probe_invariant_width, probe_shared_context_limit, probe_verify_width
 from ._reasoning import ReasoningTracker, marker_tokens
 from ._speculation import (
     FAST_DRAFT,
@@ -37,6 +37,7 @@ __all__ = [
     "Drafter",
     "GrammarCompiler",
     "LogitBias",
+    "ProbeCalls",
     "ReasoningTracker",
     "SpeculationStats",
     "TokenMask",

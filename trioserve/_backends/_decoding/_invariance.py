@@ -19,7 +19,7 @@ import numpy
 
 from ..._core._exceptions import BackendError
 
-__all__ = ["probe_invariant_width", "probe_shared_context_limit", "probe_verify_width"]
+__all__ = ["ProbeCalls", "probe_invariant_width", "probe_shared_context_limit", "probe_verify_width"]
 
 logger = logging.getLogger("trioserve.llama")
 
@@ -32,33 +32,18 @@ _LONGEST_SHORT = 60
 _CONTEXT_STEP = 32
 
 
-def probe_invariant_width(
-    lib: Any,
-    ctx: Any,
-    memory: Any,
-    batch: Any,
-    prompts: list[list[int]],
-    n_vocab: int,
-    widest: int,
-) -> int:
+def probe_invariant_width(calls: ProbeCalls, prompts: list[list[int]], widest: int) -> int:
     """The widest decode call (in sequences, at most ``widest``) whose logits equal, bit
     for bit, each sequence's logits decoded alone (``docs/batching.md``, "How the probes
     are built").
 
     Args:
-        lib: the ``llama_cpp`` module.
-        ctx: a ``llama_context`` with room for ``widest`` sequences (``n_seq_max``,
-            a non-unified KV cache), the one that will serve. Its memory must hold no
-            sequence the caller still needs: the probe clears it before and after.
-        memory: ``llama_get_memory(ctx)``.
-        batch: a ``llama_batch`` of ``llama_n_batch(ctx)`` entries with
-            ``n_seq_id[i] == 1``; its tokens, positions, sequence ids and logit flags
-            are overwritten.
+        calls: the context probed (:class:`ProbeCalls`), with room for ``widest``
+            sequences (``n_seq_max``, a non-unified KV cache).
         prompts: token lists that the probe sequences are built from. Give several
             different ones, such as tokenized texts. Sequence ``i`` starts with
             ``prompts[i % len(prompts)]`` and continues with all the prompts' tokens,
             starting at an offset of its own, up to the length it needs.
-        n_vocab: the vocabulary size (the length of a logits row).
         widest: the widest call to try: ``min(n_seq_max, n_batch)``.
 
     Raises:
@@ -71,21 +56,20 @@ def probe_invariant_width(
         raise ValueError("probe_invariant_width needs at least one non-empty prompt")
     if widest == 1:
         return 1
-    n_ctx_seq = _context_per_sequence(lib, ctx)
+    n_ctx_seq = calls.context_per_sequence()
     if n_ctx_seq <= _STEPS:
         raise ValueError(f"a context of {n_ctx_seq} tokens per sequence is too small to probe")
-    n_batch = int(lib.llama_n_batch(ctx))
+    n_batch = int(calls.lib.llama_n_batch(calls.ctx))
     sequences = _probe_sequences(prompts, widest, n_ctx_seq)
     #: first decoded position of each sequence (its prompt is the tokens before it)
     starts = [len(tokens) - _STEPS for tokens in sequences]
-    calls = _Calls(lib, ctx, memory, batch, n_vocab)
     decode, logits = calls.decode, calls.logits
 
     def rewind(seq_id: int) -> None:
         """Remove the cells the decode steps wrote: back to the prefilled state."""
         calls.rewind(seq_id, starts[seq_id])
 
-    lib.llama_memory_clear(memory, True)
+    calls.clear()
     try:
         for seq_id, tokens in enumerate(sequences):
             for first in range(0, starts[seq_id], n_batch):
@@ -122,13 +106,21 @@ def probe_invariant_width(
             width = w
         return width
     finally:
-        lib.llama_memory_clear(memory, True)
+        calls.clear()
 
 
-class _Calls:
-    """The probes' llama.cpp calls: decode a list of (seq id, token, position, wants
-    logits) entries in one call, read a logits row, remove a sequence's cells from a
-    position on. Every failure is a :class:`BackendError`."""
+class ProbeCalls:
+    """The serving context a probe runs on, and the probes' llama.cpp calls on it:
+    decode a list of (seq id, token, position, wants logits) entries in one call, read
+    a logits row, remove a sequence's cells from a position on, clear the memory. Every
+    failure is a :class:`BackendError`.
+
+    ``lib``: the ``llama_cpp`` module; ``ctx``: the ``llama_context`` that will serve
+    (its memory must hold no sequence the caller still needs: a probe clears it
+    before and after); ``memory``: ``llama_get_memory(ctx)``; ``batch``: a
+    ``llama_batch`` of ``llama_n_batch(ctx)`` entries with ``n_seq_id[i] == 1`` (its
+    tokens, positions, sequence ids and logit flags are overwritten); ``n_vocab``: the
+    vocabulary size (the length of a logits row)."""
 
     def __init__(self, lib: Any, ctx: Any, memory: Any, batch: Any, n_vocab: int) -> None:
         self.lib, self.ctx, self.memory, self.batch = lib, ctx, memory, batch
@@ -156,13 +148,17 @@ class _Calls:
         if not self.lib.llama_memory_seq_rm(self.memory, seq_id, start, -1):
             raise BackendError(f"llama.cpp could not remove the probe's cells of sequence {seq_id}")
 
+    def clear(self) -> None:
+        """Empty the memory (every sequence's cells)."""
+        self.lib.llama_memory_clear(self.memory, True)
 
-def _context_per_sequence(lib: Any, ctx: Any) -> int:
-    """KV cells each sequence owns (non-unified cache: ``n_ctx / n_seq_max``)."""
-    n_ctx_seq = getattr(lib, "llama_n_ctx_seq", None)
-    if n_ctx_seq is not None:
-        return int(n_ctx_seq(ctx))
-    return int(lib.llama_n_ctx(ctx)) // max(1, int(lib.llama_n_seq_max(ctx)))  # pragma: no cover
+    def context_per_sequence(self) -> int:
+        """KV cells each sequence owns (non-unified cache: ``n_ctx / n_seq_max``)."""
+        lib, ctx = self.lib, self.ctx
+        n_ctx_seq = getattr(lib, "llama_n_ctx_seq", None)
+        if n_ctx_seq is not None:
+            return int(n_ctx_seq(ctx))
+        return int(lib.llama_n_ctx(ctx)) // max(1, int(lib.llama_n_seq_max(ctx)))  # pragma: no cover
 
 
 def _probe_sequences(prompts: list[list[int]], count: int, n_ctx_seq: int) -> list[list[int]]:
@@ -194,25 +190,22 @@ def _windows(count: int, width: int) -> list[range]:
     return windows
 
 
-def probe_shared_context_limit(
-    lib: Any, ctx: Any, memory: Any, batch: Any, prompts: list[list[int]], n_vocab: int
-) -> int:
+def probe_shared_context_limit(calls: ProbeCalls, prompts: list[list[int]]) -> int:
     """The longest context (cells, the decoded token's included; a multiple of
     ``_CONTEXT_STEP``, 0 if even the first differs) at which a sequence decoded in one
     call beside another short sequence gets, bit for bit, the logits it gets alone —
     and so does the short one. Same arguments and errors as
     :func:`probe_invariant_width`; needs room for two sequences."""
-    n_ctx_seq = _context_per_sequence(lib, ctx)
-    n_batch = int(lib.llama_n_batch(ctx))
+    n_ctx_seq = calls.context_per_sequence()
+    n_batch = int(calls.lib.llama_n_batch(calls.ctx))
     pool = [token for prompt in prompts for token in prompt]
     if len(pool) < 2:
         raise ValueError("probe_shared_context_limit needs prompts with at least two tokens")
     long_tokens = (pool * (n_ctx_seq // len(pool) + 2))[:n_ctx_seq]
     short_tokens = (pool[::-1] * (_SHORTEST // len(pool) + 2))[: _SHORTEST + _STEPS]
-    calls = _Calls(lib, ctx, memory, batch, n_vocab)
     decode, logits, rewind = calls.decode, calls.logits, calls.rewind
 
-    lib.llama_memory_clear(memory, True)
+    calls.clear()
     try:
         decode([(1, t, p, False) for p, t in enumerate(short_tokens[:_SHORTEST])])
         prefilled = 0
@@ -249,18 +242,10 @@ def probe_shared_context_limit(
             limit = length
         return limit
     finally:
-        lib.llama_memory_clear(memory, True)
+        calls.clear()
 
 
-def probe_verify_width(
-    lib: Any,
-    ctx: Any,
-    memory: Any,
-    batch: Any,
-    prompts: list[list[int]],
-    n_vocab: int,
-    widest: int,
-) -> int:
+def probe_verify_width(calls: ProbeCalls, prompts: list[list[int]], widest: int) -> int:
     """The widest speculative verify call (rows of one sequence: the token being decoded
     and the drafts after it) whose every row's logits equal, bit for bit, the logits of
     the same token decoded in a one-row call from the same state (``docs/speculation.md``).
@@ -272,29 +257,16 @@ def probe_verify_width(
     each width 2…``widest`` one call decodes the first ``width`` of those tokens at their
     positions, and one differing row ends the search. Arguments as for
     :func:`probe_invariant_width`; the memory is left empty."""
-
-    def rows_of(index: int) -> bytes:
-        return ctypes.string_at(lib.llama_get_logits_ith(ctx, index), n_vocab * 4)
+    rows_of, rewind = calls.logits, calls.rewind
 
     def decode(entries: list[tuple[int, int]]) -> None:
-        for i, (token, pos) in enumerate(entries):
-            batch.token[i] = token
-            batch.pos[i] = pos
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = 1
-        batch.n_tokens = len(entries)
-        result = lib.llama_decode(ctx, batch)
-        if result != 0:
-            raise BackendError(f"the verify-width probe's llama_decode failed with code {result}")
-
-    def clear() -> None:
-        if not lib.llama_memory_seq_rm(memory, 0, -1, -1):  # pragma: no cover
-            raise BackendError("the verify-width probe could not clear its cells")
+        """One call of sequence 0's (token, position) rows, each with its logits."""
+        calls.decode([(0, token, pos, True) for token, pos in entries])
 
     exact = widest
     try:
         for prompt in prompts:
-            clear()
+            rewind(0, 0)
             decode([(t, i) for i, t in enumerate(prompt)])
             start = len(prompt)
             token = prompt[-1]
@@ -308,8 +280,7 @@ def probe_verify_width(
                 reference.append(row)
                 token = int(numpy.frombuffer(row, dtype=numpy.float32).argmax())
             for width in range(2, exact + 1):
-                if not lib.llama_memory_seq_rm(memory, 0, start, -1):  # pragma: no cover
-                    raise BackendError("the verify-width probe could not clear its cells")
+                rewind(0, start)
                 decode([(tokens[j], start + j) for j in range(width)])
                 if any(rows_of(j) != reference[j] for j in range(width)):
                     exact = width - 1
@@ -317,5 +288,5 @@ def probe_verify_width(
             if exact < 2:
                 return 1
     finally:
-        clear()
+        rewind(0, 0)
     return exact

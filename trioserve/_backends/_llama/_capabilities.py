@@ -19,6 +19,7 @@ from .._decoding import (
     MAX_DRAFT,
     SHORTEST_DRAFT,
     SPLIT_KV_CONTEXT,
+    ProbeCalls,
     probe_invariant_width,
     probe_shared_context_limit,
     probe_verify_width,
@@ -86,9 +87,9 @@ def probe_invariance(model: LlamaModel, context: Context) -> tuple[int, int]:
     on this machine's kernels at load (``_invariance.py``)."""
     settings = model.settings
     prompts = [model.tokenize(text) for text in _PROBE_TEXTS]
-    args = (model.lib, context.ctx, context.memory, context.batch, prompts, model.n_vocab)
-    width = probe_invariant_width(*args, min(settings.slots, settings.n_batch))
-    limit = probe_shared_context_limit(*args) if settings.slots > 1 and width > 1 else 0
+    calls = _probe_calls(model, context)
+    width = probe_invariant_width(calls, prompts, min(settings.slots, settings.n_batch))
+    limit = probe_shared_context_limit(calls, prompts) if settings.slots > 1 and width > 1 else 0
     return width, limit
 
 
@@ -96,8 +97,12 @@ def probe_speculation(model: LlamaModel, context: Context, widest: int) -> int:
     """The widest exact speculative verify call (rows), at most ``widest``, measured on
     this machine's kernels at load (``_invariance.probe_verify_width``); 1: none."""
     prompts = [model.tokenize(text) for text in _PROBE_TEXTS[:3]]
-    args = (model.lib, context.ctx, context.memory, context.batch, prompts, model.n_vocab)
-    return probe_verify_width(*args, min(widest, model.settings.n_batch))
+    return probe_verify_width(_probe_calls(model, context), prompts, min(widest, model.settings.n_batch))
+
+
+def _probe_calls(model: LlamaModel, context: Context) -> ProbeCalls:
+    """The serving context, as the load-time probes call it."""
+    return ProbeCalls(model.lib, context.ctx, context.memory, context.batch, model.n_vocab)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
