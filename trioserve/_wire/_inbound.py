@@ -37,8 +37,16 @@ from ._responses import (
     responses_conversation,
     turn_input_items,
 )
+from ._responses_request import ResponsesRequest
 from ._responses_writer import ResponsesDialect, StoredTurn
-from ._spec import DialectSpec, ParsedRequest, ReadOptions, conversation_request, openai_error_body
+from ._spec import (
+    DialectSpec,
+    ParsedRequest,
+    ReadOptions,
+    conversation_request,
+    openai_error_body,
+    tools_and_reasoning,
+)
 from ._transcriptions import TranscriptionDialect, read_transcription_body
 from ._truncation import Truncation, TruncationMode
 
@@ -164,14 +172,10 @@ def _read_messages(body: bytes, chat_format: ChatFormat, options: ReadOptions) -
     generation, rendered = armed_generation(conversation, chat_format, messages.reasoning_control)
     dialect = AnthropicDialect(
         model,
-        tool_mode=conversation.tool_mode,
-        tool_names=conversation.tool_names,
         stops=conversation.stops,
         max_tokens=conversation.max_tokens,
-        reasoning=rendered.reasoning,
-        inside=rendered.opens_reasoning,
         omit_thinking=conversation.omit_thinking,
-        parallel_calls=conversation.parallel_calls,
+        **tools_and_reasoning(conversation, rendered),
     )
     mode = messages.truncation or options.truncation
     truncation = _truncation(mode, conversation, chat_format, messages.reasoning_control, dialect)
@@ -225,13 +229,9 @@ def _read_responses(body: bytes, chat_format: ChatFormat, options: ReadOptions) 
     dialect = ResponsesDialect(
         model,
         responses,
-        tool_mode=conversation.tool_mode,
-        tool_names=conversation.tool_names,
-        reasoning=rendered.reasoning,
-        inside=rendered.opens_reasoning,
-        parallel_calls=conversation.parallel_calls,
         stored=storing,
         response_id=stored.response_id if stored is not None else None,
+        **tools_and_reasoning(conversation, rendered),
     )
     mode = dialect.truncation = responses.truncation or options.truncation
     truncation = _truncation(
@@ -243,16 +243,7 @@ def _read_responses(body: bytes, chat_format: ChatFormat, options: ReadOptions) 
         param="input",
         max_tokens_param="max_output_tokens",
     )
-    turn = None
-    if storing:
-        turn = StoredTurn(
-            dialect,
-            turn_input_items(responses),
-            previous_id=responses.previous_response_id,
-            instructions=responses.instructions,
-            background=bool(responses.background),
-            model=model,
-        )
+    turn = _stored_turn(dialect, responses, model, bool(responses.background)) if storing else None
     return conversation_request(
         responses.stream,
         generation,
@@ -278,15 +269,22 @@ def responses_reply(body: bytes, options: ReadOptions) -> tuple[StoredTurn, dict
     model = options.model_name(responses.model)
     dialect = ResponsesDialect(model, responses, stored=True, response_id=stored.response_id)
     dialect.truncation = responses.truncation or options.truncation
-    turn = StoredTurn(
+    return _stored_turn(dialect, responses, model, True), dialect.snapshot("queued")
+
+
+def _stored_turn(
+    dialect: ResponsesDialect, responses: ResponsesRequest, model: str, background: bool
+) -> StoredTurn:
+    """The turn a stored Responses request keeps: its input items, the response it
+    continues and its instructions."""
+    return StoredTurn(
         dialect,
         turn_input_items(responses),
         previous_id=responses.previous_response_id,
         instructions=responses.instructions,
-        background=True,
+        background=background,
         model=model,
     )
-    return turn, dialect.snapshot("queued")
 
 
 def _read_infill(body: bytes, chat_format: ChatFormat, options: ReadOptions) -> ParsedRequest:

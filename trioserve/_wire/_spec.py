@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from .._core._exceptions import InvalidRequestError, TrioserveError
 from .._core._types import GenerationRequest
@@ -34,8 +34,10 @@ __all__ = [
     "RequestReader",
     "StoredAsk",
     "StoredContext",
+    "ToolsAndReasoning",
     "conversation_request",
     "openai_error_body",
+    "tools_and_reasoning",
 ]
 
 #: ``(status, body)`` of an error response, in a dialect's own shape
@@ -126,6 +128,29 @@ class ParsedRequest:
         )
 
 
+class ToolsAndReasoning(TypedDict):
+    """How a conversation's answer is read: its tools (the mode, their names, one call or
+    several) and its reasoning (the markers, and whether the prompt opened it) — the
+    keywords of a conversation dialect and of its :class:`ParsedRequest`."""
+
+    tool_mode: ToolMode
+    tool_names: tuple[str, ...]
+    parallel_calls: bool
+    reasoning: tuple[str, str] | None
+    inside: bool
+
+
+def tools_and_reasoning(conversation: Conversation, rendered: ChatPrompt) -> ToolsAndReasoning:
+    """The tool and reasoning facts ``conversation`` and its rendered prompt give."""
+    return ToolsAndReasoning(
+        tool_mode=conversation.tool_mode,
+        tool_names=conversation.tool_names,
+        parallel_calls=conversation.parallel_calls,
+        reasoning=rendered.reasoning,
+        inside=rendered.opens_reasoning,
+    )
+
+
 def conversation_request(
     stream: bool,
     generation: GenerationRequest,
@@ -149,11 +174,7 @@ def conversation_request(
         generations=(generation,),
         model=model,
         dialect=dialect,
-        tool_mode=conversation.tool_mode,
-        tool_names=conversation.tool_names,
-        parallel_calls=conversation.parallel_calls,
-        reasoning=rendered.reasoning,
-        inside=rendered.opens_reasoning,
+        **tools_and_reasoning(conversation, rendered),
     )
 
 
