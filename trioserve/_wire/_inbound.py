@@ -43,6 +43,7 @@ from ._spec import (
     DialectSpec,
     ParsedRequest,
     ReadOptions,
+    ToolsAndReasoning,
     conversation_request,
     openai_error_body,
     tools_and_reasoning,
@@ -127,16 +128,19 @@ def _read_openai(kind: str, body: bytes, chat_format: ChatFormat, options: ReadO
             parallel_calls = chat.parallel_tool_calls is not False
     model = options.model_name(request.model)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    facts = ToolsAndReasoning(
+        tool_mode=tool_mode,
+        tool_names=names,
+        parallel_calls=parallel_calls,
+        reasoning=reasoning,
+        inside=inside,
+    )
     dialect = OpenAIDialect(
         "text" if kind == "text" else "chat",
         model,
         include_usage=include_usage,
         choices=request.n * len(generations),
-        tool_mode=tool_mode,
-        tool_names=names,
-        reasoning=reasoning,
-        inside=inside,
-        parallel_calls=parallel_calls,
+        **facts,
     )
     return ParsedRequest(
         stream=request.stream,
@@ -146,11 +150,7 @@ def _read_openai(kind: str, body: bytes, chat_format: ChatFormat, options: ReadO
         truncation=truncation,
         n=request.n,
         priority=request.priority,
-        tool_mode=tool_mode,
-        tool_names=names,
-        parallel_calls=parallel_calls,
-        reasoning=reasoning,
-        inside=inside,
+        **facts,
     )
 
 
