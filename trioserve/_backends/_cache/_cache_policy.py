@@ -106,7 +106,13 @@ class CachePolicy:
         #: call at all (a full hit, docs/prompt-cache.md)
         self._logits_at = [0] * slots
         #: which free id a new prompt takes (it asks this policy what the ids hold)
-        self._placer = Placer(self)
+        placer = Placer(self)
+        #: the free id a new prompt takes and how much of it is reused, or restored from
+        #: the host tier (:meth:`Placer.place`); :meth:`take` commits
+        self.place = placer.place
+        #: a later choice of an ``n`` > 1 request: the least recently used free id
+        #: (:meth:`Placer.place_follower`)
+        self.place_follower = placer.place_follower
 
     # ------------------------------------------------------------ reading
 
@@ -196,24 +202,6 @@ class CachePolicy:
         return 0 if self.host_covers(tokens[:end], self._salt[seq_id]) else end
 
     # ------------------------------------------------------------ admission
-
-    def place(
-        self,
-        prompt: list[int],
-        cuts: list[int],
-        cache_prompt: bool,
-        free_ids: list[int],
-        salt: str = "",
-        *,
-        whole: bool = True,
-    ) -> Placement:
-        """The free id a new prompt takes and how much of it is reused, or restored
-        from the host tier (:meth:`Placer.place`); :meth:`take` commits."""
-        return self._placer.place(prompt, cuts, cache_prompt, free_ids, salt, whole=whole)
-
-    def place_follower(self, free_ids: list[int]) -> Placement:
-        """A later choice of an ``n`` > 1 request: the least recently used free id."""
-        return self._placer.place_follower(free_ids)
 
     def take(self, seq_id: int, salt: str = "", *, marks: int = 0) -> None:
         """``seq_id``'s cells now belong to a running sequence of ``salt``, which keeps
