@@ -131,23 +131,29 @@ _BODY = (400, 404, 408, 413, 415, 503)
 _RUN = (*_BODY, 409, 429, 431, 501, 504)
 _STORED = (400, 404, 503)
 
+
+def _generation(
+    summary: str, tag: str, body: object, answer: object, *, errors: tuple[int, ...] = _RUN, **more: Any
+) -> Operation:
+    """A route that runs a model and may stream its answer (``"stream": true``): a
+    request's statuses (:data:`_RUN`) and its headers."""
+    return Operation(summary, tag, body, answer, stream=True, errors=errors, params=_HEADERS, **more)
+
+
 OPERATIONS: dict[tuple[str, str], Operation] = {
     # generation: one route per dialect
-    ("POST", "/v1/completions"): Operation(
-        "Complete a prompt (OpenAI)", "openai", CompletionRequest, shapes.TextCompletion,
-        stream=True, errors=_RUN, params=_HEADERS,
+    ("POST", "/v1/completions"): _generation(
+        "Complete a prompt (OpenAI)", "openai", CompletionRequest, shapes.TextCompletion
     ),
-    ("POST", "/v1/chat/completions"): Operation(
-        "Chat (OpenAI)", "openai", ChatCompletionRequest, shapes.ChatCompletion,
-        stream=True, errors=_RUN, params=_HEADERS,
+    ("POST", "/v1/chat/completions"): _generation(
+        "Chat (OpenAI)", "openai", ChatCompletionRequest, shapes.ChatCompletion
     ),
-    ("POST", "/v1/messages"): Operation(
+    ("POST", "/v1/messages"): _generation(
         "Chat (Anthropic Messages)", "anthropic", MessagesRequest, shapes.AnthropicMessage,
-        stream=True, errors=(*_RUN, 529), anthropic=True, params=_HEADERS,
+        errors=(*_RUN, 529), anthropic=True,
     ),
-    ("POST", "/v1/responses"): Operation(
+    ("POST", "/v1/responses"): _generation(
         "Chat (OpenAI Responses)", "responses", ResponsesRequest, shapes.Response,
-        stream=True, errors=_RUN, params=_HEADERS,
         links=tuple(
             (method, path, "response_id")
             for method, path in (
@@ -158,25 +164,22 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
             )
         ),
     ),
-    ("POST", "/api/chat"): Operation(
+    ("POST", "/api/chat"): _generation(
         "Chat (Ollama; NDJSON streamed by default)", "ollama", OllamaChatRequest, shapes.OllamaChatResponse,
-        stream=True, stream_media=NDJSON, errors=_RUN, ollama=True, params=_HEADERS,
+        stream_media=NDJSON, ollama=True,
     ),
-    ("POST", "/api/generate"): Operation(
+    ("POST", "/api/generate"): _generation(
         "Generate (Ollama; NDJSON streamed by default)", "ollama", OllamaGenerateRequest,
-        shapes.OllamaGenerateResponse, stream=True, stream_media=NDJSON, errors=_RUN, ollama=True,
-        params=_HEADERS,
+        shapes.OllamaGenerateResponse, stream_media=NDJSON, ollama=True,
     ),
-    ("POST", "/infill"): Operation(
-        "Fill in the middle (llama-server)", "llama-server", InfillRequest, shapes.InfillResult,
-        stream=True, errors=_RUN, params=_HEADERS,
+    ("POST", "/infill"): _generation(
+        "Fill in the middle (llama-server)", "llama-server", InfillRequest, shapes.InfillResult
     ),
     # retrieval
     # audio (docs/audio.md): a multipart form (file, model, prompt, language, temperature,
     # response_format, stream), not JSON
-    ("POST", "/v1/audio/transcriptions"): Operation(
-        "Transcribe audio (OpenAI; multipart/form-data)", "openai", None, shapes.Transcription,
-        stream=True, errors=_RUN, params=_HEADERS,
+    ("POST", "/v1/audio/transcriptions"): _generation(
+        "Transcribe audio (OpenAI; multipart/form-data)", "openai", None, shapes.Transcription
     ),
     ("POST", "/v1/audio/speech"): Operation(
         "Speak a text (OpenAI; WAV or PCM chunked as made, or speech.audio.delta events with "
