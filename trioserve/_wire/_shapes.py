@@ -49,6 +49,13 @@ __all__ = [
 Object = dict[str, Any]
 
 
+class _ListOf[Item](msgspec.Struct, kw_only=True):
+    """A list object (``"object": "list"``), its items in ``data``."""
+
+    object: Literal["list"]
+    data: list[Item]
+
+
 class ErrorDetail(msgspec.Struct, kw_only=True):
     message: str
     type: str
@@ -217,11 +224,9 @@ class Embedding(msgspec.Struct, kw_only=True):
     embedding: list[float] | str
 
 
-class Embeddings(msgspec.Struct, kw_only=True):
+class Embeddings(_ListOf[Embedding], kw_only=True):
     """``POST /v1/embeddings``."""
 
-    object: Literal["list"]
-    data: list[Embedding]
     model: str
     usage: Object
 
@@ -305,9 +310,8 @@ class Model(msgspec.Struct, kw_only=True):
     alora_invocation_tokens: list[int] | None = None
 
 
-class ModelList(msgspec.Struct, kw_only=True):
-    object: Literal["list"]
-    data: list[Model]
+class ModelList(_ListOf[Model], kw_only=True):
+    pass
 
 
 class RouterModel(msgspec.Struct, kw_only=True):
@@ -319,11 +323,8 @@ class RouterModel(msgspec.Struct, kw_only=True):
     status: Object
 
 
-class RouterModelList(msgspec.Struct, kw_only=True):
+class RouterModelList(_ListOf[RouterModel], kw_only=True):
     """``GET /models``: llama-server's router list."""
-
-    object: Literal["list"]
-    data: list[RouterModel]
 
 
 class RouterAction(msgspec.Struct, kw_only=True):
@@ -435,11 +436,8 @@ class RequestInFlight(msgspec.Struct, kw_only=True):
     completion_tokens: int
 
 
-class RequestList(msgspec.Struct, kw_only=True):
+class RequestList(_ListOf[RequestInFlight], kw_only=True):
     """``GET /v1/requests``: the caller's requests in flight."""
-
-    object: Literal["list"]
-    data: list[RequestInFlight]
 
 
 class RequestCancelled(msgspec.Struct, kw_only=True):
@@ -465,11 +463,9 @@ class Deleted(msgspec.Struct, kw_only=True):
     deleted: bool
 
 
-class InputItems(msgspec.Struct, kw_only=True):
+class InputItems(_ListOf[Object], kw_only=True):
     """``GET /v1/responses/{id}/input_items``."""
 
-    object: Literal["list"]
-    data: list[Object]
     first_id: str | None
     last_id: str | None
     has_more: bool
