@@ -40,12 +40,13 @@ import functools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import Unpack
 
 import trio
 
 from ._admission import SlotLease
 from ._backend_checks import check_dimensions, check_token_ids, fit_to_context, refuse_unsupported
-from ._backend_data import ChoiceGroup, ControlOutcome, ModelInfo, PreparedPrompt, Ranking
+from ._backend_data import ChoiceGroup, ControlOutcome, ModelInfo, PreparedPrompt, Ranking, RerankOptions
 from ._channel import PieceChannel
 from ._exceptions import InvalidRequestError, NotSupportedError
 from ._types import GenerationEnd, GenerationRequest
@@ -59,6 +60,7 @@ __all__ = [
     "ModelInfo",
     "PreparedPrompt",
     "Ranking",
+    "RerankOptions",
     "check_dimensions",
     "check_token_ids",
     "fit_to_context",
@@ -304,18 +306,10 @@ class Backend(ABC):
         vectors = await self.embed(tokens)
         return vectors, sum(len(item) for item in tokens)
 
-    async def rerank(
-        self,
-        query: str,
-        documents: Sequence[str],
-        *,
-        instruction: str | None = None,
-        max_tokens_per_doc: int | None = None,
-        max_tokens: int | None = None,
-    ) -> Ranking:
-        """Score each document's relevance to ``query`` (docs/rerank.md). Must stop
-        promptly when cancelled, leaving nothing behind. Default: a 400
-        (``rerank_not_supported``): the backend has no reranker."""
+    async def rerank(self, query: str, documents: Sequence[str], **options: Unpack[RerankOptions]) -> Ranking:
+        """Score each document's relevance to ``query`` (docs/rerank.md), as ``options``
+        ask (:class:`RerankOptions`). Must stop promptly when cancelled, leaving nothing
+        behind. Default: a 400 (``rerank_not_supported``): the backend has no reranker."""
         raise InvalidRequestError(
             f"reranking is not supported by this server's backend ({type(self).__name__}): it needs a "
             "local model that is a cross-encoder or a yes-no reranker",

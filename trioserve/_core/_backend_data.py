@@ -1,17 +1,18 @@
 """What crosses the backend seam as data: a model's :class:`ModelInfo`, a
 :class:`PreparedPrompt` (and the :class:`ChoiceGroup` of an ``n`` > 1 request's
-choices), a rerank's :class:`Ranking`, and what an ask to end a generation's reasoning
-came to (:data:`ControlOutcome`). The interface itself: :mod:`._backend`."""
+choices), a rerank's :class:`RerankOptions` and :class:`Ranking`, and what an ask to
+end a generation's reasoning came to (:data:`ControlOutcome`). The interface itself:
+:mod:`._backend`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypedDict
 
 from ._types import GenerationRequest
 
-__all__ = ["ChoiceGroup", "ControlOutcome", "ModelInfo", "PreparedPrompt", "Ranking"]
+__all__ = ["ChoiceGroup", "ControlOutcome", "ModelInfo", "PreparedPrompt", "Ranking", "RerankOptions"]
 
 
 #: What an ask to end a running generation's reasoning came to
@@ -51,6 +52,19 @@ class ModelInfo:
     adapters: tuple[tuple[str, float, str], ...] = ()
     #: its activated LoRAs' invocations, ``(name, tokens, text)`` (docs/lora.md)
     alora: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+
+
+class RerankOptions(TypedDict, total=False):
+    """What a rerank may ask besides its query and documents (``Backend.rerank``'s
+    keywords, docs/rerank.md); each one absent or ``None``: not asked."""
+
+    #: the task a yes-no reranker's template states (its ``{instruction}``)
+    instruction: str | None
+    #: each document cut to this many tokens
+    max_tokens_per_doc: int | None
+    #: the most tokens the query and documents may hold together
+    #: (``--max-embedding-tokens``)
+    max_tokens: int | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

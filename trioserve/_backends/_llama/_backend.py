@@ -29,11 +29,11 @@ import logging
 import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Items
-from typing import Literal, Self
+from typing import Literal, Self, Unpack
 
 import trio
 
-from ..._core._backend import GenerationProgress, PreparedPrompt, Ranking
+from ..._core._backend import GenerationProgress, PreparedPrompt, Ranking, RerankOptions
 from ..._core._channel import PieceChannel
 from ..._core._exceptions import InvalidRequestError
 from ..._core._types import GenerationEnd
@@ -213,22 +213,8 @@ class LlamaBackend(ModelFacade):
     def reranker(self) -> Reranker:
         return self._reranker
 
-    async def rerank(
-        self,
-        query: str,
-        documents: Items[str],
-        *,
-        instruction: str | None = None,
-        max_tokens_per_doc: int | None = None,
-        max_tokens: int | None = None,
-    ) -> Ranking:
-        return await self._reranker.rerank(
-            query,
-            documents,
-            instruction=instruction,
-            max_tokens_per_doc=max_tokens_per_doc,
-            max_tokens=max_tokens,
-        )
+    async def rerank(self, query: str, documents: Items[str], **options: Unpack[RerankOptions]) -> Ranking:
+        return await self._reranker.rerank(query, documents, **options)
 
     @property
     def max_call_width(self) -> int:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import trio
 
-from ..._core._backend import Ranking
+from ..._core._backend import Ranking, RerankOptions
 from ..._core._channel import Aborted
 from ..._core._exceptions import BackendError, InvalidRequestError
 from ._embeddings import Embedder, EmbeddingContext, OwnedContext
@@ -173,15 +173,7 @@ class Reranker:
     def busy(self) -> bool:
         return self._runner is not None and self._runner.busy
 
-    async def rerank(
-        self,
-        query: str,
-        documents: Sequence[str],
-        *,
-        instruction: str | None = None,
-        max_tokens_per_doc: int | None = None,
-        max_tokens: int | None = None,
-    ) -> Ranking:
+    async def rerank(self, query: str, documents: Sequence[str], **options: Unpack[RerankOptions]) -> Ranking:
         if self._runner is None:
             raise InvalidRequestError(
                 f"the model {self._model.settings.model_id!r} cannot rerank: serve a cross-encoder GGUF "
@@ -191,6 +183,8 @@ class Reranker:
                 param="model",
                 code="rerank_not_supported",
             )
+        instruction = options.get("instruction")
+        max_tokens_per_doc, max_tokens = options.get("max_tokens_per_doc"), options.get("max_tokens")
         if instruction is not None and (self._template is None or not self._template.has_instruction):
             raise InvalidRequestError(
                 "instruction is only for a yes-no reranker whose template holds {instruction}; "

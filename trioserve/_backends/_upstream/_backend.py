@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import trio
 
@@ -32,6 +32,7 @@ from ..._core._backend import (
     ModelInfo,
     PreparedPrompt,
     Ranking,
+    RerankOptions,
     refuse_unsupported,
 )
 from ..._core._channel import PieceChannel
@@ -284,15 +285,7 @@ class UpstreamBackend(Backend):
 
     # ------------------------------------------------------------------- rerank
 
-    async def rerank(
-        self,
-        query: str,
-        documents: Sequence[str],
-        *,
-        instruction: str | None = None,
-        max_tokens_per_doc: int | None = None,
-        max_tokens: int | None = None,
-    ) -> Ranking:
+    async def rerank(self, query: str, documents: Sequence[str], **options: Unpack[RerankOptions]) -> Ranking:
         """Forward the query and documents to an upstream's ``POST /v1/rerank``
         (llama-server ``--reranking``, vLLM, trioserve): its scores in the documents'
         order and its ``usage.prompt_tokens`` (0 if it sends none). Read whole and
@@ -308,8 +301,8 @@ class UpstreamBackend(Backend):
             InvalidRequestError: ``instruction`` or ``max_tokens_per_doc`` (llama-server
                 takes neither: it would ignore them), or an upstream's 4xx.
         """
-        for name, value in (("instruction", instruction), ("max_tokens_per_doc", max_tokens_per_doc)):
-            if value is not None:
+        for name in ("instruction", "max_tokens_per_doc"):
+            if options.get(name) is not None:
                 raise InvalidRequestError(
                     f"{name} is not supported by this server: it forwards reranking to an upstream "
                     "server that does not take it (llama-server would ignore it); send the request "
