@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from .._backends._llama._settings import KV_CACHE_TYPES
-from ._flag_types import positive_float, positive_int
+from ._flag_types import add_repeatable, positive_float, positive_int
 
 __all__ = ["add_model_flags"]
 
@@ -59,19 +59,17 @@ def _json_object(text: str) -> dict[str, object]:
 
 def _model(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("model (each model's defaults; a preset file overrides them per model)")
-    group.add_argument(
+    add_repeatable(
+        group,
         "--model",
-        action="append",
-        default=[],
         metavar="[NAME=]PATH",
         help="a GGUF file to serve (default: Gemma 3 270M, from PyPI); repeatable as NAME=PATH to "
         "serve several, each loaded on demand (docs/models.md)",
     )
     group.add_argument("--model-id", help="the model name clients use (default: the file name)")
-    group.add_argument(
+    add_repeatable(
+        group,
         "--model-alias",
-        action="append",
-        default=[],
         metavar="NAME",
         help="another name clients may use for the (default) model (repeatable; e.g. the names Claude "
         "Code sends: --model-alias claude-sonnet-4-5)",
@@ -159,10 +157,9 @@ def _model(serve: argparse.ArgumentParser) -> None:
         help="the yes-no reranker's prompt, with {instruction}, {query} and {document} "
         "(default: a generic one; Qwen3-Reranker's own in docs/rerank.md)",
     )
-    group.add_argument(
+    add_repeatable(
+        group,
         "--lora",
-        action="append",
-        default=[],
         type=_lora,
         metavar="NAME=PATH[:SCALE]",
         help="a LoRA adapter of the model (repeatable): requests choose it by model: NAME or "
@@ -211,11 +208,10 @@ def _model(serve: argparse.ArgumentParser) -> None:
 
 def _models(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("many models (docs/models.md)")
-    group.add_argument(
+    add_repeatable(
+        group,
         "--models-dir",
         type=Path,
-        action="append",
-        default=[],
         metavar="DIR",
         help="serve every .gguf in DIR (named by its file name; a subfolder is one multi-file "
         "model, named by the folder), each loaded on demand (repeatable)",
@@ -369,10 +365,9 @@ def _prompt_cache(serve: argparse.ArgumentParser) -> None:
 
 def _upstream(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("upstream (serve a model that runs on other servers)")
-    group.add_argument(
+    add_repeatable(
+        group,
         "--upstream",
-        action="append",
-        default=[],
         metavar="URL",
         help="forward generation to this OpenAI-compatible server (vLLM, llama-server, "
         "llama-cpp-python, trioserve) instead of loading a model; repeatable: requests go to "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .._core._media import DEFAULT_IMAGE_BUDGET_BYTES
 from .._wire._limits import RequestLimits
-from ._flag_types import positive_float, positive_int
+from ._flag_types import add_repeatable, positive_float, positive_int
 from ._stream_flags import add_stream_interval_flag
 
 __all__ = ["add_serving_flags"]
@@ -170,10 +170,9 @@ def _media(serve: argparse.ArgumentParser) -> None:
         help="fetch http(s) image URLs (off by default: send images as data URLs); every address "
         "and redirect hop is checked against loopback, private and link-local ranges",
     )
-    group.add_argument(
+    add_repeatable(
+        group,
         "--media-fetch-allow",
-        action="append",
-        default=[],
         metavar="HOST[:PORT]",
         help="with --media-fetch: fetch only from these hosts (repeatable; default: any public host)",
     )
@@ -220,10 +219,9 @@ def _media(serve: argparse.ArgumentParser) -> None:
 
 def _access(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("access")
-    group.add_argument(
+    add_repeatable(
+        group,
         "--api-key",
-        action="append",
-        default=[],
         metavar="KEY",
         help="require 'Authorization: Bearer KEY' on every route but /health, /openapi.json and the page "
         "(docs/operations.md, 'Who may call what'; repeatable; also TRIOSERVE_API_KEYS=key1,key2)",
@@ -244,19 +242,17 @@ def _access(serve: argparse.ArgumentParser) -> None:
         help="let a SIGHUP reload of --keys-file leave no key where there are keys (every keyed "
         "request then gets 401); by default such a reload is refused and the keys in force stay",
     )
-    group.add_argument(
+    add_repeatable(
+        group,
         "--admin-key",
-        action="append",
-        default=[],
         metavar="KEY",
         help="an API key that may also load and unload models (POST /models/load, /models/unload) "
         "and send X-Keep-Alive; with keys configured, other keys get 403 there (repeatable; also "
         "TRIOSERVE_ADMIN_KEYS=key1,key2)",
     )
-    group.add_argument(
+    add_repeatable(
+        group,
         "--cors-origin",
-        action="append",
-        default=[],
         metavar="ORIGIN",
         help="allow browsers on this origin to call the API (repeatable; '*' for any; default: off)",
     )
