@@ -14,11 +14,19 @@ A :class:`PieceChannel` holds at most ``capacity`` pieces (token bytes). Contrac
 Cancellation: :meth:`receive_batch` and :meth:`send` are ordinary Trio checkpoints; a
 cancel while parked loses nothing. Why it replaces ``from_thread.run`` per token:
 ``docs/architecture.md``, "The per-token path".
+
+A worker thread's wake (Linux): the first one goes through ``TrioToken.run_sync_soon``;
+it asks for an eventfd, which the consumer then parks on (``trio.lowlevel.wait_readable``),
+so each later wake is one ``write`` the loop's epoll hands straight to the consumer — no
+trip through Trio's ``run_sync_soon`` task (``scripts/probes/thread_wake.py``). The
+descriptor is written and closed only under the channel's lock, and closed once the
+consumer has the end, leaves (:meth:`close_receiving`), or the channel is collected.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -26,6 +34,9 @@ from collections.abc import Callable
 import trio
 
 __all__ = ["Aborted", "PieceChannel"]
+
+#: whether a thread's wake can be an eventfd the consumer parks on (Linux)
+_EVENTFD = hasattr(os, "eventfd")
 
 
 class Aborted(Exception):
@@ -38,18 +49,24 @@ class PieceChannel:
         "_closed",
         "_condition",
         "_consumer",
+        "_fd",
+        "_fd_parked",
+        "_fd_written",
         "_lock",
         "_pieces",
         "_producer",
         "_receiving_closed",
         "_token",
         "_wake_posted",
+        "_want_fd",
         "aborted",
         "capacity",
         "on_room",
     )
 
     def __init__(self, capacity: int = 8) -> None:
+        #: the eventfd a thread's wake writes (-1: none yet, or closed)
+        self._fd = -1
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
@@ -66,8 +83,19 @@ class PieceChannel:
         self._token = trio.lowlevel.current_trio_token()
         self._consumer: trio.lowlevel.Task | None = None  # parked in receive_batch
         self._producer: trio.lowlevel.Task | None = None  # parked in send
+        #: a ``run_sync_soon`` wake is on its way (reset by it alone)
         self._wake_posted = False
+        #: the consumer is parked on ``_fd`` (not in ``wait_task_rescheduled``)
+        self._fd_parked = False
+        #: ``_fd`` was written since the consumer parked on it (read, and reset, by it)
+        self._fd_written = False
+        #: a thread woke the consumer: its next park makes ``_fd``
+        self._want_fd = False
         self.on_room: Callable[[], None] | None = None
+
+    def __del__(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
 
     # ------------------------------------------------------------ producers
 
@@ -80,18 +108,39 @@ class PieceChannel:
         """Append ``piece`` (any thread). Never blocks; wakes a parked consumer."""
         with self._lock:
             self._pieces.append(piece)
-            if self._consumer is not None and not self._wake_posted:
-                self._wake_posted = True
-                post = True
-            else:
-                post = False
+            post = self._wake_locked()
         if post:
             self._post_wake()
+
+    def _wake_locked(self) -> bool:
+        # Under the lock, a piece just added: wake a parked consumer once. Parked on the
+        # eventfd: written here (under the lock, so never after it is closed); parked
+        # otherwise: True, the caller posts the wake (and the next park gets an eventfd).
+        if self._consumer is None:
+            return False
+        if self._fd_parked:
+            self._write_fd_locked()
+            return False
+        if self._wake_posted:
+            return False
+        self._wake_posted = True
+        self._want_fd = _EVENTFD
+        return True
+
+    def _write_fd_locked(self) -> None:
+        if not self._fd_written:
+            self._fd_written = True
+            os.eventfd_write(self._fd, 1)
 
     def _post_wake(self) -> None:
         # (RunFinishedError: the consumer's Trio run ended without waiting: nobody to wake)
         with contextlib.suppress(trio.RunFinishedError):
-            self._token.run_sync_soon(self._wake_consumer)
+            self._token.run_sync_soon(self._posted_wake)
+
+    def _posted_wake(self) -> None:
+        with self._lock:
+            self._wake_posted = False
+        self._wake_consumer()
 
     def put_wait(self, piece: bytes) -> None:
         """Append ``piece`` from a worker thread, waiting while the channel is full.
@@ -103,9 +152,7 @@ class PieceChannel:
             if self.aborted:
                 raise Aborted
             self._pieces.append(piece)
-            post = self._consumer is not None and not self._wake_posted
-            if post:
-                self._wake_posted = True
+            post = self._wake_locked()
         if post:
             self._post_wake()
 
@@ -164,13 +211,24 @@ class PieceChannel:
         producer, self._producer = self._producer, None
         if producer is not None:
             trio.lowlevel.reschedule(producer)
+        with self._lock:
+            if self._consumer is None:  # (a consumer parked still: it closes it)
+                self._close_fd_locked()
+
+    def _close_fd_locked(self) -> None:
+        # Under the lock, no task parked on it: no thread writes it after this.
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     # ------------------------------------------------------------- consumer
 
     def _wake_consumer(self) -> None:
         # On the Trio thread (directly, or posted by a producer thread).
         with self._lock:
-            self._wake_posted = False
+            if self._fd_parked:
+                self._write_fd_locked()
+                return
             consumer, self._consumer = self._consumer, None
         if consumer is not None:
             trio.lowlevel.reschedule(consumer)
@@ -189,15 +247,23 @@ class PieceChannel:
                         self._condition.notify()
                     break
                 if self._closed:
+                    self._close_fd_locked()
                     raise trio.EndOfChannel
                 self._consumer = trio.lowlevel.current_task()
+                if self._want_fd and self._fd < 0:
+                    self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                fd = self._fd
+                self._fd_parked = fd >= 0
+            if fd >= 0:
+                await self._park_on_fd(fd)
+            else:
 
-            def abort(_: object) -> trio.lowlevel.Abort:
-                with self._lock:
-                    self._consumer = None
-                return trio.lowlevel.Abort.SUCCEEDED
+                def abort(_: object) -> trio.lowlevel.Abort:
+                    with self._lock:
+                        self._consumer = None
+                    return trio.lowlevel.Abort.SUCCEEDED
 
-            await trio.lowlevel.wait_task_rescheduled(abort)
+                await trio.lowlevel.wait_task_rescheduled(abort)
             parked = True
         producer, self._producer = self._producer, None
         if producer is not None:
@@ -210,3 +276,16 @@ class PieceChannel:
             # per event is what a paced stream would pay for nothing)
             await trio.lowlevel.cancel_shielded_checkpoint()
         return pieces
+
+    async def _park_on_fd(self, fd: int) -> None:
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        finally:
+            with self._lock:
+                self._consumer = None
+                self._fd_parked = False
+                if self._fd_written:
+                    self._fd_written = False
+                    os.eventfd_read(fd)
+                if self._receiving_closed:
+                    self._close_fd_locked()

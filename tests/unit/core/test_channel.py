@@ -4,6 +4,7 @@ cleanly from either end."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -177,3 +178,95 @@ def _sleeping(native_id: int) -> bool:
     """Whether this process's thread ``native_id`` is blocked (``S``), per ``/proc``."""
     with open(f"/proc/self/task/{native_id}/stat") as stat:
         return stat.read().rpartition(")")[2].split()[0] == "S"
+
+
+class _CountingToken:
+    """The channel's Trio token, counting the wakes posted through ``run_sync_soon``."""
+
+    def __init__(self, token: trio.lowlevel.TrioToken) -> None:
+        self.token, self.posted = token, 0
+
+    def run_sync_soon(self, fn: object, *args: object) -> None:
+        self.posted += 1
+        self.token.run_sync_soon(fn, *args)  # type: ignore[arg-type]
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not hasattr(os, "eventfd"), reason="the eventfd wake is Linux's")
+async def test_a_threads_later_wakes_go_through_the_eventfd_and_it_is_closed_at_the_end() -> None:
+    fds = _open_fds()
+    channel = PieceChannel(4)
+    token = _CountingToken(channel._token)
+    channel._token = token  # type: ignore[assignment]
+    parked_on_fd: list[bool] = []
+    received: list[bytes] = []
+
+    def produce() -> None:
+        for i in range(20):
+            # each piece put once the last was taken and the consumer parked again
+            while True:
+                with channel._lock:
+                    if len(received) == i and channel._consumer is not None:
+                        parked_on_fd.append(channel._fd_parked)
+                        break
+                threading.Event().wait(0.0005)  # (a thread, polling the test's state)
+            channel.put(str(i).encode())
+
+    async with trio.open_nursery() as nursery:
+
+        async def run() -> None:
+            await trio.to_thread.run_sync(produce)
+            channel.close()
+
+        nursery.start_soon(run)
+        with trio.fail_after(30):
+            while True:
+                try:
+                    received += await channel.receive_batch()
+                except trio.EndOfChannel:
+                    break
+    assert received == [str(i).encode() for i in range(20)]
+    # the first wake was posted through Trio and asked for the eventfd; every later one
+    # found the consumer parked on it
+    assert token.posted == 1
+    assert parked_on_fd == [False] + [True] * 19
+    assert channel._fd == -1
+    assert _open_fds() == fds
+
+
+@pytest.mark.skipif(not hasattr(os, "eventfd"), reason="the eventfd wake is Linux's")
+async def test_a_consumer_cancelled_on_the_eventfd_loses_nothing_and_leaving_closes_it() -> None:
+    fds = _open_fds()
+    channel = PieceChannel(4)
+    async with trio.open_nursery() as nursery:
+
+        async def take() -> None:
+            assert await channel.receive_batch() == [b"a"]
+
+        nursery.start_soon(take)
+        await wait_for(lambda: channel._consumer is not None)
+        await trio.to_thread.run_sync(channel.put, b"a")  # a thread's wake: asks for the fd
+    assert channel._want_fd
+    assert channel._fd == -1
+    with trio.move_on_after(0.01):
+        await channel.receive_batch()  # parked on the new eventfd, then cancelled
+    assert channel._fd >= 0
+    assert not channel._fd_parked
+    assert channel._consumer is None
+    await trio.to_thread.run_sync(channel.put, b"kept")  # nobody parked: no write
+    assert await channel.receive_batch() == [b"kept"]
+    async with trio.open_nursery() as nursery:
+
+        async def take_woken() -> None:
+            assert await channel.receive_batch() == [b"woken"]
+
+        nursery.start_soon(take_woken)
+        await wait_for(lambda: channel._fd_parked)
+        channel.put(b"woken")  # (from the Trio thread: the fd is written all the same)
+    assert not channel._fd_written  # read back by the consumer it woke
+    channel.close_receiving()
+    assert channel._fd == -1
+    assert _open_fds() == fds
