@@ -46,7 +46,15 @@ import trio
 
 from ._admission import SlotLease
 from ._backend_checks import check_dimensions, check_token_ids, fit_to_context, refuse_unsupported
-from ._backend_data import ChoiceGroup, ControlOutcome, ModelInfo, PreparedPrompt, Ranking, RerankOptions
+from ._backend_data import (
+    ChoiceGroup,
+    ControlOutcome,
+    EmbeddingOptions,
+    ModelInfo,
+    PreparedPrompt,
+    Ranking,
+    RerankOptions,
+)
 from ._channel import PieceChannel
 from ._exceptions import InvalidRequestError, NotSupportedError
 from ._types import GenerationEnd, GenerationRequest
@@ -55,6 +63,7 @@ __all__ = [
     "Backend",
     "ChoiceGroup",
     "ControlOutcome",
+    "EmbeddingOptions",
     "GenerationCounter",
     "GenerationProgress",
     "ModelInfo",
@@ -266,16 +275,11 @@ class Backend(ABC):
         )
 
     async def embed_inputs(
-        self,
-        inputs: Sequence[str | Sequence[int]],
-        *,
-        dimensions: int | None = None,
-        max_tokens: int | None = None,
+        self, inputs: Sequence[str | Sequence[int]], **options: Unpack[EmbeddingOptions]
     ) -> tuple[list[list[float]], int]:
         """One request's embeddings: ``(vectors, prompt tokens)``, a vector per input
-        (a text or token ids), in order. ``dimensions``: the length the client asked for
-        (``None``: the model's); ``max_tokens``: the most tokens the inputs may hold
-        together (``None``: no limit). Cancellation: as :meth:`embed`.
+        (a text or token ids), in order, as ``options`` ask (:class:`EmbeddingOptions`:
+        ``dimensions``, ``max_tokens``). Cancellation: as :meth:`embed`.
 
         Default: :class:`NotSupportedError` (501) when :attr:`embedding_size` is ``None``;
         else :func:`check_dimensions`, each text tokenized with the model's special
@@ -287,7 +291,7 @@ class Backend(ABC):
             raise NotSupportedError(
                 f"this server's backend ({type(self).__name__}) computes no embeddings", code="no_embeddings"
             )
-        check_dimensions(dimensions, size)
+        check_dimensions(options.get("dimensions"), size)
         tokens: list[Sequence[int]] = []
         for item in inputs:
             if isinstance(item, str):
@@ -296,6 +300,7 @@ class Backend(ABC):
             else:
                 tokens.append(item)
         total = sum(len(item) for item in tokens)
+        max_tokens = options.get("max_tokens")
         if max_tokens is not None and total > max_tokens:
             raise InvalidRequestError(
                 f"the inputs hold {total} tokens together; a request may hold at most {max_tokens} "

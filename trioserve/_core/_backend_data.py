@@ -1,7 +1,8 @@
 """What crosses the backend seam as data: a model's :class:`ModelInfo`, a
 :class:`PreparedPrompt` (and the :class:`ChoiceGroup` of an ``n`` > 1 request's
-choices), a rerank's :class:`RerankOptions` and :class:`Ranking`, and what an ask to
-end a generation's reasoning came to (:data:`ControlOutcome`). The interface itself:
+choices), what an embeddings request and a rerank may ask (:class:`EmbeddingOptions`,
+:class:`RerankOptions`), a rerank's :class:`Ranking`, and what an ask to end a
+generation's reasoning came to (:data:`ControlOutcome`). The interface itself:
 :mod:`._backend`."""
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ from typing import Literal, TypedDict
 
 from ._types import GenerationRequest
 
-__all__ = ["ChoiceGroup", "ControlOutcome", "ModelInfo", "PreparedPrompt", "Ranking", "RerankOptions"]
+__all__ = [
+    "ChoiceGroup",
+    "ControlOutcome",
+    "EmbeddingOptions",
+    "ModelInfo",
+    "PreparedPrompt",
+    "Ranking",
+    "RerankOptions",
+]
 
 
 #: What an ask to end a running generation's reasoning came to
@@ -52,6 +61,16 @@ class ModelInfo:
     adapters: tuple[tuple[str, float, str], ...] = ()
     #: its activated LoRAs' invocations, ``(name, tokens, text)`` (docs/lora.md)
     alora: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+
+
+class EmbeddingOptions(TypedDict, total=False):
+    """What an embeddings request may ask besides its inputs (``Backend.embed_inputs``'s
+    keywords); each one absent or ``None``: not asked."""
+
+    #: the length of a vector the client asked for (``None``: the model's)
+    dimensions: int | None
+    #: the most tokens the inputs may hold together (``--max-embedding-tokens``)
+    max_tokens: int | None
 
 
 class RerankOptions(TypedDict, total=False):

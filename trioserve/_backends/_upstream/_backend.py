@@ -28,6 +28,7 @@ import trio
 
 from ..._core._backend import (
     Backend,
+    EmbeddingOptions,
     GenerationProgress,
     ModelInfo,
     PreparedPrompt,
@@ -257,11 +258,7 @@ class UpstreamBackend(Backend):
     # --------------------------------------------------------------- embeddings
 
     async def embed_inputs(
-        self,
-        inputs: Sequence[str | Sequence[int]],
-        *,
-        dimensions: int | None = None,
-        max_tokens: int | None = None,
+        self, inputs: Sequence[str | Sequence[int]], **options: Unpack[EmbeddingOptions]
     ) -> tuple[list[list[float]], int]:
         """Forward the inputs (texts and token ids as given) to an upstream's
         ``POST /v1/embeddings`` (``encoding_format`` float; ``dimensions`` if asked:
@@ -281,7 +278,7 @@ class UpstreamBackend(Backend):
             OverloadedError: every upstream answered 429.
             BackendError: the upstreams failed otherwise (5xx, a malformed answer).
         """
-        return await self._relay.embeddings(inputs, dimensions)
+        return await self._relay.embeddings(inputs, options.get("dimensions"))
 
     # ------------------------------------------------------------------- rerank
 
