@@ -11,7 +11,9 @@ chunks (`` tok0``, `` tok1``, …) one per ``--interval`` s (0: as fast as the s
 them), a finish chunk, ``[DONE]``. ``GET /health``: 200.
 
 ``--threaded`` (paced only): each stream's events are made in a worker thread of its own
-that waits out the interval and wakes the stream's task with ``run_sync_soon`` — the least
+that waits out the interval and wakes the stream's task — with an eventfd the task parks
+on (Linux; ``run_sync_soon`` elsewhere), the cheapest wake measured
+(``scripts/probes/thread_wake.py``) and the one trioserve's ``PieceChannel`` uses — the least
 a token made outside the event loop costs to reach it (trioserve's producers are worker
 threads by design: one wake of the loop from another thread per event when the events
 come at distinct moments). The floor of a server whose tokens come from a thread.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -56,6 +59,12 @@ class _ThreadPace:
         self.parked: Any = None
         self.stopped = False  # (the stream was cancelled: the thread stops at its next step)
         self.token = trio.lowlevel.current_trio_token()
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) if hasattr(os, "eventfd") else -1
+
+    def close(self) -> None:
+        """Once the thread has ended."""
+        if self.fd >= 0:
+            os.close(self.fd)
 
     def _wake(self) -> None:
         task, self.parked = self.parked, None
@@ -71,7 +80,10 @@ class _ThreadPace:
             time.sleep(max(0.0, next_at - time.monotonic()))
             with self.lock:
                 self.ready.append(i)
-            self.token.run_sync_soon(self._wake)
+            if self.fd >= 0:
+                os.eventfd_write(self.fd, 1)
+            else:
+                self.token.run_sync_soon(self._wake)
 
     async def next(self) -> list[int]:
         while True:
@@ -80,6 +92,14 @@ class _ThreadPace:
                     batch = list(self.ready)
                     self.ready.clear()
                     return batch
+            if self.fd >= 0:
+                try:
+                    await trio.lowlevel.wait_readable(self.fd)
+                except trio.Cancelled:
+                    self.stopped = True
+                    raise
+                os.eventfd_read(self.fd)
+                continue
             self.parked = trio.lowlevel.current_task()
 
             def abort(_: object) -> trio.lowlevel.Abort:
@@ -126,14 +146,17 @@ def app_for(interval: float, threaded: bool = False) -> Any:
         )
         if threaded and interval:
             pace = _ThreadPace(tokens, interval)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(partial(trio.to_thread.run_sync, pace.produce, limiter=_THREADS))
-                sent = 0
-                while sent < tokens:
-                    for i in await pace.next():
-                        data = prefix + _encode(f" tok{i}") + suffix
-                        await send({"type": "http.response.body", "body": data, "more_body": True})
-                        sent += 1
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(partial(trio.to_thread.run_sync, pace.produce, limiter=_THREADS))
+                    sent = 0
+                    while sent < tokens:
+                        for i in await pace.next():
+                            data = prefix + _encode(f" tok{i}") + suffix
+                            await send({"type": "http.response.body", "body": data, "more_body": True})
+                            sent += 1
+            finally:
+                pace.close()
         else:
             next_at = trio.current_time()
             for i in range(tokens):
