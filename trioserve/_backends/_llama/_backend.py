@@ -26,7 +26,6 @@ Design, defaults and measurements: ``docs/batching.md``; the module map:
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Items
 from typing import Literal, Self, Unpack
@@ -41,7 +40,7 @@ from .._cache import HostBudget, HostCache
 from .._retrieval import Embedder, EmbeddingContext, Reranker
 from ._facade import ModelFacade
 from ._kv_memory import KvMemory
-from ._loading import aload
+from ._loading import LoadControls, aload
 from ._loop import Scheduler
 from ._lora_loads import AdapterLoads
 from ._model import LlamaModel
@@ -111,12 +110,7 @@ class LlamaBackend(ModelFacade):
 
     @classmethod
     def load(
-        cls,
-        settings: LlamaSettings,
-        *,
-        progress: Callable[[float], None] | None = None,
-        abort: threading.Event | None = None,
-        host_cache: HostCache | None = None,
+        cls, settings: LlamaSettings, *, host_cache: HostCache | None = None, **controls: Unpack[LoadControls]
     ) -> Self:
         """Load the model (:meth:`LlamaModel.load`) and create the contexts (blocking:
         seconds for big models).
@@ -127,7 +121,7 @@ class LlamaBackend(ModelFacade):
         :class:`LoadAborted` is raised, nothing stays allocated. ``host_cache``: the
         prompt cache's host tier to start with (a registry entry's, which outlives an
         unload)."""
-        model = LlamaModel.load(settings, progress=progress, abort=abort)
+        model = LlamaModel.load(settings, **controls)
         try:
             model.check_abort()
             return cls(model, host_cache=host_cache)

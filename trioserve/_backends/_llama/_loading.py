@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict, Unpack
 
 import trio
 
@@ -18,9 +18,20 @@ from .._platform import RepackDecision, decide_repack
 from ._native import LoadAborted, LoadLog, load_errors, make_log_callback
 from ._settings import LlamaSettings
 
-__all__ = ["aload", "load"]
+__all__ = ["LoadControls", "aload", "load"]
 
 logger = logging.getLogger("trioserve.llama")
+
+
+class LoadControls(TypedDict, total=False):
+    """What a caller of a blocking load (:func:`load`, ``LlamaModel.load``,
+    ``LlamaBackend.load``) sees of it and may stop it with; each one absent or ``None``:
+    none."""
+
+    #: called (in the loading thread) with llama.cpp's load progress, 0…1
+    progress: Callable[[float], None] | None
+    #: once set, the load stops (:class:`LoadAborted`, nothing left allocated)
+    abort: threading.Event | None
 
 
 class _Closable(Protocol):
@@ -49,13 +60,7 @@ class Loadable(Protocol):
     def close(self) -> None: ...
 
 
-def load[M: Loadable](
-    cls: type[M],
-    settings: LlamaSettings,
-    *,
-    progress: Callable[[float], None] | None = None,
-    abort: threading.Event | None = None,
-) -> M:
+def load[M: Loadable](cls: type[M], settings: LlamaSettings, **controls: Unpack[LoadControls]) -> M:
     """Load the weights into a ``cls`` (blocking: seconds for big models).
 
     ``progress`` is called (in this thread) with llama.cpp's load progress, 0…1;
@@ -64,6 +69,8 @@ def load[M: Loadable](
     allocated. The model keeps ``abort`` (``check_abort``): the phases after the
     weights (contexts, warm-up) are skipped once it is set."""
     import llama_cpp
+
+    progress, abort = controls.get("progress"), controls.get("abort")
 
     if not settings.model_path.is_file():
         raise FileNotFoundError(f"model file not found: {settings.model_path}")

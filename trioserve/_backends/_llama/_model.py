@@ -12,8 +12,8 @@ import ctypes
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any, Self
+from collections.abc import Sequence
+from typing import Any, Self, Unpack
 
 import numpy
 
@@ -27,7 +27,7 @@ from .._platform import RepackDecision
 from .._retrieval import reranker_kind
 from ._adapters import AdapterSet, LoraAdapters
 from ._alora import invocations
-from ._loading import load
+from ._loading import LoadControls, load
 from ._native import LoadAborted, LoadLog, make_log_callback, meta_value
 from ._prompts import Prompts, fim_tokens
 from ._ring_layout import RING_ARCHITECTURES
@@ -181,16 +181,10 @@ class LlamaModel:
     # ----------------------------------------------------------------- loading
 
     @classmethod
-    def load(
-        cls,
-        settings: LlamaSettings,
-        *,
-        progress: Callable[[float], None] | None = None,
-        abort: threading.Event | None = None,
-    ) -> Self:
+    def load(cls, settings: LlamaSettings, **controls: Unpack[LoadControls]) -> Self:
         """Load the weights (blocking: :func:`._loading.load`); ``abort`` stays this
         model's :meth:`check_abort` flag for the rest of the load (contexts, warm-up)."""
-        return load(cls, settings, progress=progress, abort=abort)
+        return load(cls, settings, **controls)
 
     def close(self) -> None:
         """Free the model (blocking; a second call does nothing). Whatever holds
