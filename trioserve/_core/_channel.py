@@ -249,9 +249,12 @@ class PieceChannel:
                 if self._closed:
                     self._close_fd_locked()
                     raise trio.EndOfChannel
-                self._consumer = trio.lowlevel.current_task()
                 if self._want_fd and self._fd < 0:
-                    self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                    try:
+                        self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                    except OSError:  # (out of descriptors: the posted wake, as before)
+                        self._want_fd = False
+                self._consumer = trio.lowlevel.current_task()
                 fd = self._fd
                 self._fd_parked = fd >= 0
             if fd >= 0:

@@ -270,3 +270,29 @@ async def test_a_consumer_cancelled_on_the_eventfd_loses_nothing_and_leaving_clo
     channel.close_receiving()
     assert channel._fd == -1
     assert _open_fds() == fds
+
+
+@pytest.mark.skipif(not hasattr(os, "eventfd"), reason="the eventfd wake is Linux's")
+async def test_out_of_descriptors_the_wake_is_posted_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    channel = PieceChannel(4)
+
+    def no_fd(*_: object) -> int:
+        raise OSError(24, "Too many open files")
+
+    async with trio.open_nursery() as nursery:
+
+        async def take(expected: bytes) -> None:
+            assert await channel.receive_batch() == [expected]
+
+        nursery.start_soon(take, b"a")
+        await wait_for(lambda: channel._consumer is not None)
+        await trio.to_thread.run_sync(channel.put, b"a")  # asks for the fd
+    monkeypatch.setattr(os, "eventfd", no_fd)
+    for piece in (b"b", b"c"):  # no descriptor to be had: each wake posted, none lost
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(take, piece)
+            await wait_for(lambda: channel._consumer is not None)
+            assert channel._fd == -1
+            assert not channel._fd_parked
+            await trio.to_thread.run_sync(channel.put, piece)
+    assert channel._consumer is None

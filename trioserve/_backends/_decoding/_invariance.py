@@ -136,7 +136,7 @@ class ProbeCalls:
         batch.n_tokens = len(entries)
         result = self.lib.llama_decode(self.ctx, batch)
         if result != 0:
-            raise BackendError(f"llama_decode failed with code {result} while probing batch invariance")
+            raise BackendError(f"llama_decode failed with code {result} in a load-time probe")
 
     def logits(self, index: int) -> bytes:
         pointer = self.lib.llama_get_logits_ith(self.ctx, index)
