@@ -45,7 +45,13 @@ from typing import Unpack
 import trio
 
 from ._admission import SlotLease
-from ._backend_checks import check_dimensions, check_token_ids, fit_to_context, refuse_unsupported
+from ._backend_checks import (
+    check_dimensions,
+    check_options,
+    check_token_ids,
+    fit_to_context,
+    refuse_unsupported,
+)
 from ._backend_data import (
     ChoiceGroup,
     ControlOutcome,
@@ -71,6 +77,7 @@ __all__ = [
     "Ranking",
     "RerankOptions",
     "check_dimensions",
+    "check_options",
     "check_token_ids",
     "fit_to_context",
     "refuse_unsupported",
@@ -286,6 +293,7 @@ class Backend(ABC):
         tokens (as llama-server does), the total checked against ``max_tokens`` (400
         naming both) before anything is evaluated, :meth:`embed`, and the tokens
         evaluated."""
+        check_options(options, EmbeddingOptions)
         size = self.embedding_size
         if size is None:
             raise NotSupportedError(
@@ -315,6 +323,7 @@ class Backend(ABC):
         """Score each document's relevance to ``query`` (docs/rerank.md), as ``options``
         ask (:class:`RerankOptions`). Must stop promptly when cancelled, leaving nothing
         behind. Default: a 400 (``rerank_not_supported``): the backend has no reranker."""
+        check_options(options, RerankOptions)
         raise InvalidRequestError(
             f"reranking is not supported by this server's backend ({type(self).__name__}): it needs a "
             "local model that is a cross-encoder or a yes-no reranker",

@@ -1,17 +1,31 @@
 """The checks every backend shares, each refusing with the numbers or the field a user
 can act on: what a backend cannot do (:func:`refuse_unsupported`), a prompt and its
 ``max_tokens`` against the context (:func:`fit_to_context`), token ids against the
-vocabulary, embeddings' ``dimensions``."""
+vocabulary, embeddings' ``dimensions``; and, for a library caller, a keyword an
+options dict does not know (:func:`check_options`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ._backend_data import PreparedPrompt
 from ._exceptions import ContextLengthError, InvalidRequestError
 from ._types import GenerationRequest
 
-__all__ = ["check_dimensions", "check_token_ids", "fit_to_context", "refuse_unsupported"]
+__all__ = ["check_dimensions", "check_options", "check_token_ids", "fit_to_context", "refuse_unsupported"]
+
+
+def check_options(options: Mapping[str, object], kind: Any) -> None:
+    """Refuse (``TypeError``, as Python does for a keyword a signature lacks) any key of
+    ``options`` that the ``TypedDict`` ``kind`` does not name: the ``**options`` of an
+    interface method take only its keywords, never a misspelled one silently."""
+    unknown = options.keys() - kind.__optional_keys__ - kind.__required_keys__
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument(s) {', '.join(sorted(unknown))} ({kind.__name__} names "
+            f"{', '.join(sorted(kind.__optional_keys__ | kind.__required_keys__))})"
+        )
 
 
 def refuse_unsupported(request: GenerationRequest, backend: str, *, infill: bool = False) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Protocol, TypedDict, Unpack
 
 import trio
 
+from ..._core._backend_checks import check_options
 from ..._core._errors import unwrap_group
 from ..._core._exceptions import BackendError
 from .._platform import RepackDecision, decide_repack
@@ -70,6 +71,7 @@ def load[M: Loadable](cls: type[M], settings: LlamaSettings, **controls: Unpack[
     weights (contexts, warm-up) are skipped once it is set."""
     import llama_cpp
 
+    check_options(controls, LoadControls)
     progress, abort = controls.get("progress"), controls.get("abort")
 
     if not settings.model_path.is_file():

@@ -17,7 +17,7 @@ from typing import Any, Literal, Unpack
 
 import trio
 
-from ..._core._backend import Ranking, RerankOptions
+from ..._core._backend import Ranking, RerankOptions, check_options
 from ..._core._channel import Aborted
 from ..._core._exceptions import BackendError, InvalidRequestError
 from ._embeddings import Embedder, EmbeddingContext, OwnedContext
@@ -174,6 +174,7 @@ class Reranker:
         return self._runner is not None and self._runner.busy
 
     async def rerank(self, query: str, documents: Sequence[str], **options: Unpack[RerankOptions]) -> Ranking:
+        check_options(options, RerankOptions)
         if self._runner is None:
             raise InvalidRequestError(
                 f"the model {self._model.settings.model_id!r} cannot rerank: serve a cross-encoder GGUF "

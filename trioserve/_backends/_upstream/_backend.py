@@ -34,6 +34,7 @@ from ..._core._backend import (
     PreparedPrompt,
     Ranking,
     RerankOptions,
+    check_options,
     refuse_unsupported,
 )
 from ..._core._channel import PieceChannel
@@ -278,6 +279,7 @@ class UpstreamBackend(Backend):
             OverloadedError: every upstream answered 429.
             BackendError: the upstreams failed otherwise (5xx, a malformed answer).
         """
+        check_options(options, EmbeddingOptions)
         return await self._relay.embeddings(inputs, options.get("dimensions"))
 
     # ------------------------------------------------------------------- rerank
@@ -298,6 +300,7 @@ class UpstreamBackend(Backend):
             InvalidRequestError: ``instruction`` or ``max_tokens_per_doc`` (llama-server
                 takes neither: it would ignore them), or an upstream's 4xx.
         """
+        check_options(options, RerankOptions)
         for name in ("instruction", "max_tokens_per_doc"):
             if options.get(name) is not None:
                 raise InvalidRequestError(
